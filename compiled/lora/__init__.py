@@ -1,0 +1,3 @@
+"""Multi-LoRA: PEFT adapter loading, GPU slot pool and batched delta kernels.
+
+Empty until the LoRA issue lands."""
