@@ -1,0 +1,106 @@
+"""`compiled run`: offline generation from the command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from cli.errors import fail_cleanly
+
+err = Console(stderr=True)
+
+
+def read_prompts_file(path: Path) -> list[str | list[int]]:
+    """JSONL: each line a string, or an object with "prompt" (text) or "prompt_token_ids"."""
+    prompts: list[str | list[int]] = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read prompts file ({e.strerror})") from None
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+        if isinstance(item, dict):
+            item = item.get("prompt", item.get("prompt_token_ids"))
+        if not isinstance(item, (str, list)):
+            raise ValueError(f"{path}:{lineno}: expected a string or an object with 'prompt' or 'prompt_token_ids'")
+        prompts.append(item)
+    return prompts
+
+
+def run(
+    model: Optional[str] = typer.Argument(None, help="HF model folder; default: the shipped demo MoE model."),
+    prompt: list[str] = typer.Option([], "--prompt", "-p", help="A prompt (repeatable)."),
+    prompts_file: Optional[Path] = typer.Option(None, help="JSONL file of prompts."),
+    max_new_tokens: int = typer.Option(64, help="Tokens to generate per prompt."),
+    temperature: float = typer.Option(0.0, help="0 = greedy."),
+    top_k: int = typer.Option(-1),
+    top_p: float = typer.Option(1.0),
+    min_p: float = typer.Option(0.0),
+    repetition_penalty: float = typer.Option(1.0),
+    presence_penalty: float = typer.Option(0.0),
+    frequency_penalty: float = typer.Option(0.0),
+    seed: Optional[int] = typer.Option(None, help="Per-request sampling seed."),
+    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
+    ignore_eos: bool = typer.Option(False),
+    logprobs: Optional[int] = typer.Option(None, help="Return this many top logprobs per token (JSON output)."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap each prompt in the model's chat template."),
+    device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
+    dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16."),
+    load_format: str = typer.Option("auto", help="auto (safetensors) or dummy (random weights)."),
+    max_model_len: Optional[int] = typer.Option(None),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per output line."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    with fail_cleanly(debug):
+        from compiled import LLM, SamplingParams
+        from compiled.demo import EXAMPLE_PROMPTS
+
+        prompts: list[str | list[int]] = list(prompt)
+        if prompts_file is not None:
+            prompts += read_prompts_file(prompts_file)
+        if not prompts:
+            if model is not None:
+                raise ValueError("no prompts: pass --prompt TEXT or --prompts-file FILE.jsonl")
+            prompts = list(EXAMPLE_PROMPTS[:4])
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, seed=seed, stop=stop or None, ignore_eos=ignore_eos,
+            logprobs=logprobs)
+        start = time.perf_counter()
+        llm = LLM(model, device=device, dtype=dtype, load_format=load_format, max_model_len=max_model_len)
+        loaded = time.perf_counter()
+        outs = llm.chat(prompts, params) if chat else llm.generate(prompts, params)
+        done = time.perf_counter()
+        for p, out in zip(prompts, outs):
+            if as_json:
+                record = {"prompt": p, "text": out.text, "token_ids": out.token_ids,
+                          "finish_reason": out.finish_reason}
+                if out.logprobs is not None:
+                    record["logprobs"] = [{str(k): v for k, v in d.items()} for d in out.logprobs]
+                sys.stdout.write(json.dumps(record) + "\n")
+            else:
+                _print_output(p, out)
+        if not as_json:
+            n = sum(len(o.token_ids) for o in outs)
+            err.print(f"[dim]{llm.model_path} on {llm.config.device} ({str(llm.config.dtype).replace('torch.', '')}):"
+                      f" load {loaded - start:.1f}s, {n} tokens in {done - loaded:.2f}s[/dim]")
+
+
+def _print_output(prompt, out) -> None:
+    from rich.markup import escape
+    console = Console()
+    shown = prompt if isinstance(prompt, str) else str(prompt)
+    console.print(f"[bold cyan]{escape(shown)}[/bold cyan][green]{escape(out.text)}[/green]"
+                  f"  [dim]({len(out.token_ids)} tokens, {out.finish_reason})[/dim]")

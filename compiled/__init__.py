@@ -1,0 +1,10 @@
+"""compiled: a compiled-graph inference runtime for Qwen3 and Qwen3-MoE with many LoRA adapters.
+
+Public API: `LLM`, `SamplingParams`, `RequestOutput`."""
+
+from compiled.runtime.llm import LLM
+from compiled.runtime.request import RequestOutput
+from compiled.runtime.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__version__ = "0.1.0"

@@ -1,0 +1,58 @@
+"""The per-step attention context that the attention custom op reads.
+
+The model graph stays free of cache plumbing: the runner installs the metadata of the batch and
+the KV pools here for the duration of a forward, and every attention layer finds them by index.
+All tensors are views of the runner's static buffers, so a captured graph can replay over them."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from compiled.attention.kv_cache import KVPool
+
+
+@dataclass
+class AttentionMetadata:
+    out_cache_loc: torch.Tensor     # [T] pool slot receiving each new token's K/V
+    req_pool_indices: torch.Tensor  # [B] row of req_to_token per request
+    seq_lens: torch.Tensor          # [B] tokens in cache after this step (prefix + new)
+    extend_lens: torch.Tensor       # [B] new tokens per request (1 in decode)
+    # Host copies so the torch reference never synchronises with the device.
+    req_pool_indices_cpu: list[int]
+    seq_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+    is_decode: bool
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+
+@dataclass
+class ForwardContext:
+    meta: AttentionMetadata
+    kv: KVPool
+    req_to_token: torch.Tensor
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[None]:
+    global _current
+    previous, _current = _current, ctx
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("attention ran outside forward_context(): the runner installs it per step")
+    return _current

@@ -1,0 +1,67 @@
+"""SGLang's KV layout: a request->token table and per-layer token pools (slot 0 reserved).
+
+A request owns a row of `req_to_token`; the row's first `seq_len` entries are the pool slots of
+its tokens. Padding tokens write their K/V to slot 0, which no request ever reads."""
+
+from __future__ import annotations
+
+import torch
+
+PADDING_SLOT = 0
+
+
+class ReqToTokenPool:
+    """Rows of the request->token table, handed out one per running request."""
+
+    def __init__(self, max_requests: int, max_context: int, device: torch.device) -> None:
+        self.table = torch.zeros(max_requests, max_context, dtype=torch.int32, device=device)
+        self._free = list(range(max_requests - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, row: int) -> None:
+        self._free.append(row)
+
+
+class KVPool:
+    """Per-layer K and V token pools `[num_slots + 1, kv_heads, head_dim]` with a slot allocator."""
+
+    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_slots + 1, kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_slots = num_slots
+        # Host-side free list: allocation never touches the device.
+        self._free = torch.arange(1, num_slots + 1, dtype=torch.int64)
+
+    @property
+    def num_free(self) -> int:
+        return int(self._free.numel())
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - self.num_free
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        if n > self._free.numel():
+            return None
+        slots, self._free = self._free[:n], self._free[n:]
+        return slots
+
+    def free(self, slots: torch.Tensor) -> None:
+        self._free = torch.cat((self._free, slots.to(torch.int64).cpu()))
+
+
+def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_slots_for_memory(free_bytes: int, per_token: int) -> int:
+    """How many token slots fit in `free_bytes` (the budget left after weights)."""
+    return max(int(free_bytes // per_token) - 1, 0)

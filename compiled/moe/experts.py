@@ -1,0 +1,43 @@
+"""Expert compute: each token through its top-k experts, weighted and summed.
+
+`moe_experts` takes the HF-shaped per-expert weights as lists; the graph-pass issue stacks them
+into `w13`/`w2` for the fused kernels. The reference sorts tokens by expert once, so it costs one
+host sync per layer rather than one per expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def moe_experts_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor]) -> torch.Tensor:
+    """x `[T, H]`; gate/up `[I, H]` and down `[H, I]` per expert -> `[T, H]`."""
+    top_k = topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=len(gate)).tolist()
+    token_of = order // top_k
+    weight_of = topk_weights.reshape(-1)[order].to(x.dtype)
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tokens = token_of[start:start + n]
+        h = x[tokens]
+        y = F.linear(F.silu(F.linear(h, gate[e])) * F.linear(h, up[e]), down[e])
+        out.index_add_(0, tokens, y * weight_of[start:start + n, None])
+        start += n
+    return out
+
+
+@torch.library.custom_op("compiled::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor]) -> torch.Tensor:
+    return moe_experts_ref(x, topk_weights, topk_ids, gate, up, down)
+
+
+@moe_experts.register_fake
+def _(x, topk_weights, topk_ids, gate, up, down):
+    return torch.empty_like(x)

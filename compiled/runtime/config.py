@@ -1,0 +1,48 @@
+"""Engine settings: the one place that holds limits and defaults of the runtime."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    max_num_seqs: int = 256
+    # Token budget of one step; longer prompts are prefilled in chunks of at most this many.
+    max_num_batched_tokens: int = 8192
+    # Explicit KV budget in tokens; when None it is sized from memory (see runtime/memory.py).
+    kv_cache_tokens: int | None = None
+    # Fraction of the GPU's memory the engine may use in all (weights + KV + activations).
+    mem_fraction: float = 0.9
+    # Without a GPU there is no "memory left" to measure; this many bytes go to the KV cache.
+    cpu_kv_cache_bytes: int = 2 << 30
+    # Prompt-logprob rows are pushed through the LM head this many at a time to bound memory.
+    logits_chunk: int = 1024
+    seed: int = 0
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} requested but CUDA is not available")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported (choose from {', '.join(DTYPES)})")
+    return DTYPES[dtype]

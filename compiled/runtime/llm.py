@@ -1,0 +1,94 @@
+"""The offline Python API, modelled on vLLM's: `LLM(...)` then `llm.generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+import torch
+
+from compiled.errors import ConfigError
+from compiled.graphs.config import ModelConfig
+from compiled.runtime.config import EngineConfig, resolve_device, resolve_dtype
+from compiled.runtime.engine import Engine
+from compiled.runtime.loader import load_model
+from compiled.runtime.memory import num_kv_slots
+from compiled.runtime.request import RequestOutput
+from compiled.runtime.sampling_params import SamplingParams
+from compiled.runtime.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
+
+Prompt = str | list[int]
+
+
+def default_model() -> str:
+    from compiled.demo import MOE_MODEL
+    return MOE_MODEL
+
+
+class LLM:
+    """Loads a Qwen3 / Qwen3-MoE folder (or the shipped demo model when `model` is None)."""
+
+    def __init__(self, model: str | None = None, *, device: str | torch.device | None = None,
+                 dtype: str | torch.dtype | None = None, load_format: str = "auto",
+                 max_model_len: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, kv_cache_tokens: int | None = None,
+                 mem_fraction: float = 0.9, seed: int = 0, tokenizer: str | None = None) -> None:
+        self.model_path = model or default_model()
+        if not os.path.isdir(self.model_path):
+            raise ConfigError(f"{self.model_path}: model folder not found")
+        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        dev = resolve_device(device)
+        max_len = max_model_len or self.model_config.max_position_embeddings
+        if max_len > self.model_config.max_position_embeddings:
+            raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
+                              f"{self.model_config.max_position_embeddings}")
+        self.config = EngineConfig(device=dev, dtype=resolve_dtype(dtype, dev), max_model_len=max_len,
+                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                   kv_cache_tokens=kv_cache_tokens, mem_fraction=mem_fraction, seed=seed)
+        torch.manual_seed(seed)
+        tok_path = tokenizer or self.model_path
+        self.tokenizer: Tokenizer | None = load_tokenizer(tok_path) if has_tokenizer(tok_path) else None
+        self.model = load_model(self.model_path, self.model_config, dev, self.config.dtype, load_format, seed)
+        self.engine = Engine(self.model, self.config, num_kv_slots(self.model_config, self.config),
+                             self.tokenizer, self._eos_token_ids())
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = set(self.model_config.eos_token_ids)
+        gen_file = os.path.join(self.model_path, "generation_config.json")
+        if os.path.exists(gen_file):
+            with open(gen_file) as f:
+                eos = json.load(f).get("eos_token_id")
+            ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        elif len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        # Validate everything before queueing anything.
+        requests = [self.engine.make_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        for request in requests:
+            self.engine.add(request)
+        pending = {r.id for r in requests}
+        while pending:
+            for request in self.engine.step():
+                pending.discard(request.id)
+        return [r.to_output() for r in requests]
+
+    def chat(self, messages: str | Sequence[str],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Like `generate`, with each prompt wrapped as one user turn by the chat template."""
+        if self.tokenizer is None:
+            raise ConfigError(f"{self.model_path}: no tokenizer, so no chat template")
+        messages = [messages] if isinstance(messages, str) else list(messages)
+        return self.generate([self.tokenizer.apply_chat_template(m) for m in messages], sampling_params)

@@ -1,0 +1,35 @@
+"""Sizing the KV cache from the memory that is left after the weights."""
+
+from __future__ import annotations
+
+import torch
+
+from compiled.attention.kv_cache import bytes_per_token, kv_slots_for_memory
+from compiled.graphs.config import ModelConfig
+from compiled.runtime.config import EngineConfig
+
+
+def activation_bytes(mcfg: ModelConfig, cfg: EngineConfig) -> int:
+    """A generous bound on one step's transient tensors at the full token budget."""
+    t = cfg.max_num_batched_tokens
+    mlp = max(mcfg.intermediate_size, mcfg.num_experts_per_tok * mcfg.moe_intermediate_size)
+    per_token = 8 * mcfg.hidden_size + 3 * mlp + 2 * (mcfg.q_size + 2 * mcfg.kv_size)
+    logits = min(t, cfg.logits_chunk) * mcfg.vocab_size * 4 * 2
+    return t * per_token * 4 + logits
+
+
+def num_kv_slots(mcfg: ModelConfig, cfg: EngineConfig) -> int:
+    if cfg.kv_cache_tokens is not None:
+        return cfg.kv_cache_tokens
+    per_token = bytes_per_token(mcfg.num_hidden_layers, mcfg.num_key_value_heads, mcfg.head_dim, cfg.dtype)
+    cap = cfg.max_num_seqs * cfg.max_model_len  # more slots than every row can hold are useless
+    if cfg.device.type != "cuda":
+        return min(kv_slots_for_memory(cfg.cpu_kv_cache_bytes, per_token), cap)
+    free, total = torch.cuda.mem_get_info(cfg.device)
+    budget = cfg.mem_fraction * total - (total - free) - activation_bytes(mcfg, cfg)
+    slots = min(kv_slots_for_memory(budget, per_token), cap)
+    if slots < cfg.max_model_len // 16:
+        raise RuntimeError(
+            f"only {slots} KV tokens fit in mem_fraction={cfg.mem_fraction} of the GPU after the weights;"
+            " raise mem_fraction or lower max_num_batched_tokens")
+    return slots

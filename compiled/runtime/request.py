@@ -1,0 +1,68 @@
+"""A request's state while it is served, and what the user gets back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from compiled.runtime.sampling_params import SamplingParams
+
+Logprobs = dict[int, float]
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None          # "stop" (EOS, stop token or stop string) or "length"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[Logprobs] | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0               # tokens whose K/V are in the cache
+    row: int | None = None              # row of the request->token table while admitted
+    slots: list[torch.Tensor] = field(default_factory=list)  # KV slots owned, freed on finish
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[Logprobs] | None = None
+    prompt_logprobs: list[Logprobs | None] | None = None
+    detokenizer: object | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        # Only on the first pass over the prompt: a retracted request recomputes without them.
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is not None \
+            and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+            token_ids=list(self.output_token_ids), text=self.text, finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,
+        )

@@ -1,0 +1,116 @@
+"""Continuous batching under a token budget: decode first, then chunked prefill of new requests.
+
+Every request is "all its tokens minus those already in the KV cache": a decoding request needs
+one, a prefilling one needs the rest of its prompt (in chunks), a retracted one recomputes
+everything. When KV slots run out, the newest running request is retracted and resumes later."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from compiled.attention.kv_cache import KVPool, ReqToTokenPool
+from compiled.runtime.request import Request
+
+
+@dataclass
+class Chunk:
+    request: Request
+    start: int              # first token position computed in this step
+    length: int             # tokens computed in this step
+    slots: torch.Tensor     # their KV slots (host int64)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the request's tokens, so a new one is sampled."""
+        return self.start + self.length == self.request.num_tokens
+
+
+@dataclass
+class Batch:
+    chunks: list[Chunk]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(c.length == 1 for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, kv: KVPool, req_pool: ReqToTokenPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv, self.req_pool = kv, req_pool
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_retractions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch | None:
+        budget = self.max_num_batched_tokens
+        chunks: list[Chunk] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed, budget)
+            slots = self._alloc_or_retract(request, n)
+            if slots is None:
+                break  # `request` itself was retracted: it was the newest
+            chunks.append(self._chunk(request, n, slots))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            n = min(request.num_tokens, budget)
+            # Keep one free slot per running request so the next decode step does not retract.
+            if self.kv.num_free - n < len(self.running) or self.req_pool.num_free == 0:
+                break
+            self.waiting.popleft()
+            request.row = self.req_pool.alloc()
+            self.running.append(request)
+            chunks.append(self._chunk(request, n, self.kv.alloc(n)))
+            budget -= n
+        return Batch(chunks) if chunks else None
+
+    def _alloc_or_retract(self, request: Request, n: int) -> torch.Tensor | None:
+        while (slots := self.kv.alloc(n)) is None:
+            victim = self.running[-1]
+            self.retract(victim)
+            if victim is request:
+                return None
+        return slots
+
+    def _chunk(self, request: Request, n: int, slots: torch.Tensor) -> Chunk:
+        chunk = Chunk(request, request.num_computed, n, slots)
+        request.slots.append(slots)
+        request.num_computed += n
+        return chunk
+
+    def _release(self, request: Request) -> None:
+        if request.slots:
+            self.kv.free(torch.cat(request.slots))
+            request.slots = []
+        if request.row is not None:
+            self.req_pool.free(request.row)
+            request.row = None
+        self.running.remove(request)
+
+    def retract(self, request: Request) -> None:
+        """Give back the request's KV; it recomputes its tokens when readmitted."""
+        self._release(request)
+        request.num_computed = 0
+        self.waiting.appendleft(request)
+        self.num_retractions += 1
+
+    def finish(self, request: Request) -> None:
+        self._release(request)
