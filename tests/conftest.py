@@ -34,4 +34,11 @@ def hf_model(path: str, dtype=torch.float32):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` are skipped, visibly, on machines without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
