@@ -127,8 +127,10 @@ class Engine:
         request.output_token_ids.append(token)
         if request.logprobs is not None:
             request.logprobs.append(logprobs)
+        delta = ""
         if request.detokenizer is not None:
-            request.text += request.detokenizer.step(token)
+            delta = request.detokenizer.step(token)
+            request.text += delta
         n_out = len(request.output_token_ids)
         if n_out >= params.min_new_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
@@ -137,8 +139,8 @@ class Engine:
             if token in params.stop_token_ids:
                 request.finish_reason, request.stop_reason = "stop", token
                 return
-            if params.stop and request.detokenizer is not None:
-                hit = find_stop(request.text, params.stop, params.include_stop_str_in_output)
+            if params.stop and delta:
+                hit = find_stop(request.text, params.stop, params.include_stop_str_in_output, len(delta))
                 if hit is not None:
                     request.text, request.stop_reason = hit
                     request.finish_reason = "stop"
