@@ -64,7 +64,6 @@ def run(
 ) -> None:
     with fail_cleanly(debug):
         from compiled import LLM, SamplingParams
-        from compiled.demo import EXAMPLE_PROMPTS
 
         prompts: list[str | list[int]] = list(prompt)
         if prompts_file is not None:
@@ -72,6 +71,7 @@ def run(
         if not prompts:
             if model is not None:
                 raise ValueError("no prompts: pass --prompt TEXT or --prompts-file FILE.jsonl")
+            from compiled.demo import EXAMPLE_PROMPTS
             prompts = list(EXAMPLE_PROMPTS[:4])
         params = SamplingParams(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,

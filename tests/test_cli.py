@@ -1,0 +1,66 @@
+"""`compiled run`: JSON output, prompts files, and one-line errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from tests.conftest import make_checkpoint
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), moe=True)
+
+
+def _run(*args: str):
+    return runner.invoke(app, ["run", *args])
+
+
+def test_json_output_from_prompts_file(ckpt, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_token_ids": [1, 2, 3]}\n\n[4, 5]\n')
+    result = _run(ckpt, "--prompts-file", str(prompts), "--json", "--max-new-tokens", "5", "--ignore-eos",
+                  "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [r["prompt"] for r in lines] == [[1, 2, 3], [4, 5]]
+    assert all(len(r["token_ids"]) == 5 and r["finish_reason"] == "length" for r in lines)
+
+
+def test_demo_model_default_prints_text():
+    result = _run("--prompt", "count 3:", "--max-new-tokens", "8", "--device", "cpu", "--json")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout.splitlines()[0])
+    assert record["prompt"] == "count 3:" and record["text"] and record["token_ids"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["/nonexistent/model", "-p", "x"], "/nonexistent/model"),
+    (["--temperature", "-1", "-p", "x"], "temperature"),
+    (["--top-p", "1.5", "-p", "x"], "top_p"),
+    (["--dtype", "int8", "-p", "x"], "int8"),
+])
+def test_bad_input_is_one_line_without_traceback(args, needle):
+    result = _run(*args, "--device", "cpu")
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], result.output
+
+
+def test_bad_prompts_file_names_the_line(ckpt, tmp_path):
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_text('"ok"\n{oops\n')
+    result = _run(ckpt, "--prompts-file", str(prompts), "--device", "cpu")
+    assert result.exit_code == 1 and f"{prompts}:2" in result.output
+
+
+def test_debug_shows_traceback():
+    result = _run("/nonexistent/model", "-p", "x", "--debug")
+    assert result.exit_code != 0 and result.exception is not None
