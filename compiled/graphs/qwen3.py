@@ -14,6 +14,7 @@ import compiled.moe.experts  # noqa: F401  (registers compiled::moe_experts)
 import compiled.moe.routing  # noqa: F401  (registers compiled::topk_route)
 from compiled.graphs.config import ModelConfig
 from compiled.graphs.layers import RMSNorm, RotaryEmbedding
+from compiled.graphs.weights import Piece, WeightMap
 
 
 class Attention(nn.Module):
@@ -50,23 +51,33 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Experts(nn.Module):
+    """Every expert's gate/up/down weight, stacked per projection (`[E, I, H]`, `[E, I, H]`,
+    `[E, H, I]`), so a 128-expert layer is three parameters rather than 384 modules; the
+    checkpoint's per-expert tensors map onto slices of them (see `checkpoint_map`)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        def stack(rows: int, cols: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(num_experts, rows, cols), requires_grad=False)
+        self.gate_proj = stack(intermediate, hidden)
+        self.up_proj = stack(intermediate, hidden)
+        self.down_proj = stack(hidden, intermediate)
+
+
 class SparseMoE(nn.Module):
-    """Router (`gate`) plus one MLP per expert, as in the published checkpoints."""
+    """Router (`gate`) plus the experts, computed by one custom op."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = torch.ops.compiled.topk_route(self.gate(x), self.top_k, self.renormalize)
-        return torch.ops.compiled.moe_experts(
-            x, weights, ids,
-            [e.gate_proj.weight for e in self.experts],
-            [e.up_proj.weight for e in self.experts],
-            [e.down_proj.weight for e in self.experts],
-        )
+        e = self.experts
+        return torch.ops.compiled.moe_experts(x, weights, ids, e.gate_proj, e.up_proj, e.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -100,7 +111,7 @@ class Qwen3Model(nn.Module):
 class Qwen3ForCausalLM(nn.Module):
     """Dense and MoE Qwen3 alike: the config decides which layers are sparse.
 
-    `forward` returns final hidden states `[T, H]`; `compute_logits` applies the LM head to the
+    `forward` returns final hidden states `[T, H]`; the runner applies `lm_head` only to the
     rows that need logits, so prefill does not pay for logits it throws away."""
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -114,11 +125,14 @@ class Qwen3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def checkpoint_map(self) -> WeightMap:
+        """Parameter -> checkpoint tensors: one to one, except stacked experts whose slice e
+        is the checkpoint's `experts.{e}.<proj>.weight`."""
+        shapes = {n: tuple(p.shape) for n, p in self.named_parameters()}
+        stacked = {n: s for n, s in shapes.items() if ".mlp.experts." in n}
+        weights = WeightMap.identity({n: s for n, s in shapes.items() if n not in stacked})
+        for name, (num, rows, cols) in stacked.items():
+            owner, _, proj = name.rpartition(".")
+            weights.pieces[name] = [Piece(f"{owner}.{e}.{proj}.weight", (rows, cols), expert=e) for e in range(num)]
+        return weights
 
-    def reset_buffers(self) -> None:
-        """Rebuild what materialising from the meta device loses: the RoPE table and the tie."""
-        self.model.rotary_emb.reset_buffers()
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,8 +1,8 @@
 """Expert compute: each token through its top-k experts, weighted and summed.
 
-`moe_experts` takes the HF-shaped per-expert weights as lists; the graph-pass issue stacks them
-into `w13`/`w2` for the fused kernels. The reference sorts tokens by expert once, so it costs one
-host sync per layer rather than one per expert."""
+`moe_experts` takes the experts' gate, up and down weights stacked per projection (the plain
+model); the fuse_w13 pass turns them into `w13`/`w2` for `fused_moe`. The reference sorts tokens
+by expert once, so it costs one host sync per layer rather than one per expert."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 
 def moe_experts_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                    gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor]) -> torch.Tensor:
-    """x `[T, H]`; gate/up `[I, H]` and down `[H, I]` per expert -> `[T, H]`."""
+                    gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """x `[T, H]`; gate/up `[E, I, H]`, down `[E, H, I]` -> `[T, H]`."""
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
@@ -34,7 +34,7 @@ def moe_experts_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch
 
 @torch.library.custom_op("compiled::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor]) -> torch.Tensor:
+                gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     return moe_experts_ref(x, topk_weights, topk_ids, gate, up, down)
 
 

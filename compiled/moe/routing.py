@@ -1,8 +1,12 @@
 """Expert routing: softmax over all experts in fp32, top-k, then renormalise if asked.
 
-This is the order HF and SGLang use (one reference document describes it the other way round)."""
+This is the order HF and SGLang use (one reference document describes it the other way round).
+On CUDA the op runs one Triton kernel (`routing_kernels.py`); `COMPILED_ROUTING_BACKEND=torch`
+forces the torch reference, `=triton` forces the kernel (also on CPU under TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -16,8 +20,35 @@ def topk_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
+def topk_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same contract in one Triton launch (ties pick the lower expert index)."""
+    from compiled.moe.routing_kernels import topk_route_kernel
+
+    T, E = router_logits.shape
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
+    if T == 0:
+        return weights, ids
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+    e_pad = max(16, 1 << (E - 1).bit_length())
+    rows = max(1, min(16, 2048 // e_pad))
+    topk_route_kernel[(-(-T // rows),)](
+        logits, weights, ids, T, E, logits.stride(0), TOP_K=top_k, K_PAD=max(2, 1 << (top_k - 1).bit_length()),
+        E_PAD=e_pad, ROWS=rows, RENORM=bool(renormalize), num_warps=4)
+    return weights, ids
+
+
+def _routing_backend(router_logits: torch.Tensor) -> str:
+    forced = os.environ.get("COMPILED_ROUTING_BACKEND", "").strip().lower()
+    if forced in ("torch", "triton"):
+        return forced
+    return "triton" if router_logits.is_cuda else "torch"
+
+
 @torch.library.custom_op("compiled::topk_route", mutates_args=())
 def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if _routing_backend(router_logits) == "triton":
+        return topk_route_triton(router_logits, top_k, renormalize)
     return topk_route_ref(router_logits, top_k, renormalize)
 
 

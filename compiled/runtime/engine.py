@@ -8,10 +8,11 @@ from __future__ import annotations
 import itertools
 
 import torch
+from torch import nn
 
 from compiled.attention.kv_cache import KVPool, ReqToTokenPool
 from compiled.errors import RequestError
-from compiled.graphs.qwen3 import Qwen3ForCausalLM
+from compiled.graphs.config import ModelConfig
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.detokenizer import IncrementalDetokenizer, find_stop
 from compiled.runtime.model_runner import ModelRunner
@@ -23,10 +24,10 @@ from compiled.runtime.tokenizer import Tokenizer
 
 
 class Engine:
-    def __init__(self, model: Qwen3ForCausalLM, cfg: EngineConfig, num_kv_slots: int,
+    def __init__(self, model: nn.Module, mcfg: ModelConfig, cfg: EngineConfig, num_kv_slots: int,
                  tokenizer: Tokenizer | None, eos_token_ids: set[int]) -> None:
-        mcfg = model.config
-        self.model, self.cfg, self.tokenizer, self.eos_token_ids = model, cfg, tokenizer, eos_token_ids
+        self.model, self.model_config, self.cfg = model, mcfg, cfg
+        self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
         self.kv = KVPool(mcfg.num_hidden_layers, num_kv_slots, mcfg.num_key_value_heads, mcfg.head_dim,
                          cfg.dtype, cfg.device)
         self.req_pool = ReqToTokenPool(cfg.max_num_seqs, cfg.max_model_len, cfg.device)
@@ -50,7 +51,7 @@ class Engine:
             ids = self.tokenizer.encode(text)
         else:
             ids = list(prompt)
-            vocab = self.model.config.vocab_size
+            vocab = self.model_config.vocab_size
             bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
             if bad is not None:
                 raise RequestError(f"prompt {index} has token id {bad!r} outside the vocabulary [0, {vocab})")

@@ -12,7 +12,7 @@ from compiled.errors import ConfigError
 from compiled.graphs.config import ModelConfig
 from compiled.runtime.config import EngineConfig, resolve_device, resolve_dtype
 from compiled.runtime.engine import Engine
-from compiled.runtime.loader import load_model
+from compiled.runtime.build import build_model
 from compiled.runtime.memory import num_kv_slots
 from compiled.runtime.request import RequestOutput
 from compiled.runtime.sampling_params import SamplingParams
@@ -27,13 +27,17 @@ def default_model() -> str:
 
 
 class LLM:
-    """Loads a Qwen3 / Qwen3-MoE folder (or the shipped demo model when `model` is None)."""
+    """Loads a Qwen3 / Qwen3-MoE folder (or the shipped demo model when `model` is None).
+
+    By default the model is traced and every graph pass runs (`passes` picks a list, `[]` none);
+    `use_graph=False` runs the plain eager module instead."""
 
     def __init__(self, model: str | None = None, *, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, load_format: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, kv_cache_tokens: int | None = None,
-                 mem_fraction: float = 0.9, seed: int = 0, tokenizer: str | None = None) -> None:
+                 mem_fraction: float = 0.9, seed: int = 0, tokenizer: str | None = None,
+                 passes: list[str] | None = None, use_graph: bool = True) -> None:
         self.model_path = model or default_model()
         if not os.path.isdir(self.model_path):
             raise ConfigError(f"{self.model_path}: model folder not found")
@@ -49,8 +53,9 @@ class LLM:
         torch.manual_seed(seed)
         tok_path = tokenizer or self.model_path
         self.tokenizer: Tokenizer | None = load_tokenizer(tok_path) if has_tokenizer(tok_path) else None
-        self.model = load_model(self.model_path, self.model_config, dev, self.config.dtype, load_format, seed)
-        self.engine = Engine(self.model, self.config, num_kv_slots(self.model_config, self.config),
+        self.model, self.build_report = build_model(self.model_config, self.model_path, dev, self.config.dtype,
+                                                    load_format, passes, use_graph, seed)
+        self.engine = Engine(self.model, self.model_config, self.config, num_kv_slots(self.model_config, self.config),
                              self.tokenizer, self._eos_token_ids())
 
     def _eos_token_ids(self) -> set[int]:

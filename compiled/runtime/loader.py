@@ -1,43 +1,25 @@
-"""Checkpoint -> model on the target device: build on meta, materialise once, stream tensors in.
+"""Checkpoint -> parameters on the target device, following the graph's weight map.
 
-Each safetensors tensor is read on its own and copied into its parameter, so peak memory is the
-final model plus one tensor. Every inconsistency is a CheckpointError naming the file or tensor."""
+The module is allocated once in its final (fused) form; each safetensors tensor is read on its
+own and copied into its slice of the final parameter, so peak memory is the final model plus one
+tensor. Every inconsistency is a CheckpointError naming the file or tensor."""
 
 from __future__ import annotations
 
 import json
 import os
-from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from compiled.errors import CheckpointError
-from compiled.graphs.config import ModelConfig
-from compiled.graphs.qwen3 import Qwen3ForCausalLM
+from compiled.graphs.weights import WeightMap
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def build_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Qwen3ForCausalLM:
-    """Allocate the model once, in its final dtype and place, with uninitialised weights."""
-    with torch.device("meta"), _default_dtype(dtype):
-        model = Qwen3ForCausalLM(cfg)
-    model.to_empty(device=device)
-    model.reset_buffers()
-    return model.eval().requires_grad_(False)
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -62,60 +44,62 @@ def checkpoint_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
-def _iter_tensors(file: str) -> Iterator[tuple[str, torch.Tensor]]:
-    try:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)
-    except CheckpointError:
-        raise
-    except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
-        raise CheckpointError(f"{file}: cannot read safetensors ({str(e).splitlines()[0]})") from None
-
-
-def load_weights(model: Qwen3ForCausalLM, path: str) -> None:
-    params = dict(model.named_parameters(remove_duplicate=False))
-    tied = model.config.tie_word_embeddings
-    expected = {name for name in params if not (tied and name == "lm_head.weight")}
-    loaded: set[str] = set()
+def iter_checkpoint(path: str) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(file, tensor name, tensor on CPU) for every tensor of every shard, one at a time."""
     for file in checkpoint_files(path):
-        for name, tensor in _iter_tensors(file):
-            if tied and name == "lm_head.weight":
-                continue  # some tied checkpoints store the head too; the embedding wins, as in HF
-            param = params.get(name)
-            if param is None:
-                raise CheckpointError(f"{file}: unexpected tensor {name!r} for {model.config.architecture}")
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise CheckpointError(
-                    f"{file}: tensor {name!r} has shape {list(tensor.shape)}, expected {list(param.shape)}")
-            if not tensor.is_floating_point():
-                raise CheckpointError(f"{file}: tensor {name!r} has non-float dtype {tensor.dtype}")
-            param.data.copy_(tensor)
-            loaded.add(name)
-    missing = sorted(expected - loaded)
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield file, name, f.get_tensor(name)
+        except Exception as e:  # safetensors raises its own types for truncated/corrupt files
+            raise CheckpointError(f"{file}: cannot read safetensors ({str(e).splitlines()[0]})") from None
+
+
+def assign_tensors(module: nn.Module, weights: WeightMap, tensors: Iterable[tuple[str, str, torch.Tensor]],
+                   tied_head: bool = False) -> None:
+    """Copy each (origin, name, tensor) into its slice of the final parameter; then check that
+    every checkpoint tensor the weight map needs has arrived."""
+    params = dict(module.named_parameters())
+    by_source = weights.by_source()
+    loaded: set[str] = set()
+    for origin, name, tensor in tensors:
+        if tied_head and name == "lm_head.weight":
+            continue  # some tied checkpoints store the head too; the embedding wins, as in HF
+        if name not in by_source:
+            raise CheckpointError(f"{origin}: unexpected tensor {name!r}")
+        target, piece = by_source[name]
+        if tuple(tensor.shape) != piece.shape:
+            raise CheckpointError(f"{origin}: tensor {name!r} has shape {list(tensor.shape)}, expected {list(piece.shape)}")
+        if not tensor.is_floating_point():
+            raise CheckpointError(f"{origin}: tensor {name!r} has non-float dtype {tensor.dtype}")
+        dst = params[target]
+        if piece.expert is not None:
+            dst = dst[piece.expert]
+        if dst.shape != tensor.shape:
+            dst = dst.narrow(0, piece.row, tensor.shape[0])
+        dst.copy_(tensor)
+        loaded.add(name)
+    missing = sorted(set(by_source) - loaded)
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{path}: checkpoint is missing tensor {missing[0]!r}{more}")
+        raise CheckpointError(f"checkpoint is missing tensor {missing[0]!r}{more}")
 
 
-def fill_dummy(model: Qwen3ForCausalLM, seed: int = 0) -> None:
+def load_checkpoint(module: nn.Module, weights: WeightMap, path: str, tied_head: bool) -> None:
+    try:
+        assign_tensors(module, weights, iter_checkpoint(path), tied_head)
+    except CheckpointError as e:
+        if str(e).startswith("checkpoint is missing"):
+            raise CheckpointError(f"{path}: {e}") from None
+        raise
+
+
+def fill_dummy(module: nn.Module, seed: int = 0) -> None:
     """Random weights in the real shapes, generated on the target device (no files read)."""
-    device = next(model.parameters()).device
+    device = next(module.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
-    for name, param in model.named_parameters():
+    for name, param in module.named_parameters():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
         else:
             param.data.normal_(0.0, 0.02, generator=gen)
-
-
-def load_model(path: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-               load_format: str = "auto", seed: int = 0) -> Qwen3ForCausalLM:
-    model = build_model(cfg, device, dtype)
-    if load_format == "dummy":
-        fill_dummy(model, seed)
-    elif load_format in ("auto", "safetensors"):
-        load_weights(model, path)
-    else:
-        raise CheckpointError(f"unknown load_format {load_format!r} (expected 'auto' or 'dummy')")
-    return model

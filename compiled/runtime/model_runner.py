@@ -10,7 +10,7 @@ import torch
 
 from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
 from compiled.attention.kv_cache import KVPool, ReqToTokenPool
-from compiled.graphs.qwen3 import Qwen3ForCausalLM
+from torch import nn
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.scheduler import Batch
 
@@ -26,13 +26,14 @@ class StaticInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3ForCausalLM, cfg: EngineConfig, kv: KVPool, req_pool: ReqToTokenPool) -> None:
+    def __init__(self, model: nn.Module, cfg: EngineConfig, kv: KVPool, req_pool: ReqToTokenPool) -> None:
         self.model, self.cfg, self.kv, self.req_pool = model, cfg, kv, req_pool
         self.inputs = StaticInputs(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.device)
 
     def _stage(self, batch: Batch) -> AttentionMetadata:
-        ids, positions, rows, seq_lens, ext_lens = [], [], [], [], []
+        ids, positions, rows, seq_lens, ext_lens, starts = [], [], [], [], [], []
         for c in batch.chunks:
+            starts.append(len(ids))
             ids += c.request.all_token_ids[c.start:c.start + c.length]
             positions += range(c.start, c.start + c.length)
             rows.append(c.request.row)
@@ -55,6 +56,7 @@ class ModelRunner:
             seq_lens=inp.seq_lens[:b], extend_lens=inp.extend_lens[:b],
             req_pool_indices_cpu=rows, seq_lens_cpu=seq_lens, extend_lens_cpu=ext_lens,
             is_decode=batch.is_decode,
+            extend_start_loc=None if batch.is_decode else torch.tensor(starts).to(dev, non_blocking=True),
         )
 
     @torch.inference_mode()
@@ -68,4 +70,4 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden).float()
+        return self.model.lm_head(hidden).float()

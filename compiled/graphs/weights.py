@@ -1,0 +1,51 @@
+"""Weights follow the graph: how each final parameter is built from checkpoint tensors.
+
+The model defines the starting map (a parameter per checkpoint tensor, except that each MoE
+layer keeps its experts stacked per projection); a fusing pass replaces several parameters by
+one and records where each old piece lands (expert index, first row), so the loader can write
+each checkpoint tensor straight into its slice of the final parameter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Piece:
+    source: str                 # checkpoint tensor name
+    shape: tuple[int, ...]      # the shape that tensor must have
+    expert: int | None = None   # index along a stacked expert dimension, None if not stacked
+    row: int = 0                # first row (dim 0, after the expert index) that the source fills
+
+
+@dataclass
+class WeightMap:
+    pieces: dict[str, list[Piece]]  # final parameter name -> the checkpoint tensors that build it
+
+    @classmethod
+    def identity(cls, shapes: dict[str, tuple[int, ...]]) -> "WeightMap":
+        return cls({name: [Piece(name, tuple(shape))] for name, shape in shapes.items()})
+
+    def concat(self, target: str, members: list[tuple[str, int]]) -> None:
+        """`target` becomes the row-wise concatenation of `members`, given as (parameter name,
+        its number of rows; for expert stacks, rows of one expert); the members stop being
+        parameters. One member is a rename."""
+        row = 0
+        built = self.pieces.setdefault(target, [])
+        for name, rows in members:
+            built += [replace(piece, row=row + piece.row) for piece in self.pieces.pop(name)]
+            row += rows
+
+    def by_source(self) -> dict[str, tuple[str, Piece]]:
+        return {p.source: (target, p) for target, pieces in self.pieces.items() for p in pieces}
+
+    def describe(self, target: str) -> str:
+        """A readable recipe, e.g. `qkv_proj.weight = cat(q_proj.weight, k_proj.weight, ...)`."""
+        pieces = self.pieces[target]
+        if len(pieces) == 1 and pieces[0].source == target:
+            return target
+        experts = {p.expert for p in pieces}
+        if experts != {None}:
+            per = [p.source for p in pieces if p.expert == min(experts)]
+            return f"{target} = stack over {len(experts)} experts of cat({', '.join(per)})"
+        return f"{target} = cat({', '.join(p.source for p in pieces)})"

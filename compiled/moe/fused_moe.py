@@ -1,0 +1,320 @@
+"""Fused MoE over stacked expert weights: `compiled::fused_moe`, its torch reference and Triton path.
+
+Weights are stacked by the graph pass: `w13 [E, 2I, H]` (gate rows first, then up) and
+`w2 [E, H, I]`. The op takes the routing (`compiled::topk_route`'s fp32 weights and int64 ids) and
+returns `[T, H]` in x's dtype. On CUDA it runs the Triton kernels of `fused_moe_kernels.py`: sort the
+(token, slot) pairs by expert and pad each expert's segment to BLOCK_M, grouped GEMM over `w13` with
+`silu(gate) * up` in its epilogue, grouped GEMM over `w2` with the routing weight in its epilogue,
+sum over the top-k. No host syncs and fixed-size buffers, so it can be captured in a CUDA graph.
+
+Kernel configs (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages per token count, and an
+optional "down" override of the N/K/GROUP/warps/stages for the second GEMM) come from
+`configs/E={E},N={I},device_name={name},dtype={dtype}.json` (written by `bench/tune_moe.py`);
+the entry whose token count is nearest wins, and a default is used when no file matches.
+`COMPILED_MOE_BACKEND=torch|triton` forces a path; `COMPILED_MOE_CONFIG_DIR` adds a config folder
+searched first."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+DOWN_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+# ----------------------------------------------------------------------------- reference
+
+def fused_moe_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """x `[T, H]`, topk `[T, k]`, w13 `[E, 2I, H]`, w2 `[E, H, I]` -> `[T, H]` in x's dtype.
+
+    HF's expert loop (transformers' Qwen3MoeExperts, eager): per expert, `linear(h, w13[e])` split
+    into gate/up, `silu(gate) * up`, `linear(., w2[e])`, times the weight cast to x's dtype, added
+    into the output in x's dtype in expert order. One host sync (the per-expert counts)."""
+    E, I = w13.shape[0], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    out = torch.zeros_like(x)
+    if x.shape[0] == 0:
+        return out
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=E).tolist()
+    token_of = order // top_k
+    weight_of = topk_weights.reshape(-1)[order].to(x.dtype)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tokens = token_of[start:start + n]
+        gate, up = F.linear(x[tokens], w13[e]).split(I, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e])
+        out.index_add_(0, tokens, y * weight_of[start:start + n, None])
+        start += n
+    return out
+
+
+# ----------------------------------------------------------------------------- configs
+
+def device_name(device: torch.device | None = None) -> str:
+    """`torch.cuda.get_device_name` with spaces as underscores (vLLM's file naming); "cpu" without CUDA."""
+    if device is not None and device.type != "cuda":
+        return "cpu"
+    if not torch.cuda.is_available():
+        return "cpu"
+    return torch.cuda.get_device_name(device).replace(" ", "_")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def config_file_name(E: int, N: int, device: str, dtype: torch.dtype | str) -> str:
+    """`E=128,N=768,device_name=NVIDIA_H200,dtype=bfloat16.json`; N is the expert width I."""
+    dt = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    return f"E={E},N={N},device_name={device},dtype={dt}.json"
+
+
+def _config_dirs() -> list[Path]:
+    extra = os.environ.get("COMPILED_MOE_CONFIG_DIR")
+    return ([Path(extra)] if extra else []) + [CONFIG_DIR]
+
+
+@functools.lru_cache(maxsize=None)
+def load_configs(E: int, N: int, device: str, dtype: str) -> dict[int, dict] | None:
+    """The tuned table `{token count: config}` for this shape/device/dtype, or None."""
+    name = config_file_name(E, N, device, dtype)
+    for d in _config_dirs():
+        path = d / name
+        if path.is_file():
+            raw = json.loads(path.read_text())
+            table = {int(k): v for k, v in raw.items() if k.isdigit()}
+            log.info("fused_moe: using %s", path)
+            return table or None
+    log.info("fused_moe: no tuned config %s; using the default", name)
+    return None
+
+
+def default_config(M: int, E: int) -> dict:
+    """Used without a tuned file: small blocks for decode, larger tiles for prefill."""
+    if M <= 32:
+        return dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=4)
+    if M * 8 <= E * 16:
+        return dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=3)
+    if M <= 1024:
+        return dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=3)
+    return dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=8, num_stages=3)
+
+
+def get_config(M: int, E: int, N: int, dtype: torch.dtype, device: torch.device | None = None) -> dict:
+    """Config for M tokens: the tuned entry with the nearest token count, else `default_config`."""
+    table = load_configs(E, N, device_name(device), dtype_name(dtype))
+    if not table:
+        return default_config(M, E)
+    return dict(table[min(table, key=lambda m: abs(m - M))])
+
+
+def _split_config(cfg: dict) -> tuple[dict, dict]:
+    up = {k: int(cfg[k]) for k in CONFIG_KEYS}
+    down = dict(up)
+    down.update({k: int(v) for k, v in (cfg.get("down") or {}).items() if k in DOWN_KEYS})
+    return up, down
+
+
+# ----------------------------------------------------------------------------- Triton path
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def max_padded_size(numel: int, E: int, block_m: int) -> int:
+    """Upper bound of the padded pair count: every expert that gets a pair pads < BLOCK_M rows."""
+    return numel + min(E, numel) * (block_m - 1)
+
+
+def _align_chunk(numel: int) -> int:
+    """Pairs per program of the alignment kernels: one program up to 128 pairs, at most ~64 programs."""
+    if numel <= 128:
+        return max(16, _next_pow2(numel))
+    return max(64, _next_pow2(-(-numel // 64)))
+
+
+@dataclass
+class MoEWorkspace:
+    """Optional preallocated scratch for `fused_moe_triton` (reused across calls on one stream).
+
+    Buffers grow on demand; pass `max_tokens` to size them once up front (before capture)."""
+    buffers: dict = field(default_factory=dict)
+
+    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != device:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self.buffers[name] = buf
+        return buf[:numel]
+
+    def reserve(self, max_tokens: int, E: int, H: int, I: int, top_k: int, dtype: torch.dtype,
+                device: torch.device, block_m: int = 128) -> "MoEWorkspace":
+        numel = max_tokens * top_k
+        self.get("sorted", max_padded_size(numel, E, block_m) + block_m, torch.int32, device)
+        self.get("experts", -(-max_padded_size(numel, E, 16) // 16), torch.int32, device)
+        self.get("counts", 64 * _next_pow2(E), torch.int32, device)
+        self.get("post", 1, torch.int32, device)
+        self.get("inter", numel * I, dtype, device)
+        self.get("y", numel * H, dtype, device)
+        return self
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace: MoEWorkspace | None = None):
+    """Sort (token, slot) pairs by expert, padding each expert's segment to a multiple of block_m.
+
+    Returns (sorted_ids int32 `[P]`, expert_ids int32 `[P / block_m]`, num_post int32 `[1]`) with P
+    the fixed bound `max_padded_size`: sorted_ids holds pair indices (token * k + slot), padding
+    rows hold T*k; expert_ids is -1 for blocks past num_post. Order inside an expert follows the
+    pair index. No host sync."""
+    from compiled.moe import fused_moe_kernels as K
+
+    ws = workspace or MoEWorkspace()
+    dev = topk_ids.device
+    ids = topk_ids.reshape(-1)
+    numel = ids.numel()
+    max_pad = max_padded_size(numel, E, block_m)
+    max_blocks = -(-max_pad // block_m)
+    sorted_ids = ws.get("sorted", max_blocks * block_m, torch.int32, dev)
+    expert_ids = ws.get("experts", max_blocks, torch.int32, dev)
+    num_post = ws.get("post", 1, torch.int32, dev)
+    e_pad = max(16, _next_pow2(E))
+    chunk = _align_chunk(numel)
+    n_chunks = -(-numel // chunk)
+    sub = min(chunk, 64 if e_pad <= 128 else 32)
+    bb = min(64, 4096 // max(block_m, e_pad))  # blocks per step of the block loop (a power of two)
+    counts = ws.get("counts", n_chunks * e_pad, torch.int32, dev)
+    if n_chunks > 1:
+        K.align_count_kernel[(n_chunks,)](ids, counts, numel, CHUNK=chunk, SUB=sub, E_PAD=e_pad, num_warps=4)
+    K.align_place_kernel[(n_chunks,)](ids, counts, sorted_ids, expert_ids, num_post, numel, n_chunks, max_blocks,
+                                      BLOCK_M=block_m, CHUNK=chunk, SUB=sub, E_PAD=e_pad, BB=bb,
+                                      SINGLE=n_chunks == 1, num_warps=4)
+    return sorted_ids, expert_ids, num_post
+
+
+def _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, cfg):
+    from compiled.moe import fused_moe_kernels as K
+    I, H = w13.shape[1] // 2, w13.shape[2]
+    bn = cfg["BLOCK_SIZE_N"]
+    grid = (n_blocks * triton_cdiv(I, bn),)
+    K.moe_gemm1_kernel[grid](
+        x, w13, inter, sorted_ids, expert_ids, num_post, numel, I, H,
+        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        TOP_K=top_k, NAIVE=naive, **_dot_flags(x.dtype),
+        BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
+        EVEN_K=H % cfg["BLOCK_SIZE_K"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel, n_blocks, naive, cfg):
+    from compiled.moe import fused_moe_kernels as K
+    H, I = w2.shape[1], w2.shape[2]
+    bn = cfg["BLOCK_SIZE_N"]
+    grid = (n_blocks * triton_cdiv(H, bn),)
+    K.moe_gemm2_kernel[grid](
+        inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel, H, I,
+        inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        NAIVE=naive, **_dot_flags(inter.dtype),
+        BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
+        EVEN_K=I % cfg["BLOCK_SIZE_K"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _launch_sum(y, out, top_k):
+    from compiled.moe import fused_moe_kernels as K
+    T, H = out.shape
+    bh = min(1024, _next_pow2(H))
+    K.moe_sum_kernel[(T, triton_cdiv(H, bh))](y, out, H, TOP_K=top_k, BLOCK_H=bh, num_warps=4)
+
+
+def _dot_flags(dtype: torch.dtype) -> dict:
+    """fp32 stays fp32 (no tf32); under the CPU interpreter 16-bit operands are upcast for tl.dot."""
+    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    fp32 = dtype == torch.float32 or interp
+    return dict(PRECISION="ieee" if fp32 else "tf32", DOT_FP32=interp and dtype != torch.float32)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def use_naive(T: int) -> bool:
+    """One token: its k experts are distinct, so one block per pair needs no sorting at all."""
+    return T == 1
+
+
+def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                     w13: torch.Tensor, w2: torch.Tensor, config: dict | None = None,
+                     workspace: MoEWorkspace | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton path of `compiled::fused_moe`. `config` overrides the tuned/default lookup."""
+    T, H = x.shape
+    E, I = w13.shape[0], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    assert w13.shape == (E, 2 * I, H) and w2.shape == (E, H, I), (x.shape, w13.shape, w2.shape)
+    assert topk_weights.shape == topk_ids.shape == (T, top_k)
+    if out is None:
+        out = torch.empty_like(x)
+    if T == 0:
+        return out
+    x = x.contiguous()
+    w13 = w13.contiguous()
+    w2 = w2.contiguous()
+    topk_ids = topk_ids.contiguous()
+    weights = topk_weights.contiguous().reshape(-1)
+    up_cfg, down_cfg = _split_config(config if config is not None else get_config(T, E, I, x.dtype, x.device))
+    ws = workspace or MoEWorkspace()
+    numel = T * top_k
+    block_m = up_cfg["BLOCK_SIZE_M"]
+    naive = use_naive(T)
+    if naive:
+        sorted_ids = expert_ids = topk_ids.reshape(-1)  # expert of block b is that of pair b
+        num_post = sorted_ids  # unused when NAIVE
+        n_blocks = numel
+    else:
+        sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, E, block_m, ws)
+        n_blocks = expert_ids.numel()
+    inter = ws.get("inter", numel * I, x.dtype, x.device).view(numel, I)
+    _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, up_cfg)
+    y = out if top_k == 1 else ws.get("y", numel * H, x.dtype, x.device).view(numel, H)
+    _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel, n_blocks, naive, down_cfg)
+    if top_k > 1:
+        _launch_sum(y, out, top_k)
+    return out
+
+
+# ----------------------------------------------------------------------------- the op
+
+def _backend(x: torch.Tensor) -> str:
+    forced = os.environ.get("COMPILED_MOE_BACKEND", "").strip().lower()
+    if forced in ("torch", "triton"):
+        return forced
+    if forced:
+        raise ValueError(f"COMPILED_MOE_BACKEND must be 'torch' or 'triton', got {forced!r}")
+    return "triton" if x.is_cuda else "torch"
+
+
+@torch.library.custom_op("compiled::fused_moe", mutates_args=())
+def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    if _backend(x) == "triton":
+        return fused_moe_triton(x, topk_weights, topk_ids, w13, w2)
+    return fused_moe_ref(x, topk_weights, topk_ids, w13, w2)
+
+
+@fused_moe.register_fake
+def _(x, topk_weights, topk_ids, w13, w2):
+    return torch.empty_like(x)

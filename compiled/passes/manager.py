@@ -1,0 +1,77 @@
+"""Runs a configured list of passes in order, checks the graph after each, keeps their records."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from compiled.graphs.trace import example_inputs
+from compiled.passes.base import GraphPass, PassRecord
+from compiled.passes.fuse_qkv import fuse_qkv
+from compiled.passes.fuse_w13 import fuse_w13
+from compiled.passes.silu_and_mul import silu_and_mul
+from compiled.graphs.weights import WeightMap
+
+REGISTRY: dict[str, GraphPass] = {p.name: p for p in (
+    GraphPass("fuse_qkv", fuse_qkv),
+    GraphPass("fuse_w13", fuse_w13),
+    GraphPass("silu_and_mul", silu_and_mul),
+)}
+DEFAULT_PASSES: tuple[str, ...] = ("fuse_qkv", "fuse_w13", "silu_and_mul")
+
+
+def resolve_passes(names: list[str] | tuple[str, ...] | None) -> list[GraphPass]:
+    names = DEFAULT_PASSES if names is None else names
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown:
+        raise ValueError(f"unknown pass {unknown[0]!r} (available: {', '.join(REGISTRY)})")
+    return [REGISTRY[n] for n in names]
+
+
+@dataclass
+class PassResult:
+    gm: fx.GraphModule
+    weights: WeightMap
+    records: list[PassRecord] = field(default_factory=list)
+
+
+def check_graph(gm: fx.GraphModule, num_tokens: int = 3) -> None:
+    """Lint, then run the graph on meta tensors for a small batch (the custom ops' fake
+    implementations serve them, as for FakeTensors): every node must produce a valid shape."""
+    gm.graph.lint()
+    ids, positions = example_inputs(num_tokens, gm.config.vocab_size, device="meta")
+    with torch.inference_mode():
+        out = gm(ids, positions)
+    if tuple(out.shape) != (num_tokens, gm.config.hidden_size):
+        raise AssertionError(f"graph returns {tuple(out.shape)}, expected {(num_tokens, gm.config.hidden_size)}")
+
+
+def run_passes(gm: fx.GraphModule, weights: WeightMap, names: list[str] | tuple[str, ...] | None = None,
+               check_each: bool = True, on_pass=None) -> PassResult:
+    """Apply the named passes (default: all) to `gm` in place, updating `weights` (the traced
+    model's checkpoint map). The graph is checked after every pass, or with `check_each=False`
+    (engine start-up) once at the end. `on_pass(name, gm)` is called before the first pass with
+    name "traced" and after each pass (for dumps)."""
+    result = PassResult(gm, weights)
+    if on_pass:
+        on_pass("traced", gm)
+    for graph_pass in resolve_passes(names):
+        record = PassRecord(graph_pass.name, nodes_before=len(gm.graph.nodes))
+        start = time.perf_counter()
+        graph_pass.fn(gm, result.weights, record)
+        # Passes leave dead nodes (replaced splits, getitems) for one sweep and one codegen here.
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        record.nodes_after = len(gm.graph.nodes)
+        if check_each:
+            check_graph(gm)
+        record.seconds = time.perf_counter() - start
+        result.records.append(record)
+        if on_pass:
+            on_pass(graph_pass.name, gm)
+    if not check_each:
+        check_graph(gm)
+    return result

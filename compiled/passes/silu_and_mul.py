@@ -1,0 +1,53 @@
+"""silu_and_mul: `silu(gate) * up` over the halves of one fused output becomes one op."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+import compiled.graphs.activation  # noqa: F401  (registers compiled::silu_and_mul)
+from compiled.passes.base import PassRecord
+from compiled.graphs.weights import WeightMap
+
+_MULS = (operator.mul, torch.mul)
+_SILUS = (F.silu, torch.nn.functional.silu)
+
+
+def silu_and_mul(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
+    """mul(silu(split(h)[0]), split(h)[1]) with equal halves -> compiled::silu_and_mul(h)."""
+    for node in list(gm.graph.nodes):
+        source = _match(node)
+        if source is None:
+            continue
+        with gm.graph.inserting_before(node):
+            fused = gm.graph.call_function(torch.ops.compiled.silu_and_mul.default, (source,))
+        node.replace_all_uses_with(fused)
+        gm.graph.erase_node(node)
+        record.rewrites += 1
+
+
+def _match(mul: fx.Node) -> fx.Node | None:
+    """The fused tensor `h` if `mul` is silu(first half of h) * (second half of h)."""
+    if mul.op != "call_function" or mul.target not in _MULS or len(mul.args) != 2:
+        return None
+    silu, up = mul.args
+    if not (isinstance(silu, fx.Node) and silu.op == "call_function" and silu.target in _SILUS):
+        return None
+    gate = silu.args[0]
+    if not (_is_getitem(gate, 0) and _is_getitem(up, 1) and gate.args[0] is up.args[0]):
+        return None
+    split = gate.args[0]
+    if split.op != "call_function" or split.target is not torch.split:
+        return None
+    h, sizes, dim = split.args
+    if dim != -1 or len(sizes) != 2 or sizes[0] != sizes[1] or len(silu.users) != 1:
+        return None
+    return h
+
+
+def _is_getitem(node, index: int) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem \
+        and node.args[1] == index
