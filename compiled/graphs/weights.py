@@ -8,6 +8,10 @@ each checkpoint tensor straight into its slice of the final parameter."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Iterator
+
+import torch
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -49,3 +53,11 @@ class WeightMap:
             per = [p.source for p in pieces if p.expert == min(experts)]
             return f"{target} = stack over {len(experts)} experts of cat({', '.join(per)})"
         return f"{target} = cat({', '.join(p.source for p in pieces)})"
+
+    def extract(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint tensors back out of `module`'s parameters (views, no copies)."""
+        params = dict(module.named_parameters())
+        for target, pieces in self.pieces.items():
+            for piece in pieces:
+                t = params[target] if piece.expert is None else params[target][piece.expert]
+                yield piece.source, t.narrow(0, piece.row, piece.shape[0]) if t.dim() else t

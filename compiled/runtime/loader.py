@@ -1,8 +1,8 @@
 """Checkpoint -> parameters on the target device, following the graph's weight map.
 
-The module is allocated once in its final (fused) form; each safetensors tensor is read on its
-own and copied into its slice of the final parameter, so peak memory is the final model plus one
-tensor. Every inconsistency is a CheckpointError naming the file or tensor."""
+The module is allocated once in its final (fused) form; each safetensors tensor is a view of the
+memory-mapped shard, copied straight into its slice of the final parameter, so peak memory is the
+final model. Every inconsistency is a CheckpointError naming the file or tensor."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import os
 from typing import Iterable, Iterator
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from compiled.errors import CheckpointError
 from compiled.graphs.weights import WeightMap
+from compiled.runtime.safetensors_io import iter_safetensors
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -45,14 +45,10 @@ def checkpoint_files(path: str) -> list[str]:
 
 
 def iter_checkpoint(path: str) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """(file, tensor name, tensor on CPU) for every tensor of every shard, one at a time."""
+    """(file, tensor name, CPU view of the mapped file) for every tensor of every shard."""
     for file in checkpoint_files(path):
-        try:
-            with safe_open(file, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    yield file, name, f.get_tensor(name)
-        except Exception as e:  # safetensors raises its own types for truncated/corrupt files
-            raise CheckpointError(f"{file}: cannot read safetensors ({str(e).splitlines()[0]})") from None
+        for name, tensor in iter_safetensors(file):
+            yield file, name, tensor
 
 
 def assign_tensors(module: nn.Module, weights: WeightMap, tensors: Iterable[tuple[str, str, torch.Tensor]],

@@ -1,0 +1,117 @@
+"""Each graph pass, alone and all together: same outputs as the unpassed graph, and the
+structure the pass promises. Weights reach the passed graph through its weight map."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx, nn
+
+from compiled.attention.kv_cache import KVPool, ReqToTokenPool
+from compiled.graphs.config import ModelConfig
+from compiled.graphs.trace import materialize, meta_model, trace
+from compiled.passes.base import is_op
+from compiled.passes.manager import DEFAULT_PASSES, run_passes
+from compiled.runtime.config import EngineConfig
+from compiled.runtime.loader import assign_tensors
+from compiled.runtime.model_runner import ModelRunner
+from compiled.runtime.request import Request
+from compiled.runtime.sampling_params import SamplingParams
+from compiled.runtime.scheduler import Scheduler
+
+BASE = dict(architectures=["Qwen3ForCausalLM"], vocab_size=97, hidden_size=48, intermediate_size=80,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=128)
+MOE = dict(BASE, architectures=["Qwen3MoeForCausalLM"], num_experts=6, num_experts_per_tok=2,
+           moe_intermediate_size=24, norm_topk_prob=True)
+CONFIGS = {
+    "dense_mqa_bias": dict(BASE, num_key_value_heads=1, attention_bias=True),
+    "dense_gqa_tied": dict(BASE, tie_word_embeddings=True),
+    "moe_mixed": dict(MOE, mlp_only_layers=[1]),
+    "moe_sparse_step2_mqa": dict(MOE, decoder_sparse_step=2, num_key_value_heads=1, norm_topk_prob=False),
+}
+PASS_SETS = [[p] for p in DEFAULT_PASSES] + [list(DEFAULT_PASSES)]
+
+
+def _plain(cfg: ModelConfig) -> nn.Module:
+    model = materialize(meta_model(cfg, torch.float32), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        p.data.normal_(0.0, 0.2, generator=gen)
+    return model
+
+
+def _passed(cfg: ModelConfig, plain: nn.Module, passes: list[str]) -> fx.GraphModule:
+    meta = meta_model(cfg, torch.float32)
+    result = run_passes(trace(meta), meta.checkpoint_map(), passes)
+    gm = materialize(result.gm, torch.device("cpu"))
+    tensors = ((("plain", name, t) for name, t in plain.checkpoint_map().extract(plain)))
+    assign_tensors(gm, result.weights, tensors, tied_head=cfg.tie_word_embeddings)
+    return gm
+
+
+def _run(module: nn.Module, cfg: ModelConfig, prompts: list[list[int]], decode_tokens: list[int]) -> torch.Tensor:
+    """Hidden states of a prefill of `prompts` followed by one decode step; fresh KV cache."""
+    ecfg = EngineConfig(device=torch.device("cpu"), dtype=torch.float32, max_model_len=128,
+                        max_num_seqs=8, max_num_batched_tokens=512)
+    kv = KVPool(cfg.num_hidden_layers, 512, cfg.num_key_value_heads, cfg.head_dim, torch.float32, ecfg.device)
+    pool = ReqToTokenPool(8, 128, ecfg.device)
+    scheduler = Scheduler(kv, pool, 8, 512)
+    runner = ModelRunner(module, ecfg, kv, pool)
+    requests = [Request(i, None, p, SamplingParams()) for i, p in enumerate(prompts)]
+    for r in requests:
+        scheduler.add(r)
+    prefill = runner.forward(scheduler.schedule())
+    for r, t in zip(requests, decode_tokens):
+        r.output_token_ids.append(t)
+    decode = runner.forward(scheduler.schedule())
+    return torch.cat([prefill, decode])
+
+
+@pytest.mark.parametrize("passes", PASS_SETS, ids="+".join)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_passed_graph_matches_unpassed(name, passes):
+    cfg = ModelConfig.from_dict(CONFIGS[name])
+    plain = _plain(cfg)
+    gm = _passed(cfg, plain, passes)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (1, 6, 13)]
+    decode = torch.randint(0, cfg.vocab_size, (3,), generator=gen).tolist()
+    ref = _run(plain, cfg, prompts, decode)
+    out = _run(gm, cfg, prompts, decode)
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+    _check_structure(gm, cfg, passes)
+
+
+def _linears_under(gm: fx.GraphModule, prefix: str, exclude: str) -> list[str]:
+    return [n.target for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith(prefix)
+            and isinstance(gm.get_submodule(n.target), nn.Linear) and not n.target.endswith(exclude)]
+
+
+def _check_structure(gm: fx.GraphModule, cfg: ModelConfig, passes: list[str]) -> None:
+    nodes = list(gm.graph.nodes)
+    for i in range(cfg.num_hidden_layers):
+        layer = f"model.layers.{i}."
+        qkv = _linears_under(gm, layer + "self_attn", "o_proj")
+        assert len(qkv) == (1 if "fuse_qkv" in passes else 3)
+        if cfg.is_moe_layer(i):
+            fused = [n for n in nodes if is_op(n, torch.ops.compiled.fused_moe)
+                     and n.args[3].target == layer + "mlp.w13"]
+            if "fuse_w13" in passes:
+                assert len(fused) == 1 and fused[0].args[4].target == layer + "mlp.w2"
+                assert not any(n.op == "get_attr" and ".experts." in n.target and n.target.startswith(layer)
+                               for n in nodes)
+            else:
+                assert not fused
+        else:
+            assert len(_linears_under(gm, layer + "mlp", "down_proj")) == (1 if "fuse_w13" in passes else 2)
+    silu = [n for n in nodes if n.op == "call_function" and n.target is torch.nn.functional.silu]
+    fused_act = [n for n in nodes if is_op(n, torch.ops.compiled.silu_and_mul)]
+    dense_layers = sum(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    if "fuse_w13" in passes and "silu_and_mul" in passes:
+        assert not silu and len(fused_act) == dense_layers
+        downs = [n for n in nodes if n.op == "call_module" and n.target.endswith("mlp.down_proj")]
+        assert all(is_op(n.args[0], torch.ops.compiled.silu_and_mul) for n in downs)
+    else:
+        assert len(silu) == dense_layers and not fused_act  # silu_and_mul alone needs a fused w13
+    assert not any(is_op(n, torch.ops.compiled.moe_experts) for n in nodes) or "fuse_w13" not in passes
