@@ -1,9 +1,10 @@
-"""`compiled` CLI entry point: `compiled run ...` (more commands join as their issues land)."""
+"""`compiled` CLI entry point: `run` and `graph` (more commands join as their issues land)."""
 
 from __future__ import annotations
 
 import typer
 
+from cli.graph import graph
 from cli.run import run
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -16,6 +17,7 @@ def _root() -> None:
 
 
 app.command(help="Offline generation; with no MODEL it runs the shipped demo MoE model.")(run)
+app.command(help="Trace a model, run the graph passes and show what each changed.")(graph)
 
 
 def main() -> None:

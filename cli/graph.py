@@ -1,0 +1,65 @@
+"""`compiled graph`: trace a model, run the passes, and show what each pass changed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from cli.errors import fail_cleanly
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB" if n else "0"
+
+
+def graph(
+    model: Optional[str] = typer.Argument(None, help="HF model folder (only config.json is read); default: the demo MoE model."),
+    passes: Optional[str] = typer.Option(None, help="Comma-separated pass list, 'none' for none; default: all."),
+    dump: Optional[Path] = typer.Option(None, help="Write the graph's Python code before and after each pass here."),
+    dtype: str = typer.Option("bfloat16", help="Parameter dtype, for the byte counts."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    with fail_cleanly(debug):
+        from compiled.graphs.config import ModelConfig
+        from compiled.graphs.trace import meta_model, trace
+        from compiled.passes.manager import run_passes
+        from compiled.runtime.config import resolve_dtype
+        from compiled.runtime.llm import default_model
+
+        path = model or default_model()
+        cfg = ModelConfig.from_pretrained(path)
+        names = None if passes is None else ([] if passes == "none" else [p.strip() for p in passes.split(",") if p.strip()])
+        if dump is not None:
+            dump.mkdir(parents=True, exist_ok=True)
+        steps: list[str] = []
+
+        def on_pass(name: str, gm) -> None:
+            if dump is not None:
+                steps.append(name)
+                (dump / f"{len(steps) - 1:02d}_{name}.py").write_text(gm.code)
+
+        meta = meta_model(cfg, resolve_dtype(dtype, None))
+        gm = trace(meta)
+        result = run_passes(gm, meta.checkpoint_map(), names, on_pass=on_pass)
+        console = Console()
+        table = Table(title=f"passes over {os.path.basename(os.path.normpath(path))} "
+                            f"({cfg.architecture}, {cfg.num_hidden_layers} layers)")
+        for col in ("pass", "nodes", "rewrites", "params +/-", "bytes +/-", "ms"):
+            table.add_column(col, justify="left" if col == "pass" else "right")
+        for r in result.records:
+            table.add_row(r.name, f"{r.nodes_before} -> {r.nodes_after}", str(r.rewrites),
+                          f"+{len(r.params_created)} / -{len(r.params_removed)}",
+                          f"+{_mb(r.bytes_created)} / -{_mb(r.bytes_removed)}", f"{1e3 * r.seconds:.0f}")
+        console.print(table)
+        fused = [t for t in result.weights.pieces if len(result.weights.pieces[t]) > 1]
+        layer0 = [t for t in fused if ".layers.0." in t] or fused[:3]
+        for target in layer0:
+            console.print(f"  [dim]{result.weights.describe(target)}[/dim]", highlight=False)
+        if dump is not None:
+            (dump / "weights.txt").write_text("\n".join(result.weights.describe(t) for t in result.weights.pieces) + "\n")
+            console.print(f"wrote {len(steps)} graphs and weights.txt to {dump}")
