@@ -11,10 +11,12 @@ PADDING_SLOT = 0
 
 
 class ReqToTokenPool:
-    """Rows of the request->token table, handed out one per running request."""
+    """Rows of the request->token table, handed out one per running request. One extra row,
+    never handed out, serves padded requests of a CUDA-graph bucket (all its slots are 0)."""
 
     def __init__(self, max_requests: int, max_context: int, device: torch.device) -> None:
-        self.table = torch.zeros(max_requests, max_context, dtype=torch.int32, device=device)
+        self.table = torch.zeros(max_requests + 1, max_context, dtype=torch.int32, device=device)
+        self.padding_row = max_requests
         self._free = list(range(max_requests - 1, -1, -1))
 
     @property
@@ -37,6 +39,9 @@ class KVPool:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_slots = num_slots
+        # Attention kernels' scratch buffers (e.g. the decode workspace), allocated on first use
+        # (the warm-up step, before any graph capture) and reused by every layer and step.
+        self.scratch: dict = {}
         # Host-side free list: allocation never touches the device.
         self._free = torch.arange(1, num_slots + 1, dtype=torch.int64)
 

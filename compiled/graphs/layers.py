@@ -15,10 +15,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # type_as, not .to(x.dtype): a dtype read would be a getattr node in the traced graph.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.type_as(x)
 
 
 def rope_cos_sin(head_dim: int, theta: float, max_positions: int, device=None) -> torch.Tensor:
@@ -44,7 +44,7 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = rope_cos_sin(self.head_dim, self.theta, self.max_positions, self.cos_sin.device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin[positions].to(q.dtype).chunk(2, dim=-1)
+        cos, sin = self.cos_sin[positions].type_as(q).chunk(2, dim=-1)
         cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
         sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -1,10 +1,11 @@
-"""The start-up pipeline: config -> trace -> passes -> materialise -> load weights.
+"""The start-up pipeline: config -> trace -> passes -> materialise -> load weights -> compile.
 
 Returns the module the runner calls (`module(input_ids, positions) -> hidden`, `module.lm_head`)
 and how long each stage took."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -15,22 +16,42 @@ from compiled.errors import CheckpointError
 from compiled.graphs.config import ModelConfig
 from compiled.graphs.trace import materialize, meta_model, trace
 from compiled.passes.base import PassRecord
-from compiled.passes.manager import run_passes
+from compiled.passes.manager import DEFAULT_PASSES, run_passes
 from compiled.runtime.loader import LOAD_FORMATS, fill_dummy, load_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BuildOptions:
+    load_format: str = "auto"
+    passes: list[str] | tuple[str, ...] | None = None   # None: DEFAULT_PASSES
+    use_graph: bool = True          # False: the plain eager module (no trace, no passes, no compile)
+    compile: bool = False           # lower the pieces with Inductor
+    artifact: str | None = None     # load compiled pieces from this folder instead of compiling
+    recompile_on_mismatch: bool = False  # a mismatched artifact is logged and recompiled, not an error
+    seed: int = 0
+
+    @property
+    def pass_names(self) -> list[str]:
+        return list(DEFAULT_PASSES if self.passes is None else self.passes)
 
 
 @dataclass
 class BuildReport:
     seconds: dict[str, float] = field(default_factory=dict)   # stage -> seconds
     records: list[PassRecord] = field(default_factory=list)
+    compiled: dict = field(default_factory=dict)              # piece key -> compiled artifact
+    pieces: int = 0
+    unique_pieces: int = 0
+    compiled_now: int = 0                                      # pieces Inductor compiled in this start
 
 
 def build_model(cfg: ModelConfig, path: str, device: torch.device, dtype: torch.dtype,
-                load_format: str = "auto", passes: list[str] | tuple[str, ...] | None = None,
-                use_graph: bool = True, seed: int = 0) -> tuple[nn.Module, BuildReport]:
-    """`use_graph=False` keeps the plain eager module (no trace, no passes)."""
-    if load_format not in LOAD_FORMATS:
-        raise CheckpointError(f"unknown load_format {load_format!r} (expected one of {', '.join(LOAD_FORMATS)})")
+                opts: BuildOptions | None = None) -> tuple[nn.Module, BuildReport]:
+    opts = opts or BuildOptions()
+    if opts.load_format not in LOAD_FORMATS:
+        raise CheckpointError(f"unknown load_format {opts.load_format!r} (expected one of {', '.join(LOAD_FORMATS)})")
     report = BuildReport()
     clock = time.perf_counter()
 
@@ -42,16 +63,38 @@ def build_model(cfg: ModelConfig, path: str, device: torch.device, dtype: torch.
 
     module: nn.Module = meta_model(cfg, dtype)
     weights = module.checkpoint_map()
-    if use_graph:
+    if opts.use_graph:
         module = trace(module)
         lap("trace")
-        result = run_passes(module, weights, passes, check_each=False)
+        result = run_passes(module, weights, opts.pass_names, check_each=False)
         weights, report.records = result.weights, result.records
         lap("passes")
     materialize(module, device)
-    if load_format == "dummy":
-        fill_dummy(module, seed)
+    if opts.load_format == "dummy":
+        fill_dummy(module, opts.seed)
     else:
         load_checkpoint(module, weights, path, tied_head=cfg.tie_word_embeddings)
     lap("load")
+    if opts.use_graph and (opts.compile or opts.artifact):
+        module = _compile(module, cfg, device, dtype, opts, report)
+        lap("compile")
     return module, report
+
+
+def _compile(module: nn.Module, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+             opts: BuildOptions, report: BuildReport) -> nn.Module:
+    from compiled.runtime.artifact import ArtifactError, load_artifact, manifest_for
+    from compiled.runtime.compiler import compile_model
+    artifacts = None
+    if opts.artifact:
+        try:
+            artifacts = load_artifact(opts.artifact, manifest_for(cfg, opts.pass_names, dtype, device))
+        except ArtifactError as e:
+            if not opts.recompile_on_mismatch:
+                raise
+            log.warning("%s; compiling instead", e)
+    compiled, report.compiled, crep = compile_model(module, device, artifacts)
+    report.pieces, report.unique_pieces, report.compiled_now = crep.pieces, crep.unique, crep.compiled
+    if artifacts is not None and crep.compiled:
+        raise ArtifactError(f"{opts.artifact}: artifact lacks {crep.compiled} of {crep.unique} compiled pieces")
+    return compiled

@@ -30,12 +30,14 @@ class CompileReport:
 class CompiledPiece(nn.Module):
     """Stands in for a split submodule: calls the shared compiled function."""
 
-    def __init__(self, fn: Callable, key: str) -> None:
+    def __init__(self, fn: Callable, key: str, single_output: bool) -> None:
         super().__init__()
-        self.fn, self.key = fn, key
+        self.fn, self.key, self.single_output = fn, key, single_output
 
     def forward(self, *args):
-        return self.fn(*args)
+        out = self.fn(*args)
+        # A loaded artifact returns its outputs as a list even when the graph returns one tensor.
+        return out[0] if self.single_output and isinstance(out, (list, tuple)) else out
 
 
 class CompiledModel(nn.Module):
@@ -76,5 +78,7 @@ def compile_model(gm: nn.Module, device: torch.device,
             report.compiled += 1
     report.seconds["compile"] = time.perf_counter() - start
     for piece in split.pieces:
-        setattr(split.top, piece.name, CompiledPiece(compiled[piece.key], piece.key))
+        output = next(n for n in reversed(piece.graph.graph.nodes) if n.op == "output")
+        single = not isinstance(output.args[0], (tuple, list))
+        setattr(split.top, piece.name, CompiledPiece(compiled[piece.key], piece.key, single))
     return CompiledModel(split.top, gm.lm_head, gm.config), compiled, report

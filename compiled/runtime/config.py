@@ -27,6 +27,22 @@ class EngineConfig:
     # Prompt-logprob rows are pushed through the LM head this many at a time to bound memory.
     logits_chunk: int = 1024
     seed: int = 0
+    # Eager torch modules only: no Inductor, no CUDA graphs (debugging).
+    enforce_eager: bool = False
+    # Lower the pieces with Inductor; None means on CUDA only (CPU compiles are slow to start).
+    compile: bool | None = None
+    # Decode CUDA-graph buckets; None means default_buckets(min(max_num_seqs, 256)).
+    cuda_graph_buckets: list[int] | None = None
+
+    @property
+    def use_compile(self) -> bool:
+        if self.enforce_eager:
+            return False
+        return self.device.type == "cuda" if self.compile is None else self.compile
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.device.type == "cuda" and not self.enforce_eager
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -38,6 +38,12 @@ class Engine:
         self.max_context = min(cfg.max_model_len, num_kv_slots)
         self._ids = itertools.count()
 
+    def graph_buckets(self) -> list[int]:
+        from compiled.runtime.cuda_graphs import DEFAULT_MAX_BATCH, default_buckets
+        if self.cfg.cuda_graph_buckets is not None:
+            return sorted(b for b in self.cfg.cuda_graph_buckets if b <= self.cfg.max_num_seqs)
+        return default_buckets(min(self.cfg.max_num_seqs, DEFAULT_MAX_BATCH))
+
     # ---- admission -------------------------------------------------------------------------
 
     def make_request(self, index: int, prompt: str | list[int], params: SamplingParams) -> Request:

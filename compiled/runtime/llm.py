@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Sequence
 
 import torch
@@ -12,7 +13,7 @@ from compiled.errors import ConfigError
 from compiled.graphs.config import ModelConfig
 from compiled.runtime.config import EngineConfig, resolve_device, resolve_dtype
 from compiled.runtime.engine import Engine
-from compiled.runtime.build import build_model
+from compiled.runtime.build import BuildOptions, build_model
 from compiled.runtime.memory import num_kv_slots
 from compiled.runtime.request import RequestOutput
 from compiled.runtime.sampling_params import SamplingParams
@@ -30,14 +31,19 @@ class LLM:
     """Loads a Qwen3 / Qwen3-MoE folder (or the shipped demo model when `model` is None).
 
     By default the model is traced and every graph pass runs (`passes` picks a list, `[]` none);
-    `use_graph=False` runs the plain eager module instead."""
+    `use_graph=False` runs the plain eager module instead. On CUDA the passed graph is compiled
+    with Inductor (`compile=`) and decode replays CUDA graphs per batch bucket;
+    `enforce_eager=True` turns all of that off. `artifact=DIR` loads compiled pieces written by
+    `export_artifact` instead of compiling."""
 
     def __init__(self, model: str | None = None, *, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, load_format: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, kv_cache_tokens: int | None = None,
                  mem_fraction: float = 0.9, seed: int = 0, tokenizer: str | None = None,
-                 passes: list[str] | None = None, use_graph: bool = True) -> None:
+                 passes: list[str] | None = None, use_graph: bool = True, enforce_eager: bool = False,
+                 compile: bool | None = None, cuda_graph_buckets: list[int] | None = None,
+                 artifact: str | None = None, recompile_on_mismatch: bool = False) -> None:
         self.model_path = model or default_model()
         if not os.path.isdir(self.model_path):
             raise ConfigError(f"{self.model_path}: model folder not found")
@@ -49,14 +55,24 @@ class LLM:
                               f"{self.model_config.max_position_embeddings}")
         self.config = EngineConfig(device=dev, dtype=resolve_dtype(dtype, dev), max_model_len=max_len,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                   kv_cache_tokens=kv_cache_tokens, mem_fraction=mem_fraction, seed=seed)
+                                   kv_cache_tokens=kv_cache_tokens, mem_fraction=mem_fraction, seed=seed,
+                                   enforce_eager=enforce_eager, compile=compile,
+                                   cuda_graph_buckets=cuda_graph_buckets)
         torch.manual_seed(seed)
         tok_path = tokenizer or self.model_path
         self.tokenizer: Tokenizer | None = load_tokenizer(tok_path) if has_tokenizer(tok_path) else None
+        self.build_options = BuildOptions(
+            load_format=load_format, passes=passes, use_graph=use_graph and not enforce_eager,
+            compile=self.config.use_compile or artifact is not None, artifact=artifact,
+            recompile_on_mismatch=recompile_on_mismatch, seed=seed)
         self.model, self.build_report = build_model(self.model_config, self.model_path, dev, self.config.dtype,
-                                                    load_format, passes, use_graph, seed)
+                                                    self.build_options)
+        start = time.perf_counter()
         self.engine = Engine(self.model, self.model_config, self.config, num_kv_slots(self.model_config, self.config),
                              self.tokenizer, self._eos_token_ids())
+        self.build_report.seconds["kv_cache"] = time.perf_counter() - start
+        if self.config.use_cuda_graphs:
+            self.build_report.seconds["capture"] = self.engine.runner.capture_graphs(self.engine.graph_buckets())
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -97,3 +113,18 @@ class LLM:
             raise ConfigError(f"{self.model_path}: no tokenizer, so no chat template")
         messages = [messages] if isinstance(messages, str) else list(messages)
         return self.generate([self.tokenizer.apply_chat_template(m) for m in messages], sampling_params)
+
+    @property
+    def startup_seconds(self) -> dict[str, float]:
+        """Seconds per start-up stage: trace, passes, load, compile, kv_cache, capture."""
+        return dict(self.build_report.seconds)
+
+    def export_artifact(self, folder: str) -> None:
+        """Write the compiled pieces and their manifest to `folder` (needs a compiled model)."""
+        from compiled.runtime.artifact import manifest_for, save_artifact
+        if not self.build_report.compiled:
+            raise ConfigError("nothing to export: this LLM was not compiled (compile=True, not enforce_eager)")
+        manifest = manifest_for(self.model_config, self.build_options.pass_names, self.config.dtype,
+                                self.config.device)
+        buckets = self.engine.graph_buckets() if self.config.use_cuda_graphs else None
+        save_artifact(folder, manifest, self.build_report.compiled, buckets)

@@ -29,6 +29,15 @@ class ModelRunner:
     def __init__(self, model: nn.Module, cfg: EngineConfig, kv: KVPool, req_pool: ReqToTokenPool) -> None:
         self.model, self.cfg, self.kv, self.req_pool = model, cfg, kv, req_pool
         self.inputs = StaticInputs(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.device)
+        self.graphs = None  # DecodeGraphs once captured
+
+    def capture_graphs(self, buckets: list[int]) -> float:
+        """Capture the decode CUDA graphs; returns the seconds it took."""
+        from compiled.runtime.cuda_graphs import DecodeGraphs
+        graphs = DecodeGraphs(self.model, self, buckets)
+        graphs.capture()
+        self.graphs = graphs
+        return graphs.capture_seconds
 
     def _stage(self, batch: Batch) -> AttentionMetadata:
         ids, positions, rows, seq_lens, ext_lens, starts = [], [], [], [], [], []
@@ -64,6 +73,8 @@ class ModelRunner:
         """Final hidden states `[T, H]` of every token in the batch, in chunk order."""
         meta = self._stage(batch)
         t = batch.num_tokens
+        if self.graphs is not None and batch.is_decode and t <= self.graphs.max_batch:
+            return self.graphs.replay(t)
         ctx = ForwardContext(meta=meta, kv=self.kv, req_to_token=self.req_pool.table)
         with forward_context(ctx):
             return self.model(self.inputs.input_ids[:t], self.inputs.positions[:t])

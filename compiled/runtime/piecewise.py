@@ -114,6 +114,9 @@ def attach_fake_inputs(split: SplitGraph, device: torch.device, example_tokens: 
                 else:
                     piece.fake_inputs = args
                     env[node] = outputs[piece.key] = FakeTensorProp(piece.graph, mode).propagate_dont_convert_inputs(*args)
+                    for n in piece.graph.graph.nodes:  # where Dynamo would have put it (AOT cache checks)
+                        if "val" in n.meta:
+                            n.meta["example_value"] = n.meta["val"]
 
 
 def _canonical(name: str, sub: fx.GraphModule, weights: list[torch.Tensor | None]) -> Piece:

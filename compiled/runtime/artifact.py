@@ -1,0 +1,97 @@
+"""Compiled artifacts: the unique pieces' Inductor outputs plus a manifest of what they fit.
+
+A later start loads them instead of running Inductor. The manifest names everything the
+compiled code depends on; loading checks each field and names the first that differs."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Callable
+
+import torch
+
+from compiled.errors import CompiledError
+from compiled.graphs.config import ModelConfig
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+# Fields that must match for the compiled code to be valid here, in the order they are checked.
+CHECKED = ("format", "package", "torch", "triton", "device", "model_config", "passes", "dtype")
+
+
+class ArtifactError(CompiledError, ValueError):
+    """An artifact folder is missing, incomplete, or was built for something else."""
+
+
+def config_hash(cfg: ModelConfig) -> str:
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "source"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+        return triton.__version__
+    except ImportError:
+        return None
+
+
+def manifest_for(cfg: ModelConfig, passes: list[str], dtype: torch.dtype, device: torch.device) -> dict:
+    from compiled import __version__
+    return {
+        "format": FORMAT, "package": __version__, "torch": torch.__version__, "triton": _triton_version(),
+        "device": device_name(device), "model_config": config_hash(cfg), "passes": list(passes),
+        "dtype": str(dtype).replace("torch.", ""), "architecture": cfg.architecture,
+    }
+
+
+def save_artifact(folder: str, manifest: dict, compiled: dict, buckets: list[int] | None) -> None:
+    os.makedirs(folder, exist_ok=True)
+    pieces = {}
+    for key, artifact in compiled.items():
+        name = f"piece-{key}.bin"
+        artifact.save(path=os.path.join(folder, name), format="binary")
+        pieces[key] = name
+    with open(os.path.join(folder, MANIFEST), "w") as f:
+        json.dump(dict(manifest, pieces=pieces, buckets=buckets), f, indent=1)
+
+
+def read_manifest(folder: str) -> dict:
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.exists(path):
+        raise ArtifactError(f"{folder}: not a compiled artifact (no {MANIFEST})")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{path}: malformed manifest ({e.msg})") from None
+
+
+def mismatch(found: dict, expected: dict) -> str | None:
+    """The first checked field that differs, as a readable phrase, or None."""
+    for key in CHECKED:
+        if found.get(key) != expected.get(key):
+            return f"{key} is {found.get(key)!r} in the artifact but {expected.get(key)!r} here"
+    return None
+
+
+def load_artifact(folder: str, expected: dict) -> dict[str, Callable]:
+    """key -> loaded compiled piece. Raises ArtifactError naming the mismatched field."""
+    manifest = read_manifest(folder)
+    problem = mismatch(manifest, expected)
+    if problem:
+        raise ArtifactError(f"{folder}: artifact does not fit: {problem}")
+    loaded = {}
+    for key, name in manifest.get("pieces", {}).items():
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            raise ArtifactError(f"{path}: compiled piece listed in the manifest is missing")
+        loaded[key] = torch._inductor.CompiledArtifact.load(path=path, format="binary")
+    return loaded

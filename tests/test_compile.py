@@ -1,0 +1,87 @@
+"""The compiled path on CPU (Inductor's C++ backend, no CUDA graphs): HF parity, no
+recompilation while serving, and artifacts that load without Inductor. Kept to one compile."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from compiled import LLM, SamplingParams
+from compiled.runtime.artifact import ArtifactError
+from compiled.runtime.compiler import COMPILES
+from tests.conftest import make_checkpoint
+from tests.test_hf_parity import assert_prompt_logprobs_match, random_prompts
+from tests.conftest import hf_model
+
+MODEL = dict(moe=True, mlp_only_layers=[0], num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), **MODEL)
+
+
+@pytest.fixture(scope="module")
+def compiled_llm(ckpt):
+    return LLM(ckpt, device="cpu", dtype="float32", compile=True, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def artifact(compiled_llm, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("artifact")
+    compiled_llm.export_artifact(str(folder))
+    return str(folder)
+
+
+def test_compiled_matches_hf(compiled_llm, ckpt):
+    assert compiled_llm.build_report.unique_pieces < compiled_llm.build_report.pieces
+    hf = hf_model(ckpt)
+    prompts = random_prompts(hf.config.vocab_size, [1, 9, 30])
+    outs = compiled_llm.generate(prompts, SamplingParams(max_new_tokens=4, prompt_logprobs=-1))
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt])).logits[0].float()
+        assert_prompt_logprobs_match(out, torch.log_softmax(logits, -1))
+
+
+def test_no_recompilation_over_200_batch_sizes(compiled_llm):
+    from torch._dynamo.utils import counters
+    before = COMPILES["count"], sum(counters["inductor"].values())
+    rng = random.Random(0)
+    vocab = compiled_llm.model_config.vocab_size
+    for _ in range(200):
+        size = rng.randint(1, 60)
+        compiled_llm.generate([[rng.randrange(vocab) for _ in range(size)]],
+                              SamplingParams(max_new_tokens=1, ignore_eos=True))
+    assert (COMPILES["count"], sum(counters["inductor"].values())) == before
+
+
+def test_artifact_loads_without_inductor(ckpt, artifact, compiled_llm):
+    before = COMPILES["count"]
+    warm = LLM(ckpt, device="cpu", dtype="float32", artifact=artifact, max_num_batched_tokens=64)
+    assert COMPILES["count"] == before and warm.build_report.compiled_now == 0
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts(warm.model_config.vocab_size, [3, 17])
+    assert [o.token_ids for o in warm.generate(prompts, params)] == \
+        [o.token_ids for o in compiled_llm.generate(prompts, params)]
+
+
+def test_artifact_for_other_model_config(tmp_path, artifact):
+    other = make_checkpoint(tmp_path, **dict(MODEL, num_hidden_layers=3))
+    with pytest.raises(ArtifactError, match="model_config is"):
+        LLM(other, device="cpu", dtype="float32", artifact=artifact)
+
+
+def test_artifact_for_other_pass_list(ckpt, artifact):
+    with pytest.raises(ArtifactError, match="passes is"):
+        LLM(ckpt, device="cpu", dtype="float32", artifact=artifact, passes=["fuse_qkv"])
+
+
+def test_artifact_manifest_records_versions(artifact):
+    with open(f"{artifact}/manifest.json") as f:
+        manifest = json.load(f)
+    assert manifest["torch"] == torch.__version__ and manifest["device"] == "cpu"
+    assert manifest["passes"] == ["fuse_qkv", "fuse_w13", "silu_and_mul"] and manifest["pieces"]
