@@ -1,9 +1,11 @@
-"""`compiled` CLI entry point: `run` and `graph` (more commands join as their issues land)."""
+"""`compiled` CLI entry point: `run`, `graph`, `export` and `bench`."""
 
 from __future__ import annotations
 
 import typer
 
+from cli.bench import bench_app
+from cli.export import export
 from cli.graph import graph
 from cli.run import run
 
@@ -13,11 +15,13 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 @app.callback()
 def _root() -> None:
-    """Keeps `run` a subcommand even while it is the only one."""
+    """Keeps every command a subcommand (`compiled run`, not `compiled`)."""
 
 
 app.command(help="Offline generation; with no MODEL it runs the shipped demo MoE model.")(run)
 app.command(help="Trace a model, run the graph passes and show what each changed.")(graph)
+app.command(help="Compile every piece once and write a loadable artifact.")(export)
+app.add_typer(bench_app, name="bench", help="Benchmarks: latency, throughput, serving, startup.")
 
 
 def main() -> None:

@@ -59,6 +59,9 @@ def run(
     dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16."),
     load_format: str = typer.Option("auto", help="auto (safetensors) or dummy (random weights)."),
     max_model_len: Optional[int] = typer.Option(None),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", help="No Inductor, no CUDA graphs."),
+    artifact: Optional[str] = typer.Option(None, help="Load compiled pieces from this `compiled export` folder."),
+    recompile_on_mismatch: bool = typer.Option(False, help="Recompile instead of failing on a mismatched artifact."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per output line."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -79,7 +82,8 @@ def run(
             frequency_penalty=frequency_penalty, seed=seed, stop=stop or None, ignore_eos=ignore_eos,
             logprobs=logprobs)
         start = time.perf_counter()
-        llm = LLM(model, device=device, dtype=dtype, load_format=load_format, max_model_len=max_model_len)
+        llm = LLM(model, device=device, dtype=dtype, load_format=load_format, max_model_len=max_model_len,
+                  enforce_eager=enforce_eager, artifact=artifact, recompile_on_mismatch=recompile_on_mismatch)
         loaded = time.perf_counter()
         outs = llm.chat(prompts, params) if chat else llm.generate(prompts, params)
         done = time.perf_counter()

@@ -26,10 +26,17 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     extend_lens_cpu: list[int]
     is_decode: bool
+    # [B] offset of each request's first new token in the packed batch (exclusive cumsum of
+    # extend_lens); the Triton extend kernel reads it. None: computed on the device when needed.
+    extend_start_loc: torch.Tensor | None = None
 
     @property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu, default=0)
+
+    @property
+    def max_extend_len(self) -> int:
+        return max(self.extend_lens_cpu, default=0)
 
 
 @dataclass

@@ -1,20 +1,51 @@
 """The `compiled::attention` custom op: stores the step's K/V and attends over the cache.
 
 Opaque to tracing (its fake returns a tensor shaped like q), so the model graph has one node per
-layer and the compile backend can split there."""
+layer and the compile backend can split there.
+
+Backends: the Triton kernels (`triton_store`, `triton_decode`, `triton_extend`) when q is on CUDA,
+the torch reference (`reference`) otherwise. `COMPILED_ATTENTION_BACKEND=torch|triton` (read at
+import) or `set_backend()` forces one; forcing Triton on CPU needs `TRITON_INTERPRET=1`."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from compiled.attention.context import get_forward_context
+from compiled.attention.context import AttentionMetadata, ForwardContext, get_forward_context
 from compiled.attention.reference import decode_attention_ref, extend_attention_ref, store_kv
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _check_backend(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"COMPILED_ATTENTION_BACKEND={name!r}: expected one of {', '.join(BACKENDS)}")
+    return name
+
+
+BACKEND = _check_backend(os.environ.get("COMPILED_ATTENTION_BACKEND", "auto") or "auto")
+
+
+def set_backend(name: str) -> None:
+    """'auto' (Triton on CUDA, torch elsewhere), 'torch' or 'triton'."""
+    global BACKEND
+    BACKEND = _check_backend(name)
+
+
+def backend_for(q: torch.Tensor) -> str:
+    if BACKEND == "auto":
+        return "triton" if q.is_cuda else "torch"
+    return BACKEND
 
 
 @torch.library.custom_op("compiled::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
     """q `[T, Hq, D]`, k/v `[T, Hkv, D]` for the step's new tokens -> `[T, Hq, D]`."""
     ctx = get_forward_context()
+    if backend_for(q) == "triton":
+        return _attention_triton(ctx, q, k, v, layer, scale)
     meta, k_cache, v_cache = ctx.meta, ctx.kv.k[layer], ctx.kv.v[layer]
     store_kv(k_cache, v_cache, meta.out_cache_loc, k, v)
     if meta.is_decode:
@@ -27,3 +58,47 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sca
 @attention.register_fake
 def _(q, k, v, layer, scale):
     return torch.empty_like(q)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def decode_workspace(ctx: ForwardContext, q: torch.Tensor):
+    """The stage-1 scratch of flash-decoding, kept on the KV pool: allocated once (on the first
+    decode step, i.e. the warm-up before capture) for every batch up to the request table's rows."""
+    from compiled.attention.triton_decode import DecodeWorkspace
+    batch, hq, d = q.shape
+    hkv = ctx.kv.k[0].shape[1]
+    scratch = ctx.kv.scratch
+    key = ("decode", hq, hkv, d, str(q.device))
+    ws = scratch.get(key)
+    if ws is None or ws.max_batch < batch:
+        ws = scratch[key] = DecodeWorkspace(max(ctx.req_to_token.shape[0], batch), hq, hkv, d, q.device)
+    return ws
+
+
+def extend_start_loc(meta: AttentionMetadata) -> torch.Tensor:
+    """The runner fills `meta.extend_start_loc`; metadata built elsewhere gets it computed here,
+    on the device (no host sync), once per step."""
+    if meta.extend_start_loc is None:
+        lens = meta.extend_lens
+        meta.extend_start_loc = torch.cumsum(lens, 0) - lens
+    return meta.extend_start_loc
+
+
+def _attention_triton(ctx: ForwardContext, q, k, v, layer: int, scale: float) -> torch.Tensor:
+    from compiled.attention.triton_decode import decode_attention_triton
+    from compiled.attention.triton_extend import extend_attention_triton
+    from compiled.attention.triton_store import store_kv_triton
+    meta, k_cache, v_cache = ctx.meta, ctx.kv.k[layer], ctx.kv.v[layer]
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    store_kv_triton(k_cache, v_cache, meta.out_cache_loc, k, v)
+    if meta.is_decode:
+        if q.shape[0] != meta.seq_lens.shape[0]:
+            raise ValueError(f"decode step with {q.shape[0]} tokens for {meta.seq_lens.shape[0]} requests")
+        return decode_attention_triton(q, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
+                                       meta.seq_lens, scale, decode_workspace(ctx, q))
+    return extend_attention_triton(q, k, v, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
+                                   meta.seq_lens, meta.extend_lens, extend_start_loc(meta),
+                                   meta.max_extend_len, scale)

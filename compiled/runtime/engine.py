@@ -40,9 +40,11 @@ class Engine:
 
     def graph_buckets(self) -> list[int]:
         from compiled.runtime.cuda_graphs import DEFAULT_MAX_BATCH, default_buckets
+        # A bucket is a batch of one-token requests: it must fit both the request and token limits.
+        limit = min(self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
         if self.cfg.cuda_graph_buckets is not None:
-            return sorted(b for b in self.cfg.cuda_graph_buckets if b <= self.cfg.max_num_seqs)
-        return default_buckets(min(self.cfg.max_num_seqs, DEFAULT_MAX_BATCH))
+            return sorted(b for b in self.cfg.cuda_graph_buckets if b <= limit)
+        return default_buckets(min(limit, DEFAULT_MAX_BATCH))
 
     # ---- admission -------------------------------------------------------------------------
 

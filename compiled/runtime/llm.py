@@ -71,7 +71,7 @@ class LLM:
         self.engine = Engine(self.model, self.model_config, self.config, num_kv_slots(self.model_config, self.config),
                              self.tokenizer, self._eos_token_ids())
         self.build_report.seconds["kv_cache"] = time.perf_counter() - start
-        if self.config.use_cuda_graphs:
+        if self.config.use_cuda_graphs and self.engine.graph_buckets():
             self.build_report.seconds["capture"] = self.engine.runner.capture_graphs(self.engine.graph_buckets())
 
     def _eos_token_ids(self) -> set[int]:

@@ -1,0 +1,621 @@
+"""What `compiled bench` measures, without the CLI: workloads, the engine driven step by step
+(latency, throughput, serving, start-up), statistics, the profiler, and the run's environment.
+
+Every runner drives `llm.engine` directly (`make_request`, `add`, `step`) so each step can be
+timed; tokens a step produced appear in `request.output_token_ids` when it returns."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from compiled.runtime.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+StepHook = Callable[[], None] | None
+
+
+# ---- statistics ------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile with linear interpolation (numpy's default)."""
+    xs = sorted(values)
+    if not xs:
+        return math.nan
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summary_ms(seconds: Sequence[float]) -> dict | None:
+    """mean / p50 / p90 / p99 / min / max in milliseconds, or None for no samples."""
+    if not seconds:
+        return None
+    ms = [1e3 * s for s in seconds]
+    return {"mean": sum(ms) / len(ms), "p50": percentile(ms, 50), "p90": percentile(ms, 90),
+            "p99": percentile(ms, 99), "min": min(ms), "max": max(ms), "n": len(ms)}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---- the engine -------------------------------------------------------------------------------
+
+
+@dataclass
+class EngineArgs:
+    model: str | None
+    device: str | None = None
+    dtype: str | None = None
+    load_format: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    kv_cache_tokens: int | None = None
+    mem_fraction: float = 0.9
+    enforce_eager: bool = False
+    compile: bool | None = None
+    artifact: str | None = None
+
+    def build(self):
+        from compiled import LLM
+        # Compile options are passed only when set, so the defaults stay the LLM's own.
+        extra = {k: v for k, v in (("enforce_eager", self.enforce_eager or None), ("compile", self.compile),
+                                   ("artifact", self.artifact)) if v is not None}
+        return LLM(self.model, device=self.device, dtype=self.dtype, load_format=self.load_format,
+                   max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
+                   max_num_batched_tokens=self.max_num_batched_tokens, kv_cache_tokens=self.kv_cache_tokens,
+                   mem_fraction=self.mem_fraction, seed=self.seed, **extra)
+
+
+def greedy(output_len: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+
+
+def check_idle(engine) -> None:
+    if engine.has_work:
+        raise RuntimeError("the engine still has requests from an earlier run")
+
+
+class KVPeak:
+    """Peak KV slots in use during any step: slots still held after the step plus those of the
+    requests that finished in it (their slots were freed before `step()` returned)."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.peak = engine, engine.kv.num_used
+
+    def update(self, finished) -> None:
+        used = self.engine.kv.num_used + sum(r.num_computed for r in finished)
+        self.peak = max(self.peak, used)
+
+    def as_dict(self) -> dict:
+        total = self.engine.kv.num_slots
+        return {"peak_kv_slots": self.peak, "kv_slots": total, "peak_kv_fraction": self.peak / total if total else 0.0}
+
+
+# ---- workloads --------------------------------------------------------------------------------
+
+
+@dataclass
+class Item:
+    prompt: Prompt
+    output_len: int
+
+
+def random_ids(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n, length), generator=g).tolist()
+
+
+def random_workload(n: int, input_len: int, input_len_max: int | None, output_len: int,
+                    output_len_max: int | None, vocab: int, seed: int) -> list[Item]:
+    """`n` requests of random token ids; lengths fixed, or uniform in [len, len_max]."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for _ in range(n):
+        i = rng.randint(input_len, input_len_max) if input_len_max else input_len
+        o = rng.randint(output_len, output_len_max) if output_len_max else output_len
+        items.append(Item(torch.randint(0, vocab, (i,), generator=g).tolist(), o))
+    return items
+
+
+def read_dataset(path: Path, output_len: int, output_len_max: int | None, seed: int,
+                 limit: int | None = None) -> list[Item]:
+    """JSONL: each line a string, a list of token ids, or an object with "prompt" (text) or
+    "prompt_token_ids" and optionally "output_len" (else --output-len / its range)."""
+    rng = random.Random(seed)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read dataset ({e.strerror})") from None
+    items: list[Item] = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+        out = None
+        if isinstance(record, dict):
+            out = record.get("output_len", record.get("max_new_tokens"))
+            record = record.get("prompt", record.get("prompt_token_ids"))
+        ok_ids = isinstance(record, list) and record and all(isinstance(t, int) for t in record)
+        if not (isinstance(record, str) and record) and not ok_ids:
+            raise ValueError(f"{path}:{lineno}: expected a non-empty string, a list of token ids, "
+                             "or an object with 'prompt' or 'prompt_token_ids'")
+        if out is None:
+            out = rng.randint(output_len, output_len_max) if output_len_max else output_len
+        if not isinstance(out, int) or out < 1:
+            raise ValueError(f"{path}:{lineno}: output_len must be a positive integer, got {out!r}")
+        items.append(Item(record, out))
+        if limit is not None and len(items) == limit:
+            break
+    if not items:
+        raise ValueError(f"{path}: no requests in the dataset")
+    return items
+
+
+def make_requests(engine, items: Sequence[Item]) -> list:
+    """Validate and tokenize every item (a bad one fails before anything is queued)."""
+    requests = [engine.make_request(i, it.prompt, greedy(it.output_len)) for i, it in enumerate(items)]
+    for i, (r, it) in enumerate(zip(requests, items)):
+        if len(r.prompt_token_ids) + it.output_len > engine.max_context:
+            raise ValueError(f"request {i}: input {len(r.prompt_token_ids)} + output {it.output_len} tokens "
+                             f"exceed the context of {engine.max_context} (raise --max-model-len)")
+    return requests
+
+
+def token_counts(requests) -> tuple[int, int]:
+    return sum(len(r.prompt_token_ids) for r in requests), sum(len(r.output_token_ids) for r in requests)
+
+
+# ---- latency ----------------------------------------------------------------------------------
+
+
+@dataclass
+class LatencyRun:
+    ttft_s: float
+    prefill_steps: int
+    step_s: list[float]
+    elapsed_s: float
+    retractions: int
+
+
+def latency_once(llm, prompts: list[Prompt], output_len: int, on_step: StepHook = None) -> LatencyRun:
+    """One batch: prefill every prompt (TTFT: until each has its first token), then time each
+    decode step until all reach `output_len` tokens."""
+    engine, device = llm.engine, llm.config.device
+    check_idle(engine)
+    retractions = engine.scheduler.num_retractions
+    requests = [engine.make_request(i, p, greedy(output_len)) for i, p in enumerate(prompts)]
+    sync(device)
+    t0 = time.perf_counter()
+    for r in requests:
+        engine.add(r)
+    prefill_steps = 0
+    while not all(r.output_token_ids for r in requests):
+        engine.step()
+        prefill_steps += 1
+        if on_step:
+            on_step()
+    sync(device)
+    t1 = time.perf_counter()
+    steps = []
+    while engine.has_work:
+        s = time.perf_counter()
+        engine.step()
+        sync(device)
+        steps.append(time.perf_counter() - s)
+        if on_step:
+            on_step()
+    return LatencyRun(t1 - t0, prefill_steps, steps, time.perf_counter() - t0,
+                      engine.scheduler.num_retractions - retractions)
+
+
+def latency(llm, batch: int, input_len: int, output_len: int, iters: int, warmup: int, seed: int,
+            on_step: StepHook = None) -> tuple[dict, list[list[int]]]:
+    prompts = random_ids(batch, input_len, llm.model_config.vocab_size, seed)
+    for _ in range(warmup):
+        latency_once(llm, prompts, output_len)
+    runs = [latency_once(llm, prompts, output_len, on_step) for _ in range(iters)]
+    steps = [s for r in runs for s in r.step_s]
+    elapsed = sum(r.elapsed_s for r in runs)
+    out_tokens = iters * batch * output_len
+    decode = summary_ms(steps)
+    ttft = [r.ttft_s for r in runs]
+    results = {
+        "batch_size": batch, "input_len": input_len, "output_len": output_len, "num_iters": iters,
+        "ttft_ms": summary_ms(ttft),
+        "prefill_steps": runs[0].prefill_steps,
+        "prefill_tokens_per_s": batch * input_len / (sum(ttft) / len(ttft)),
+        "decode_steps": len(steps),
+        "decode_step_ms": decode,
+        "decode_tokens_per_s": batch / (decode["p50"] / 1e3) if decode else None,
+        "elapsed_s": elapsed,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / elapsed,
+        "retractions": sum(r.retractions for r in runs),
+    }
+    return results, prompts
+
+
+def bandwidth(device: torch.device, gbps: float | None = None):
+    """The device's copy bandwidth: `gbps` when given, else measured once and cached."""
+    from compiled.runtime.roofline import Bandwidth, device_bandwidth, device_name
+    if gbps is not None:
+        return Bandwidth(gbps * 1e9, device_name(device), "given")
+    return device_bandwidth(device)
+
+
+def roofline(llm, batch: int, input_len: int, output_len: int, decode_p50_ms: float | None, bw) -> dict:
+    """The decode floor at the batch's middle context (input + output/2 tokens in the KV cache)
+    against the median step."""
+    from compiled.runtime.roofline import decode_bytes
+    context = input_len + output_len // 2
+    b = decode_bytes(llm.model_config, batch, context, llm.config.dtype.itemsize)
+    floor_ms = 1e3 * b.floor_s(bw.bytes_per_s)
+    return {
+        "context": context, "bytes_per_step": b.total, "bytes": b.as_dict(),
+        "experts_per_layer": b.experts_per_layer,
+        "bandwidth_bytes_per_s": bw.bytes_per_s, "bandwidth_source": bw.source,
+        "floor_ms": floor_ms,
+        "fraction_of_roofline": floor_ms / decode_p50_ms if decode_p50_ms else None,
+        "achieved_bytes_per_s": b.total / (decode_p50_ms / 1e3) if decode_p50_ms else None,
+    }
+
+
+# ---- throughput -------------------------------------------------------------------------------
+
+
+def throughput(llm, items: Sequence[Item], on_finish: Callable[[int], None] | None = None) -> dict:
+    """Every request queued at once, stepped until all finish (offline batch throughput)."""
+    engine, device = llm.engine, llm.config.device
+    check_idle(engine)
+    retractions = engine.scheduler.num_retractions
+    sync(device)
+    t0 = time.perf_counter()
+    requests = make_requests(engine, items)
+    for r in requests:
+        engine.add(r)
+    kv = KVPeak(engine)
+    steps, max_running, done = 0, 0, 0
+    while done < len(requests):
+        max_running = max(max_running, len(engine.scheduler.running) + len(engine.scheduler.waiting))
+        finished = engine.step()
+        steps += 1
+        kv.update(finished)
+        done += len(finished)
+        if on_finish and finished:
+            on_finish(len(finished))
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    inp, out = token_counts(requests)
+    return {
+        "num_requests": len(requests), "elapsed_s": elapsed, "steps": steps,
+        "input_tokens": inp, "output_tokens": out, "total_tokens": inp + out,
+        "requests_per_s": len(requests) / elapsed, "output_tokens_per_s": out / elapsed,
+        "total_tokens_per_s": (inp + out) / elapsed,
+        **kv.as_dict(), "retractions": engine.scheduler.num_retractions - retractions,
+    }
+
+
+def warm_up(llm, items: Sequence[Item], n: int = 4, output_len: int = 4) -> None:
+    """A few short requests first, so lazy initialisation is not timed."""
+    engine = llm.engine
+    requests = [engine.make_request(i, it.prompt, greedy(min(it.output_len, output_len)))
+                for i, it in enumerate(items[:n])]
+    for r in requests:
+        engine.add(r)
+    while engine.has_work:
+        engine.step()
+    sync(llm.config.device)
+
+
+# ---- serving ----------------------------------------------------------------------------------
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Poisson arrivals: exponential gaps of mean 1/rate; rate inf = everything at t=0."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    t, times = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        times.append(t)
+    return times
+
+
+@dataclass
+class Trace:
+    sent: float
+    input_len: int
+    token_times: list[float] = field(default_factory=list)
+    done: float | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.sent
+
+    @property
+    def e2e(self) -> float:
+        return self.done - self.sent
+
+    @property
+    def itl(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
+
+
+def serving(llm, items: Sequence[Item], rate: float, max_concurrency: int | None, seed: int,
+            on_finish: Callable[[int], None] | None = None) -> dict:
+    """Requests arrive on a Poisson clock and are fed to the engine between steps; every token's
+    time is the end of the step that produced it. TTFT counts from arrival (or, under
+    --max-concurrency, from when a slot freed), so time spent waiting for a step counts."""
+    engine, device = llm.engine, llm.config.device
+    check_idle(engine)
+    requests = make_requests(engine, items)
+    arrivals = arrival_times(len(requests), rate, seed)
+    traces: list[Trace | None] = [None] * len(requests)
+    active: dict[int, int] = {}   # request id -> index
+    kv = KVPeak(engine)
+    sync(device)
+    start = time.perf_counter()
+    nxt, slot_free_at, steps = 0, 0.0, 0
+    while nxt < len(requests) or active:
+        now = time.perf_counter() - start
+        while nxt < len(requests) and arrivals[nxt] <= now and (max_concurrency is None or len(active) < max_concurrency):
+            sent = max(arrivals[nxt], slot_free_at) if max_concurrency is not None else arrivals[nxt]
+            traces[nxt] = Trace(sent, len(requests[nxt].prompt_token_ids))
+            engine.add(requests[nxt])
+            active[requests[nxt].id] = nxt
+            nxt += 1
+        if not active:
+            time.sleep(max(0.0, arrivals[nxt] - (time.perf_counter() - start)))
+            continue
+        full = max_concurrency is not None and len(active) >= max_concurrency
+        finished = engine.step()
+        sync(device)
+        t = time.perf_counter() - start
+        steps += 1
+        kv.update(finished)
+        for rid, i in list(active.items()):
+            r, tr = requests[i], traces[i]
+            tr.token_times += [t] * (len(r.output_token_ids) - len(tr.token_times))
+            if r.finished:
+                tr.done = t
+                del active[rid]
+                if full:
+                    slot_free_at = t
+        if on_finish and finished:
+            on_finish(len(finished))
+    duration = max(tr.done for tr in traces)
+    inp, out = token_counts(requests)
+    itl = [x for tr in traces for x in tr.itl]
+    per_request = []
+    for tr, r in zip(traces, requests):
+        s = summary_ms(tr.itl)
+        per_request.append({
+            "input_len": tr.input_len, "output_len": len(r.output_token_ids), "sent_s": tr.sent,
+            "ttft_ms": 1e3 * tr.ttft, "e2e_ms": 1e3 * tr.e2e,
+            "tpot_ms": None if tr.tpot is None else 1e3 * tr.tpot,
+            "itl_ms": None if s is None else {k: s[k] for k in ("p50", "p90", "p99")},
+        })
+    return {
+        "num_requests": len(requests), "request_rate": rate, "max_concurrency": max_concurrency,
+        "duration_s": duration, "elapsed_s": duration, "steps": steps,
+        "input_tokens": inp, "output_tokens": out, "total_tokens": inp + out,
+        "requests_per_s": len(requests) / duration, "output_tokens_per_s": out / duration,
+        "total_tokens_per_s": (inp + out) / duration,
+        "ttft_ms": summary_ms([tr.ttft for tr in traces]),
+        "tpot_ms": summary_ms([tr.tpot for tr in traces if tr.tpot is not None]),
+        "itl_ms": summary_ms(itl),
+        "e2e_ms": summary_ms([tr.e2e for tr in traces]),
+        **kv.as_dict(),
+        "requests": per_request,
+    }
+
+
+# ---- start-up ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def timed_calls(module, names: dict[str, str]) -> Iterator[dict[str, float]]:
+    """While active, calls to `module.<attr>` are timed into the yielded dict under `stage`
+    (names: attr -> stage). Attributes the module no longer has are skipped."""
+    seconds: dict[str, float] = {}
+    originals = {}
+    for attr, stage in names.items():
+        fn = getattr(module, attr, None)
+        if fn is None:
+            continue
+        originals[attr] = fn
+
+        def wrapper(*args, _fn=fn, _stage=stage, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                seconds[_stage] = seconds.get(_stage, 0.0) + time.perf_counter() - t0
+        setattr(module, attr, wrapper)
+    try:
+        yield seconds
+    finally:
+        for attr, fn in originals.items():
+            setattr(module, attr, fn)
+
+
+def startup(args: EngineArgs, input_len: int) -> tuple[object, dict]:
+    """`LLM(...)` broken into stages: the tokenizer load, every stage the LLM reports
+    (`llm.startup_seconds` / `llm.build_report.seconds`: trace, passes, load, and whatever later
+    stages such as compile, kv_cache or capture it records), the engine + KV allocation when the
+    report has no such stage, and "other" for the rest; then one request's time to first token,
+    cold (the engine's first step) and warm."""
+    import compiled.runtime.llm as llm_module
+    t0 = time.perf_counter()
+    with timed_calls(llm_module, {"load_tokenizer": "tokenizer", "Engine": "engine"}) as outer:
+        llm = args.build()
+    sync(llm.config.device)
+    total = time.perf_counter() - t0
+    reported = getattr(llm, "startup_seconds", None)
+    if not isinstance(reported, dict):
+        report = getattr(llm, "build_report", None)
+        reported = dict(getattr(report, "seconds", {}) or {})
+    stages: dict[str, float] = {}
+    if "tokenizer" in outer and "tokenizer" not in reported:
+        stages["tokenizer"] = outer["tokenizer"]
+    stages.update(reported)
+    if "engine" in outer and not {"engine", "kv_cache"} & set(reported):
+        stages["engine"] = outer["engine"]
+    stages["other"] = max(total - sum(stages.values()), 0.0)
+    prompt = random_ids(1, input_len, llm.model_config.vocab_size, args.seed)[0]
+    cold = first_token(llm, prompt)
+    warm = first_token(llm, prompt)
+    return llm, {
+        "stages_s": stages, "llm_init_s": total, "ttft_cold_s": cold, "ttft_warm_s": warm,
+        "total_s": total + cold, "input_len": input_len, "kv_slots": llm.engine.kv.num_slots,
+    }
+
+
+def first_token(llm, prompt: Prompt) -> float:
+    engine = llm.engine
+    check_idle(engine)
+    request = engine.make_request(0, prompt, greedy(1))
+    sync(llm.config.device)
+    t0 = time.perf_counter()
+    engine.add(request)
+    while not request.output_token_ids:
+        engine.step()
+    sync(llm.config.device)
+    elapsed = time.perf_counter() - t0
+    while engine.has_work:
+        engine.step()
+    return elapsed
+
+
+# ---- profiling --------------------------------------------------------------------------------
+
+
+def profile_steps(llm, items: Sequence[Item], steps: int, out_dir: Path, name: str,
+                  skip_prefill: bool, top: int = 15) -> dict:
+    """torch.profiler over `steps` engine steps of a fresh run of `items` (after the prefill when
+    `skip_prefill`), exported as a Chrome trace; the `top` ops/kernels by self time."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    engine, device = llm.engine, llm.config.device
+    check_idle(engine)
+    requests = make_requests(engine, items)
+    for r in requests:
+        engine.add(r)
+    if skip_prefill:
+        while engine.has_work and not all(r.output_token_ids for r in requests):
+            engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    done = 0
+    with profile(activities=activities) as prof:
+        while done < steps and engine.has_work:
+            with record_function("engine.step"):
+                engine.step()
+            done += 1
+        sync(device)
+    while engine.has_work:
+        engine.step()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trace = out_dir / f"{name}_trace.json"
+    prof.export_chrome_trace(str(trace))
+    on_device = device.type == "cuda"
+    key = "self_device_time_total" if on_device else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if e.key != "engine.step" and not e.key.startswith("ProfilerStep")]
+    total = sum(getattr(e, key, 0.0) for e in events) or 1.0
+    events.sort(key=lambda e: getattr(e, key, 0.0), reverse=True)
+    rows = [{"name": e.key, "calls": e.count, "self_ms": getattr(e, key, 0.0) / 1e3,
+             "self_pct": 100 * getattr(e, key, 0.0) / total,
+             "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in events[:top] if getattr(e, key, 0.0) > 0]
+    return {"trace": str(trace), "steps": done, "sort_by": "self device time" if on_device else "self CPU time",
+            "total_self_ms": total / 1e3, "top": rows}
+
+
+# ---- the run's environment -------------------------------------------------------------------
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def git_commit() -> dict:
+    root = Path(__file__).resolve().parent.parent
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=5)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    return {"git_commit": commit, "git_dirty": bool(status) if status is not None else None}
+
+
+def environment(device: torch.device) -> dict:
+    from compiled.runtime.roofline import device_name
+    return {
+        "device": str(device), "device_name": device_name(device),
+        "torch": torch.__version__, "triton": _version("triton"), "transformers": _version("transformers"),
+        "compiled": _version("compiled"), "python": platform.python_version(), "platform": platform.platform(),
+        "cuda": torch.version.cuda, **git_commit(),
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv[1:],
+    }
+
+
+def _clean(x):
+    """JSON-safe: non-finite floats become strings, paths and dtypes become strings."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)
+
+
+def write_json(path: Path, record: dict) -> None:
+    path = Path(path)
+    if path.parent and not path.parent.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(_clean(record), indent=1) + "\n")
+    tmp.replace(path)

@@ -1,0 +1,259 @@
+"""Flash-decoding over the paged KV cache (Triton), safe to capture in a CUDA graph.
+
+Stage 1: one program per (request, KV head, split) serves the whole GQA group of query heads:
+it loads each K/V tile of its split once (slots gathered through `req_to_token`), computes the
+group's scores with one `tl.dot`, and writes a partial output and its log-sum-exp (base 2, fp32)
+to a preallocated workspace. Stage 2: one program per (request, query head) merges the splits.
+
+The number of splits is a launch parameter fixed by the batch size (so it is static inside a
+captured graph); each program derives its split's token range from `seq_lens` on the device,
+so nothing here reads a host value that changes from step to step, synchronises, or allocates
+(except the returned output, which a captured graph allocates from its pool)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 64   # upper bound on splits per request (workspace sizing)
+
+
+def interpreter_upcast(dtype: torch.dtype) -> bool:
+    """Triton's CPU interpreter computes `tl.dot` on bf16 operands wrongly (as raw 16-bit
+    integers), so under TRITON_INTERPRET=1 the kernels run their dots on bf16 data in fp32."""
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _split_range(seq_len, split, NUM_SPLITS, BLOCK_N: tl.constexpr):
+    """Splits are whole BLOCK_N tiles: split s covers [s * per, min((s + 1) * per, seq_len))."""
+    per = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per
+    end = tl.minimum(start + per, seq_len)
+    return start, end
+
+
+@triton.jit
+def _decode_stage1(
+    Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Mid_o, Mid_lse,
+    Out, sm_scale_log2, NUM_SPLITS,
+    stride_qb, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_r2t,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
+):
+    """DIRECT (one split): write the normalised output straight to Out, no stage 2."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(Seq_lens + b).to(tl.int32)
+    start, end = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
+    offs_g = tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + offs_g
+    mask_h = offs_g < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    out_ptrs = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    if start < end:
+        row = tl.load(Req_pool_indices + b).to(tl.int64)
+        q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+        if UPCAST:   # see interpreter_upcast()
+            q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        r2t = Req_to_token + row * stride_r2t
+        k_base = K_cache + kvh * stride_kch
+        v_base = V_cache + kvh * stride_vch
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            slots = tl.load(r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(k_base + slots[:, None] * stride_kcs + offs_d[None, :], mask=kv_mask, other=0.0)
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * sm_scale_log2
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            v = tl.load(v_base + slots[:, None] * stride_vcs + offs_d[None, :], mask=kv_mask, other=0.0)
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+            m_i = m_new
+        if DIRECT:
+            tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+        else:
+            mid = Mid_o + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_d[None, :]
+            tl.store(mid, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
+            tl.store(Mid_lse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, m_i + tl.log2(l_i),
+                     mask=mask_h)
+    elif DIRECT:
+        # A request with no cached tokens (a padding row of a captured batch) gets zeros.
+        tl.store(out_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(Out.dtype.element_ty),
+                 mask=mask_h[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _decode_stage2(
+    Mid_o, Mid_lse, Seq_lens, Out, NUM_SPLITS,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(Seq_lens + b).to(tl.int32)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    m_i = float("-inf")
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    mid = Mid_o + b.to(tl.int64) * stride_mb + h * stride_mh
+    lse_ptr = Mid_lse + b.to(tl.int64) * stride_lb + h * stride_lh
+    for split in range(0, NUM_SPLITS):
+        start, end = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
+        if start < end:
+            lse = tl.load(lse_ptr + split)
+            o = tl.load(mid + split * stride_ms + offs_d, mask=mask_d, other=0.0)
+            m_new = tl.maximum(m_i, lse)
+            alpha = tl.exp2(m_i - m_new)
+            w = tl.exp2(lse - m_new)
+            acc = acc * alpha + o * w
+            l_i = l_i * alpha + w
+            m_i = m_new
+    # A request with no cached tokens (a padding row of a captured batch) gets zeros, not NaN.
+    out = acc / tl.maximum(l_i, 1e-30)
+    tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+
+
+PROGRAMS_PER_SM = 4   # stage-1 programs resident per SM (the default config fits 5 on Hopper)
+
+
+def default_config(head_dim: int) -> dict:
+    """Stage-1 tile (KV tokens per iteration), warps and pipeline stages."""
+    return dict(block_n=32 if head_dim > 128 else 64, num_warps=4, num_stages=2)
+
+
+def _wave_efficiency(programs: int, capacity: int) -> float:
+    """Modelled share of the bandwidth that `programs` equal programs get when `capacity` fit on
+    the GPU at once: full waves stream at full speed, and a last wave with fewer than half the
+    slots filled takes as long as a half-full one (too few loads in flight)."""
+    full, tail = divmod(programs, capacity)
+    return programs / (full * capacity + (max(tail, capacity / 2) if tail else 0))
+
+
+def num_kv_splits(batch: int, kv_heads: int, num_sms: int, group: int = 8, max_splits: int = MAX_SPLITS,
+                  programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Splits per request for stage 1: a function of the batch shape only, so it is fixed for a
+    captured batch size. Picks the count whose programs fill the GPU's waves best, in the worst
+    case over `programs_per_sm` or one more resident per SM, less the cost of each split's partial
+    results (written and read back: 2 * group / context of the KV bytes; a 2k context assumed).
+    The wave model matches an H200: 768 programs where 660 fit streamed at 75-79% of the copy
+    ceiling, 512 or 1024 at 89-100%."""
+    base = max(batch * kv_heads, 1)
+    occupancies = (programs_per_sm * num_sms, (programs_per_sm + 1) * num_sms)
+
+    def score(splits: int) -> float:
+        eff = min(_wave_efficiency(base * splits, cap) for cap in occupancies)
+        return eff / (1 + splits * group / 1024)
+    # At most ~8 waves of programs: bounds the workspace whatever the batch.
+    most = max(1, min(max_splits, 8 * occupancies[1] // base))
+    return max(range(1, most + 1), key=lambda s: (score(s), -s))
+
+
+_SM_COUNT: dict[str, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    key = str(device)
+    if key not in _SM_COUNT:
+        _SM_COUNT[key] = (torch.cuda.get_device_properties(device).multi_processor_count
+                          if device.type == "cuda" else 8)
+    return _SM_COUNT[key]
+
+
+class DecodeWorkspace:
+    """Partial outputs `[B, Hq, S, D]` and log-sum-exps `[B, Hq, S]` (fp32) for stage 1, allocated
+    once for every batch size up to `max_batch` that the heuristic splits (unsplit batches need
+    none; at most ~8 waves of programs, so the size does not grow with `max_batch`), then viewed
+    per call. `min_rows` reserves room for explicit `num_splits` (batch x splits rows)."""
+
+    def __init__(self, max_batch: int, num_q_heads: int, kv_heads: int, head_dim: int,
+                 device: torch.device, max_splits: int = MAX_SPLITS,
+                 programs_per_sm: int = PROGRAMS_PER_SM, min_rows: int = 0) -> None:
+        self.num_q_heads, self.kv_heads, self.head_dim = num_q_heads, kv_heads, head_dim
+        self.max_batch, self.max_splits, self.device = max_batch, max_splits, torch.device(device)
+        self.programs_per_sm = programs_per_sm
+        self.num_sms = sm_count(self.device)
+        group = num_q_heads // kv_heads
+        self._splits = [1] + [num_kv_splits(b, kv_heads, self.num_sms, group, max_splits, programs_per_sm)
+                              for b in range(1, max_batch + 1)]
+        rows = max([b * s for b, s in enumerate(self._splits) if s > 1] + [min_rows, 1])
+        self.capacity = rows   # batch x splits the buffers hold
+        self.o = torch.empty(rows * num_q_heads * head_dim, dtype=torch.float32, device=self.device)
+        self.lse = torch.empty(rows * num_q_heads, dtype=torch.float32, device=self.device)
+
+    def splits_for(self, batch: int) -> int:
+        if batch < len(self._splits):
+            return self._splits[batch]
+        return num_kv_splits(batch, self.kv_heads, self.num_sms, self.num_q_heads // self.kv_heads,
+                             self.max_splits, self.programs_per_sm)
+
+    def views(self, batch: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = batch * splits
+        if n > self.capacity:
+            raise ValueError(f"decode workspace holds {self.capacity} request-splits, asked for {batch}x{splits}")
+        h, d = self.num_q_heads, self.head_dim
+        return self.o[:n * h * d].view(batch, h, splits, d), self.lse[:n * h].view(batch, h, splits)
+
+
+def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float, workspace: DecodeWorkspace,
+                            num_splits: int | None = None, out: torch.Tensor | None = None,
+                            **config) -> torch.Tensor:
+    """q `[B, Hq, D]` (one token per request) over pools `[slots, Hkv, D]` -> `[B, Hq, D]`.
+    `config` overrides `default_config` (block_n, num_warps, num_stages)."""
+    batch, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    group = hq // hkv
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    splits = num_splits or workspace.splits_for(batch)
+    direct = splits == 1
+    if direct:   # no partial results: stage 1 writes the output
+        mid_o, mid_lse, mid_strides = workspace.o, workspace.lse, (0, 0, 0, 0, 0)
+    else:
+        mid_o, mid_lse = workspace.views(batch, splits)
+        mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
+    cfg = dict(default_config(d), **config)
+    block_n = cfg["block_n"]
+    block_d = max(16, triton.next_power_of_2(d))
+    block_h = max(16, triton.next_power_of_2(group))
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    _decode_stage1[(batch, hkv, splits)](
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        out, scale * LOG2E, splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        req_to_token.stride(0), *mid_strides, out.stride(0), out.stride(1),
+        GROUP=group, D=d, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n,
+        DOT_PRECISION=precision, UPCAST=interpreter_upcast(q.dtype), DIRECT=direct,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if direct:
+        return out
+    _decode_stage2[(batch, hq)](
+        mid_o, mid_lse, seq_lens, out, splits,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        D=d, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=1 if block_d <= 64 else 2,
+    )
+    return out

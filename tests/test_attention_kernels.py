@@ -1,0 +1,302 @@
+"""Triton attention kernels (store, flash-decoding, varlen extend) against their torch references.
+
+CPU: the kernels run under `TRITON_INTERPRET=1` in a subprocess per group (the variable only
+takes effect for kernels defined after it is set, so setting it in this process could turn every
+later Triton kernel of the session, GPU runs included, into an interpreted one). The subprocess
+runs this file as a script. GPU (`-m gpu`): the same comparisons at real sizes in bf16."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from compiled.attention.reference import decode_attention_ref, extend_attention_ref, store_kv  # noqa: E402
+
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+# ----------------------------------------------------------------------------------------------
+# Random paged batches (scattered slots, rows of the table out of order, junk after each row's end)
+
+def paged_batch(seq_lens, hkv, d, dtype, device="cpu", seed=0, extra_rows=3):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    b, total = len(seq_lens), sum(seq_lens)
+    num_slots = total + 11
+    k_cache = torch.randn(num_slots + 1, hkv, d, generator=g).to(device, dtype)
+    v_cache = torch.randn(num_slots + 1, hkv, d, generator=g).to(device, dtype)
+    slots = (torch.randperm(num_slots, generator=g)[:total] + 1).to(torch.int32)
+    max_ctx = max(seq_lens, default=1) + 5
+    table = torch.randint(1, num_slots + 1, (b + extra_rows, max_ctx), generator=g, dtype=torch.int32)
+    rows = torch.randperm(b + extra_rows, generator=g)[:b]
+    off = 0
+    for row, s in zip(rows.tolist(), seq_lens):
+        table[row, :s] = slots[off:off + s]
+        off += s
+    return k_cache, v_cache, table.to(device), rows.to(device)
+
+
+def randn(shape, dtype, device, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(device, dtype)
+
+
+def max_err(a, b):
+    """Largest difference, relative where |b| > 1 (bf16 outputs near 3 are 1/64 apart)."""
+    a, b = a.float(), b.float()
+    return ((a - b).abs() / b.abs().clamp(min=1.0)).max().item()
+
+
+# ----------------------------------------------------------------------------------------------
+# Cases: each returns (error, tolerance)
+
+def store_case(t, hkv, d, dtype, cache_dtype, fused_view, device="cpu"):
+    from compiled.attention.triton_store import store_kv_triton
+    k_cache, v_cache, _, _ = paged_batch([t], hkv, d, cache_dtype, device)
+    loc = torch.randperm(k_cache.shape[0] - 1)[:t].add(1).to(device)
+    if fused_view:   # k and v as views of one [T, (2 * hkv + 1) * d] projection output
+        qkv = randn((t, (2 * hkv + 1) * d), dtype, device, 5)
+        k = qkv[:, d:(hkv + 1) * d].view(t, hkv, d)
+        v = qkv[:, (hkv + 1) * d:].view(t, hkv, d)
+    else:
+        k, v = randn((t, hkv, d), dtype, device, 6), randn((t, hkv, d), dtype, device, 7)
+    kr, vr = k_cache.clone(), v_cache.clone()
+    store_kv(kr, vr, loc, k, v)
+    store_kv_triton(k_cache, v_cache, loc, k, v)
+    return max(max_err(kr, k_cache), max_err(vr, v_cache)), 0.0
+
+
+def decode_case(seq_lens, hq, hkv, d, dtype, num_splits, device="cpu", seed=0, graph=False):
+    from compiled.attention.triton_decode import DecodeWorkspace, decode_attention_triton
+    k_cache, v_cache, table, rows = paged_batch(seq_lens, hkv, d, dtype, device, seed)
+    b = len(seq_lens)
+    q = randn((b, hq, d), dtype, device, seed + 1)
+    lens = torch.tensor(seq_lens, device=device)
+    scale = d ** -0.5
+    ws = DecodeWorkspace(max(64, b), hq, hkv, d, torch.device(device), min_rows=b * (num_splits or 1))
+    ref = decode_attention_ref(q, k_cache, v_cache, table, rows, lens, max(seq_lens), scale)
+    if graph:   # capture once, then replay over new lengths and queries written in place
+        out = decode_attention_triton(q, k_cache, v_cache, table, rows, lens, scale, ws, num_splits)
+        torch.cuda.synchronize()
+        cg = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cg):
+            out = decode_attention_triton(q, k_cache, v_cache, table, rows, lens, scale, ws, num_splits)
+        new_lens = [max(1, s - 17 * i) for i, s in enumerate(seq_lens)]
+        lens.copy_(torch.tensor(new_lens, device=device))
+        q.copy_(randn((b, hq, d), dtype, device, seed + 2))
+        cg.replay()
+        torch.cuda.synchronize()
+        ref = decode_attention_ref(q, k_cache, v_cache, table, rows, lens, max(new_lens), scale)
+    else:
+        out = decode_attention_triton(q, k_cache, v_cache, table, rows, lens, scale, ws, num_splits)
+    return max_err(out, ref), TOL[dtype]
+
+
+def decode_padding_case(splits, device="cpu"):
+    """A request with no cached tokens (a padding row of a captured batch) gets zeros, not NaN."""
+    from compiled.attention.triton_decode import DecodeWorkspace, decode_attention_triton
+    k_cache, v_cache, table, rows = paged_batch([5, 0], 1, 16, torch.float32, device)
+    q = randn((2, 2, 16), torch.float32, device, 3)
+    ws = DecodeWorkspace(8, 2, 1, 16, torch.device(device), min_rows=2 * splits)
+    out = torch.full_like(q, float("nan"))
+    decode_attention_triton(q, k_cache, v_cache, table, rows, torch.tensor([5, 0], device=device), 0.25, ws,
+                            splits, out=out)
+    return out[1].abs().max().item() + float(torch.isnan(out).any()), 0.0
+
+
+def extend_case(prefix_lens, ext_lens, hq, hkv, d, dtype, device="cpu", seed=0, **config):
+    from compiled.attention.triton_extend import extend_attention_triton
+    seq_lens = [p + e for p, e in zip(prefix_lens, ext_lens)]
+    k_cache, v_cache, table, rows = paged_batch(seq_lens, hkv, d, dtype, device, seed)
+    t = sum(ext_lens)
+    q = randn((t, hq, d), dtype, device, seed + 1)
+    k, v = randn((t, hkv, d), dtype, device, seed + 2), randn((t, hkv, d), dtype, device, seed + 3)
+    loc = torch.cat([table[r, p:s].long() for r, p, s in zip(rows.tolist(), prefix_lens, seq_lens)])
+    store_kv(k_cache, v_cache, loc, k, v)
+    scale = d ** -0.5
+    ref = extend_attention_ref(q, k_cache, v_cache, table, rows.tolist(), seq_lens, ext_lens, scale)
+    starts = torch.tensor([sum(ext_lens[:i]) for i in range(len(ext_lens))], device=device)
+    out = extend_attention_triton(q, k, v, k_cache, v_cache, table, rows, torch.tensor(seq_lens, device=device),
+                                  torch.tensor(ext_lens, device=device), starts, max(ext_lens), scale, **config)
+    return max_err(out, ref), TOL[dtype]
+
+
+def op_case(decode: bool, device="cpu"):
+    """The `compiled::attention` op on the Triton backend vs the torch backend (store included),
+    with metadata built without `extend_start_loc` (computed on the device)."""
+    import compiled.attention.ops as ops
+    from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
+    from compiled.attention.kv_cache import KVPool
+    hq, hkv, d, layer = 4, 2, 32, 1
+    prefix = [9, 0, 130] if decode else [0, 40, 77]
+    ext = [1, 1, 1] if decode else [23, 1, 60]
+    seq = [p + e for p, e in zip(prefix, ext)]
+    outs, pools = [], []
+    for backend in ("torch", "triton"):
+        kv = KVPool(2, sum(seq) + 4, hkv, d, torch.float32, torch.device(device))
+        g = torch.Generator().manual_seed(0)
+        for pool in kv.k + kv.v:
+            pool.copy_(torch.randn(pool.shape, generator=g))
+        table = torch.zeros(5, 200, dtype=torch.int32, device=device)
+        rows, loc, nxt = [3, 0, 2], [], 1
+        for r, p, s in zip(rows, prefix, seq):
+            table[r, :s] = torch.arange(nxt, nxt + s, dtype=torch.int32)
+            loc += list(range(nxt + p, nxt + s))
+            nxt += s
+        meta = AttentionMetadata(
+            out_cache_loc=torch.tensor(loc, device=device), req_pool_indices=torch.tensor(rows, device=device),
+            seq_lens=torch.tensor(seq, device=device), extend_lens=torch.tensor(ext, device=device),
+            req_pool_indices_cpu=rows, seq_lens_cpu=seq, extend_lens_cpu=ext, is_decode=decode)
+        t = sum(ext)
+        q, k, v = randn((t, hq, d), torch.float32, device, 1), randn((t, hkv, d), torch.float32, device, 2), \
+            randn((t, hkv, d), torch.float32, device, 3)
+        ops.set_backend(backend)
+        try:
+            with forward_context(ForwardContext(meta=meta, kv=kv, req_to_token=table)):
+                outs.append(torch.ops.compiled.attention(q, k, v, layer, d ** -0.5))
+        finally:
+            ops.set_backend("auto")
+        pools.append(kv)
+    err = max(max_err(outs[0], outs[1]), max_err(pools[0].k[layer], pools[1].k[layer]),
+              max_err(pools[0].v[layer], pools[1].v[layer]))
+    return err, TOL[torch.float32]
+
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+MIXED = [1, 7, 300, 65, 128, 33]          # lengths 1..300, several ending mid-split / mid-tile
+
+CPU_GROUPS = {
+    "store": [
+        ("store_f32_T37_h3_d24", lambda: store_case(37, 3, 24, F32, F32, False)),
+        ("store_bf16_fused_view_h2_d64", lambda: store_case(19, 2, 64, BF16, BF16, True)),
+        ("store_f32_into_f16_cache", lambda: store_case(5, 1, 128, F32, F16, False)),
+    ],
+    "decode": [
+        ("decode_gqa1_d64_splits1", lambda: decode_case(MIXED, 2, 2, 64, F32, 1)),
+        ("decode_gqa1_d64_splits5", lambda: decode_case(MIXED, 2, 2, 64, F32, 5)),
+        ("decode_gqa4_d128_splits3", lambda: decode_case([300, 1, 64, 200, 129], 4, 1, 128, F32, 3)),
+        ("decode_gqa8_d64_splits7", lambda: decode_case([1, 299, 97, 64], 8, 1, 64, F32, 7)),
+        ("decode_gqa4_d24_auto_splits", lambda: decode_case([13, 250, 2], 8, 2, 24, F32, None)),
+        ("decode_gqa4_d64_bf16", lambda: decode_case([120, 3, 257], 4, 1, 64, BF16, 2)),
+        ("decode_gqa8_d128_f16", lambda: decode_case([77, 200], 8, 1, 128, F16, 4)),
+        ("decode_padding_row_is_zero_splits3", lambda: decode_padding_case(3)),
+        ("decode_padding_row_is_zero_splits1", lambda: decode_padding_case(1)),
+    ],
+    "extend": [
+        # empty and long prefixes, batches mixing extend lengths 1..300
+        ("extend_gqa1_d64_mixed", lambda: extend_case([0, 50, 0, 211], [1, 37, 100, 64], 2, 2, 64, F32)),
+        ("extend_gqa4_d128_long", lambda: extend_case([0, 3], [300, 1], 4, 1, 128, F32)),
+        ("extend_gqa8_d64_small_tiles", lambda: extend_case([299, 0, 17], [1, 150, 40], 8, 1, 64, F32,
+                                                            block_m=32, block_n=16, block_np=16)),
+        ("extend_gqa4_d24_f16", lambda: extend_case([5, 64], [70, 2], 4, 1, 24, F16, block_m=32, block_n=32,
+                                                    block_np=32)),
+        ("extend_gqa4_d64_bf16", lambda: extend_case([100], [33], 4, 1, 64, BF16)),
+    ],
+    "op": [
+        ("op_decode_triton_vs_torch", lambda: op_case(True)),
+        ("op_extend_triton_vs_torch", lambda: op_case(False)),
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def interpreted_results() -> dict[str, list[dict]]:
+    """Every CPU group in one subprocess (one import of torch and triton)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("COMPILED_ATTENTION_BACKEND", None)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), *CPU_GROUPS], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("group", list(CPU_GROUPS))
+def test_interpreted_kernels_match_reference(interpreted_results, group):
+    results = interpreted_results[group]
+    assert [r["case"] for r in results] == [name for name, _ in CPU_GROUPS[group]]
+    bad = [r for r in results if not r["err"] <= r["tol"]]
+    assert not bad, bad
+
+
+def test_cpu_backend_is_torch_and_env_is_validated():
+    import compiled.attention.ops as ops
+    assert ops.backend_for(torch.zeros(1)) in ("torch", "triton")
+    assert ops.BACKEND != "auto" or ops.backend_for(torch.zeros(1)) == "torch"
+    with pytest.raises(ValueError, match="COMPILED_ATTENTION_BACKEND"):
+        ops.set_backend("cuda")
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: real sizes (Qwen3-30B-A3B heads: 32 q / 4 kv, d=128), bf16, contexts up to 8k
+
+def _lens(n, lo, hi, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+
+
+@pytest.mark.gpu
+def test_gpu_store_real_size():
+    err, tol = store_case(4096, 4, 128, BF16, BF16, True, device="cuda")
+    assert err <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,hi,splits", [(1, 8192, None), (16, 8192, None), (64, 2048, None),
+                                             (7, 8192, 5), (3, 8191, 64)])
+def test_gpu_decode_real_size(batch, hi, splits):
+    lens = _lens(batch, 1, hi, batch) if batch > 1 else [hi]
+    err, tol = decode_case(lens, 32, 4, 128, BF16, splits, device="cuda")
+    assert err <= tol, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,d", [(16, 2, 64), (16, 4, 256), (16, 16, 128), (8, 1, 24)])
+def test_gpu_decode_head_dims(hq, hkv, d):
+    err, tol = decode_case(_lens(9, 1, 5000, d), hq, hkv, d, BF16, None, device="cuda")
+    assert err <= tol, err
+
+
+@pytest.mark.gpu
+def test_gpu_decode_cuda_graph_replay():
+    err, tol = decode_case(_lens(24, 100, 8192, 3), 32, 4, 128, BF16, None, device="cuda", graph=True)
+    assert err <= tol, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefix,ext", [([0], [8192]), ([8000], [2048]), ([0, 8000, 5000, 17, 0], [2048, 300, 1, 999, 1])])
+def test_gpu_extend_real_size(prefix, ext):
+    err, tol = extend_case(prefix, ext, 32, 4, 128, BF16, device="cuda")
+    assert err <= tol, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,d", [(16, 2, 64), (16, 4, 256), (8, 1, 24)])
+def test_gpu_extend_head_dims(hq, hkv, d):
+    err, tol = extend_case([0, 700, 3000], [1000, 129, 1], hq, hkv, d, BF16, device="cuda")
+    assert err <= tol, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode", [True, False])
+def test_gpu_op_triton_matches_torch(decode):
+    err, tol = op_case(decode, device="cuda")
+    assert err <= tol, err
+
+
+if __name__ == "__main__":   # CPU groups, run by the fixture above under TRITON_INTERPRET=1
+    torch.manual_seed(0)
+    results = {}
+    for group in sys.argv[1:]:
+        results[group] = []
+        for name, case in CPU_GROUPS[group]:
+            err, tol = case()
+            results[group].append(dict(case=name, err=err, tol=tol))
+    print(json.dumps(results))
