@@ -33,7 +33,7 @@ def reduced_30b(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair(reduced_30b):
     common = dict(device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=2048, max_num_seqs=64,
-                  max_num_batched_tokens=4096, seed=3)
+                  max_num_batched_tokens=4096, kv_cache_tokens=32768, seed=3)
     fast = LLM(reduced_30b, compile=True, cuda_graph_buckets=BUCKETS, **common)
     plain = LLM(reduced_30b, compile=False, cuda_graph_buckets=[], **common)
     return fast, plain
