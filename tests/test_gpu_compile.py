@@ -52,7 +52,7 @@ def test_compiled_graphs_match_uncompiled(pair, batch):
     fast, plain = pair
     assert fast.engine.runner.graphs is not None and plain.engine.runner.graphs is None
     a, b = _step_logprobs(fast, batch, batch), _step_logprobs(plain, batch, batch)
-    worst = 0.0
+    worst, scale = 0.0, 0.0
     for x, y in zip(a, b):
         assert x.token_ids[0] == y.token_ids[0] or abs(x.logprobs[0][x.token_ids[0]] - y.logprobs[0][x.token_ids[0]]) < 0.05
         if x.token_ids[0] != y.token_ids[0]:
@@ -61,8 +61,11 @@ def test_compiled_graphs_match_uncompiled(pair, batch):
             common = set(x.logprobs[step]) & set(y.logprobs[step])
             assert len(common) >= 4
             worst = max(worst, max(abs(x.logprobs[step][t] - y.logprobs[step][t]) for t in common))
-    print(f"batch {batch}: max |dlogprob| {worst:.4f}")
-    assert worst < 0.08
+            scale = max(scale, max(abs(y.logprobs[step][t]) for t in common))
+    # Random weights give nearly flat logprobs around -log(V) ~ -12: a few bf16 ulps there
+    # (2^-8 relative) are ~0.05 each, so the bound scales with the magnitude.
+    print(f"batch {batch}: max |dlogprob| {worst:.4f} at |logprob| <= {scale:.1f}")
+    assert worst < 0.02 + 8e-3 * scale
 
 
 def test_no_recompilation_over_200_batch_sizes(pair):
