@@ -119,25 +119,32 @@ MAX_CONFIGS = 0  # > 0: keep that many configs per space (smoke runs)
 
 
 def _space(bm: int, down: bool) -> list[dict]:
+    """Candidate tiles for one GEMM at this BLOCK_SIZE_M, pruned by shared memory and registers."""
     n_acc = 1 if down else 2
-    if bm <= 32:
-        bns, bks, warps, stages, groups = [32, 64, 128], [64, 128, 256], [4], [3, 4, 5], [1]
+    combos = []  # (BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_SIZE_M)
+    if bm == 16:  # decode: streaming weights; narrow tiles and more CTAs help wave balance
+        for bn in (16, 32, 64, 128):
+            for bk in ((128, 256, 512) if bn <= 32 else (64, 128, 256)):
+                for w in ((2, 4) if bn <= 32 else (4,)):
+                    combos += [(bn, bk, w, st, 1) for st in (3, 4, 5)]
+    elif bm == 32:
+        combos = [(bn, bk, 4, st, 1) for bn in (32, 64, 128) for bk in (64, 128, 256) for st in (3, 4, 5)]
     elif bm == 64:
-        bns, bks, warps, stages, groups = ([64, 128, 256] if down else [64, 128]), [64, 128], [4, 8], [3, 4], [8]
+        bns = (64, 128, 256) if down else (64, 128)
+        combos = [(bn, bk, w, st, 8) for bn in bns for bk in (64, 128) for w in (4, 8) for st in (3, 4)]
     else:
-        bns, bks, warps, stages, groups = ([128, 256] if down else [64, 128]), [64], [4, 8], [3, 4], [8]
+        bns = (128, 256) if down else (64, 128)
+        combos = [(bn, bk, w, st, g) for bn in bns for bk in (64, 128) for w in (4, 8) for st in (3, 4, 5)
+                  for g in (8, 32)]
     out = []
-    for bn in bns:
-        for bk in bks:
-            for w in warps:
-                for s in stages:
-                    for gm in groups:
-                        smem = s * (bm * bk + n_acc * bn * bk) * 2
-                        regs = n_acc * bm * bn / (w * 32)
-                        if smem > SMEM_BYTES or regs > 128:
-                            continue
-                        out.append(dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm,
-                                        num_warps=w, num_stages=s))
+    for bn, bk, w, st, g in combos:
+        smem = st * (bm * bk + n_acc * bn * bk) * 2
+        regs = n_acc * bm * bn / (w * 32)
+        if smem > SMEM_BYTES or regs > 128:
+            continue
+        for half in ((0, 1) if bm >= 64 else (0,)):  # half-height tiles for partial blocks
+            out.append(dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g,
+                            num_warps=w, num_stages=st, HALF_M=half))
     return out[:MAX_CONFIGS] if MAX_CONFIGS > 0 else out
 
 
@@ -174,7 +181,8 @@ class Problem:
     def align(self, bm):
         if bm not in self.aligned:
             if self.naive:
-                self.aligned[bm] = [(i.reshape(-1), i.reshape(-1), i.reshape(-1), self.T * self.top_k) for i in self.ids]
+                flat = [i.reshape(-1) for i in self.ids]
+                self.aligned[bm] = [(f, f, f, self.T * self.top_k) for f in flat]
             else:
                 al = []
                 for ids in self.ids:

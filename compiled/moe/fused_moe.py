@@ -7,8 +7,9 @@ returns `[T, H]` in x's dtype. On CUDA it runs the Triton kernels of `fused_moe_
 `silu(gate) * up` in its epilogue, grouped GEMM over `w2` with the routing weight in its epilogue,
 sum over the top-k. No host syncs and fixed-size buffers, so it can be captured in a CUDA graph.
 
-Kernel configs (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages per token count, and an
-optional "down" override of the N/K/GROUP/warps/stages for the second GEMM) come from
+Kernel configs (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages, optional HALF_M per token
+count, and an optional "down" override of N/K/GROUP/warps/stages/HALF_M for the second GEMM; HALF_M
+runs an expert's partial last block as a half-height tile) come from
 `configs/E={E},N={I},device_name={name},dtype={dtype}.json` (written by `bench/tune_moe.py`);
 the entry whose token count is nearest wins, and a default is used when no file matches.
 `COMPILED_MOE_BACKEND=torch|triton` forces a path; `COMPILED_MOE_CONFIG_DIR` adds a config folder
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
-DOWN_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+DOWN_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", "HALF_M")
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
@@ -126,9 +127,13 @@ def get_config(M: int, E: int, N: int, dtype: torch.dtype, device: torch.device 
 
 
 def _split_config(cfg: dict) -> tuple[dict, dict]:
+    """(up GEMM config, down GEMM config); HALF_M (optional, default 0) only where BLOCK_SIZE_M >= 32."""
     up = {k: int(cfg[k]) for k in CONFIG_KEYS}
+    up["HALF_M"] = int(cfg.get("HALF_M", 0))
     down = dict(up)
     down.update({k: int(v) for k, v in (cfg.get("down") or {}).items() if k in DOWN_KEYS})
+    for c in (up, down):
+        c["HALF_M"] = int(bool(c["HALF_M"]) and c["BLOCK_SIZE_M"] >= 32)
     return up, down
 
 
@@ -144,10 +149,11 @@ def max_padded_size(numel: int, E: int, block_m: int) -> int:
 
 
 def _align_chunk(numel: int) -> int:
-    """Pairs per program of the alignment kernels: one program up to 128 pairs, at most ~64 programs."""
+    """Pairs per program of the alignment kernels: one program up to 128 pairs, else 128 a program
+    (more beyond 1024 programs)."""
     if numel <= 128:
         return max(16, _next_pow2(numel))
-    return max(64, _next_pow2(-(-numel // 64)))
+    return max(128, _next_pow2(-(-numel // 1024)))
 
 
 @dataclass
@@ -169,7 +175,9 @@ class MoEWorkspace:
         numel = max_tokens * top_k
         self.get("sorted", max_padded_size(numel, E, block_m) + block_m, torch.int32, device)
         self.get("experts", -(-max_padded_size(numel, E, 16) // 16), torch.int32, device)
-        self.get("counts", 64 * _next_pow2(E), torch.int32, device)
+        e_pad = max(16, _next_pow2(E))
+        self.get("totals", e_pad, torch.int32, device)
+        self.get("bases", -(-numel // _align_chunk(numel)) * e_pad, torch.int32, device)
         self.get("post", 1, torch.int32, device)
         self.get("inter", numel * I, dtype, device)
         self.get("y", numel * H, dtype, device)
@@ -181,8 +189,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
 
     Returns (sorted_ids int32 `[P]`, expert_ids int32 `[P / block_m]`, num_post int32 `[1]`) with P
     the fixed bound `max_padded_size`: sorted_ids holds pair indices (token * k + slot), padding
-    rows hold T*k; expert_ids is -1 for blocks past num_post. Order inside an expert follows the
-    pair index. No host sync."""
+    rows hold T*k; expert_ids is -1 for blocks past num_post. Inside an expert's segment, pairs of
+    one chunk keep their order and chunks come in arrival order (atomics); nothing downstream
+    depends on that order. No host sync."""
     from compiled.moe import fused_moe_kernels as K
 
     ws = workspace or MoEWorkspace()
@@ -199,10 +208,14 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
     n_chunks = -(-numel // chunk)
     sub = min(chunk, 64 if e_pad <= 128 else 32)
     bb = min(64, 4096 // max(block_m, e_pad))  # blocks per step of the block loop (a power of two)
-    counts = ws.get("counts", n_chunks * e_pad, torch.int32, dev)
     if n_chunks > 1:
-        K.align_count_kernel[(n_chunks,)](ids, counts, numel, CHUNK=chunk, SUB=sub, E_PAD=e_pad, num_warps=4)
-    K.align_place_kernel[(n_chunks,)](ids, counts, sorted_ids, expert_ids, num_post, numel, n_chunks, max_blocks,
+        totals = ws.get("totals", e_pad, torch.int32, dev)
+        bases = ws.get("bases", n_chunks * e_pad, torch.int32, dev)
+        totals.zero_()
+        K.align_count_kernel[(n_chunks,)](ids, totals, bases, numel, CHUNK=chunk, SUB=sub, E_PAD=e_pad, num_warps=4)
+    else:
+        totals = bases = num_post  # unused
+    K.align_place_kernel[(n_chunks,)](ids, totals, bases, sorted_ids, expert_ids, num_post, numel, max_blocks,
                                       BLOCK_M=block_m, CHUNK=chunk, SUB=sub, E_PAD=e_pad, BB=bb,
                                       SINGLE=n_chunks == 1, num_warps=4)
     return sorted_ids, expert_ids, num_post
@@ -218,7 +231,8 @@ def _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         TOP_K=top_k, NAIVE=naive, **_dot_flags(x.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
-        EVEN_K=H % cfg["BLOCK_SIZE_K"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        EVEN_K=H % cfg["BLOCK_SIZE_K"] == 0, HALF_M=bool(cfg["HALF_M"]) and not naive,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel, n_blocks, naive, cfg):
@@ -231,7 +245,8 @@ def _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel
         inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         NAIVE=naive, **_dot_flags(inter.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
-        EVEN_K=I % cfg["BLOCK_SIZE_K"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        EVEN_K=I % cfg["BLOCK_SIZE_K"] == 0, HALF_M=bool(cfg["HALF_M"]) and not naive,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _launch_sum(y, out, top_k):

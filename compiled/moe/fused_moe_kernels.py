@@ -5,8 +5,10 @@ Design (after SGLang/vLLM's fused_moe, written from scratch):
 * `align_count_kernel` / `align_place_kernel` sort the T*k (token, slot) pairs by expert into a
   buffer whose per-expert segments are padded to BLOCK_M, write the expert of every BLOCK_M block
   and the padded total. Everything is sized by a fixed upper bound, so nothing syncs with the host
-  and the whole thing can be captured in a CUDA graph. Ranks within an expert come from a one-hot
-  prefix sum (no atomics), so the layout is deterministic.
+  and the whole thing can be captured in a CUDA graph. A chunk's offset inside each expert segment
+  comes from an atomic add (so chunks land in arrival order), ranks inside a chunk from a one-hot
+  prefix sum. The order of rows inside a segment does not change any result: every GEMM row is
+  computed on its own and the top-k sum runs in slot order.
 * `moe_gemm1_kernel`: one program per (block, N tile); gathers the block's token rows of x, multiplies
   by the gate and the up tile of its expert's `w13` and writes `silu(gate) * up` (fused epilogue).
 * `moe_gemm2_kernel`: same grid over `w2`; the epilogue multiplies by the routing weight.
@@ -23,9 +25,10 @@ import triton.language as tl
 
 
 @triton.jit
-def align_count_kernel(ids_ptr, counts_ptr, numel,
+def align_count_kernel(ids_ptr, totals_ptr, bases_ptr, numel,
                        CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr):
-    """counts[chunk, e] = number of pairs of this CHUNK routed to expert e."""
+    """Count this CHUNK's pairs per expert, add them to totals[e] (zeroed before the launch) and
+    keep the old totals as this chunk's base: the pairs of the chunks that got there first."""
     pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     cnt = tl.zeros([E_PAD], dtype=tl.int32)
@@ -33,12 +36,13 @@ def align_count_kernel(ids_ptr, counts_ptr, numel,
         offs = pid * CHUNK + s + tl.arange(0, SUB)
         ids = tl.load(ids_ptr + offs, mask=offs < numel, other=E_PAD).to(tl.int32)
         cnt += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    tl.store(counts_ptr + pid * E_PAD + experts, cnt)
+    base = tl.atomic_add(totals_ptr + experts, cnt)
+    tl.store(bases_ptr + pid * E_PAD + experts, base)
 
 
 @triton.jit
-def align_place_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-                       numel, n_chunks, max_blocks,
+def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+                       numel, max_blocks,
                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                        E_PAD: tl.constexpr, BB: tl.constexpr, SINGLE: tl.constexpr):
     """Scatter this chunk's pair indices to their padded slots; write block experts and padding.
@@ -54,12 +58,8 @@ def align_place_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, num_post
             total_cnt += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
         base = tl.zeros([E_PAD], dtype=tl.int32)
     else:
-        total_cnt = tl.zeros([E_PAD], dtype=tl.int32)
-        base = tl.zeros([E_PAD], dtype=tl.int32)
-        for c in range(0, n_chunks):
-            row = tl.load(counts_ptr + c * E_PAD + experts)
-            total_cnt += row
-            base += tl.where(c < pid, row, 0)
+        total_cnt = tl.load(totals_ptr + experts)
+        base = tl.load(bases_ptr + pid * E_PAD + experts)
     padded = (total_cnt + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
@@ -98,15 +98,10 @@ def align_place_kernel(ids_ptr, counts_ptr, sorted_ptr, expert_ids_ptr, num_post
                  mask=pad & live[:, None])
 
 
-@triton.jit(do_not_specialize=["num_valid"])
-def moe_gemm1_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-                     num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
-                     TOP_K: tl.constexpr, NAIVE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
-    """out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs.
-
-    w is `[E, 2N, K]` (`[gate; up]`), out `[T*k, N]`; N = I, K = H."""
+@triton.jit
+def _block(N, num_valid, sorted_ptr, num_post_ptr,
+           NAIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n, pair indices of the block's rows (num_valid marks padding), block is live)."""
     # tile ids, grouped along M so that blocks sharing weight tiles run together
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -116,7 +111,6 @@ def moe_gemm1_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post
     group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % in_group) % group_m
     pid_n = (pid % in_group) // group_m
-    # the block's rows (pair indices; num_valid marks padding) and its expert
     offs_m = tl.arange(0, BLOCK_M)
     if NAIVE:
         # one pair per block and no sorting (T == 1: the k experts are distinct)
@@ -128,45 +122,116 @@ def moe_gemm1_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post
         # (a vector mask built without broadcasting a scalar bool: the interpreter rejects those)
         pair = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m, mask=(offs_m * 0 + pid_m * BLOCK_M) < num_post,
                        other=num_valid)
+    return pid_m, pid_n, pair, live
+
+
+@triton.jit
+def _up_tile(x_ptr, w_ptr, out_ptr, pair, expert, pid_n, num_valid, N, K,
+             stride_xm, stride_we, stride_wn, stride_om,
+             TOP_K: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+             TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """silu(gate) * up for the TILE_M rows `pair` (a power of two >= 16) and one N tile."""
     row_ok = pair < num_valid
+    token = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_nw = (offs_n % N).to(tl.int64)
+    a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
+    g_ptrs = w_ptr + expert * stride_we + offs_nw[None, :] * stride_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + N * stride_wn
+    acc_g = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            g = tl.load(g_ptrs)
+            u = tl.load(u_ptrs)
+        else:
+            k_ok = offs_k < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            g = g.to(tl.float32)
+            u = u.to(tl.float32)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    # round like the unfused model: gate/up in the activation dtype, silu, product
+    dt = out_ptr.dtype.element_ty
+    gate = acc_g.to(dt).to(tl.float32)
+    up = acc_u.to(dt).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    out = (act * up).to(dt)
+    o_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _down_tile(a_ptr, w_ptr, out_ptr, weights_ptr, pair, expert, pid_n, num_valid, N, K,
+               stride_am, stride_we, stride_wn, stride_om,
+               PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+               TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """weight * (a . w2[e]) for the TILE_M rows `pair` and one N tile."""
+    row_ok = pair < num_valid
+    row = tl.where(row_ok, pair, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_nw = (offs_n % N).to(tl.int64)
+    a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = w_ptr + expert * stride_we + offs_nw[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    dt = out_ptr.dtype.element_ty
+    w = tl.load(weights_ptr + row, mask=row_ok, other=0.0).to(dt).to(tl.float32)
+    out = (acc.to(dt).to(tl.float32) * w[:, None]).to(dt)
+    o_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["num_valid"])
+def moe_gemm1_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+                     num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
+                     TOP_K: tl.constexpr, NAIVE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr):
+    """out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs.
+
+    w is `[E, 2N, K]` (`[gate; up]`), out `[T*k, N]`; N = I, K = H. HALF_M: a block with at most
+    BLOCK_M / 2 real rows (an expert's last, partial block) runs a tile of half the height."""
+    pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, NAIVE, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        token = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
-        offs_k = tl.arange(0, BLOCK_K)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_nw = (offs_n % N).to(tl.int64)
-        a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
-        g_ptrs = w_ptr + expert * stride_we + offs_nw[None, :] * stride_wn + offs_k[:, None]
-        u_ptrs = g_ptrs + N * stride_wn
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                g = tl.load(g_ptrs)
-                u = tl.load(u_ptrs)
+        if HALF_M:
+            if tl.sum((pair < num_valid).to(tl.int32), axis=0) <= BLOCK_M // 2:
+                half = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M // 2))
+                _up_tile(x_ptr, w_ptr, out_ptr, half, expert, pid_n, num_valid, N, K,
+                         stride_xm, stride_we, stride_wn, stride_om,
+                         TOP_K, PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K)
             else:
-                k_ok = offs_k < K - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-                u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-            if DOT_FP32:
-                a = a.to(tl.float32)
-                g = g.to(tl.float32)
-                u = u.to(tl.float32)
-            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
-            a_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
-        # round like the unfused model: gate/up in the activation dtype, silu, product
-        dt = out_ptr.dtype.element_ty
-        gate = acc_g.to(dt).to(tl.float32)
-        up = acc_u.to(dt).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-        out = (act * up).to(dt)
-        o_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_n[None, :] < N))
+                _up_tile(x_ptr, w_ptr, out_ptr, pair, expert, pid_n, num_valid, N, K,
+                         stride_xm, stride_we, stride_wn, stride_om,
+                         TOP_K, PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        else:
+            _up_tile(x_ptr, w_ptr, out_ptr, pair, expert, pid_n, num_valid, N, K,
+                     stride_xm, stride_we, stride_wn, stride_om,
+                     TOP_K, PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
 
 
 @triton.jit(do_not_specialize=["num_valid"])
@@ -174,58 +239,25 @@ def moe_gemm2_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, expert_ids_
                      num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
                      NAIVE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr):
     """out[pair, n] = weight[pair] * (a[pair] . w[e, n]); w is `[E, N, K]` (N = H, K = I)."""
-    # tile ids, grouped along M so that blocks sharing weight tiles run together
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_m = tl.num_programs(0) // num_pid_n
-    in_group = GROUP_M * num_pid_n
-    first_m = (pid // in_group) * GROUP_M
-    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_m
-    pid_n = (pid % in_group) // group_m
-    # the block's rows (pair indices; num_valid marks padding) and its expert
-    offs_m = tl.arange(0, BLOCK_M)
-    if NAIVE:
-        # one pair per block and no sorting (T == 1: the k experts are distinct)
-        live = pid_m < num_valid
-        pair = tl.where(offs_m == 0, pid_m, num_valid)
-    else:
-        num_post = tl.load(num_post_ptr)
-        live = pid_m * BLOCK_M < num_post
-        # (a vector mask built without broadcasting a scalar bool: the interpreter rejects those)
-        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m, mask=(offs_m * 0 + pid_m * BLOCK_M) < num_post,
-                       other=num_valid)
-    row_ok = pair < num_valid
+    pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, NAIVE, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        row = tl.where(row_ok, pair, 0).to(tl.int64)
-        offs_k = tl.arange(0, BLOCK_K)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_nw = (offs_n % N).to(tl.int64)
-        a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
-        b_ptrs = w_ptr + expert * stride_we + offs_nw[None, :] * stride_wn + offs_k[:, None]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
+        if HALF_M:
+            if tl.sum((pair < num_valid).to(tl.int32), axis=0) <= BLOCK_M // 2:
+                half = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M // 2))
+                _down_tile(a_ptr, w_ptr, out_ptr, weights_ptr, half, expert, pid_n, num_valid, N, K,
+                           stride_am, stride_we, stride_wn, stride_om,
+                           PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K)
             else:
-                k_ok = offs_k < K - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-            if DOT_FP32:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
-        dt = out_ptr.dtype.element_ty
-        w = tl.load(weights_ptr + row, mask=row_ok, other=0.0).to(dt).to(tl.float32)
-        out = (acc.to(dt).to(tl.float32) * w[:, None]).to(dt)
-        o_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_n[None, :] < N))
+                _down_tile(a_ptr, w_ptr, out_ptr, weights_ptr, pair, expert, pid_n, num_valid, N, K,
+                           stride_am, stride_we, stride_wn, stride_om,
+                           PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+        else:
+            _down_tile(a_ptr, w_ptr, out_ptr, weights_ptr, pair, expert, pid_n, num_valid, N, K,
+                       stride_am, stride_we, stride_wn, stride_om,
+                       PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
 
 
 @triton.jit

@@ -31,7 +31,8 @@ def topk_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool
         return weights, ids
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     e_pad = max(16, 1 << (E - 1).bit_length())
-    rows = max(1, min(16, 2048 // e_pad))
+    # few rows a program: the k rounds of max/argmin are a serial chain, keep each step short
+    rows = max(2, min(4, 512 // e_pad))
     topk_route_kernel[(-(-T // rows),)](
         logits, weights, ids, T, E, logits.stride(0), TOP_K=top_k, K_PAD=max(2, 1 << (top_k - 1).bit_length()),
         E_PAD=e_pad, ROWS=rows, RENORM=bool(renormalize), num_warps=4)
