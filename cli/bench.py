@@ -143,8 +143,8 @@ def _row(label: str, ours, theirs, fmt: Callable, higher_is_better: bool | None)
     return (label, fmt(ours), "" if theirs is None else fmt(theirs), "" if s is None else f"{s:.2f}x")
 
 
-def _metric_table(title: str, rows: list[tuple], compare: bool) -> Table:
-    table = Table(title=title, title_justify="left")
+def _metric_table(rows: list[tuple], compare: bool) -> Table:
+    table = Table()
     table.add_column("metric")
     table.add_column("compiled", justify="right")
     if compare:
@@ -156,8 +156,8 @@ def _metric_table(title: str, rows: list[tuple], compare: bool) -> Table:
 
 
 def _profile_table(prof: dict) -> Table:
-    table = Table(title=f"top {len(prof['top'])} ops by {prof['sort_by']} over {prof['steps']} steps "
-                        f"(trace: {prof['trace']})", title_justify="left")
+    table = Table(title=f"top {len(prof['top'])} ops by {prof['sort_by']} over {prof['steps']} steps",
+                  title_justify="left", caption=f"Chrome trace: {prof['trace']}", caption_justify="left")
     for col in ("op / kernel", "calls", "self ms", "%"):
         table.add_column(col, justify="left" if col == "op / kernel" else "right")
     for r in prof["top"]:
@@ -193,8 +193,10 @@ class Run:
 
     def title(self, workload: str) -> str:
         i = self.info
+        mode = ("inductor + CUDA graphs" if i["compile"] and i["cuda_graphs"] else
+                "inductor" if i["compile"] else "CUDA graphs" if i["cuda_graphs"] else "eager")
         return (f"compiled bench {self.command}: {i['model_name']} ({i['architecture']}) on {i['device_name']}, "
-                f"{i['dtype']}; {workload}")
+                f"{i['dtype']}, {mode}; {workload}")
 
     def run_profile(self, items, skip_prefill: bool) -> None:
         if self.o.profile is not None:
@@ -211,7 +213,8 @@ class Run:
         free_memory(self.device)
         return kept
 
-    def finish(self, *tables: Table) -> None:
+    def finish(self, heading: str, *tables: Table) -> None:
+        self.console.print(self.title(heading), style="bold")
         for table in tables:
             self.console.print(table)
         if self.profile:
@@ -286,8 +289,7 @@ def latency(
              "-" if rf["fraction_of_roofline"] is None else f"{100 * rf['fraction_of_roofline']:.1f}%", "", "")]
     if res["retractions"]:
         rows.append(("retractions (KV full)", str(res["retractions"]), "", ""))
-    run.finish(_metric_table(run.title(f"batch {o.batch_size}, input {o.input_len}, output {o.output_len}"),
-                             rows, bool(hf)))
+    run.finish(f"batch {o.batch_size}, input {o.input_len}, output {o.output_len}", _metric_table(rows, bool(hf)))
 
 
 # ---- throughput and serving: a workload of many requests --------------------------------------
@@ -380,7 +382,7 @@ def throughput(
             ("peak KV", _kv_cell(res), "", "")]
     if res["retractions"]:
         rows.append(("retractions (KV full)", str(res["retractions"]), "", ""))
-    run.finish(_metric_table(run.title(workload), rows, bool(hf)))
+    run.finish(workload, _metric_table(rows, bool(hf)))
 
 
 @bench_app.command(help="Poisson arrivals fed to the engine step by step: TTFT, TPOT, ITL and "
@@ -422,7 +424,7 @@ def serving(
     for label, key in (("time to first token", "ttft_ms"), ("time per output token", "tpot_ms"),
                        ("inter-token latency", "itl_ms"), ("end-to-end", "e2e_ms")):
         percentiles.add_row(label, *(_ms(_p(res[key], k)) for k in ("mean", "p50", "p90", "p99")))
-    run.finish(_metric_table(run.title(f"{workload} at {rate}"), rows, False), percentiles)
+    run.finish(f"{workload} at {rate}", _metric_table(rows, False), percentiles)
 
 
 # ---- startup ----------------------------------------------------------------------------------
@@ -449,7 +451,7 @@ def startup(
         hf = bench_hf.startup(path, o.load_format, run.device, dtype, o.seed, prompt)
         run.compare = {"hf": hf, "speedup": {k: speedup(res[k], hf[k], False)
                                              for k in ("llm_init_s", "ttft_cold_s", "ttft_warm_s", "total_s")}}
-    table = Table(title=run.title(f"first request of {o.input_len} tokens"), title_justify="left")
+    table = Table()
     for col in ("stage", "seconds", "%") + (("HF (s)", "speedup") if hf else ()):
         table.add_column(col, justify="left" if col == "stage" else "right")
     total = res["total_s"]
@@ -468,4 +470,4 @@ def startup(
     add("first token (cold)", "ttft_cold_s", res["ttft_cold_s"])
     add("start to first token", "total_s", total, "bold")
     add("first token (warm, not in total)", "ttft_warm_s", res["ttft_warm_s"], "dim")
-    run.finish(table)
+    run.finish(f"first request of {o.input_len} tokens", table)

@@ -144,7 +144,8 @@ def device_name(device: torch.device | str) -> str:
     except OSError:
         pass
     name = name or platform.processor() or platform.machine() or "cpu"
-    return f"{name} ({torch.get_num_threads()} threads)"
+    n = torch.get_num_threads()
+    return f"{name} ({n} thread{'' if n == 1 else 's'})"
 
 
 def cache_dir() -> Path:

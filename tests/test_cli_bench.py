@@ -1,0 +1,254 @@
+"""`compiled bench`: the decode-bytes model against hand-computed Qwen3-30B-A3B numbers, and a CPU
+smoke test per subcommand whose JSON must be present and self-consistent."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.bench_core import percentile, read_dataset
+from cli.main import app
+from compiled.graphs.config import ModelConfig
+from compiled.runtime import roofline
+from tests.conftest import make_checkpoint
+
+runner = CliRunner()
+QWEN3_30B = os.path.join(os.path.dirname(__file__), "..", "bench", "configs", "qwen3-30b-a3b")
+SMALL = ["--device", "cpu", "--seed", "1"]
+
+
+# ---- the bytes model -----------------------------------------------------------------------
+
+def test_decode_bytes_qwen3_30b_a3b_by_hand():
+    cfg = ModelConfig.from_pretrained(QWEN3_30B)
+    # Hand-computed in bf16: one expert is gate + up + down = 3 x 2048 x 768 x 2 bytes = 9.4 MB.
+    per_expert = 3 * 2048 * 768 * 2
+    assert per_expert == 9_437_184 and roofline.expert_params(cfg) * 2 == per_expert
+    # Attention: q 2048x4096, k and v 2048x512, o 4096x2048 = 37.7 MB (+ q/k norms, 2 x 128).
+    attention = 2048 * (4096 + 512 + 512) * 2 + 4096 * 2048 * 2
+    assert attention == 37_748_736 and roofline.attention_params(cfg) * 2 == attention + 2 * 128 * 2
+    # KV: 2 (K, V) x 48 layers x 4 heads x 128 x 2 bytes = 96 KiB per token.
+    assert cfg.kv_bytes_per_token * 2 == 96 * 1024
+    # Per layer, besides attention and experts: two RMSNorms and the router (2048 x 128).
+    per_layer = attention + 2 * 128 * 2 + 2 * 2048 * 2 + 2048 * 128 * 2
+    lm_head = 151_936 * 2048 * 2
+
+    def by_hand(batch: int, experts: float, context: int = 0) -> float:
+        return (48 * (per_layer + experts * per_expert) + lm_head + 2048 * 2   # final norm
+                + batch * 2048 * 2 + batch * context * 96 * 1024)              # embedding rows, KV
+
+    assert roofline.expected_experts(128, 8, 1) == pytest.approx(8)
+    assert roofline.expected_experts(128, 8, 8) == pytest.approx(128 * (1 - (120 / 128) ** 8))   # ~51.6
+    assert roofline.expected_experts(128, 8, 64) == pytest.approx(125.94, abs=0.01)
+    for batch, experts, design_gb in ((1, 8, 6.1), (8, 51.62, 25.8), (64, 125.94, 59.6)):
+        b = roofline.decode_bytes(cfg, batch, 0, dtype_bytes=2)
+        assert b.total == pytest.approx(by_hand(batch, roofline.expected_experts(128, 8, batch)))
+        assert b.experts_per_layer == pytest.approx(experts, abs=0.01)
+        assert b.total / 1e9 == pytest.approx(design_gb, rel=0.01)          # DESIGN.md section 6
+    # Batch 256 at 1k context: 60.4 GB of weights + 25.8 GB of KV; floors at 4.25 TB/s (H200).
+    b = roofline.decode_bytes(cfg, 256, 1024, dtype_bytes=2)
+    assert b.kv == 256 * 1024 * 96 * 1024 and b.kv / 1e9 == pytest.approx(25.8, rel=0.01)
+    assert b.weights / 1e9 == pytest.approx(60.4, rel=0.01)
+    assert b.total == pytest.approx(by_hand(256, roofline.expected_experts(128, 8, 256), 1024))
+    floors_ms = [1e3 * roofline.decode_bytes(cfg, n, 0).floor_s(4.25e12) for n in (1, 8, 64)]
+    assert floors_ms == pytest.approx([1.43, 6.1, 14.0], rel=0.01)
+    # Per-request contexts: the KV term is their sum.
+    assert roofline.decode_bytes(cfg, 2, [100, 300]).kv == 400 * 96 * 1024
+
+
+def test_param_count_matches_the_model():
+    from compiled.graphs.trace import meta_model
+    cfg = ModelConfig.from_pretrained(QWEN3_30B)
+    assert roofline.total_params(cfg) == sum(p.numel() for p in meta_model(cfg).parameters())
+    assert roofline.total_params(cfg) / 1e9 == pytest.approx(30.5, rel=0.01)
+    dense = ModelConfig.from_pretrained(os.path.join(QWEN3_30B, "..", "qwen3-0.6b"))
+    assert roofline.total_params(dense) == sum(p.numel() for p in meta_model(dense).parameters())
+    b = roofline.decode_bytes(dense, 4, 10, dtype_bytes=2)
+    assert b.experts == 0 and b.lm_head == 151_936 * 1024 * 2   # tied: the embedding is this matrix
+    # DESIGN.md section 6: Qwen3-0.6B-shaped decode at batch 1 has a 0.28 ms floor on an H200.
+    assert 1e3 * roofline.decode_bytes(dense, 1, 0).floor_s(4.25e12) == pytest.approx(0.28, rel=0.01)
+
+
+def test_bandwidth_is_measured_once_then_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = roofline.device_bandwidth("cpu")
+    second = roofline.device_bandwidth("cpu")
+    assert first.source == "measured" and second.source == "cache"
+    assert first.bytes_per_s == second.bytes_per_s > 1e8
+    assert (tmp_path / "compiled" / "bandwidth.json").is_file()
+
+
+def test_percentile_interpolates_like_numpy():
+    xs = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(xs, 50) == 2.5 and percentile(xs, 0) == 1.0 and percentile(xs, 100) == 4.0
+    assert percentile(xs, 90) == pytest.approx(3.7)
+
+
+def test_dataset_file(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt_token_ids": [1, 2, 3], "output_len": 5}\n\n[4, 5]\n"text"\n')
+    items = read_dataset(path, output_len=7, output_len_max=None, seed=0)
+    assert [(it.prompt, it.output_len) for it in items] == [([1, 2, 3], 5), ([4, 5], 7), ("text", 7)]
+    assert len(read_dataset(path, 7, None, 0, limit=2)) == 2
+
+
+# ---- the CLI on CPU -------------------------------------------------------------------------
+
+def _demo_model() -> str | None:
+    try:
+        from compiled.demo import MOE_MODEL
+    except ImportError:
+        return None
+    built = os.path.isfile(os.path.join(MOE_MODEL, "config.json")) and any(
+        f.endswith(".safetensors") for f in os.listdir(MOE_MODEL))
+    return MOE_MODEL if built else None
+
+
+@pytest.fixture(scope="module")
+def model_args(tmp_path_factory) -> list[str]:
+    """No MODEL argument (the shipped demo MoE model) once it exists; until then a small random
+    MoE checkpoint."""
+    if _demo_model():
+        return []
+    return [make_checkpoint(tmp_path_factory.mktemp("bench_ckpt"), moe=True)]
+
+
+@pytest.fixture(autouse=True)
+def _cache_home(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def _bench(*args: str) -> dict:
+    json_path = args[args.index("--json") + 1]
+    result = runner.invoke(app, ["bench", *args])
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    with open(json_path) as f:
+        return json.load(f)
+
+
+def _ordered(s: dict) -> bool:
+    return s["min"] <= s["p50"] <= s["p90"] <= s["p99"] <= s["max"]
+
+
+def _common_fields(record: dict, command: str) -> None:
+    assert record["command"] == command
+    env = record["env"]
+    for key in ("device", "device_name", "torch", "triton", "transformers", "git_commit"):
+        assert key in env
+    assert env["device"] == "cpu" and env["torch"]
+    assert record["options"]["device"] == "cpu" and record["options"]["seed"] == 1
+
+
+def test_latency(model_args, tmp_path):
+    out = tmp_path / "latency.json"
+    rec = _bench("latency", *model_args, *SMALL, "--batch-size", "2", "--input-len", "16", "--output-len", "8",
+                 "--json", str(out))
+    _common_fields(rec, "latency")
+    r = rec["results"]
+    assert rec["options"]["batch_size"] == 2 and rec["compare"] is None
+    assert r["output_tokens"] == 2 * 8 and r["decode_steps"] == 7 and r["decode_step_ms"]["n"] == 7
+    assert r["output_tokens_per_s"] * r["elapsed_s"] == pytest.approx(r["output_tokens"])
+    assert _ordered(r["decode_step_ms"]) and r["ttft_ms"]["p50"] > 0 and r["prefill_steps"] == 1
+    assert r["ttft_ms"]["p50"] / 1e3 <= r["elapsed_s"]
+    rf = r["roofline"]
+    cfg = ModelConfig.from_pretrained(rec["model"])
+    assert rf["context"] == 16 + 4
+    assert rf["bytes_per_step"] == pytest.approx(roofline.decode_bytes(cfg, 2, 20, 4).total)
+    assert rf["floor_ms"] == pytest.approx(1e3 * rf["bytes_per_step"] / rf["bandwidth_bytes_per_s"])
+    assert rf["fraction_of_roofline"] == pytest.approx(rf["floor_ms"] / r["decode_step_ms"]["p50"])
+
+
+def test_latency_compare_hf(model_args, tmp_path):
+    out = tmp_path / "latency_hf.json"
+    result_args = ("latency", *model_args, *SMALL, "--batch-size", "2", "--input-len", "16", "--output-len", "8",
+                   "--num-iters-warmup", "0", "--compare", "hf", "--json", str(out))
+    rec = _bench(*result_args)
+    ours, hf = rec["results"], rec["compare"]["hf"]
+    assert "AutoModelForCausalLM" in hf["implementation"]
+    assert hf["output_tokens"] == ours["output_tokens"] == 16 and hf["decode_step_ms"]["n"] == 7
+    assert hf["output_tokens_per_s"] * hf["elapsed_s"] == pytest.approx(hf["output_tokens"])
+    assert _ordered(hf["decode_step_ms"])
+    speedup = rec["compare"]["speedup"]
+    assert speedup["decode_step"] == pytest.approx(hf["decode_step_ms"]["p50"] / ours["decode_step_ms"]["p50"])
+
+
+def test_throughput_with_profile(model_args, tmp_path):
+    out, prof = tmp_path / "throughput.json", tmp_path / "prof"
+    rec = _bench("throughput", *model_args, *SMALL, "--num-prompts", "5", "--input-len", "8", "--input-len-max", "16",
+                 "--output-len", "4", "--output-len-max", "8", "--profile", str(prof), "--profile-steps", "3",
+                 "--json", str(out))
+    _common_fields(rec, "throughput")
+    r = rec["results"]
+    assert r["num_requests"] == 5 and 5 * 8 <= r["input_tokens"] <= 5 * 16 and 5 * 4 <= r["output_tokens"] <= 5 * 8
+    assert r["total_tokens"] == r["input_tokens"] + r["output_tokens"]
+    for key, n in (("requests_per_s", 5), ("output_tokens_per_s", r["output_tokens"]),
+                   ("total_tokens_per_s", r["total_tokens"])):
+        assert r[key] * r["elapsed_s"] == pytest.approx(n)
+    # All five fit at once: at the peak, every request's prompt is in the KV cache.
+    assert r["input_tokens"] <= r["peak_kv_slots"] <= min(r["kv_slots"], r["total_tokens"])
+    p = rec["profile"]
+    assert p["steps"] == 3 and p["top"] and len(p["top"]) <= 15
+    trace = json.loads((prof / "throughput_trace.json").read_text())
+    assert trace["traceEvents"]
+
+
+def test_serving(model_args, tmp_path):
+    out = tmp_path / "serving.json"
+    rec = _bench("serving", *model_args, *SMALL, "--num-prompts", "5", "--request-rate", "50",
+                 "--input-len", "16", "--output-len", "8", "--json", str(out))
+    _common_fields(rec, "serving")
+    r = rec["results"]
+    assert r["num_requests"] == 5 and r["output_tokens"] == 40 and r["request_rate"] == 50
+    assert r["requests_per_s"] * r["duration_s"] == pytest.approx(5)
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert _ordered(r[key]), key
+    assert r["itl_ms"]["n"] == 5 * 7
+    for req in r["requests"]:
+        assert 0 < req["ttft_ms"] <= req["e2e_ms"] and req["output_len"] == 8
+        assert req["itl_ms"]["p50"] <= req["itl_ms"]["p90"] <= req["itl_ms"]["p99"]
+    sent = [req["sent_s"] for req in r["requests"]]
+    assert sent == sorted(sent) and sent[-1] > 0          # Poisson arrivals, not all at once
+
+
+def test_startup(model_args, tmp_path):
+    out = tmp_path / "startup.json"
+    rec = _bench("startup", *model_args, *SMALL, "--json", str(out))
+    _common_fields(rec, "startup")
+    r = rec["results"]
+    stages = r["stages_s"]
+    for stage in ("trace", "passes", "load"):
+        assert stages[stage] > 0, stage
+    assert all(v >= 0 for v in stages.values())
+    assert sum(stages.values()) == pytest.approx(r["llm_init_s"], rel=0.01)
+    assert r["ttft_cold_s"] > 0 and r["ttft_warm_s"] > 0
+    assert r["total_s"] == pytest.approx(r["llm_init_s"] + r["ttft_cold_s"])
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["latency", "--batch-size", "0"], "--batch-size"),
+    (["latency", "--batch-size", "9", "--max-num-seqs", "8"], "--max-num-seqs"),
+    (["latency", "--compare", "vllm"], "--compare"),
+    (["serving", "--request-rate", "0"], "--request-rate"),
+    (["serving", "--compare", "hf"], "serving"),
+    (["throughput", "--input-len", "16", "--input-len-max", "8"], "--input-len-max"),
+    (["throughput", "--dataset", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
+    (["startup", "--load-format", "pickle"], "pickle"),
+    (["latency", "/nonexistent/model"], "/nonexistent/model"),
+])
+def test_bad_option_is_one_line_error(args, needle):
+    result = runner.invoke(app, ["bench", *args, "--device", "cpu"])
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], result.output
+
+
+def test_bad_dataset_line_names_it(model_args, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('[1, 2]\n{oops\n')
+    result = runner.invoke(app, ["bench", "throughput", *model_args, *SMALL, "--dataset", str(path)])
+    assert result.exit_code == 1 and f"{path}:2" in result.output
