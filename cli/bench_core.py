@@ -23,6 +23,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from cli.prompts import read_jsonl_prompts
 from compiled.runtime.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -150,26 +151,9 @@ def read_dataset(path: Path, output_len: int, output_len_max: int | None, seed: 
     """JSONL: each line a string, a list of token ids, or an object with "prompt" (text) or
     "prompt_token_ids" and optionally "output_len" (else --output-len / its range)."""
     rng = random.Random(seed)
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read dataset ({e.strerror})") from None
     items: list[Item] = []
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-        out = None
-        if isinstance(record, dict):
-            out = record.get("output_len", record.get("max_new_tokens"))
-            record = record.get("prompt", record.get("prompt_token_ids"))
-        ok_ids = isinstance(record, list) and record and all(isinstance(t, int) for t in record)
-        if not (isinstance(record, str) and record) and not ok_ids:
-            raise ValueError(f"{path}:{lineno}: expected a non-empty string, a list of token ids, "
-                             "or an object with 'prompt' or 'prompt_token_ids'")
+    for lineno, record, fields in read_jsonl_prompts(path):
+        out = fields.get("output_len", fields.get("max_new_tokens"))
         if out is None:
             out = rng.randint(output_len, output_len_max) if output_len_max else output_len
         if not isinstance(out, int) or out < 1:

@@ -12,30 +12,13 @@ import typer
 from rich.console import Console
 
 from cli.errors import fail_cleanly
+from cli.prompts import read_jsonl_prompts
 
 err = Console(stderr=True)
 
 
 def read_prompts_file(path: Path) -> list[str | list[int]]:
-    """JSONL: each line a string, or an object with "prompt" (text) or "prompt_token_ids"."""
-    prompts: list[str | list[int]] = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read prompts file ({e.strerror})") from None
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-        if isinstance(item, dict):
-            item = item.get("prompt", item.get("prompt_token_ids"))
-        if not isinstance(item, (str, list)):
-            raise ValueError(f"{path}:{lineno}: expected a string or an object with 'prompt' or 'prompt_token_ids'")
-        prompts.append(item)
-    return prompts
+    return [prompt for _, prompt, _ in read_jsonl_prompts(path)]
 
 
 def run(

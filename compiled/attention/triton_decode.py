@@ -12,7 +12,6 @@ so nothing here reads a host value that changes from step to step, synchronises,
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
