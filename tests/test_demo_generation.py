@@ -93,3 +93,17 @@ def test_logprobs_of_generated_tokens(demo):
     for token, entry in zip(out.token_ids, out.logprobs):
         assert token in entry and len(entry) in (3, 4)
         assert entry[token] == max(entry.values())  # greedy picks the top token
+
+
+def test_prompt_logprobs_match_hf(demo):
+    """Done-when 1 on the trained demo models: every prompt position within 1e-4 of HF."""
+    from compiled.demo import EXAMPLE_PROMPTS as prompts
+    from tests.conftest import hf_model
+    from tests.test_hf_parity import assert_prompt_logprobs_match
+    path, llm = demo
+    hf = hf_model(path)
+    outs = llm.generate(prompts[:4], SamplingParams(max_new_tokens=1, prompt_logprobs=-1))
+    for out in outs:
+        with torch.no_grad():
+            logits = hf(torch.tensor([out.prompt_token_ids])).logits[0].float()
+        assert_prompt_logprobs_match(out, torch.log_softmax(logits, -1))
