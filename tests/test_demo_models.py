@@ -27,6 +27,16 @@ ASCII = string.printable + "  double  space, trailing space "
 ASCII_SP = ASCII.translate({ord(c): None for c in "\r\x0b\x0c"})
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # the models are tiny: one intra-op thread is as fast, and does not collapse
+    # (spinning OpenMP workers) when the CPU is shared with other processes
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _load(which):
     path, _, cls_name = MODELS[which]
     tok = transformers.AutoTokenizer.from_pretrained(path)
@@ -173,3 +183,11 @@ def test_adapters(loaded):
         _check(tok, model, COPY_PROMPTS, name)  # the behaviour changes ...
         _check(tok, model, COUNT_PROMPTS, "base")  # ... and counting still works
         assert build.solve(COPY_PROMPTS[-1], name) != build.solve(COPY_PROMPTS[-1], "base")
+
+
+def test_batched_equals_alone(loaded):
+    """64 greedy tokens per example prompt: left-padded batch == one prompt at a time."""
+    _, tok, model = loaded
+    batched = _greedy(model, tok, demo.EXAMPLE_PROMPTS, 64)
+    for prompt, got in zip(demo.EXAMPLE_PROMPTS, batched):
+        assert _greedy(model, tok, [prompt], 64)[0] == got, prompt
