@@ -1,5 +1,5 @@
-"""The compiled path on CPU (Inductor's C++ backend, no CUDA graphs): HF parity, no
-recompilation while serving, and artifacts that load without Inductor. Kept to one compile."""
+"""The compiled path on CPU (Inductor's C++ backend, no CUDA graphs) on the demo MoE model: HF parity,
+greedy tokens equal to eager, no recompilation while serving, artifacts that load without Inductor."""
 
 from __future__ import annotations
 
@@ -16,12 +16,10 @@ from tests.conftest import make_checkpoint
 from tests.test_hf_parity import assert_prompt_logprobs_match, random_prompts
 from tests.conftest import hf_model
 
-MODEL = dict(moe=True, mlp_only_layers=[0], num_hidden_layers=4)
-
-
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("ckpt"), **MODEL)
+def ckpt():
+    from compiled.demo import MOE_MODEL
+    return MOE_MODEL
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +36,17 @@ def artifact(compiled_llm, tmp_path_factory):
 
 def test_compiled_matches_hf(compiled_llm, ckpt):
     assert compiled_llm.build_report.unique_pieces < compiled_llm.build_report.pieces
+    from compiled.demo import EXAMPLE_PROMPTS
     hf = hf_model(ckpt)
-    prompts = random_prompts(hf.config.vocab_size, [1, 9, 30])
-    outs = compiled_llm.generate(prompts, SamplingParams(max_new_tokens=4, prompt_logprobs=-1))
-    for prompt, out in zip(prompts, outs):
+    outs = compiled_llm.generate(EXAMPLE_PROMPTS, SamplingParams(max_new_tokens=4, prompt_logprobs=-1))
+    for out in outs:
         with torch.no_grad():
-            logits = hf(torch.tensor([prompt])).logits[0].float()
+            logits = hf(torch.tensor([out.prompt_token_ids])).logits[0].float()
         assert_prompt_logprobs_match(out, torch.log_softmax(logits, -1))
+    greedy = SamplingParams(max_new_tokens=64, temperature=0.0)
+    eager = LLM(ckpt, device="cpu", dtype="float32")
+    assert [o.token_ids for o in compiled_llm.generate(EXAMPLE_PROMPTS, greedy)] == \
+        [o.token_ids for o in eager.generate(EXAMPLE_PROMPTS, greedy)]
 
 
 def test_no_recompilation_over_200_batch_sizes(compiled_llm):
@@ -70,7 +72,7 @@ def test_artifact_loads_without_inductor(ckpt, artifact, compiled_llm):
 
 
 def test_artifact_for_other_model_config(tmp_path, artifact):
-    other = make_checkpoint(tmp_path, **dict(MODEL, num_hidden_layers=3))
+    other = make_checkpoint(tmp_path, moe=True)
     with pytest.raises(ArtifactError, match="model_config is"):
         LLM(other, device="cpu", dtype="float32", artifact=artifact)
 

@@ -8,7 +8,6 @@ import os
 import random
 
 import pytest
-import torch
 
 from compiled import LLM, SamplingParams
 from compiled.runtime.compiler import COMPILES
