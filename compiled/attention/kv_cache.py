@@ -63,10 +63,6 @@ class KVPool:
         self._free = torch.cat((self._free, slots.to(torch.int64).cpu()))
 
 
-def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * num_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-
-
 def kv_slots_for_memory(free_bytes: int, per_token: int) -> int:
     """How many token slots fit in `free_bytes` (the budget left after weights)."""
     return max(int(free_bytes // per_token) - 1, 0)

@@ -81,12 +81,9 @@ def materialize(gm: nn.Module, device: torch.device) -> nn.Module:
     gm.to_empty(device=device)
     # to_empty re-creates parameters, which unties the LM head from the embedding.
     if gm.config.tie_word_embeddings:
-        gm.lm_head.weight = _get(gm, "model.embed_tokens").weight
+        gm.lm_head.weight = gm.get_submodule("model.embed_tokens").weight
     for module in gm.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_buffers()
     return gm.eval().requires_grad_(False)
 
-
-def _get(root: nn.Module, path: str) -> nn.Module:
-    return root.get_submodule(path)

@@ -6,30 +6,41 @@ by expert once, so it costs one host sync per layer rather than one per expert."
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
 
-def moe_experts_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                    gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """x `[T, H]`; gate/up `[E, I, H]`, down `[E, H, I]` -> `[T, H]`."""
+def expert_loop(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """HF's expert loop: for each expert with tokens, `expert(e, x[tokens])` times the routing
+    weight cast to x's dtype, added into the output in x's dtype in expert order."""
+    out = torch.zeros_like(x)
+    if x.shape[0] == 0:
+        return out
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=len(gate)).tolist()
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
     token_of = order // top_k
     weight_of = topk_weights.reshape(-1)[order].to(x.dtype)
-    out = torch.zeros_like(x)
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
         tokens = token_of[start:start + n]
-        h = x[tokens]
-        y = F.linear(F.silu(F.linear(h, gate[e])) * F.linear(h, up[e]), down[e])
-        out.index_add_(0, tokens, y * weight_of[start:start + n, None])
+        out.index_add_(0, tokens, expert(e, x[tokens]) * weight_of[start:start + n, None])
         start += n
     return out
+
+
+def moe_experts_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """x `[T, H]`; gate/up `[E, I, H]`, down `[E, H, I]` -> `[T, H]`."""
+    def expert(e: int, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.silu(F.linear(h, gate[e])) * F.linear(h, up[e]), down[e])
+    return expert_loop(x, topk_weights, topk_ids, len(gate), expert)
 
 
 @torch.library.custom_op("compiled::moe_experts", mutates_args=())

@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from compiled.moe.experts import expert_loop
+
 log = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -44,26 +46,12 @@ def fused_moe_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     HF's expert loop (transformers' Qwen3MoeExperts, eager): per expert, `linear(h, w13[e])` split
     into gate/up, `silu(gate) * up`, `linear(., w2[e])`, times the weight cast to x's dtype, added
     into the output in x's dtype in expert order. One host sync (the per-expert counts)."""
-    E, I = w13.shape[0], w2.shape[2]
-    top_k = topk_ids.shape[1]
-    out = torch.zeros_like(x)
-    if x.shape[0] == 0:
-        return out
-    flat_ids = topk_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=E).tolist()
-    token_of = order // top_k
-    weight_of = topk_weights.reshape(-1)[order].to(x.dtype)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        tokens = token_of[start:start + n]
-        gate, up = F.linear(x[tokens], w13[e]).split(I, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e])
-        out.index_add_(0, tokens, y * weight_of[start:start + n, None])
-        start += n
-    return out
+    I = w2.shape[2]
+
+    def expert(e: int, h: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(h, w13[e]).split(I, dim=-1)
+        return F.linear(F.silu(gate) * up, w2[e])
+    return expert_loop(x, topk_weights, topk_ids, w13.shape[0], expert)
 
 
 # ----------------------------------------------------------------------------- configs

@@ -30,10 +30,6 @@ class GraphPass:
     name: str
     fn: Callable[[fx.GraphModule, WeightMap, PassRecord], None]
 
-    @property
-    def doc(self) -> str:
-        return (self.fn.__doc__ or "").strip().splitlines()[0]
-
 
 def is_op(node: fx.Node, op) -> bool:
     """Whether `node` calls custom op `op` (traced as the packet or as its default overload)."""

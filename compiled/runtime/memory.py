@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from compiled.attention.kv_cache import bytes_per_token, kv_slots_for_memory
+from compiled.attention.kv_cache import kv_slots_for_memory
 from compiled.graphs.config import ModelConfig
 from compiled.runtime.config import EngineConfig
 
@@ -21,7 +21,7 @@ def activation_bytes(mcfg: ModelConfig, cfg: EngineConfig) -> int:
 def num_kv_slots(mcfg: ModelConfig, cfg: EngineConfig) -> int:
     if cfg.kv_cache_tokens is not None:
         return cfg.kv_cache_tokens
-    per_token = bytes_per_token(mcfg.num_hidden_layers, mcfg.num_key_value_heads, mcfg.head_dim, cfg.dtype)
+    per_token = mcfg.kv_bytes_per_token * torch.empty((), dtype=cfg.dtype).element_size()
     cap = cfg.max_num_seqs * cfg.max_model_len  # more slots than every row can hold are useless
     if cfg.device.type != "cuda":
         return min(kv_slots_for_memory(cfg.cpu_kv_cache_bytes, per_token), cap)
