@@ -49,6 +49,21 @@ def test_batch_equals_alone(demo, batched):
         assert alone.token_ids == out.token_ids and alone.text == out.text
 
 
+def test_padded_to_token_buckets(demo, batched):
+    """Prefill and mixed steps padded to token buckets (what the piecewise CUDA graphs replay):
+    the padding request changes no token and no prompt logprob."""
+    path, llm = demo
+    padded = LLM(path, device="cpu", dtype="float32", max_num_batched_tokens=64)
+    padded.engine.runner.prefill_buckets = [16, 32, 64]
+    params = SamplingParams(max_new_tokens=64, temperature=0.0, prompt_logprobs=0)
+    outs = padded.generate(EXAMPLE_PROMPTS, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in batched]
+    plain = llm.generate(EXAMPLE_PROMPTS[:3], params)
+    for a, b in zip(outs, plain):
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-5 for t in x)
+
+
 def test_batch_equals_under_pressure(demo, batched):
     """Few sequences, a tiny step budget and a KV cache too small for all: requests queue, prefill
     in chunks, get retracted and resume, and still produce the same tokens."""

@@ -1,5 +1,6 @@
-"""GPU: Inductor + decode CUDA graphs against the uncompiled graph (same passes, same dummy
-weights), at every bucket and between buckets; and no recompilation over 200 batch sizes."""
+"""GPU: Inductor + decode CUDA graphs + piecewise prefill graphs against the uncompiled graph
+(same passes, same dummy weights), at every bucket and between buckets; and no recompilation over
+200 batch sizes."""
 
 from __future__ import annotations
 
@@ -50,13 +51,16 @@ def _step_logprobs(llm: LLM, batch: int, seed: int):
 def test_compiled_graphs_match_uncompiled(pair, batch):
     fast, plain = pair
     assert fast.engine.runner.graphs is not None and plain.engine.runner.graphs is None
+    assert fast.engine.runner.piecewise is not None and plain.engine.runner.piecewise is None
+    replays = fast.engine.runner.piecewise.replays
     a, b = _step_logprobs(fast, batch, batch), _step_logprobs(plain, batch, batch)
+    assert fast.engine.runner.piecewise.replays > replays  # the prefill ran piecewise graphs
     worst, scale = 0.0, 0.0
     for x, y in zip(a, b):
         assert x.token_ids[0] == y.token_ids[0] or abs(x.logprobs[0][x.token_ids[0]] - y.logprobs[0][x.token_ids[0]]) < 0.05
         if x.token_ids[0] != y.token_ids[0]:
             continue  # a near-tie in prefill changed the decode input; the step is not comparable
-        for step in (0, 1):  # 0: prefill row, 1: the decode step (a CUDA graph when batch <= 32)
+        for step in (0, 1):  # 0: prefill row (piecewise graphs), 1: decode (a full graph when batch <= 32)
             common = set(x.logprobs[step]) & set(y.logprobs[step])
             assert len(common) >= 4
             worst = max(worst, max(abs(x.logprobs[step][t] - y.logprobs[step][t]) for t in common))

@@ -61,10 +61,10 @@ def _run(module: nn.Module, cfg: ModelConfig, prompts: list[list[int]], decode_t
     requests = [Request(i, None, p, SamplingParams()) for i, p in enumerate(prompts)]
     for r in requests:
         scheduler.add(r)
-    prefill = runner.forward(scheduler.schedule())
+    prefill = runner.forward(scheduler.schedule()).hidden
     for r, t in zip(requests, decode_tokens):
         r.output_token_ids.append(t)
-    decode = runner.forward(scheduler.schedule())
+    decode = runner.forward(scheduler.schedule()).hidden
     return torch.cat([prefill, decode])
 
 

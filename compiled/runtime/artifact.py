@@ -52,7 +52,7 @@ def manifest_for(cfg: ModelConfig, passes: list[str], dtype: torch.dtype, device
     }
 
 
-def save_artifact(folder: str, manifest: dict, compiled: dict, buckets: list[int] | None) -> None:
+def save_artifact(folder: str, manifest: dict, compiled: dict, buckets: dict[str, list[int]] | None) -> None:
     os.makedirs(folder, exist_ok=True)
     pieces = {}
     for key, artifact in compiled.items():

@@ -14,6 +14,7 @@ import torch
 from torch import fx, nn
 
 from compiled.runtime.piecewise import SplitGraph, attach_fake_inputs, split_at_attention
+from compiled.runtime.piecewise_graphs import current_mode
 
 # Incremented on every Inductor compilation this process runs; serving must leave it unchanged.
 COMPILES = {"count": 0}
@@ -28,14 +29,18 @@ class CompileReport:
 
 
 class CompiledPiece(nn.Module):
-    """Stands in for a split submodule: calls the shared compiled function."""
+    """Stands in for a split submodule: calls the shared compiled function, or replays this
+    piece's CUDA graph for the current bucket while piecewise graphs are active."""
 
-    def __init__(self, fn: Callable, key: str, single_output: bool) -> None:
+    def __init__(self, fn: Callable, key: str, single_output: bool, weight_args: list[bool]) -> None:
         super().__init__()
         self.fn, self.key, self.single_output = fn, key, single_output
+        self.weight_args = weight_args  # which positional inputs are weights (fixed addresses)
+        self.graphs = None              # PieceGraphs once attached
 
     def forward(self, *args):
-        out = self.fn(*args)
+        mode = current_mode()
+        out = self.fn(*args) if mode is None or self.graphs is None else self.graphs(args, mode)
         # A loaded artifact returns its outputs as a list even when the graph returns one tensor.
         return out[0] if self.single_output and isinstance(out, (list, tuple)) else out
 
@@ -49,6 +54,12 @@ class CompiledModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.top(input_ids, positions)
+
+    @property
+    def pieces(self) -> list[CompiledPiece]:
+        """The compiled pieces in forward order."""
+        modules = (getattr(self.top, n.target) for n in self.top.graph.nodes if n.op == "call_module")
+        return [m for m in modules if isinstance(m, CompiledPiece)]
 
 
 def compile_piece(graph: fx.GraphModule, fake_inputs: list):
@@ -77,8 +88,10 @@ def compile_model(gm: nn.Module, device: torch.device,
             compiled[key] = compile_piece(piece.graph, piece.fake_inputs)
             report.compiled += 1
     report.seconds["compile"] = time.perf_counter() - start
+    calls = {n.target: n for n in split.top.graph.nodes if n.op == "call_module"}
     for piece in split.pieces:
         output = next(n for n in reversed(piece.graph.graph.nodes) if n.op == "output")
         single = not isinstance(output.args[0], (tuple, list))
-        setattr(split.top, piece.name, CompiledPiece(compiled[piece.key], piece.key, single))
+        weight_args = [isinstance(a, fx.Node) and a.op == "get_attr" for a in calls[piece.name].args]
+        setattr(split.top, piece.name, CompiledPiece(compiled[piece.key], piece.key, single, weight_args))
     return CompiledModel(split.top, gm.lm_head, gm.config), compiled, report

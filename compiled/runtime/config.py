@@ -33,6 +33,10 @@ class EngineConfig:
     compile: bool | None = None
     # Decode CUDA-graph buckets; None means default_buckets(min(max_num_seqs, 256)).
     cuda_graph_buckets: list[int] | None = None
+    # Token buckets of the piecewise CUDA graphs for prefill and mixed batches (compiled model
+    # only); None means 16, 32, 64, ... up to min(max_piecewise_tokens, max_num_batched_tokens).
+    piecewise_buckets: list[int] | None = None
+    max_piecewise_tokens: int = 2048
 
     @property
     def use_compile(self) -> bool:

@@ -28,6 +28,7 @@ class Engine:
                  tokenizer: Tokenizer | None, eos_token_ids: set[int]) -> None:
         self.model, self.model_config, self.cfg = model, mcfg, cfg
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
+        self._eos_sorted = sorted(eos_token_ids)
         self.kv = KVPool(mcfg.num_hidden_layers, num_kv_slots, mcfg.num_key_value_heads, mcfg.head_dim,
                          cfg.dtype, cfg.device)
         self.req_pool = ReqToTokenPool(cfg.max_num_seqs, cfg.max_model_len, cfg.device)
@@ -45,6 +46,13 @@ class Engine:
         if self.cfg.cuda_graph_buckets is not None:
             return sorted(b for b in self.cfg.cuda_graph_buckets if b <= limit)
         return default_buckets(min(limit, DEFAULT_MAX_BATCH))
+
+    def piecewise_buckets(self) -> list[int]:
+        limit = self.cfg.max_num_batched_tokens
+        if self.cfg.piecewise_buckets is not None:
+            return sorted(b for b in self.cfg.piecewise_buckets if b <= limit)
+        top = min(self.cfg.max_piecewise_tokens, limit)
+        return [1 << i for i in range(4, top.bit_length()) if 1 << i <= top]
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -93,22 +101,21 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             raise RuntimeError("scheduler found nothing to run although requests are waiting")
-        hidden = self.runner.forward(batch)
-        self._prompt_logprobs(batch, hidden)
         sampling = [(c, row) for c, row in zip(batch.chunks, _last_rows(batch)) if c.samples]
+        out = self.runner.forward(batch, [row for _, row in sampling])
+        self._prompt_logprobs(batch, out.hidden)
         if not sampling:
             return []
         requests = [c.request for c, _ in sampling]
-        logits = self.runner.logits(hidden[[row for _, row in sampling]])
-        out = self.sampler(logits, SamplingBatch(
+        sampled = self.sampler(out.logits, SamplingBatch(
             params=[r.params for r in requests],
             output_token_ids=[r.output_token_ids for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
             generators=[r.generator for r in requests],
-            eos_token_ids=sorted(self.eos_token_ids),
+            eos_token_ids=self._eos_sorted,
         ))
         finished = []
-        for request, token, logprobs in zip(requests, out.token_ids.tolist(), out.logprobs):
+        for request, token, logprobs in zip(requests, sampled.token_ids.tolist(), sampled.logprobs):
             self._append(request, token, logprobs)
             if request.finished:
                 self.scheduler.finish(request)

@@ -32,7 +32,8 @@ class LLM:
 
     By default the model is traced and every graph pass runs (`passes` picks a list, `[]` none);
     `use_graph=False` runs the plain eager module instead. On CUDA the passed graph is compiled
-    with Inductor (`compile=`) and decode replays CUDA graphs per batch bucket;
+    with Inductor (`compile=`); decode replays one CUDA graph per batch bucket and prefill or
+    mixed batches one graph per compiled piece and token bucket (`piecewise_buckets`);
     `enforce_eager=True` turns all of that off. `artifact=DIR` loads compiled pieces written by
     `export_artifact` instead of compiling."""
 
@@ -43,6 +44,7 @@ class LLM:
                  mem_fraction: float = 0.9, seed: int = 0, tokenizer: str | None = None,
                  passes: list[str] | None = None, use_graph: bool = True, enforce_eager: bool = False,
                  compile: bool | None = None, cuda_graph_buckets: list[int] | None = None,
+                 piecewise_buckets: list[int] | None = None,
                  artifact: str | None = None, recompile_on_mismatch: bool = False) -> None:
         self.model_path = model or default_model()
         if not os.path.isdir(self.model_path):
@@ -57,7 +59,7 @@ class LLM:
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    kv_cache_tokens=kv_cache_tokens, mem_fraction=mem_fraction, seed=seed,
                                    enforce_eager=enforce_eager, compile=compile,
-                                   cuda_graph_buckets=cuda_graph_buckets)
+                                   cuda_graph_buckets=cuda_graph_buckets, piecewise_buckets=piecewise_buckets)
         torch.manual_seed(seed)
         tok_path = tokenizer or self.model_path
         self.tokenizer: Tokenizer | None = load_tokenizer(tok_path) if has_tokenizer(tok_path) else None
@@ -71,8 +73,15 @@ class LLM:
         self.engine = Engine(self.model, self.model_config, self.config, num_kv_slots(self.model_config, self.config),
                              self.tokenizer, self._eos_token_ids())
         self.build_report.seconds["kv_cache"] = time.perf_counter() - start
-        if self.config.use_cuda_graphs and self.engine.graph_buckets():
-            self.build_report.seconds["capture"] = self.engine.runner.capture_graphs(self.engine.graph_buckets())
+        if self.config.use_cuda_graphs:
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        runner, seconds = self.engine.runner, self.build_report.seconds
+        if self.engine.graph_buckets():
+            seconds["capture"] = runner.capture_graphs(self.engine.graph_buckets())
+        if hasattr(self.model, "pieces") and self.engine.piecewise_buckets():
+            seconds["capture_piecewise"] = runner.capture_piecewise(self.engine.piecewise_buckets())
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -126,5 +135,7 @@ class LLM:
             raise ConfigError("nothing to export: this LLM was not compiled (compile=True, not enforce_eager)")
         manifest = manifest_for(self.model_config, self.build_options.pass_names, self.config.dtype,
                                 self.config.device)
-        buckets = self.engine.graph_buckets() if self.config.use_cuda_graphs else None
+        buckets = None
+        if self.config.use_cuda_graphs:
+            buckets = {"decode": self.engine.graph_buckets(), "piecewise": self.engine.piecewise_buckets()}
         save_artifact(folder, manifest, self.build_report.compiled, buckets)

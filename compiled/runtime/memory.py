@@ -15,7 +15,8 @@ def activation_bytes(mcfg: ModelConfig, cfg: EngineConfig) -> int:
     mlp = max(mcfg.intermediate_size, mcfg.num_experts_per_tok * mcfg.moe_intermediate_size)
     per_token = 8 * mcfg.hidden_size + 3 * mlp + 2 * (mcfg.q_size + 2 * mcfg.kv_size)
     logits = min(t, cfg.logits_chunk) * mcfg.vocab_size * 4 * 2
-    return t * per_token * 4 + logits
+    graph_logits = cfg.max_num_seqs * mcfg.vocab_size * 4  # the decode graphs' static fp32 logits
+    return t * per_token * 4 + logits + graph_logits
 
 
 def num_kv_slots(mcfg: ModelConfig, cfg: EngineConfig) -> int:

@@ -1,83 +1,214 @@
-"""Runs one batch through the model: fills the static input buffers, installs the attention
-context, and returns final hidden states for the rows the engine asked for.
+"""Runs one batch through the model: stages the step's integers, installs the attention context,
+and returns the final hidden states plus the logits of the rows that sample.
 
-The buffers are allocated once at their maximum size and written in place each step, so the
-compile issue can capture CUDA graphs over them unchanged."""
+The step's integers live in one device buffer at their maximum sizes, staged through one pinned
+host buffer, so a step costs one host->device copy and a CUDA graph can replay over the same
+addresses. Decode batches that fit a bucket replay a captured graph that also writes the request
+table and computes the logits; everything else runs the (compiled) model directly."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 import torch
+from torch import nn
 
 from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
-from compiled.attention.kv_cache import KVPool, ReqToTokenPool
-from torch import nn
+from compiled.attention.kv_cache import PADDING_SLOT, KVPool, ReqToTokenPool
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.scheduler import Batch
 
+# One entry per token / per request of the step, in this order in the packed buffers.
+TOKEN_FIELDS = ("input_ids", "positions", "out_cache_loc", "token_rows")
+SEQ_FIELDS = ("req_pool_indices", "seq_lens", "extend_lens", "extend_start_loc")
+
 
 class StaticInputs:
-    """Every tensor the model reads per step, at its maximum size."""
+    """Every integer the model reads per step. `host[name]` are numpy views of the pinned staging
+    buffer; the attributes of the same names are the device views the model reads."""
 
     def __init__(self, max_tokens: int, max_seqs: int, device: torch.device) -> None:
-        def buf(n: int) -> torch.Tensor:
-            return torch.zeros(n, dtype=torch.int64, device=device)
-        self.input_ids, self.positions, self.out_cache_loc = buf(max_tokens), buf(max_tokens), buf(max_tokens)
-        self.req_pool_indices, self.seq_lens, self.extend_lens = buf(max_seqs), buf(max_seqs), buf(max_seqs)
+        sizes = [(f, max_tokens) for f in TOKEN_FIELDS] + [(f, max_seqs) for f in SEQ_FIELDS]
+        total = sum(n for _, n in sizes)
+        on_gpu = device.type == "cuda"
+        self._host = torch.zeros(total, dtype=torch.int64, pin_memory=on_gpu)
+        self._device = torch.zeros(total, dtype=torch.int64, device=device) if on_gpu else self._host
+        # The copy reads the pinned buffer after the host moved on: wait for it before refilling.
+        self._copied = torch.cuda.Event() if on_gpu else None
+        host = self._host.numpy()
+        self.host: dict[str, np.ndarray] = {}
+        offset = 0
+        for name, n in sizes:
+            setattr(self, name, self._device[offset:offset + n])
+            self.host[name] = host[offset:offset + n]
+            offset += n
+
+    def begin(self) -> dict[str, np.ndarray]:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self.host
+
+    def upload(self) -> None:
+        if self._device is not self._host:
+            self._device.copy_(self._host, non_blocking=True)
+            self._copied.record()
+
+    def pad_decode(self, tokens: int, bucket: int, padding_row: int) -> None:
+        """Rows [tokens, bucket) become one-token requests on the padding row writing KV slot 0."""
+        h = self.host
+        self._pad_tokens(tokens, bucket, padding_row)
+        h["req_pool_indices"][tokens:bucket] = padding_row
+        h["seq_lens"][tokens:bucket] = 1
+        h["extend_lens"][tokens:bucket] = 1
+        h["extend_start_loc"][tokens:bucket] = np.arange(tokens, bucket)
+
+    def pad_extend(self, tokens: int, seqs: int, bucket: int, padding_row: int) -> None:
+        """Tokens [tokens, bucket) become one more request (index `seqs`) on the padding row: a
+        fresh prompt of `bucket - tokens` tokens, all at position 0 and KV slot 0."""
+        h, n = self.host, bucket - tokens
+        self._pad_tokens(tokens, bucket, padding_row)
+        h["req_pool_indices"][seqs] = padding_row
+        h["seq_lens"][seqs] = n
+        h["extend_lens"][seqs] = n
+        h["extend_start_loc"][seqs] = tokens
+
+    def _pad_tokens(self, start: int, end: int, padding_row: int) -> None:
+        h = self.host
+        h["input_ids"][start:end] = 0
+        h["positions"][start:end] = 0
+        h["out_cache_loc"][start:end] = PADDING_SLOT
+        h["token_rows"][start:end] = padding_row
+
+
+def write_request_table(table: torch.Tensor, inputs: StaticInputs, tokens: int) -> None:
+    """Record each new token's KV slot in its request's row of the request->token table."""
+    table[inputs.token_rows[:tokens], inputs.positions[:tokens]] = inputs.out_cache_loc[:tokens].to(table.dtype)
+
+
+def _rows(x: torch.Tensor, t: int, rows: Sequence[int]) -> torch.Tensor | None:
+    """`x[rows]` without a gather when `rows` is every one of the first `t` rows; None for none."""
+    if not rows:
+        return None
+    return x[:t] if len(rows) == t else x[list(rows)]
+
+
+@dataclass
+class StepOutput:
+    hidden: torch.Tensor   # [T, H] final hidden states in chunk order
+    logits: torch.Tensor | None  # [len(sample_rows), V] fp32; None when no row samples
 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, cfg: EngineConfig, kv: KVPool, req_pool: ReqToTokenPool) -> None:
         self.model, self.cfg, self.kv, self.req_pool = model, cfg, kv, req_pool
-        self.inputs = StaticInputs(cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.device)
-        self.graphs = None  # DecodeGraphs once captured
+        # One request more than the scheduler admits: the padding request of a piecewise bucket.
+        self.inputs = StaticInputs(cfg.max_num_batched_tokens, cfg.max_num_seqs + 1, cfg.device)
+        self.graphs = None          # DecodeGraphs once captured
+        self.piecewise = None       # PiecewiseGraphs once captured
+        # Token buckets non-decode batches are padded to (with or without captured graphs).
+        self.prefill_buckets: list[int] = []
+        self._pool = None           # one CUDA-graph memory pool for every graph
+
+    def _graph_pool(self):
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
 
     def capture_graphs(self, buckets: list[int]) -> float:
         """Capture the decode CUDA graphs; returns the seconds it took."""
         from compiled.runtime.cuda_graphs import DecodeGraphs
-        graphs = DecodeGraphs(self.model, self, buckets)
+        graphs = DecodeGraphs(self, buckets, self._graph_pool())
         graphs.capture()
         self.graphs = graphs
         return graphs.capture_seconds
 
-    def _stage(self, batch: Batch) -> AttentionMetadata:
-        ids, positions, rows, seq_lens, ext_lens, starts = [], [], [], [], [], []
-        for c in batch.chunks:
-            starts.append(len(ids))
-            ids += c.request.all_token_ids[c.start:c.start + c.length]
-            positions += range(c.start, c.start + c.length)
-            rows.append(c.request.row)
-            seq_lens.append(c.start + c.length)
-            ext_lens.append(c.length)
-        slots = torch.cat([c.slots for c in batch.chunks])
-        t, b = len(ids), len(rows)
-        inp, dev = self.inputs, self.cfg.device
-        # Host lists -> one copy per buffer; the table update is a single scatter.
-        inp.input_ids[:t].copy_(torch.tensor(ids), non_blocking=True)
-        inp.positions[:t].copy_(torch.tensor(positions), non_blocking=True)
-        inp.out_cache_loc[:t].copy_(slots, non_blocking=True)
-        inp.req_pool_indices[:b].copy_(torch.tensor(rows), non_blocking=True)
-        inp.seq_lens[:b].copy_(torch.tensor(seq_lens), non_blocking=True)
-        inp.extend_lens[:b].copy_(torch.tensor(ext_lens), non_blocking=True)
-        table_rows = torch.tensor([c.request.row for c in batch.chunks for _ in range(c.length)], device=dev)
-        self.req_pool.table[table_rows, inp.positions[:t]] = inp.out_cache_loc[:t].to(torch.int32)
-        return AttentionMetadata(
-            out_cache_loc=inp.out_cache_loc[:t], req_pool_indices=inp.req_pool_indices[:b],
-            seq_lens=inp.seq_lens[:b], extend_lens=inp.extend_lens[:b],
-            req_pool_indices_cpu=rows, seq_lens_cpu=seq_lens, extend_lens_cpu=ext_lens,
-            is_decode=batch.is_decode,
-            extend_start_loc=None if batch.is_decode else torch.tensor(starts).to(dev, non_blocking=True),
-        )
+    def capture_piecewise(self, buckets: list[int]) -> float:
+        """Capture every compiled piece's graph per token bucket; returns the seconds it took."""
+        from compiled.runtime.piecewise_graphs import PiecewiseGraphs
+        graphs = PiecewiseGraphs(buckets, self._graph_pool(), [self.inputs.input_ids, self.inputs.positions])
+        graphs.attach(self.model.pieces)
+        self.prefill_buckets = graphs.buckets
+        graphs.capture(self._padding_only)
+        self.piecewise = graphs
+        return graphs.capture_seconds
 
     @torch.inference_mode()
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """Final hidden states `[T, H]` of every token in the batch, in chunk order."""
-        meta = self._stage(batch)
-        t = batch.num_tokens
-        if self.graphs is not None and batch.is_decode and t <= self.graphs.max_batch:
-            return self.graphs.replay(t)
+    def _padding_only(self, tokens: int) -> None:
+        """A batch of nothing but the padding request, `tokens` long (for capture)."""
+        self._run_model(self._stage([], tokens), tokens)
+
+    def _stage(self, chunks: list, tokens: int, is_decode: bool = False) -> AttentionMetadata:
+        """Fill the host buffer with `chunks` padded to `tokens` and upload it. A decode batch
+        pads with one request per token (its graph has one row per request), anything else with
+        one padding request."""
+        h = self.inputs.begin()
+        rows, seq_lens, ext_lens = [], [], []
+        t = 0
+        for i, c in enumerate(chunks):
+            request, end = c.request, c.start + c.length
+            h["input_ids"][t:t + c.length] = request.token_ids(c.start, end)
+            h["positions"][t:t + c.length] = np.arange(c.start, end)
+            h["out_cache_loc"][t:t + c.length] = c.slots.numpy()
+            h["token_rows"][t:t + c.length] = request.row
+            h["extend_start_loc"][i] = t
+            rows.append(request.row)
+            seq_lens.append(end)
+            ext_lens.append(c.length)
+            t += c.length
+        b = len(rows)
+        h["req_pool_indices"][:b] = rows
+        h["seq_lens"][:b] = seq_lens
+        h["extend_lens"][:b] = ext_lens
+        padding_row = self.req_pool.padding_row
+        if is_decode:
+            self.inputs.pad_decode(t, tokens, padding_row)
+        elif tokens > t:
+            self.inputs.pad_extend(t, b, tokens, padding_row)
+            rows, seq_lens, ext_lens = rows + [padding_row], seq_lens + [tokens - t], ext_lens + [tokens - t]
+            b += 1
+        self.inputs.upload()
+        inp = self.inputs
+        return AttentionMetadata(
+            out_cache_loc=inp.out_cache_loc[:tokens], req_pool_indices=inp.req_pool_indices[:b],
+            seq_lens=inp.seq_lens[:b], extend_lens=inp.extend_lens[:b],
+            req_pool_indices_cpu=rows, seq_lens_cpu=seq_lens, extend_lens_cpu=ext_lens,
+            is_decode=is_decode, extend_start_loc=inp.extend_start_loc[:b])
+
+    def _run_model(self, meta: AttentionMetadata, tokens: int) -> torch.Tensor:
+        from compiled.runtime.piecewise_graphs import piecewise_mode
+        write_request_table(self.req_pool.table, self.inputs, tokens)
         ctx = ForwardContext(meta=meta, kv=self.kv, req_to_token=self.req_pool.table)
-        with forward_context(ctx):
-            return self.model(self.inputs.input_ids[:t], self.inputs.positions[:t])
+        graphed = self.piecewise is not None and tokens in self.piecewise.buckets
+        if graphed:
+            self.piecewise.replays += 1
+        with forward_context(ctx), piecewise_mode(tokens) if graphed else contextlib.nullcontext():
+            return self.model(self.inputs.input_ids[:tokens], self.inputs.positions[:tokens])
+
+    def _decode_bucket(self, batch: Batch) -> int | None:
+        if self.graphs is None or not batch.is_decode:
+            return None
+        return self.graphs.bucket_for(len(batch.chunks))
+
+    def _prefill_bucket(self, tokens: int) -> int:
+        return next((b for b in self.prefill_buckets if b >= tokens), tokens)
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, sample_rows: Sequence[int] = ()) -> StepOutput:
+        """Run `batch`; logits only for `sample_rows` (indices into the batch's tokens)."""
+        t = batch.num_tokens
+        bucket = self._decode_bucket(batch)
+        if bucket is not None:
+            self._stage(batch.chunks, bucket, is_decode=True)
+            hidden, logits = self.graphs.replay(bucket)
+            return StepOutput(hidden[:t], _rows(logits, t, sample_rows))
+        tokens = self._prefill_bucket(t)
+        meta = self._stage(batch.chunks, tokens, is_decode=batch.is_decode and tokens == t)
+        hidden = self._run_model(meta, tokens)[:t]
+        rows = _rows(hidden, t, sample_rows)
+        return StepOutput(hidden, None if rows is None else self.logits(rows))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

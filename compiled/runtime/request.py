@@ -42,9 +42,14 @@ class Request:
     prompt_logprobs: list[Logprobs | None] | None = None
     detokenizer: object | None = None
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
     @property
     def num_tokens(self) -> int:

@@ -397,6 +397,10 @@ class _Plan:
         return any(self.presence_frequency)
 
     @property
+    def needs_rows(self) -> bool:
+        return not all(self.greedy) or self.any_repetition or self.any_presence_frequency
+
+    @property
     def any_top_k(self) -> bool:
         return any(k > 0 for k in self.top_k)
 
@@ -461,13 +465,14 @@ class Sampler:
         if len(batch) == 0:
             return SamplerOutput(torch.empty(0, dtype=torch.int64, device=logits.device), [])
         plan = _Plan.build(batch.params, raw.shape[1])
-        row = _RowTensors.build(batch.params, plan, raw.device)
+        # All-greedy batches without penalties (the common case) need no per-row upload.
+        row = _RowTensors.build(batch.params, plan, raw.device) if plan.needs_rows else None
         processed = apply_min_new_tokens(self._penalise(raw, batch, plan, row), batch)
         token_ids = self._choose(processed, batch, plan, row)
         return SamplerOutput(token_ids, self._logprobs(raw, token_ids, batch))
 
     @staticmethod
-    def _penalise(logits: torch.Tensor, batch: SamplingBatch, plan: _Plan, row: _RowTensors) -> torch.Tensor:
+    def _penalise(logits: torch.Tensor, batch: SamplingBatch, plan: _Plan, row: _RowTensors | None) -> torch.Tensor:
         vocab, device = logits.shape[1], logits.device
         if not (plan.any_presence_frequency or plan.any_repetition):
             return logits
@@ -483,7 +488,7 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _choose(logits: torch.Tensor, batch: SamplingBatch, plan: _Plan, row: _RowTensors) -> torch.Tensor:
+    def _choose(logits: torch.Tensor, batch: SamplingBatch, plan: _Plan, row: _RowTensors | None) -> torch.Tensor:
         all_greedy, any_greedy = all(plan.greedy), any(plan.greedy)
         if all_greedy:
             return logits.argmax(dim=-1)

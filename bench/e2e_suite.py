@@ -1,0 +1,99 @@
+"""End-to-end numbers of the compile issue for one model, in one process: start-up stages,
+decode step latency at several batch sizes, prefill time to first token, the decode graph's GPU
+time alone (replayed back to back), profiles of a decode and a prefill step, and optionally an
+exported artifact. With --artifact it measures a warm start from that artifact instead.
+
+    python bench/e2e_suite.py MODEL --out results.json [--export DIR] [--artifact DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from cli import bench_core as core
+from compiled.runtime.compiler import COMPILES
+
+
+def graph_gpu_ms(llm, bucket: int, reps: int = 50) -> float | None:
+    """GPU time of one decode-graph replay: replays queued back to back, timed by events."""
+    graphs = llm.engine.runner.graphs
+    if graphs is None or bucket not in graphs.graphs:
+        return None
+    graph = graphs.graphs[bucket]
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def short_profile(prof: dict, n: int = 12) -> list[str]:
+    return [f"{r['self_ms']:9.3f} ms {r['self_pct']:5.1f}% x{r['calls']:<5} {r['name'][:90]}" for r in prof["top"][:n]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--prefill-len", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--export", type=Path, default=None, help="write the compiled artifact here")
+    ap.add_argument("--artifact", type=Path, default=None, help="warm start from this artifact only")
+    ap.add_argument("--profile-dir", type=Path, default=None)
+    a = ap.parse_args()
+
+    args = core.EngineArgs(model=a.model, load_format="dummy", max_model_len=a.max_model_len,
+                           max_num_seqs=a.max_num_seqs, artifact=None if a.artifact is None else str(a.artifact))
+    compiles_before = COMPILES["count"]
+    llm, start = core.startup(args, a.input_len)
+    start["compiles"] = COMPILES["count"] - compiles_before
+    start["excluding_load_s"] = start["llm_init_s"] - start["stages_s"].get("load", 0.0) + start["ttft_cold_s"]
+    record: dict = {"model": a.model, "environment": core.environment(llm.config.device), "startup": start}
+    print("startup:", json.dumps(start, indent=1), flush=True)
+    if a.artifact is None:
+        vocab = llm.model_config.vocab_size
+        bw = core.bandwidth(llm.config.device)
+        record["decode"] = {}
+        for b in [int(x) for x in a.batches.split(",")]:
+            res, _ = core.latency(llm, b, a.input_len, a.output_len, iters=1, warmup=1, seed=0)
+            res["roofline"] = core.roofline(llm, b, a.input_len, a.output_len, res["decode_step_ms"]["p50"], bw)
+            res["graph_gpu_ms"] = graph_gpu_ms(llm, llm.engine.runner.graphs.bucket_for(b)) \
+                if llm.engine.runner.graphs else None
+            record["decode"][b] = res
+            print(f"batch {b}: decode p50 {res['decode_step_ms']['p50']:.3f} ms, graph GPU {res['graph_gpu_ms']} ms, "
+                  f"floor {res['roofline']['floor_ms']:.3f} ms", flush=True)
+        prompt = core.random_ids(1, a.prefill_len, vocab, 1)[0]
+        ttft = [core.first_token(llm, prompt) for _ in range(3)]
+        record["prefill"] = {"tokens": a.prefill_len, "ttft_ms": [1e3 * t for t in ttft]}
+        print(f"prefill {a.prefill_len}: ttft ms {[round(1e3 * t, 2) for t in ttft]}", flush=True)
+        if a.profile_dir is not None:
+            items = [core.Item(core.random_ids(1, a.input_len, vocab, 2)[0], 8)]
+            dec = core.profile_steps(llm, items, 3, a.profile_dir, "decode_b1", skip_prefill=True, top=25)
+            pre = core.profile_steps(llm, [core.Item(prompt, 1)], 1, a.profile_dir, "prefill", skip_prefill=False, top=25)
+            record["profile"] = {"decode_b1": dec, "prefill": pre}
+            print("decode b1 profile (3 steps):", *short_profile(dec, 25), sep="\n  ")
+            print("prefill profile:", *short_profile(pre, 25), sep="\n  ")
+        if a.export is not None:
+            t0 = time.perf_counter()
+            llm.export_artifact(str(a.export))
+            record["export_s"] = time.perf_counter() - t0
+    record["compiles_after_warmup"] = COMPILES["count"] - compiles_before - start["compiles"]
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(core._clean(record), indent=1))
+
+
+if __name__ == "__main__":
+    main()

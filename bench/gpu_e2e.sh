@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The compile issue's GPU numbers in one run: GPU compile tests, then bench/e2e_suite.py on the
+# Qwen3-30B-A3B shape (cold caches, export) and a warm start from its artifact in a fresh process,
+# then the Qwen3-0.6B shape. Results go to ${OUT:-out}/.
+set -uo pipefail
+out=${OUT:-out}; mkdir -p "$out"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
+export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)   # cold: nothing cached
+if [ -n "${GPU_TESTS:-}" ]; then
+  python -m pytest -m gpu -q -s $GPU_TESTS 2>&1 | tee "$out/gpu_tests.txt" | grep -E "batch [0-9]+:|passed|failed|Error" | tail -30
+fi
+art=$(mktemp -d)/qwen3-30b-a3b
+python bench/e2e_suite.py bench/configs/qwen3-30b-a3b --out "$out/e2e_30b.json" --export "$art" \
+  --profile-dir "$out/prof_30b" ${E2E_FLAGS:-} 2>&1 | tee "$out/e2e_30b.txt" | grep -v "^ *\"" | tail -80
+python bench/e2e_suite.py bench/configs/qwen3-30b-a3b --out "$out/warm_30b.json" --artifact "$art" 2>&1 \
+  | tee "$out/warm_30b.txt" | tail -30
+python bench/e2e_suite.py bench/configs/qwen3-0.6b --out "$out/e2e_06b.json" --batches 1 \
+  --profile-dir "$out/prof_06b" 2>&1 | tee "$out/e2e_06b.txt" | grep -v "^ *\"" | tail -40
+rm -rf "$out"/prof_*/*.json
