@@ -36,6 +36,33 @@ def graph_gpu_ms(llm, bucket: int, reps: int = 50) -> float | None:
     return start.elapsed_time(end) / reps
 
 
+def host_split(llm, batch: int, input_len: int, steps: int = 20) -> dict:
+    """Host milliseconds per decode step spent in each engine stage (the rest of the step is the
+    wait for the GPU and the bookkeeping after it)."""
+    engine = llm.engine
+    targets = {"schedule": (engine.scheduler, "schedule"), "stage": (engine.runner, "_stage"),
+               "replay": (engine.runner.graphs, "replay"), "sampler": (engine, "sampler"),
+               "append": (engine, "_append")}
+    with core.timed_calls_on(targets) as seconds:
+        items = [core.Item(p, steps + 2) for p in core.random_ids(batch, input_len, llm.model_config.vocab_size, 5)]
+        requests = core.make_requests(engine, items)
+        for r in requests:
+            engine.add(r)
+        while not all(r.output_token_ids for r in requests):
+            engine.step()
+        seconds.clear()
+        core.sync(llm.config.device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        total = time.perf_counter() - t0
+        while engine.has_work:
+            engine.step()
+    out = {k: 1e3 * v / steps for k, v in seconds.items()}
+    out["step"] = 1e3 * total / steps
+    return out
+
+
 def short_profile(prof: dict, n: int = 12) -> list[str]:
     return [f"{r['self_ms']:9.3f} ms {r['self_pct']:5.1f}% x{r['calls']:<5} {r['name'][:90]}" for r in prof["top"][:n]]
 
@@ -75,6 +102,9 @@ def main() -> None:
             record["decode"][b] = res
             print(f"batch {b}: decode p50 {res['decode_step_ms']['p50']:.3f} ms, graph GPU {res['graph_gpu_ms']} ms, "
                   f"floor {res['roofline']['floor_ms']:.3f} ms", flush=True)
+        if llm.engine.runner.graphs is not None:
+            record["host_split_ms"] = {b: host_split(llm, b, a.input_len) for b in (1, max(record["decode"]))}
+            print("host ms per decode step:", json.dumps(record["host_split_ms"]), flush=True)
         prompt = core.random_ids(1, a.prefill_len, vocab, 1)[0]
         ttft = [core.first_token(llm, prompt) for _ in range(3)]
         record["prefill"] = {"tokens": a.prefill_len, "ttft_ms": [1e3 * t for t in ttft]}

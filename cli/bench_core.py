@@ -438,13 +438,21 @@ def serving(llm, items: Sequence[Item], rate: float, max_concurrency: int | None
 def timed_calls(module, names: dict[str, str]) -> Iterator[dict[str, float]]:
     """While active, calls to `module.<attr>` are timed into the yielded dict under `stage`
     (names: attr -> stage). Attributes the module no longer has are skipped."""
+    with timed_calls_on({stage: (module, attr) for attr, stage in names.items()}) as seconds:
+        yield seconds
+
+
+@contextlib.contextmanager
+def timed_calls_on(targets: dict[str, tuple[object, str]]) -> Iterator[dict[str, float]]:
+    """While active, calls to `owner.<attr>` are timed into the yielded dict under their stage
+    (targets: stage -> (owner, attr)). Attributes an owner does not have are skipped."""
     seconds: dict[str, float] = {}
-    originals = {}
-    for attr, stage in names.items():
-        fn = getattr(module, attr, None)
+    originals = []
+    for stage, (owner, attr) in targets.items():
+        fn = getattr(owner, attr, None)
         if fn is None:
             continue
-        originals[attr] = fn
+        originals.append((owner, attr, owner.__dict__.get(attr, _MISSING) if hasattr(owner, "__dict__") else _MISSING))
 
         def wrapper(*args, _fn=fn, _stage=stage, **kwargs):
             t0 = time.perf_counter()
@@ -452,12 +460,18 @@ def timed_calls(module, names: dict[str, str]) -> Iterator[dict[str, float]]:
                 return _fn(*args, **kwargs)
             finally:
                 seconds[_stage] = seconds.get(_stage, 0.0) + time.perf_counter() - t0
-        setattr(module, attr, wrapper)
+        setattr(owner, attr, wrapper)
     try:
         yield seconds
     finally:
-        for attr, fn in originals.items():
-            setattr(module, attr, fn)
+        for owner, attr, previous in reversed(originals):
+            if previous is _MISSING:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, previous)
+
+
+_MISSING = object()
 
 
 def startup(args: EngineArgs, input_len: int) -> tuple[object, dict]:

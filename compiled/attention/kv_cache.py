@@ -5,6 +5,7 @@ its tokens. Padding tokens write their K/V to slot 0, which no request ever read
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 PADDING_SLOT = 0
@@ -42,25 +43,29 @@ class KVPool:
         # Attention kernels' scratch buffers (e.g. the decode workspace), allocated on first use
         # (the warm-up step, before any graph capture) and reused by every layer and step.
         self.scratch: dict = {}
-        # Host-side free list: allocation never touches the device.
-        self._free = torch.arange(1, num_slots + 1, dtype=torch.int64)
+        # Host-side free stack: the first `_count` entries are free slots; allocation never
+        # touches the device and costs one slice.
+        self._free = np.arange(num_slots, 0, -1, dtype=np.int64)
+        self._count = num_slots
 
     @property
     def num_free(self) -> int:
-        return int(self._free.numel())
+        return self._count
 
     @property
     def num_used(self) -> int:
         return self.num_slots - self.num_free
 
-    def alloc(self, n: int) -> torch.Tensor | None:
-        if n > self._free.numel():
+    def alloc(self, n: int) -> np.ndarray | None:
+        """`n` free slots (lowest first on a fresh pool), or None when fewer are left."""
+        if n > self._count:
             return None
-        slots, self._free = self._free[:n], self._free[n:]
-        return slots
+        self._count -= n
+        return self._free[self._count:self._count + n][::-1].copy()
 
-    def free(self, slots: torch.Tensor) -> None:
-        self._free = torch.cat((self._free, slots.to(torch.int64).cpu()))
+    def free(self, slots: np.ndarray) -> None:
+        self._free[self._count:self._count + len(slots)] = slots[::-1]
+        self._count += len(slots)
 
 
 def kv_slots_for_memory(free_bytes: int, per_token: int) -> int:

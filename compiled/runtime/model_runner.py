@@ -144,21 +144,28 @@ class ModelRunner:
         """Fill the host buffer with `chunks` padded to `tokens` and upload it. A decode batch
         pads with one request per token (its graph has one row per request), anything else with
         one padding request."""
-        h = self.inputs.begin()
+        ids, positions, token_rows, starts = [], [], [], []
         rows, seq_lens, ext_lens = [], [], []
         t = 0
-        for i, c in enumerate(chunks):
+        for c in chunks:
             request, end = c.request, c.start + c.length
-            h["input_ids"][t:t + c.length] = request.token_ids(c.start, end)
-            h["positions"][t:t + c.length] = np.arange(c.start, end)
-            h["out_cache_loc"][t:t + c.length] = c.slots.numpy()
-            h["token_rows"][t:t + c.length] = request.row
-            h["extend_start_loc"][i] = t
+            ids += request.token_ids(c.start, end)
+            positions += range(c.start, end)
+            token_rows += [request.row] * c.length
+            starts.append(t)
             rows.append(request.row)
             seq_lens.append(end)
             ext_lens.append(c.length)
             t += c.length
         b = len(rows)
+        # One numpy assignment per field: per-chunk slicing costs more than the data at decode.
+        h = self.inputs.begin()
+        h["input_ids"][:t] = ids
+        h["positions"][:t] = positions
+        h["token_rows"][:t] = token_rows
+        if chunks:
+            h["out_cache_loc"][:t] = np.concatenate([c.slots for c in chunks])
+        h["extend_start_loc"][:b] = starts
         h["req_pool_indices"][:b] = rows
         h["seq_lens"][:b] = seq_lens
         h["extend_lens"][:b] = ext_lens

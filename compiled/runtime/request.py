@@ -34,7 +34,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0               # tokens whose K/V are in the cache
     row: int | None = None              # row of the request->token table while admitted
-    slots: list[torch.Tensor] = field(default_factory=list)  # KV slots owned, freed on finish
+    slots: list = field(default_factory=list)  # numpy arrays of the KV slots owned, freed on finish
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 from compiled.attention.kv_cache import KVPool, ReqToTokenPool
 from compiled.runtime.request import Request
@@ -20,7 +20,7 @@ class Chunk:
     request: Request
     start: int              # first token position computed in this step
     length: int             # tokens computed in this step
-    slots: torch.Tensor     # their KV slots (host int64)
+    slots: np.ndarray       # their KV slots (host int64)
 
     @property
     def samples(self) -> bool:
@@ -82,7 +82,7 @@ class Scheduler:
             budget -= n
         return Batch(chunks) if chunks else None
 
-    def _alloc_or_retract(self, request: Request, n: int) -> torch.Tensor | None:
+    def _alloc_or_retract(self, request: Request, n: int) -> np.ndarray | None:
         while (slots := self.kv.alloc(n)) is None:
             victim = self.running[-1]
             self.retract(victim)
@@ -90,7 +90,7 @@ class Scheduler:
                 return None
         return slots
 
-    def _chunk(self, request: Request, n: int, slots: torch.Tensor) -> Chunk:
+    def _chunk(self, request: Request, n: int, slots: np.ndarray) -> Chunk:
         chunk = Chunk(request, request.num_computed, n, slots)
         request.slots.append(slots)
         request.num_computed += n
@@ -98,7 +98,7 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         if request.slots:
-            self.kv.free(torch.cat(request.slots))
+            self.kv.free(np.concatenate(request.slots))
             request.slots = []
         if request.row is not None:
             self.req_pool.free(request.row)
