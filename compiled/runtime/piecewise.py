@@ -1,36 +1,54 @@
 """Split the passed graph into pieces at the attention ops, ready for Inductor.
 
 1. Flatten: re-trace with no leaf modules, so every weight is a `get_attr` and every op a call.
-2. Propagate fake tensors with a symbolic token count T (no 0/1 specialisation).
-3. Split at each `compiled::attention` node (vLLM's piecewise scheme): attention stays eager.
-4. Lift each piece's weights into inputs and rename its nodes canonically, so the pieces of
-   identical layers are the same graph and compile once (48 layers -> a handful of graphs)."""
+2. Split at each `compiled::attention` node (vLLM's piecewise scheme): attention stays eager.
+   Each piece takes its weights as inputs and has canonical node names, so the pieces of
+   identical layers are the same graph and compile once (48 layers -> a handful of graphs).
+3. Propagate fake tensors with a symbolic token count T (no 0/1 specialisation).
+
+The split is built here rather than by torch.fx's `split_module`: that one builds and generates
+code for a graph module per piece, all thrown away for the canonical copies. Inputs and outputs
+are ordered as `split_module` orders them, which the piece keys (and saved artifacts) rely on."""
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, field
 
 import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-from torch.fx.passes.split_module import split_module
 
+from compiled.graphs.trace import ModelTracer
 from compiled.passes.base import is_op
 
 
-class FlatTracer(fx.Tracer):
+class FlatTracer(ModelTracer):
+    """No leaf modules. Parameters are found through ModelTracer's table; buffers get one too,
+    where fx would scan every buffer of the model at each use (once per layer for RoPE)."""
+
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return False
 
+    def create_arg(self, a):
+        if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter):
+            if not hasattr(self, "_buffer_names"):
+                self._buffer_names = {id(b): n for n, b in self.root.named_buffers()}
+            name = self._buffer_names.get(id(a))
+            if name is not None:
+                return self.create_node("get_attr", name, (), {})
+        return super().create_arg(a)
 
-def flatten(gm: nn.Module) -> fx.GraphModule:
-    flat = fx.GraphModule(gm, FlatTracer().trace(gm), class_name="FlatGraph")
-    flat.graph.eliminate_dead_code()
-    flat.recompile()
-    return flat
+
+def flatten(gm: nn.Module) -> fx.Graph:
+    """The flat graph; its `get_attr` targets name attributes of `gm`."""
+    graph = FlatTracer().trace(gm)
+    graph.eliminate_dead_code()
+    return graph
 
 
 def symbolic_inputs(mode: FakeTensorMode, num_tokens: int, device: torch.device) -> list[torch.Tensor]:
@@ -65,26 +83,22 @@ class SplitGraph:
 
 
 def split_at_attention(gm: nn.Module) -> SplitGraph:
-    """Flatten and split; weights arrive in every piece as inputs (split_module lifts them)."""
+    """Flatten and split; weights arrive in every piece as inputs. The top graph calls the
+    attention submodules eagerly and the pieces until compile_model puts compiled ones there."""
     flat = flatten(gm)
-    part, counter = {}, 0
-    for node in flat.graph.nodes:
-        if is_op(node, torch.ops.compiled.attention):
-            part[node] = counter + 1
-            counter += 2
+    parts = _partition(flat)
+    modules: dict[str, nn.Module] = {}
+    pieces: list[Piece] = []
+    keys: dict[tuple, str] = {}
+    for part in parts:
+        graph = _canonical_graph(part)
+        if part.attention:
+            modules[part.name] = fx.GraphModule({}, graph)
         else:
-            part[node] = counter
-    top = split_module(flat, flat, lambda n: part[n], keep_original_order=True)
-    pieces = []
-    for node in top.graph.nodes:
-        if node.op != "call_module":
-            continue
-        sub = getattr(top, node.target)
-        if any(is_op(n, torch.ops.compiled.attention) for n in sub.graph.nodes):
-            continue
-        weights = [_fetch(top, a.target) if a.op == "get_attr" else None for a in node.args]
-        pieces.append(_canonical(node.target, sub, weights))
-    return SplitGraph(top, pieces)
+            weights = [_fetch(gm, n.target) if n.op == "get_attr" else None for n in part.inputs]
+            pieces.append(_piece(part.name, graph, weights, keys))
+            modules[part.name] = pieces[-1].graph
+    return SplitGraph(_top_graph(gm, flat, parts, modules), pieces)
 
 
 def attach_fake_inputs(split: SplitGraph, device: torch.device, example_tokens: int = 8) -> None:
@@ -119,26 +133,102 @@ def attach_fake_inputs(split: SplitGraph, device: torch.device, example_tokens: 
                             n.meta["example_value"] = n.meta["val"]
 
 
-def _canonical(name: str, sub: fx.GraphModule, weights: list[torch.Tensor | None]) -> Piece:
-    """A copy of `sub` with inputs in0.. and nodes v0..; its key covers the code and the shapes
-    and dtypes of the weight inputs (activations follow from the graph)."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    count = 0
-    for n in sub.graph.nodes:
-        if n.op == "placeholder":
-            env[n] = graph.placeholder(f"in{len(env)}")
+@dataclass
+class _Part:
+    """A run of nodes between attention ops, or one attention op: submod_{index} of the split."""
+    index: int
+    attention: bool
+    nodes: list[fx.Node] = field(default_factory=list)
+    inputs: dict[fx.Node, None] = field(default_factory=dict)   # ordered: first use first
+    outputs: dict[fx.Node, None] = field(default_factory=dict)  # ordered: first use elsewhere first
+
+    @property
+    def name(self) -> str:
+        return f"submod_{self.index}"
+
+
+def _partition(flat: fx.Graph) -> list[_Part]:
+    """Numbered as split_module numbers the parts (0, attention 1, 2, attention 3, ...); inputs
+    and outputs in the order split_module finds them, walking the nodes' arguments in order."""
+    parts: dict[int, _Part] = {}
+    owner: dict[fx.Node, _Part] = {}
+    counter = 0
+    for node in flat.nodes:
+        if node.op in ("placeholder", "get_attr"):
             continue
-        if n.op == "get_attr":
-            raise AssertionError(f"{name}: weights should arrive as inputs, found get_attr {n.target}")
-        new = graph.node_copy(n, lambda a: env[a])
-        if n.op != "output":
-            new._rename(f"v{count}")
-            count += 1
-        env[n] = new
-    canonical = fx.GraphModule(nn.Module(), graph, class_name="Piece")
-    signature = canonical.code + repr([None if w is None else (tuple(w.shape), w.dtype) for w in weights])
-    return Piece(name, canonical, hashlib.sha256(signature.encode()).hexdigest()[:16])
+        user = None
+        if node.op != "output":
+            attention = is_op(node, torch.ops.compiled.attention)
+            index = counter + 1 if attention else counter
+            if attention:
+                counter += 2
+            if index not in parts:
+                parts[index] = _Part(index, attention)
+            user = owner[node] = parts[index]
+            user.nodes.append(node)
+        for arg in node.all_input_nodes:
+            source = owner.get(arg)  # None: a placeholder or a weight
+            if source is not user:
+                if source is not None:
+                    source.outputs.setdefault(arg)
+                if user is not None:
+                    user.inputs.setdefault(arg)
+    return list(parts.values())
+
+
+def _canonical_graph(part: _Part) -> fx.Graph:
+    """The part's nodes with inputs named in0.. and the rest v0..: names do not depend on where
+    in the model the part sits, so identical layers give identical graphs (and code)."""
+    graph = fx.Graph()
+    env = {node: graph.placeholder(f"in{i}") for i, node in enumerate(part.inputs)}
+    for i, node in enumerate(part.nodes):
+        env[node] = graph.create_node(node.op, node.target, fx.node.map_arg(node.args, env.__getitem__),
+                                      fx.node.map_arg(node.kwargs, env.__getitem__), name=f"v{i}",
+                                      type_expr=node.type)
+        env[node].meta = node.meta.copy()
+    outputs = [env[node] for node in part.outputs]
+    graph.output(outputs[0] if len(outputs) == 1 else tuple(outputs))
+    return graph
+
+
+def _piece(name: str, graph: fx.Graph, weights: list[torch.Tensor | None], keys: dict[tuple, str]) -> Piece:
+    """The key hashes the piece's code and the shapes and dtypes of its weight inputs
+    (activations follow from the graph). Code generation is slow, so it runs once per structure:
+    the code follows from each node's op, target, arguments and type (the names are canonical).
+    The module itself generates code lazily, only if it is ever run: the compiled function
+    takes its place."""
+    module = _LazyGraphModule(nn.Module(), graph, class_name="Piece")
+    shapes = repr([None if w is None else (tuple(w.shape), w.dtype) for w in weights])
+    structure = (shapes, *((n.op, n.target, repr(n.args), repr(n.kwargs), n.type) for n in graph.nodes))
+    if structure not in keys:
+        keys[structure] = hashlib.sha256((module.code + shapes).encode()).hexdigest()[:16]
+    return Piece(name, module, keys[structure])
+
+
+def _top_graph(gm: nn.Module, flat: fx.Graph, parts: list[_Part], modules: dict[str, nn.Module]) -> fx.GraphModule:
+    """Calls the parts in order, as split_module's top graph does: the inputs, then per part
+    the weights it is first to read, its call, and one getitem per output when it has several."""
+    graph = fx.Graph()
+    attrs: dict[str, object] = dict(modules)
+    env: dict[fx.Node, fx.Node] = {}
+    for node in flat.find_nodes(op="placeholder"):
+        env[node] = graph.placeholder(node.target, type_expr=node.type)
+        env[node].meta = node.meta.copy()
+    for part in parts:
+        for node in part.inputs:
+            if node.op == "get_attr" and node not in env:
+                env[node] = graph.get_attr(node.target)
+                env[node].meta = node.meta.copy()
+                attrs[node.target] = _fetch(gm, node.target)
+        call = graph.call_module(part.name, tuple(env[n] for n in part.inputs))
+        if len(part.outputs) == 1:
+            env[next(iter(part.outputs))] = call
+        else:
+            for i, node in enumerate(part.outputs):
+                env[node] = graph.call_function(operator.getitem, (call, i))
+    output = flat.output_node()
+    graph.output(fx.node.map_arg(output.args[0], env.__getitem__))
+    return fx.GraphModule(attrs, graph)
 
 
 def _fetch(module: nn.Module, target: str) -> torch.Tensor:

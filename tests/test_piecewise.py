@@ -1,0 +1,46 @@
+"""The split at attention orders every piece's inputs and outputs as torch.fx's split_module does:
+piece keys (and so saved artifacts) depend on that order."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import fx
+from torch.fx.passes.split_module import split_module
+
+from compiled.demo import MOE_MODEL
+from compiled.graphs.config import ModelConfig
+from compiled.graphs.trace import meta_model, trace
+from compiled.passes.base import is_op
+from compiled.passes.manager import run_passes
+from compiled.runtime.piecewise import flatten, split_at_attention
+
+
+def _structure(gm: fx.GraphModule) -> list[tuple]:
+    """Each node's op, target and arguments, with nodes as positions: the graph up to names."""
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    pos = lambda v: repr(fx.node.map_arg(v, lambda n: index[n]))
+    return [(n.op, None if n.op == "placeholder" else n.target, pos(n.args), pos(n.kwargs)) for n in gm.graph.nodes]
+
+
+def test_split_matches_split_module():
+    cfg = dataclasses.replace(ModelConfig.from_pretrained(MOE_MODEL), num_hidden_layers=4, mlp_only_layers=(2,))
+    meta = meta_model(cfg)
+    gm = run_passes(trace(meta), meta.checkpoint_map(), check_each=False).gm
+    split = split_at_attention(gm)
+
+    flat = fx.GraphModule(gm, flatten(gm))
+    part, counter = {}, 0
+    for node in flat.graph.nodes:
+        attention = is_op(node, torch.ops.compiled.attention)
+        part[node] = counter + 1 if attention else counter
+        counter += 2 if attention else 0
+    reference = split_module(flat, flat, part.__getitem__, keep_original_order=True)
+
+    assert split.top.code == reference.code
+    calls = [n.target for n in split.top.graph.nodes if n.op == "call_module"]
+    assert len(calls) == 9 and [p.name for p in split.pieces] == calls[::2]
+    for name in calls:
+        assert _structure(getattr(split.top, name)) == _structure(getattr(reference, name)), name
+    assert len(split.unique) == 4  # first, MoE layer, dense layer, last
