@@ -113,8 +113,12 @@ def main() -> None:
             items = [core.Item(core.random_ids(1, a.input_len, vocab, 2)[0], 8)]
             dec = core.profile_steps(llm, items, 3, a.profile_dir, "decode_b1", skip_prefill=True, top=25)
             pre = core.profile_steps(llm, [core.Item(prompt, 1)], 1, a.profile_dir, "prefill", skip_prefill=False, top=25)
-            record["profile"] = {"decode_b1": dec, "prefill": pre}
+            big = max(record["decode"])
+            items = [core.Item(p, 8) for p in core.random_ids(big, a.input_len, vocab, 3)]
+            dec_big = core.profile_steps(llm, items, 3, a.profile_dir, f"decode_b{big}", skip_prefill=True, top=25)
+            record["profile"] = {"decode_b1": dec, "prefill": pre, f"decode_b{big}": dec_big}
             print("decode b1 profile (3 steps):", *short_profile(dec, 25), sep="\n  ")
+            print(f"decode b{big} profile (3 steps):", *short_profile(dec_big, 25), sep="\n  ")
             print("prefill profile:", *short_profile(pre, 25), sep="\n  ")
         if a.export is not None:
             t0 = time.perf_counter()

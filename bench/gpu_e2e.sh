@@ -10,6 +10,9 @@ export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)   # co
 if [ -n "${GPU_TESTS:-}" ]; then
   python -m pytest -m gpu -q -s $GPU_TESTS 2>&1 | tee "$out/gpu_tests.txt" | grep -E "batch [0-9]+:|passed|failed|Error" | tail -30
 fi
+if [ -n "${MOE_BENCH:-}" ]; then
+  python bench/moe_bench.py --out "$out/moe_bench.json" 2>&1 | tee "$out/moe_bench.txt" | tail -12
+fi
 art=$(mktemp -d)/qwen3-30b-a3b
 python bench/e2e_suite.py bench/configs/qwen3-30b-a3b --out "$out/e2e_30b.json" --export "$art" \
   --profile-dir "$out/prof_30b" ${E2E_FLAGS:-} 2>&1 | tee "$out/e2e_30b.txt" | grep -v "^ *\"" | tail -80
