@@ -237,18 +237,6 @@ def _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-# Output columns per program of the one-token down kernel: 2048 / 16 = 128 programs fill an H100/H200.
-ONE_TOKEN_BLOCK_N, ONE_TOKEN_BLOCK_K = 16, 256
-
-
-def _launch_down_one_token(inter, w2, out, weights, topk_ids):
-    from compiled.moe import fused_moe_kernels as K
-    H, I = w2.shape[1], w2.shape[2]
-    K.moe_down_one_token_kernel[(triton_cdiv(H, ONE_TOKEN_BLOCK_N),)](
-        inter, w2, out, weights, topk_ids, H, I, inter.stride(0), w2.stride(0), w2.stride(1),
-        TOP_K=topk_ids.shape[1], BLOCK_N=ONE_TOKEN_BLOCK_N, BLOCK_K=ONE_TOKEN_BLOCK_K, num_warps=4)
-
-
 def _launch_sum(y, out, top_k):
     from compiled.moe import fused_moe_kernels as K
     T, H = out.shape
@@ -304,9 +292,6 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
         n_blocks = expert_ids.numel()
     inter = ws.get("inter", numel * I, x.dtype, x.device).view(numel, I)
     _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, up_cfg)
-    if naive:
-        _launch_down_one_token(inter, w2, out, weights, topk_ids)
-        return out
     y = out if top_k == 1 else ws.get("y", numel * H, x.dtype, x.device).view(numel, H)
     _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel, n_blocks, naive, down_cfg)
     if top_k > 1:

@@ -270,31 +270,3 @@ def moe_sum_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr
     for j in tl.static_range(TOP_K):
         acc += tl.load(y_ptr + (t * TOP_K + j) * H + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def moe_down_one_token_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, N, K,
-                              stride_am, stride_we, stride_wn,
-                              TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One token (decode at batch 1): out[n] = sum_j weight_j * (a[j] . w[e_j, n]) for one N tile,
-    looping over the token's k experts in slot order, so the down GEMM and the top-k sum are one
-    launch with no `[k, H]` intermediate. Rounds like gemm2 + moe_sum (bf16 per expert, fp32 sum).
-    Rows of w are contiguous along K, so each tile is a row-wise dot product (no tensor cores:
-    one row of activations)."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    dt = out_ptr.dtype.element_ty
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        expert = tl.load(ids_ptr + j).to(tl.int64)
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = offs_k < K - k0
-            a = tl.load(a_ptr + j * stride_am + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + k0 + offs_k[None, :],
-                        mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * a[None, :], axis=1)
-        weight = tl.load(weights_ptr + j).to(dt).to(tl.float32)
-        total += (acc.to(dt).to(tl.float32) * weight).to(dt).to(tl.float32)
-    tl.store(out_ptr + offs_n, total.to(dt), mask=n_ok)
