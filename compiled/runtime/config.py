@@ -49,6 +49,11 @@ class EngineConfig:
         return self.device.type == "cuda" and not self.enforce_eager
 
 
+def smallest_bucket(buckets: list[int], size: int) -> int | None:
+    """The bucket a batch of `size` is padded to: the smallest of the sorted `buckets` >= size."""
+    return next((b for b in buckets if b >= size), None)
+
+
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,6 +11,7 @@ import time
 
 import torch
 from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
+from compiled.runtime.config import smallest_bucket
 from compiled.runtime.model_runner import write_request_table
 
 DEFAULT_MAX_BATCH = 256
@@ -43,10 +44,7 @@ class DecodeGraphs:
         return self.buckets[-1]
 
     def bucket_for(self, batch: int) -> int | None:
-        for b in self.buckets:
-            if b >= batch:
-                return b
-        return None
+        return smallest_bucket(self.buckets, batch)
 
     def _meta(self, batch: int) -> AttentionMetadata:
         inp = self.runner.inputs

@@ -18,7 +18,7 @@ from torch import nn
 
 from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
 from compiled.attention.kv_cache import PADDING_SLOT, KVPool, ReqToTokenPool
-from compiled.runtime.config import EngineConfig
+from compiled.runtime.config import EngineConfig, smallest_bucket
 from compiled.runtime.scheduler import Batch
 
 # One entry per token / per request of the step, in this order in the packed buffers.
@@ -200,7 +200,8 @@ class ModelRunner:
         return self.graphs.bucket_for(len(batch.chunks))
 
     def _prefill_bucket(self, tokens: int) -> int:
-        return next((b for b in self.prefill_buckets if b >= tokens), tokens)
+        """Padded size of a non-decode batch: its bucket, or itself past the largest."""
+        return smallest_bucket(self.prefill_buckets, tokens) or tokens
 
     @torch.inference_mode()
     def forward(self, batch: Batch, sample_rows: Sequence[int] = ()) -> StepOutput:

@@ -126,12 +126,6 @@ class PiecewiseGraphs:
         self.capture_seconds = 0.0
         self.replays = 0  # forwards that replayed these graphs (tests check they are used)
 
-    def bucket_for(self, tokens: int) -> int | None:
-        for b in self.buckets:
-            if b >= tokens:
-                return b
-        return None
-
     def attach(self, pieces: list) -> None:
         """Give each compiled piece (in forward order) its graphs."""
         for index, piece in enumerate(pieces):
