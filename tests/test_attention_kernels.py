@@ -74,30 +74,51 @@ def store_case(t, hkv, d, dtype, cache_dtype, fused_view, device="cpu"):
     return max(max_err(kr, k_cache), max_err(vr, v_cache)), 0.0
 
 
-def decode_case(seq_lens, hq, hkv, d, dtype, num_splits, device="cpu", seed=0, graph=False):
+def decode_case(seq_lens, hq, hkv, d, dtype, num_splits, device="cpu", seed=0, graph=False, store=False):
+    """With `store`, the kernel also writes the step's K/V (at each request's newest slot) first;
+    the pools it leaves are compared with the reference's too. With `graph`, captured once and
+    replayed over new lengths, queries (and K/V) written in place; the merge counters must have
+    been left at zero by the first run for the replay to be right."""
     from compiled.attention.triton_decode import DecodeWorkspace, decode_attention_triton
     k_cache, v_cache, table, rows = paged_batch(seq_lens, hkv, d, dtype, device, seed)
     b = len(seq_lens)
     q = randn((b, hq, d), dtype, device, seed + 1)
+    k_new, v_new = randn((b, hkv, d), dtype, device, seed + 3), randn((b, hkv, d), dtype, device, seed + 4)
     lens = torch.tensor(seq_lens, device=device)
     scale = d ** -0.5
     ws = DecodeWorkspace(max(64, b), hq, hkv, d, torch.device(device), min_rows=b * (num_splits or 1))
-    ref = decode_attention_ref(q, k_cache, v_cache, table, rows, lens, max(seq_lens), scale)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    def newest_slots():
+        return table[rows, (lens - 1).clamp(min=0)].long()
+
+    def run():
+        new_kv = (k_new, v_new, newest_slots()) if store else None
+        return decode_attention_triton(q, k_cache, v_cache, table, rows, lens, scale, ws, num_splits,
+                                       new_kv=new_kv)
+
+    def reference():
+        if store:
+            store_kv(k_ref, v_ref, newest_slots(), k_new, v_new)
+        return decode_attention_ref(q, k_ref, v_ref, table, rows, lens, int(lens.max()), scale)
+
     if graph:   # capture once, then replay over new lengths and queries written in place
-        out = decode_attention_triton(q, k_cache, v_cache, table, rows, lens, scale, ws, num_splits)
+        run()
         torch.cuda.synchronize()
         cg = torch.cuda.CUDAGraph()
         with torch.cuda.graph(cg):
-            out = decode_attention_triton(q, k_cache, v_cache, table, rows, lens, scale, ws, num_splits)
-        new_lens = [max(1, s - 17 * i) for i, s in enumerate(seq_lens)]
-        lens.copy_(torch.tensor(new_lens, device=device))
+            out = run()
+        lens.copy_(torch.tensor([max(1, s - 17 * i) for i, s in enumerate(seq_lens)], device=device))
         q.copy_(randn((b, hq, d), dtype, device, seed + 2))
+        k_cache.copy_(k_ref), v_cache.copy_(v_ref)
         cg.replay()
         torch.cuda.synchronize()
-        ref = decode_attention_ref(q, k_cache, v_cache, table, rows, lens, max(new_lens), scale)
     else:
-        out = decode_attention_triton(q, k_cache, v_cache, table, rows, lens, scale, ws, num_splits)
-    return max_err(out, ref), TOL[dtype]
+        out = run()
+    err = max_err(out, reference())
+    if store:
+        err = max(err, max_err(k_cache, k_ref), max_err(v_cache, v_ref))
+    return err, TOL[dtype]
 
 
 def decode_padding_case(splits, device="cpu"):
@@ -187,6 +208,8 @@ CPU_GROUPS = {
         ("decode_gqa4_d24_auto_splits", lambda: decode_case([13, 250, 2], 8, 2, 24, F32, None)),
         ("decode_gqa4_d64_bf16", lambda: decode_case([120, 3, 257], 4, 1, 64, BF16, 2)),
         ("decode_gqa8_d128_f16", lambda: decode_case([77, 200], 8, 1, 128, F16, 4)),
+        ("decode_store_gqa4_d64_splits3", lambda: decode_case([1, 300, 64, 129], 4, 1, 64, F32, 3, store=True)),
+        ("decode_store_gqa1_d24_splits1", lambda: decode_case([1, 77, 5], 2, 2, 24, F32, 1, store=True)),
         ("decode_padding_row_is_zero_splits3", lambda: decode_padding_case(3)),
         ("decode_padding_row_is_zero_splits1", lambda: decode_padding_case(1)),
     ],
@@ -250,10 +273,10 @@ def test_gpu_store_real_size():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,hi,splits", [(1, 8192, None), (16, 8192, None), (64, 2048, None),
-                                             (7, 8192, 5), (3, 8191, 64)])
+                                             (7, 8192, 5), (3, 8191, 64), (1, 512, None)])
 def test_gpu_decode_real_size(batch, hi, splits):
     lens = _lens(batch, 1, hi, batch) if batch > 1 else [hi]
-    err, tol = decode_case(lens, 32, 4, 128, BF16, splits, device="cuda")
+    err, tol = decode_case(lens, 32, 4, 128, BF16, splits, device="cuda", store=batch % 2 == 1)
     assert err <= tol, err
 
 
@@ -267,6 +290,8 @@ def test_gpu_decode_head_dims(hq, hkv, d):
 @pytest.mark.gpu
 def test_gpu_decode_cuda_graph_replay():
     err, tol = decode_case(_lens(24, 100, 8192, 3), 32, 4, 128, BF16, None, device="cuda", graph=True)
+    assert err <= tol, err
+    err, tol = decode_case(_lens(3, 1, 700, 4), 32, 4, 128, BF16, None, device="cuda", graph=True, store=True)
     assert err <= tol, err
 
 

@@ -1,9 +1,13 @@
 """Flash-decoding over the paged KV cache (Triton), safe to capture in a CUDA graph.
 
-Stage 1: one program per (request, KV head, split) serves the whole GQA group of query heads:
-it loads each K/V tile of its split once (slots gathered through `req_to_token`), computes the
-group's scores with one `tl.dot`, and writes a partial output and its log-sum-exp (base 2, fp32)
-to a preallocated workspace. Stage 2: one program per (request, query head) merges the splits.
+One program per (request, KV head, split) serves the whole GQA group of query heads: it loads
+each K/V tile of its split once (slots gathered through `req_to_token`), computes the group's
+scores with one `tl.dot`, and writes a partial output and its log-sum-exp (base 2, fp32) to a
+preallocated workspace. The merge needs no second launch: each program bumps a per-(request, KV
+head) counter after writing its partial, and the program that arrives last merges the splits and
+resets the counter to zero (so a captured graph replays with no memset). With `new_kv` the
+program whose split holds the newest token first writes the step's K/V into the pools, which
+saves the separate store launch of a decode step.
 
 The number of splits is a launch parameter fixed by the batch size (so it is static inside a
 captured graph); each program derives its split's token range from `seq_lens` on the device,
@@ -38,15 +42,17 @@ def _split_range(seq_len, split, NUM_SPLITS, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _decode_stage1(
-    Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Mid_o, Mid_lse,
-    Out, sm_scale_log2, NUM_SPLITS,
+def _decode_kernel(
+    Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Mid_o, Mid_lse, Counters,
+    K_new, V_new, Loc, Out, sm_scale_log2, NUM_SPLITS,
     stride_qb, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_r2t,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+    stride_knb, stride_knh, stride_vnb, stride_vnh,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
+    STORE: tl.constexpr,
 ):
-    """DIRECT (one split): write the normalised output straight to Out, no stage 2."""
+    """DIRECT (one split): write the normalised output straight to Out, no merge."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -58,6 +64,12 @@ def _decode_stage1(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     out_ptrs = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    if STORE:
+        if (start < end) & (end == seq_len):   # this split holds the newest token: store it first
+            _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, b, kvh, offs_d, mask_d,
+                          stride_knb, stride_knh, stride_vnb, stride_vnh, stride_kcs, stride_kch,
+                          stride_vcs, stride_vch)
+            tl.debug_barrier()   # the loop below reads that slot back
     if start < end:
         row = tl.load(Req_pool_indices + b).to(tl.int64)
         q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -96,45 +108,59 @@ def _decode_stage1(
         # A request with no cached tokens (a padding row of a captured batch) gets zeros.
         tl.store(out_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(Out.dtype.element_ty),
                  mask=mask_h[:, None] & mask_d[None, :])
+    if not DIRECT:
+        # Every thread's partial must be written before the counter says so (release); the
+        # last program's reads come after its acquire and skip L1 (.cg), so they see them all.
+        tl.debug_barrier()
+        counter = Counters + b * tl.num_programs(1) + kvh
+        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+            _merge_splits(Mid_o, Mid_lse, out_ptrs, seq_len, NUM_SPLITS, b, heads, mask_h, offs_d, mask_d,
+                          stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, BLOCK_H, BLOCK_D, BLOCK_N)
+            tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
 @triton.jit
-def _decode_stage2(
-    Mid_o, Mid_lse, Seq_lens, Out, NUM_SPLITS,
-    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    seq_len = tl.load(Seq_lens + b).to(tl.int32)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    m_i = float("-inf")
-    l_i = 0.0
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    mid = Mid_o + b.to(tl.int64) * stride_mb + h * stride_mh
-    lse_ptr = Mid_lse + b.to(tl.int64) * stride_lb + h * stride_lh
+def _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, b, kvh, offs_d, mask_d,
+                  stride_knb, stride_knh, stride_vnb, stride_vnh, stride_kcs, stride_kch, stride_vcs, stride_vch):
+    slot = tl.load(Loc + b).to(tl.int64)
+    k = tl.load(K_new + b.to(tl.int64) * stride_knb + kvh * stride_knh + offs_d, mask=mask_d)
+    v = tl.load(V_new + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d, mask=mask_d)
+    tl.store(K_cache + slot * stride_kcs + kvh * stride_kch + offs_d, k.to(K_cache.dtype.element_ty), mask=mask_d)
+    tl.store(V_cache + slot * stride_vcs + kvh * stride_vch + offs_d, v.to(V_cache.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
+def _merge_splits(Mid_o, Mid_lse, out_ptrs, seq_len, NUM_SPLITS, b, heads, mask_h, offs_d, mask_d,
+                  stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Log-sum-exp merge of the non-empty splits' partials for the GQA group's heads."""
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    mid = Mid_o + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + offs_d[None, :]
+    lse_ptr = Mid_lse + b.to(tl.int64) * stride_lb + heads * stride_lh
     for split in range(0, NUM_SPLITS):
         start, end = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
         if start < end:
-            lse = tl.load(lse_ptr + split)
-            o = tl.load(mid + split * stride_ms + offs_d, mask=mask_d, other=0.0)
+            lse = tl.load(lse_ptr + split, mask=mask_h, other=0.0, cache_modifier=".cg")
+            o = tl.load(mid + split * stride_ms, mask=mask_h[:, None] & mask_d[None, :], other=0.0,
+                        cache_modifier=".cg")
             m_new = tl.maximum(m_i, lse)
             alpha = tl.exp2(m_i - m_new)
             w = tl.exp2(lse - m_new)
-            acc = acc * alpha + o * w
+            acc = acc * alpha[:, None] + o * w[:, None]
             l_i = l_i * alpha + w
             m_i = m_new
     # A request with no cached tokens (a padding row of a captured batch) gets zeros, not NaN.
-    out = acc / tl.maximum(l_i, 1e-30)
-    tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
 
 
-PROGRAMS_PER_SM = 4   # stage-1 programs resident per SM (the default config fits 5 on Hopper)
+PROGRAMS_PER_SM = 4   # decode programs resident per SM (the default config fits 5 on Hopper)
 
 
 def default_config(head_dim: int) -> dict:
-    """Stage-1 tile (KV tokens per iteration), warps and pipeline stages."""
+    """Decode tile (KV tokens per iteration), warps and pipeline stages."""
     return dict(block_n=32 if head_dim > 128 else 64, num_warps=4, num_stages=2)
 
 
@@ -148,7 +174,7 @@ def _wave_efficiency(programs: int, capacity: int) -> float:
 
 def num_kv_splits(batch: int, kv_heads: int, num_sms: int, group: int = 8, max_splits: int = MAX_SPLITS,
                   programs_per_sm: int = PROGRAMS_PER_SM) -> int:
-    """Splits per request for stage 1: a function of the batch shape only, so it is fixed for a
+    """Splits per request: a function of the batch shape only, so it is fixed for a
     captured batch size. Picks the count whose programs fill the GPU's waves best, in the worst
     case over `programs_per_sm` or one more resident per SM, less the cost of each split's partial
     results (written and read back: 2 * group / context of the KV bytes; a 2k context assumed).
@@ -177,10 +203,11 @@ def sm_count(device: torch.device) -> int:
 
 
 class DecodeWorkspace:
-    """Partial outputs `[B, Hq, S, D]` and log-sum-exps `[B, Hq, S]` (fp32) for stage 1, allocated
-    once for every batch size up to `max_batch` that the heuristic splits (unsplit batches need
-    none; at most ~8 waves of programs, so the size does not grow with `max_batch`), then viewed
-    per call. `min_rows` reserves room for explicit `num_splits` (batch x splits rows)."""
+    """Partial outputs `[B, Hq, S, D]` and log-sum-exps `[B, Hq, S]` (fp32), allocated once for
+    every batch size up to `max_batch` that the heuristic splits (unsplit batches need none; at
+    most ~8 waves of programs, so the size does not grow with `max_batch`), then viewed per call;
+    and the merge counters `[B, Hkv]` (int32, zero between calls). `min_rows` reserves room for
+    explicit `num_splits` (batch x splits rows)."""
 
     def __init__(self, max_batch: int, num_q_heads: int, kv_heads: int, head_dim: int,
                  device: torch.device, max_splits: int = MAX_SPLITS,
@@ -196,6 +223,7 @@ class DecodeWorkspace:
         self.capacity = rows   # batch x splits the buffers hold
         self.o = torch.empty(rows * num_q_heads * head_dim, dtype=torch.float32, device=self.device)
         self.lse = torch.empty(rows * num_q_heads, dtype=torch.float32, device=self.device)
+        self.counters = torch.zeros(rows * kv_heads, dtype=torch.int32, device=self.device)
 
     def splits_for(self, batch: int) -> int:
         if batch < len(self._splits):
@@ -215,9 +243,13 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float, workspace: DecodeWorkspace,
                             num_splits: int | None = None, out: torch.Tensor | None = None,
+                            new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                             **config) -> torch.Tensor:
     """q `[B, Hq, D]` (one token per request) over pools `[slots, Hkv, D]` -> `[B, Hq, D]`.
-    `config` overrides `default_config` (block_n, num_warps, num_stages)."""
+    `new_kv` = (k, v `[B, Hkv, D]`, slots `[B]`): the step's K/V, written into the pools first
+    (the slot of each request's newest token, i.e. position seq_len - 1 in its table row; rows
+    with seq_len 0 store nothing). `config` overrides `default_config` (block_n, num_warps,
+    num_stages)."""
     batch, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
@@ -227,32 +259,25 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     splits = num_splits or workspace.splits_for(batch)
     direct = splits == 1
-    if direct:   # no partial results: stage 1 writes the output
+    if direct:   # no partial results: each program writes its output
         mid_o, mid_lse, mid_strides = workspace.o, workspace.lse, (0, 0, 0, 0, 0)
     else:
         mid_o, mid_lse = workspace.views(batch, splits)
         mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
+    k_new, v_new, loc = new_kv if new_kv is not None else (q, q, seq_lens)   # unread unless STORE
     cfg = dict(default_config(d), **config)
-    block_n = cfg["block_n"]
-    block_d = max(16, triton.next_power_of_2(d))
-    block_h = max(16, triton.next_power_of_2(group))
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    _decode_stage1[(batch, hkv, splits)](
-        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-        out, scale * LOG2E, splits,
+    assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1
+    _decode_kernel[(batch, hkv, splits)](
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, workspace.counters,
+        k_new, v_new, loc, out, scale * LOG2E, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), *mid_strides, out.stride(0), out.stride(1),
-        GROUP=group, D=d, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_PRECISION=precision, UPCAST=interpreter_upcast(q.dtype), DIRECT=direct,
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        GROUP=group, D=d, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=cfg["block_n"],
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreter_upcast(q.dtype),
+        DIRECT=direct, STORE=new_kv is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    if direct:
-        return out
-    _decode_stage2[(batch, hq)](
-        mid_o, mid_lse, seq_lens, out, splits,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        D=d, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=1 if block_d <= 64 else 2,
     )
     return out
