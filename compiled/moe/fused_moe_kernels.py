@@ -270,3 +270,42 @@ def moe_sum_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr
     for j in tl.static_range(TOP_K):
         acc += tl.load(y_ptr + (t * TOP_K + j) * H + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def moe_down_one_token_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, ids_ptr, N, K,
+                              stride_am, stride_we, stride_wn,
+                              TOP_K: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """One token (decode at batch 1): out[n] = sum_j weight_j * (a[j] . w[e_j, n]), the down GEMM
+    and the top-k sum in one launch with no `[k, H]` intermediate. Row j of the 16-row tile holds
+    slot j's activations only while expert e_j's weights stream past, so the k dot products land
+    in separate accumulator rows and round like gemm2 + moe_sum (bf16 per slot, fp32 sum). The
+    loop over (slot, K tile) is one flat loop, so the weight loads pipeline across experts."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_nw = (offs_n % N).to(tl.int64)
+    offs_m = tl.arange(0, 16)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for it in range(0, TOP_K * k_tiles):
+        j = it // k_tiles
+        k0 = (it - j * k_tiles) * BLOCK_K
+        expert = tl.load(ids_ptr + j).to(tl.int64)
+        a_mask = offs_m[:, None] == j
+        b_ptrs = w_ptr + expert * stride_we + offs_nw[None, :] * stride_wn + k0 + offs_k[:, None]
+        if EVEN_K:
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = offs_k < K - k0
+            a_mask = a_mask & k_ok[None, :]
+            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + k0 + offs_k[None, :], mask=a_mask, other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    dt = out_ptr.dtype.element_ty
+    w = tl.load(weights_ptr + offs_m, mask=offs_m < TOP_K, other=0.0).to(dt).to(tl.float32)
+    y = (acc.to(dt).to(tl.float32) * w[:, None]).to(dt).to(tl.float32)
+    tl.store(out_ptr + offs_n, tl.sum(y, axis=0).to(dt), mask=offs_n < N)
