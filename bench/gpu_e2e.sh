@@ -10,8 +10,14 @@ export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)   # co
 if [ -n "${GPU_TESTS:-}" ]; then
   python -m pytest -m gpu -q -s $GPU_TESTS 2>&1 | tee "$out/gpu_tests.txt" | grep -E "batch [0-9]+:|passed|failed|Error" | tail -30
 fi
-if [ -n "${MOE_BENCH:-}" ]; then
-  python bench/moe_bench.py --out "$out/moe_bench.json" 2>&1 | tee "$out/moe_bench.txt" | tail -12
+if [ -n "${MOE_BENCH:-}" ]; then   # MOE_FLAGS: e.g. "--profile 1 4096 --sweep-one-token"
+  python bench/moe_bench.py --out "$out/moe_bench.json" ${MOE_FLAGS:-} 2>&1 | tee "$out/moe_bench.txt" | tail -16
+fi
+if [ -n "${LINEAR_BENCH:-}" ]; then
+  python bench/linear_bench.py --out "$out/linear_bench.json" ${LINEAR_FLAGS:-} 2>&1 | tee "$out/linear_bench.txt" | tail -40
+fi
+if [ -n "${ATTN_BENCH:-}" ]; then
+  python bench/attention_bench.py --out "$out/attn_bench.json" ${ATTN_FLAGS:-} 2>&1 | tee "$out/attn_bench.txt" | tail -24
 fi
 art=$(mktemp -d)/qwen3-30b-a3b
 python bench/e2e_suite.py bench/configs/qwen3-30b-a3b --out "$out/e2e_30b.json" --export "$art" \

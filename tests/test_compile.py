@@ -86,4 +86,4 @@ def test_artifact_manifest_records_versions(artifact):
     with open(f"{artifact}/manifest.json") as f:
         manifest = json.load(f)
     assert manifest["torch"] == torch.__version__ and manifest["device"] == "cpu"
-    assert manifest["passes"] == ["fuse_qkv", "fuse_w13", "silu_and_mul"] and manifest["pieces"]
+    assert manifest["passes"] == ["fuse_qkv", "fuse_w13", "silu_and_mul", "skinny_linear"] and manifest["pieces"]

@@ -9,6 +9,7 @@ from torch import fx, nn
 
 from compiled.attention.kv_cache import KVPool, ReqToTokenPool
 from compiled.graphs.config import ModelConfig
+from compiled.graphs.linear import SkinnyLinear
 from compiled.graphs.trace import materialize, meta_model, trace
 from compiled.passes.base import is_op
 from compiled.passes.manager import DEFAULT_PASSES, run_passes
@@ -83,9 +84,20 @@ def test_passed_graph_matches_unpassed(name, passes):
     _check_structure(gm, cfg, passes)
 
 
+def _linear_calls(gm: fx.GraphModule) -> dict[str, fx.Node]:
+    """Module path -> the node applying that linear: a call_module, or (after skinny_linear)
+    compiled::linear on the module's weight."""
+    calls = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Linear):
+            calls[n.target] = n
+        elif is_op(n, torch.ops.compiled.linear):
+            calls[n.args[1].target.removesuffix(".weight")] = n
+    return calls
+
+
 def _linears_under(gm: fx.GraphModule, prefix: str, exclude: str) -> list[str]:
-    return [n.target for n in gm.graph.nodes if n.op == "call_module" and n.target.startswith(prefix)
-            and isinstance(gm.get_submodule(n.target), nn.Linear) and not n.target.endswith(exclude)]
+    return [t for t in _linear_calls(gm) if t.startswith(prefix) and not t.endswith(exclude)]
 
 
 def _check_structure(gm: fx.GraphModule, cfg: ModelConfig, passes: list[str]) -> None:
@@ -110,8 +122,25 @@ def _check_structure(gm: fx.GraphModule, cfg: ModelConfig, passes: list[str]) ->
     dense_layers = sum(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     if "fuse_w13" in passes and "silu_and_mul" in passes:
         assert not silu and len(fused_act) == dense_layers
-        downs = [n for n in nodes if n.op == "call_module" and n.target.endswith("mlp.down_proj")]
-        assert all(is_op(n.args[0], torch.ops.compiled.silu_and_mul) for n in downs)
+        downs = [n for t, n in _linear_calls(gm).items() if t.endswith("mlp.down_proj")]
+        assert len(downs) == dense_layers and all(is_op(n.args[0], torch.ops.compiled.silu_and_mul) for n in downs)
     else:
         assert len(silu) == dense_layers and not fused_act  # silu_and_mul alone needs a fused w13
     assert not any(is_op(n, torch.ops.compiled.moe_experts) for n in nodes) or "fuse_w13" not in passes
+    _check_skinny(gm, cfg, "skinny_linear" in passes)
+
+
+def _check_skinny(gm: fx.GraphModule, cfg: ModelConfig, applied: bool) -> None:
+    """With skinny_linear every bias-free linear (attention, dense MLP, MoE router, LM head)
+    goes through compiled::linear and biased ones stay modules; without it nothing does."""
+    calls = _linear_calls(gm)
+    biased = {t for t in calls if gm.get_submodule(t).bias is not None}
+    through_op = {t for t, n in calls.items() if is_op(n, torch.ops.compiled.linear)}
+    assert through_op == (set(calls) - biased if applied else set())
+    attention = {t for t in calls if ".self_attn." in t}
+    assert biased == (attention if cfg.attention_bias else set())
+    routers = {f"model.layers.{i}.mlp.gate" for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)}
+    assert routers <= set(calls)
+    assert isinstance(gm.lm_head, SkinnyLinear) == applied
+    if cfg.tie_word_embeddings:
+        assert gm.lm_head.weight is gm.get_submodule("model.embed_tokens").weight

@@ -1,3 +1,5 @@
 """Model definitions in plain, HF-shaped torch (Qwen3 dense and Qwen3-MoE).
 
-Owns the model config and module tree; data-dependent work is delegated to custom ops in attention/ and moe/."""
+Owns the model config and module tree, and the ops the passes put in place of its modules
+(`activation`: silu_and_mul; `linear`: the bias-free linear with its skinny Triton GEMM for
+decode); data-dependent work is delegated to custom ops in attention/ and moe/."""

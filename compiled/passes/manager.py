@@ -13,14 +13,16 @@ from compiled.passes.base import GraphPass, PassRecord
 from compiled.passes.fuse_qkv import fuse_qkv
 from compiled.passes.fuse_w13 import fuse_w13
 from compiled.passes.silu_and_mul import silu_and_mul
+from compiled.passes.skinny_linear import skinny_linear
 from compiled.graphs.weights import WeightMap
 
 REGISTRY: dict[str, GraphPass] = {p.name: p for p in (
     GraphPass("fuse_qkv", fuse_qkv),
     GraphPass("fuse_w13", fuse_w13),
     GraphPass("silu_and_mul", silu_and_mul),
+    GraphPass("skinny_linear", skinny_linear),
 )}
-DEFAULT_PASSES: tuple[str, ...] = ("fuse_qkv", "fuse_w13", "silu_and_mul")
+DEFAULT_PASSES: tuple[str, ...] = ("fuse_qkv", "fuse_w13", "silu_and_mul", "skinny_linear")
 
 
 def resolve_passes(names: list[str] | tuple[str, ...] | None) -> list[GraphPass]:

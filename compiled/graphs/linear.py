@@ -1,0 +1,102 @@
+"""`compiled::linear`: `y = x @ weight.T` (a bias-free nn.Linear), Triton's skinny GEMM for a few rows.
+
+The skinny_linear pass routes the model's bias-free linears (and the LM head) through this op.
+Decode steps run them at M = 1..16 rows, where the skinny kernel (`linear_kernels`) streams the
+weight in one launch; anything else (more rows, other dtypes, CPU) goes to `F.linear` (cuBLAS).
+
+Backends: 'auto' (the kernel on CUDA for bf16/fp16 at M <= SKINNY_MAX_M, torch otherwise),
+'torch' (always F.linear), 'triton' (the kernel wherever M and the layout allow it, any device
+and fp32 too; forcing it on CPU needs `TRITON_INTERPRET=1`). `COMPILED_LINEAR_BACKEND` (read at
+import) or `set_backend()` picks one."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SKINNY_MAX_M = 16  # rows the skinny kernel serves (one 16-row tile); above, cuBLAS is at home
+BACKENDS = ("auto", "torch", "triton")
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # 'auto' on CUDA; fp32 stays with cuBLAS (TF32 rules)
+FORCED_DTYPES = KERNEL_DTYPES + (torch.float32,)
+
+
+def _check_backend(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"COMPILED_LINEAR_BACKEND={name!r}: expected one of {', '.join(BACKENDS)}")
+    return name
+
+
+BACKEND = _check_backend(os.environ.get("COMPILED_LINEAR_BACKEND", "auto") or "auto")
+
+
+def set_backend(name: str) -> None:
+    """'auto' (the kernel on CUDA at small M, torch elsewhere), 'torch' or 'triton'."""
+    global BACKEND
+    BACKEND = _check_backend(name)
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+def check_shapes(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"compiled::linear: x {tuple(x.shape)} @ weight {tuple(weight.shape)}.T: "
+                         f"expected x [..., K] and weight [N, K]")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"compiled::linear: x is {x.dtype}, weight is {weight.dtype}")
+
+
+def use_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the skinny kernel serves x `[M, K]` @ weight.T under the current backend."""
+    if BACKEND == "torch":
+        return False
+    if BACKEND == "auto" and not (x.is_cuda and x.dtype in KERNEL_DTYPES):
+        return False
+    M, K = x.shape
+    return (0 < M <= SKINNY_MAX_M and K > 0 and weight.shape[0] > 0 and x.dtype in FORCED_DTYPES
+            and x.stride(1) == 1 and weight.stride(1) == 1 and x.device == weight.device)
+
+
+@torch.library.custom_op("compiled::linear", mutates_args=())
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x `[..., K]`, weight `[N, K]` -> `[..., N]` (the graph's hidden states are `[T, K]`)."""
+    return dispatch(x, weight)
+
+
+def dispatch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The op's body: the skinny kernel where `use_kernel` allows it, F.linear otherwise."""
+    check_shapes(x, weight)
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if not use_kernel(x2, weight):
+        return linear_ref(x, weight)
+    from compiled.graphs.linear_kernels import skinny_linear_triton
+    y = skinny_linear_triton(x2, weight)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
+
+
+@linear.register_fake
+def _(x, weight):
+    check_shapes(x, weight)
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+class SkinnyLinear(nn.Linear):
+    """A bias-free nn.Linear whose forward is compiled::linear: for linears called outside the
+    graph (the LM head, applied by the runner to the rows that need logits)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.compiled.linear(x, self.weight)
+
+    @classmethod
+    def sharing(cls, linear: nn.Linear) -> "SkinnyLinear":
+        """A SkinnyLinear holding `linear`'s weight Parameter itself (no copy, ties preserved)."""
+        if linear.bias is not None:
+            raise ValueError("SkinnyLinear: the linear has a bias")
+        # Built on meta so that no second weight is ever allocated, then given the real one.
+        module = cls(linear.in_features, linear.out_features, bias=False, device="meta")
+        module.weight = linear.weight
+        return module

@@ -1,0 +1,198 @@
+"""Skinny GEMM (Triton): `y = x @ w.T` for a few rows of x (decode), one launch, weight streamed once.
+
+At M <= 16 rows a linear reads its whole weight to do almost no arithmetic, so its time is the
+weight's bytes over the memory bandwidth, plus the launch. cuBLAS picks tiles made for large M:
+too few programs to keep every SM's loads in flight, and split-K as a second (reduce) kernel.
+
+Here each program owns BLOCK_N output columns for all M rows (one BLOCK_M = 16-row tile, masked,
+so `tl.dot` runs on the tensor cores with fp32 accumulation) and walks its K range in BLOCK_K
+steps, the weight tiles `[BLOCK_N, BLOCK_K]` contiguous along K (coalesced) and software-pipelined
+(num_stages). When N / BLOCK_N programs cannot fill the GPU (router N=128, o_proj N=2048), SPLIT_K
+programs share a column block, each over one K range: they write fp32 partials to a workspace and
+bump that block's semaphore; the last to arrive sums the partials in split order (deterministic),
+writes the output and puts the semaphore back to 0. So there is no second launch and no memset,
+and the launch is safe to capture in a CUDA graph: the workspace and semaphores are allocated once
+per device, before capture, and the kernel leaves them as it found them.
+
+`skinny_config` (the heuristic) and the constants below are the only tuning knobs. The torch
+reference is `compiled.graphs.linear.linear_ref` (F.linear), beside the op that dispatches here."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from compiled.attention.triton_decode import interpreter_upcast
+from compiled.graphs.linear import SKINNY_MAX_M
+
+BLOCK_M = max(16, triton.next_power_of_2(SKINNY_MAX_M))  # one tile for every row (tl.dot needs >= 16)
+MIN_BLOCK = 16             # smallest BLOCK_N / BLOCK_K (tl.dot's minimum)
+MAX_BLOCK_N = 64
+NARROW_N = 512             # up to here 16-column blocks: a weight this small needs every program it can get
+MAX_BLOCK_K = 128
+MAX_SPLIT_K = 16
+MIN_K_PER_SPLIT = 256      # a split shorter than this cannot amortise its partial write + semaphore
+MIN_PROGRAMS_PER_SM = 2    # fewer cannot keep enough loads in flight on every SM
+MAX_PROGRAMS_PER_SM = 4    # about what fits at once (registers, shared memory of 4 warps x 4 stages)
+WORKSPACE_COLS = 128 * 1024  # split-K needs SPLIT_K * N <= this (fp32 partials: 16 x this x 4 B = 8 MiB)
+NUM_WARPS = 4
+NUM_STAGES = 4
+DEFAULT_NUM_SMS = 132      # an H100 / H200; used when there is no CUDA device (the interpreter)
+
+
+class SkinnyConfig(NamedTuple):
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = NUM_WARPS
+    num_stages: int = NUM_STAGES
+
+
+@functools.lru_cache(maxsize=None)
+def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS) -> SkinnyConfig:
+    """A memory-bound launch is fastest when every program is resident at once (no tail wave)
+    and there are enough of them to keep loads in flight on every SM: between MIN_ and
+    MAX_PROGRAMS_PER_SM x num_sms programs. BLOCK_N: the widest (64, 32) that alone gives the
+    minimum, else 32 (16 for a narrow N); then SPLIT_K: the largest power of two that stays
+    within the maximum (each split at least MIN_K_PER_SPLIT long, the partials within the
+    workspace). M does not enter: at M <= 16 the time is the weight's bytes."""
+    block_k = min(MAX_BLOCK_K, max(MIN_BLOCK, triton.next_power_of_2(K)))
+    wide = [b for b in (MAX_BLOCK_N, MAX_BLOCK_N // 2) if triton.cdiv(N, b) >= MIN_PROGRAMS_PER_SM * num_sms]
+    block_n = wide[0] if wide else (MIN_BLOCK if N <= NARROW_N else 2 * MIN_BLOCK)
+    blocks = triton.cdiv(N, block_n)
+    split = 1
+    if blocks < MIN_PROGRAMS_PER_SM * num_sms:
+        max_split = min(MAX_SPLIT_K, K // MIN_K_PER_SPLIT, WORKSPACE_COLS // max(N, 1))
+        while 2 * split <= max_split and blocks * 2 * split <= MAX_PROGRAMS_PER_SM * num_sms:
+            split *= 2
+    return SkinnyConfig(block_n, block_k, split)
+
+
+def check_config(config: SkinnyConfig, M: int, N: int) -> None:
+    for name in ("block_n", "block_k"):
+        value = getattr(config, name)
+        if value < MIN_BLOCK or value & (value - 1):
+            raise ValueError(f"skinny linear: {name}={value} must be a power of two >= {MIN_BLOCK}")
+    if config.split_k < 1 or config.split_k > 1 and config.split_k * N > WORKSPACE_COLS:
+        raise ValueError(f"skinny linear: split_k={config.split_k} with N={N} needs 1 <= split_k and "
+                         f"split_k * N <= {WORKSPACE_COLS}")
+    if M > SKINNY_MAX_M:
+        raise ValueError(f"skinny linear: M={M} rows, at most {SKINNY_MAX_M}")
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class SplitWorkspace(NamedTuple):
+    partials: torch.Tensor   # fp32 [SKINNY_MAX_M * WORKSPACE_COLS]
+    semaphores: torch.Tensor  # int32, one per column block, all zero between launches
+
+
+_WORKSPACES: dict[torch.device, SplitWorkspace] = {}
+
+
+def split_workspace(device: torch.device) -> SplitWorkspace:
+    """One per device, at its largest size, so it is never reallocated: the first split-K call
+    must come before any CUDA graph capture (the runtime's warm-up runs each shape once first).
+    Launches on one device must be stream-ordered (they share the semaphores)."""
+    ws = _WORKSPACES.get(device)
+    if ws is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("skinny linear: split-K workspace first needed inside a CUDA graph capture; "
+                               "run the linear once before capturing")
+        ws = _WORKSPACES[device] = SplitWorkspace(
+            torch.empty(SKINNY_MAX_M * WORKSPACE_COLS, dtype=torch.float32, device=device),
+            torch.zeros(WORKSPACE_COLS // MIN_BLOCK, dtype=torch.int32, device=device))
+    return ws
+
+
+@triton.jit
+def _skinny_kernel(
+    X, W, Y, Partials, Semaphores, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """EVEN_K (K a multiple of BLOCK_K, so every split is whole tiles): no mask along K, which
+    keeps the weight loads vectorised."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    x_ptrs = X + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
+    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
+        else:
+            mask_k = (k0 + offs_k) < k_end
+            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
+        if UPCAST:  # see interpreter_upcast()
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=out_mask)
+    else:
+        # Partials laid out [SPLIT_K, M, N].
+        part_ptrs = Partials + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptrs + pid_k * M * N, acc, mask=out_mask)
+        # Every thread's partial store must precede the release below.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Semaphores + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            # Unrolled (no loop for the pipeliner to turn into async copies); .cg reads from L2,
+            # which is coherent, never from a stale L1 line.
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part_ptrs + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(Semaphores + pid_n, 0)
+
+
+def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
+    """x `[M, K]` (M <= SKINNY_MAX_M, last dim contiguous), weight `[N, K]` (last dim contiguous)
+    -> `[M, N]` in x's dtype. `config` overrides the heuristic (tests, the benchmark's sweep)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if config is None:
+        if M > SKINNY_MAX_M:
+            raise ValueError(f"skinny linear: M={M} rows, at most {SKINNY_MAX_M}")
+        config = skinny_config(M, N, K, num_sms(x.device))
+    else:
+        check_config(config, M, N)
+    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    block_n, block_k, split_k, num_warps, num_stages = config
+    if split_k > 1:
+        ws = split_workspace(x.device)
+        partials, semaphores = ws.partials, ws.semaphores
+    else:
+        partials, semaphores = y, y  # never read: SPLIT_K == 1 compiles the branch away
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    upcast = interpreter_upcast(x.dtype)
+    precision = "ieee" if upcast or x.dtype == torch.float32 else "tf32"
+    grid = (triton.cdiv(N, block_n), split_k)
+    _skinny_kernel[grid](
+        x, weight, y, partials, semaphores, M, N, K, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=K % block_k == 0,
+        UPCAST=upcast, DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
+    return y

@@ -1,0 +1,255 @@
+"""compiled::linear and its skinny GEMM (Triton) against the torch reference; the skinny_linear pass.
+
+CPU: the kernel runs under `TRITON_INTERPRET=1` in one subprocess (the variable only takes effect
+for kernels defined after it is set, so it must not leak into this process); the subprocess runs
+this file as a script and prints its results. The op's dispatch and the pass run in-process.
+GPU (`-m gpu`): real Qwen3 shapes in bf16, eagerly and replayed from a CUDA graph."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import compiled.graphs.linear as lin  # noqa: E402
+from compiled.graphs.linear import SKINNY_MAX_M, SkinnyLinear, linear_ref  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference relative to the output's scale (bf16 keeps 8 bits of it; the
+    interpreter also truncates where the GPU rounds)."""
+    a, b = a.float(), b.float()
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-6)).item()
+
+
+# ----------------------------------------------------------------------------------------------
+# Interpreted cases (run in the subprocess): (name, M, N, K, dtype, forced config or None)
+
+CASES = [
+    ("m1_n7_k5", 1, 7, 5, "float32", None),
+    ("m3_n130_k200", 3, 130, 200, "float32", None),
+    ("m16_n48_k64", 16, 48, 64, "float32", None),
+    ("m1_n1_k64_split2", 1, 1, 64, "float32", (16, 16, 2)),
+    ("m3_n130_k200_split4", 3, 130, 200, "float32", (32, 64, 4)),
+    ("m16_n48_k200_split3_ragged", 16, 48, 200, "float32", (32, 16, 3)),
+    ("m1_n130_k64_bf16", 1, 130, 64, "bfloat16", None),
+    ("m16_n7_k200_bf16", 16, 7, 200, "bfloat16", None),
+    ("m3_n48_k5_bf16_split2", 3, 48, 5, "bfloat16", (16, 16, 2)),
+    ("m16_n130_k200_bf16_split4", 16, 130, 200, "bfloat16", (32, 64, 4)),
+]
+
+
+def _randn(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def kernel_case(M: int, N: int, K: int, dtype: str, config) -> dict:
+    """Two calls on fresh inputs each: both must match (the second proves the split-K
+    semaphores were put back to 0), and the semaphores must be all zero afterwards."""
+    from compiled.graphs import linear_kernels as lk
+    dt = getattr(torch, dtype)
+    cfg = None if config is None else lk.SkinnyConfig(*config)
+    errs = []
+    for call in range(2):
+        x = _randn((M, K), dt, 10 * call + 1)
+        w = _randn((N, K), dt, 10 * call + 2)
+        errs.append(max_err(lk.skinny_linear_triton(x, w, cfg), linear_ref(x.float(), w.float())))
+    ws = lk._WORKSPACES.get(torch.device("cpu"))
+    clean = ws is None or not ws.semaphores.any().item()
+    return dict(err=max(errs), tol=TOL[dt], clean=clean)
+
+
+def op_case() -> dict:
+    """The op's body with the Triton backend forced: a 3-D x of 2 x 3 rows and a strided x (rows
+    of a wider tensor) go through the kernel. (Its first call through the dispatcher would import
+    torch._dynamo, seconds here; the dispatch itself is tested in-process.)"""
+    lin.set_backend("triton")
+    w = _randn((40, 24), torch.float32, 3)
+    x3 = _randn((2, 3, 24), torch.float32, 4)
+    wide = _randn((5, 64), torch.float32, 5)[:, 8:32]
+    errs = [max_err(lin.dispatch(x, w), linear_ref(x, w)) for x in (x3, wide)]
+    shape_ok = tuple(lin.dispatch(x3, w).shape) == (2, 3, 40)
+    return dict(err=max(errs) if shape_ok else float("inf"), tol=TOL[torch.float32], clean=True)
+
+
+@pytest.fixture(scope="module")
+def interpreted_results() -> dict[str, dict]:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("COMPILED_LINEAR_BACKEND", None)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES] + ["op_forced_triton"])
+def test_interpreted_kernel_matches_reference(interpreted_results, name):
+    r = interpreted_results[name]
+    assert r["err"] <= r["tol"] and r["clean"], r
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatch, validation and the heuristic (in-process, no kernel launched)
+
+@pytest.fixture
+def backend():
+    before = lin.BACKEND
+    yield lin.set_backend
+    lin.set_backend(before)
+
+
+@pytest.fixture
+def kernel_spy(monkeypatch):
+    """Replaces the kernel by the reference and records each call's row count."""
+    from compiled.graphs import linear_kernels
+    calls = []
+
+    def spy(x, weight, config=None):
+        calls.append(x.shape[0])
+        return linear_ref(x, weight)
+    monkeypatch.setattr(linear_kernels, "skinny_linear_triton", spy)
+    return calls
+
+
+def test_cpu_default_and_large_m_use_the_reference(backend, kernel_spy):
+    backend("auto")
+    w = torch.randn(8, 6)
+    for m in (1, SKINNY_MAX_M, SKINNY_MAX_M + 1):
+        x = torch.randn(m, 6)
+        assert not lin.use_kernel(x, w)
+        assert torch.equal(torch.ops.compiled.linear(x, w), linear_ref(x, w))
+    backend("triton")
+    assert lin.use_kernel(torch.randn(SKINNY_MAX_M, 6), w)
+    assert not lin.use_kernel(torch.randn(SKINNY_MAX_M + 1, 6), w)
+    assert not lin.use_kernel(torch.randn(6, 3).t(), w)                     # x's last dim strided
+    assert not lin.use_kernel(torch.randn(3, 6, dtype=torch.float64), w.double())
+    torch.ops.compiled.linear(torch.randn(2, 3, 6), w)                      # 6 rows: the kernel
+    torch.ops.compiled.linear(torch.randn(SKINNY_MAX_M + 1, 6), w)          # the reference
+    backend("torch")
+    torch.ops.compiled.linear(torch.randn(1, 6), w)
+    assert kernel_spy == [6]
+
+
+def test_bad_shapes_and_backend_are_one_line_errors(backend):
+    with pytest.raises(ValueError, match=r"x \(3, 5\) @ weight \(8, 6\)\.T"):
+        torch.ops.compiled.linear(torch.randn(3, 5), torch.randn(8, 6))
+    with pytest.raises(ValueError, match=r"x \(3, 5\) @ weight \(8, 6\)\.T"):   # the fake (tracing)
+        torch.ops.compiled.linear(torch.empty(3, 5, device="meta"), torch.empty(8, 6, device="meta"))
+    with pytest.raises(ValueError, match="x is torch.float32, weight is torch.bfloat16"):
+        torch.ops.compiled.linear(torch.randn(3, 6), torch.randn(8, 6, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="COMPILED_LINEAR_BACKEND"):
+        backend("cuda")
+
+
+def test_forced_config_is_validated():
+    from compiled.graphs import linear_kernels as lk
+    x, w = torch.randn(2, 32), torch.randn(8, 32)
+    with pytest.raises(ValueError, match="block_n=24"):
+        lk.skinny_linear_triton(x, w, lk.SkinnyConfig(24, 16, 1))
+    with pytest.raises(ValueError, match="split_k"):
+        lk.skinny_linear_triton(x, torch.randn(lk.WORKSPACE_COLS, 32), lk.SkinnyConfig(16, 16, 2))
+    with pytest.raises(ValueError, match="M=17"):
+        lk.skinny_linear_triton(torch.randn(17, 32), w)
+
+
+# (N, K): qkv and o_proj of Qwen3-30B-A3B, its router, the LM head, Qwen3-0.6B's w13 and down.
+REAL_SHAPES = [(5120, 2048), (2048, 4096), (128, 2048), (151936, 2048), (6144, 1024), (1024, 3072)]
+
+
+@pytest.mark.parametrize("n,k", REAL_SHAPES)
+def test_heuristic_fills_the_gpu_within_the_workspace(n, k):
+    from compiled.graphs import linear_kernels as lk
+    cfg = lk.skinny_config(1, n, k, 132)
+    lk.check_config(cfg, SKINNY_MAX_M, n)
+    programs = -(-n // cfg.block_n) * cfg.split_k
+    assert programs >= 64 and k // cfg.split_k >= min(k, lk.MIN_K_PER_SPLIT)
+    assert cfg.split_k == 1 or programs <= lk.MAX_PROGRAMS_PER_SM * 132   # split-K: one wave
+    if n >= 64 * lk.MIN_PROGRAMS_PER_SM * 132:  # the LM head: wide blocks, no split
+        assert cfg.block_n == lk.MAX_BLOCK_N and cfg.split_k == 1
+    if n <= 2048:                                # router, o_proj, down: too few column blocks alone
+        assert cfg.split_k > 1
+
+
+# ----------------------------------------------------------------------------------------------
+# The pass on the demo models
+
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_pass_routes_every_linear_and_keeps_outputs(model):
+    from compiled.demo import DENSE_MODEL, MOE_MODEL
+    from compiled.graphs.config import ModelConfig
+    from compiled.passes.manager import DEFAULT_PASSES
+    from tests.test_passes import _linear_calls, _passed, _plain, _run
+    cfg = ModelConfig.from_pretrained(DENSE_MODEL if model == "dense" else MOE_MODEL)
+    plain = _plain(cfg)
+    before = _passed(cfg, plain, [p for p in DEFAULT_PASSES if p != "skinny_linear"])
+    after = _passed(cfg, plain, list(DEFAULT_PASSES))
+    calls = _linear_calls(after)
+    per_layer = {False: ("qkv_proj", "o_proj", "w13", "down_proj"), True: ("qkv_proj", "o_proj", "gate")}
+    expected = {f"model.layers.{i}.{sub}.{leaf}" for i in range(cfg.num_hidden_layers)
+                for leaf in per_layer[cfg.is_moe_layer(i)] for sub in ("self_attn", "mlp")
+                if (sub == "self_attn") == (leaf in ("qkv_proj", "o_proj"))}
+    assert set(calls) == expected and all(n.op == "call_function" for n in calls.values())
+    assert isinstance(after.lm_head, SkinnyLinear) and not isinstance(before.lm_head, SkinnyLinear)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (1, 5, 11)]
+    decode = torch.randint(0, cfg.vocab_size, (3,), generator=gen).tolist()
+    h_before, h_after = _run(before, cfg, prompts, decode), _run(after, cfg, prompts, decode)
+    assert torch.equal(h_before, h_after)
+    assert torch.equal(before.lm_head(h_before), after.lm_head(h_after))
+
+
+def test_pass_counts_rewrites_and_leaves_biased_linears():
+    from compiled.graphs.config import ModelConfig
+    from compiled.graphs.trace import meta_model, trace
+    from compiled.passes.manager import run_passes
+    from tests.test_passes import CONFIGS
+    cfg = ModelConfig.from_dict(CONFIGS["dense_mqa_bias"])
+    meta = meta_model(cfg, torch.float32)
+    record = run_passes(trace(meta), meta.checkpoint_map(), ["skinny_linear"]).records[0]
+    assert record.rewrites == 3 * cfg.num_hidden_layers + 1      # gate, up, down per layer + LM head
+    meta = meta_model(cfg, torch.float32)
+    record = run_passes(trace(meta), meta.checkpoint_map(), ["fuse_qkv", "fuse_w13", "skinny_linear"]).records[-1]
+    assert record.rewrites == 2 * cfg.num_hidden_layers + 1      # w13, down per layer + LM head
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: real sizes, bf16
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("n,k", REAL_SHAPES)
+def test_gpu_real_shapes_match_cublas(backend, m, n, k):
+    backend("auto")
+    g = torch.Generator(device="cuda").manual_seed(m * n + k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k ** -0.5)
+    assert lin.use_kernel(x, w)
+    ref = torch.nn.functional.linear(x.float(), w.float())
+    assert max_err(torch.ops.compiled.linear(x, w), ref) <= 1e-2      # also readies the workspace
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = torch.ops.compiled.linear(x, w)
+    for seed in range(3):                                                # replays reuse the semaphores
+        x.copy_(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g.manual_seed(seed)))
+        graph.replay()
+        assert max_err(y, torch.nn.functional.linear(x.float(), w.float())) <= 1e-2
+    from compiled.graphs import linear_kernels as lk
+    ws = lk._WORKSPACES.get(x.device)
+    assert ws is None or not ws.semaphores.any().item()
+
+
+if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
+    results = {name: kernel_case(M, N, K, dt, cfg) for name, M, N, K, dt, cfg in CASES}
+    results["op_forced_triton"] = op_case()
+    print(json.dumps(results))
