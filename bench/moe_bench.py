@@ -200,71 +200,16 @@ def table(result) -> str:
     return "\n".join(lines)
 
 
-def kernel_profile(tokens: list[int], layers: int, calls: int = 5) -> dict[int, dict[str, float]]:
-    """µs per call of each kernel of fused_moe_triton (routing given), from torch.profiler."""
-    from torch.profiler import ProfilerActivity, profile
-    w13, w2 = make_weights(layers, E, H, I, torch.bfloat16)
-    ws = fm.MoEWorkspace()
-    out = {}
-    for T in tokens:
-        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-        w, i = torch.ops.compiled.topk_route(torch.randn(T, E, device="cuda"), TOP_K, True)
-        for l in range(layers):   # compile and warm up
-            fm.fused_moe_triton(x, w, i, w13[l], w2[l], workspace=ws)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for c in range(calls):
-                fm.fused_moe_triton(x, w, i, w13[c % layers], w2[c % layers], workspace=ws)
-            torch.cuda.synchronize()
-        times = {e.key: e.device_time_total / calls for e in prof.key_averages() if e.device_time_total > 0}
-        out[T] = dict(sorted(times.items(), key=lambda kv: -kv[1]))
-        print(f"  T={T} kernels (µs per call): " + ", ".join(f"{k[:40]} {v:.1f}" for k, v in out[T].items()),
-              flush=True)
-    return out
-
-
-def sweep_one_token(layers: int, reps: int) -> list[dict]:
-    """Time the one-token path (gemm1 + down/top-k-sum kernel) over tiles of the down kernel."""
-    import itertools
-    w13, w2 = make_weights(layers, E, H, I, torch.bfloat16)
-    ws = fm.MoEWorkspace()
-    x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
-    w, i = torch.ops.compiled.topk_route(torch.randn(1, E, device="cuda"), TOP_K, True)
-    rows = []
-    for bn, bk, warps, stages in itertools.product((16, 32), (128, 256, 512), (2, 4), (3, 4, 5)):
-        cfg = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-        try:
-            us = time_graph([lambda l=l: fm.fused_moe_triton(x, w, i, w13[l], w2[l], workspace=ws, one_token=cfg)
-                             for l in range(layers)], reps=reps) / layers
-        except Exception as exc:  # noqa: BLE001  (e.g. out of shared memory)
-            print(f"  one-token {cfg}: {type(exc).__name__}", flush=True)
-            continue
-        rows.append(dict(cfg, us=us))
-    rows.sort(key=lambda r: r["us"])
-    print("  one-token down tiles, best first: " + "; ".join(
-        f"{r['BLOCK_N']}x{r['BLOCK_K']} w{r['num_warps']} s{r['num_stages']} {r['us']:.1f}" for r in rows[:6]),
-        flush=True)
-    return rows
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="*", default=[1, 8, 64, 512, 4096])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default="moe_bench.json")
-    p.add_argument("--profile", type=int, nargs="*", default=None,
-                   help="also profile the kernels of one call at these token counts")
-    p.add_argument("--sweep-one-token", action="store_true",
-                   help="also time the one-token down kernel over a grid of tiles")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("moe_bench.py needs a CUDA device")
     result = run(args)
-    if args.sweep_one_token:
-        result["one_token_sweep"] = sweep_one_token(args.layers, args.reps)
-    if args.profile:
-        result["kernels_us"] = kernel_profile(args.profile, args.layers)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
 

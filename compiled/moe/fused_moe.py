@@ -237,21 +237,6 @@ def _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-# Tile of the one-token down GEMM + top-k sum (moe_down_one_token_kernel): narrow N tiles so that
-# H / BLOCK_N programs (128 for H = 2048) cover the SMs, each streaming k * BLOCK_N rows of w2.
-ONE_TOKEN_DOWN = dict(BLOCK_N=16, BLOCK_K=256, num_warps=4, num_stages=4)
-MAX_ONE_TOKEN_TOP_K = 16   # slots live in the rows of one 16-row tile
-
-
-def _launch_down_one_token(inter, w2, out, weights, ids, cfg):
-    from compiled.moe import fused_moe_kernels as K
-    H, I = w2.shape[1], w2.shape[2]
-    K.moe_down_one_token_kernel[(triton_cdiv(H, cfg["BLOCK_N"]),)](
-        inter, w2, out, weights, ids, H, I, inter.stride(0), w2.stride(0), w2.stride(1),
-        TOP_K=ids.numel(), **_dot_flags(inter.dtype), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        EVEN_K=I % cfg["BLOCK_K"] == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-
-
 def _launch_sum(y, out, top_k):
     from compiled.moe import fused_moe_kernels as K
     T, H = out.shape
@@ -277,10 +262,8 @@ def use_naive(T: int) -> bool:
 
 def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                      w13: torch.Tensor, w2: torch.Tensor, config: dict | None = None,
-                     workspace: MoEWorkspace | None = None, out: torch.Tensor | None = None,
-                     one_token: dict | None = None) -> torch.Tensor:
-    """The Triton path of `compiled::fused_moe`. `config` overrides the tuned/default lookup (its
-    down part is not used for one token: see ONE_TOKEN_DOWN, which `one_token` overrides)."""
+                     workspace: MoEWorkspace | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton path of `compiled::fused_moe`. `config` overrides the tuned/default lookup."""
     T, H = x.shape
     E, I = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -309,9 +292,6 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
         n_blocks = expert_ids.numel()
     inter = ws.get("inter", numel * I, x.dtype, x.device).view(numel, I)
     _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, up_cfg)
-    if naive and 1 < top_k <= MAX_ONE_TOKEN_TOP_K:
-        _launch_down_one_token(inter, w2, out, weights, topk_ids.reshape(-1), dict(ONE_TOKEN_DOWN, **(one_token or {})))
-        return out
     y = out if top_k == 1 else ws.get("y", numel * H, x.dtype, x.device).view(numel, H)
     _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel, n_blocks, naive, down_cfg)
     if top_k > 1:
