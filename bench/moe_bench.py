@@ -6,6 +6,7 @@ E=128, H=2048, I=768, top-8, bf16, random weights and random router logits. `--l
 the weights are cycled (one call per layer, like the model), so weights come from HBM, not L2.
 Measured in the same run:
   fused        compiled::fused_moe's Triton path, routing given (CUDA graph of one call per layer)
+  sep. sum     the same with the top-k sum as a kernel of its own (fused_sum=False)
   fused+route  compiled::topk_route (Triton) + fused MoE (CUDA graph)
   gmm+route    torch routing + torch._grouped_mm for w13 and w2 (CUDA graph when capturable)
   hf_eager     transformers' Qwen3MoeExperts, eager expert loop (routing given; host syncs, events)
@@ -128,6 +129,10 @@ def run(args) -> dict:
             [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws)
              for l in range(L)], reps=args.reps) / L)
 
+        attempt("fused_sep_sum_us", lambda: time_graph(
+            [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
+                                             fused_sum=False) for l in range(L)], reps=args.reps) / L)
+
         def fused_route(l):
             w, i = torch.ops.compiled.topk_route(logits[l], TOP_K, True)
             return fm.fused_moe_triton(x, w, i, w13[l], w2[l], workspace=ws)
@@ -186,18 +191,42 @@ def table(result) -> str:
     lines = [f"MoE layer E={E} H={H} I={I} top-{TOP_K} bf16 on {info['device']} "
              f"(torch {info['torch']}, triton {info['triton']}, {info['layers']} layers cycled)",
              f"copy {info['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {info['matmul_flops'] / 1e12:.0f} TFLOP/s",
-             "| tokens | experts | floor µs | fused µs | ×floor | fused+route µs | gmm+route µs | HF eager µs "
-             "| HF gmm µs | fused TFLOP/s | % matmul |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| tokens | experts | floor µs | fused µs | ×floor | sep. sum µs | fused+route µs | gmm+route µs "
+             "| HF eager µs | HF gmm µs | fused TFLOP/s | % matmul |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         lines.append("| " + " | ".join([
             str(r["tokens"]), f(r["experts"]), f(r["floor_us"]), f(r.get("fused_us")),
-            f(r.get("fused_x_floor"), "{:.2f}"), f(r.get("fused_route_us")), f(r.get("gmm_route_us")),
+            f(r.get("fused_x_floor"), "{:.2f}"), f(r.get("fused_sep_sum_us")), f(r.get("fused_route_us")),
+            f(r.get("gmm_route_us")),
             f(r.get("hf_eager_us"), "{:.0f}"), f(r.get("hf_gmm_us")), f(r.get("fused_tflops"), "{:.0f}"),
             f(100 * r["fused_frac_matmul"] if r.get("fused_frac_matmul") else None, "{:.0f}")]) + " |")
     for name, t in result["targets"].items():
         lines.append(f"target {name}: {t['value']:.2f} -> {'MET' if t['met'] else 'MISSED'}")
     return "\n".join(lines)
+
+
+def kernel_profile(tokens: list[int], layers: int, calls: int = 5) -> dict[int, dict[str, float]]:
+    """µs per call of each kernel of fused_moe_triton (routing given), from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    w13, w2 = make_weights(layers, E, H, I, torch.bfloat16)
+    ws = fm.MoEWorkspace()
+    out = {}
+    for T in tokens:
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        w, i = torch.ops.compiled.topk_route(torch.randn(T, E, device="cuda"), TOP_K, True)
+        for l in range(layers):   # compile and warm up
+            fm.fused_moe_triton(x, w, i, w13[l], w2[l], workspace=ws)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for c in range(calls):
+                fm.fused_moe_triton(x, w, i, w13[c % layers], w2[c % layers], workspace=ws)
+            torch.cuda.synchronize()
+        times = {e.key: e.device_time_total / calls for e in prof.key_averages() if e.device_time_total > 0}
+        out[T] = dict(sorted(times.items(), key=lambda kv: -kv[1]))
+        print(f"  T={T} kernels (µs per call): " + ", ".join(f"{k[:40]} {v:.1f}" for k, v in out[T].items()),
+              flush=True)
+    return out
 
 
 def main(argv=None):
@@ -206,10 +235,14 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default="moe_bench.json")
+    p.add_argument("--profile", type=int, nargs="*", default=None,
+                   help="also profile the kernels of one call at these token counts")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("moe_bench.py needs a CUDA device")
     result = run(args)
+    if args.profile:
+        result["kernels_us"] = kernel_profile(args.profile, args.layers)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(table(result))
 

@@ -67,6 +67,19 @@ def case_one_token_naive_e128_k8():
     _check_fused(1, 128, 8, 32, 48, fm.default_config(1, 128))
 
 
+def case_fused_sum_counters_reset_and_separate_sum():
+    # gemm2's fused top-k sum: twice in a row (the counters must be back at zero), against the
+    # separate sum kernel and the reference; one token (naive blocks) and many
+    for T, cfg in ((1, fm.default_config(1, 16)), (37, _cfg(16, 16, 16))):
+        x, w, ids, w13, w2 = _problem(T, 16, 4, 40, 48, seed=T)
+        ref = fm.fused_moe_ref(x, w, ids, w13, w2)
+        outs = [fm.fused_moe_triton(x, w, ids, w13, w2, config=cfg, fused_sum=f) for f in (True, True, False)]
+        for out in outs:
+            torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+        assert torch.equal(outs[0], outs[2])
+        assert not fm.sum_counters(x.device, 1).any()
+
+
 def case_t300_e8_k2_two_k_steps_grouped_half_tiles():
     # ~75 pairs per expert: one full 64-row block and one partial block run as a 32-row tile
     cfg = dict(_cfg(64, 32, 16, group=4), HALF_M=1, down=dict(BLOCK_SIZE_N=32, HALF_M=1))
@@ -178,7 +191,7 @@ def case_routing_kernel_vs_softmax_topk():
 
 
 GROUPS = {
-    "a": [case_one_token_naive_e128_k8, case_t300_e8_k2_two_k_steps_grouped_half_tiles,
+    "a": [case_one_token_naive_e128_k8, case_fused_sum_counters_reset_and_separate_sum, case_t300_e8_k2_two_k_steps_grouped_half_tiles,
           case_t150_e8_k2_half_tiles_up_only, case_t37_e128_k8_unused_experts_fp16, case_t5_e60_k6_uneven_k_and_n,
           case_routing_kernel_vs_softmax_topk],
     "b": [case_t128_e16_k1_no_sum, case_t61_e33_k3_bf16, case_t2_e8_k8_all_experts_down_override,

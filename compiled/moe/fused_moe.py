@@ -223,18 +223,45 @@ def _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-def _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel, n_blocks, naive, cfg):
+def _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel, n_blocks, naive, cfg,
+                  top_k=1, out=None, counters=None):
+    """With `counters` (see sum_counters), the kernel also writes the top-k sum into `out`."""
     from compiled.moe import fused_moe_kernels as K
     H, I = w2.shape[1], w2.shape[2]
     bn = cfg["BLOCK_SIZE_N"]
     grid = (n_blocks * triton_cdiv(H, bn),)
+    fused_sum = counters is not None
     K.moe_gemm2_kernel[grid](
-        inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel, H, I,
+        inter, w2, y, weights, out if fused_sum else y, counters if fused_sum else y,
+        sorted_ids, expert_ids, num_post, numel, H, I,
         inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        NAIVE=naive, **_dot_flags(inter.dtype),
+        TOP_K=top_k, FUSED_SUM=fused_sum, NAIVE=naive, **_dot_flags(inter.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=I % cfg["BLOCK_SIZE_K"] == 0, HALF_M=bool(cfg["HALF_M"]) and not naive,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+# Counters of gemm2's fused top-k sum, one int32 per (token, N tile), per device. They are zero
+# between launches (the kernel restores them), so they are allocated once, zeroed, and only ever
+# replaced by a larger buffer outside CUDA graph capture; replaced buffers are kept alive because
+# captured graphs hold their addresses.
+MIN_SUM_COUNTERS = 1 << 16
+_SUM_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []
+
+
+def sum_counters(device: torch.device, numel: int) -> torch.Tensor | None:
+    """At least `numel` zeroed counters, or None when they would have to grow inside a capture
+    (the caller then launches the separate sum kernel)."""
+    buf = _SUM_COUNTERS.get(device)
+    if buf is not None and buf.numel() >= numel:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if buf is not None:
+        _RETIRED_COUNTERS.append(buf)
+    buf = _SUM_COUNTERS[device] = torch.zeros(max(numel, MIN_SUM_COUNTERS), dtype=torch.int32, device=device)
+    return buf
 
 
 def _launch_sum(y, out, top_k):
@@ -262,8 +289,10 @@ def use_naive(T: int) -> bool:
 
 def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                      w13: torch.Tensor, w2: torch.Tensor, config: dict | None = None,
-                     workspace: MoEWorkspace | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton path of `compiled::fused_moe`. `config` overrides the tuned/default lookup."""
+                     workspace: MoEWorkspace | None = None, out: torch.Tensor | None = None,
+                     fused_sum: bool = True) -> torch.Tensor:
+    """The Triton path of `compiled::fused_moe`. `config` overrides the tuned/default lookup.
+    `fused_sum=False` sums the top-k slots with a kernel of its own instead of inside gemm2."""
     T, H = x.shape
     E, I = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -271,6 +300,7 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     assert topk_weights.shape == topk_ids.shape == (T, top_k)
     if out is None:
         out = torch.empty_like(x)
+    assert out.is_contiguous() and out.shape == x.shape, "fused_moe_triton: out must be a contiguous [T, H]"
     if T == 0:
         return out
     x = x.contiguous()
@@ -292,9 +322,14 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
         n_blocks = expert_ids.numel()
     inter = ws.get("inter", numel * I, x.dtype, x.device).view(numel, I)
     _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, up_cfg)
-    y = out if top_k == 1 else ws.get("y", numel * H, x.dtype, x.device).view(numel, H)
-    _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel, n_blocks, naive, down_cfg)
-    if top_k > 1:
+    if top_k == 1:
+        _launch_gemm2(inter, w2, out, weights, sorted_ids, expert_ids, num_post, numel, n_blocks, naive, down_cfg)
+        return out
+    y = ws.get("y", numel * H, x.dtype, x.device).view(numel, H)
+    counters = sum_counters(x.device, T * triton_cdiv(H, down_cfg["BLOCK_SIZE_N"])) if fused_sum else None
+    _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel, n_blocks, naive, down_cfg,
+                  top_k, out, counters)
+    if counters is None:
         _launch_sum(y, out, top_k)
     return out
 

@@ -11,8 +11,10 @@ Design (after SGLang/vLLM's fused_moe, written from scratch):
   computed on its own and the top-k sum runs in slot order.
 * `moe_gemm1_kernel`: one program per (block, N tile); gathers the block's token rows of x, multiplies
   by the gate and the up tile of its expert's `w13` and writes `silu(gate) * up` (fused epilogue).
-* `moe_gemm2_kernel`: same grid over `w2`; the epilogue multiplies by the routing weight.
-* `moe_sum_kernel`: sums the k weighted expert outputs of every token in fp32.
+* `moe_gemm2_kernel`: same grid over `w2`; the epilogue multiplies by the routing weight and (by
+  default) sums the k weighted expert outputs of every token in fp32: the program that writes a
+  token's last slot for an N tile does it, found through a per-(token, tile) atomic counter.
+* `moe_sum_kernel`: the same sum as a kernel of its own (when the counters are not available).
 
 Blocks past the padded total (and so experts without tokens) exit at once. DOT_FP32 upcasts the
 operands of `tl.dot` (exact products, fp32 sums): only for the CPU interpreter, whose bf16 dot is
@@ -171,11 +173,12 @@ def _up_tile(x_ptr, w_ptr, out_ptr, pair, expert, pid_n, num_valid, N, K,
 
 
 @triton.jit
-def _down_tile(a_ptr, w_ptr, out_ptr, weights_ptr, pair, expert, pid_n, num_valid, N, K,
+def _down_tile(a_ptr, w_ptr, out_ptr, weights_ptr, sum_ptr, counter_ptr, pair, expert, pid_n, num_valid, N, K,
                stride_am, stride_we, stride_wn, stride_om,
-               PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+               TOP_K: tl.constexpr, FUSED_SUM: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
                TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """weight * (a . w2[e]) for the TILE_M rows `pair` and one N tile."""
+    """weight * (a . w2[e]) for the TILE_M rows `pair` and one N tile; with FUSED_SUM, then the
+    top-k sum of every token whose k-th slot this was (see _sum_if_last)."""
     row_ok = pair < num_valid
     row = tl.where(row_ok, pair, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -203,6 +206,32 @@ def _down_tile(a_ptr, w_ptr, out_ptr, weights_ptr, pair, expert, pid_n, num_vali
     out = (acc.to(dt).to(tl.float32) * w[:, None]).to(dt)
     o_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_n[None, :] < N))
+    if FUSED_SUM:
+        _sum_if_last(out_ptr, sum_ptr, counter_ptr, row, row_ok, offs_n, pid_n, N, stride_om, TOP_K, TILE_M, BLOCK_N)
+
+
+@triton.jit
+def _sum_if_last(y_ptr, sum_ptr, counter_ptr, pair, row_ok, offs_n, pid_n, N, stride_ym,
+                 TOP_K: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The top-k sum without a launch of its own: each row bumps its token's counter for this N
+    tile, and the row that arrives k-th sums the token's k slots (fp32, slot order, like
+    moe_sum_kernel) and puts the counter back to zero. The rows of one tile are distinct tokens
+    (a token meets an expert once), so their counters are distinct."""
+    # Every thread's y stores must precede the releases; the acquiring rows' loads (by any
+    # thread, after the second barrier) go to L2 (.cg), never a stale L1 line.
+    tl.debug_barrier()
+    token = pair // TOP_K
+    counters = counter_ptr + token * tl.cdiv(N, BLOCK_N) + pid_n
+    arrived = tl.atomic_add(counters, 1, mask=row_ok, sem="acq_rel")
+    last = row_ok & (arrived == TOP_K - 1)
+    tl.debug_barrier()
+    mask = last[:, None] & (offs_n[None, :] < N)
+    total = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        total += tl.load(y_ptr + (token * TOP_K + j)[:, None] * stride_ym + offs_n[None, :], mask=mask,
+                         other=0.0, cache_modifier=".cg").to(tl.float32)
+    tl.store(sum_ptr + token[:, None] * N + offs_n[None, :], total.to(sum_ptr.dtype.element_ty), mask=mask)
+    tl.store(counters, tl.zeros_like(arrived), mask=last)
 
 
 @triton.jit(do_not_specialize=["num_valid"])
@@ -235,28 +264,31 @@ def moe_gemm1_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post
 
 
 @triton.jit(do_not_specialize=["num_valid"])
-def moe_gemm2_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-                     num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
+def moe_gemm2_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sum_ptr, counter_ptr, sorted_ptr, expert_ids_ptr,
+                     num_post_ptr, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
+                     TOP_K: tl.constexpr, FUSED_SUM: tl.constexpr,
                      NAIVE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr):
-    """out[pair, n] = weight[pair] * (a[pair] . w[e, n]); w is `[E, N, K]` (N = H, K = I)."""
+    """out[pair, n] = weight[pair] * (a[pair] . w[e, n]); w is `[E, N, K]` (N = H, K = I).
+    FUSED_SUM: also sum[token, n] = sum over the token's k pairs of out (counters zero on entry
+    and on exit, one per token and N tile)."""
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, NAIVE, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         if HALF_M:
             if tl.sum((pair < num_valid).to(tl.int32), axis=0) <= BLOCK_M // 2:
                 half = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M // 2))
-                _down_tile(a_ptr, w_ptr, out_ptr, weights_ptr, half, expert, pid_n, num_valid, N, K,
-                           stride_am, stride_we, stride_wn, stride_om,
+                _down_tile(a_ptr, w_ptr, out_ptr, weights_ptr, sum_ptr, counter_ptr, half, expert, pid_n, num_valid,
+                           N, K, stride_am, stride_we, stride_wn, stride_om, TOP_K, FUSED_SUM,
                            PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K)
             else:
-                _down_tile(a_ptr, w_ptr, out_ptr, weights_ptr, pair, expert, pid_n, num_valid, N, K,
-                           stride_am, stride_we, stride_wn, stride_om,
+                _down_tile(a_ptr, w_ptr, out_ptr, weights_ptr, sum_ptr, counter_ptr, pair, expert, pid_n, num_valid,
+                           N, K, stride_am, stride_we, stride_wn, stride_om, TOP_K, FUSED_SUM,
                            PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
         else:
-            _down_tile(a_ptr, w_ptr, out_ptr, weights_ptr, pair, expert, pid_n, num_valid, N, K,
-                       stride_am, stride_we, stride_wn, stride_om,
+            _down_tile(a_ptr, w_ptr, out_ptr, weights_ptr, sum_ptr, counter_ptr, pair, expert, pid_n, num_valid,
+                       N, K, stride_am, stride_we, stride_wn, stride_om, TOP_K, FUSED_SUM,
                        PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
 
 
