@@ -57,8 +57,14 @@ def use_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if BACKEND == "auto" and not (x.is_cuda and x.dtype in KERNEL_DTYPES):
         return False
     M, K = x.shape
-    return (0 < M <= SKINNY_MAX_M and K > 0 and weight.shape[0] > 0 and x.dtype in FORCED_DTYPES
+    N = weight.shape[0]
+    fits = (0 < M <= SKINNY_MAX_M and K > 0 and N > 0 and x.dtype in FORCED_DTYPES
             and x.stride(1) == 1 and weight.stride(1) == 1 and x.device == weight.device)
+    if not fits or BACKEND == "triton":
+        return fits
+    from compiled.graphs import linear_kernels as lk
+    sms = lk.num_sms(x.device)
+    return lk.beats_cublas(lk.skinny_config(M, N, K, sms), N, sms)
 
 
 @torch.library.custom_op("compiled::linear", mutates_args=())

@@ -32,15 +32,14 @@ from compiled.graphs.linear import SKINNY_MAX_M
 BLOCK_M = max(16, triton.next_power_of_2(SKINNY_MAX_M))  # one tile for every row (tl.dot needs >= 16)
 MIN_BLOCK = 16             # smallest BLOCK_N / BLOCK_K (tl.dot's minimum)
 MAX_BLOCK_N = 64
-NARROW_N = 512             # up to here 16-column blocks: a weight this small needs every program it can get
 MAX_BLOCK_K = 128
 MAX_SPLIT_K = 16
-MIN_K_PER_SPLIT = 256      # a split shorter than this cannot amortise its partial write + semaphore
-MIN_PROGRAMS_PER_SM = 2    # fewer cannot keep enough loads in flight on every SM
-MAX_PROGRAMS_PER_SM = 4    # about what fits at once (registers, shared memory of 4 warps x 4 stages)
+MIN_K_PER_SPLIT = 128      # one BLOCK_K tile: a shorter split cannot amortise its partials and semaphore
+WIDE_PROGRAMS_PER_SM = 2   # this many 64-column blocks per SM fill the GPU without splitting K
+SPLIT_COLUMNS_PER_SM = 64  # split-K: columns x splits in flight per SM (H200 sweep, bench/RESULTS.md)
 WORKSPACE_COLS = 128 * 1024  # split-K needs SPLIT_K * N <= this (fp32 partials: 16 x this x 4 B = 8 MiB)
 NUM_WARPS = 4
-NUM_STAGES = 4
+NUM_STAGES = 5
 DEFAULT_NUM_SMS = 132      # an H100 / H200; used when there is no CUDA device (the interpreter)
 
 
@@ -54,22 +53,27 @@ class SkinnyConfig(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS) -> SkinnyConfig:
-    """A memory-bound launch is fastest when every program is resident at once (no tail wave)
-    and there are enough of them to keep loads in flight on every SM: between MIN_ and
-    MAX_PROGRAMS_PER_SM x num_sms programs. BLOCK_N: the widest (64, 32) that alone gives the
-    minimum, else 32 (16 for a narrow N); then SPLIT_K: the largest power of two that stays
-    within the maximum (each split at least MIN_K_PER_SPLIT long, the partials within the
-    workspace). M does not enter: at M <= 16 the time is the weight's bytes."""
+    """From a sweep on the H200 (bench/linear_bench.py --sweep; RESULTS.md). A wide N (the LM
+    head) takes 64-column blocks and no split. Otherwise 64 columns from N = 2048 down to 32 (16
+    for N <= 128), and SPLIT_K the largest power of two that keeps N x SPLIT_K within
+    SPLIT_COLUMNS_PER_SM x num_sms, each split at least MIN_K_PER_SPLIT long and the partials
+    within the workspace. M does not enter: at M <= 16 the time is the weight's bytes."""
     block_k = min(MAX_BLOCK_K, max(MIN_BLOCK, triton.next_power_of_2(K)))
-    wide = [b for b in (MAX_BLOCK_N, MAX_BLOCK_N // 2) if triton.cdiv(N, b) >= MIN_PROGRAMS_PER_SM * num_sms]
-    block_n = wide[0] if wide else (MIN_BLOCK if N <= NARROW_N else 2 * MIN_BLOCK)
-    blocks = triton.cdiv(N, block_n)
+    if triton.cdiv(N, MAX_BLOCK_N) >= WIDE_PROGRAMS_PER_SM * num_sms:
+        return SkinnyConfig(MAX_BLOCK_N, block_k, 1)
+    block_n = MAX_BLOCK_N if N >= 2048 else (2 * MIN_BLOCK if N > 128 else MIN_BLOCK)
+    max_split = min(MAX_SPLIT_K, K // MIN_K_PER_SPLIT, WORKSPACE_COLS // max(N, 1))
     split = 1
-    if blocks < MIN_PROGRAMS_PER_SM * num_sms:
-        max_split = min(MAX_SPLIT_K, K // MIN_K_PER_SPLIT, WORKSPACE_COLS // max(N, 1))
-        while 2 * split <= max_split and blocks * 2 * split <= MAX_PROGRAMS_PER_SM * num_sms:
-            split *= 2
+    while 2 * split <= max_split and N * 2 * split <= SPLIT_COLUMNS_PER_SM * num_sms:
+        split *= 2
     return SkinnyConfig(block_n, block_k, split)
+
+
+def beats_cublas(config: SkinnyConfig, N: int, num_sms: int = DEFAULT_NUM_SMS) -> bool:
+    """Where the kernel is worth a launch over cuBLAS: when it splits K (cuBLAS at M = 1 either
+    leaves SMs idle or adds a reduce kernel: router, o_proj, down) or N is wide (the LM head, 4%).
+    A mid-size N in one pass (qkv, gate/up) is what cuBLAS's own GEMV does as well or better."""
+    return config.split_k > 1 or triton.cdiv(N, MAX_BLOCK_N) >= WIDE_PROGRAMS_PER_SM * num_sms
 
 
 def check_config(config: SkinnyConfig, M: int, N: int) -> None:
