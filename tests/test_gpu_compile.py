@@ -59,8 +59,9 @@ def test_compiled_graphs_match_uncompiled(pair, batch):
         assert fast.engine.runner.piecewise.replays > replays  # the prefill ran piecewise graphs
     worst, scale = 0.0, 0.0
     for x, y in zip(a, b):
-        assert x.token_ids[0] == y.token_ids[0] or abs(x.logprobs[0][x.token_ids[0]] - y.logprobs[0][x.token_ids[0]]) < 0.05
-        if x.token_ids[0] != y.token_ids[0]:
+        if x.token_ids[0] != y.token_ids[0]:   # only a near-tie (within the bound below) may flip
+            chosen = y.logprobs[0][x.token_ids[0]]
+            assert abs(x.logprobs[0][x.token_ids[0]] - chosen) < 0.02 + 2 * _bf16_ulp(abs(chosen))
             continue  # a near-tie in prefill changed the decode input; the step is not comparable
         for step in (0, 1):  # 0: prefill row (piecewise graphs), 1: decode (a full graph when batch <= 32)
             common = set(x.logprobs[step]) & set(y.logprobs[step])
