@@ -74,7 +74,8 @@ def store_case(t, hkv, d, dtype, cache_dtype, fused_view, device="cpu"):
     return max(max_err(kr, k_cache), max_err(vr, v_cache)), 0.0
 
 
-def decode_case(seq_lens, hq, hkv, d, dtype, num_splits, device="cpu", seed=0, graph=False, store=False):
+def decode_case(seq_lens, hq, hkv, d, dtype, num_splits, device="cpu", seed=0, graph=False, store=False,
+                **config):
     """With `store`, the kernel also writes the step's K/V (at each request's newest slot) first;
     the pools it leaves are compared with the reference's too. With `graph`, captured once and
     replayed over new lengths, queries (and K/V) written in place; the merge counters must have
@@ -95,7 +96,7 @@ def decode_case(seq_lens, hq, hkv, d, dtype, num_splits, device="cpu", seed=0, g
     def run():
         new_kv = (k_new, v_new, newest_slots()) if store else None
         return decode_attention_triton(q, k_cache, v_cache, table, rows, lens, scale, ws, num_splits,
-                                       new_kv=new_kv)
+                                       new_kv=new_kv, **config)
 
     def reference():
         if store:
@@ -208,6 +209,8 @@ CPU_GROUPS = {
         ("decode_gqa4_d24_auto_splits", lambda: decode_case([13, 250, 2], 8, 2, 24, F32, None)),
         ("decode_gqa4_d64_bf16", lambda: decode_case([120, 3, 257], 4, 1, 64, BF16, 2)),
         ("decode_gqa8_d128_f16", lambda: decode_case([77, 200], 8, 1, 128, F16, 4)),
+        # 19 non-empty splits of 16 tokens: the merge walks two chunks of splits
+        ("decode_gqa4_d64_19_live_splits", lambda: decode_case([300, 5, 260], 4, 1, 64, F32, 32, block_n=16)),
         ("decode_store_gqa4_d64_splits3", lambda: decode_case([1, 300, 64, 129], 4, 1, 64, F32, 3, store=True)),
         ("decode_store_gqa1_d24_splits1", lambda: decode_case([1, 77, 5], 2, 2, 24, F32, 1, store=True)),
         ("decode_padding_row_is_zero_splits3", lambda: decode_padding_case(3)),

@@ -114,8 +114,9 @@ def _decode_kernel(
         tl.debug_barrier()
         counter = Counters + b * tl.num_programs(1) + kvh
         if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            _merge_splits(Mid_o, Mid_lse, out_ptrs, seq_len, NUM_SPLITS, b, heads, mask_h, offs_d, mask_d,
-                          stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, BLOCK_H, BLOCK_D, BLOCK_N)
+            _merge_splits(Mid_o, Mid_lse, Out + b.to(tl.int64) * stride_ob + kvh * GROUP * stride_oh + offs_d,
+                          seq_len, NUM_SPLITS, b, kvh, offs_d, mask_d, stride_mb, stride_mh, stride_ms,
+                          stride_lb, stride_lh, stride_oh, GROUP, BLOCK_N, MERGE_CHUNK)
             tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
@@ -129,31 +130,41 @@ def _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, b, kvh, offs_d, mask_d,
     tl.store(V_cache + slot * stride_vcs + kvh * stride_vch + offs_d, v.to(V_cache.dtype.element_ty), mask=mask_d)
 
 
+MERGE_CHUNK = 16   # splits merged per load: one [MERGE_CHUNK, D] tile per head
+
+
 @triton.jit
-def _merge_splits(Mid_o, Mid_lse, out_ptrs, seq_len, NUM_SPLITS, b, heads, mask_h, offs_d, mask_d,
-                  stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Log-sum-exp merge of the non-empty splits' partials for the GQA group's heads."""
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    mid = Mid_o + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + offs_d[None, :]
-    lse_ptr = Mid_lse + b.to(tl.int64) * stride_lb + heads * stride_lh
-    for split in range(0, NUM_SPLITS):
-        start, end = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
-        if start < end:
-            lse = tl.load(lse_ptr + split, mask=mask_h, other=0.0, cache_modifier=".cg")
-            o = tl.load(mid + split * stride_ms, mask=mask_h[:, None] & mask_d[None, :], other=0.0,
-                        cache_modifier=".cg")
-            m_new = tl.maximum(m_i, lse)
+def _merge_splits(Mid_o, Mid_lse, out_ptrs, seq_len, NUM_SPLITS, b, kvh, offs_d, mask_d,
+                  stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_oh,
+                  GROUP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """Log-sum-exp merge of the non-empty splits' partials (splits 0 .. n-1: ranges start at
+    zero) for each head of the GQA group. A head's partials load as [CHUNK, D] tiles that do not
+    depend on one another, so the loads of all heads are in flight together: the merge costs
+    about one memory round trip, not one per split."""
+    start, end = _split_range(seq_len, 0, NUM_SPLITS, BLOCK_N)
+    live = tl.cdiv(seq_len, tl.maximum(end - start, 1))
+    offs_s = tl.arange(0, CHUNK)
+    for g in tl.static_range(GROUP):
+        head = kvh * GROUP + g
+        mid = Mid_o + b.to(tl.int64) * stride_mb + head * stride_mh
+        lse_ptr = Mid_lse + b.to(tl.int64) * stride_lb + head * stride_lh
+        m_i = float("-inf")
+        l_i = 0.0
+        acc = tl.zeros([offs_d.shape[0]], tl.float32)
+        for s0 in range(0, live, CHUNK):
+            ok = s0 + offs_s < live
+            lse = tl.load(lse_ptr + s0 + offs_s, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            o = tl.load(mid + (s0 + offs_s)[:, None] * stride_ms + offs_d[None, :], mask=ok[:, None] & mask_d[None, :],
+                        other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m_i, tl.max(lse, 0))
             alpha = tl.exp2(m_i - m_new)
             w = tl.exp2(lse - m_new)
-            acc = acc * alpha[:, None] + o * w[:, None]
-            l_i = l_i * alpha + w
+            acc = acc * alpha + tl.sum(o * w[:, None], 0)
+            l_i = l_i * alpha + tl.sum(w, 0)
             m_i = m_new
-    # A request with no cached tokens (a padding row of a captured batch) gets zeros, not NaN.
-    out = acc / tl.maximum(l_i, 1e-30)[:, None]
-    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+        # A request with no cached tokens (a padding row of a captured batch) gets zeros, not NaN.
+        out = acc / tl.maximum(l_i, 1e-30)
+        tl.store(out_ptrs + g * stride_oh, out.to(out_ptrs.dtype.element_ty), mask=mask_d)
 
 
 PROGRAMS_PER_SM = 4   # decode programs resident per SM (the default config fits 5 on Hopper)
