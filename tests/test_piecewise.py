@@ -44,3 +44,17 @@ def test_split_matches_split_module():
     for name in calls:
         assert _structure(getattr(split.top, name)) == _structure(getattr(reference, name)), name
     assert len(split.unique) == 4  # first, MoE layer, dense layer, last
+
+
+def test_inline_references_replaces_silu_and_mul_with_its_reference():
+    import compiled.graphs.activation  # noqa: F401  (registers compiled::silu_and_mul)
+    from compiled.graphs.activation import silu_and_mul_ref
+    from compiled.runtime.compiler import inline_references
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops.compiled.silu_and_mul.default, (x,)) * 2)
+    gm = torch.fx.GraphModule({}, graph)
+    inline_references(gm)
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.compiled.silu_and_mul.default]
+    h = torch.randn(5, 14)
+    torch.testing.assert_close(gm(h), silu_and_mul_ref(h) * 2, rtol=0, atol=0)

@@ -6,13 +6,16 @@ warm-up the count must not move, and a test asserts it."""
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import fx, nn
 
+from compiled.passes.base import is_op
 from compiled.runtime.piecewise import SplitGraph, attach_fake_inputs, split_at_attention
 from compiled.runtime.piecewise_graphs import current_mode
 
@@ -62,6 +65,24 @@ class CompiledModel(nn.Module):
         return [m for m in modules if isinstance(m, CompiledPiece)]
 
 
+def inline_references(graph: fx.GraphModule) -> None:
+    """Put the torch reference in place of ops that have no kernel of their own, so Inductor
+    fuses them instead of calling them opaquely (silu_and_mul: one fused pointwise kernel rather
+    than eager silu and mul). Runs before fake propagation; piece keys are taken before it."""
+    for node in list(graph.graph.nodes):
+        if not is_op(node, torch.ops.compiled.silu_and_mul):
+            continue
+        with graph.graph.inserting_before(node):
+            halves = graph.graph.call_function(torch.chunk, (node.args[0], 2, -1))
+            gate = graph.graph.call_function(operator.getitem, (halves, 0))
+            up = graph.graph.call_function(operator.getitem, (halves, 1))
+            act = graph.graph.call_function(F.silu, (gate,))
+            fused = graph.graph.call_function(operator.mul, (act, up))
+        node.replace_all_uses_with(fused)
+        graph.graph.erase_node(node)
+    graph.recompile()
+
+
 def compile_piece(graph: fx.GraphModule, fake_inputs: list):
     COMPILES["count"] += 1
     return torch._inductor.standalone_compile(graph, fake_inputs, dynamic_shapes="from_graph")
@@ -82,6 +103,8 @@ def compile_model(gm: nn.Module, device: torch.device,
     todo = [k for k in unique if k not in compiled]
     start = time.perf_counter()
     if todo:
+        for key in todo:
+            inline_references(unique[key].graph)
         attach_fake_inputs(split, device)
         for key in todo:
             piece = unique[key]
