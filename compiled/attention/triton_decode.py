@@ -50,7 +50,7 @@ def _decode_kernel(
     stride_knb, stride_knh, stride_vnb, stride_vnh,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
-    STORE: tl.constexpr,
+    STORE: tl.constexpr, MERGE_CHUNK: tl.constexpr,
 ):
     """DIRECT (one split): write the normalised output straight to Out, no merge."""
     b = tl.program_id(0)
@@ -288,7 +288,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=group, D=d, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=cfg["block_n"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreter_upcast(q.dtype),
-        DIRECT=direct, STORE=new_kv is not None,
+        DIRECT=direct, STORE=new_kv is not None, MERGE_CHUNK=MERGE_CHUNK,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
