@@ -50,7 +50,7 @@ def _decode_kernel(
     stride_knb, stride_knh, stride_vnb, stride_vnh,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
-    STORE: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     """DIRECT (one split): write the normalised output straight to Out, no merge."""
     b = tl.program_id(0)
@@ -114,9 +114,8 @@ def _decode_kernel(
         tl.debug_barrier()
         counter = Counters + b * tl.num_programs(1) + kvh
         if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            _merge_splits(Mid_o, Mid_lse, Out + b.to(tl.int64) * stride_ob + kvh * GROUP * stride_oh + offs_d,
-                          seq_len, NUM_SPLITS, b, kvh, offs_d, mask_d, stride_mb, stride_mh, stride_ms,
-                          stride_lb, stride_lh, stride_oh, GROUP, BLOCK_N, MERGE_CHUNK)
+            _merge_splits(Mid_o, Mid_lse, out_ptrs, seq_len, NUM_SPLITS, b, heads, mask_h, offs_d, mask_d,
+                          stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, BLOCK_H, BLOCK_D, BLOCK_N)
             tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
@@ -130,41 +129,31 @@ def _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, b, kvh, offs_d, mask_d,
     tl.store(V_cache + slot * stride_vcs + kvh * stride_vch + offs_d, v.to(V_cache.dtype.element_ty), mask=mask_d)
 
 
-MERGE_CHUNK = 16   # splits merged per load: one [MERGE_CHUNK, D] tile per head
-
-
 @triton.jit
-def _merge_splits(Mid_o, Mid_lse, out_ptrs, seq_len, NUM_SPLITS, b, kvh, offs_d, mask_d,
-                  stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_oh,
-                  GROUP: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
-    """Log-sum-exp merge of the non-empty splits' partials (splits 0 .. n-1: ranges start at
-    zero) for each head of the GQA group. A head's partials load as [CHUNK, D] tiles that do not
-    depend on one another, so the loads of all heads are in flight together: the merge costs
-    about one memory round trip, not one per split."""
-    start, end = _split_range(seq_len, 0, NUM_SPLITS, BLOCK_N)
-    live = tl.cdiv(seq_len, tl.maximum(end - start, 1))
-    offs_s = tl.arange(0, CHUNK)
-    for g in tl.static_range(GROUP):
-        head = kvh * GROUP + g
-        mid = Mid_o + b.to(tl.int64) * stride_mb + head * stride_mh
-        lse_ptr = Mid_lse + b.to(tl.int64) * stride_lb + head * stride_lh
-        m_i = float("-inf")
-        l_i = 0.0
-        acc = tl.zeros([offs_d.shape[0]], tl.float32)
-        for s0 in range(0, live, CHUNK):
-            ok = s0 + offs_s < live
-            lse = tl.load(lse_ptr + s0 + offs_s, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            o = tl.load(mid + (s0 + offs_s)[:, None] * stride_ms + offs_d[None, :], mask=ok[:, None] & mask_d[None, :],
-                        other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m_i, tl.max(lse, 0))
+def _merge_splits(Mid_o, Mid_lse, out_ptrs, seq_len, NUM_SPLITS, b, heads, mask_h, offs_d, mask_d,
+                  stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Log-sum-exp merge of the non-empty splits' partials for the GQA group's heads."""
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    mid = Mid_o + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + offs_d[None, :]
+    lse_ptr = Mid_lse + b.to(tl.int64) * stride_lb + heads * stride_lh
+    for split in range(0, NUM_SPLITS):
+        start, end = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
+        if start < end:
+            lse = tl.load(lse_ptr + split, mask=mask_h, other=0.0, cache_modifier=".cg")
+            o = tl.load(mid + split * stride_ms, mask=mask_h[:, None] & mask_d[None, :], other=0.0,
+                        cache_modifier=".cg")
+            m_new = tl.maximum(m_i, lse)
             alpha = tl.exp2(m_i - m_new)
             w = tl.exp2(lse - m_new)
-            acc = acc * alpha + tl.sum(o * w[:, None], 0)
-            l_i = l_i * alpha + tl.sum(w, 0)
+            acc = acc * alpha[:, None] + o * w[:, None]
+            l_i = l_i * alpha + w
             m_i = m_new
-        # A request with no cached tokens (a padding row of a captured batch) gets zeros, not NaN.
-        out = acc / tl.maximum(l_i, 1e-30)
-        tl.store(out_ptrs + g * stride_oh, out.to(out_ptrs.dtype.element_ty), mask=mask_d)
+    # A request with no cached tokens (a padding row of a captured batch) gets zeros, not NaN.
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
 
 
 PROGRAMS_PER_SM = 4   # decode programs resident per SM (the default config fits 5 on Hopper)
@@ -288,7 +277,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=group, D=d, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=cfg["block_n"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreter_upcast(q.dtype),
-        DIRECT=direct, STORE=new_kv is not None, MERGE_CHUNK=MERGE_CHUNK,
+        DIRECT=direct, STORE=new_kv is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
