@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SKINNY_MAX_M = 64  # rows the skinny kernel serves (one tile; decode batches up to the largest graph
-#                    bucket); the weight's bytes still bound the time there, above cuBLAS is at home
+SKINNY_MAX_M = 16  # rows the skinny kernel serves (one 16-row tile); above, cuBLAS is at home
 BACKENDS = ("auto", "torch", "triton")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # 'auto' on CUDA; fp32 stays with cuBLAS (TF32 rules)
 FORCED_DTYPES = KERNEL_DTYPES + (torch.float32,)

@@ -4,7 +4,7 @@ At M <= 16 rows a linear reads its whole weight to do almost no arithmetic, so i
 weight's bytes over the memory bandwidth, plus the launch. cuBLAS picks tiles made for large M:
 too few programs to keep every SM's loads in flight, and split-K as a second (reduce) kernel.
 
-Here each program owns BLOCK_N output columns for all M rows (one BLOCK_M >= 16-row tile, masked,
+Here each program owns BLOCK_N output columns for all M rows (one BLOCK_M = 16-row tile, masked,
 so `tl.dot` runs on the tensor cores with fp32 accumulation) and walks its K range in BLOCK_K
 steps, the weight tiles `[BLOCK_N, BLOCK_K]` contiguous along K (coalesced) and software-pipelined
 (num_stages). When N / BLOCK_N programs cannot fill the GPU (router N=128, o_proj N=2048), SPLIT_K
@@ -29,6 +29,7 @@ import triton.language as tl
 from compiled.attention.triton_decode import interpreter_upcast
 from compiled.graphs.linear import SKINNY_MAX_M
 
+BLOCK_M = max(16, triton.next_power_of_2(SKINNY_MAX_M))  # one tile for every row (tl.dot needs >= 16)
 MIN_BLOCK = 16             # smallest BLOCK_N / BLOCK_K (tl.dot's minimum)
 MAX_BLOCK_N = 64
 MAX_BLOCK_K = 128
@@ -36,11 +37,9 @@ MAX_SPLIT_K = 16
 MIN_K_PER_SPLIT = 128      # one BLOCK_K tile: a shorter split cannot amortise its partials and semaphore
 WIDE_PROGRAMS_PER_SM = 2   # this many 64-column blocks per SM fill the GPU without splitting K
 SPLIT_COLUMNS_PER_SM = 64  # split-K: columns x splits in flight per SM (H200 sweep, bench/RESULTS.md)
-WORKSPACE_FLOATS = 2 * 1024 * 1024  # split-K partials SPLIT_K x M x N in fp32 (8 MiB)
-SEMAPHORES = 8192          # split-K column blocks (N / BLOCK_N) one launch may have
+WORKSPACE_COLS = 128 * 1024  # split-K needs SPLIT_K * N <= this (fp32 partials: 16 x this x 4 B = 8 MiB)
 NUM_WARPS = 4
 NUM_STAGES = 5
-SMEM_PER_PROGRAM = 100 * 1024  # pipeline stages of x and w tiles: as many as fit, up to NUM_STAGES
 DEFAULT_NUM_SMS = 132      # an H100 / H200; used when there is no CUDA device (the interpreter)
 
 
@@ -52,35 +51,22 @@ class SkinnyConfig(NamedTuple):
     num_stages: int = NUM_STAGES
 
 
-def block_m_for(M: int) -> int:
-    """One tile for every row (tl.dot needs at least 16)."""
-    return max(MIN_BLOCK, triton.next_power_of_2(M))
-
-
-def stages_for(block_m: int, block_n: int, block_k: int) -> int:
-    return max(2, min(NUM_STAGES, SMEM_PER_PROGRAM // ((block_m + block_n) * block_k * 2)))
-
-
 @functools.lru_cache(maxsize=None)
 def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS) -> SkinnyConfig:
     """From a sweep on the H200 (bench/linear_bench.py --sweep; RESULTS.md). A wide N (the LM
     head) takes 64-column blocks and no split. Otherwise 64 columns from N = 2048 down to 32 (16
     for N <= 128), and SPLIT_K the largest power of two that keeps N x SPLIT_K within
     SPLIT_COLUMNS_PER_SM x num_sms, each split at least MIN_K_PER_SPLIT long and the partials
-    within the workspace. The time is the weight's bytes at any M the kernel serves; M only
-    bounds the split (partials) and the pipeline depth (its x tile takes shared memory)."""
+    within the workspace. M does not enter: at M <= 16 the time is the weight's bytes."""
     block_k = min(MAX_BLOCK_K, max(MIN_BLOCK, triton.next_power_of_2(K)))
-    block_m = block_m_for(M)
     if triton.cdiv(N, MAX_BLOCK_N) >= WIDE_PROGRAMS_PER_SM * num_sms:
-        return SkinnyConfig(MAX_BLOCK_N, block_k, 1, num_stages=stages_for(block_m, MAX_BLOCK_N, block_k))
+        return SkinnyConfig(MAX_BLOCK_N, block_k, 1)
     block_n = MAX_BLOCK_N if N >= 2048 else (2 * MIN_BLOCK if N > 128 else MIN_BLOCK)
-    max_split = min(MAX_SPLIT_K, K // MIN_K_PER_SPLIT, WORKSPACE_FLOATS // max(block_m * N, 1))
-    if triton.cdiv(N, block_n) > SEMAPHORES:
-        max_split = 1
+    max_split = min(MAX_SPLIT_K, K // MIN_K_PER_SPLIT, WORKSPACE_COLS // max(N, 1))
     split = 1
     while 2 * split <= max_split and N * 2 * split <= SPLIT_COLUMNS_PER_SM * num_sms:
         split *= 2
-    return SkinnyConfig(block_n, block_k, split, num_stages=stages_for(block_m, block_n, block_k))
+    return SkinnyConfig(block_n, block_k, split)
 
 
 def beats_cublas(config: SkinnyConfig, N: int, num_sms: int = DEFAULT_NUM_SMS) -> bool:
@@ -95,12 +81,11 @@ def check_config(config: SkinnyConfig, M: int, N: int) -> None:
         value = getattr(config, name)
         if value < MIN_BLOCK or value & (value - 1):
             raise ValueError(f"skinny linear: {name}={value} must be a power of two >= {MIN_BLOCK}")
+    if config.split_k < 1 or config.split_k > 1 and config.split_k * N > WORKSPACE_COLS:
+        raise ValueError(f"skinny linear: split_k={config.split_k} with N={N} needs 1 <= split_k and "
+                         f"split_k * N <= {WORKSPACE_COLS}")
     if M > SKINNY_MAX_M:
         raise ValueError(f"skinny linear: M={M} rows, at most {SKINNY_MAX_M}")
-    if config.split_k < 1 or config.split_k > 1 and (config.split_k * block_m_for(M) * N > WORKSPACE_FLOATS
-                                                     or triton.cdiv(N, config.block_n) > SEMAPHORES):
-        raise ValueError(f"skinny linear: split_k={config.split_k} with M={M}, N={N} needs 1 <= split_k, "
-                         f"split_k * M * N <= {WORKSPACE_FLOATS} and N / block_n <= {SEMAPHORES}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,7 +96,7 @@ def num_sms(device: torch.device) -> int:
 
 
 class SplitWorkspace(NamedTuple):
-    partials: torch.Tensor   # fp32 [WORKSPACE_FLOATS]
+    partials: torch.Tensor   # fp32 [SKINNY_MAX_M * WORKSPACE_COLS]
     semaphores: torch.Tensor  # int32, one per column block, all zero between launches
 
 
@@ -128,8 +113,8 @@ def split_workspace(device: torch.device) -> SplitWorkspace:
             raise RuntimeError("skinny linear: split-K workspace first needed inside a CUDA graph capture; "
                                "run the linear once before capturing")
         ws = _WORKSPACES[device] = SplitWorkspace(
-            torch.empty(WORKSPACE_FLOATS, dtype=torch.float32, device=device),
-            torch.zeros(SEMAPHORES, dtype=torch.int32, device=device))
+            torch.empty(SKINNY_MAX_M * WORKSPACE_COLS, dtype=torch.float32, device=device),
+            torch.zeros(WORKSPACE_COLS // MIN_BLOCK, dtype=torch.int32, device=device))
     return ws
 
 
@@ -212,6 +197,6 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyCo
     grid = (triton.cdiv(N, block_n), split_k)
     _skinny_kernel[grid](
         x, weight, y, partials, semaphores, M, N, K, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=block_m_for(M), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=K % block_k == 0,
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=K % block_k == 0,
         UPCAST=upcast, DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages)
     return y
