@@ -136,13 +136,10 @@ def max_padded_size(numel: int, E: int, block_m: int) -> int:
     return numel + min(E, numel) * (block_m - 1)
 
 
-SINGLE_CHUNK_PAIRS = 1024   # up to this many pairs one program sorts them all (no count kernel)
-
-
 def _align_chunk(numel: int) -> int:
-    """Pairs per program of the alignment kernels: one program up to SINGLE_CHUNK_PAIRS (decode
-    batches: one launch, no atomics), else 128 a program (more beyond 1024 programs)."""
-    if numel <= SINGLE_CHUNK_PAIRS:
+    """Pairs per program of the alignment kernels: one program up to 128 pairs, else 128 a program
+    (more beyond 1024 programs)."""
+    if numel <= 128:
         return max(16, _next_pow2(numel))
     return max(128, _next_pow2(-(-numel // 1024)))
 
