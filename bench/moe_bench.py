@@ -6,7 +6,6 @@ E=128, H=2048, I=768, top-8, bf16, random weights and random router logits. `--l
 the weights are cycled (one call per layer, like the model), so weights come from HBM, not L2.
 Measured in the same run:
   fused        compiled::fused_moe's Triton path, routing given (CUDA graph of one call per layer)
-  no PDL       the same with the down GEMM launched normally (pdl=False; differs at one token)
   sep. sum     the same with the top-k sum as a kernel of its own (fused_sum=False)
   fused+route  compiled::topk_route (Triton) + fused MoE (CUDA graph)
   gmm+route    torch routing + torch._grouped_mm for w13 and w2 (CUDA graph when capturable)
@@ -130,9 +129,6 @@ def run(args) -> dict:
             [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws)
              for l in range(L)], reps=args.reps) / L)
 
-        attempt("fused_no_pdl_us", lambda: time_graph(
-            [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
-                                             pdl=False) for l in range(L)], reps=args.reps) / L)
         attempt("fused_sep_sum_us", lambda: time_graph(
             [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
                                              fused_sum=False) for l in range(L)], reps=args.reps) / L)
@@ -195,14 +191,13 @@ def table(result) -> str:
     lines = [f"MoE layer E={E} H={H} I={I} top-{TOP_K} bf16 on {info['device']} "
              f"(torch {info['torch']}, triton {info['triton']}, {info['layers']} layers cycled)",
              f"copy {info['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {info['matmul_flops'] / 1e12:.0f} TFLOP/s",
-             "| tokens | experts | floor µs | fused µs | ×floor | no PDL µs | sep. sum µs | fused+route µs | gmm+route µs "
+             "| tokens | experts | floor µs | fused µs | ×floor | sep. sum µs | fused+route µs | gmm+route µs "
              "| HF eager µs | HF gmm µs | fused TFLOP/s | % matmul |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         lines.append("| " + " | ".join([
             str(r["tokens"]), f(r["experts"]), f(r["floor_us"]), f(r.get("fused_us")),
-            f(r.get("fused_x_floor"), "{:.2f}"), f(r.get("fused_no_pdl_us")), f(r.get("fused_sep_sum_us")),
-            f(r.get("fused_route_us")),
+            f(r.get("fused_x_floor"), "{:.2f}"), f(r.get("fused_sep_sum_us")), f(r.get("fused_route_us")),
             f(r.get("gmm_route_us")),
             f(r.get("hf_eager_us"), "{:.0f}"), f(r.get("hf_gmm_us")), f(r.get("fused_tflops"), "{:.0f}"),
             f(100 * r["fused_frac_matmul"] if r.get("fused_frac_matmul") else None, "{:.0f}")]) + " |")

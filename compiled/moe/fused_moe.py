@@ -209,7 +209,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
     return sorted_ids, expert_ids, num_post
 
 
-def _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, cfg, pdl=False):
+def _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, cfg):
     from compiled.moe import fused_moe_kernels as K
     I, H = w13.shape[1] // 2, w13.shape[2]
     bn = cfg["BLOCK_SIZE_N"]
@@ -220,25 +220,12 @@ def _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k,
         TOP_K=top_k, NAIVE=naive, **_dot_flags(x.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=H % cfg["BLOCK_SIZE_K"] == 0, HALF_M=bool(cfg["HALF_M"]) and not naive,
-        PDL=pdl, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch: Hopper or later, a Triton that can launch with it, not the
-    CPU interpreter."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return False
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and torch.cuda.get_device_capability(device)[0] >= 9
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel, n_blocks, naive, cfg,
-                  top_k=1, out=None, counters=None, pdl=False):
-    """With `counters` (see sum_counters), the kernel also writes the top-k sum into `out`. With
-    `pdl`, it is launched as a programmatic dependent of gemm1 (see moe_gemm2_kernel)."""
+                  top_k=1, out=None, counters=None):
+    """With `counters` (see sum_counters), the kernel also writes the top-k sum into `out`."""
     from compiled.moe import fused_moe_kernels as K
     H, I = w2.shape[1], w2.shape[2]
     bn = cfg["BLOCK_SIZE_N"]
@@ -251,9 +238,7 @@ def _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel
         TOP_K=top_k, FUSED_SUM=fused_sum, NAIVE=naive, **_dot_flags(inter.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=I % cfg["BLOCK_SIZE_K"] == 0, HALF_M=bool(cfg["HALF_M"]) and not naive,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **(dict(PDL=True, K_LINES=_next_pow2(triton_cdiv(I * inter.element_size(), 128)), launch_pdl=True)
-           if pdl else {}))
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 # Counters of gemm2's fused top-k sum, one int32 per (token, N tile), per device. They are zero
@@ -309,13 +294,10 @@ def use_naive(T: int) -> bool:
 def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                      w13: torch.Tensor, w2: torch.Tensor, config: dict | None = None,
                      workspace: MoEWorkspace | None = None, out: torch.Tensor | None = None,
-                     fused_sum: bool | None = None, pdl: bool | None = None) -> torch.Tensor:
+                     fused_sum: bool | None = None) -> torch.Tensor:
     """The Triton path of `compiled::fused_moe`. `config` overrides the tuned/default lookup.
     `fused_sum`: sum the top-k slots inside gemm2 (True) or with a kernel of its own (False);
-    None: inside up to FUSED_SUM_MAX_TOKENS tokens. `pdl`: launch the down GEMM as a programmatic
-    dependent of the up GEMM, prefetching its weights meanwhile (None: for one token where the
-    GPU and Triton support it; the routing must be complete when the up GEMM starts, as it is
-    when the up GEMM is launched normally after it)."""
+    None: inside up to FUSED_SUM_MAX_TOKENS tokens."""
     T, H = x.shape
     E, I = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -344,19 +326,16 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
         sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, E, block_m, ws)
         n_blocks = expert_ids.numel()
     inter = ws.get("inter", numel * I, x.dtype, x.device).view(numel, I)
-    if pdl is None:
-        pdl = naive and pdl_supported(x.device)
-    _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, up_cfg, pdl)
+    _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, up_cfg)
     if top_k == 1:
-        _launch_gemm2(inter, w2, out, weights, sorted_ids, expert_ids, num_post, numel, n_blocks, naive, down_cfg,
-                      pdl=pdl)
+        _launch_gemm2(inter, w2, out, weights, sorted_ids, expert_ids, num_post, numel, n_blocks, naive, down_cfg)
         return out
     y = ws.get("y", numel * H, x.dtype, x.device).view(numel, H)
     if fused_sum is None:
         fused_sum = T <= FUSED_SUM_MAX_TOKENS
     counters = sum_counters(x.device, T * triton_cdiv(H, down_cfg["BLOCK_SIZE_N"])) if fused_sum else None
     _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel, n_blocks, naive, down_cfg,
-                  top_k, out, counters, pdl)
+                  top_k, out, counters)
     if counters is None:
         _launch_sum(y, out, top_k)
     return out

@@ -239,16 +239,11 @@ def moe_gemm1_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post
                      num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
                      TOP_K: tl.constexpr, NAIVE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr):
     """out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs.
 
     w is `[E, 2N, K]` (`[gate; up]`), out `[T*k, N]`; N = I, K = H. HALF_M: a block with at most
-    BLOCK_M / 2 real rows (an expert's last, partial block) runs a tile of half the height.
-    PDL: let the down GEMM (launched as a programmatic dependent) start at once, so that it
-    prefetches its weights while this kernel streams its own."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    BLOCK_M / 2 real rows (an expert's last, partial block) runs a tile of half the height."""
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, NAIVE, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
@@ -274,20 +269,11 @@ def moe_gemm2_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sum_ptr, counter_ptr, s
                      TOP_K: tl.constexpr, FUSED_SUM: tl.constexpr,
                      NAIVE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr,
-                     PDL: tl.constexpr = False, K_LINES: tl.constexpr = 1):
+                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr):
     """out[pair, n] = weight[pair] * (a[pair] . w[e, n]); w is `[E, N, K]` (N = H, K = I).
     FUSED_SUM: also sum[token, n] = sum over the token's k pairs of out (counters zero on entry
-    and on exit, one per token and N tile). PDL (launched as a programmatic dependent of gemm1):
-    ask L2 for this program's weight rows (K_LINES 128-byte lines each), which depend only on
-    the routing, then wait for gemm1's output. Every program waits, so this kernel completes
-    after gemm1 even where it has no work."""
+    and on exit, one per token and N tile)."""
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, NAIVE, BLOCK_M, BLOCK_N, GROUP_M)
-    if PDL:
-        if live:
-            _prefetch_rows(w_ptr + tl.load(expert_ids_ptr + pid_m).to(tl.int64) * stride_we, pid_n, N, K,
-                           stride_wn, BLOCK_N, K_LINES)
-        tl.extra.cuda.gdc_wait()
     if live:
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         if HALF_M:
@@ -304,17 +290,6 @@ def moe_gemm2_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sum_ptr, counter_ptr, s
             _down_tile(a_ptr, w_ptr, out_ptr, weights_ptr, sum_ptr, counter_ptr, pair, expert, pid_n, num_valid,
                        N, K, stride_am, stride_we, stride_wn, stride_om, TOP_K, FUSED_SUM,
                        PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-
-
-@triton.jit
-def _prefetch_rows(w_ptr, pid_n, N, K, stride_wn, BLOCK_N: tl.constexpr, K_LINES: tl.constexpr):
-    """prefetch.global.L2 of the 128-byte lines of rows [pid_n * BLOCK_N, +BLOCK_N) x [0, K) of a
-    16-bit matrix: no registers held, nothing waited for."""
-    rows = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
-    cols = tl.minimum(tl.arange(0, K_LINES) * 64, K - 1)
-    ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]
-    tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
