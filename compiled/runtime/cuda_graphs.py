@@ -13,6 +13,7 @@ import torch
 from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
 from compiled.runtime.config import smallest_bucket
 from compiled.runtime.model_runner import write_request_table
+from compiled.runtime.piecewise_graphs import capturing
 
 DEFAULT_MAX_BATCH = 256
 
@@ -73,9 +74,8 @@ class DecodeGraphs:
             ctx = ForwardContext(self._meta(batch), self.runner.kv, self.runner.req_pool.table)
             with forward_context(ctx):
                 self._step(batch)  # warm-up: lazy allocations and autotuning happen outside the graph
-                torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
+                with capturing(graph, self.pool):
                     hidden = self._step(batch)
             self.graphs[batch], self.hidden[batch] = graph, hidden
         torch.cuda.synchronize()
