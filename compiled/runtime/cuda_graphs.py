@@ -13,7 +13,6 @@ import torch
 from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
 from compiled.runtime.config import smallest_bucket
 from compiled.runtime.model_runner import write_request_table
-from compiled.runtime.piecewise_graphs import capturing
 
 DEFAULT_MAX_BATCH = 256
 
@@ -74,8 +73,9 @@ class DecodeGraphs:
             ctx = ForwardContext(self._meta(batch), self.runner.kv, self.runner.req_pool.table)
             with forward_context(ctx):
                 self._step(batch)  # warm-up: lazy allocations and autotuning happen outside the graph
+                torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with capturing(graph, self.pool):
+                with torch.cuda.graph(graph, pool=self.pool):
                     hidden = self._step(batch)
             self.graphs[batch], self.hidden[batch] = graph, hidden
         torch.cuda.synchronize()

@@ -27,24 +27,6 @@ class _Mode:
 
 
 _mode: _Mode | None = None
-_capture_stream: torch.cuda.Stream | None = None
-
-
-@contextlib.contextmanager
-def capturing(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
-    """Capture into `graph` from the shared `pool`, as torch.cuda.graph does minus its cache
-    flush (empty_cache on every capture): start-up captures hundreds of graphs in a row, and
-    the blocks the warm-up runs just freed are the ones the next capture wants."""
-    global _capture_stream
-    if _capture_stream is None:
-        _capture_stream = torch.cuda.Stream()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(_capture_stream):
-        graph.capture_begin(pool)
-        try:
-            yield
-        finally:
-            graph.capture_end()
 
 
 @contextlib.contextmanager
@@ -116,8 +98,9 @@ class PieceGraphs:
                 inputs.append(slab)
         call_args = [a if s is None else s for a, s in zip(args, inputs)]
         self.fn(*call_args)  # warm-up: lazy kernel compilation must not happen inside a capture
+        torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with capturing(graph, owner.pool):
+        with torch.cuda.graph(graph, pool=owner.pool):
             out = self.fn(*call_args)
             outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
             slabs = tuple(owner.slabs.view(("out", self.index % 2, j), o) for j, o in enumerate(outs))
