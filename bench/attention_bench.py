@@ -225,8 +225,6 @@ def main() -> None:
     ap.add_argument("--out", default="attention_bench.json")
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile/warp/stage configs")
     ap.add_argument("--max-ctx", type=int, default=max(CONTEXTS))
-    ap.add_argument("--min-split", type=int, nargs="*", default=None,
-                    help="also time decode at these shortest-split lengths (tokens), batch 1-64")
     args = ap.parse_args()
     torch.manual_seed(0)
     t0 = time.time()
@@ -262,17 +260,6 @@ def main() -> None:
             result["decode_extra"].append(r)
             print(f"  decode b={batch} ctx={ctx}: {r['us']:.1f} us, {r['pct_of_copy']:.1f}% of copy", flush=True)
     result["decode_config"] = dict(triton_decode.default_config(D), programs_per_sm=triton_decode.PROGRAMS_PER_SM)
-    if args.min_split:
-        result["decode_min_split"] = []
-        for batch in (1, 8, 32, 64):
-            for ctx in (512, 2048, 8192):
-                if ctx > max_ctx:
-                    continue
-                us = {m: bench.run(batch, ctx, min_split=m)["us"] for m in args.min_split}
-                result["decode_min_split"].append(dict(batch=batch, ctx=ctx, us=us))
-                print(f"  min split b={batch} ctx={ctx}: " + ", ".join(f"{m}: {t:.1f} us" for m, t in us.items()),
-                      flush=True)
-        _dump(result, args.out)
     if args.sweep:
         result["decode_sweep"] = []
         shapes = [(32, 8192), (64, 2048), (8, 32768), (256, 2048), (128, 8192)]

@@ -211,9 +211,6 @@ CPU_GROUPS = {
         ("decode_gqa8_d128_f16", lambda: decode_case([77, 200], 8, 1, 128, F16, 4)),
         # 19 non-empty splits of 16 tokens: the merge walks two chunks of splits
         ("decode_gqa4_d64_19_live_splits", lambda: decode_case([300, 5, 260], 4, 1, 64, F32, 32, block_n=16)),
-        # splits of at least 48 tokens (not a whole number of 16-token tiles): fewer live splits
-        ("decode_gqa4_d64_min_split_48", lambda: decode_case([300, 5, 47, 49], 4, 1, 64, F32, 32, store=True,
-                                                            block_n=16, min_split=48)),
         ("decode_store_gqa4_d64_splits3", lambda: decode_case([1, 300, 64, 129], 4, 1, 64, F32, 3, store=True)),
         ("decode_store_gqa1_d24_splits1", lambda: decode_case([1, 77, 5], 2, 2, 24, F32, 1, store=True)),
         ("decode_padding_row_is_zero_splits3", lambda: decode_padding_case(3)),

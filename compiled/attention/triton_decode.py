@@ -33,10 +33,9 @@ def interpreter_upcast(dtype: torch.dtype) -> bool:
 
 
 @triton.jit
-def _split_range(seq_len, split, NUM_SPLITS, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
-    """Splits are whole BLOCK_N tiles, at least MIN_SPLIT tokens (a short context uses fewer of
-    the launch's splits): split s covers [s * per, min((s + 1) * per, seq_len))."""
-    per = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+def _split_range(seq_len, split, NUM_SPLITS, BLOCK_N: tl.constexpr):
+    """Splits are whole BLOCK_N tiles: split s covers [s * per, min((s + 1) * per, seq_len))."""
+    per = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * per
     end = tl.minimum(start + per, seq_len)
     return start, end
@@ -51,14 +50,14 @@ def _decode_kernel(
     stride_knb, stride_knh, stride_vnb, stride_vnh,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
-    STORE: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     """DIRECT (one split): write the normalised output straight to Out, no merge."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
-    start, end = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
+    start, end = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
     offs_g = tl.arange(0, BLOCK_H)
     heads = kvh * GROUP + offs_g
     mask_h = offs_g < GROUP
@@ -116,8 +115,7 @@ def _decode_kernel(
         counter = Counters + b * tl.num_programs(1) + kvh
         if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
             _merge_splits(Mid_o, Mid_lse, out_ptrs, seq_len, NUM_SPLITS, b, heads, mask_h, offs_d, mask_d,
-                          stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, BLOCK_H, BLOCK_D, BLOCK_N,
-                          MIN_SPLIT)
+                          stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, BLOCK_H, BLOCK_D, BLOCK_N)
             tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
@@ -134,7 +132,7 @@ def _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, b, kvh, offs_d, mask_d,
 @triton.jit
 def _merge_splits(Mid_o, Mid_lse, out_ptrs, seq_len, NUM_SPLITS, b, heads, mask_h, offs_d, mask_d,
                   stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     """Log-sum-exp merge of the non-empty splits' partials for the GQA group's heads."""
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -142,7 +140,7 @@ def _merge_splits(Mid_o, Mid_lse, out_ptrs, seq_len, NUM_SPLITS, b, heads, mask_
     mid = Mid_o + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + offs_d[None, :]
     lse_ptr = Mid_lse + b.to(tl.int64) * stride_lb + heads * stride_lh
     for split in range(0, NUM_SPLITS):
-        start, end = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
+        start, end = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
         if start < end:
             lse = tl.load(lse_ptr + split, mask=mask_h, other=0.0, cache_modifier=".cg")
             o = tl.load(mid + split * stride_ms, mask=mask_h[:, None] & mask_d[None, :], other=0.0,
@@ -162,10 +160,8 @@ PROGRAMS_PER_SM = 4   # decode programs resident per SM (the default config fits
 
 
 def default_config(head_dim: int) -> dict:
-    """Decode tile (KV tokens per iteration), warps, pipeline stages and the shortest split
-    (tokens; one tile: every split the launch has is used from a context of splits x tiles)."""
-    block_n = 32 if head_dim > 128 else 64
-    return dict(block_n=block_n, num_warps=4, num_stages=2, min_split=block_n)
+    """Decode tile (KV tokens per iteration), warps and pipeline stages."""
+    return dict(block_n=32 if head_dim > 128 else 64, num_warps=4, num_stages=2)
 
 
 def _wave_efficiency(programs: int, capacity: int) -> float:
@@ -281,7 +277,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=group, D=d, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=cfg["block_n"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreter_upcast(q.dtype),
-        DIRECT=direct, STORE=new_kv is not None, MIN_SPLIT=cfg["min_split"],
+        DIRECT=direct, STORE=new_kv is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
