@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The compile issue's GPU numbers in one run: GPU compile tests, then bench/e2e_suite.py on the
 # Qwen3-30B-A3B shape (cold caches, export) and a warm start from its artifact in a fresh process,
-# then the Qwen3-0.6B shape. Results go to ${OUT:-out}/.
+# then the Qwen3-0.6B shape. Results go to ${OUT:-out}/. Optional, before the end-to-end runs:
+# GPU_TESTS="tests/..." (pytest -m gpu), MOE_BENCH=1 [MOE_FLAGS], LINEAR_BENCH=1 [LINEAR_FLAGS],
+# ATTN_BENCH=1 [ATTN_FLAGS] (bench/moe_bench.py, linear_bench.py, attention_bench.py).
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
