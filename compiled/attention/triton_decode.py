@@ -50,7 +50,7 @@ def _decode_kernel(
     stride_knb, stride_knh, stride_vnb, stride_vnh,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
-    STORE: tl.constexpr,
+    STORE: tl.constexpr, MERGE_UNROLL: tl.constexpr,
 ):
     """DIRECT (one split): write the normalised output straight to Out, no merge."""
     b = tl.program_id(0)
@@ -115,7 +115,8 @@ def _decode_kernel(
         counter = Counters + b * tl.num_programs(1) + kvh
         if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
             _merge_splits(Mid_o, Mid_lse, out_ptrs, seq_len, NUM_SPLITS, b, heads, mask_h, offs_d, mask_d,
-                          stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, BLOCK_H, BLOCK_D, BLOCK_N)
+                          stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, BLOCK_H, BLOCK_D, BLOCK_N,
+                          MERGE_UNROLL)
             tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
@@ -132,25 +133,27 @@ def _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, b, kvh, offs_d, mask_d,
 @triton.jit
 def _merge_splits(Mid_o, Mid_lse, out_ptrs, seq_len, NUM_SPLITS, b, heads, mask_h, offs_d, mask_d,
                   stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
     """Log-sum-exp merge of the non-empty splits' partials for the GQA group's heads."""
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     mid = Mid_o + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + offs_d[None, :]
     lse_ptr = Mid_lse + b.to(tl.int64) * stride_lb + heads * stride_lh
-    for split in range(0, NUM_SPLITS):
-        start, end = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
-        if start < end:
-            lse = tl.load(lse_ptr + split, mask=mask_h, other=0.0, cache_modifier=".cg")
-            o = tl.load(mid + split * stride_ms, mask=mask_h[:, None] & mask_d[None, :], other=0.0,
-                        cache_modifier=".cg")
-            m_new = tl.maximum(m_i, lse)
-            alpha = tl.exp2(m_i - m_new)
-            w = tl.exp2(lse - m_new)
-            acc = acc * alpha[:, None] + o * w[:, None]
-            l_i = l_i * alpha + w
-            m_i = m_new
+    # The non-empty splits are the first `live` (ranges start at zero). Unrolled, so that the
+    # loads of several splits are in flight at once instead of one round trip per split.
+    start, end = _split_range(seq_len, 0, NUM_SPLITS, BLOCK_N)
+    live = tl.cdiv(seq_len, tl.maximum(end - start, 1))
+    for split in tl.range(0, live, loop_unroll_factor=UNROLL):
+        lse = tl.load(lse_ptr + split, mask=mask_h, other=0.0, cache_modifier=".cg")
+        o = tl.load(mid + split * stride_ms, mask=mask_h[:, None] & mask_d[None, :], other=0.0,
+                    cache_modifier=".cg")
+        m_new = tl.maximum(m_i, lse)
+        alpha = tl.exp2(m_i - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + o * w[:, None]
+        l_i = l_i * alpha + w
+        m_i = m_new
     # A request with no cached tokens (a padding row of a captured batch) gets zeros, not NaN.
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
     tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
@@ -160,8 +163,9 @@ PROGRAMS_PER_SM = 4   # decode programs resident per SM (the default config fits
 
 
 def default_config(head_dim: int) -> dict:
-    """Decode tile (KV tokens per iteration), warps and pipeline stages."""
-    return dict(block_n=32 if head_dim > 128 else 64, num_warps=4, num_stages=2)
+    """Decode tile (KV tokens per iteration), warps, pipeline stages and the unrolling of the
+    split merge."""
+    return dict(block_n=32 if head_dim > 128 else 64, num_warps=4, num_stages=2, merge_unroll=4)
 
 
 def _wave_efficiency(programs: int, capacity: int) -> float:
@@ -277,7 +281,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=group, D=d, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=cfg["block_n"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreter_upcast(q.dtype),
-        DIRECT=direct, STORE=new_kv is not None,
+        DIRECT=direct, STORE=new_kv is not None, MERGE_UNROLL=cfg["merge_unroll"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
