@@ -65,6 +65,8 @@ def test_artifact_loads_without_inductor(ckpt, artifact, compiled_llm):
     before = COMPILES["count"]
     warm = LLM(ckpt, device="cpu", dtype="float32", artifact=artifact, max_num_batched_tokens=64)
     assert COMPILES["count"] == before and warm.build_report.compiled_now == 0
+    assert {"inductor_import", "artifact_load", "split", "compile"} <= set(warm.startup_seconds)
+    assert min(warm.startup_seconds.values()) >= 0   # the stages still add up (compile keeps the rest)
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = random_prompts(warm.model_config.vocab_size, [3, 17])
     assert [o.token_ids for o in warm.generate(prompts, params)] == \

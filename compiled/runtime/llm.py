@@ -125,8 +125,8 @@ class LLM:
 
     @property
     def startup_seconds(self) -> dict[str, float]:
-        """Seconds per start-up stage: trace, passes, load, artifact_load (from an artifact), split and
-        compile (compiled paths), kv_cache, capture."""
+        """Seconds per start-up stage: trace, passes, load, inductor_import and artifact_load (from an
+        artifact), split and compile (compiled paths), kv_cache, capture."""
         return dict(self.build_report.seconds)
 
     def export_artifact(self, folder: str) -> None:
