@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
@@ -44,10 +44,6 @@ class ForwardContext:
     meta: AttentionMetadata
     kv: KVPool
     req_to_token: torch.Tensor
-    # Where attention writes its output (called with q; returns a tensor shaped like it),
-    # or None for a fresh tensor. The piecewise CUDA graphs give a buffer that the next piece's
-    # graph reads in place, saving a copy per layer.
-    out_buffer: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 _current: ForwardContext | None = None

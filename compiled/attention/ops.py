@@ -93,15 +93,14 @@ def _attention_triton(ctx: ForwardContext, q, k, v, layer: int, scale: float) ->
     from compiled.attention.triton_store import store_kv_triton
     meta, k_cache, v_cache = ctx.meta, ctx.kv.k[layer], ctx.kv.v[layer]
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-    out = ctx.out_buffer(q) if ctx.out_buffer is not None else None
     if meta.is_decode:
         if q.shape[0] != meta.seq_lens.shape[0]:
             raise ValueError(f"decode step with {q.shape[0]} tokens for {meta.seq_lens.shape[0]} requests")
         # The decode kernel stores the step's K/V itself (one launch instead of two).
         return decode_attention_triton(q, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
-                                       meta.seq_lens, scale, decode_workspace(ctx, q), out=out,
+                                       meta.seq_lens, scale, decode_workspace(ctx, q),
                                        new_kv=(k, v, meta.out_cache_loc))
     store_kv_triton(k_cache, v_cache, meta.out_cache_loc, k, v)
     return extend_attention_triton(q, k, v, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
                                    meta.seq_lens, meta.extend_lens, extend_start_loc(meta),
-                                   meta.max_extend_len, scale, out=out)
+                                   meta.max_extend_len, scale)

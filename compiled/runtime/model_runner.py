@@ -131,14 +131,14 @@ class ModelRunner:
         graphs = PiecewiseGraphs(buckets, self._graph_pool(), [self.inputs.input_ids, self.inputs.positions])
         graphs.attach(self.model.pieces)
         self.prefill_buckets = graphs.buckets
-        graphs.capture(lambda tokens: self._padding_only(tokens, graphs))
+        graphs.capture(self._padding_only)
         self.piecewise = graphs
         return graphs.capture_seconds
 
     @torch.inference_mode()
-    def _padding_only(self, tokens: int, graphs) -> None:
-        """A batch of nothing but the padding request, `tokens` long (for capturing `graphs`)."""
-        self._run_model(self._stage([], tokens), tokens, graphs)
+    def _padding_only(self, tokens: int) -> None:
+        """A batch of nothing but the padding request, `tokens` long (for capture)."""
+        self._run_model(self._stage([], tokens), tokens)
 
     def _stage(self, chunks: list, tokens: int, is_decode: bool = False) -> AttentionMetadata:
         """Fill the host buffer with `chunks` padded to `tokens` and upload it. A decode batch
@@ -184,14 +184,11 @@ class ModelRunner:
             req_pool_indices_cpu=rows, seq_lens_cpu=seq_lens, extend_lens_cpu=ext_lens,
             is_decode=is_decode, extend_start_loc=inp.extend_start_loc[:b])
 
-    def _run_model(self, meta: AttentionMetadata, tokens: int, capturing=None) -> torch.Tensor:
-        """`capturing`: the PiecewiseGraphs being captured (their mode is already active)."""
+    def _run_model(self, meta: AttentionMetadata, tokens: int) -> torch.Tensor:
         from compiled.runtime.piecewise_graphs import piecewise_mode
         write_request_table(self.req_pool.table, self.inputs, tokens)
+        ctx = ForwardContext(meta=meta, kv=self.kv, req_to_token=self.req_pool.table)
         graphed = self.piecewise is not None and tokens in self.piecewise.buckets
-        graphs = capturing or (self.piecewise if graphed else None)
-        ctx = ForwardContext(meta=meta, kv=self.kv, req_to_token=self.req_pool.table,
-                             out_buffer=graphs.attention_out if graphs is not None else None)
         if graphed:
             self.piecewise.replays += 1
         with forward_context(ctx), piecewise_mode(tokens) if graphed else contextlib.nullcontext():

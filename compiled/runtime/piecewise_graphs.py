@@ -126,15 +126,6 @@ class PiecewiseGraphs:
         self.capture_seconds = 0.0
         self.replays = 0  # forwards that replayed these graphs (tests check they are used)
 
-    def attention_out(self, like: torch.Tensor) -> torch.Tensor:
-        """The buffer attention writes its output into (ForwardContext.out_buffer): fixed, so the
-        next piece's graph is captured reading it in place, with no copy into an input slab.
-        One suffices: each layer's output is read by the next piece before the next layer's
-        attention runs."""
-        out = self.slabs.view(("attention",), like)
-        self.fixed_ptrs.add(out.data_ptr())
-        return out
-
     def attach(self, pieces: list) -> None:
         """Give each compiled piece (in forward order) its graphs."""
         for index, piece in enumerate(pieces):
