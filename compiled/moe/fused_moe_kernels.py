@@ -11,10 +11,11 @@ Design (after SGLang/vLLM's fused_moe, written from scratch):
   computed on its own and the top-k sum runs in slot order.
 * `moe_gemm1_kernel`: one program per (block, N tile); gathers the block's token rows of x, multiplies
   by the gate and the up tile of its expert's `w13` and writes `silu(gate) * up` (fused epilogue).
-* `moe_gemm2_kernel`: same grid over `w2`; the epilogue multiplies by the routing weight and (by
-  default) sums the k weighted expert outputs of every token in fp32: the program that writes a
-  token's last slot for an N tile does it, found through a per-(token, tile) atomic counter.
-* `moe_sum_kernel`: the same sum as a kernel of its own (when the counters are not available).
+* `moe_gemm2_kernel`: same grid over `w2`; the epilogue multiplies by the routing weight and (for
+  one token, where it saves a launch; see FUSED_SUM_MAX_TOKENS) sums the k weighted expert outputs
+  of every token in fp32: the program that writes a token's last slot for an N tile does it,
+  found through a per-(token, tile) atomic counter.
+* `moe_sum_kernel`: that sum as a kernel of its own (more tokens, or no counters available).
 
 Blocks past the padded total (and so experts without tokens) exit at once. DOT_FP32 upcasts the
 operands of `tl.dot` (exact products, fp32 sums): only for the CPU interpreter, whose bf16 dot is
