@@ -255,7 +255,7 @@ def test_interpreted_kernels_match_reference(interpreted_results, group):
 def test_cpu_backend_is_torch_and_env_is_validated():
     import compiled.attention.ops as ops
     assert ops.backend_for(torch.zeros(1)) in ("torch", "triton")
-    assert ops.BACKEND != "auto" or ops.backend_for(torch.zeros(1)) == "torch"
+    assert ops.BACKEND.name != "auto" or ops.backend_for(torch.zeros(1)) == "torch"
     with pytest.raises(ValueError, match="COMPILED_ATTENTION_BACKEND"):
         ops.set_backend("cuda")
 

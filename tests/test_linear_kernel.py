@@ -104,7 +104,7 @@ def test_interpreted_kernel_matches_reference(interpreted_results, name):
 
 @pytest.fixture
 def backend():
-    before = lin.BACKEND
+    before = lin.BACKEND.name
     yield lin.set_backend
     lin.set_backend(before)
 

@@ -9,35 +9,24 @@ import) or `set_backend()` forces one; forcing Triton on CPU needs `TRITON_INTER
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from compiled.attention.context import AttentionMetadata, ForwardContext, get_forward_context
 from compiled.attention.reference import decode_attention_ref, extend_attention_ref, store_kv
+from compiled.backend import BackendChoice
 
-BACKENDS = ("auto", "torch", "triton")
-
-
-def _check_backend(name: str) -> str:
-    if name not in BACKENDS:
-        raise ValueError(f"COMPILED_ATTENTION_BACKEND={name!r}: expected one of {', '.join(BACKENDS)}")
-    return name
-
-
-BACKEND = _check_backend(os.environ.get("COMPILED_ATTENTION_BACKEND", "auto") or "auto")
+BACKEND = BackendChoice("COMPILED_ATTENTION_BACKEND")
 
 
 def set_backend(name: str) -> None:
     """'auto' (Triton on CUDA, torch elsewhere), 'torch' or 'triton'."""
-    global BACKEND
-    BACKEND = _check_backend(name)
+    BACKEND.set(name)
 
 
 def backend_for(q: torch.Tensor) -> str:
-    if BACKEND == "auto":
+    if BACKEND.name == "auto":
         return "triton" if q.is_cuda else "torch"
-    return BACKEND
+    return BACKEND.name
 
 
 @torch.library.custom_op("compiled::attention", mutates_args=())

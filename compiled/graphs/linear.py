@@ -11,31 +11,23 @@ import) or `set_backend()` picks one."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compiled.backend import BackendChoice
+
 SKINNY_MAX_M = 16  # rows the skinny kernel serves (one 16-row tile); above, cuBLAS is at home
-BACKENDS = ("auto", "torch", "triton")
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # 'auto' on CUDA; fp32 stays with cuBLAS (TF32 rules)
 FORCED_DTYPES = KERNEL_DTYPES + (torch.float32,)
 
 
-def _check_backend(name: str) -> str:
-    if name not in BACKENDS:
-        raise ValueError(f"COMPILED_LINEAR_BACKEND={name!r}: expected one of {', '.join(BACKENDS)}")
-    return name
-
-
-BACKEND = _check_backend(os.environ.get("COMPILED_LINEAR_BACKEND", "auto") or "auto")
+BACKEND = BackendChoice("COMPILED_LINEAR_BACKEND")
 
 
 def set_backend(name: str) -> None:
     """'auto' (the kernel on CUDA at small M, torch elsewhere), 'torch' or 'triton'."""
-    global BACKEND
-    BACKEND = _check_backend(name)
+    BACKEND.set(name)
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -52,15 +44,15 @@ def check_shapes(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 def use_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the skinny kernel serves x `[M, K]` @ weight.T under the current backend."""
-    if BACKEND == "torch":
+    if BACKEND.name == "torch":
         return False
-    if BACKEND == "auto" and not (x.is_cuda and x.dtype in KERNEL_DTYPES):
+    if BACKEND.name == "auto" and not (x.is_cuda and x.dtype in KERNEL_DTYPES):
         return False
     M, K = x.shape
     N = weight.shape[0]
     fits = (0 < M <= SKINNY_MAX_M and K > 0 and N > 0 and x.dtype in FORCED_DTYPES
             and x.stride(1) == 1 and weight.stride(1) == 1 and x.device == weight.device)
-    if not fits or BACKEND == "triton":
+    if not fits or BACKEND.name == "triton":
         return fits
     from compiled.graphs import linear_kernels as lk
     sms = lk.num_sms(x.device)

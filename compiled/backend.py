@@ -1,0 +1,24 @@
+"""The backend switch of the custom ops that have a Triton kernel beside their torch reference."""
+
+from __future__ import annotations
+
+import os
+
+CHOICES = ("auto", "torch", "triton")
+
+
+class BackendChoice:
+    """'auto' (the kernel where it applies, the torch reference elsewhere), 'torch' or 'triton';
+    starts from the environment variable `env` (read once, at import of the op's module)."""
+
+    def __init__(self, env: str) -> None:
+        self.env = env
+        self.name = self.check(os.environ.get(env, "auto") or "auto")
+
+    def check(self, name: str) -> str:
+        if name not in CHOICES:
+            raise ValueError(f"{self.env}={name!r}: expected one of {', '.join(CHOICES)}")
+        return name
+
+    def set(self, name: str) -> None:
+        self.name = self.check(name)
