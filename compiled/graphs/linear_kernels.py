@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compiled.attention.triton_decode import interpreter_upcast
+from compiled.attention.triton_decode import interpreter_upcast, sm_count
 from compiled.graphs.linear import SKINNY_MAX_M
 
 BLOCK_M = max(16, triton.next_power_of_2(SKINNY_MAX_M))  # one tile for every row (tl.dot needs >= 16)
@@ -88,11 +88,9 @@ def check_config(config: SkinnyConfig, M: int, N: int) -> None:
         raise ValueError(f"skinny linear: M={M} rows, at most {SKINNY_MAX_M}")
 
 
-@functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """The device's SMs (cached by sm_count); off CUDA, the Hopper count the heuristic assumes."""
+    return sm_count(device) if device.type == "cuda" else DEFAULT_NUM_SMS
 
 
 class SplitWorkspace(NamedTuple):
