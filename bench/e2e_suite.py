@@ -67,6 +67,21 @@ def short_profile(prof: dict, n: int = 12) -> list[str]:
     return [f"{r['self_ms']:9.3f} ms {r['self_pct']:5.1f}% x{r['calls']:<5} {r['name'][:90]}" for r in prof["top"][:n]]
 
 
+def profiled_startup(args, input_len: int, out: Path):
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    result = prof.runcall(core.startup, args, input_len)
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("cumulative").print_stats(80)
+    stats.sort_stats("tottime").print_stats(40)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text.getvalue())
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -80,12 +95,17 @@ def main() -> None:
     ap.add_argument("--export", type=Path, default=None, help="write the compiled artifact here")
     ap.add_argument("--artifact", type=Path, default=None, help="warm start from this artifact only")
     ap.add_argument("--profile-dir", type=Path, default=None)
+    ap.add_argument("--cprofile", type=Path, default=None,
+                    help="profile the start-up's Python (cProfile); the top functions go to this file")
     a = ap.parse_args()
 
     args = core.EngineArgs(model=a.model, load_format="dummy", max_model_len=a.max_model_len,
                            max_num_seqs=a.max_num_seqs, artifact=None if a.artifact is None else str(a.artifact))
     compiles_before = COMPILES["count"]
-    llm, start = core.startup(args, a.input_len)
+    if a.cprofile is None:
+        llm, start = core.startup(args, a.input_len)
+    else:
+        llm, start = profiled_startup(args, a.input_len, a.cprofile)
     start["compiles"] = COMPILES["count"] - compiles_before
     start["excluding_load_s"] = start["llm_init_s"] - start["stages_s"].get("load", 0.0) + start["ttft_cold_s"]
     record: dict = {"model": a.model, "environment": core.environment(llm.config.device), "startup": start}

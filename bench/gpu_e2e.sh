@@ -3,7 +3,8 @@
 # Qwen3-30B-A3B shape (cold caches, export) and a warm start from its artifact in a fresh process,
 # then the Qwen3-0.6B shape. Results go to ${OUT:-out}/. Optional, before the end-to-end runs:
 # GPU_TESTS="tests/..." (pytest -m gpu), MOE_BENCH=1 [MOE_FLAGS], LINEAR_BENCH=1 [LINEAR_FLAGS],
-# ATTN_BENCH=1 [ATTN_FLAGS] (bench/moe_bench.py, linear_bench.py, attention_bench.py).
+# ATTN_BENCH=1 [ATTN_FLAGS] (bench/moe_bench.py, linear_bench.py, attention_bench.py); E2E_FLAGS and
+# WARM_FLAGS (e.g. "--cprofile out/warm.prof.txt") go to the cold and warm e2e_suite runs.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
@@ -24,7 +25,7 @@ fi
 art=$(mktemp -d)/qwen3-30b-a3b
 python bench/e2e_suite.py bench/configs/qwen3-30b-a3b --out "$out/e2e_30b.json" --export "$art" \
   --profile-dir "$out/prof_30b" ${E2E_FLAGS:-} 2>&1 | tee "$out/e2e_30b.txt" | grep -v "^ *\"" | tail -80
-python bench/e2e_suite.py bench/configs/qwen3-30b-a3b --out "$out/warm_30b.json" --artifact "$art" 2>&1 \
+python bench/e2e_suite.py bench/configs/qwen3-30b-a3b --out "$out/warm_30b.json" --artifact "$art" ${WARM_FLAGS:-} 2>&1 \
   | tee "$out/warm_30b.txt" | tail -30
 python bench/e2e_suite.py bench/configs/qwen3-0.6b --out "$out/e2e_06b.json" --batches 1 \
   --profile-dir "$out/prof_06b" 2>&1 | tee "$out/e2e_06b.txt" | grep -v "^ *\"" | tail -40

@@ -72,7 +72,7 @@ def measure(path: str, device: str, dtype: torch.dtype) -> dict:
     from compiled.passes.manager import run_passes
     cfg = ModelConfig.from_pretrained(path)
     meta = meta_model(cfg, dtype)
-    result = run_passes(trace(meta), meta.checkpoint_map(), check_each=False)
+    result = run_passes(trace(meta), meta.checkpoint_map(), check="end")
     peak = {"rss": 0}
     original = loader.iter_checkpoint
 

@@ -27,7 +27,7 @@ def _structure(gm: fx.GraphModule) -> list[tuple]:
 def test_split_matches_split_module():
     cfg = dataclasses.replace(ModelConfig.from_pretrained(MOE_MODEL), num_hidden_layers=4, mlp_only_layers=(2,))
     meta = meta_model(cfg)
-    gm = run_passes(trace(meta), meta.checkpoint_map(), check_each=False).gm
+    gm = run_passes(trace(meta), meta.checkpoint_map(), check="end").gm
     split = split_at_attention(gm)
 
     flat = fx.GraphModule(gm, flatten(gm))

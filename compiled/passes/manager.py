@@ -23,6 +23,7 @@ REGISTRY: dict[str, GraphPass] = {p.name: p for p in (
     GraphPass("skinny_linear", skinny_linear),
 )}
 DEFAULT_PASSES: tuple[str, ...] = ("fuse_qkv", "fuse_w13", "silu_and_mul", "skinny_linear")
+CHECKS = ("each", "end", "none")
 
 
 def resolve_passes(names: list[str] | tuple[str, ...] | None) -> list[GraphPass]:
@@ -52,11 +53,14 @@ def check_graph(gm: fx.GraphModule, num_tokens: int = 3) -> None:
 
 
 def run_passes(gm: fx.GraphModule, weights: WeightMap, names: list[str] | tuple[str, ...] | None = None,
-               check_each: bool = True, on_pass=None) -> PassResult:
+               check: str = "each", on_pass=None) -> PassResult:
     """Apply the named passes (default: all) to `gm` in place, updating `weights` (the traced
-    model's checkpoint map). The graph is checked after every pass, or with `check_each=False`
-    (engine start-up) once at the end. `on_pass(name, gm)` is called before the first pass with
-    name "traced" and after each pass (for dumps)."""
+    model's checkpoint map). `check` says when the graph is run on meta tensors: after every
+    pass ("each", tests and dumps), once at the end ("end", a cold start) or not at all ("none":
+    a start from an artifact, whose export checked this same graph). `on_pass(name, gm)` is
+    called before the first pass with name "traced" and after each pass (for dumps)."""
+    if check not in CHECKS:
+        raise ValueError(f"check must be one of {', '.join(CHECKS)}, not {check!r}")
     result = PassResult(gm, weights)
     if on_pass:
         on_pass("traced", gm)
@@ -64,16 +68,19 @@ def run_passes(gm: fx.GraphModule, weights: WeightMap, names: list[str] | tuple[
         record = PassRecord(graph_pass.name, nodes_before=len(gm.graph.nodes))
         start = time.perf_counter()
         graph_pass.fn(gm, result.weights, record)
-        # Passes leave dead nodes (replaced splits, getitems) for one sweep and one codegen here.
+        # Passes leave dead nodes (replaced splits, getitems) for one sweep here.
         gm.graph.eliminate_dead_code()
-        gm.recompile()
         record.nodes_after = len(gm.graph.nodes)
-        if check_each:
+        if check == "each" or on_pass:
+            gm.recompile()  # code generation is slow on a large graph: only where it is read
+        if check == "each":
             check_graph(gm)
         record.seconds = time.perf_counter() - start
         result.records.append(record)
         if on_pass:
             on_pass(graph_pass.name, gm)
-    if not check_each:
+    if check != "each" and not on_pass:
+        gm.recompile()
+    if check == "end":
         check_graph(gm)
     return result

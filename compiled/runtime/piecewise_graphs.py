@@ -51,7 +51,9 @@ class Slabs:
         full_key = (key, tuple(like.shape[1:]), like.dtype)
         buf = self.buffers.get(full_key)
         if buf is None:
-            buf = self.buffers[full_key] = torch.empty((self.max_tokens, *like.shape[1:]), dtype=like.dtype,
+            # Zeroed: during capture, pieces that are not warmed up leave their slabs unwritten,
+            # and the eager attention after them reads these values.
+            buf = self.buffers[full_key] = torch.zeros((self.max_tokens, *like.shape[1:]), dtype=like.dtype,
                                                        device=like.device)
         return buf[:like.shape[0]]
 
@@ -97,8 +99,11 @@ class PieceGraphs:
                 slab.copy_(arg)
                 inputs.append(slab)
         call_args = [a if s is None else s for a, s in zip(args, inputs)]
-        self.fn(*call_args)  # warm-up: lazy kernel compilation must not happen inside a capture
-        torch.cuda.synchronize()
+        if (self.fn, size) not in owner.warmed:
+            # Lazy kernel compilation and autotuning must not happen inside a capture; they are
+            # per compiled function and size, so one instance of identical layers warms up.
+            owner.warmed.add((self.fn, size))
+            self.fn(*call_args)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=owner.pool):
             out = self.fn(*call_args)
@@ -123,6 +128,7 @@ class PiecewiseGraphs:
         # Addresses that stay put between steps: graph inputs found there are used in place.
         self.fixed_ptrs: set[int] = {t.data_ptr() for t in fixed}
         self.writer: dict[int, int] = {}  # output slab address -> index of the piece writing it
+        self.warmed: set[tuple[Callable, int]] = set()  # (compiled function, size) already run once
         self.capture_seconds = 0.0
         self.replays = 0  # forwards that replayed these graphs (tests check they are used)
 
