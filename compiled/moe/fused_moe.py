@@ -60,9 +60,15 @@ def device_name(device: torch.device | None = None) -> str:
     """`torch.cuda.get_device_name` with spaces as underscores (vLLM's file naming); "cpu" without CUDA."""
     if device is not None and device.type != "cuda":
         return "cpu"
+    return _cuda_device_name(None if device is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_name(index: int | None) -> str:
+    # Cached: every MoE call looks its config up, and `is_available` queries the driver each time.
     if not torch.cuda.is_available():
         return "cpu"
-    return torch.cuda.get_device_name(device).replace(" ", "_")
+    return torch.cuda.get_device_name(index).replace(" ", "_")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

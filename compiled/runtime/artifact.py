@@ -17,7 +17,7 @@ from compiled.errors import CompiledError
 from compiled.graphs.config import ModelConfig
 
 MANIFEST = "manifest.json"
-FORMAT = 1
+FORMAT = 2  # 2: pieces flattened by inlining the leaf modules (split args positional)
 # Fields that must match for the compiled code to be valid here, in the order they are checked.
 CHECKED = ("format", "package", "torch", "triton", "device", "model_config", "passes", "dtype")
 

@@ -44,11 +44,54 @@ class FlatTracer(ModelTracer):
         return super().create_arg(a)
 
 
-def flatten(gm: nn.Module) -> fx.Graph:
-    """The flat graph; its `get_attr` targets name attributes of `gm`."""
-    graph = FlatTracer().trace(gm)
+def flatten(gm: fx.GraphModule) -> fx.Graph:
+    """The graph with its remaining leaf modules (embedding, RoPE) inlined, so every weight is a
+    `get_attr` of `gm` and every op a call. Each module call is traced on its own and spliced in,
+    which is much cheaper than re-tracing the whole model; the nodes come out in the same order."""
+    graph = fx.Graph()
+    env: dict[fx.Node, object] = {}
+    traces: dict[str, fx.Graph] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            env[node] = _inline(graph, gm, node, env, traces)
+        elif node.op == "call_function" and node.target is operator.getitem and isinstance(env[node.args[0]], tuple):
+            env[node] = env[node.args[0]][node.args[1]]  # a module returned a tuple: no getitem node
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
     graph.eliminate_dead_code()
     return graph
+
+
+def _inline(graph: fx.Graph, gm: fx.GraphModule, call: fx.Node, env: dict, traces: dict[str, fx.Graph]) -> object:
+    """Copy the flat trace of the module `call` runs into `graph`; returns what it outputs
+    (a node, or a tuple of nodes). Modules alike in `_signature` share one trace (48 RoPEs)."""
+    module = gm.get_submodule(call.target)
+    signature = _signature(module)
+    sub = traces.get(signature)
+    if sub is None:
+        sub = traces[signature] = FlatTracer().trace(module)
+    params = [n for n in sub.nodes if n.op == "placeholder"]
+    args = list(call.args) + [call.kwargs[p.target] for p in params[len(call.args):]]
+    local: dict[fx.Node, object] = {p: env[a] if isinstance(a, fx.Node) else a for p, a in zip(params, args)}
+    result = None
+    for node in sub.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            result = fx.node.map_arg(node.args[0], local.__getitem__)
+        elif node.op == "get_attr":
+            local[node] = graph.get_attr(f"{call.target}.{node.target}")
+        else:
+            local[node] = graph.node_copy(node, local.__getitem__)
+    return result
+
+
+def _signature(module: nn.Module) -> str:
+    """What a module's trace depends on: its class, plain attributes and tensor shapes (get_attr
+    targets are relative to the module, so equal signatures trace to equal graphs)."""
+    plain = {k: v for k, v in vars(module).items() if not k.startswith("_") and not isinstance(v, (torch.Tensor, nn.Module))}
+    tensors = [(n, tuple(t.shape), t.dtype) for n, t in (*module.named_parameters(), *module.named_buffers())]
+    return repr((type(module).__qualname__, type(module).__module__, sorted(plain.items()), tensors))
 
 
 def symbolic_inputs(mode: FakeTensorMode, num_tokens: int, device: torch.device) -> list[torch.Tensor]:
