@@ -7,6 +7,7 @@ the weights are cycled (one call per layer, like the model), so weights come fro
 Measured in the same run:
   fused        compiled::fused_moe's Triton path, routing given (CUDA graph of one call per layer)
   sep. sum     the same with the top-k sum as a kernel of its own (fused_sum=False)
+  2 kernels    one token only: the two-GEMM path instead of the one-launch kernel (one_launch=False)
   fused+route  compiled::topk_route (Triton) + fused MoE (CUDA graph)
   gmm+route    torch routing + torch._grouped_mm for w13 and w2 (CUDA graph when capturable)
   hf_eager     transformers' Qwen3MoeExperts, eager expert loop (routing given; host syncs, events)
@@ -131,7 +132,13 @@ def run(args) -> dict:
 
         attempt("fused_sep_sum_us", lambda: time_graph(
             [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
-                                             fused_sum=False) for l in range(L)], reps=args.reps) / L)
+                                             fused_sum=False, one_launch=False) for l in range(L)], reps=args.reps) / L)
+        if T == 1:
+            attempt("fused_two_kernels_us", lambda: time_graph(
+                [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
+                                                 one_launch=False) for l in range(L)], reps=args.reps) / L)
+            if args.sweep_one_launch:
+                row["one_launch_sweep"] = sweep_one_launch(x, routes, w13, w2, ws, L, args.reps)
 
         def fused_route(l):
             w, i = torch.ops.compiled.topk_route(logits[l], TOP_K, True)
@@ -171,6 +178,29 @@ def run(args) -> dict:
     return dict(info=info, rows=rows, targets=targets(rows))
 
 
+def sweep_one_launch(x, routes, w13, w2, ws, L: int, reps: int) -> list[dict]:
+    """µs per layer of the one-launch kernel for each tile in a small grid, best first."""
+    results = []
+    for bi in (16, 32, 64):
+        for bk in (128, 256):
+            for bn in (64, 128):
+                for warps in (4,):
+                    for stages in (2, 3, 4):
+                        cfg = dict(BLOCK_I=bi, BLOCK_K=bk, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+                        try:
+                            us = time_graph([lambda l=l: fm.fused_moe_triton(
+                                x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws, one_launch=True,
+                                one_launch_config=cfg) for l in range(L)], reps=reps) / L
+                        except Exception as exc:  # noqa: BLE001  (out of shared memory, ...)
+                            print(f"  one-launch {cfg}: {type(exc).__name__}", flush=True)
+                            continue
+                        results.append(dict(cfg, us=us))
+    results.sort(key=lambda r: r["us"])
+    for r in results[:8]:
+        print(f"  one-launch sweep: {r}", flush=True)
+    return results
+
+
 def targets(rows) -> dict:
     by_t = {r["tokens"]: r for r in rows}
     out = {}
@@ -191,13 +221,14 @@ def table(result) -> str:
     lines = [f"MoE layer E={E} H={H} I={I} top-{TOP_K} bf16 on {info['device']} "
              f"(torch {info['torch']}, triton {info['triton']}, {info['layers']} layers cycled)",
              f"copy {info['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {info['matmul_flops'] / 1e12:.0f} TFLOP/s",
-             "| tokens | experts | floor µs | fused µs | ×floor | sep. sum µs | fused+route µs | gmm+route µs "
-             "| HF eager µs | HF gmm µs | fused TFLOP/s | % matmul |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| tokens | experts | floor µs | fused µs | ×floor | sep. sum µs | 2 kernels µs | fused+route µs "
+             "| gmm+route µs | HF eager µs | HF gmm µs | fused TFLOP/s | % matmul |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         lines.append("| " + " | ".join([
             str(r["tokens"]), f(r["experts"]), f(r["floor_us"]), f(r.get("fused_us")),
-            f(r.get("fused_x_floor"), "{:.2f}"), f(r.get("fused_sep_sum_us")), f(r.get("fused_route_us")),
+            f(r.get("fused_x_floor"), "{:.2f}"), f(r.get("fused_sep_sum_us")), f(r.get("fused_two_kernels_us")),
+            f(r.get("fused_route_us")),
             f(r.get("gmm_route_us")),
             f(r.get("hf_eager_us"), "{:.0f}"), f(r.get("hf_gmm_us")), f(r.get("fused_tflops"), "{:.0f}"),
             f(100 * r["fused_frac_matmul"] if r.get("fused_frac_matmul") else None, "{:.0f}")]) + " |")
@@ -235,6 +266,8 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default="moe_bench.json")
+    p.add_argument("--sweep-one-launch", action="store_true",
+                   help="time the one-token one-launch kernel over a grid of tiles")
     p.add_argument("--profile", type=int, nargs="*", default=None,
                    help="also profile the kernels of one call at these token counts")
     args = p.parse_args(argv)

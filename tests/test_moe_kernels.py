@@ -64,7 +64,28 @@ def _check_fused(T, E, k, H, I, cfg, dtype=torch.float32, used_experts=None, see
 # ----------------------------------------------------------------------------- interpreter cases
 
 def case_one_token_naive_e128_k8():
-    _check_fused(1, 128, 8, 32, 48, fm.default_config(1, 128))
+    x, w, ids, w13, w2 = _problem(1, 128, 8, 32, 48)
+    out = fm.fused_moe_triton(x, w, ids, w13, w2, config=fm.default_config(1, 128), one_launch=False)
+    torch.testing.assert_close(out, fm.fused_moe_ref(x, w, ids, w13, w2), atol=2e-5, rtol=1e-5)
+
+
+def case_one_launch_odd_sizes_twice_and_reset():
+    # one token in one kernel: several I blocks per slot, H and I not multiples of the tiles,
+    # top-1 to top-8; twice in a row (the accumulator and the counter must be back at zero)
+    cfg = dict(BLOCK_I=16, BLOCK_K=16, BLOCK_N=16, num_warps=4, num_stages=2)
+    for E, k, H, I, seed in ((128, 8, 40, 24, 5), (8, 1, 33, 48, 6), (60, 6, 64, 17, 7)):
+        x, w, ids, w13, w2 = _problem(1, E, k, H, I, seed=seed)
+        ref = fm.fused_moe_ref(x, w, ids, w13, w2)
+        for _ in range(2):
+            out = fm.fused_moe_triton(x, w, ids, w13, w2, one_launch=True, one_launch_config=cfg)
+            torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+        assert not fm.zeroed(x.device, "one_token_acc", 1, torch.float32).any()
+        assert not fm.zeroed(x.device, "one_token_done", 1, torch.int32).any()
+    x, w, ids, w13, w2 = _problem(1, 16, 4, 48, 32, dtype=torch.bfloat16, seed=8)
+    out = fm.fused_moe_triton(x, w, ids, w13, w2, one_launch=True, one_launch_config=cfg)
+    exact = fm.fused_moe_ref(x.float(), w, ids, w13.float(), w2.float())
+    ref_err = (fm.fused_moe_ref(x, w, ids, w13, w2).float() - exact).abs().max().item()
+    assert (out.float() - exact).abs().max().item() <= 8.0 * ref_err + 1e-3
 
 
 def case_fused_sum_counters_reset_and_separate_sum():
@@ -73,7 +94,8 @@ def case_fused_sum_counters_reset_and_separate_sum():
     for T, cfg in ((1, fm.default_config(1, 16)), (37, _cfg(16, 16, 16))):
         x, w, ids, w13, w2 = _problem(T, 16, 4, 40, 48, seed=T)
         ref = fm.fused_moe_ref(x, w, ids, w13, w2)
-        outs = [fm.fused_moe_triton(x, w, ids, w13, w2, config=cfg, fused_sum=f) for f in (True, True, False)]
+        outs = [fm.fused_moe_triton(x, w, ids, w13, w2, config=cfg, fused_sum=f, one_launch=False)
+                for f in (True, True, False)]
         for out in outs:
             torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
         assert torch.equal(outs[0], outs[2])
@@ -191,7 +213,8 @@ def case_routing_kernel_vs_softmax_topk():
 
 
 GROUPS = {
-    "a": [case_one_token_naive_e128_k8, case_fused_sum_counters_reset_and_separate_sum, case_t300_e8_k2_two_k_steps_grouped_half_tiles,
+    "a": [case_one_token_naive_e128_k8, case_one_launch_odd_sizes_twice_and_reset,
+          case_fused_sum_counters_reset_and_separate_sum, case_t300_e8_k2_two_k_steps_grouped_half_tiles,
           case_t150_e8_k2_half_tiles_up_only, case_t37_e128_k8_unused_experts_fp16, case_t5_e60_k6_uneven_k_and_n,
           case_routing_kernel_vs_softmax_topk],
     "b": [case_t128_e16_k1_no_sum, case_t61_e33_k3_bf16, case_t2_e8_k8_all_experts_down_override,
@@ -362,6 +385,22 @@ def test_gpu_fused_moe_real_shape_bf16(real_layer, T):
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     assert err <= 2 * ref_err + 1e-3, (err, ref_err)
     torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_one_token_both_paths(real_layer):
+    # the one-launch kernel and the two-GEMM path against the reference, several routings in a row
+    w13, w2 = real_layer
+    for seed in range(5):
+        x, w, ids = _real_inputs(1, seed=400 + seed)
+        ref = fm.fused_moe_ref(x, w, ids, w13, w2)
+        exact = fm.fused_moe_ref(x.float(), w, ids, w13.float(), w2.float())
+        ref_err = (ref.float() - exact).abs().max().item()
+        for one_launch in (True, False):
+            out = fm.fused_moe_triton(x, w, ids, w13, w2, one_launch=one_launch)
+            assert (out.float() - exact).abs().max().item() <= 2 * ref_err + 1e-3, one_launch
+            torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+    assert not fm.zeroed(x.device, "one_token_acc", 1, torch.float32).any()
 
 
 @pytest.mark.gpu

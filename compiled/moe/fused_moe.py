@@ -247,31 +247,59 @@ def _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-# Counters of gemm2's fused top-k sum, one int32 per (token, N tile), per device. They are zero
-# between launches (the kernel restores them), so they are allocated once, zeroed, and only ever
-# replaced by a larger buffer outside CUDA graph capture; replaced buffers are kept alive because
-# captured graphs hold their addresses.
-MIN_SUM_COUNTERS = 1 << 16
+# Buffers the kernels keep at zero between launches (they restore them): gemm2's top-k sum
+# counters (one int32 per (token, N tile)) and the one-launch kernel's fp32 accumulator and
+# arrival counter. Each is allocated once per device, zeroed, and only ever replaced by a larger
+# one outside CUDA graph capture; replaced buffers stay alive because captured graphs hold their
+# addresses.
+MIN_ZEROED = 1 << 16
 # Measured on the H200 (bench/moe_bench.py, Qwen3-30B-A3B layer): one token 27.5 µs fused vs 28.1
 # separate; from 8 tokens on the counters and scattered reads cost more than the launch they save
 # (4096 tokens: 1093 vs 845 µs).
 FUSED_SUM_MAX_TOKENS = 1
-_SUM_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED_COUNTERS: list[torch.Tensor] = []
+_ZEROED: dict[tuple[torch.device, str], torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
 
 
-def sum_counters(device: torch.device, numel: int) -> torch.Tensor | None:
-    """At least `numel` zeroed counters, or None when they would have to grow inside a capture
-    (the caller then launches the separate sum kernel)."""
-    buf = _SUM_COUNTERS.get(device)
+def zeroed(device: torch.device, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """At least `numel` zeros of `dtype` that the kernel using them leaves at zero, or None when
+    the buffer would have to grow inside a capture (the caller then takes another path)."""
+    buf = _ZEROED.get((device, name))
     if buf is not None and buf.numel() >= numel:
         return buf
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
     if buf is not None:
-        _RETIRED_COUNTERS.append(buf)
-    buf = _SUM_COUNTERS[device] = torch.zeros(max(numel, MIN_SUM_COUNTERS), dtype=torch.int32, device=device)
+        _RETIRED.append(buf)
+    buf = _ZEROED[(device, name)] = torch.zeros(max(numel, MIN_ZEROED), dtype=dtype, device=device)
     return buf
+
+
+def sum_counters(device: torch.device, numel: int) -> torch.Tensor | None:
+    return zeroed(device, "sum_counters", numel, torch.int32)
+
+
+# The one-launch path for one token (moe_one_token_kernel) and its tile; swept by
+# `bench/moe_bench.py --sweep-one-launch`.
+ONE_LAUNCH = True
+ONE_LAUNCH_CONFIG = dict(BLOCK_I=64, BLOCK_K=256, BLOCK_N=128, num_warps=4, num_stages=3)
+
+
+def _launch_one_token(x, w13, w2, topk_ids, weights, out, cfg: dict) -> bool:
+    """False (nothing launched) when its zeroed buffers cannot be had inside a capture."""
+    from compiled.moe import fused_moe_kernels as K
+    H, I = w2.shape[1], w2.shape[2]
+    acc = zeroed(x.device, "one_token_acc", H, torch.float32)
+    done = zeroed(x.device, "one_token_done", 1, torch.int32)
+    if acc is None or done is None:
+        return False
+    grid = (topk_ids.numel() * triton_cdiv(I, cfg["BLOCK_I"]),)
+    K.moe_one_token_kernel[grid](
+        x, w13, w2, topk_ids, weights, acc, done, out, H, I,
+        w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1), **_dot_flags(x.dtype),
+        BLOCK_I=cfg["BLOCK_I"], BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return True
 
 
 def _launch_sum(y, out, top_k):
@@ -300,10 +328,12 @@ def use_naive(T: int) -> bool:
 def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                      w13: torch.Tensor, w2: torch.Tensor, config: dict | None = None,
                      workspace: MoEWorkspace | None = None, out: torch.Tensor | None = None,
-                     fused_sum: bool | None = None) -> torch.Tensor:
+                     fused_sum: bool | None = None, one_launch: bool | None = None,
+                     one_launch_config: dict | None = None) -> torch.Tensor:
     """The Triton path of `compiled::fused_moe`. `config` overrides the tuned/default lookup.
     `fused_sum`: sum the top-k slots inside gemm2 (True) or with a kernel of its own (False);
-    None: inside up to FUSED_SUM_MAX_TOKENS tokens."""
+    None: inside up to FUSED_SUM_MAX_TOKENS tokens. `one_launch`: one token in one kernel
+    (moe_one_token_kernel; None: ONE_LAUNCH), with `one_launch_config` or ONE_LAUNCH_CONFIG."""
     T, H = x.shape
     E, I = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -319,6 +349,9 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     w2 = w2.contiguous()
     topk_ids = topk_ids.contiguous()
     weights = topk_weights.contiguous().reshape(-1)
+    if T == 1 and (ONE_LAUNCH if one_launch is None else one_launch) and _launch_one_token(
+            x, w13, w2, topk_ids, weights, out, one_launch_config or ONE_LAUNCH_CONFIG):
+        return out
     up_cfg, down_cfg = _split_config(config if config is not None else get_config(T, E, I, x.dtype, x.device))
     ws = workspace or MoEWorkspace()
     numel = T * top_k

@@ -303,3 +303,76 @@ def moe_sum_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr
     for j in tl.static_range(TOP_K):
         acc += tl.load(y_ptr + (t * TOP_K + j) * H + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def moe_one_token_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, weights_ptr, acc_ptr, done_ptr, out_ptr,
+                         H, I, stride_w13e, stride_w13n, stride_w2e, stride_w2n,
+                         PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_I: tl.constexpr,
+                         BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The whole MoE of one token in one launch, with no program waiting on another.
+
+    Program (slot j, block b of the expert width I) computes act = silu(gate) * up for its BLOCK_I
+    intermediate columns, then at once their share of the down projection, w_j * act . w2[e, :, b],
+    for every output column, and adds it into the fp32 accumulator `acc` [H] (atomics). The program
+    that finishes last (a counter) rounds `acc` into `out` and zeroes `acc` and the counter for the
+    next launch. The sum over slots and I blocks runs in fp32 in arrival order, so the last bit of
+    an output may differ from run to run (the two-kernel path rounds each slot to the activation
+    dtype and sums in slot order). The token's x sits in row 0 of 16-row dot tiles (rows 1.. zero)."""
+    pid = tl.program_id(0)
+    n_i = tl.cdiv(I, BLOCK_I)
+    j = pid // n_i
+    expert = tl.load(ids_ptr + j).to(tl.int64)
+    dt = out_ptr.dtype.element_ty
+    w = tl.load(weights_ptr + j).to(dt).to(tl.float32)
+    rows = tl.arange(0, 16)
+    offs_i = (pid % n_i) * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_ok = offs_i < I
+    offs_iw = (offs_i % I).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + rows[:, None] * 0 + offs_k[None, :]
+    g_ptrs = w13_ptr + expert * stride_w13e + offs_iw[None, :] * stride_w13n + offs_k[:, None]
+    u_ptrs = g_ptrs + I * stride_w13n
+    acc_g = tl.zeros([16, BLOCK_I], dtype=tl.float32)
+    acc_u = tl.zeros([16, BLOCK_I], dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        k_ok = offs_k < H - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=(rows[:, None] == 0) & k_ok[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+        u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            g = g.to(tl.float32)
+            u = u.to(tl.float32)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    # round like the unfused model: gate/up in the activation dtype, silu, product
+    gate = acc_g.to(dt).to(tl.float32)
+    up = acc_u.to(dt).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    act = tl.where(i_ok[None, :], act * up, 0.0).to(dt)
+    if DOT_FP32:
+        act = act.to(tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    b_ptrs = w2_ptr + expert * stride_w2e + offs_n[None, :].to(tl.int64) * stride_w2n + offs_iw[:, None]
+    for n in range(0, tl.cdiv(H, BLOCK_N)):
+        n_ok = offs_n < H - n * BLOCK_N
+        b = tl.load(b_ptrs, mask=i_ok[:, None] & n_ok[None, :], other=0.0)
+        if DOT_FP32:
+            b = b.to(tl.float32)
+        part = tl.sum(tl.dot(act, b, input_precision=PRECISION), axis=0) * w
+        tl.atomic_add(acc_ptr + n * BLOCK_N + offs_n, part, mask=n_ok, sem="relaxed")
+        b_ptrs += BLOCK_N * stride_w2n
+    # All this program's adds precede its arrival; the last arrival reads the sums from L2.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(done_ptr, 1, sem="acq_rel")
+    if arrived == tl.num_programs(0) - 1:
+        for n in range(0, tl.cdiv(H, BLOCK_N)):
+            offs = n * BLOCK_N + offs_n
+            total = tl.load(acc_ptr + offs, mask=offs < H, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs, total.to(dt), mask=offs < H)
+            tl.store(acc_ptr + offs, tl.zeros_like(total), mask=offs < H)
+        tl.store(done_ptr, 0)
