@@ -181,11 +181,11 @@ def run(args) -> dict:
 def sweep_one_launch(x, routes, w13, w2, ws, L: int, reps: int) -> list[dict]:
     """µs per layer of the one-launch kernel for each tile in a small grid, best first."""
     results = []
-    for bi in (16, 32, 64):
-        for bk in (128, 256):
-            for bn in (64, 128):
-                for warps in (4,):
-                    for stages in (2, 3, 4):
+    for bi in (32, 64):
+        for bk in (64, 128, 256):
+            for bn in (128, 256):
+                for warps in (4, 8):
+                    for stages in (3, 4, 5):
                         cfg = dict(BLOCK_I=bi, BLOCK_K=bk, BLOCK_N=bn, num_warps=warps, num_stages=stages)
                         try:
                             us = time_graph([lambda l=l: fm.fused_moe_triton(
