@@ -59,3 +59,21 @@ def test_inline_references_replaces_silu_and_mul_with_its_reference():
     assert not [n for n in gm.graph.nodes if n.target is torch.ops.compiled.silu_and_mul.default]
     h = torch.randn(5, 14)
     torch.testing.assert_close(gm(h), silu_and_mul_ref(h) * 2, rtol=0, atol=0)
+
+
+def test_warm_up_once_runs_each_compiled_function_once_per_shape():
+    from compiled.runtime.compiler import CompiledPiece, warm_up_once
+    calls = []
+
+    def fn(x, w):
+        calls.append(x.shape[0])
+        return x @ w
+
+    layers = [CompiledPiece(fn, "k", True, [False, True]) for _ in range(3)]
+    x, w = torch.randn(4, 3), torch.randn(3, 3)
+    with warm_up_once():
+        outs = [layer(x, w + i) for i, layer in enumerate(layers)]
+        outs.append(layers[0](torch.randn(5, 3), w))
+    assert calls == [4, 5] and outs[1] is outs[0] and outs[2] is outs[0]
+    torch.testing.assert_close(layers[2](x, w + 2), x @ (w + 2))  # outside: every call runs
+    assert calls == [4, 5, 4]

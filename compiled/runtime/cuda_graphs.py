@@ -64,6 +64,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        from compiled.runtime.compiler import warm_up_once  # imported late: it pulls in the split's fx/fake machinery
         start = time.perf_counter()
         inp = self.runner.inputs
         for batch in sorted(self.buckets, reverse=True):
@@ -72,8 +73,8 @@ class DecodeGraphs:
             inp.upload()
             ctx = ForwardContext(self._meta(batch), self.runner.kv, self.runner.req_pool.table)
             with forward_context(ctx):
-                self._step(batch)  # warm-up: lazy allocations and autotuning happen outside the graph
-                torch.cuda.synchronize()
+                with warm_up_once():
+                    self._step(batch)  # lazy allocations, compiles and autotuning happen outside the graph
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
                     hidden = self._step(batch)
