@@ -7,6 +7,7 @@ the weights are cycled (one call per layer, like the model), so weights come fro
 Measured in the same run:
   fused        compiled::fused_moe's Triton path, routing given (CUDA graph of one call per layer)
   sep. sum     the same with the top-k sum as a kernel of its own (fused_sum=False)
+  TMA          the same tuned tiles with the weight tiles loaded through TMA descriptors (TMA=1)
   2 kernels    one token only: the two-GEMM path instead of the one-launch kernel (one_launch=False)
   fused+route  compiled::topk_route (Triton) + fused MoE (CUDA graph)
   gmm+route    torch routing + torch._grouped_mm for w13 and w2 (CUDA graph when capturable)
@@ -133,6 +134,10 @@ def run(args) -> dict:
         attempt("fused_sep_sum_us", lambda: time_graph(
             [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
                                              fused_sum=False, one_launch=False) for l in range(L)], reps=args.reps) / L)
+        tma_cfg = with_tma(fm.get_config(T, E, I, torch.bfloat16))
+        attempt("fused_tma_us", lambda: time_graph(
+            [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
+                                             config=tma_cfg, one_launch=False) for l in range(L)], reps=args.reps) / L)
         if T == 1:
             attempt("fused_two_kernels_us", lambda: time_graph(
                 [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
@@ -178,6 +183,11 @@ def run(args) -> dict:
     return dict(info=info, rows=rows, targets=targets(rows))
 
 
+def with_tma(cfg: dict) -> dict:
+    """The config with both GEMMs loading their weight tiles through TMA descriptors."""
+    return dict(cfg, TMA=1, down=dict(cfg.get("down") or {}, TMA=1))
+
+
 def sweep_one_launch(x, routes, w13, w2, ws, L: int, reps: int) -> list[dict]:
     """µs per layer of the one-launch kernel for each tile in a small grid, best first."""
     results = []
@@ -221,13 +231,14 @@ def table(result) -> str:
     lines = [f"MoE layer E={E} H={H} I={I} top-{TOP_K} bf16 on {info['device']} "
              f"(torch {info['torch']}, triton {info['triton']}, {info['layers']} layers cycled)",
              f"copy {info['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {info['matmul_flops'] / 1e12:.0f} TFLOP/s",
-             "| tokens | experts | floor µs | fused µs | ×floor | sep. sum µs | 2 kernels µs | fused+route µs "
+             "| tokens | experts | floor µs | fused µs | ×floor | sep. sum µs | TMA µs | 2 kernels µs | fused+route µs "
              "| gmm+route µs | HF eager µs | HF gmm µs | fused TFLOP/s | % matmul |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         lines.append("| " + " | ".join([
             str(r["tokens"]), f(r["experts"]), f(r["floor_us"]), f(r.get("fused_us")),
-            f(r.get("fused_x_floor"), "{:.2f}"), f(r.get("fused_sep_sum_us")), f(r.get("fused_two_kernels_us")),
+            f(r.get("fused_x_floor"), "{:.2f}"), f(r.get("fused_sep_sum_us")), f(r.get("fused_tma_us")),
+            f(r.get("fused_two_kernels_us")),
             f(r.get("fused_route_us")),
             f(r.get("gmm_route_us")),
             f(r.get("hf_eager_us"), "{:.0f}"), f(r.get("hf_gmm_us")), f(r.get("fused_tflops"), "{:.0f}"),

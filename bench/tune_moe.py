@@ -112,10 +112,11 @@ def block_m_candidates(T: int) -> list[int]:
         return [16, 32, 64]
     if T <= 1024:
         return [32, 64, 128]
-    return [64, 128]
+    return [64, 128, 256]
 
 
 MAX_CONFIGS = 0  # > 0: keep that many configs per space (smoke runs)
+TMA_CHOICES = (0, 1)
 
 
 def _space(bm: int, down: bool) -> list[dict]:
@@ -132,10 +133,13 @@ def _space(bm: int, down: bool) -> list[dict]:
     elif bm == 64:
         bns = (64, 128, 256) if down else (64, 128)
         combos = [(bn, bk, w, st, 8) for bn in bns for bk in (64, 128) for w in (4, 8) for st in (3, 4)]
-    else:
+    elif bm == 128:
         bns = (128, 256) if down else (64, 128)
         combos = [(bn, bk, w, st, g) for bn in bns for bk in (64, 128) for w in (4, 8) for st in (3, 4, 5)
                   for g in (8, 32)]
+    else:  # 256 rows: half the blocks, so each expert's weight tiles are read half as often
+        bns = (64, 128) if down else (64,)
+        combos = [(bn, bk, 8, st, g) for bn in bns for bk in (32, 64) for st in (3, 4) for g in (8, 32)]
     out = []
     for bn, bk, w, st, g in combos:
         smem = st * (bm * bk + n_acc * bn * bk) * 2
@@ -143,8 +147,9 @@ def _space(bm: int, down: bool) -> list[dict]:
         if smem > SMEM_BYTES or regs > 128:
             continue
         for half in ((0, 1) if bm >= 64 else (0,)):  # half-height tiles for partial blocks
-            out.append(dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g,
-                            num_warps=w, num_stages=st, HALF_M=half))
+            for tma in TMA_CHOICES:  # weight tiles through TMA descriptors or pointer loads
+                out.append(dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g,
+                                num_warps=w, num_stages=st, HALF_M=half, TMA=tma))
     return out[:MAX_CONFIGS] if MAX_CONFIGS > 0 else out
 
 
@@ -336,10 +341,13 @@ def main(argv=None):
     p.add_argument("--budget-s", type=float, default=240.0, help="after this, search a thinned space")
     p.add_argument("--workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
     p.add_argument("--max-configs", type=int, default=0, help="> 0: first N configs of each space only")
+    p.add_argument("--tma", choices=("0", "1", "both"), default="both",
+                   help="weight tiles through TMA descriptors (1), pointer loads (0), or search both")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: interpreter smoke run
     args = p.parse_args(argv)
-    global DEVICE, MAX_CONFIGS
+    global DEVICE, MAX_CONFIGS, TMA_CHOICES
     DEVICE, MAX_CONFIGS = args.device, args.max_configs
+    TMA_CHOICES = (0, 1) if args.tma == "both" else (int(args.tma),)
     if DEVICE == "cuda" and not torch.cuda.is_available():
         sys.exit("tune_moe.py needs a CUDA device")
     tune(args)

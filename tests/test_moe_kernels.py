@@ -129,6 +129,21 @@ def case_t61_e33_k3_bf16():
     _check_fused(61, 33, 3, 32, 48, _cfg(32, 32, 32, group=8), dtype=torch.bfloat16, seed=5)
 
 
+def case_tma_weight_tiles_bf16_n_and_k_tails():
+    # TMA weight tiles: I = 48 is not a multiple of BLOCK_N = 32 (the last gate tile reads up rows,
+    # the last up tile the next expert's rows or zeros past the end) nor of gemm2's BLOCK_K = 32
+    cfg = dict(_cfg(32, 32, 32, group=8), HALF_M=1, TMA=1)
+    x, *_, w13, w2 = _problem(61, 33, 3, 32, 48, torch.bfloat16, seed=5)
+    assert fm.weight_desc(w13, 32, 32) is not None and fm.weight_desc(w2, 32, 32) is not None
+    assert fm.weight_desc(w13.float(), 32, 32) is None  # fp32 weights keep pointer loads
+    _check_fused(61, 33, 3, 32, 48, cfg, dtype=torch.bfloat16, seed=5)
+
+
+def case_tma_up_only_fp16_half_tiles():
+    cfg = dict(_cfg(64, 64, 16, group=4), HALF_M=1, TMA=1, down=dict(BLOCK_SIZE_N=32, TMA=0))
+    _check_fused(300, 8, 2, 32, 48, cfg, dtype=torch.float16, seed=9)
+
+
 def case_t2_e8_k8_all_experts_down_override():
     cfg = dict(_cfg(16, 64, 32), down=dict(BLOCK_SIZE_N=16, BLOCK_SIZE_K=16, GROUP_SIZE_M=2))
     _check_fused(2, 8, 8, 32, 48, cfg, seed=6)
@@ -218,7 +233,8 @@ GROUPS = {
           case_t150_e8_k2_half_tiles_up_only, case_t37_e128_k8_unused_experts_fp16, case_t5_e60_k6_uneven_k_and_n,
           case_routing_kernel_vs_softmax_topk],
     "b": [case_t128_e16_k1_no_sum, case_t61_e33_k3_bf16, case_t2_e8_k8_all_experts_down_override,
-          case_op_dispatch_and_workspace, case_align_multi_chunk_e128_k8, case_align_single_chunk_and_unused_experts],
+          case_op_dispatch_and_workspace, case_align_multi_chunk_e128_k8, case_align_single_chunk_and_unused_experts,
+          case_tma_weight_tiles_bf16_n_and_k_tails, case_tma_up_only_fp16_half_tiles],
 }
 CASE_NAMES = [f.__name__ for fns in GROUPS.values() for f in fns]
 
@@ -401,6 +417,18 @@ def test_gpu_one_token_both_paths(real_layer):
             assert (out.float() - exact).abs().max().item() <= 2 * ref_err + 1e-3, one_launch
             torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
     assert not fm.zeroed(x.device, "one_token_acc", 1, torch.float32).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 300, 4096])
+def test_gpu_tma_weight_tiles(real_layer, T):
+    w13, w2 = real_layer
+    x, w, ids = _real_inputs(T, seed=500 + T)
+    cfg = fm.get_config(T, E_REAL, I_REAL, torch.bfloat16, x.device)
+    cfg = dict(cfg, TMA=1, down=dict(cfg.get("down") or {}, TMA=1))
+    assert fm.weight_desc(w13, cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]) is not None
+    out = fm.fused_moe_triton(x, w, ids, w13, w2, config=cfg, one_launch=False)
+    torch.testing.assert_close(out.float(), fm.fused_moe_ref(x, w, ids, w13, w2).float(), atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.gpu

@@ -7,9 +7,10 @@ returns `[T, H]` in x's dtype. On CUDA it runs the Triton kernels of `fused_moe_
 `silu(gate) * up` in its epilogue, grouped GEMM over `w2` with the routing weight in its epilogue,
 sum over the top-k. No host syncs and fixed-size buffers, so it can be captured in a CUDA graph.
 
-Kernel configs (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages, optional HALF_M per token
-count, and an optional "down" override of N/K/GROUP/warps/stages/HALF_M for the second GEMM; HALF_M
-runs an expert's partial last block as a half-height tile) come from
+Kernel configs (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages, optional HALF_M and TMA per
+token count, and an optional "down" override of N/K/GROUP/warps/stages/HALF_M/TMA for the second
+GEMM; HALF_M runs an expert's partial last block as a half-height tile, TMA loads the weight tiles
+through tensor descriptors (Hopper's TMA) instead of pointer loads) come from
 `configs/E={E},N={I},device_name={name},dtype={dtype}.json` (written by `bench/tune_moe.py`);
 the entry whose token count is nearest wins, and a default is used when no file matches.
 `COMPILED_MOE_BACKEND=torch|triton` forces a path; `COMPILED_MOE_CONFIG_DIR` adds a config folder
@@ -33,7 +34,8 @@ log = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
-DOWN_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", "HALF_M")
+OPTIONAL_KEYS = ("HALF_M", "TMA")  # 0 when absent
+DOWN_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", *OPTIONAL_KEYS)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
@@ -69,6 +71,11 @@ def _cuda_device_name(index: int | None) -> str:
     if not torch.cuda.is_available():
         return "cpu"
     return torch.cuda.get_device_name(index).replace(" ", "_")
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -121,9 +128,10 @@ def get_config(M: int, E: int, N: int, dtype: torch.dtype, device: torch.device 
 
 
 def _split_config(cfg: dict) -> tuple[dict, dict]:
-    """(up GEMM config, down GEMM config); HALF_M (optional, default 0) only where BLOCK_SIZE_M >= 32."""
+    """(up GEMM config, down GEMM config); HALF_M and TMA default to 0, HALF_M only where
+    BLOCK_SIZE_M >= 32."""
     up = {k: int(cfg[k]) for k in CONFIG_KEYS}
-    up["HALF_M"] = int(cfg.get("HALF_M", 0))
+    up.update({k: int(cfg.get(k, 0)) for k in OPTIONAL_KEYS})
     down = dict(up)
     down.update({k: int(v) for k, v in (cfg.get("down") or {}).items() if k in DOWN_KEYS})
     for c in (up, down):
@@ -215,17 +223,31 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
     return sorted_ids, expert_ids, num_post
 
 
+def weight_desc(w: torch.Tensor, block_n: int, block_k: int):
+    """A TMA descriptor over the stacked weight `w [E, R, K]` seen as `[E * R, K]`, block
+    `[block_n, block_k]`, or None where TMA cannot take it (needs a contiguous 16-bit weight with
+    16-byte aligned rows; on the GPU, Hopper or newer). Built per call: it is a small host object,
+    encoded by the launcher, and caching it would keep freed weights alive."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    rows_ok = w.is_contiguous() and (w.shape[-1] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
+    on_gpu = w.is_cuda and _cuda_capability(w.device.index)[0] >= 9
+    if not rows_ok or not (on_gpu or _interpreting()) or w.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k])
+
+
 def _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, cfg):
     from compiled.moe import fused_moe_kernels as K
     I, H = w13.shape[1] // 2, w13.shape[2]
     bn = cfg["BLOCK_SIZE_N"]
     grid = (n_blocks * triton_cdiv(I, bn),)
+    desc = weight_desc(w13, bn, cfg["BLOCK_SIZE_K"]) if cfg.get("TMA") else None
     K.moe_gemm1_kernel[grid](
-        x, w13, inter, sorted_ids, expert_ids, num_post, numel, I, H,
+        x, w13, desc, inter, sorted_ids, expert_ids, num_post, numel, I, H,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         TOP_K=top_k, NAIVE=naive, **_dot_flags(x.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
-        EVEN_K=H % cfg["BLOCK_SIZE_K"] == 0, HALF_M=bool(cfg["HALF_M"]) and not naive,
+        EVEN_K=H % cfg["BLOCK_SIZE_K"] == 0, HALF_M=bool(cfg["HALF_M"]) and not naive, TMA=desc is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -237,13 +259,14 @@ def _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel
     bn = cfg["BLOCK_SIZE_N"]
     grid = (n_blocks * triton_cdiv(H, bn),)
     fused_sum = counters is not None
+    desc = weight_desc(w2, bn, cfg["BLOCK_SIZE_K"]) if cfg.get("TMA") else None
     K.moe_gemm2_kernel[grid](
-        inter, w2, y, weights, out if fused_sum else y, counters if fused_sum else y,
+        inter, w2, desc, y, weights, out if fused_sum else y, counters if fused_sum else y,
         sorted_ids, expert_ids, num_post, numel, H, I,
         inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         TOP_K=top_k, FUSED_SUM=fused_sum, NAIVE=naive, **_dot_flags(inter.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
-        EVEN_K=I % cfg["BLOCK_SIZE_K"] == 0, HALF_M=bool(cfg["HALF_M"]) and not naive,
+        EVEN_K=I % cfg["BLOCK_SIZE_K"] == 0, HALF_M=bool(cfg["HALF_M"]) and not naive, TMA=desc is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -265,7 +288,7 @@ def zeroed(device: torch.device, name: str, numel: int, dtype: torch.dtype) -> t
     """At least `numel` zeros of `dtype` that the kernel using them leaves at zero, or None when
     the buffer would have to grow inside a capture (the caller then takes another path)."""
     buf = _ZEROED.get((device, name))
-    if buf is not None and buf.numel() >= numel:
+    if buf is not None and buf.numel() >= numel and buf.dtype == dtype:
         return buf
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
@@ -311,9 +334,13 @@ def _launch_sum(y, out, top_k):
     K.moe_sum_kernel[(T, triton_cdiv(H, bh))](y, out, H, TOP_K=top_k, BLOCK_H=bh, num_warps=4)
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def _dot_flags(dtype: torch.dtype) -> dict:
     """fp32 stays fp32 (no tf32); under the CPU interpreter 16-bit operands are upcast for tl.dot."""
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    interp = _interpreting()
     fp32 = dtype == torch.float32 or interp
     return dict(PRECISION="ieee" if fp32 else "tf32", DOT_FP32=interp and dtype != torch.float32)
 

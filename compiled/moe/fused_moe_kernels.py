@@ -129,11 +129,14 @@ def _block(N, num_valid, sorted_ptr, num_post_ptr,
 
 
 @triton.jit
-def _up_tile(x_ptr, w_ptr, out_ptr, pair, expert, pid_n, num_valid, N, K,
+def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, expert, pid_n, num_valid, N, K,
              stride_xm, stride_we, stride_wn, stride_om,
              TOP_K: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-             TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """silu(gate) * up for the TILE_M rows `pair` (a power of two >= 16) and one N tile."""
+             TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+             TMA: tl.constexpr):
+    """silu(gate) * up for the TILE_M rows `pair` (a power of two >= 16) and one N tile. TMA: the
+    weight tiles come through `w_desc` (w as `[E * 2N, K]`, block `[BLOCK_N, BLOCK_K]`); rows past
+    the tile's N read the neighbouring rows (or zeros past the end), whose columns are not stored."""
     row_ok = pair < num_valid
     token = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -142,16 +145,22 @@ def _up_tile(x_ptr, w_ptr, out_ptr, pair, expert, pid_n, num_valid, N, K,
     a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
     g_ptrs = w_ptr + expert * stride_we + offs_nw[None, :] * stride_wn + offs_k[:, None]
     u_ptrs = g_ptrs + N * stride_wn
+    row_g = (expert * 2 * N + pid_n * BLOCK_N).to(tl.int32)
     acc_g = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(offs_k < K - k * BLOCK_K)[None, :], other=0.0)
+        if TMA:
+            g = w_desc.load([row_g, k * BLOCK_K]).T
+            u = w_desc.load([row_g + N, k * BLOCK_K]).T
+        elif EVEN_K:
             g = tl.load(g_ptrs)
             u = tl.load(u_ptrs)
         else:
             k_ok = offs_k < K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
         if DOT_FP32:
@@ -174,12 +183,14 @@ def _up_tile(x_ptr, w_ptr, out_ptr, pair, expert, pid_n, num_valid, N, K,
 
 
 @triton.jit
-def _down_tile(a_ptr, w_ptr, out_ptr, weights_ptr, sum_ptr, counter_ptr, pair, expert, pid_n, num_valid, N, K,
-               stride_am, stride_we, stride_wn, stride_om,
+def _down_tile(a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr, pair, expert, pid_n, num_valid,
+               N, K, stride_am, stride_we, stride_wn, stride_om,
                TOP_K: tl.constexpr, FUSED_SUM: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-               TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+               TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               TMA: tl.constexpr):
     """weight * (a . w2[e]) for the TILE_M rows `pair` and one N tile; with FUSED_SUM, then the
-    top-k sum of every token whose k-th slot this was (see _sum_if_last)."""
+    top-k sum of every token whose k-th slot this was (see _sum_if_last). TMA as in _up_tile
+    (w as `[E * N, K]`)."""
     row_ok = pair < num_valid
     row = tl.where(row_ok, pair, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -187,15 +198,19 @@ def _down_tile(a_ptr, w_ptr, out_ptr, weights_ptr, sum_ptr, counter_ptr, pair, e
     offs_nw = (offs_n % N).to(tl.int64)
     a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
     b_ptrs = w_ptr + expert * stride_we + offs_nw[None, :] * stride_wn + offs_k[:, None]
+    row_b = (expert * N + pid_n * BLOCK_N).to(tl.int32)
     acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(offs_k < K - k * BLOCK_K)[None, :], other=0.0)
+        if TMA:
+            b = w_desc.load([row_b, k * BLOCK_K]).T
+        elif EVEN_K:
             b = tl.load(b_ptrs)
         else:
-            k_ok = offs_k < K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=(offs_k < K - k * BLOCK_K)[:, None], other=0.0)
         if DOT_FP32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -236,11 +251,11 @@ def _sum_if_last(y_ptr, sum_ptr, counter_ptr, pair, row_ok, offs_n, pid_n, N, st
 
 
 @triton.jit(do_not_specialize=["num_valid"])
-def moe_gemm1_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
                      num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
                      TOP_K: tl.constexpr, NAIVE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr):
+                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr, TMA: tl.constexpr):
     """out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs.
 
     w is `[E, 2N, K]` (`[gate; up]`), out `[T*k, N]`; N = I, K = H. HALF_M: a block with at most
@@ -251,26 +266,26 @@ def moe_gemm1_kernel(x_ptr, w_ptr, out_ptr, sorted_ptr, expert_ids_ptr, num_post
         if HALF_M:
             if tl.sum((pair < num_valid).to(tl.int32), axis=0) <= BLOCK_M // 2:
                 half = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M // 2))
-                _up_tile(x_ptr, w_ptr, out_ptr, half, expert, pid_n, num_valid, N, K,
+                _up_tile(x_ptr, w_ptr, w_desc, out_ptr, half, expert, pid_n, num_valid, N, K,
                          stride_xm, stride_we, stride_wn, stride_om,
-                         TOP_K, PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K)
+                         TOP_K, PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA)
             else:
-                _up_tile(x_ptr, w_ptr, out_ptr, pair, expert, pid_n, num_valid, N, K,
+                _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, expert, pid_n, num_valid, N, K,
                          stride_xm, stride_we, stride_wn, stride_om,
-                         TOP_K, PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                         TOP_K, PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
         else:
-            _up_tile(x_ptr, w_ptr, out_ptr, pair, expert, pid_n, num_valid, N, K,
+            _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, expert, pid_n, num_valid, N, K,
                      stride_xm, stride_we, stride_wn, stride_om,
-                     TOP_K, PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                     TOP_K, PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
 
 
 @triton.jit(do_not_specialize=["num_valid"])
-def moe_gemm2_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sum_ptr, counter_ptr, sorted_ptr, expert_ids_ptr,
+def moe_gemm2_kernel(a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr, sorted_ptr, expert_ids_ptr,
                      num_post_ptr, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
                      TOP_K: tl.constexpr, FUSED_SUM: tl.constexpr,
                      NAIVE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr):
+                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr, TMA: tl.constexpr):
     """out[pair, n] = weight[pair] * (a[pair] . w[e, n]); w is `[E, N, K]` (N = H, K = I).
     FUSED_SUM: also sum[token, n] = sum over the token's k pairs of out (counters zero on entry
     and on exit, one per token and N tile)."""
@@ -280,17 +295,17 @@ def moe_gemm2_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, sum_ptr, counter_ptr, s
         if HALF_M:
             if tl.sum((pair < num_valid).to(tl.int32), axis=0) <= BLOCK_M // 2:
                 half = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M // 2))
-                _down_tile(a_ptr, w_ptr, out_ptr, weights_ptr, sum_ptr, counter_ptr, half, expert, pid_n, num_valid,
+                _down_tile(a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr, half, expert, pid_n, num_valid,
                            N, K, stride_am, stride_we, stride_wn, stride_om, TOP_K, FUSED_SUM,
-                           PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K)
+                           PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA)
             else:
-                _down_tile(a_ptr, w_ptr, out_ptr, weights_ptr, sum_ptr, counter_ptr, pair, expert, pid_n, num_valid,
+                _down_tile(a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr, pair, expert, pid_n, num_valid,
                            N, K, stride_am, stride_we, stride_wn, stride_om, TOP_K, FUSED_SUM,
-                           PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                           PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
         else:
-            _down_tile(a_ptr, w_ptr, out_ptr, weights_ptr, sum_ptr, counter_ptr, pair, expert, pid_n, num_valid,
+            _down_tile(a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr, pair, expert, pid_n, num_valid,
                        N, K, stride_am, stride_we, stride_wn, stride_om, TOP_K, FUSED_SUM,
-                       PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                       PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
 
 
 @triton.jit
