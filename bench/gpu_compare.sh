@@ -28,3 +28,5 @@ for name in ${PREFILL_MODELS:-qwen3-30b-a3b}; do
   both_ways "$name" prefill2048 --load-format dummy --max-model-len 4096 --max-num-seqs 1 --input-len 2048 \
     --output-len 2 --batch-size 1
 done
+# The device tool returns at most 8 files: everything again in one archive (sorted first).
+tar -C "$out" -czf "$out/0_all_results.tgz" --exclude 0_all_results.tgz .

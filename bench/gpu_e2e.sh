@@ -37,3 +37,5 @@ env -u PYTHONPYCACHEPREFIX PYTHONDONTWRITEBYTECODE=1 python bench/e2e_suite.py b
 python bench/e2e_suite.py bench/configs/qwen3-0.6b --out "$out/e2e_06b.json" --batches 1 \
   --profile-dir "$out/prof_06b" 2>&1 | tee "$out/e2e_06b.txt" | grep -v "^ *\"" | tail -40
 rm -rf "$out"/prof_*/*.json
+# The device tool returns at most 8 files: everything again in one archive (sorted first).
+tar -C "$out" -czf "$out/0_all_results.tgz" --exclude 0_all_results.tgz .
