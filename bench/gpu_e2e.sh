@@ -9,7 +9,6 @@ set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
-export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)   # cold: nothing cached
 # An installed torch has its modules compiled to bytecode (pip does it at install time). The lent
 # machines' venv has no __pycache__ and sets PYTHONDONTWRITEBYTECODE, so each process compiles
 # torch's sources again (~1.8 s of a warm start). Here the first process writes bytecode to a cache
@@ -27,6 +26,8 @@ fi
 if [ -n "${ATTN_BENCH:-}" ]; then
   python bench/attention_bench.py --out "$out/attn_bench.json" ${ATTN_FLAGS:-} 2>&1 | tee "$out/attn_bench.txt" | tail -24
 fi
+# cold: nothing cached (the tests and benchmarks above fill caches of their own)
+export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d)
 art=$(mktemp -d)/qwen3-30b-a3b
 python bench/e2e_suite.py bench/configs/qwen3-30b-a3b --out "$out/e2e_30b.json" --export "$art" \
   --profile-dir "$out/prof_30b" ${E2E_FLAGS:-} 2>&1 | tee "$out/e2e_30b.txt" | grep -v "^ *\"" | tail -80
