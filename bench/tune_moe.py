@@ -146,7 +146,7 @@ def _space(bm: int, down: bool) -> list[dict]:
         regs = n_acc * bm * bn / (w * 32)
         if smem > SMEM_BYTES or regs > 128:
             continue
-        for half in ((0, 1) if bm >= 64 else (0,)):  # half-height tiles for partial blocks
+        for half in ((0, 1, 2) if bm >= 64 else (0,)):  # half/quarter-height tiles for partial blocks
             for tma in TMA_CHOICES:  # weight tiles through TMA descriptors or pointer loads
                 out.append(dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g,
                                 num_warps=w, num_stages=st, HALF_M=half, TMA=tma))
@@ -270,10 +270,10 @@ def tune(args) -> dict:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / name
-    table: dict[str, dict] = {}
+    table, old_timings = kept_entries(path, tokens) if args.merge else ({}, {})
     meta = dict(device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,
                 triton=_triton_version(),
-                E=E, H=H, I=I, top_k=top_k, dtype=args.dtype, layers=args.layers, timings_us={})
+                E=E, H=H, I=I, top_k=top_k, dtype=args.dtype, layers=args.layers, timings_us=old_timings)
     for T in tokens:
         over = time.time() - t0 > args.budget_s
         prob = Problem(w13, w2, T, top_k, E)
@@ -317,6 +317,19 @@ def tune(args) -> dict:
     return table
 
 
+def kept_entries(path: Path, tokens) -> tuple[dict, dict]:
+    """(entries, their timings) of the table being merged into (`path`, else the checked-in file of
+    that name), for the token counts not in `tokens`."""
+    for p in (path, fm.CONFIG_DIR / path.name):
+        if p.is_file():
+            print(f"merging into {p}", flush=True)
+            old = json.loads(p.read_text())
+            timings = old.pop("_meta", {}).get("timings_us", {})
+            table = {k: v for k, v in old.items() if int(k) not in set(tokens)}
+            return table, {k: v for k, v in timings.items() if k in table}
+    return {}, {}
+
+
 def _triton_version():
     import triton
     return triton.__version__
@@ -343,6 +356,8 @@ def main(argv=None):
     p.add_argument("--max-configs", type=int, default=0, help="> 0: first N configs of each space only")
     p.add_argument("--tma", choices=("0", "1", "both"), default="both",
                    help="weight tiles through TMA descriptors (1), pointer loads (0), or search both")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the existing table's entries for the token counts not tuned now")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: interpreter smoke run
     args = p.parse_args(argv)
     global DEVICE, MAX_CONFIGS, TMA_CHOICES

@@ -102,10 +102,13 @@ def case_fused_sum_counters_reset_and_separate_sum():
         assert not fm.sum_counters(x.device, 1).any()
 
 
-def case_t300_e8_k2_two_k_steps_grouped_half_tiles():
-    # ~75 pairs per expert: one full 64-row block and one partial block run as a 32-row tile
-    cfg = dict(_cfg(64, 32, 16, group=4), HALF_M=1, down=dict(BLOCK_SIZE_N=32, HALF_M=1))
+def case_t300_e8_k2_two_k_steps_grouped_half_and_quarter_tiles():
+    # 66-84 pairs per expert: one full 64-row block, then a partial block of 2-20 rows, run as a
+    # 16-row tile (5 experts) or a 32-row tile (3 experts); the up GEMM may only halve once
+    cfg = dict(_cfg(64, 32, 16, group=4), HALF_M=1, down=dict(BLOCK_SIZE_N=32, HALF_M=2))
     _check_fused(300, 8, 2, 32, 48, cfg, seed=1)
+    _check_fused(300, 8, 2, 32, 48, dict(cfg, HALF_M=2), seed=1)
+    assert fm._split_config(dict(_cfg(32, 32, 16), HALF_M=2))[0]["HALF_M"] == 1  # no tile under 16 rows
 
 
 def case_t150_e8_k2_half_tiles_up_only():
@@ -229,7 +232,7 @@ def case_routing_kernel_vs_softmax_topk():
 
 GROUPS = {
     "a": [case_one_token_naive_e128_k8, case_one_launch_odd_sizes_twice_and_reset,
-          case_fused_sum_counters_reset_and_separate_sum, case_t300_e8_k2_two_k_steps_grouped_half_tiles,
+          case_fused_sum_counters_reset_and_separate_sum, case_t300_e8_k2_two_k_steps_grouped_half_and_quarter_tiles,
           case_t150_e8_k2_half_tiles_up_only, case_t37_e128_k8_unused_experts_fp16, case_t5_e60_k6_uneven_k_and_n,
           case_routing_kernel_vs_softmax_topk],
     "b": [case_t128_e16_k1_no_sum, case_t61_e33_k3_bf16, case_t2_e8_k8_all_experts_down_override,
@@ -432,6 +435,22 @@ def test_gpu_tma_weight_tiles(real_layer, T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T", [300, 2048, 4096])
+@pytest.mark.parametrize("bm", [64, 128])
+def test_gpu_quarter_height_tiles(real_layer, T, bm):
+    # partial blocks run 16/32-row tiles (HALF_M=2) in both GEMMs, with and without TMA
+    w13, w2 = real_layer
+    x, w, ids = _real_inputs(T, seed=700 + T)
+    ref = fm.fused_moe_ref(x, w, ids, w13, w2).float()
+    for tma in (0, 1):
+        cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=3,
+                   HALF_M=2, TMA=tma, down=dict(BLOCK_SIZE_N=128, HALF_M=2, TMA=tma))
+        assert fm._split_config(cfg)[1]["HALF_M"] == 2
+        out = fm.fused_moe_triton(x, w, ids, w13, w2, config=cfg, one_launch=False)
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 64, 1000])
 def test_gpu_default_config(real_layer, T):
     w13, w2 = real_layer
@@ -489,3 +508,20 @@ def test_gpu_routing_kernel():
 
 if __name__ == "__main__":
     _run_group(sys.argv[1])
+
+
+def test_tuner_merge_keeps_untuned_entries(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import tune_moe
+    finally:
+        sys.path.pop(0)
+    path = tmp_path / fm.config_file_name(E_REAL, I_REAL, "NVIDIA_H100_80GB_HBM3", "bfloat16")
+    assert not path.exists()  # falls back to the checked-in table of that name
+    table, timings = tune_moe.kept_entries(path, [2048, 4096])
+    checked_in = json.loads((fm.CONFIG_DIR / path.name).read_text())
+    assert set(table) == {k for k in checked_in if k.isdigit()} - {"2048", "4096"}
+    assert table["1"] == checked_in["1"] and set(timings) <= set(table)
+    path.write_text(json.dumps({"8": checked_in["8"], "_meta": {"timings_us": {"8": {"total": 1.0}}}}))
+    assert tune_moe.kept_entries(path, [8]) == ({}, {})
+    assert tune_moe.kept_entries(path, [16]) == ({"8": checked_in["8"]}, {"8": {"total": 1.0}})

@@ -9,8 +9,9 @@ sum over the top-k. No host syncs and fixed-size buffers, so it can be captured 
 
 Kernel configs (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages, optional HALF_M and TMA per
 token count, and an optional "down" override of N/K/GROUP/warps/stages/HALF_M/TMA for the second
-GEMM; HALF_M runs an expert's partial last block as a half-height tile, TMA loads the weight tiles
-through tensor descriptors (Hopper's TMA) instead of pointer loads) come from
+GEMM; HALF_M = 1 (2) runs an expert's partial last block as a tile of half (a quarter of) the
+height when its rows fit, TMA loads the weight tiles through tensor descriptors (Hopper's TMA)
+instead of pointer loads) come from
 `configs/E={E},N={I},device_name={name},dtype={dtype}.json` (written by `bench/tune_moe.py`);
 the entry whose token count is nearest wins, and a default is used when no file matches.
 `COMPILED_MOE_BACKEND=torch|triton` forces a path; `COMPILED_MOE_CONFIG_DIR` adds a config folder
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 OPTIONAL_KEYS = ("HALF_M", "TMA")  # 0 when absent
+MAX_HALVINGS = 2  # HALF_M: partial blocks run tiles of down to a quarter of BLOCK_SIZE_M
 DOWN_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", *OPTIONAL_KEYS)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -128,14 +130,14 @@ def get_config(M: int, E: int, N: int, dtype: torch.dtype, device: torch.device 
 
 
 def _split_config(cfg: dict) -> tuple[dict, dict]:
-    """(up GEMM config, down GEMM config); HALF_M and TMA default to 0, HALF_M only where
-    BLOCK_SIZE_M >= 32."""
+    """(up GEMM config, down GEMM config); HALF_M and TMA default to 0, and HALF_M is capped so
+    that no tile is shorter than 16 rows."""
     up = {k: int(cfg[k]) for k in CONFIG_KEYS}
     up.update({k: int(cfg.get(k, 0)) for k in OPTIONAL_KEYS})
     down = dict(up)
     down.update({k: int(v) for k, v in (cfg.get("down") or {}).items() if k in DOWN_KEYS})
     for c in (up, down):
-        c["HALF_M"] = int(bool(c["HALF_M"]) and c["BLOCK_SIZE_M"] >= 32)
+        c["HALF_M"] = min(c["HALF_M"], MAX_HALVINGS, (c["BLOCK_SIZE_M"] // 16).bit_length() - 1)
     return up, down
 
 
@@ -247,7 +249,7 @@ def _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         TOP_K=top_k, NAIVE=naive, **_dot_flags(x.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
-        EVEN_K=H % cfg["BLOCK_SIZE_K"] == 0, HALF_M=bool(cfg["HALF_M"]) and not naive, TMA=desc is not None,
+        EVEN_K=H % cfg["BLOCK_SIZE_K"] == 0, HALF_M=0 if naive else cfg["HALF_M"], TMA=desc is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
@@ -266,7 +268,7 @@ def _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel
         inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         TOP_K=top_k, FUSED_SUM=fused_sum, NAIVE=naive, **_dot_flags(inter.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
-        EVEN_K=I % cfg["BLOCK_SIZE_K"] == 0, HALF_M=bool(cfg["HALF_M"]) and not naive, TMA=desc is not None,
+        EVEN_K=I % cfg["BLOCK_SIZE_K"] == 0, HALF_M=0 if naive else cfg["HALF_M"], TMA=desc is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 

@@ -250,6 +250,25 @@ def _sum_if_last(y_ptr, sum_ptr, counter_ptr, pair, row_ok, offs_n, pid_n, N, st
     tl.store(counters, tl.zeros_like(arrived), mask=last)
 
 
+@triton.jit
+def _first_rows(sorted_ptr, pid_m, BLOCK_M: tl.constexpr, TILE_M: tl.constexpr):
+    """The pair indices of the first TILE_M rows of block pid_m (an expert's padding comes last)."""
+    return tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, TILE_M))
+
+
+@triton.jit
+def _tile_rows(pair, num_valid, BLOCK_M: tl.constexpr, HALF_M: tl.constexpr):
+    """Height of the tile a block runs: BLOCK_M, or with HALF_M >= 1 (>= 2) half (a quarter) of it
+    when that many rows hold all the block's real pairs (an expert's partial last block)."""
+    n_real = tl.sum((pair < num_valid).to(tl.int32), axis=0)
+    height = BLOCK_M
+    if HALF_M >= 1:
+        height = tl.where(n_real <= BLOCK_M // 2, BLOCK_M // 2, height)
+    if HALF_M >= 2:
+        height = tl.where(n_real <= BLOCK_M // 4, BLOCK_M // 4, height)
+    return height
+
+
 @triton.jit(do_not_specialize=["num_valid"])
 def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
                      num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
@@ -258,25 +277,26 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr, TMA: tl.constexpr):
     """out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs.
 
-    w is `[E, 2N, K]` (`[gate; up]`), out `[T*k, N]`; N = I, K = H. HALF_M: a block with at most
-    BLOCK_M / 2 real rows (an expert's last, partial block) runs a tile of half the height."""
+    w is `[E, 2N, K]` (`[gate; up]`), out `[T*k, N]`; N = I, K = H. HALF_M (0, 1 or 2): a block
+    whose real rows fit in half (a quarter) of BLOCK_M runs a tile of that height (_tile_rows)."""
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, NAIVE, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        if HALF_M:
-            if tl.sum((pair < num_valid).to(tl.int32), axis=0) <= BLOCK_M // 2:
-                half = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M // 2))
-                _up_tile(x_ptr, w_ptr, w_desc, out_ptr, half, expert, pid_n, num_valid, N, K,
-                         stride_xm, stride_we, stride_wn, stride_om,
-                         TOP_K, PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA)
-            else:
-                _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, expert, pid_n, num_valid, N, K,
-                         stride_xm, stride_we, stride_wn, stride_om,
-                         TOP_K, PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
-        else:
+        height = BLOCK_M
+        if HALF_M >= 1:
+            height = _tile_rows(pair, num_valid, BLOCK_M, HALF_M)
+        if height == BLOCK_M:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, expert, pid_n, num_valid, N, K,
                      stride_xm, stride_we, stride_wn, stride_om,
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
+        elif height == BLOCK_M // 2:
+            _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2), expert,
+                     pid_n, num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
+                     TOP_K, PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA)
+        elif HALF_M >= 2:
+            _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4), expert,
+                     pid_n, num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
+                     TOP_K, PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA)
 
 
 @triton.jit(do_not_specialize=["num_valid"])
@@ -288,24 +308,27 @@ def moe_gemm2_kernel(a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counte
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr, TMA: tl.constexpr):
     """out[pair, n] = weight[pair] * (a[pair] . w[e, n]); w is `[E, N, K]` (N = H, K = I).
     FUSED_SUM: also sum[token, n] = sum over the token's k pairs of out (counters zero on entry
-    and on exit, one per token and N tile)."""
+    and on exit, one per token and N tile). HALF_M as in moe_gemm1_kernel."""
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, NAIVE, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        if HALF_M:
-            if tl.sum((pair < num_valid).to(tl.int32), axis=0) <= BLOCK_M // 2:
-                half = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M // 2))
-                _down_tile(a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr, half, expert, pid_n, num_valid,
-                           N, K, stride_am, stride_we, stride_wn, stride_om, TOP_K, FUSED_SUM,
-                           PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA)
-            else:
-                _down_tile(a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr, pair, expert, pid_n, num_valid,
-                           N, K, stride_am, stride_we, stride_wn, stride_om, TOP_K, FUSED_SUM,
-                           PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
-        else:
-            _down_tile(a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr, pair, expert, pid_n, num_valid,
-                       N, K, stride_am, stride_we, stride_wn, stride_om, TOP_K, FUSED_SUM,
+        height = BLOCK_M
+        if HALF_M >= 1:
+            height = _tile_rows(pair, num_valid, BLOCK_M, HALF_M)
+        if height == BLOCK_M:
+            _down_tile(a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr, pair, expert, pid_n,
+                       num_valid, N, K, stride_am, stride_we, stride_wn, stride_om, TOP_K, FUSED_SUM,
                        PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
+        elif height == BLOCK_M // 2:
+            _down_tile(a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr,
+                       _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2), expert, pid_n,
+                       num_valid, N, K, stride_am, stride_we, stride_wn, stride_om, TOP_K, FUSED_SUM,
+                       PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA)
+        elif HALF_M >= 2:
+            _down_tile(a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr,
+                       _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4), expert, pid_n,
+                       num_valid, N, K, stride_am, stride_we, stride_wn, stride_om, TOP_K, FUSED_SUM,
+                       PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA)
 
 
 @triton.jit
