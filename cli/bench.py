@@ -54,6 +54,8 @@ COMMON = [
     _opt("compile", Optional[bool], None, "Lower the graph with Inductor (default: on CUDA only).",
          "--compile/--no-compile"),
     _opt("artifact", Optional[Path], None, "Load compiled pieces from this `compiled export` folder."),
+    _opt("overlap_schedule", bool, True, "Launch each decode step before the previous one's tokens are read back.",
+         "--overlap-schedule/--no-overlap-schedule"),
     _opt("json_path", Optional[Path], None, "Write machine-readable results here.", "--json"),
     _opt("profile", Optional[Path], None, "Profile a few steps: Chrome trace into this folder + top-15 ops table."),
     _opt("profile_steps", int, 5, "Steps to profile with --profile."),
@@ -104,7 +106,7 @@ def _engine_args(o: SimpleNamespace):
                       max_model_len=o.max_model_len, max_num_seqs=o.max_num_seqs,
                       max_num_batched_tokens=o.max_num_batched_tokens, kv_cache_tokens=o.kv_cache_tokens,
                       mem_fraction=o.mem_fraction, enforce_eager=o.enforce_eager, compile=o.compile,
-                      artifact=None if o.artifact is None else str(o.artifact))
+                      artifact=None if o.artifact is None else str(o.artifact), overlap_schedule=o.overlap_schedule)
 
 
 # ---- formatting -------------------------------------------------------------------------------

@@ -37,6 +37,8 @@ class EngineConfig:
     # only); None means 16, 32, 64, ... up to min(max_piecewise_tokens, max_num_batched_tokens).
     piecewise_buckets: list[int] | None = None
     max_piecewise_tokens: int = 2048
+    # Launch a decode step before the previous step's tokens are read back (see engine.py).
+    overlap_schedule: bool = True
 
     @property
     def use_compile(self) -> bool:

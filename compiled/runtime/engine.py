@@ -1,7 +1,16 @@
 """The engine loop: schedule a batch, run the model, sample, detokenize, check stops.
 
-One `step()` is one forward pass. Requests stay queued until they finish; bad requests are
-rejected before anything is queued, so a call with one bad prompt loses nothing that runs."""
+One `step()` launches one forward pass. Requests stay queued until they finish; bad requests are
+rejected before anything is queued, so a call with one bad prompt loses nothing that runs.
+
+Overlap scheduling (`EngineConfig.overlap_schedule`): when the next step can only be "one more
+token for every running request", it is scheduled and launched before the current step's tokens
+are read back; its input ids come from the sampler's output on the device. The host then reads
+the earlier step's tokens while the GPU runs the later one. A request that a resolved token
+finishes (EOS, stop string) has computed one token too many; that token is dropped and its KV
+slot freed with the rest. Whatever the rows need that only the host knows (penalties over the
+output so far, logprobs, min_new_tokens still to go, a length limit reached at this token, a
+request waiting for admission) makes that step synchronous instead."""
 
 from __future__ import annotations
 
@@ -15,6 +24,7 @@ from compiled.errors import RequestError
 from compiled.graphs.config import ModelConfig
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.detokenizer import IncrementalDetokenizer, find_stop
+from compiled.runtime.inflight import InFlight, TokenReadback
 from compiled.runtime.model_runner import ModelRunner
 from compiled.runtime.request import Request
 from compiled.runtime.sampler import Sampler, SamplingBatch, batch_top_logprobs
@@ -38,6 +48,9 @@ class Engine:
         # A request can never outgrow the context nor the whole KV cache.
         self.max_context = min(cfg.max_model_len, num_kv_slots)
         self._ids = itertools.count()
+        self._readback = TokenReadback(cfg.max_num_seqs, cfg.device)
+        self._inflight: InFlight | None = None  # launched, tokens not read yet
+        self.num_overlapped = 0  # steps launched before the previous step's tokens were read
 
     def graph_buckets(self) -> list[int]:
         from compiled.runtime.cuda_graphs import DEFAULT_MAX_BATCH, default_buckets
@@ -92,20 +105,43 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._inflight is not None
 
     # ---- one step --------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """Run one forward pass; return the requests that finished in it."""
-        batch = self.scheduler.schedule()
+        """Launch one forward pass and read back the tokens of the step before it (or of this
+        one, when the next cannot overlap); return the requests that finished."""
+        finished: list[Request] = []
+        prev, self._inflight = self._inflight, None
+        batch = self.scheduler.schedule_decode() if prev is not None and self._can_overlap(prev) else None
         if batch is None:
-            raise RuntimeError("scheduler found nothing to run although requests are waiting")
+            if prev is not None:
+                finished += self._resolve(prev)
+                prev = None
+            if not self.scheduler.has_work:
+                return finished
+            batch = self.scheduler.schedule()
+            if batch is None:
+                raise RuntimeError("scheduler found nothing to run although requests are waiting")
+        launched = self._launch(batch, None if prev is None else prev.token_ids)
+        if prev is not None:
+            self.num_overlapped += 1
+            finished += self._resolve(prev)
+        if launched is not None:
+            if self._can_overlap(launched):
+                self._inflight = launched
+            else:
+                finished += self._resolve(launched)
+        return finished
+
+    def _launch(self, batch: Batch, feed: torch.Tensor | None) -> InFlight | None:
+        """Run the model and the sampler on `batch` (input ids of its pending tokens from `feed`)."""
         sampling = [(c, row) for c, row in zip(batch.chunks, _last_rows(batch)) if c.samples]
-        out = self.runner.forward(batch, [row for _, row in sampling])
+        out = self.runner.forward(batch, [row for _, row in sampling], feed)
         self._prompt_logprobs(batch, out.hidden)
         if not sampling:
-            return []
+            return None
         requests = [c.request for c, _ in sampling]
         sampled = self.sampler(out.logits, SamplingBatch(
             params=[r.params for r in requests],
@@ -114,13 +150,40 @@ class Engine:
             generators=[r.generator for r in requests],
             eos_token_ids=self._eos_sorted,
         ))
+        for r in requests:
+            r.pending += 1
+        return self._readback.start(requests, sampled.token_ids, sampled.logprobs)
+
+    def _resolve(self, step: InFlight) -> list[Request]:
         finished = []
-        for request, token, logprobs in zip(requests, sampled.token_ids.tolist(), sampled.logprobs):
+        for request, token, logprobs in zip(step.requests, step.tokens(), step.logprobs):
+            if request.finished:
+                continue  # it finished on an earlier token: this one was computed ahead, dropped
+            request.pending -= 1
             self._append(request, token, logprobs)
             if request.finished:
+                request.pending = 0
                 self.scheduler.finish(request)
                 finished.append(request)
         return finished
+
+    def _can_overlap(self, step: InFlight) -> bool:
+        """Whether the step after `step` can be launched before its tokens are known: it must be
+        one more token for exactly the requests that sampled in `step`, and nothing about it may
+        depend on those tokens' values on the host."""
+        s = self.scheduler
+        if not self.cfg.overlap_schedule or (s.waiting and len(s.running) < s.max_num_seqs):
+            return False
+        if len(step.requests) != len(s.running) or any(a is not b for a, b in zip(step.requests, s.running)):
+            return False
+        return all(self._token_independent(r) for r in step.requests)
+
+    def _token_independent(self, request: Request) -> bool:
+        """The request's next step needs nothing of its pending token but the token itself."""
+        p, n_out = request.params, len(request.output_token_ids) + 1  # once the pending one is in
+        return (request.pending == 1 and p.logprobs is None and n_out > p.min_new_tokens
+                and n_out < p.max_new_tokens and len(request.prompt_token_ids) + n_out < self.max_context
+                and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
 
     def _prompt_logprobs(self, batch: Batch, hidden: torch.Tensor) -> None:
         offset = 0
@@ -161,7 +224,7 @@ class Engine:
                     request.text, request.stop_reason = hit
                     request.finish_reason = "stop"
                     return
-        if n_out >= params.max_new_tokens or request.num_tokens >= self.max_context:
+        if n_out >= params.max_new_tokens or request.num_resolved >= self.max_context:
             request.finish_reason = "length"
 
 

@@ -35,7 +35,8 @@ class LLM:
     with Inductor (`compile=`); decode replays one CUDA graph per batch bucket and prefill or
     mixed batches one graph per compiled piece and token bucket (`piecewise_buckets`);
     `enforce_eager=True` turns all of that off. `artifact=DIR` loads compiled pieces written by
-    `export_artifact` instead of compiling."""
+    `export_artifact` instead of compiling. `overlap_schedule` launches each decode step before
+    the previous step's tokens are read back (see runtime/engine.py)."""
 
     def __init__(self, model: str | None = None, *, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, load_format: str = "auto",
@@ -44,7 +45,7 @@ class LLM:
                  mem_fraction: float = 0.9, seed: int = 0, tokenizer: str | None = None,
                  passes: list[str] | None = None, use_graph: bool = True, enforce_eager: bool = False,
                  compile: bool | None = None, cuda_graph_buckets: list[int] | None = None,
-                 piecewise_buckets: list[int] | None = None,
+                 piecewise_buckets: list[int] | None = None, overlap_schedule: bool = True,
                  artifact: str | None = None, recompile_on_mismatch: bool = False) -> None:
         self.model_path = model or default_model()
         if not os.path.isdir(self.model_path):
@@ -59,7 +60,8 @@ class LLM:
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    kv_cache_tokens=kv_cache_tokens, mem_fraction=mem_fraction, seed=seed,
                                    enforce_eager=enforce_eager, compile=compile,
-                                   cuda_graph_buckets=cuda_graph_buckets, piecewise_buckets=piecewise_buckets)
+                                   cuda_graph_buckets=cuda_graph_buckets, piecewise_buckets=piecewise_buckets,
+                                   overlap_schedule=overlap_schedule)
         torch.manual_seed(seed)
         tok_path = tokenizer or self.model_path
         self.tokenizer: Tokenizer | None = load_tokenizer(tok_path) if has_tokenizer(tok_path) else None

@@ -204,19 +204,28 @@ class ModelRunner:
         return smallest_bucket(self.prefill_buckets, tokens) or tokens
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, sample_rows: Sequence[int] = ()) -> StepOutput:
-        """Run `batch`; logits only for `sample_rows` (indices into the batch's tokens)."""
+    def forward(self, batch: Batch, sample_rows: Sequence[int] = (), feed: torch.Tensor | None = None) -> StepOutput:
+        """Run `batch`; logits only for `sample_rows` (indices into the batch's tokens). `feed`:
+        the input ids of a one-token-per-request batch, on the device (overlap scheduling; the
+        host does not know them yet)."""
         t = batch.num_tokens
         bucket = self._decode_bucket(batch)
         if bucket is not None:
             self._stage(batch.chunks, bucket, is_decode=True)
+            self._feed(feed, t)
             hidden, logits = self.graphs.replay(bucket)
             return StepOutput(hidden[:t], _rows(logits, t, sample_rows))
         tokens = self._prefill_bucket(t)
         meta = self._stage(batch.chunks, tokens, is_decode=batch.is_decode and tokens == t)
+        self._feed(feed, t)
         hidden = self._run_model(meta, tokens)[:t]
         rows = _rows(hidden, t, sample_rows)
         return StepOutput(hidden, None if rows is None else self.logits(rows))
+
+    def _feed(self, feed: torch.Tensor | None, t: int) -> None:
+        if feed is not None:
+            assert feed.shape == (t,), f"feed of {tuple(feed.shape)} for {t} tokens"
+            self.inputs.input_ids[:t].copy_(feed)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -41,9 +41,14 @@ class Request:
     logprobs: list[Logprobs] | None = None
     prompt_logprobs: list[Logprobs | None] | None = None
     detokenizer: object | None = None
+    pending: int = 0                    # tokens sampled on the device, not yet read back (overlap)
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""
+        """Tokens [start, end) of prompt + output, without concatenating the whole sequence.
+        Pending tokens read as 0: the runner writes their real values on the device."""
+        known = self.num_resolved
+        if end > known:
+            return self.token_ids(min(start, known), known) + [0] * (end - max(start, known))
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]
@@ -53,6 +58,11 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + output, counting the pending tokens (what the scheduler places in the KV cache)."""
+        return self.num_resolved + self.pending
+
+    @property
+    def num_resolved(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property

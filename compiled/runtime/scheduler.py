@@ -82,6 +82,14 @@ class Scheduler:
             budget -= n
         return Batch(chunks) if chunks else None
 
+    def schedule_decode(self) -> Batch | None:
+        """One token for every running request, nothing admitted and nothing retracted: the step
+        that overlap scheduling launches before the previous one's tokens are known. None when the
+        KV cache cannot give each request its slot (the regular schedule then decides)."""
+        if not self.running or self.kv.num_free < len(self.running):
+            return None
+        return Batch([self._chunk(r, 1, self.kv.alloc(1)) for r in self.running])
+
     def _alloc_or_retract(self, request: Request, n: int) -> np.ndarray | None:
         while (slots := self.kv.alloc(n)) is None:
             victim = self.running[-1]
