@@ -36,6 +36,17 @@ def graph_gpu_ms(llm, bucket: int, reps: int = 50) -> float | None:
     return start.elapsed_time(end) / reps
 
 
+def synchronous_decode(llm, batch: int, input_len: int, output_len: int) -> dict:
+    """The decode step with overlap scheduling off (each step's tokens read back before the next
+    launch), same workload and process, for the side-by-side."""
+    cfg = llm.engine.cfg
+    cfg.overlap_schedule = False
+    try:
+        return core.latency(llm, batch, input_len, output_len, iters=1, warmup=1, seed=0)[0]["decode_step_ms"]
+    finally:
+        cfg.overlap_schedule = True
+
+
 def host_split(llm, batch: int, input_len: int, steps: int = 20) -> dict:
     """Host milliseconds per decode step spent in each engine stage (the rest of the step is the
     wait for the GPU and the bookkeeping after it)."""
@@ -116,11 +127,13 @@ def main() -> None:
         record["decode"] = {}
         for b in [int(x) for x in a.batches.split(",")]:
             res, _ = core.latency(llm, b, a.input_len, a.output_len, iters=1, warmup=1, seed=0)
+            res["synchronous_decode_step_ms"] = synchronous_decode(llm, b, a.input_len, a.output_len)
             res["roofline"] = core.roofline(llm, b, a.input_len, a.output_len, res["decode_step_ms"]["p50"], bw)
             res["graph_gpu_ms"] = graph_gpu_ms(llm, llm.engine.runner.graphs.bucket_for(b)) \
                 if llm.engine.runner.graphs else None
             record["decode"][b] = res
-            print(f"batch {b}: decode p50 {res['decode_step_ms']['p50']:.3f} ms, graph GPU {res['graph_gpu_ms']} ms, "
+            print(f"batch {b}: decode p50 {res['decode_step_ms']['p50']:.3f} ms "
+                  f"(synchronous {res['synchronous_decode_step_ms']['p50']:.3f}), graph GPU {res['graph_gpu_ms']} ms, "
                   f"floor {res['roofline']['floor_ms']:.3f} ms", flush=True)
         if llm.engine.runner.graphs is not None:
             record["host_split_ms"] = {b: host_split(llm, b, a.input_len) for b in (1, max(record["decode"]))}

@@ -89,3 +89,25 @@ def test_no_recompilation_over_200_batch_sizes(pair):
         prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 64))] for _ in range(batch)]
         fast.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
     assert COMPILES["count"] == before
+
+
+@pytest.mark.parametrize("batch", [1, 5, 32, 40])
+def test_overlap_schedule_same_tokens_as_synchronous(pair, batch):
+    """Decode steps launched ahead of the previous step's read-back (full decode graphs up to 32
+    rows, piecewise graphs past them) give exactly the tokens of synchronous steps."""
+    fast, _ = pair
+    rng = random.Random(100 + batch)
+    vocab = fast.model_config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(5, 120))] for _ in range(batch)]
+    params = [SamplingParams(max_new_tokens=rng.randint(2, 24), temperature=0.0, ignore_eos=True) for _ in prompts]
+    engine = fast.engine
+    before = engine.num_overlapped
+    overlapped = fast.generate(prompts, params)
+    assert engine.num_overlapped > before
+    engine.cfg.overlap_schedule = False
+    try:
+        plain = fast.generate(prompts, params)
+    finally:
+        engine.cfg.overlap_schedule = True
+    assert [o.token_ids for o in overlapped] == [o.token_ids for o in plain]
+    assert engine.kv.num_used == 0
