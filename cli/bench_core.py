@@ -195,30 +195,34 @@ class LatencyRun:
 
 def latency_once(llm, prompts: list[Prompt], output_len: int, on_step: StepHook = None) -> LatencyRun:
     """One batch: prefill every prompt (TTFT: until each has its first token), then time each
-    decode step until all reach `output_len` tokens."""
-    engine, device = llm.engine, llm.config.device
+    decode step until all reach `output_len` tokens.
+
+    No device sync between steps: `step()` returns once it has read a step's tokens back, and a
+    sync would also wait for the step that overlap scheduling queued behind it. A call that reads
+    back two steps' tokens (the last one, under overlap) counts as two steps of half its time;
+    prefill steps do not count the decode step launched ahead while the first tokens were read."""
+    engine = llm.engine
     check_idle(engine)
     retractions = engine.scheduler.num_retractions
     requests = [engine.make_request(i, p, greedy(output_len)) for i, p in enumerate(prompts)]
-    sync(device)
+    sync(llm.config.device)
     t0 = time.perf_counter()
     for r in requests:
         engine.add(r)
-    prefill_steps = 0
+    calls, ahead = 0, engine.num_overlapped
     while not all(r.output_token_ids for r in requests):
         engine.step()
-        prefill_steps += 1
+        calls += 1
         if on_step:
             on_step()
-    sync(device)
     t1 = time.perf_counter()
-    steps = []
+    prefill_steps = calls - (engine.num_overlapped - ahead)
+    steps, first = [], requests[0]
     while engine.has_work:
-        # No device sync per step: step() returns once it has read back a step's tokens, and a
-        # sync would also wait for the step that overlap scheduling has already queued.
-        s = time.perf_counter()
+        s, before = time.perf_counter(), len(first.output_token_ids)
         engine.step()
-        steps.append(time.perf_counter() - s)
+        dt, k = time.perf_counter() - s, len(first.output_token_ids) - before
+        steps += [dt / k] * k if k else [dt]
         if on_step:
             on_step()
     return LatencyRun(t1 - t0, prefill_steps, steps, time.perf_counter() - t0,
