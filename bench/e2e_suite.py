@@ -105,13 +105,15 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--export", type=Path, default=None, help="write the compiled artifact here")
     ap.add_argument("--artifact", type=Path, default=None, help="warm start from this artifact only")
+    ap.add_argument("--passes", default=None, help="comma-separated graph passes (default: all)")
     ap.add_argument("--profile-dir", type=Path, default=None)
     ap.add_argument("--cprofile", type=Path, default=None,
                     help="profile the start-up's Python (cProfile); the top functions go to this file")
     a = ap.parse_args()
 
     args = core.EngineArgs(model=a.model, load_format="dummy", max_model_len=a.max_model_len,
-                           max_num_seqs=a.max_num_seqs, artifact=None if a.artifact is None else str(a.artifact))
+                           max_num_seqs=a.max_num_seqs, artifact=None if a.artifact is None else str(a.artifact),
+                           passes=None if a.passes is None else [p for p in a.passes.split(",") if p])
     compiles_before = COMPILES["count"]
     if a.cprofile is None:
         llm, start = core.startup(args, a.input_len)

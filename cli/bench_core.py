@@ -83,6 +83,7 @@ class EngineArgs:
     compile: bool | None = None
     artifact: str | None = None
     overlap_schedule: bool = True
+    passes: list[str] | None = None   # graph passes by name; None: the default list
 
     def build(self):
         from compiled import LLM
@@ -92,7 +93,8 @@ class EngineArgs:
         return LLM(self.model, device=self.device, dtype=self.dtype, load_format=self.load_format,
                    max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
                    max_num_batched_tokens=self.max_num_batched_tokens, kv_cache_tokens=self.kv_cache_tokens,
-                   mem_fraction=self.mem_fraction, seed=self.seed, overlap_schedule=self.overlap_schedule, **extra)
+                   mem_fraction=self.mem_fraction, seed=self.seed, overlap_schedule=self.overlap_schedule,
+                   passes=self.passes, **extra)
 
 
 def greedy(output_len: int) -> SamplingParams:

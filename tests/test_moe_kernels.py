@@ -506,9 +506,6 @@ def test_gpu_routing_kernel():
         assert (ids == ref_ids).float().mean().item() > 0.999
 
 
-if __name__ == "__main__":
-    _run_group(sys.argv[1])
-
 
 def test_tuner_merge_keeps_untuned_entries(tmp_path):
     sys.path.insert(0, str(REPO / "bench"))
@@ -525,3 +522,7 @@ def test_tuner_merge_keeps_untuned_entries(tmp_path):
     path.write_text(json.dumps({"8": checked_in["8"], "_meta": {"timings_us": {"8": {"total": 1.0}}}}))
     assert tune_moe.kept_entries(path, [8]) == ({}, {})
     assert tune_moe.kept_entries(path, [16]) == ({"8": checked_in["8"]}, {"8": {"total": 1.0}})
+
+
+if __name__ == "__main__":
+    _run_group(sys.argv[1])
