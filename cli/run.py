@@ -43,6 +43,8 @@ def run(
     load_format: str = typer.Option("auto", help="auto (safetensors) or dummy (random weights)."),
     max_model_len: Optional[int] = typer.Option(None),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="No Inductor, no CUDA graphs."),
+    overlap_schedule: bool = typer.Option(True, "--overlap-schedule/--no-overlap-schedule",
+                                          help="Launch each decode step before the previous one's tokens are read back."),
     artifact: Optional[str] = typer.Option(None, help="Load compiled pieces from this `compiled export` folder."),
     recompile_on_mismatch: bool = typer.Option(False, help="Recompile instead of failing on a mismatched artifact."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per output line."),
@@ -66,7 +68,8 @@ def run(
             logprobs=logprobs)
         start = time.perf_counter()
         llm = LLM(model, device=device, dtype=dtype, load_format=load_format, max_model_len=max_model_len,
-                  enforce_eager=enforce_eager, artifact=artifact, recompile_on_mismatch=recompile_on_mismatch)
+                  enforce_eager=enforce_eager, overlap_schedule=overlap_schedule, artifact=artifact,
+                  recompile_on_mismatch=recompile_on_mismatch)
         loaded = time.perf_counter()
         outs = llm.chat(prompts, params) if chat else llm.generate(prompts, params)
         done = time.perf_counter()

@@ -40,6 +40,16 @@ def test_demo_model_default_prints_text():
     assert record["prompt"] == "count 3:" and record["text"] and record["token_ids"]
 
 
+def test_no_overlap_schedule_gives_the_same_text():
+    args = ["--prompt", "count 3:", "--prompt", "copy Bird wax:", "--max-new-tokens", "12", "--device", "cpu", "--json"]
+    outs = []
+    for flag in ("--overlap-schedule", "--no-overlap-schedule"):
+        result = _run(*args, flag)
+        assert result.exit_code == 0, result.output
+        outs.append([json.loads(line)["token_ids"] for line in result.stdout.splitlines() if line.startswith("{")])
+    assert outs[0] == outs[1] and len(outs[0]) == 2
+
+
 @pytest.mark.parametrize("args, needle", [
     (["/nonexistent/model", "-p", "x"], "/nonexistent/model"),
     (["--temperature", "-1", "-p", "x"], "temperature"),
