@@ -228,6 +228,53 @@ def sweep_one_launch(x, routes, w13, w2, ws, L: int, reps: int) -> list[dict]:
     return results
 
 
+def sweep_align(tokens: list[int], layers: int, reps: int) -> dict[int, list[dict]]:
+    """µs per call of moe_align_block_size over a grid of launch shapes, at each token count with
+    the tuned BLOCK_SIZE_M; every variant's segments checked against the default's."""
+    out = {}
+    for T in tokens:
+        bm = fm._split_config(fm.get_config(T, E, I, torch.bfloat16))[0]["BLOCK_SIZE_M"]
+        ids = [torch.ops.compiled.topk_route(torch.randn(T, E, device="cuda"), TOP_K, True)[1] for _ in range(layers)]
+        want = [_segments(*fm.moe_align_block_size(i, E, bm), bm) for i in ids]
+        default = fm.align_launch(T * TOP_K, E, bm)
+        results = []
+        for chunk in (16, 32, 64, 128, 256, 512, 1024):
+            for sub in (16, 32, 64):
+                for bb in (8, 16, 32):
+                    for warps in (1, 2, 4):
+                        if sub > chunk or chunk > max(16, 4 * T * TOP_K):
+                            continue
+                        lc = fm.AlignLaunch(chunk, sub, bb, warps)
+                        ws = [fm.MoEWorkspace() for _ in ids]
+                        try:
+                            got = [_segments(*fm.moe_align_block_size(i, E, bm, w, lc), bm) for i, w in zip(ids, ws)]
+                            assert got == want, "segments differ from the default launch's"
+                            us = time_graph([lambda i=i, w=w: fm.moe_align_block_size(i, E, bm, w, lc)
+                                             for i, w in zip(ids, ws)], reps=reps) / layers
+                        except Exception as exc:  # noqa: BLE001
+                            print(f"  align T={T} {lc}: {type(exc).__name__}: {str(exc)[:80]}", flush=True)
+                            continue
+                        results.append(dict(chunk=chunk, sub=sub, bb=bb, warps=warps, us=us,
+                                            default=lc == default))
+        results.sort(key=lambda r: r["us"])
+        base = next((r for r in results if r["default"]), None)
+        print(f"  align T={T} BM={bm}: default {base}; best: " + "; ".join(str(r) for r in results[:5]), flush=True)
+        out[T] = results
+    return out
+
+
+def _segments(sorted_ids, expert_ids, num_post, bm: int) -> tuple:
+    """(padded total, expert of each live block, each expert's pairs): what the GEMMs compute on
+    (the order of pairs inside a segment depends on the launch and changes nothing)."""
+    n = int(num_post.item())
+    experts = expert_ids[:n // bm].tolist()
+    rows = sorted_ids[:n].view(-1, bm).tolist()
+    pairs: dict[int, list[int]] = {}
+    for e, row in zip(experts, rows):
+        pairs.setdefault(e, []).extend(row)
+    return n, experts, {e: sorted(v) for e, v in pairs.items()}
+
+
 def targets(rows) -> dict:
     by_t = {r["tokens"]: r for r in rows}
     out = {}
@@ -300,11 +347,16 @@ def main(argv=None):
                    help="from this token count on, also time the fused MoE and the matmul alternately")
     p.add_argument("--sweep-one-launch", action="store_true",
                    help="time the one-token one-launch kernel over a grid of tiles")
+    p.add_argument("--sweep-align", type=int, nargs="*", default=None,
+                   help="time the alignment kernels' launch shapes at these token counts (and nothing else)")
     p.add_argument("--profile", type=int, nargs="*", default=None,
                    help="also profile the kernels of one call at these token counts")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("moe_bench.py needs a CUDA device")
+    if args.sweep_align:
+        Path(args.out).write_text(json.dumps(sweep_align(args.sweep_align, args.layers, args.reps), indent=1) + "\n")
+        return
     result = run(args)
     if args.profile:
         result["kernels_us"] = kernel_profile(args.profile, args.layers)

@@ -188,14 +188,32 @@ class MoEWorkspace:
         return self
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace: MoEWorkspace | None = None):
+@dataclass(frozen=True)
+class AlignLaunch:
+    """Launch shape of the alignment kernels: pairs per program (one program: no count kernel),
+    pairs per step inside it, blocks per step of the block loop, warps."""
+    chunk: int
+    sub: int
+    bb: int
+    warps: int = 4
+
+
+def align_launch(numel: int, E: int, block_m: int) -> AlignLaunch:
+    chunk = _align_chunk(numel)
+    e_pad = max(16, _next_pow2(E))
+    return AlignLaunch(chunk=chunk, sub=min(chunk, 64 if e_pad <= 128 else 32),
+                       bb=min(64, 4096 // max(block_m, e_pad)))
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace: MoEWorkspace | None = None,
+                         launch: AlignLaunch | None = None):
     """Sort (token, slot) pairs by expert, padding each expert's segment to a multiple of block_m.
 
     Returns (sorted_ids int32 `[P]`, expert_ids int32 `[P / block_m]`, num_post int32 `[1]`) with P
     the fixed bound `max_padded_size`: sorted_ids holds pair indices (token * k + slot), padding
     rows hold T*k; expert_ids is -1 for blocks past num_post. Inside an expert's segment, pairs of
     one chunk keep their order and chunks come in arrival order (atomics); nothing downstream
-    depends on that order. No host sync."""
+    depends on that order. No host sync. `launch` overrides `align_launch` (benchmark sweeps)."""
     from compiled.moe import fused_moe_kernels as K
 
     ws = workspace or MoEWorkspace()
@@ -208,20 +226,19 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
     expert_ids = ws.get("experts", max_blocks, torch.int32, dev)
     num_post = ws.get("post", 1, torch.int32, dev)
     e_pad = max(16, _next_pow2(E))
-    chunk = _align_chunk(numel)
-    n_chunks = -(-numel // chunk)
-    sub = min(chunk, 64 if e_pad <= 128 else 32)
-    bb = min(64, 4096 // max(block_m, e_pad))  # blocks per step of the block loop (a power of two)
+    lc = launch or align_launch(numel, E, block_m)
+    n_chunks = -(-numel // lc.chunk)
     if n_chunks > 1:
         totals = ws.get("totals", e_pad, torch.int32, dev)
         bases = ws.get("bases", n_chunks * e_pad, torch.int32, dev)
         totals.zero_()
-        K.align_count_kernel[(n_chunks,)](ids, totals, bases, numel, CHUNK=chunk, SUB=sub, E_PAD=e_pad, num_warps=4)
+        K.align_count_kernel[(n_chunks,)](ids, totals, bases, numel, CHUNK=lc.chunk, SUB=lc.sub, E_PAD=e_pad,
+                                          num_warps=lc.warps)
     else:
         totals = bases = num_post  # unused
     K.align_place_kernel[(n_chunks,)](ids, totals, bases, sorted_ids, expert_ids, num_post, numel, max_blocks,
-                                      BLOCK_M=block_m, CHUNK=chunk, SUB=sub, E_PAD=e_pad, BB=bb,
-                                      SINGLE=n_chunks == 1, num_warps=4)
+                                      BLOCK_M=block_m, CHUNK=lc.chunk, SUB=lc.sub, E_PAD=e_pad, BB=lc.bb,
+                                      SINGLE=n_chunks == 1, num_warps=lc.warps)
     return sorted_ids, expert_ids, num_post
 
 
