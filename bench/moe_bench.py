@@ -239,8 +239,8 @@ def sweep_align(tokens: list[int], layers: int, reps: int) -> dict[int, list[dic
         default = fm.align_launch(T * TOP_K, E, bm)
         results = []
         for chunk in (16, 32, 64, 128, 256, 512, 1024):
-            for sub in (16, 32, 64):
-                for bb in (8, 16, 32):
+            for sub in (32, 64):
+                for bb in (16, 32):
                     for warps in (1, 2, 4):
                         if sub > chunk or chunk > max(16, 4 * T * TOP_K):
                             continue
