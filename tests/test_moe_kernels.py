@@ -197,7 +197,8 @@ def _check_align(T, k, E, block_m, used=None, seed=0):
 
 def case_align_multi_chunk_e128_k8():
     _check_align(150, 8, 128, 16, seed=11)
-    _check_align(300, 8, 16, 32, seed=16)  # 19 chunks
+    _check_align(300, 8, 16, 32, seed=16)  # 75 chunks of 32 pairs
+    assert fm.align_launch(2400, 16, 32).chunk == 32 and fm.align_launch(40000, 128, 128).chunk == 256
 
 
 def case_align_single_chunk_and_unused_experts():
