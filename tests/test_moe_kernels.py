@@ -193,6 +193,8 @@ def _check_align(T, k, E, block_m, used=None, seed=0):
         assert bool((expert_ids[start // block_m:(start + int(padded[e])) // block_m] == e).all()), e
         start += int(padded[e])
     assert bool((expert_ids[total // block_m:] == -1).all())
+    for name in ("align_totals", "align_done"):  # put back to zero for the next call
+        assert not fm.zeroed(ids.device, name, 1, torch.int32).any(), name
 
 
 def case_align_multi_chunk_e128_k8():

@@ -228,17 +228,21 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
     e_pad = max(16, _next_pow2(E))
     lc = launch or align_launch(numel, E, block_m)
     n_chunks = -(-numel // lc.chunk)
+    totals = done = bases = num_post  # unused with one chunk
+    reset = False
     if n_chunks > 1:
-        totals = ws.get("totals", e_pad, torch.int32, dev)
         bases = ws.get("bases", n_chunks * e_pad, torch.int32, dev)
-        totals.zero_()
+        # totals kept at zero between calls by the place kernel (see RESET); a memset otherwise
+        totals, done = zeroed(dev, "align_totals", e_pad, torch.int32), zeroed(dev, "align_done", 1, torch.int32)
+        reset = totals is not None and done is not None
+        if not reset:
+            totals = ws.get("totals", e_pad, torch.int32, dev)
+            totals.zero_()
         K.align_count_kernel[(n_chunks,)](ids, totals, bases, numel, CHUNK=lc.chunk, SUB=lc.sub, E_PAD=e_pad,
                                           num_warps=lc.warps)
-    else:
-        totals = bases = num_post  # unused
-    K.align_place_kernel[(n_chunks,)](ids, totals, bases, sorted_ids, expert_ids, num_post, numel, max_blocks,
-                                      BLOCK_M=block_m, CHUNK=lc.chunk, SUB=lc.sub, E_PAD=e_pad, BB=lc.bb,
-                                      SINGLE=n_chunks == 1, num_warps=lc.warps)
+    K.align_place_kernel[(n_chunks,)](ids, totals, bases, done if reset else num_post, sorted_ids, expert_ids,
+                                      num_post, numel, max_blocks, BLOCK_M=block_m, CHUNK=lc.chunk, SUB=lc.sub,
+                                      E_PAD=e_pad, BB=lc.bb, SINGLE=n_chunks == 1, RESET=reset, num_warps=lc.warps)
     return sorted_ids, expert_ids, num_post
 
 
@@ -290,8 +294,8 @@ def _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel
 
 
 # Buffers the kernels keep at zero between launches (they restore them): gemm2's top-k sum
-# counters (one int32 per (token, N tile)) and the one-launch kernel's fp32 accumulator and
-# arrival counter. Each is allocated once per device, zeroed, and only ever replaced by a larger
+# counters (one int32 per (token, N tile)), the alignment's per-expert totals and arrival counter,
+# and the one-launch kernel's fp32 accumulator and arrival counter. Each is allocated once per device, zeroed, and only ever replaced by a larger
 # one outside CUDA graph capture; replaced buffers stay alive because captured graphs hold their
 # addresses.
 MIN_ZEROED = 1 << 16

@@ -44,13 +44,15 @@ def align_count_kernel(ids_ptr, totals_ptr, bases_ptr, numel,
 
 
 @triton.jit
-def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
+def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
                        numel, max_blocks,
                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                       E_PAD: tl.constexpr, BB: tl.constexpr, SINGLE: tl.constexpr):
+                       E_PAD: tl.constexpr, BB: tl.constexpr, SINGLE: tl.constexpr, RESET: tl.constexpr):
     """Scatter this chunk's pair indices to their padded slots; write block experts and padding.
 
-    SINGLE: there is one chunk and this program counts it itself (no count kernel)."""
+    SINGLE: there is one chunk and this program counts it itself (no count kernel). RESET: the
+    program that finishes last (a counter at done_ptr) puts the totals and the counter back to
+    zero for the next call, so no memset launch precedes the count kernel."""
     pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     if SINGLE:
@@ -99,6 +101,13 @@ def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, sorted_ptr, expert_ids_pt
         pad = (pos - seg_start[:, None]) >= seg_cnt[:, None]
         tl.store(sorted_ptr + pos, tl.zeros([BB, BLOCK_M], dtype=tl.int32) + numel,
                  mask=pad & live[:, None])
+    if RESET:
+        # every program read the totals at its start, before it arrives here
+        tl.debug_barrier()
+        arrived = tl.atomic_add(done_ptr, 1, sem="acq_rel")
+        if arrived == n_prog - 1:
+            tl.store(totals_ptr + experts, tl.zeros([E_PAD], dtype=tl.int32))
+            tl.store(done_ptr, 0)
 
 
 @triton.jit
