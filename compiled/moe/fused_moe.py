@@ -295,9 +295,9 @@ def _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel
 
 # Buffers the kernels keep at zero between launches (they restore them): gemm2's top-k sum
 # counters (one int32 per (token, N tile)), the alignment's per-expert totals and arrival counter,
-# and the one-launch kernel's fp32 accumulator and arrival counter. Each is allocated once per device, zeroed, and only ever replaced by a larger
-# one outside CUDA graph capture; replaced buffers stay alive because captured graphs hold their
-# addresses.
+# and the one-launch kernel's fp32 accumulator and arrival counter. Each is allocated once per
+# device, zeroed, and only ever replaced by a larger one outside CUDA graph capture; replaced
+# buffers stay alive because captured graphs hold their addresses.
 MIN_ZEROED = 1 << 16
 # Measured on the H200 (bench/moe_bench.py, Qwen3-30B-A3B layer): one token 27.5 µs fused vs 28.1
 # separate; from 8 tokens on the counters and scattered reads cost more than the launch they save
