@@ -183,7 +183,7 @@ class Engine:
         p, n_out = request.params, len(request.output_token_ids) + 1  # once the pending one is in
         return (request.pending == 1 and p.logprobs is None and n_out > p.min_new_tokens
                 and n_out < p.max_new_tokens and len(request.prompt_token_ids) + n_out < self.max_context
-                and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
+                and not p.has_repetition_penalty and not p.has_presence_frequency_penalty)
 
     def _prompt_logprobs(self, batch: Batch, hidden: torch.Tensor) -> None:
         offset = 0

@@ -413,8 +413,8 @@ class _Plan:
         return _Plan(
             greedy=greedy,
             top_k=top_k,
-            repetition=[p.repetition_penalty != 1.0 for p in params],
-            presence_frequency=[p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params],
+            repetition=[p.has_repetition_penalty for p in params],
+            presence_frequency=[p.has_presence_frequency_penalty for p in params],
             top_p_rows=[i for i, (p, g) in enumerate(zip(params, greedy)) if not g and p.top_p < 1.0],
             any_min_p=any(p.min_p > 0.0 for p, g in zip(params, greedy) if not g),
         )

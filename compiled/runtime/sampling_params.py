@@ -158,6 +158,14 @@ class SamplingParams:
             _check_bool(name, getattr(self, name))
 
     @property
+    def has_repetition_penalty(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+    @property
+    def has_presence_frequency_penalty(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def greedy(self) -> bool:
         """True when the choice is deterministic: argmax of the penalised logits."""
         return self.temperature == 0.0 or self.top_k == 1
