@@ -19,7 +19,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from compiled.attention.reference import decode_attention_ref, extend_attention_ref, store_kv  # noqa: E402
+from compiled.attention.reference import (NormRope, decode_attention_ref, extend_attention_ref,  # noqa: E402
+                                         norm_rope_ref, store_kv)
+from compiled.graphs.layers import rope_cos_sin  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
@@ -74,12 +76,21 @@ def store_case(t, hkv, d, dtype, cache_dtype, fused_view, device="cpu"):
     return max(max_err(kr, k_cache), max_err(vr, v_cache)), 0.0
 
 
+def random_norm_rope(t, d, dtype, device, seed, max_positions=4096):
+    """Norm weights around 1, positions anywhere in a RoPE table (Qwen3's theta)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    weights = [(1 + 0.3 * torch.randn(d, generator=g)).to(device, dtype) for _ in range(2)]
+    positions = torch.randint(0, max_positions, (t,), generator=g).to(device)
+    return NormRope(*weights, positions, rope_cos_sin(d, 1e6, max_positions, device), 1e-6)
+
+
 def decode_case(seq_lens, hq, hkv, d, dtype, num_splits, device="cpu", seed=0, graph=False, store=False,
-                **config):
+                norm_rope=False, **config):
     """With `store`, the kernel also writes the step's K/V (at each request's newest slot) first;
-    the pools it leaves are compared with the reference's too. With `graph`, captured once and
-    replayed over new lengths, queries (and K/V) written in place; the merge counters must have
-    been left at zero by the first run for the replay to be right."""
+    the pools it leaves are compared with the reference's too. With `norm_rope` (needs `store`), q
+    and the new k are raw and the kernel normalises and rotates them (reference: norm_rope_ref).
+    With `graph`, captured once and replayed over new lengths, queries (and K/V) written in place;
+    the merge counters must have been left at zero by the first run for the replay to be right."""
     from compiled.attention.triton_decode import DecodeWorkspace, decode_attention_triton
     k_cache, v_cache, table, rows = paged_batch(seq_lens, hkv, d, dtype, device, seed)
     b = len(seq_lens)
@@ -89,6 +100,7 @@ def decode_case(seq_lens, hq, hkv, d, dtype, num_splits, device="cpu", seed=0, g
     scale = d ** -0.5
     ws = DecodeWorkspace(max(64, b), hq, hkv, d, torch.device(device), min_rows=b * (num_splits or 1))
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    rope = random_norm_rope(b, d, dtype, device, seed + 5) if norm_rope else None
 
     def newest_slots():
         return table[rows, (lens - 1).clamp(min=0)].long()
@@ -96,12 +108,13 @@ def decode_case(seq_lens, hq, hkv, d, dtype, num_splits, device="cpu", seed=0, g
     def run():
         new_kv = (k_new, v_new, newest_slots()) if store else None
         return decode_attention_triton(q, k_cache, v_cache, table, rows, lens, scale, ws, num_splits,
-                                       new_kv=new_kv, **config)
+                                       new_kv=new_kv, norm_rope=rope, **config)
 
     def reference():
+        q_ref, k_new_ref = norm_rope_ref(q, k_new, rope) if norm_rope else (q, k_new)
         if store:
-            store_kv(k_ref, v_ref, newest_slots(), k_new, v_new)
-        return decode_attention_ref(q, k_ref, v_ref, table, rows, lens, int(lens.max()), scale)
+            store_kv(k_ref, v_ref, newest_slots(), k_new_ref, v_new)
+        return decode_attention_ref(q_ref, k_ref, v_ref, table, rows, lens, int(lens.max()), scale)
 
     if graph:   # capture once, then replay over new lengths and queries written in place
         run()
@@ -119,7 +132,7 @@ def decode_case(seq_lens, hq, hkv, d, dtype, num_splits, device="cpu", seed=0, g
     err = max_err(out, reference())
     if store:
         err = max(err, max_err(k_cache, k_ref), max_err(v_cache, v_ref))
-    return err, TOL[dtype]
+    return err, TOL[dtype] * (truncation(dtype) if norm_rope else 1.0)
 
 
 def decode_padding_case(splits, device="cpu"):
@@ -132,6 +145,39 @@ def decode_padding_case(splits, device="cpu"):
     decode_attention_triton(q, k_cache, v_cache, table, rows, torch.tensor([5, 0], device=device), 0.25, ws,
                             splits, out=out)
     return out[1].abs().max().item() + float(torch.isnan(out).any()), 0.0
+
+
+def norm_rope_store_case(t, hq, hkv, d, dtype, device="cpu", seed=0):
+    """The extend path's prologue: normalised and rotated q/k against the model's own layers
+    (exact: the kernel rounds where they do, up to the order of the sum of squares), and K/V
+    stored into the pools, from views of one fused projection output."""
+    from compiled.attention.triton_norm_rope import norm_rope_store_triton
+    k_cache, v_cache, _, _ = paged_batch([t], hkv, d, dtype, device, seed)
+    loc = torch.randperm(k_cache.shape[0] - 1)[:t].add(1).to(device)
+    qkv = randn((t, (hq + 2 * hkv) * d), dtype, device, seed + 1) * 3
+    q, k, v = (part.view(t, -1, d) for part in qkv.split([hq * d, hkv * d, hkv * d], -1))
+    rope = random_norm_rope(t, d, dtype, device, seed + 2)
+    kr, vr = k_cache.clone(), v_cache.clone()
+    q_ref, k_ref = norm_rope_ref(q, k, rope)
+    store_kv(kr, vr, loc, k_ref, v)
+    q_out, k_out = norm_rope_store_triton(q, k, v, k_cache, v_cache, loc, rope)
+    errs = [scaled_err(q_out, q_ref), scaled_err(k_out, k_ref), scaled_err(k_cache, kr), max_err(v_cache, vr)]
+    # Rounding steps of the largest values: products and sums round where the model's do, and
+    # their sum may cancel.
+    return max(errs), {torch.float32: 2e-6, torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9}[dtype] * truncation(dtype)
+
+
+def truncation(dtype) -> float:
+    """Tolerance factor for kernels that round to bf16 several times (norm/RoPE): Triton's CPU
+    interpreter converts fp32 to bf16 toward zero, not to nearest, and five such roundings in a
+    row drift up to four times further (the GPU tests hold the unscaled bound)."""
+    return 4.0 if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1" else 1.0
+
+
+def scaled_err(a, b):
+    """Largest difference over the reference's largest magnitude."""
+    a, b = a.float(), b.float()
+    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 def extend_case(prefix_lens, ext_lens, hq, hkv, d, dtype, device="cpu", seed=0, **config):
@@ -151,9 +197,10 @@ def extend_case(prefix_lens, ext_lens, hq, hkv, d, dtype, device="cpu", seed=0, 
     return max_err(out, ref), TOL[dtype]
 
 
-def op_case(decode: bool, device="cpu"):
+def op_case(decode: bool, device="cpu", norm_rope=False):
     """The `compiled::attention` op on the Triton backend vs the torch backend (store included),
-    with metadata built without `extend_start_loc` (computed on the device)."""
+    with metadata built without `extend_start_loc` (computed on the device); with `norm_rope`,
+    q/k raw and the per-head norm and RoPE arguments given (the fuse_qk_norm_rope form)."""
     import compiled.attention.ops as ops
     from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
     from compiled.attention.kv_cache import KVPool
@@ -183,7 +230,8 @@ def op_case(decode: bool, device="cpu"):
         ops.set_backend(backend)
         try:
             with forward_context(ForwardContext(meta=meta, kv=kv, req_to_token=table)):
-                outs.append(torch.ops.compiled.attention(q, k, v, layer, d ** -0.5))
+                rope = random_norm_rope(t, d, torch.float32, device, 4) if norm_rope else ()
+                outs.append(torch.ops.compiled.attention(q, k, v, layer, d ** -0.5, *rope))
         finally:
             ops.set_backend("auto")
         pools.append(kv)
@@ -213,8 +261,19 @@ CPU_GROUPS = {
         ("decode_gqa4_d64_19_live_splits", lambda: decode_case([300, 5, 260], 4, 1, 64, F32, 32, block_n=16)),
         ("decode_store_gqa4_d64_splits3", lambda: decode_case([1, 300, 64, 129], 4, 1, 64, F32, 3, store=True)),
         ("decode_store_gqa1_d24_splits1", lambda: decode_case([1, 77, 5], 2, 2, 24, F32, 1, store=True)),
+        ("decode_norm_rope_gqa4_d64_splits3", lambda: decode_case([1, 300, 64, 129], 4, 1, 64, F32, 3, store=True,
+                                                                  norm_rope=True)),
+        ("decode_norm_rope_gqa1_d24_splits1", lambda: decode_case([1, 77, 5], 2, 2, 24, F32, 1, store=True,
+                                                                  norm_rope=True)),
+        ("decode_norm_rope_gqa8_d128_bf16", lambda: decode_case([200, 3], 8, 1, 128, BF16, 2, store=True,
+                                                                norm_rope=True)),
         ("decode_padding_row_is_zero_splits3", lambda: decode_padding_case(3)),
         ("decode_padding_row_is_zero_splits1", lambda: decode_padding_case(1)),
+    ],
+    "norm_rope": [
+        ("norm_rope_store_f32_T37_gqa4_d64", lambda: norm_rope_store_case(37, 8, 2, 64, F32)),
+        ("norm_rope_store_bf16_T19_gqa8_d128", lambda: norm_rope_store_case(19, 8, 1, 128, BF16)),
+        ("norm_rope_store_f32_T5_mha_d24", lambda: norm_rope_store_case(5, 3, 3, 24, F32)),
     ],
     "extend": [
         # empty and long prefixes, batches mixing extend lengths 1..300
@@ -229,6 +288,8 @@ CPU_GROUPS = {
     "op": [
         ("op_decode_triton_vs_torch", lambda: op_case(True)),
         ("op_extend_triton_vs_torch", lambda: op_case(False)),
+        ("op_decode_norm_rope_triton_vs_torch", lambda: op_case(True, norm_rope=True)),
+        ("op_extend_norm_rope_triton_vs_torch", lambda: op_case(False, norm_rope=True)),
     ],
 }
 
@@ -299,6 +360,22 @@ def test_gpu_decode_cuda_graph_replay():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("batch,splits,graph", [(1, None, False), (33, None, False), (5, 1, False), (24, None, True)])
+def test_gpu_decode_norm_rope(batch, splits, graph):
+    """Raw q/k normalised and rotated inside the decode kernel (Qwen3-30B-A3B's heads)."""
+    lens = _lens(batch, 1, 4000, batch) if batch > 1 else [512]
+    err, tol = decode_case(lens, 32, 4, 128, BF16, splits, device="cuda", store=True, norm_rope=True, graph=graph)
+    assert err <= tol, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,hq,hkv,d", [(2048, 32, 4, 128), (77, 16, 8, 128), (5, 8, 1, 64), (9, 3, 3, 24)])
+def test_gpu_norm_rope_store(t, hq, hkv, d):
+    err, tol = norm_rope_store_case(t, hq, hkv, d, BF16, device="cuda")
+    assert err <= tol, err
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("prefix,ext", [([0], [8192]), ([8000], [2048]), ([0, 8000, 5000, 17, 0], [2048, 300, 1, 999, 1])])
 def test_gpu_extend_real_size(prefix, ext):
     err, tol = extend_case(prefix, ext, 32, 4, 128, BF16, device="cuda")
@@ -313,9 +390,10 @@ def test_gpu_extend_head_dims(hq, hkv, d):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("norm_rope", [False, True])
 @pytest.mark.parametrize("decode", [True, False])
-def test_gpu_op_triton_matches_torch(decode):
-    err, tol = op_case(decode, device="cuda")
+def test_gpu_op_triton_matches_torch(decode, norm_rope):
+    err, tol = op_case(decode, device="cuda", norm_rope=norm_rope)
     assert err <= tol, err
 
 

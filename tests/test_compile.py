@@ -11,6 +11,7 @@ import torch
 
 from compiled import LLM, SamplingParams
 from compiled.runtime.artifact import ArtifactError
+from compiled.passes.manager import DEFAULT_PASSES
 from compiled.runtime.compiler import COMPILES
 from tests.conftest import make_checkpoint
 from tests.test_hf_parity import assert_prompt_logprobs_match, random_prompts
@@ -88,4 +89,4 @@ def test_artifact_manifest_records_versions(artifact):
     with open(f"{artifact}/manifest.json") as f:
         manifest = json.load(f)
     assert manifest["torch"] == torch.__version__ and manifest["device"] == "cpu"
-    assert manifest["passes"] == ["fuse_qkv", "fuse_w13", "silu_and_mul", "skinny_linear"] and manifest["pieces"]
+    assert manifest["passes"] == list(DEFAULT_PASSES) and manifest["pieces"]

@@ -128,6 +128,25 @@ def _check_structure(gm: fx.GraphModule, cfg: ModelConfig, passes: list[str]) ->
         assert len(silu) == dense_layers and not fused_act  # silu_and_mul alone needs a fused w13
     assert not any(is_op(n, torch.ops.compiled.moe_experts) for n in nodes) or "fuse_w13" not in passes
     _check_skinny(gm, cfg, "skinny_linear" in passes)
+    _check_qk_norm_rope(gm, cfg, "fuse_qk_norm_rope" in passes)
+
+
+def _check_qk_norm_rope(gm: fx.GraphModule, cfg: ModelConfig, applied: bool) -> None:
+    """With fuse_qk_norm_rope every attention op reads its layer's raw q/k, both norm weights,
+    the positions and the RoPE table; no rotary call or per-head norm is left in the graph."""
+    attention = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.attention)]
+    assert len(attention) == cfg.num_hidden_layers
+    rope_calls = [n for n in gm.graph.nodes if n.op == "call_module" and n.target.endswith("rotary_emb")]
+    norm_reads = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target.endswith(("q_norm.weight", "k_norm.weight"))]
+    if not applied:
+        assert all(len(n.args) == 5 for n in attention) and len(rope_calls) == cfg.num_hidden_layers
+        return
+    assert not rope_calls and len(norm_reads) == 2 * cfg.num_hidden_layers
+    for n in attention:
+        layer = f"model.layers.{n.args[3]}.self_attn."
+        assert [a.target for a in n.args[5:7]] == [layer + "q_norm.weight", layer + "k_norm.weight"]
+        assert n.args[7].op == "placeholder" and n.args[8].target == "model.rotary_emb.cos_sin"
+        assert n.args[9] == cfg.rms_norm_eps
 
 
 def _check_skinny(gm: fx.GraphModule, cfg: ModelConfig, applied: bool) -> None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from compiled.attention.context import AttentionMetadata, ForwardContext, get_forward_context
-from compiled.attention.reference import decode_attention_ref, extend_attention_ref, store_kv
+from compiled.attention.reference import (NormRope, decode_attention_ref, extend_attention_ref, norm_rope_ref,
+                                         store_kv)
 from compiled.backend import BackendChoice
 
 BACKEND = BackendChoice("COMPILED_ATTENTION_BACKEND")
@@ -30,11 +31,21 @@ def backend_for(q: torch.Tensor) -> str:
 
 
 @torch.library.custom_op("compiled::attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
-    """q `[T, Hq, D]`, k/v `[T, Hkv, D]` for the step's new tokens -> `[T, Hq, D]`."""
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+              q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+              positions: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None,
+              eps: float = 0.0) -> torch.Tensor:
+    """q `[T, Hq, D]`, k/v `[T, Hkv, D]` for the step's new tokens -> `[T, Hq, D]`.
+
+    With `q_norm` (set by the fuse_qk_norm_rope pass, together with `k_norm`, `positions`,
+    `cos_sin` and `eps`), q and k are the raw projection output: the per-head RMSNorm and RoPE
+    (`reference.norm_rope_ref`) are applied here, inside the kernels' launches on Triton."""
     ctx = get_forward_context()
+    rope = _norm_rope(q, q_norm, k_norm, positions, cos_sin, eps)
     if backend_for(q) == "triton":
-        return _attention_triton(ctx, q, k, v, layer, scale)
+        return _attention_triton(ctx, q, k, v, layer, scale, rope)
+    if rope is not None:
+        q, k = norm_rope_ref(q, k, rope)
     meta, k_cache, v_cache = ctx.meta, ctx.kv.k[layer], ctx.kv.v[layer]
     store_kv(k_cache, v_cache, meta.out_cache_loc, k, v)
     if meta.is_decode:
@@ -45,8 +56,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sca
 
 
 @attention.register_fake
-def _(q, k, v, layer, scale):
+def _(q, k, v, layer, scale, q_norm=None, k_norm=None, positions=None, cos_sin=None, eps=0.0):
     return torch.empty_like(q)
+
+
+def _norm_rope(q, q_norm, k_norm, positions, cos_sin, eps) -> NormRope | None:
+    parts = dict(q_norm=q_norm, k_norm=k_norm, positions=positions, cos_sin=cos_sin)
+    missing = [name for name, t in parts.items() if t is None]
+    if len(missing) == len(parts):
+        return None
+    if missing:
+        raise ValueError(f"compiled::attention: {', '.join(missing)} missing (the norm/RoPE arguments come together)")
+    if q_norm.dtype != q.dtype or k_norm.dtype != q.dtype:
+        raise ValueError(f"compiled::attention: q/k norm weights are {q_norm.dtype}/{k_norm.dtype}, q is {q.dtype}")
+    return NormRope(q_norm, k_norm, positions, cos_sin, eps)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -76,9 +99,10 @@ def extend_start_loc(meta: AttentionMetadata) -> torch.Tensor:
     return meta.extend_start_loc
 
 
-def _attention_triton(ctx: ForwardContext, q, k, v, layer: int, scale: float) -> torch.Tensor:
+def _attention_triton(ctx: ForwardContext, q, k, v, layer: int, scale: float, rope: NormRope | None) -> torch.Tensor:
     from compiled.attention.triton_decode import decode_attention_triton
     from compiled.attention.triton_extend import extend_attention_triton
+    from compiled.attention.triton_norm_rope import norm_rope_store_triton
     from compiled.attention.triton_store import store_kv_triton
     meta, k_cache, v_cache = ctx.meta, ctx.kv.k[layer], ctx.kv.v[layer]
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
@@ -88,8 +112,11 @@ def _attention_triton(ctx: ForwardContext, q, k, v, layer: int, scale: float) ->
         # The decode kernel stores the step's K/V itself (one launch instead of two).
         return decode_attention_triton(q, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
                                        meta.seq_lens, scale, decode_workspace(ctx, q),
-                                       new_kv=(k, v, meta.out_cache_loc))
-    store_kv_triton(k_cache, v_cache, meta.out_cache_loc, k, v)
+                                       new_kv=(k, v, meta.out_cache_loc), norm_rope=rope)
+    if rope is None:
+        store_kv_triton(k_cache, v_cache, meta.out_cache_loc, k, v)
+    else:   # one launch normalises, rotates and stores
+        q, k = norm_rope_store_triton(q, k, v, k_cache, v_cache, meta.out_cache_loc, rope)
     return extend_attention_triton(q, k, v, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
                                    meta.seq_lens, meta.extend_lens, extend_start_loc(meta),
                                    meta.max_extend_len, scale)

@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+from compiled.graphs.layers import apply_rope, rms_norm
+
+
+class NormRope(NamedTuple):
+    """What the attention op needs to apply Qwen3's per-head RMSNorm and RoPE to the raw q/k
+    itself (the fuse_qk_norm_rope pass): the two norm weights `[D]`, the step's positions `[T]`,
+    the RoPE table `[max_positions, D]` (cos half, sin half, fp32) and the norms' epsilon."""
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    positions: torch.Tensor
+    cos_sin: torch.Tensor
+    eps: float
+
+
+def norm_rope_ref(q: torch.Tensor, k: torch.Tensor, rope: NormRope) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's own layers: RMSNorm over each head, then RoPE (the fused kernels' oracle)."""
+    return apply_rope(rope.cos_sin, rope.positions, rms_norm(q, rope.q_weight, rope.eps),
+                      rms_norm(k, rope.k_weight, rope.eps))
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,

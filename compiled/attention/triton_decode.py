@@ -22,6 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from compiled.attention.reference import NormRope
+from compiled.attention.triton_norm_rope import norm_rope_tile
+
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64   # upper bound on splits per request (workspace sizing)
 
@@ -44,15 +47,16 @@ def _split_range(seq_len, split, NUM_SPLITS, BLOCK_N: tl.constexpr):
 @triton.jit
 def _decode_kernel(
     Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Mid_o, Mid_lse, Counters,
-    K_new, V_new, Loc, Out, sm_scale_log2, NUM_SPLITS,
+    K_new, V_new, Loc, Out, Qw, Kw, Pos, Cos_sin, eps, sm_scale_log2, NUM_SPLITS,
     stride_qb, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_r2t,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-    stride_knb, stride_knh, stride_vnb, stride_vnh,
+    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
-    STORE: tl.constexpr, MERGE_UNROLL: tl.constexpr,
+    STORE: tl.constexpr, NORM_ROPE: tl.constexpr, MERGE_UNROLL: tl.constexpr,
 ):
-    """DIRECT (one split): write the normalised output straight to Out, no merge."""
+    """DIRECT (one split): write the normalised output straight to Out, no merge. NORM_ROPE: q
+    and the new k arrive raw; RMSNorm (weights Qw, Kw) and RoPE at Pos[b] are applied here."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -66,14 +70,19 @@ def _decode_kernel(
     out_ptrs = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     if STORE:
         if (start < end) & (end == seq_len):   # this split holds the newest token: store it first
-            _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, b, kvh, offs_d, mask_d,
-                          stride_knb, stride_knh, stride_vnb, stride_vnh, stride_kcs, stride_kch,
-                          stride_vcs, stride_vch)
+            _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, Kw, Pos, Cos_sin, eps, b, kvh, offs_g, offs_d,
+                          mask_d, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_kcs, stride_kch,
+                          stride_vcs, stride_vch, stride_cs, D, NORM_ROPE)
             tl.debug_barrier()   # the loop below reads that slot back
     if start < end:
         row = tl.load(Req_pool_indices + b).to(tl.int64)
-        q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+        if NORM_ROPE:
+            pos = tl.load(Pos + b).to(tl.int64)
+            q = norm_rope_tile(Q + b.to(tl.int64) * stride_qb, heads * stride_qh, mask_h, offs_d, Qw,
+                               Cos_sin + pos * stride_cs, eps, D, Q.dtype.element_ty).to(Q.dtype.element_ty)
+        else:
+            q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                        mask=mask_h[:, None] & mask_d[None, :], other=0.0)
         if UPCAST:   # see interpreter_upcast()
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -121,12 +130,22 @@ def _decode_kernel(
 
 
 @triton.jit
-def _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, b, kvh, offs_d, mask_d,
-                  stride_knb, stride_knh, stride_vnb, stride_vnh, stride_kcs, stride_kch, stride_vcs, stride_vch):
+def _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, Kw, Pos, Cos_sin, eps, b, kvh, offs_g, offs_d, mask_d,
+                  stride_knb, stride_knh, stride_vnb, stride_vnh, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                  stride_cs, D: tl.constexpr, NORM_ROPE: tl.constexpr):
     slot = tl.load(Loc + b).to(tl.int64)
-    k = tl.load(K_new + b.to(tl.int64) * stride_knb + kvh * stride_knh + offs_d, mask=mask_d)
+    k_row = K_new + b.to(tl.int64) * stride_knb + kvh * stride_knh
+    if NORM_ROPE:   # one row as a tile (the tile helper's shape), stored from its first row
+        pos = tl.load(Pos + b).to(tl.int64)
+        first = offs_g == 0
+        k = norm_rope_tile(k_row, offs_g * 0, first, offs_d, Kw, Cos_sin + pos * stride_cs, eps, D,
+                           K_new.dtype.element_ty)
+        tl.store(K_cache + slot * stride_kcs + kvh * stride_kch + offs_g[:, None] * 0 + offs_d[None, :],
+                 k.to(K_cache.dtype.element_ty), mask=first[:, None] & mask_d[None, :])
+    else:
+        k = tl.load(k_row + offs_d, mask=mask_d)
+        tl.store(K_cache + slot * stride_kcs + kvh * stride_kch + offs_d, k.to(K_cache.dtype.element_ty), mask=mask_d)
     v = tl.load(V_new + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d, mask=mask_d)
-    tl.store(K_cache + slot * stride_kcs + kvh * stride_kch + offs_d, k.to(K_cache.dtype.element_ty), mask=mask_d)
     tl.store(V_cache + slot * stride_vcs + kvh * stride_vch + offs_d, v.to(V_cache.dtype.element_ty), mask=mask_d)
 
 
@@ -248,12 +267,13 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             seq_lens: torch.Tensor, scale: float, workspace: DecodeWorkspace,
                             num_splits: int | None = None, out: torch.Tensor | None = None,
                             new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                            **config) -> torch.Tensor:
+                            norm_rope: NormRope | None = None, **config) -> torch.Tensor:
     """q `[B, Hq, D]` (one token per request) over pools `[slots, Hkv, D]` -> `[B, Hq, D]`.
     `new_kv` = (k, v `[B, Hkv, D]`, slots `[B]`): the step's K/V, written into the pools first
     (the slot of each request's newest token, i.e. position seq_len - 1 in its table row; rows
-    with seq_len 0 store nothing). `config` overrides `default_config` (block_n, num_warps,
-    num_stages)."""
+    with seq_len 0 store nothing). `norm_rope`: q and the new k are the raw projection output,
+    normalised and rotated here (needs `new_kv`). `config` overrides `default_config` (block_n,
+    num_warps, num_stages)."""
     batch, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
@@ -269,19 +289,22 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         mid_o, mid_lse = workspace.views(batch, splits)
         mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
     k_new, v_new, loc = new_kv if new_kv is not None else (q, q, seq_lens)   # unread unless STORE
+    if norm_rope is not None and new_kv is None:
+        raise ValueError("decode attention: norm_rope needs new_kv (the raw k to normalise and store)")
+    qw, kw, pos, cos_sin, eps = norm_rope if norm_rope is not None else (q, q, seq_lens, q, 0.0)  # unread
     cfg = dict(default_config(d), **config)
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1
     _decode_kernel[(batch, hkv, splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, workspace.counters,
-        k_new, v_new, loc, out, scale * LOG2E, splits,
+        k_new, v_new, loc, out, qw, kw, pos, cos_sin, eps, scale * LOG2E, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), *mid_strides, out.stride(0), out.stride(1),
-        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos_sin.stride(0),
         GROUP=group, D=d, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=cfg["block_n"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreter_upcast(q.dtype),
-        DIRECT=direct, STORE=new_kv is not None, MERGE_UNROLL=cfg["merge_unroll"],
+        DIRECT=direct, STORE=new_kv is not None, NORM_ROPE=norm_rope is not None, MERGE_UNROLL=cfg["merge_unroll"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

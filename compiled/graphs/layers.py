@@ -15,10 +15,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # type_as, not .to(x.dtype): a dtype read would be a getattr node in the traced graph.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.type_as(x)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The traced form of this function is what `passes.fuse_qk_norm_rope` matches: keep the two
+    in step."""
+    # type_as, not .to(x.dtype): a dtype read would be a getattr node in the traced graph.
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.type_as(x)
 
 
 def rope_cos_sin(head_dim: int, theta: float, max_positions: int, device=None) -> torch.Tensor:
@@ -44,10 +50,17 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = rope_cos_sin(self.head_dim, self.theta, self.max_positions, self.cos_sin.device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin[positions].type_as(q).chunk(2, dim=-1)
-        cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
-        sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return apply_rope(self.cos_sin, positions, q, k)
+
+
+def apply_rope(cos_sin: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
+               k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q `[T, Hq, D]`, k `[T, Hkv, D]` rotated by the table rows of `positions` `[T]` (cos and sin
+    rounded to q's dtype first, each product and the sum rounded: HF's order of operations)."""
+    cos, sin = cos_sin[positions].type_as(q).chunk(2, dim=-1)
+    cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
+    sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

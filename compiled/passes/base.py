@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -34,6 +35,12 @@ class GraphPass:
 def is_op(node: fx.Node, op) -> bool:
     """Whether `node` calls custom op `op` (traced as the packet or as its default overload)."""
     return node.op == "call_function" and node.target in (op, getattr(op, "default", None))
+
+
+def is_getitem(node, index: int) -> bool:
+    """Whether `node` is `source[index]` (one output of a node returning a tuple)."""
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem \
+        and node.args[1] == index
 
 
 def is_module(gm: fx.GraphModule, node: fx.Node, kind: type) -> bool:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import fx
 
 import compiled.graphs.activation  # noqa: F401  (registers compiled::silu_and_mul)
-from compiled.passes.base import PassRecord
+from compiled.passes.base import PassRecord, is_getitem
 from compiled.graphs.weights import WeightMap
 
 _MULS = (operator.mul, torch.mul)
@@ -37,7 +37,7 @@ def _match(mul: fx.Node) -> fx.Node | None:
     if not (isinstance(silu, fx.Node) and silu.op == "call_function" and silu.target in _SILUS):
         return None
     gate = silu.args[0]
-    if not (_is_getitem(gate, 0) and _is_getitem(up, 1) and gate.args[0] is up.args[0]):
+    if not (is_getitem(gate, 0) and is_getitem(up, 1) and gate.args[0] is up.args[0]):
         return None
     split = gate.args[0]
     if split.op != "call_function" or split.target is not torch.split:
@@ -46,8 +46,3 @@ def _match(mul: fx.Node) -> fx.Node | None:
     if dim != -1 or len(sizes) != 2 or sizes[0] != sizes[1] or len(silu.users) != 1:
         return None
     return h
-
-
-def _is_getitem(node, index: int) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem \
-        and node.args[1] == index
