@@ -252,6 +252,35 @@ def test_gpu_real_shapes_match_cublas(backend, m, n, k):
     assert ws is None or not ws.semaphores.any().item()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n", [(1, 2048), (5, 128)])
+def test_gpu_dependent_launches_wait_for_their_input(backend, m, n):
+    """Programmatic dependent launch: each skinny GEMM of a chain starts while the one before it
+    ends (and prefetches its weights) but must read x only after that one has written it. A
+    captured chain of 24 split-K calls, each reading the last's output, matches the torch chain."""
+    from compiled.pdl import use_pdl
+    backend("triton")
+    assert use_pdl(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+    g = torch.Generator(device="cuda").manual_seed(n)
+    ws = [torch.randn(n, n, device="cuda", dtype=torch.bfloat16, generator=g) * n ** -0.5 for _ in range(24)]
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def chain(y, op):
+        for w in ws:
+            y = op(y, w)
+        return y
+
+    torch.ops.compiled.linear(x, ws[0])   # readies the workspace
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(x, torch.ops.compiled.linear)
+    for seed in range(3):
+        x.copy_(torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g.manual_seed(seed)))
+        graph.replay()
+        ref = chain(x, lambda y, w: torch.nn.functional.linear(y.float(), w.float()).to(torch.bfloat16))
+        assert max_err(out, ref) <= 5e-2
+
+
 if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
     results = {name: kernel_case(M, N, K, dt, cfg) for name, M, N, K, dt, cfg in CASES}
     results["op_forced_triton"] = op_case()

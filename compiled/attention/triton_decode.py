@@ -24,6 +24,7 @@ import triton.language as tl
 
 from compiled.attention.reference import NormRope
 from compiled.attention.triton_norm_rope import norm_rope_tile
+from compiled.pdl import launch_kwargs, pdl_wait
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64   # upper bound on splits per request (workspace sizing)
@@ -53,10 +54,11 @@ def _decode_kernel(
     stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
-    STORE: tl.constexpr, NORM_ROPE: tl.constexpr, MERGE_UNROLL: tl.constexpr,
+    STORE: tl.constexpr, NORM_ROPE: tl.constexpr, MERGE_UNROLL: tl.constexpr, PDL: tl.constexpr,
 ):
     """DIRECT (one split): write the normalised output straight to Out, no merge. NORM_ROPE: q
     and the new k arrive raw; RMSNorm (weights Qw, Kw) and RoPE at Pos[b] are applied here."""
+    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -305,6 +307,6 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=cfg["block_n"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreter_upcast(q.dtype),
         DIRECT=direct, STORE=new_kv is not None, NORM_ROPE=norm_rope is not None, MERGE_UNROLL=cfg["merge_unroll"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(q.device),
     )
     return out

@@ -215,6 +215,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
     one chunk keep their order and chunks come in arrival order (atomics); nothing downstream
     depends on that order. No host sync. `launch` overrides `align_launch` (benchmark sweeps)."""
     from compiled.moe import fused_moe_kernels as K
+    from compiled.pdl import launch_kwargs
 
     ws = workspace or MoEWorkspace()
     dev = topk_ids.device
@@ -239,10 +240,11 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
             totals = ws.get("totals", e_pad, torch.int32, dev)
             totals.zero_()
         K.align_count_kernel[(n_chunks,)](ids, totals, bases, numel, CHUNK=lc.chunk, SUB=lc.sub, E_PAD=e_pad,
-                                          num_warps=lc.warps)
+                                          num_warps=lc.warps, **launch_kwargs(dev))
     K.align_place_kernel[(n_chunks,)](ids, totals, bases, done if reset else num_post, sorted_ids, expert_ids,
                                       num_post, numel, max_blocks, BLOCK_M=block_m, CHUNK=lc.chunk, SUB=lc.sub,
-                                      E_PAD=e_pad, BB=lc.bb, SINGLE=n_chunks == 1, RESET=reset, num_warps=lc.warps)
+                                      E_PAD=e_pad, BB=lc.bb, SINGLE=n_chunks == 1, RESET=reset, num_warps=lc.warps,
+                                      **launch_kwargs(dev))
     return sorted_ids, expert_ids, num_post
 
 
@@ -261,6 +263,7 @@ def weight_desc(w: torch.Tensor, block_n: int, block_k: int):
 
 def _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, cfg):
     from compiled.moe import fused_moe_kernels as K
+    from compiled.pdl import launch_kwargs
     I, H = w13.shape[1] // 2, w13.shape[2]
     bn = cfg["BLOCK_SIZE_N"]
     grid = (n_blocks * triton_cdiv(I, bn),)
@@ -271,13 +274,14 @@ def _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k,
         TOP_K=top_k, NAIVE=naive, **_dot_flags(x.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=H % cfg["BLOCK_SIZE_K"] == 0, HALF_M=0 if naive else cfg["HALF_M"], TMA=desc is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(x.device))
 
 
 def _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel, n_blocks, naive, cfg,
                   top_k=1, out=None, counters=None):
     """With `counters` (see sum_counters), the kernel also writes the top-k sum into `out`."""
     from compiled.moe import fused_moe_kernels as K
+    from compiled.pdl import launch_kwargs
     H, I = w2.shape[1], w2.shape[2]
     bn = cfg["BLOCK_SIZE_N"]
     grid = (n_blocks * triton_cdiv(H, bn),)
@@ -290,7 +294,7 @@ def _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel
         TOP_K=top_k, FUSED_SUM=fused_sum, NAIVE=naive, **_dot_flags(inter.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=I % cfg["BLOCK_SIZE_K"] == 0, HALF_M=0 if naive else cfg["HALF_M"], TMA=desc is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(inter.device))
 
 
 # Buffers the kernels keep at zero between launches (they restore them): gemm2's top-k sum
@@ -352,9 +356,11 @@ def _launch_one_token(x, w13, w2, topk_ids, weights, out, cfg: dict) -> bool:
 
 def _launch_sum(y, out, top_k):
     from compiled.moe import fused_moe_kernels as K
+    from compiled.pdl import launch_kwargs
     T, H = out.shape
     bh = min(1024, _next_pow2(H))
-    K.moe_sum_kernel[(T, triton_cdiv(H, bh))](y, out, H, TOP_K=top_k, BLOCK_H=bh, num_warps=4)
+    K.moe_sum_kernel[(T, triton_cdiv(H, bh))](y, out, H, TOP_K=top_k, BLOCK_H=bh, num_warps=4,
+                                              **launch_kwargs(y.device))
 
 
 def _interpreting() -> bool:

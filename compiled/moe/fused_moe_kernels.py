@@ -26,12 +26,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from compiled.pdl import pdl_wait
+
 
 @triton.jit
 def align_count_kernel(ids_ptr, totals_ptr, bases_ptr, numel,
-                       CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr):
+                       CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr):
     """Count this CHUNK's pairs per expert, add them to totals[e] (zeroed before the launch) and
     keep the old totals as this chunk's base: the pairs of the chunks that got there first."""
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     cnt = tl.zeros([E_PAD], dtype=tl.int32)
@@ -47,12 +50,14 @@ def align_count_kernel(ids_ptr, totals_ptr, bases_ptr, numel,
 def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
                        numel, max_blocks,
                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                       E_PAD: tl.constexpr, BB: tl.constexpr, SINGLE: tl.constexpr, RESET: tl.constexpr):
+                       E_PAD: tl.constexpr, BB: tl.constexpr, SINGLE: tl.constexpr, RESET: tl.constexpr,
+                       PDL: tl.constexpr):
     """Scatter this chunk's pair indices to their padded slots; write block experts and padding.
 
     SINGLE: there is one chunk and this program counts it itself (no count kernel). RESET: the
     program that finishes last (a counter at done_ptr) puts the totals and the counter back to
     zero for the next call, so no memset launch precedes the count kernel."""
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     if SINGLE:
@@ -283,11 +288,13 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
                      TOP_K: tl.constexpr, NAIVE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr, TMA: tl.constexpr):
+                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr, TMA: tl.constexpr,
+                     PDL: tl.constexpr):
     """out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs.
 
     w is `[E, 2N, K]` (`[gate; up]`), out `[T*k, N]`; N = I, K = H. HALF_M (0, 1 or 2): a block
     whose real rows fit in half (a quarter) of BLOCK_M runs a tile of that height (_tile_rows)."""
+    pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, NAIVE, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
@@ -314,10 +321,12 @@ def moe_gemm2_kernel(a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counte
                      TOP_K: tl.constexpr, FUSED_SUM: tl.constexpr,
                      NAIVE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr, TMA: tl.constexpr):
+                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr, TMA: tl.constexpr,
+                     PDL: tl.constexpr):
     """out[pair, n] = weight[pair] * (a[pair] . w[e, n]); w is `[E, N, K]` (N = H, K = I).
     FUSED_SUM: also sum[token, n] = sum over the token's k pairs of out (counters zero on entry
     and on exit, one per token and N tile). HALF_M as in moe_gemm1_kernel."""
+    pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, NAIVE, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
@@ -341,8 +350,9 @@ def moe_gemm2_kernel(a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counte
 
 
 @triton.jit
-def moe_sum_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def moe_sum_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum_j y[t*k + j] in fp32; y `[T*k, H]`, out `[T, H]` (both contiguous)."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m = offs < H

@@ -23,6 +23,7 @@ def topk_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 def topk_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The same contract in one Triton launch (ties pick the lower expert index)."""
     from compiled.moe.routing_kernels import topk_route_kernel
+    from compiled.pdl import launch_kwargs
 
     T, E = router_logits.shape
     weights = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
@@ -35,7 +36,7 @@ def topk_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool
     rows = max(2, min(4, 512 // e_pad))
     topk_route_kernel[(-(-T // rows),)](
         logits, weights, ids, T, E, logits.stride(0), TOP_K=top_k, K_PAD=max(2, 1 << (top_k - 1).bit_length()),
-        E_PAD=e_pad, ROWS=rows, RENORM=bool(renormalize), num_warps=4)
+        E_PAD=e_pad, ROWS=rows, RENORM=bool(renormalize), num_warps=4, **launch_kwargs(logits.device))
     return weights, ids
 
 

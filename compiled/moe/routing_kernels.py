@@ -8,11 +8,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from compiled.pdl import pdl_wait
+
 
 @triton.jit
 def topk_route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_t,
                       TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                      ROWS: tl.constexpr, RENORM: tl.constexpr):
+                      ROWS: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, E_PAD)
     row_ok = rows < T

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# A/B on one machine, alternated (A B A B) so that clock drift and a warm or cold host affect both
+# alike: bench/e2e_suite.py per model as it is (A) and with PASSES_B as its pass list and/or B_ENV
+# in its environment (B). Optional GPU_TESTS="tests/..." (pytest -m gpu) first. Results in ${OUT:-out}/.
+#   PASSES_B=fuse_qkv,fuse_w13,silu_and_mul,skinny_linear | B_ENV="COMPILED_PDL=0"
+#   [MODELS="qwen3-30b-a3b:1,8 qwen3-0.6b:1"]
+set -uo pipefail
+out=${OUT:-out}; mkdir -p "$out"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
+export PYTHONPYCACHEPREFIX=$(mktemp -d); unset PYTHONDONTWRITEBYTECODE
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
+if [ -n "${GPU_TESTS:-}" ]; then
+  python -m pytest -m gpu -q $GPU_TESTS 2>&1 | tee "$out/gpu_tests.txt" | grep -E "passed|failed|Error" | tail -30
+fi
+for entry in ${MODELS:-qwen3-30b-a3b:1,8 qwen3-0.6b:1}; do
+  name=${entry%%:*}; batches=${entry#*:}
+  for round in 1 2; do
+    for side in A B; do
+      passes=(); envs=()
+      if [ "$side" = B ]; then
+        [ -n "${PASSES_B:-}" ] && passes=(--passes "$PASSES_B")
+        envs=(${B_ENV:-})
+      fi
+      prof=(); [ "$round" = 1 ] && prof=(--profile-dir "$out/prof_${name}_$side")
+      tag="${name}_${side}${round}"
+      env "${envs[@]}" python bench/e2e_suite.py "bench/configs/$name" --out "$out/$tag.json" --batches "$batches" \
+        --max-num-seqs "$(echo "$batches" | tr , '\n' | sort -n | tail -1)" "${passes[@]}" "${prof[@]}" \
+        > "$out/$tag.txt" 2>&1
+      echo "== $tag"; grep -E "^batch|^prefill|Error|error" "$out/$tag.txt" | head -6
+    done
+  done
+done
+rm -rf "$out"/prof_*/*.json
+sleep 1   # let the last writes settle before the archive
+tar -C "$out" -czf "$out/0_all_results.tgz" --exclude 0_all_results.tgz .
