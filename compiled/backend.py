@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
+
+import torch
 
 CHOICES = ("auto", "torch", "triton")
 
@@ -22,3 +25,13 @@ class BackendChoice:
 
     def set(self, name: str) -> None:
         self.name = self.check(name)
+
+
+def hopper_or_newer(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 or newer (TMA, programmatic dependent launch)."""
+    return device.type == "cuda" and _capability(device.index)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)

@@ -256,7 +256,7 @@ def test_gpu_real_shapes_match_cublas(backend, m, n, k):
 @pytest.mark.parametrize("m,n", [(1, 2048), (5, 128)])
 def test_gpu_dependent_launches_wait_for_their_input(backend, m, n):
     """Programmatic dependent launch: each skinny GEMM of a chain starts while the one before it
-    ends (and prefetches its weights) but must read x only after that one has written it. A
+    ends but must read x only after that one has written it. A
     captured chain of 24 split-K calls, each reading the last's output, matches the torch chain."""
     from compiled.pdl import use_pdl
     backend("triton")

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from compiled.attention.triton_decode import interpreter_upcast, sm_count
 from compiled.graphs.linear import SKINNY_MAX_M
-from compiled.pdl import launch_kwargs, pdl_wait, prefetch_l2
+from compiled.pdl import launch_kwargs, pdl_wait
 
 BLOCK_M = max(16, triton.next_power_of_2(SKINNY_MAX_M))  # one tile for every row (tl.dot needs >= 16)
 MIN_BLOCK = 16             # smallest BLOCK_N / BLOCK_K (tl.dot's minimum)
@@ -122,11 +122,10 @@ def _skinny_kernel(
     X, W, Y, Partials, Semaphores, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr, LINE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """EVEN_K (K a multiple of BLOCK_K, so every split is whole tiles): no mask along K, which
-    keeps the weight loads vectorised. PDL: the program's weight range is prefetched into L2
-    (one address per LINE elements) before waiting for the kernel that writes x."""
+    keeps the weight loads vectorised."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -136,11 +135,6 @@ def _skinny_kernel(
     mask_n = offs_n < N
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    if PDL:
-        lines = tl.arange(0, BLOCK_K // LINE) * LINE
-        rows = W + offs_n.to(tl.int64)[:, None] * stride_wn
-        for k0 in range(k_start, k_end, BLOCK_K):
-            prefetch_l2(rows + (k0 + lines)[None, :], mask_n[:, None] & ((k0 + lines) < k_end)[None, :])
     pdl_wait(PDL)
     x_ptrs = X + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
@@ -205,6 +199,5 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyCo
     _skinny_kernel[grid](
         x, weight, y, partials, semaphores, M, N, K, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=K % block_k == 0,
-        UPCAST=upcast, DOT_PRECISION=precision, LINE=min(block_k, max(1, 128 // weight.element_size())),
-        num_warps=num_warps, num_stages=num_stages, **launch_kwargs(x.device))
+        UPCAST=upcast, DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages, **launch_kwargs(x.device))
     return y

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from compiled.backend import hopper_or_newer
 from compiled.moe.experts import expert_loop
 
 log = logging.getLogger(__name__)
@@ -74,10 +75,6 @@ def _cuda_device_name(index: int | None) -> str:
         return "cpu"
     return torch.cuda.get_device_name(index).replace(" ", "_")
 
-
-@functools.lru_cache(maxsize=None)
-def _cuda_capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -255,7 +252,7 @@ def weight_desc(w: torch.Tensor, block_n: int, block_k: int):
     encoded by the launcher, and caching it would keep freed weights alive."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     rows_ok = w.is_contiguous() and (w.shape[-1] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
-    on_gpu = w.is_cuda and _cuda_capability(w.device.index)[0] >= 9
+    on_gpu = hopper_or_newer(w.device)
     if not rows_ok or not (on_gpu or _interpreting()) or w.dtype not in (torch.bfloat16, torch.float16):
         return None
     return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k])
