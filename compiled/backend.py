@@ -1,4 +1,5 @@
-"""The backend switch of the custom ops that have a Triton kernel beside their torch reference."""
+"""The backend switch of the custom ops that have a Triton kernel beside their torch reference, and
+the device check for the Hopper-only launch features they use."""
 
 from __future__ import annotations
 

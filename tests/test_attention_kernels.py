@@ -329,6 +329,18 @@ def _lens(n, lo, hi, seed):
     return torch.randint(lo, hi + 1, (n,), generator=g).tolist()
 
 
+def test_norm_rope_arguments_come_together():
+    """The fused form needs every norm/RoPE argument: a partial set is a one-line error naming
+    what is missing (before any cache is touched), and mismatched norm weights name both dtypes."""
+    q, k = torch.randn(2, 4, 8), torch.randn(2, 2, 8)
+    w = torch.ones(8)
+    with pytest.raises(ValueError, match=r"k_norm, cos_sin missing"):
+        torch.ops.compiled.attention(q, k, k, 0, 0.3, w, None, torch.zeros(2, dtype=torch.long), None, 1e-6)
+    with pytest.raises(ValueError, match=r"norm weights are torch.bfloat16/torch.float32, q is torch.float32"):
+        torch.ops.compiled.attention(q, k, k, 0, 0.3, w.bfloat16(), w, torch.zeros(2, dtype=torch.long),
+                                     torch.zeros(16, 8), 1e-6)
+
+
 @pytest.mark.gpu
 def test_gpu_store_real_size():
     err, tol = store_case(4096, 4, 128, BF16, BF16, True, device="cuda")

@@ -40,8 +40,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sca
     With `q_norm` (set by the fuse_qk_norm_rope pass, together with `k_norm`, `positions`,
     `cos_sin` and `eps`), q and k are the raw projection output: the per-head RMSNorm and RoPE
     (`reference.norm_rope_ref`) are applied here, inside the kernels' launches on Triton."""
-    ctx = get_forward_context()
     rope = _norm_rope(q, q_norm, k_norm, positions, cos_sin, eps)
+    ctx = get_forward_context()
     if backend_for(q) == "triton":
         return _attention_triton(ctx, q, k, v, layer, scale, rope)
     if rope is not None:
