@@ -70,18 +70,23 @@ def _decode_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     out_ptrs = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    if NORM_ROPE:
+        # Before the split's range is known: these loads then overlap the sequence length's.
+        rope_row = Cos_sin + tl.load(Pos + b).to(tl.int64) * stride_cs
+        q_rope = norm_rope_tile(Q + b.to(tl.int64) * stride_qb, heads * stride_qh, mask_h, offs_d, Qw, rope_row,
+                                eps, D, Q.dtype.element_ty).to(Q.dtype.element_ty)
+    else:
+        rope_row = Cos_sin
     if STORE:
         if (start < end) & (end == seq_len):   # this split holds the newest token: store it first
-            _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, Kw, Pos, Cos_sin, eps, b, kvh, offs_g, offs_d,
+            _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, Kw, rope_row, eps, b, kvh, offs_g, offs_d,
                           mask_d, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_kcs, stride_kch,
-                          stride_vcs, stride_vch, stride_cs, D, NORM_ROPE)
+                          stride_vcs, stride_vch, D, NORM_ROPE)
             tl.debug_barrier()   # the loop below reads that slot back
     if start < end:
         row = tl.load(Req_pool_indices + b).to(tl.int64)
         if NORM_ROPE:
-            pos = tl.load(Pos + b).to(tl.int64)
-            q = norm_rope_tile(Q + b.to(tl.int64) * stride_qb, heads * stride_qh, mask_h, offs_d, Qw,
-                               Cos_sin + pos * stride_cs, eps, D, Q.dtype.element_ty).to(Q.dtype.element_ty)
+            q = q_rope
         else:
             q = tl.load(Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                         mask=mask_h[:, None] & mask_d[None, :], other=0.0)
@@ -132,16 +137,14 @@ def _decode_kernel(
 
 
 @triton.jit
-def _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, Kw, Pos, Cos_sin, eps, b, kvh, offs_g, offs_d, mask_d,
+def _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, Kw, rope_row, eps, b, kvh, offs_g, offs_d, mask_d,
                   stride_knb, stride_knh, stride_vnb, stride_vnh, stride_kcs, stride_kch, stride_vcs, stride_vch,
-                  stride_cs, D: tl.constexpr, NORM_ROPE: tl.constexpr):
+                  D: tl.constexpr, NORM_ROPE: tl.constexpr):
     slot = tl.load(Loc + b).to(tl.int64)
     k_row = K_new + b.to(tl.int64) * stride_knb + kvh * stride_knh
     if NORM_ROPE:   # one row as a tile (the tile helper's shape), stored from its first row
-        pos = tl.load(Pos + b).to(tl.int64)
         first = offs_g == 0
-        k = norm_rope_tile(k_row, offs_g * 0, first, offs_d, Kw, Cos_sin + pos * stride_cs, eps, D,
-                           K_new.dtype.element_ty)
+        k = norm_rope_tile(k_row, offs_g * 0, first, offs_d, Kw, rope_row, eps, D, K_new.dtype.element_ty)
         tl.store(K_cache + slot * stride_kcs + kvh * stride_kch + offs_g[:, None] * 0 + offs_d[None, :],
                  k.to(K_cache.dtype.element_ty), mask=first[:, None] & mask_d[None, :])
     else:
