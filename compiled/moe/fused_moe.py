@@ -76,7 +76,6 @@ def _cuda_device_name(index: int | None) -> str:
     return torch.cuda.get_device_name(index).replace(" ", "_")
 
 
-
 def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
 
