@@ -12,24 +12,22 @@ runner = CliRunner()
 def test_graph_prints_pass_table_and_dumps(tmp_path):
     result = runner.invoke(app, ["graph", "--dump", str(tmp_path)], env={"COLUMNS": "160"})
     assert result.exit_code == 0, result.output
-    for name in ("fuse_qkv", "fuse_w13", "silu_and_mul", "skinny_linear", "fuse_qk_norm_rope", "fuse_moe_routing"):
+    for name in ("fuse_qkv", "fuse_w13", "silu_and_mul", "skinny_linear", "fuse_qk_norm_rope"):
         assert name in result.output
     assert "qkv_proj.weight = cat(" in result.output
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["00_traced.py", "01_fuse_qkv.py", "02_fuse_w13.py", "03_silu_and_mul.py", "04_skinny_linear.py",
-                     "05_fuse_qk_norm_rope.py", "06_fuse_moe_routing.py", "weights.txt"]
+                     "05_fuse_qk_norm_rope.py", "weights.txt"]
     traced = (tmp_path / "00_traced.py").read_text()
-    final = (tmp_path / "06_fuse_moe_routing.py").read_text()
+    final = (tmp_path / "05_fuse_qk_norm_rope.py").read_text()
     assert "def forward(self, input_ids" in traced and "torch.ops.compiled.attention" in traced
     assert "q_proj" in traced and "q_proj" not in final and "qkv_proj" in final
-    assert "compiled.moe_experts" in traced and "compiled.topk_route" in traced
-    assert "compiled.fused_moe" in (tmp_path / "05_fuse_qk_norm_rope.py").read_text()
-    assert "compiled.routed_moe" in final and "compiled.topk_route" not in final and "compiled.fused_moe" not in final
+    assert "compiled.moe_experts" in traced and "compiled.fused_moe" in final
     assert "compiled.silu_and_mul" in final
     assert "compiled.linear.default" in final and "compiled.linear" not in traced
     assert ".qkv_proj(" not in final and "qkv_proj_weight)" in final  # the op, reading the module's weight
     assert "rotary_emb(" in traced and "rotary_emb(" not in final and "rotary_emb_cos_sin, 1e-06)" in final
-    compile(final, "06_fuse_moe_routing.py", "exec")  # the dump is valid Python
+    compile(final, "05_fuse_qk_norm_rope.py", "exec")  # the dump is valid Python
 
 
 def test_graph_unknown_pass_is_one_line_error():

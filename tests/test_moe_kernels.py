@@ -233,55 +233,14 @@ def case_routing_kernel_vs_softmax_topk():
         torch.testing.assert_close(w_op, topk_route_ref(logits, k, True)[0], atol=1e-6, rtol=1e-5)
 
 
-def _check_routed(T, E, k, renorm, cfg=None, H=32, I=48, seed=0, **kwargs):
-    """Routing inside the MoE kernels (compiled::routed_moe's path): the routing they write and
-    the output against topk_route_ref + fused_moe_ref, twice with fresh logits."""
-    from compiled.moe.routed_moe import routed_moe_ref
-    for rep in range(2):
-        x, _, _, w13, w2 = _problem(T, E, k, H, I, seed=seed + rep)
-        logits = torch.randn(T, E, generator=torch.Generator().manual_seed(100 + seed + rep))
-        route = fm.Route(logits, k, renorm, torch.empty(T, k), torch.empty(T, k, dtype=torch.int64))
-        out = fm.fused_moe_triton(x, route.weights, route.ids, w13, w2, config=cfg, route=route, **kwargs)
-        ref_w, ref_ids = topk_route_ref(logits, k, renorm)
-        assert torch.equal(route.ids, ref_ids), (T, E, k)
-        torch.testing.assert_close(route.weights, ref_w, atol=1e-6, rtol=1e-5)
-        torch.testing.assert_close(out, routed_moe_ref(x, logits, w13, w2, k, renorm), atol=2e-5, rtol=1e-5)
-
-
-def case_routed_one_token_in_gemm1():
-    _check_routed(1, 128, 8, True, fm.default_config(1, 128))
-    _check_routed(1, 10, 3, False, fm.default_config(1, 10), H=40, I=24, seed=3)
-    _check_routed(1, 8, 1, True, fm.default_config(1, 8), seed=5)
-    _check_routed(1, 20, 4, True, one_launch=True, one_launch_config=dict(
-        BLOCK_I=16, BLOCK_K=16, BLOCK_N=16, num_warps=4, num_stages=2))  # routes first, then one launch
-
-
-def case_routed_in_alignment_and_before_it():
-    _check_routed(5, 60, 6, True, _cfg(16, 64, 32), seed=7)        # one chunk: the alignment routes
-    _check_routed(16, 128, 8, False, _cfg(16, 32, 32), seed=9)     # 128 pairs, still one chunk
-    _check_routed(37, 8, 2, True, _cfg(16, 16, 16), seed=11)       # 74 pairs, 37 rows in one tile
-    assert fm.align_launch(37 * 8, 128, 16).chunk < 37 * 8
-    _check_routed(37, 128, 8, True, _cfg(16, 64, 32), seed=13)     # several chunks: routing kernel first
-    x, _, _, w13, w2 = _problem(9, 12, 3, 32, 48, seed=15)
-    logits = torch.randn(9, 12)
-    os.environ["COMPILED_MOE_BACKEND"] = "triton"
-    try:
-        out = torch.ops.compiled.routed_moe(x, logits, w13, w2, 3, True)
-    finally:
-        del os.environ["COMPILED_MOE_BACKEND"]
-    from compiled.moe.routed_moe import routed_moe_ref
-    torch.testing.assert_close(out, routed_moe_ref(x, logits, w13, w2, 3, True), atol=2e-5, rtol=1e-5)
-
-
 GROUPS = {
     "a": [case_one_token_naive_e128_k8, case_one_launch_odd_sizes_twice_and_reset,
           case_fused_sum_counters_reset_and_separate_sum, case_t300_e8_k2_two_k_steps_grouped_half_and_quarter_tiles,
           case_t150_e8_k2_half_tiles_up_only, case_t37_e128_k8_unused_experts_fp16, case_t5_e60_k6_uneven_k_and_n,
-          case_routing_kernel_vs_softmax_topk, case_routed_one_token_in_gemm1],
+          case_routing_kernel_vs_softmax_topk],
     "b": [case_t128_e16_k1_no_sum, case_t61_e33_k3_bf16, case_t2_e8_k8_all_experts_down_override,
           case_op_dispatch_and_workspace, case_align_multi_chunk_e128_k8, case_align_single_chunk_and_unused_experts,
-          case_tma_weight_tiles_bf16_n_and_k_tails, case_tma_up_only_fp16_half_tiles,
-          case_routed_in_alignment_and_before_it],
+          case_tma_weight_tiles_bf16_n_and_k_tails, case_tma_up_only_fp16_half_tiles],
 }
 CASE_NAMES = [f.__name__ for fns in GROUPS.values() for f in fns]
 
@@ -537,41 +496,6 @@ def test_gpu_no_host_sync_and_cuda_graph(real_layer, T):
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), fm.fused_moe_ref(x, w, ids, w13, w2).float(), atol=3e-2, rtol=3e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 8, 16, 64])
-def test_gpu_routed_moe_no_host_sync_and_cuda_graph(real_layer, T):
-    # routing inside the MoE kernels (one token: gemm1; 8 and 16 tokens: the alignment; 64: the
-    # routing kernel first), captured once and replayed on fresh inputs, against the reference
-    from compiled.moe.routed_moe import routed_moe_ref, routed_moe_triton
-    w13, w2 = real_layer
-
-    def inputs(seed):
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        return (torch.randn(T, H_REAL, device="cuda", generator=g).bfloat16(),
-                torch.randn(T, E_REAL, device="cuda", generator=g))
-    x, logits = inputs(900 + T)
-    ws = fm.MoEWorkspace().reserve(T, E_REAL, H_REAL, I_REAL, K_REAL, torch.bfloat16, x.device)
-    first = routed_moe_triton(x, logits, w13, w2, K_REAL, True, workspace=ws)
-    torch.testing.assert_close(first.float(), routed_moe_ref(x, logits, w13, w2, K_REAL, True).float(),
-                               atol=3e-2, rtol=3e-2)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        routed_moe_triton(x, logits, w13, w2, K_REAL, True, workspace=ws)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = routed_moe_triton(x, logits, w13, w2, K_REAL, True, workspace=ws)
-    for seed in (950 + T, 990 + T):
-        x2, logits2 = inputs(seed)
-        x.copy_(x2), logits.copy_(logits2)
-        graph.replay()
-        torch.cuda.synchronize()
-        ref = routed_moe_ref(x, logits, w13, w2, K_REAL, True)
-        torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.gpu

@@ -102,21 +102,15 @@ def _linears_under(gm: fx.GraphModule, prefix: str, exclude: str) -> list[str]:
 
 def _check_structure(gm: fx.GraphModule, cfg: ModelConfig, passes: list[str]) -> None:
     nodes = list(gm.graph.nodes)
-    routed = "fuse_w13" in passes and "fuse_moe_routing" in passes  # it needs the fused_moe nodes
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    routings = [n for n in nodes if is_op(n, torch.ops.compiled.topk_route)]
-    assert len(routings) == (0 if routed else moe_layers)
     for i in range(cfg.num_hidden_layers):
         layer = f"model.layers.{i}."
         qkv = _linears_under(gm, layer + "self_attn", "o_proj")
         assert len(qkv) == (1 if "fuse_qkv" in passes else 3)
         if cfg.is_moe_layer(i):
-            # fuse_moe_routing: the routing goes inside the op, whose weights move up two places
-            op, w13_at = (torch.ops.compiled.routed_moe, 2) if routed else (torch.ops.compiled.fused_moe, 3)
-            fused = [n for n in nodes if is_op(n, op) and n.args[w13_at].target == layer + "mlp.w13"]
+            fused = [n for n in nodes if is_op(n, torch.ops.compiled.fused_moe)
+                     and n.args[3].target == layer + "mlp.w13"]
             if "fuse_w13" in passes:
-                assert len(fused) == 1 and fused[0].args[w13_at + 1].target == layer + "mlp.w2"
-                assert not routed or fused[0].args[4:] == (cfg.num_experts_per_tok, cfg.norm_topk_prob)
+                assert len(fused) == 1 and fused[0].args[4].target == layer + "mlp.w2"
                 assert not any(n.op == "get_attr" and ".experts." in n.target and n.target.startswith(layer)
                                for n in nodes)
             else:

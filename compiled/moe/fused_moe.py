@@ -195,33 +195,6 @@ class AlignLaunch:
     warps: int = 4
 
 
-@dataclass(frozen=True)
-class Route:
-    """Routing left to the MoE's own kernels (`compiled::routed_moe`): the router logits `[T, E]`
-    (last dim contiguous) and the top-k `weights` (fp32) and `ids` (int64) `[T, k]` they fill.
-    One token: every gemm1 program routes it to find its slot's expert. One alignment chunk: the
-    alignment kernel routes before it sorts. Otherwise the routing kernel runs first (`run`)."""
-    logits: torch.Tensor
-    top_k: int
-    renormalize: bool
-    weights: torch.Tensor
-    ids: torch.Tensor
-
-    def run(self) -> None:
-        from compiled.moe.routing import topk_route_triton
-        topk_route_triton(self.logits, self.top_k, self.renormalize, out=(self.weights, self.ids))
-
-    def kernel_args(self) -> dict:
-        return dict(logits_ptr=self.logits, route_w_ptr=self.weights, RENORM=self.renormalize, ROUTE=True)
-
-
-def _route_kwargs(route: Route | None, E: int, top_k: int, dummy: torch.Tensor) -> dict:
-    """The routing arguments of the kernels that can route (`Route`); unused without one."""
-    from compiled.moe.routing import route_pads
-    args = route.kernel_args() if route else dict(logits_ptr=dummy, route_w_ptr=dummy, RENORM=False, ROUTE=False)
-    return dict(args, E=E, **route_pads(E, top_k))
-
-
 def align_launch(numel: int, E: int, block_m: int) -> AlignLaunch:
     chunk = _align_chunk(numel)
     e_pad = max(16, _next_pow2(E))
@@ -229,15 +202,14 @@ def align_launch(numel: int, E: int, block_m: int) -> AlignLaunch:
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace: MoEWorkspace | None = None,
-                         launch: AlignLaunch | None = None, route: Route | None = None):
+                         launch: AlignLaunch | None = None):
     """Sort (token, slot) pairs by expert, padding each expert's segment to a multiple of block_m.
 
     Returns (sorted_ids int32 `[P]`, expert_ids int32 `[P / block_m]`, num_post int32 `[1]`) with P
     the fixed bound `max_padded_size`: sorted_ids holds pair indices (token * k + slot), padding
     rows hold T*k; expert_ids is -1 for blocks past num_post. Inside an expert's segment, pairs of
     one chunk keep their order and chunks come in arrival order (atomics); nothing downstream
-    depends on that order. No host sync. `launch` overrides `align_launch` (benchmark sweeps).
-    `route`: topk_ids is its ids, still to be routed (by the place kernel if there is one chunk)."""
+    depends on that order. No host sync. `launch` overrides `align_launch` (benchmark sweeps)."""
     from compiled.moe import fused_moe_kernels as K
     from compiled.pdl import launch_kwargs
 
@@ -255,9 +227,6 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
     n_chunks = -(-numel // lc.chunk)
     totals = done = bases = num_post  # unused with one chunk
     reset = False
-    if route is not None and n_chunks > 1:
-        route.run()
-        route = None
     if n_chunks > 1:
         bases = ws.get("bases", n_chunks * e_pad, torch.int32, dev)
         # totals kept at zero between calls by the place kernel (see RESET); a memset otherwise
@@ -268,15 +237,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
             totals.zero_()
         K.align_count_kernel[(n_chunks,)](ids, totals, bases, numel, CHUNK=lc.chunk, SUB=lc.sub, E_PAD=e_pad,
                                           num_warps=lc.warps, **launch_kwargs(dev))
-    top_k = topk_ids.shape[-1]
-    route_kw = _route_kwargs(route, E, top_k, num_post)
-    # route all the tokens at once where they fit one [rows, E_PAD] tile of 2048
-    route_rows = max(1, min(_next_pow2(numel // top_k), 2048 // route_kw["E_PAD"])) if route else 1
-    stride_l = route.logits.stride(0) if route else 0
     K.align_place_kernel[(n_chunks,)](ids, totals, bases, done if reset else num_post, sorted_ids, expert_ids,
-                                      num_post, numel, max_blocks, stride_l=stride_l, BLOCK_M=block_m,
-                                      CHUNK=lc.chunk, SUB=lc.sub, BB=lc.bb, SINGLE=n_chunks == 1, RESET=reset,
-                                      TOP_K=top_k, ROUTE_ROWS=route_rows, num_warps=lc.warps, **route_kw,
+                                      num_post, numel, max_blocks, BLOCK_M=block_m, CHUNK=lc.chunk, SUB=lc.sub,
+                                      E_PAD=e_pad, BB=lc.bb, SINGLE=n_chunks == 1, RESET=reset, num_warps=lc.warps,
                                       **launch_kwargs(dev))
     return sorted_ids, expert_ids, num_post
 
@@ -294,7 +257,7 @@ def weight_desc(w: torch.Tensor, block_n: int, block_k: int):
     return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k])
 
 
-def _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, cfg, route=None):
+def _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, cfg):
     from compiled.moe import fused_moe_kernels as K
     from compiled.pdl import launch_kwargs
     I, H = w13.shape[1] // 2, w13.shape[2]
@@ -303,7 +266,7 @@ def _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k,
     desc = weight_desc(w13, bn, cfg["BLOCK_SIZE_K"]) if cfg.get("TMA") else None
     K.moe_gemm1_kernel[grid](
         x, w13, desc, inter, sorted_ids, expert_ids, num_post, numel, I, H,
-        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), **_route_kwargs(route, w13.shape[0], top_k, x),
+        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         TOP_K=top_k, NAIVE=naive, **_dot_flags(x.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=H % cfg["BLOCK_SIZE_K"] == 0, HALF_M=0 if naive else cfg["HALF_M"], TMA=desc is not None,
@@ -420,12 +383,11 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
                      w13: torch.Tensor, w2: torch.Tensor, config: dict | None = None,
                      workspace: MoEWorkspace | None = None, out: torch.Tensor | None = None,
                      fused_sum: bool | None = None, one_launch: bool | None = None,
-                     one_launch_config: dict | None = None, route: Route | None = None) -> torch.Tensor:
+                     one_launch_config: dict | None = None) -> torch.Tensor:
     """The Triton path of `compiled::fused_moe`. `config` overrides the tuned/default lookup.
     `fused_sum`: sum the top-k slots inside gemm2 (True) or with a kernel of its own (False);
     None: inside up to FUSED_SUM_MAX_TOKENS tokens. `one_launch`: one token in one kernel
-    (moe_one_token_kernel; None: ONE_LAUNCH), with `one_launch_config` or ONE_LAUNCH_CONFIG.
-    `route`: topk_weights / topk_ids are its buffers, filled here (see Route)."""
+    (moe_one_token_kernel; None: ONE_LAUNCH), with `one_launch_config` or ONE_LAUNCH_CONFIG."""
     T, H = x.shape
     E, I = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -441,14 +403,9 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     w2 = w2.contiguous()
     topk_ids = topk_ids.contiguous()
     weights = topk_weights.contiguous().reshape(-1)
-    if route is not None:
-        assert topk_ids is route.ids and topk_weights is route.weights, "route: pass its buffers"
-    if T == 1 and (ONE_LAUNCH if one_launch is None else one_launch):
-        if route is not None:
-            route.run()
-            route = None
-        if _launch_one_token(x, w13, w2, topk_ids, weights, out, one_launch_config or ONE_LAUNCH_CONFIG):
-            return out
+    if T == 1 and (ONE_LAUNCH if one_launch is None else one_launch) and _launch_one_token(
+            x, w13, w2, topk_ids, weights, out, one_launch_config or ONE_LAUNCH_CONFIG):
+        return out
     up_cfg, down_cfg = _split_config(config if config is not None else get_config(T, E, I, x.dtype, x.device))
     ws = workspace or MoEWorkspace()
     numel = T * top_k
@@ -459,11 +416,10 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
         num_post = sorted_ids  # unused when NAIVE
         n_blocks = numel
     else:
-        sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, E, block_m, ws, route=route)
+        sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, E, block_m, ws)
         n_blocks = expert_ids.numel()
-        route = None
     inter = ws.get("inter", numel * I, x.dtype, x.device).view(numel, I)
-    _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, up_cfg, route)
+    _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, up_cfg)
     if top_k == 1:
         _launch_gemm2(inter, w2, out, weights, sorted_ids, expert_ids, num_post, numel, n_blocks, naive, down_cfg)
         return out

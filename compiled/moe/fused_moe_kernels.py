@@ -26,7 +26,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.moe.routing_kernels import route_rows, routed_expert
 from compiled.pdl import pdl_wait
 
 
@@ -49,27 +48,18 @@ def align_count_kernel(ids_ptr, totals_ptr, bases_ptr, numel,
 
 @triton.jit
 def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-                       numel, max_blocks, logits_ptr, route_w_ptr, E, stride_l,
+                       numel, max_blocks,
                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                        E_PAD: tl.constexpr, BB: tl.constexpr, SINGLE: tl.constexpr, RESET: tl.constexpr,
-                       ROUTE: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, ROUTE_ROWS: tl.constexpr,
-                       RENORM: tl.constexpr, PDL: tl.constexpr):
+                       PDL: tl.constexpr):
     """Scatter this chunk's pair indices to their padded slots; write block experts and padding.
 
     SINGLE: there is one chunk and this program counts it itself (no count kernel). RESET: the
     program that finishes last (a counter at done_ptr) puts the totals and the counter back to
-    zero for the next call, so no memset launch precedes the count kernel. ROUTE (with SINGLE):
-    the program first routes the tokens from their router logits `[numel / TOP_K, E]`, writing
-    the top-k weights and the ids it then sorts (no routing launch)."""
+    zero for the next call, so no memset launch precedes the count kernel."""
     pdl_wait(PDL)
     pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
-    if ROUTE:
-        T = numel // TOP_K
-        for r0 in range(0, T, ROUTE_ROWS):
-            route_rows(logits_ptr, route_w_ptr, ids_ptr, r0, T, E, stride_l, T, TOP_K, K_PAD, E_PAD, ROUTE_ROWS,
-                       RENORM)
-        tl.debug_barrier()  # the ids stored above are read back by other threads of this program
     if SINGLE:
         total_cnt = tl.zeros([E_PAD], dtype=tl.int32)
         for s in range(0, CHUNK, SUB):
@@ -295,27 +285,19 @@ def _tile_rows(pair, num_valid, BLOCK_M: tl.constexpr, HALF_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_valid"])
 def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-                     num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om, logits_ptr, route_w_ptr, E,
+                     num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
                      TOP_K: tl.constexpr, NAIVE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr, TMA: tl.constexpr,
-                     ROUTE: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORM: tl.constexpr,
                      PDL: tl.constexpr):
     """out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs.
 
     w is `[E, 2N, K]` (`[gate; up]`), out `[T*k, N]`; N = I, K = H. HALF_M (0, 1 or 2): a block
-    whose real rows fit in half (a quarter) of BLOCK_M runs a tile of that height (_tile_rows).
-    ROUTE (with NAIVE, one token): every program routes the token from its router logits `[1, E]`
-    to find its slot's expert; program 0 writes the routing (top-k weights and ids = expert_ids)
-    for the down GEMM, so the routing needs no launch of its own."""
+    whose real rows fit in half (a quarter) of BLOCK_M runs a tile of that height (_tile_rows)."""
     pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, NAIVE, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
-        if ROUTE:
-            expert = routed_expert(logits_ptr, route_w_ptr, expert_ids_ptr, pid_m, (tl.program_id(0) == 0).to(tl.int32), E,
-                                   TOP_K, K_PAD, E_PAD, RENORM)
-        else:
-            expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         height = BLOCK_M
         if HALF_M >= 1:
             height = _tile_rows(pair, num_valid, BLOCK_M, HALF_M)

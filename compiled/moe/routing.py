@@ -20,31 +20,23 @@ def topk_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
-def route_pads(E: int, top_k: int) -> dict:
-    """The routing kernels' padded widths (powers of two): E_PAD experts, K_PAD slots."""
-    return dict(E_PAD=max(16, 1 << (E - 1).bit_length()), K_PAD=max(2, 1 << (top_k - 1).bit_length()))
-
-
-def topk_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                      out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same contract in one Triton launch (ties pick the lower expert index); `out`: the
-    (weights, ids) tensors to write."""
+def topk_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same contract in one Triton launch (ties pick the lower expert index)."""
     from compiled.moe.routing_kernels import topk_route_kernel
     from compiled.pdl import launch_kwargs
 
     T, E = router_logits.shape
-    weights, ids = out if out is not None else (
-        torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device),
-        torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device))
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
     if T == 0:
         return weights, ids
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-    pads = route_pads(E, top_k)
+    e_pad = max(16, 1 << (E - 1).bit_length())
     # few rows a program: the k rounds of max/argmin are a serial chain, keep each step short
-    rows = max(2, min(4, 512 // pads["E_PAD"]))
+    rows = max(2, min(4, 512 // e_pad))
     topk_route_kernel[(-(-T // rows),)](
-        logits, weights, ids, T, E, logits.stride(0), TOP_K=top_k, ROWS=rows, RENORM=bool(renormalize),
-        num_warps=4, **pads, **launch_kwargs(logits.device))
+        logits, weights, ids, T, E, logits.stride(0), TOP_K=top_k, K_PAD=max(2, 1 << (top_k - 1).bit_length()),
+        E_PAD=e_pad, ROWS=rows, RENORM=bool(renormalize), num_warps=4, **launch_kwargs(logits.device))
     return weights, ids
 
 

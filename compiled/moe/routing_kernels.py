@@ -1,8 +1,7 @@
-"""Triton kernels for `compiled::topk_route`: fp32 softmax over all experts, top-k, renormalise.
+"""Triton kernel for `compiled::topk_route`: fp32 softmax over all experts, top-k, renormalise.
 
 One launch instead of softmax + topk + sum + div; ROWS tokens per program. Ties pick the lower
-expert index. `route_rows` is also called from inside the fused MoE's kernels (the
-fuse_moe_routing pass), so that the routing needs no launch of its own there."""
+expert index."""
 
 from __future__ import annotations
 
@@ -13,13 +12,11 @@ from compiled.pdl import pdl_wait
 
 
 @triton.jit
-def route_rows(logits_ptr, weights_ptr, ids_ptr, row0, T, E, stride_t, store_rows,
-               TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr,
-               RENORM: tl.constexpr):
-    """Route rows row0 .. row0 + ROWS - 1 (those below T): returns their (weights fp32, expert
-    ids int32), each `[ROWS, K_PAD]` in descending weight order, and stores the rows below
-    `store_rows` into weights / ids (`[T, TOP_K]`)."""
-    rows = row0 + tl.arange(0, ROWS)
+def topk_route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_t,
+                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                      ROWS: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, E_PAD)
     row_ok = rows < T
     ok = row_ok[:, None] & (cols[None, :] < E)
@@ -42,27 +39,7 @@ def route_rows(logits_ptr, weights_ptr, ids_ptr, row0, T, E, stride_t, store_row
         probs = tl.where(cols[None, :] == arg[:, None], -1.0, probs)
     if RENORM:
         vals = vals / tl.sum(vals, axis=1)[:, None]
-    out_ok = (row_ok & (rows < store_rows))[:, None] & (slots[None, :] < TOP_K)
+    out_ok = row_ok[:, None] & (slots[None, :] < TOP_K)
     offs = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
     tl.store(weights_ptr + offs, vals, mask=out_ok)
     tl.store(ids_ptr + offs, idxs.to(tl.int64), mask=out_ok)
-    return vals, idxs
-
-
-@triton.jit
-def routed_expert(logits_ptr, weights_ptr, ids_ptr, slot, store_rows, E,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORM: tl.constexpr):
-    """One token's routing inside another kernel (row 0 of the logits): the expert of top-k slot
-    `slot` (int64); the whole routing is stored where `store_rows` is 1 (one program), not where 0."""
-    _, idxs = route_rows(logits_ptr, weights_ptr, ids_ptr, 0, 1, E, 0, store_rows, TOP_K, K_PAD, E_PAD, 1, RENORM)
-    slots = tl.arange(0, K_PAD)
-    return tl.sum(tl.sum(tl.where(slots[None, :] == slot, idxs, 0), axis=1), axis=0).to(tl.int64)
-
-
-@triton.jit
-def topk_route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_t,
-                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                      ROWS: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
-    route_rows(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0) * ROWS, T, E, stride_t, T,
-               TOP_K, K_PAD, E_PAD, ROWS, RENORM)

@@ -11,7 +11,6 @@ from torch import fx
 from compiled.graphs.trace import example_inputs
 from compiled.passes.base import GraphPass, PassRecord
 from compiled.passes.fuse_qk_norm_rope import fuse_qk_norm_rope
-from compiled.passes.fuse_moe_routing import fuse_moe_routing
 from compiled.passes.fuse_qkv import fuse_qkv
 from compiled.passes.fuse_w13 import fuse_w13
 from compiled.passes.silu_and_mul import silu_and_mul
@@ -24,10 +23,8 @@ REGISTRY: dict[str, GraphPass] = {p.name: p for p in (
     GraphPass("silu_and_mul", silu_and_mul),
     GraphPass("skinny_linear", skinny_linear),
     GraphPass("fuse_qk_norm_rope", fuse_qk_norm_rope),
-    GraphPass("fuse_moe_routing", fuse_moe_routing),
 )}
-DEFAULT_PASSES: tuple[str, ...] = ("fuse_qkv", "fuse_w13", "silu_and_mul", "skinny_linear", "fuse_qk_norm_rope",
-                                   "fuse_moe_routing")
+DEFAULT_PASSES: tuple[str, ...] = ("fuse_qkv", "fuse_w13", "silu_and_mul", "skinny_linear", "fuse_qk_norm_rope")
 CHECKS = ("each", "end", "none")
 
 
