@@ -84,15 +84,25 @@ def test_passed_graph_matches_unpassed(name, passes):
     _check_structure(gm, cfg, passes)
 
 
+# the ops that apply a linear's weight (after skinny_linear), with the weight's place in their args
+LINEAR_OPS = {torch.ops.compiled.linear: 1, torch.ops.compiled.add_rms_norm_linear: 4,
+              torch.ops.compiled.silu_mul_linear: 1}
+
+
+def _is_linear_op(n: fx.Node) -> bool:
+    return any(is_op(n, op) for op in LINEAR_OPS)
+
+
 def _linear_calls(gm: fx.GraphModule) -> dict[str, fx.Node]:
     """Module path -> the node applying that linear: a call_module, or (after skinny_linear)
-    compiled::linear on the module's weight."""
+    one of LINEAR_OPS on the module's weight."""
     calls = {}
     for n in gm.graph.nodes:
         if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Linear):
             calls[n.target] = n
-        elif is_op(n, torch.ops.compiled.linear):
-            calls[n.args[1].target.removesuffix(".weight")] = n
+        for op, at in LINEAR_OPS.items():
+            if is_op(n, op):
+                calls[n.args[at].target.removesuffix(".weight")] = n
     return calls
 
 
@@ -121,14 +131,37 @@ def _check_structure(gm: fx.GraphModule, cfg: ModelConfig, passes: list[str]) ->
     fused_act = [n for n in nodes if is_op(n, torch.ops.compiled.silu_and_mul)]
     dense_layers = sum(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
     if "fuse_w13" in passes and "silu_and_mul" in passes:
-        assert not silu and len(fused_act) == dense_layers
         downs = [n for t, n in _linear_calls(gm).items() if t.endswith("mlp.down_proj")]
-        assert len(downs) == dense_layers and all(is_op(n.args[0], torch.ops.compiled.silu_and_mul) for n in downs)
+        assert not silu and len(downs) == dense_layers
+        if {"skinny_linear", "fuse_silu_linear"} <= set(passes):  # the activation goes into the down GEMM
+            assert not fused_act and all(is_op(n, torch.ops.compiled.silu_mul_linear) for n in downs)
+        else:
+            assert len(fused_act) == dense_layers
+            assert all(is_op(n.args[0], torch.ops.compiled.silu_and_mul) for n in downs)
     else:
         assert len(silu) == dense_layers and not fused_act  # silu_and_mul alone needs a fused w13
     assert not any(is_op(n, torch.ops.compiled.moe_experts) for n in nodes) or "fuse_w13" not in passes
     _check_skinny(gm, cfg, "skinny_linear" in passes)
     _check_qk_norm_rope(gm, cfg, "fuse_qk_norm_rope" in passes)
+    _check_norm_linear(gm, cfg, passes)
+
+
+def _check_norm_linear(gm: fx.GraphModule, cfg: ModelConfig, passes: list[str]) -> None:
+    """With fuse_norm_linear (on skinny_linear's ops) every residual add + RMSNorm in front of a
+    bias-free linear goes into it: each layer's post-attention norm and, where qkv has no bias,
+    every input norm but the first (which reads the embedding). The normalised rows are kept
+    where something else reads them too (the MoE experts, unfused projections)."""
+    fused = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.add_rms_norm_linear)]
+    L = cfg.num_hidden_layers
+    expected = L + (0 if cfg.attention_bias else L - 1) if {"skinny_linear", "fuse_norm_linear"} <= set(passes) else 0
+    assert len(fused) == expected
+    norms_left = 2 * L + 1 - expected + (0 if "fuse_qk_norm_rope" in passes else 2 * L)
+    assert sum(n.op == "call_function" and n.target is torch.rsqrt for n in gm.graph.nodes) == norms_left
+    for n in fused:
+        layer = n.args[2].target.split(".")[2]
+        post = n.args[2].target.endswith("post_attention_layernorm.weight")
+        shared = (cfg.is_moe_layer(int(layer)) or "fuse_w13" not in passes) if post else "fuse_qkv" not in passes
+        assert n.args[3] == cfg.rms_norm_eps and n.args[5] == shared, n.format_node()
 
 
 def _check_qk_norm_rope(gm: fx.GraphModule, cfg: ModelConfig, applied: bool) -> None:
@@ -154,7 +187,7 @@ def _check_skinny(gm: fx.GraphModule, cfg: ModelConfig, applied: bool) -> None:
     goes through compiled::linear and biased ones stay modules; without it nothing does."""
     calls = _linear_calls(gm)
     biased = {t for t in calls if gm.get_submodule(t).bias is not None}
-    through_op = {t for t, n in calls.items() if is_op(n, torch.ops.compiled.linear)}
+    through_op = {t for t, n in calls.items() if _is_linear_op(n)}
     assert through_op == (set(calls) - biased if applied else set())
     attention = {t for t in calls if ".self_attn." in t}
     assert biased == (attention if cfg.attention_bias else set())

@@ -19,8 +19,8 @@ class RMSNorm(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The traced form of this function is what `passes.fuse_qk_norm_rope` matches: keep the two
-    in step."""
+    """The traced form of this function is what `passes.base.match_rms_norm` matches: keep the
+    two in step."""
     # type_as, not .to(x.dtype): a dtype read would be a getattr node in the traced graph.
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

@@ -97,6 +97,7 @@ def num_sms(device: torch.device) -> int:
 class SplitWorkspace(NamedTuple):
     partials: torch.Tensor   # fp32 [SKINNY_MAX_M * WORKSPACE_COLS]
     semaphores: torch.Tensor  # int32, one per column block, all zero between launches
+    sums: torch.Tensor       # fp32, the norm prologue's sums of squares, BLOCK_M per (column block, split)
 
 
 _WORKSPACES: dict[torch.device, SplitWorkspace] = {}
@@ -111,21 +112,69 @@ def split_workspace(device: torch.device) -> SplitWorkspace:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("skinny linear: split-K workspace first needed inside a CUDA graph capture; "
                                "run the linear once before capturing")
+        # column blocks x splits <= WORKSPACE_COLS / MIN_BLOCK + MAX_SPLIT_K (split_k * N <= WORKSPACE_COLS)
         ws = _WORKSPACES[device] = SplitWorkspace(
             torch.empty(SKINNY_MAX_M * WORKSPACE_COLS, dtype=torch.float32, device=device),
-            torch.zeros(WORKSPACE_COLS // MIN_BLOCK, dtype=torch.int32, device=device))
+            torch.zeros(WORKSPACE_COLS // MIN_BLOCK, dtype=torch.int32, device=device),
+            torch.empty((WORKSPACE_COLS // MIN_BLOCK + MAX_SPLIT_K) * BLOCK_M, dtype=torch.float32, device=device))
     return ws
+
+
+# What the kernel does to x before the dot (PROLOGUE). ADD_NORM: x is the residual stream; the
+# tile the dot reads is (x [+ delta]) * norm_weight, and since RMSNorm's 1 / rms is one factor a
+# row, it scales the finished row instead (sums of squares gathered on the way, across splits
+# like the partials). SILU_MUL: x is a fused `[M, 2K]` gate/up output; the dot reads silu(gate) * up.
+PLAIN, ADD_NORM, SILU_MUL = 0, 1, 2
+
+
+@triton.jit
+def _residual_tile(X, D, offs_m, ks, mask, stride_xm, stride_dm):
+    """The norm's input h = x + delta, rounded to x's dtype (the residual add, as torch does it)."""
+    x = tl.load(X + offs_m[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0)
+    d = tl.load(D + offs_m[:, None] * stride_dm + ks[None, :], mask=mask, other=0.0)
+    return (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def _silu_mul_tile(X, offs_m, ks, mask, stride_xm, K):
+    """silu(gate) * up for columns ks of a `[M, 2K]` gate/up row, each result rounded as torch's
+    F.silu(gate) * up rounds it."""
+    g = tl.load(X + offs_m[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0)
+    u = tl.load(X + offs_m[:, None] * stride_xm + (K + ks)[None, :], mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    s = (gf * tl.sigmoid(gf)).to(g.dtype)
+    return (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+
+
+@triton.jit
+def _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K, stride_xm, stride_dm,
+                  stride_nm, BLOCK_K: tl.constexpr):
+    """Column block pid_n writes its slice of the normalised rows (RMSNorm's output, for the
+    other readers of it), rounded as `layers.rms_norm` rounds."""
+    offs_k = tl.arange(0, BLOCK_K)
+    lo = pid_n * NORMED_CHUNK
+    hi = tl.minimum(lo + NORMED_CHUNK, K)
+    for k0 in range(lo, hi, BLOCK_K):
+        ks = k0 + offs_k
+        mask = mask_m[:, None] & (ks < hi)[None, :]
+        h = _residual_tile(X, D, offs_m, ks, mask, stride_xm, stride_dm)
+        nw = tl.load(NW + ks, mask=ks < hi, other=0.0)
+        normed = nw.to(tl.float32)[None, :] * (h.to(tl.float32) * rstd[:, None]).to(h.dtype).to(tl.float32)
+        tl.store(NORMED + offs_m[:, None] * stride_nm + ks[None, :], normed.to(h.dtype), mask=mask)
 
 
 @triton.jit
 def _skinny_kernel(
     X, W, Y, Partials, Semaphores, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
+    D, NW, H, NORMED, Sums, eps, NORMED_CHUNK, stride_dm, stride_hm, stride_nm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    PROLOGUE: tl.constexpr, KEEP_NORMED: tl.constexpr, PDL: tl.constexpr,
 ):
     """EVEN_K (K a multiple of BLOCK_K, so every split is whole tiles): no mask along K, which
-    keeps the weight loads vectorised."""
+    keeps the weight loads vectorised. ADD_NORM: column block 0 stores the residual sum H, and
+    with KEEP_NORMED each column block's finishing program a slice of the
+    normalised rows."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -136,31 +185,52 @@ def _skinny_kernel(
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     pdl_wait(PDL)
-    x_ptrs = X + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + offs_k
         if EVEN_K:
-            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+            x_mask = mask_m[:, None]
             w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
         else:
-            mask_k = (k0 + offs_k) < k_end
-            x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            mask_k = ks < k_end
+            x_mask = mask_m[:, None] & mask_k[None, :]
             w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
+        if PROLOGUE == ADD_NORM:
+            h = _residual_tile(X, D, offs_m, ks, x_mask, stride_xm, stride_dm)
+            if pid_n == 0:
+                tl.store(H + offs_m[:, None] * stride_hm + ks[None, :], h, mask=x_mask)
+            hf = h.to(tl.float32)
+            sq += tl.sum(hf * hf, axis=1)
+            nw = tl.load(NW + ks, mask=ks < k_end, other=0.0)
+            x = (hf * nw.to(tl.float32)[None, :]).to(h.dtype)
+        elif PROLOGUE == SILU_MUL:
+            x = _silu_mul_tile(X, offs_m, ks, x_mask, stride_xm, K)
+        else:
+            x = tl.load(X + offs_m[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
         if UPCAST:  # see interpreter_upcast()
             x = x.to(tl.float32)
             w = w.to(tl.float32)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out_mask = mask_m[:, None] & mask_n[None, :]
     y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT_K == 1:
+        if PROLOGUE == ADD_NORM:
+            rstd = tl.rsqrt(sq / K + eps)
+            acc = acc * rstd[:, None]
+            if KEEP_NORMED:
+                _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K, stride_xm, stride_dm,
+                              stride_nm, BLOCK_K)
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=out_mask)
     else:
-        # Partials laid out [SPLIT_K, M, N].
+        # Partials laid out [SPLIT_K, M, N]; sums of squares [column block, SPLIT_K, BLOCK_M].
         part_ptrs = Partials + offs_m[:, None] * N + offs_n[None, :]
         tl.store(part_ptrs + pid_k * M * N, acc, mask=out_mask)
+        sum_ptrs = Sums + pid_n * SPLIT_K * BLOCK_M + offs_m
+        if PROLOGUE == ADD_NORM:
+            tl.store(sum_ptrs + pid_k * BLOCK_M, sq)
         # Every thread's partial store must precede the release below.
         tl.debug_barrier()
         arrived = tl.atomic_add(Semaphores + pid_n, 1, sem="acq_rel", scope="gpu")
@@ -170,6 +240,15 @@ def _skinny_kernel(
             # which is coherent, never from a stale L1 line.
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(part_ptrs + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+            if PROLOGUE == ADD_NORM:
+                sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for s in tl.static_range(SPLIT_K):
+                    sq += tl.load(sum_ptrs + s * BLOCK_M, cache_modifier=".cg")
+                rstd = tl.rsqrt(sq / K + eps)
+                total = total * rstd[:, None]
+                if KEEP_NORMED:
+                    _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K, stride_xm,
+                                  stride_dm, stride_nm, BLOCK_K)
             tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(Semaphores + pid_n, 0)
 
@@ -177,27 +256,55 @@ def _skinny_kernel(
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
     """x `[M, K]` (M <= SKINNY_MAX_M, last dim contiguous), weight `[N, K]` (last dim contiguous)
     -> `[M, N]` in x's dtype. `config` overrides the heuristic (tests, the benchmark's sweep)."""
+    y = x.new_empty((x.shape[0], weight.shape[0]))
+    _launch(x, weight, y, config, PLAIN, {})
+    return y
+
+
+def add_rms_norm_linear_triton(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                               weight: torch.Tensor, keep_normed: bool, config: SkinnyConfig | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """h = x + delta, normed = RMSNorm(h) * norm_weight, y = normed @ weight.T in one launch:
+    returns (y, h, normed if keep_normed else None). x and delta `[M, K]`, last dims contiguous."""
     M, K = x.shape
-    N = weight.shape[0]
+    y = x.new_empty((M, weight.shape[0]))
+    h = x.new_empty((M, K))
+    normed = x.new_empty((M, K)) if keep_normed else None
+    _launch(x, weight, y, config, ADD_NORM, dict(
+        D=delta, NW=norm_weight, H=h, NORMED=normed if keep_normed else y, eps=eps,
+        stride_dm=delta.stride(0), stride_hm=K, stride_nm=K, KEEP_NORMED=keep_normed))
+    return y, h, normed
+
+
+def silu_mul_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
+    """(silu(gate) * up) @ weight.T in one launch; gate_up `[M, 2K]` holds [gate | up], weight `[N, K]`."""
+    y = gate_up.new_empty((gate_up.shape[0], weight.shape[0]))
+    _launch(gate_up, weight, y, config, SILU_MUL, {})
+    return y
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: SkinnyConfig | None,
+            prologue: int, extra: dict) -> None:
+    M = x.shape[0]
+    N, K = weight.shape
     if config is None:
         if M > SKINNY_MAX_M:
             raise ValueError(f"skinny linear: M={M} rows, at most {SKINNY_MAX_M}")
         config = skinny_config(M, N, K, num_sms(x.device))
     else:
         check_config(config, M, N)
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     block_n, block_k, split_k, num_warps, num_stages = config
-    if split_k > 1:
-        ws = split_workspace(x.device)
-        partials, semaphores = ws.partials, ws.semaphores
-    else:
-        partials, semaphores = y, y  # never read: SPLIT_K == 1 compiles the branch away
+    ws = split_workspace(x.device) if split_k > 1 else None
+    partials, semaphores, sums = ws if ws is not None else (y, y, y)  # never read when SPLIT_K == 1
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     upcast = interpreter_upcast(x.dtype)
     precision = "ieee" if upcast or x.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(N, block_n), split_k)
+    args = dict(D=y, NW=y, H=y, NORMED=y, eps=0.0, stride_dm=0, stride_hm=0, stride_nm=0, KEEP_NORMED=False)
+    args.update(extra)
     _skinny_kernel[grid](
         x, weight, y, partials, semaphores, M, N, K, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
+        Sums=sums, NORMED_CHUNK=triton.cdiv(K, grid[0]), **args,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=K % block_k == 0,
-        UPCAST=upcast, DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages, **launch_kwargs(x.device))
-    return y
+        UPCAST=upcast, DOT_PRECISION=precision, PROLOGUE=prologue, num_warps=num_warps, num_stages=num_stages,
+        **launch_kwargs(x.device))

@@ -56,3 +56,38 @@ def note_params(record: PassRecord, created: dict[str, torch.Tensor], removed: d
     record.params_removed += list(removed)
     record.bytes_created += sum(param_bytes(t) for t in created.values())
     record.bytes_removed += sum(param_bytes(t) for t in removed.values())
+
+
+def match_rms_norm(node) -> tuple[fx.Node, fx.Node, float] | None:
+    """(x, weight, eps) if `node` is the traced `layers.rms_norm(x, weight, eps)` (keep the two in step):
+    weight * (h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) with h = x.float()."""
+    if not is_call(node, operator.mul, 2):
+        return None
+    weight, cast = node.args
+    if not (isinstance(weight, fx.Node) and weight.op == "get_attr" and is_method(cast, "type_as", 2)):
+        return None
+    scaled, x = cast.args
+    if not is_call(scaled, operator.mul, 2):
+        return None
+    h, rsqrt = scaled.args
+    if not (is_method(h, "float", 1) and h.args[0] is x and is_call(rsqrt, torch.rsqrt, 1)):
+        return None
+    add = rsqrt.args[0]
+    if not is_call(add, operator.add, 2) or not isinstance(add.args[1], float):
+        return None
+    mean = add.args[0]
+    if not (is_method(mean, "mean", 2) and mean.args[1] == -1 and mean.kwargs == {"keepdim": True}):
+        return None
+    square = mean.args[0]
+    if not (is_method(square, "pow", 2) and square.args == (h, 2)):
+        return None
+    return x, weight, add.args[1]
+
+
+def is_call(node, target, nargs: int) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target \
+        and len(node.args) == nargs
+
+
+def is_method(node, name: str, nargs: int) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_method" and node.target == name and len(node.args) == nargs

@@ -10,7 +10,9 @@ from torch import fx
 
 from compiled.graphs.trace import example_inputs
 from compiled.passes.base import GraphPass, PassRecord
+from compiled.passes.fuse_norm_linear import fuse_norm_linear
 from compiled.passes.fuse_qk_norm_rope import fuse_qk_norm_rope
+from compiled.passes.fuse_silu_linear import fuse_silu_linear
 from compiled.passes.fuse_qkv import fuse_qkv
 from compiled.passes.fuse_w13 import fuse_w13
 from compiled.passes.silu_and_mul import silu_and_mul
@@ -23,8 +25,11 @@ REGISTRY: dict[str, GraphPass] = {p.name: p for p in (
     GraphPass("silu_and_mul", silu_and_mul),
     GraphPass("skinny_linear", skinny_linear),
     GraphPass("fuse_qk_norm_rope", fuse_qk_norm_rope),
+    GraphPass("fuse_norm_linear", fuse_norm_linear),
+    GraphPass("fuse_silu_linear", fuse_silu_linear),
 )}
-DEFAULT_PASSES: tuple[str, ...] = ("fuse_qkv", "fuse_w13", "silu_and_mul", "skinny_linear", "fuse_qk_norm_rope")
+DEFAULT_PASSES: tuple[str, ...] = ("fuse_qkv", "fuse_w13", "silu_and_mul", "skinny_linear", "fuse_qk_norm_rope",
+                                   "fuse_norm_linear", "fuse_silu_linear")
 CHECKS = ("each", "end", "none")
 
 

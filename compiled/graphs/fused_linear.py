@@ -1,0 +1,102 @@
+"""Linears that do the step before them: `compiled::add_rms_norm_linear` and `compiled::silu_mul_linear`.
+
+At decode sizes the residual add + RMSNorm in front of a linear, or the SiLU-and-mul in front of
+the down projection, is a launch of its own that moves a few kilobytes. The skinny GEMM does it in
+its prologue instead (`linear_kernels`, PROLOGUE), so the fuse_norm_linear and fuse_silu_linear
+passes route the graph's matching pairs here. The same rows as `compiled::linear` take the kernel
+(M <= SKINNY_MAX_M on CUDA in bf16/fp16, under the same backend switch); larger batches run a
+one-launch add + RMSNorm kernel (`norm_kernels`) then F.linear; CPU runs the torch references."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from compiled.graphs.activation import silu_and_mul_ref
+from compiled.graphs.layers import rms_norm
+from compiled.graphs.linear import BACKEND, check_shapes, use_kernel
+
+
+def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, normed): h = x + delta, normed = the model's `rms_norm(h)`."""
+    h = x + delta
+    return h, rms_norm(h, norm_weight, eps)
+
+
+def add_rms_norm_linear_ref(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, h, normed) with y = F.linear(normed, weight)."""
+    h, normed = add_rms_norm_ref(x, delta, norm_weight, eps)
+    return F.linear(normed, weight), h, normed
+
+
+def silu_mul_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(silu_and_mul_ref(gate_up), weight)
+
+
+def _check_norm(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> None:
+    check_shapes(x, weight)
+    if x.dim() != 2:
+        raise ValueError(f"compiled::add_rms_norm_linear: x {tuple(x.shape)}, expected [T, K]")
+    if delta.shape != x.shape or delta.dtype != x.dtype:
+        raise ValueError(f"compiled::add_rms_norm_linear: delta {tuple(delta.shape)} {delta.dtype} "
+                         f"does not match x {tuple(x.shape)} {x.dtype}")
+    if norm_weight.shape != (x.shape[-1],):
+        raise ValueError(f"compiled::add_rms_norm_linear: norm weight {tuple(norm_weight.shape)}, "
+                         f"expected ({x.shape[-1]},)")
+
+
+@torch.library.custom_op("compiled::add_rms_norm_linear", mutates_args=())
+def add_rms_norm_linear(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, keep_normed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, delta `[T, K]` -> (y `[T, N]`, h = x + delta, normed = RMSNorm(h) or an empty tensor when
+    not keep_normed). h is what the residual stream carries on; normed is for other readers."""
+    _check_norm(x, delta, norm_weight, weight)
+    if use_kernel(x, weight, fused=True) and delta.stride(-1) == 1:
+        from compiled.graphs.linear_kernels import add_rms_norm_linear_triton
+        y, h, normed = add_rms_norm_linear_triton(x, delta, norm_weight, eps, weight, keep_normed)
+    else:
+        h, normed = _add_rms_norm(x, delta, norm_weight, eps)
+        y = F.linear(normed, weight)
+    return y, h, normed if keep_normed else x.new_empty(0)
+
+
+def _add_rms_norm(x, delta, norm_weight, eps):
+    """Outside the skinny kernel: one Triton launch on CUDA (as Inductor's fused kernel was), the
+    reference elsewhere or under the 'torch' backend."""
+    if x.is_cuda and BACKEND.name != "torch" and x.stride(-1) == 1 and delta.stride(-1) == 1:
+        from compiled.graphs.norm_kernels import add_rms_norm_triton
+        return add_rms_norm_triton(x, delta, norm_weight, eps)
+    return add_rms_norm_ref(x, delta, norm_weight, eps)
+
+
+@add_rms_norm_linear.register_fake
+def _(x, delta, norm_weight, eps, weight, keep_normed):
+    _check_norm(x, delta, norm_weight, weight)
+    return x.new_empty((x.shape[0], weight.shape[0])), torch.empty_like(x), \
+        torch.empty_like(x) if keep_normed else x.new_empty(0)
+
+
+def _check_silu(gate_up: torch.Tensor, weight: torch.Tensor) -> None:
+    if gate_up.dim() != 2 or weight.dim() != 2 or gate_up.shape[-1] != 2 * weight.shape[1]:
+        raise ValueError(f"compiled::silu_mul_linear: gate_up {tuple(gate_up.shape)} @ weight "
+                         f"{tuple(weight.shape)}.T: expected gate_up [T, 2K] and weight [N, K]")
+    if gate_up.dtype != weight.dtype:
+        raise ValueError(f"compiled::silu_mul_linear: gate_up is {gate_up.dtype}, weight is {weight.dtype}")
+
+
+@torch.library.custom_op("compiled::silu_mul_linear", mutates_args=())
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(silu(gate) * up) @ weight.T for gate_up `[T, 2K]` = [gate | up]."""
+    _check_silu(gate_up, weight)
+    if use_kernel(gate_up[:, :weight.shape[1]], weight, fused=True):
+        from compiled.graphs.linear_kernels import silu_mul_linear_triton
+        return silu_mul_linear_triton(gate_up, weight)
+    return silu_mul_linear_ref(gate_up, weight)
+
+
+@silu_mul_linear.register_fake
+def _(gate_up, weight):
+    _check_silu(gate_up, weight)
+    return gate_up.new_empty((gate_up.shape[0], weight.shape[0]))

@@ -1,0 +1,52 @@
+"""fuse_norm_linear: a residual add + RMSNorm and the linear that reads it become one op.
+
+    h = x + delta;  normed = rms_norm(h, w, eps);  y = linear(normed, W)
+        -> y, h, normed = add_rms_norm_linear(x, delta, w, eps, W, keep_normed)
+
+In a decoder layer that is the attention's residual add with the post-attention norm and the
+MLP's first linear (the router in a MoE layer), and the MLP's residual add with the next layer's
+input norm and its qkv projection. At decode sizes the skinny GEMM does the add and the norm in
+its prologue (compiled/graphs/fused_linear.py), so the Inductor kernel between the two GEMMs goes.
+h keeps the residual stream going; `keep_normed` where others read the norm too (the MoE experts).
+Runs after skinny_linear (it matches compiled::linear); the first norm (of the embedding) and the
+final one have no add or no linear and stay as they are."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+import compiled.graphs.fused_linear  # noqa: F401  (registers compiled::add_rms_norm_linear)
+from compiled.graphs.weights import WeightMap
+from compiled.passes.base import PassRecord, is_call, is_op, match_rms_norm
+
+
+def fuse_norm_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if not is_op(node, torch.ops.compiled.linear) or node.kwargs or len(node.args) != 2:
+            continue
+        normed, weight = node.args
+        norm = match_rms_norm(normed)
+        if norm is None or not _is_add(norm[0]) or weight.op != "get_attr":
+            continue
+        h, norm_weight, eps = norm
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        first = min(normed.users, key=order.__getitem__)
+        keep_normed = len(normed.users) > 1
+        with graph.inserting_before(first):
+            fused = graph.call_function(torch.ops.compiled.add_rms_norm_linear.default,
+                                        (*h.args, norm_weight, eps, graph.get_attr(weight.target), keep_normed))
+            y, h_new, normed_new = (graph.call_function(operator.getitem, (fused, i)) for i in range(3))
+        node.replace_all_uses_with(y)
+        graph.erase_node(node)
+        normed.replace_all_uses_with(normed_new)
+        # later readers of h (the next residual add) take the op's; the old norm's own nodes die
+        h.replace_all_uses_with(h_new, delete_user_cb=lambda user: order.get(user, -1) > order[first])
+        record.rewrites += 1
+
+
+def _is_add(node) -> bool:
+    return is_call(node, operator.add, 2) and all(isinstance(a, fx.Node) for a in node.args)

@@ -1,0 +1,32 @@
+"""fuse_silu_linear: SiLU-and-mul and the down projection that reads it become one op.
+
+    y = linear(silu_and_mul(gate_up), W)  ->  y = silu_mul_linear(gate_up, W)
+
+At decode sizes the skinny GEMM computes silu(gate) * up in its prologue (compiled/graphs/
+fused_linear.py), so the activation's own launch goes. Runs after silu_and_mul and skinny_linear,
+whose ops it matches; an activation with other readers is left alone."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+import compiled.graphs.fused_linear  # noqa: F401  (registers compiled::silu_mul_linear)
+from compiled.graphs.weights import WeightMap
+from compiled.passes.base import PassRecord, is_op
+
+
+def fuse_silu_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
+    for node in list(gm.graph.nodes):
+        if not is_op(node, torch.ops.compiled.linear) or node.kwargs or len(node.args) != 2:
+            continue
+        act, weight = node.args
+        if not (isinstance(act, fx.Node) and is_op(act, torch.ops.compiled.silu_and_mul)
+                and len(act.users) == 1 and len(act.args) == 1):
+            continue
+        with gm.graph.inserting_before(node):
+            fused = gm.graph.call_function(torch.ops.compiled.silu_mul_linear.default, (act.args[0], weight))
+        fused.meta = node.meta.copy()
+        node.replace_all_uses_with(fused)
+        gm.graph.erase_node(node)
+        record.rewrites += 1
