@@ -2,7 +2,7 @@
 
 At decode sizes the residual add + RMSNorm in front of a linear, or the SiLU-and-mul in front of
 the down projection, is a launch of its own that moves a few kilobytes. The skinny GEMM does it in
-its prologue instead (`linear_kernels`, PROLOGUE), so the fuse_norm_linear and fuse_silu_linear
+its prologue instead (`linear_kernels`: ADD_NORM, SILU_MUL), so the fuse_norm_linear and fuse_silu_linear
 passes route the graph's matching pairs here. The same rows as `compiled::linear` take the kernel
 (M <= SKINNY_MAX_M on CUDA in bf16/fp16, under the same backend switch); larger batches run a
 one-launch add + RMSNorm kernel (`norm_kernels`) then F.linear; CPU runs the torch references."""

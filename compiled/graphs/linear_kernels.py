@@ -120,13 +120,6 @@ def split_workspace(device: torch.device) -> SplitWorkspace:
     return ws
 
 
-# What the kernel does to x before the dot (PROLOGUE). ADD_NORM: x is the residual stream; the
-# tile the dot reads is (x [+ delta]) * norm_weight, and since RMSNorm's 1 / rms is one factor a
-# row, it scales the finished row instead (sums of squares gathered on the way, across splits
-# like the partials). SILU_MUL: x is a fused `[M, 2K]` gate/up output; the dot reads silu(gate) * up.
-PLAIN, ADD_NORM, SILU_MUL = 0, 1, 2
-
-
 @triton.jit
 def _residual_tile(X, D, offs_m, ks, mask, stride_xm, stride_dm):
     """The norm's input h = x + delta, rounded to x's dtype (the residual add, as torch does it)."""
@@ -169,12 +162,17 @@ def _skinny_kernel(
     D, NW, H, NORMED, Sums, eps, NORMED_CHUNK, stride_dm, stride_hm, stride_nm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PROLOGUE: tl.constexpr, KEEP_NORMED: tl.constexpr, PDL: tl.constexpr,
+    ADD_NORM: tl.constexpr, SILU_MUL: tl.constexpr, KEEP_NORMED: tl.constexpr, PDL: tl.constexpr,
 ):
     """EVEN_K (K a multiple of BLOCK_K, so every split is whole tiles): no mask along K, which
-    keeps the weight loads vectorised. ADD_NORM: column block 0 stores the residual sum H, and
-    with KEEP_NORMED each column block's finishing program a slice of the
-    normalised rows."""
+    keeps the weight loads vectorised.
+
+    Prologues, what the kernel does to x before the dot. ADD_NORM: x and D are the residual
+    stream and the output added to it; the dot reads (x + D) * norm_weight and, RMSNorm's 1 / rms
+    being one factor a row, the finished row is scaled by it (sums of squares gathered on the way,
+    across splits like the partials). Column block 0 stores the sum H, and with KEEP_NORMED each
+    column block's finishing program a slice of the normalised rows. SILU_MUL: x is a fused
+    `[M, 2K]` gate/up output and the dot reads silu(gate) * up."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -197,7 +195,7 @@ def _skinny_kernel(
             mask_k = ks < k_end
             x_mask = mask_m[:, None] & mask_k[None, :]
             w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
-        if PROLOGUE == ADD_NORM:
+        if ADD_NORM:
             h = _residual_tile(X, D, offs_m, ks, x_mask, stride_xm, stride_dm)
             if pid_n == 0:
                 tl.store(H + offs_m[:, None] * stride_hm + ks[None, :], h, mask=x_mask)
@@ -205,7 +203,7 @@ def _skinny_kernel(
             sq += tl.sum(hf * hf, axis=1)
             nw = tl.load(NW + ks, mask=ks < k_end, other=0.0)
             x = (hf * nw.to(tl.float32)[None, :]).to(h.dtype)
-        elif PROLOGUE == SILU_MUL:
+        elif SILU_MUL:
             x = _silu_mul_tile(X, offs_m, ks, x_mask, stride_xm, K)
         else:
             x = tl.load(X + offs_m[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
@@ -217,7 +215,7 @@ def _skinny_kernel(
     out_mask = mask_m[:, None] & mask_n[None, :]
     y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT_K == 1:
-        if PROLOGUE == ADD_NORM:
+        if ADD_NORM:
             rstd = tl.rsqrt(sq / K + eps)
             acc = acc * rstd[:, None]
             if KEEP_NORMED:
@@ -229,7 +227,7 @@ def _skinny_kernel(
         part_ptrs = Partials + offs_m[:, None] * N + offs_n[None, :]
         tl.store(part_ptrs + pid_k * M * N, acc, mask=out_mask)
         sum_ptrs = Sums + pid_n * SPLIT_K * BLOCK_M + offs_m
-        if PROLOGUE == ADD_NORM:
+        if ADD_NORM:
             tl.store(sum_ptrs + pid_k * BLOCK_M, sq)
         # Every thread's partial store must precede the release below.
         tl.debug_barrier()
@@ -240,7 +238,7 @@ def _skinny_kernel(
             # which is coherent, never from a stale L1 line.
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(part_ptrs + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-            if PROLOGUE == ADD_NORM:
+            if ADD_NORM:
                 sq = tl.zeros([BLOCK_M], dtype=tl.float32)
                 for s in tl.static_range(SPLIT_K):
                     sq += tl.load(sum_ptrs + s * BLOCK_M, cache_modifier=".cg")
@@ -257,7 +255,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyCo
     """x `[M, K]` (M <= SKINNY_MAX_M, last dim contiguous), weight `[N, K]` (last dim contiguous)
     -> `[M, N]` in x's dtype. `config` overrides the heuristic (tests, the benchmark's sweep)."""
     y = x.new_empty((x.shape[0], weight.shape[0]))
-    _launch(x, weight, y, config, PLAIN, {})
+    _launch(x, weight, y, config, {})
     return y
 
 
@@ -270,21 +268,22 @@ def add_rms_norm_linear_triton(x: torch.Tensor, delta: torch.Tensor, norm_weight
     y = x.new_empty((M, weight.shape[0]))
     h = x.new_empty((M, K))
     normed = x.new_empty((M, K)) if keep_normed else None
-    _launch(x, weight, y, config, ADD_NORM, dict(
+    _launch(x, weight, y, config, dict(
         D=delta, NW=norm_weight, H=h, NORMED=normed if keep_normed else y, eps=eps,
-        stride_dm=delta.stride(0), stride_hm=K, stride_nm=K, KEEP_NORMED=keep_normed))
+        stride_dm=delta.stride(0), stride_hm=K, stride_nm=K, ADD_NORM=True, KEEP_NORMED=keep_normed))
     return y, h, normed
 
 
 def silu_mul_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
     """(silu(gate) * up) @ weight.T in one launch; gate_up `[M, 2K]` holds [gate | up], weight `[N, K]`."""
     y = gate_up.new_empty((gate_up.shape[0], weight.shape[0]))
-    _launch(gate_up, weight, y, config, SILU_MUL, {})
+    _launch(gate_up, weight, y, config, dict(SILU_MUL=True))
     return y
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: SkinnyConfig | None,
-            prologue: int, extra: dict) -> None:
+            prologue: dict) -> None:
+    """One launch writing y; `prologue`: the ADD_NORM / SILU_MUL arguments that differ from none."""
     M = x.shape[0]
     N, K = weight.shape
     if config is None:
@@ -300,11 +299,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
     upcast = interpreter_upcast(x.dtype)
     precision = "ieee" if upcast or x.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(N, block_n), split_k)
-    args = dict(D=y, NW=y, H=y, NORMED=y, eps=0.0, stride_dm=0, stride_hm=0, stride_nm=0, KEEP_NORMED=False)
-    args.update(extra)
+    args = dict(D=y, NW=y, H=y, NORMED=y, eps=0.0, stride_dm=0, stride_hm=0, stride_nm=0,
+                ADD_NORM=False, SILU_MUL=False, KEEP_NORMED=False)
+    args.update(prologue)
     _skinny_kernel[grid](
         x, weight, y, partials, semaphores, M, N, K, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         Sums=sums, NORMED_CHUNK=triton.cdiv(K, grid[0]), **args,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=K % block_k == 0,
-        UPCAST=upcast, DOT_PRECISION=precision, PROLOGUE=prologue, num_warps=num_warps, num_stages=num_stages,
+        UPCAST=upcast, DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
         **launch_kwargs(x.device))
