@@ -9,7 +9,10 @@ L2; median replay time / calls = µs per call. GB/s = (weight + x + y bytes) / t
 device copy bandwidth measured here (bytes read + written). `--sweep` also times a small grid of
 (BLOCK_N, BLOCK_K, SPLIT_K) at 4 warps / 4 stages, then warps x stages around the best three, and
 prints the best per shape next to the heuristic's choice (compiled/graphs/linear_kernels.py);
-about 300 tile configs compile over all shapes (minutes): `--shapes` narrows it."""
+about 300 tile configs compile over all shapes (minutes): `--shapes` narrows it. `--fused` also
+times the kernel with its prologues (compiled/graphs/fused_linear.py): the residual add + RMSNorm
+in front of the linear (normalised rows kept for the router, as in the MoE layer) and, for the
+down projection, SiLU-and-mul, each against the linear alone."""
 
 from __future__ import annotations
 
@@ -107,6 +110,29 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], reps: int, bw: float) 
     return rows
 
 
+def bench_fused(name: str, n: int, k: int, ms: list[int], reps: int) -> list[dict]:
+    """µs per call of the fused op against compiled::linear alone on the same weights."""
+    weights = make_weights(n, k, weight_copies(n, k))
+    rows = []
+    for m in ms:
+        x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+        delta = torch.randn_like(x)
+        nw = torch.rand(k, device=DEVICE, dtype=torch.bfloat16) + 0.5
+        row = dict(shape=name, n=n, k=k, m=m, linear_us=time_calls(torch.ops.compiled.linear, x, weights, reps))
+        keep = name.startswith("router")
+        row["add_norm_us"] = time_calls(
+            lambda a, w: torch.ops.compiled.add_rms_norm_linear(a, delta, nw, 1e-6, w, keep), x, weights, reps)
+        if name.startswith("down"):
+            gate_up = torch.randn(m, 2 * k, device=DEVICE, dtype=torch.bfloat16)
+            row["silu_us"] = time_calls(torch.ops.compiled.silu_mul_linear, gate_up, weights, reps)
+        print(f"  fused {name:12s} M={m:2d}: " + ", ".join(f"{key} {v:.2f}" for key, v in row.items() if key.endswith("_us")),
+              flush=True)
+        rows.append(row)
+    del weights
+    torch.cuda.empty_cache()
+    return rows
+
+
 def valid(cfg: lk.SkinnyConfig, n: int, k: int, num_sms: int) -> bool:
     """Within the workspace, at least one K tile per split, and a grid neither far short of the
     SMs nor so long that the per-program overhead dominates."""
@@ -179,6 +205,7 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="also search (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)")
     p.add_argument("--sweep-m", type=int, nargs="*", default=[1, 16])
+    p.add_argument("--fused", action="store_true", help="also time the add + RMSNorm and SiLU prologues")
     p.add_argument("--out", default="linear_bench.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -193,11 +220,15 @@ def main(argv=None) -> None:
                 num_sms=lk.num_sms(torch.device("cuda", torch.cuda.current_device())))
     print(f"{info['device']}; torch {info['torch']}; triton {info['triton']}; {info['num_sms']} SMs; "
           f"copy {bw / 1e12:.2f} TB/s (read+write)", flush=True)
-    result = dict(info=info, rows=[], sweep=[])
+    result = dict(info=info, rows=[], sweep=[], fused=[])
     for name in args.shapes:
         result["rows"] += bench_shape(name, *SHAPES[name], args.m, args.reps, bw)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(table(result["rows"]), flush=True)
+    if args.fused:
+        for name in args.shapes:
+            result["fused"] += bench_fused(name, *SHAPES[name], args.m, args.reps)
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     if args.sweep:
         for name in args.shapes:
             result["sweep"] += sweep_shape(name, *SHAPES[name], args.sweep_m, args.reps)
