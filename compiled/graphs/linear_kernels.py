@@ -121,19 +121,20 @@ def split_workspace(device: torch.device) -> SplitWorkspace:
 
 
 @triton.jit
-def _residual_tile(X, D, offs_m, ks, mask, stride_xm, stride_dm):
-    """The norm's input h = x + delta, rounded to x's dtype (the residual add, as torch does it)."""
-    x = tl.load(X + offs_m[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0)
-    d = tl.load(D + offs_m[:, None] * stride_dm + ks[None, :], mask=mask, other=0.0)
-    return (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+def _prologue_tiles(X, D, offs_m, ks, mask, stride_xm, stride_dm, K, ADD_NORM: tl.constexpr):
+    """A prologue's two input tiles for columns ks: (x, delta) for ADD_NORM; (gate, up) of a
+    `[M, 2K]` gate/up row for SILU_MUL."""
+    a = tl.load(X + offs_m[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0)
+    if ADD_NORM:
+        b = tl.load(D + offs_m[:, None] * stride_dm + ks[None, :], mask=mask, other=0.0)
+    else:
+        b = tl.load(X + offs_m[:, None] * stride_xm + (K + ks)[None, :], mask=mask, other=0.0)
+    return a, b
 
 
 @triton.jit
-def _silu_mul_tile(X, offs_m, ks, mask, stride_xm, K):
-    """silu(gate) * up for columns ks of a `[M, 2K]` gate/up row, each result rounded as torch's
-    F.silu(gate) * up rounds it."""
-    g = tl.load(X + offs_m[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0)
-    u = tl.load(X + offs_m[:, None] * stride_xm + (K + ks)[None, :], mask=mask, other=0.0)
+def _silu_mul(g, u):
+    """silu(gate) * up, each result rounded as torch's F.silu(gate) * up rounds it."""
     gf = g.to(tl.float32)
     s = (gf * tl.sigmoid(gf)).to(g.dtype)
     return (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
@@ -150,7 +151,8 @@ def _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K
     for k0 in range(lo, hi, BLOCK_K):
         ks = k0 + offs_k
         mask = mask_m[:, None] & (ks < hi)[None, :]
-        h = _residual_tile(X, D, offs_m, ks, mask, stride_xm, stride_dm)
+        x, d = _prologue_tiles(X, D, offs_m, ks, mask, stride_xm, stride_dm, K, True)
+        h = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
         nw = tl.load(NW + ks, mask=ks < hi, other=0.0)
         normed = nw.to(tl.float32)[None, :] * (h.to(tl.float32) * rstd[:, None]).to(h.dtype).to(tl.float32)
         tl.store(NORMED + offs_m[:, None] * stride_nm + ks[None, :], normed.to(h.dtype), mask=mask)
@@ -186,6 +188,14 @@ def _skinny_kernel(
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if ADD_NORM or SILU_MUL:
+        # A prologue's input tiles are loaded one step ahead by hand: Triton's pipeliner prefetches
+        # the loads that feed the dot, and these feed arithmetic first (one step's wait a step).
+        ks = k_start + offs_k
+        a, b = _prologue_tiles(X, D, offs_m, ks, mask_m[:, None] & (ks < k_end)[None, :], stride_xm, stride_dm, K,
+                               ADD_NORM)
+        if ADD_NORM:
+            nw = tl.load(NW + ks, mask=ks < k_end, other=0.0)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + offs_k
         if EVEN_K:
@@ -195,16 +205,22 @@ def _skinny_kernel(
             mask_k = ks < k_end
             x_mask = mask_m[:, None] & mask_k[None, :]
             w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
-        if ADD_NORM:
-            h = _residual_tile(X, D, offs_m, ks, x_mask, stride_xm, stride_dm)
-            if pid_n == 0:
-                tl.store(H + offs_m[:, None] * stride_hm + ks[None, :], h, mask=x_mask)
-            hf = h.to(tl.float32)
-            sq += tl.sum(hf * hf, axis=1)
-            nw = tl.load(NW + ks, mask=ks < k_end, other=0.0)
-            x = (hf * nw.to(tl.float32)[None, :]).to(h.dtype)
-        elif SILU_MUL:
-            x = _silu_mul_tile(X, offs_m, ks, x_mask, stride_xm, K)
+        if ADD_NORM or SILU_MUL:
+            nxt = ks + BLOCK_K
+            a_next, b_next = _prologue_tiles(X, D, offs_m, nxt, mask_m[:, None] & (nxt < k_end)[None, :], stride_xm,
+                                             stride_dm, K, ADD_NORM)
+            if ADD_NORM:
+                nw_next = tl.load(NW + nxt, mask=nxt < k_end, other=0.0)
+                h = (a.to(tl.float32) + b.to(tl.float32)).to(a.dtype)   # the residual add, rounded as torch's
+                if pid_n == 0:
+                    tl.store(H + offs_m[:, None] * stride_hm + ks[None, :], h, mask=x_mask)
+                hf = h.to(tl.float32)
+                sq += tl.sum(hf * hf, axis=1)
+                x = (hf * nw.to(tl.float32)[None, :]).to(h.dtype)
+                nw = nw_next
+            else:
+                x = _silu_mul(a, b)
+            a, b = a_next, b_next
         else:
             x = tl.load(X + offs_m[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
         if UPCAST:  # see interpreter_upcast()
