@@ -110,7 +110,7 @@ def bench_shape(name: str, n: int, k: int, ms: list[int], reps: int, bw: float) 
     return rows
 
 
-def bench_fused(name: str, n: int, k: int, ms: list[int], reps: int) -> list[dict]:
+def bench_fused(name: str, n: int, k: int, ms: list[int], reps: int, steps: int) -> list[dict]:
     """µs per call of the fused op against compiled::linear alone on the same weights."""
     weights = make_weights(n, k, weight_copies(n, k))
     rows = []
@@ -125,7 +125,8 @@ def bench_fused(name: str, n: int, k: int, ms: list[int], reps: int) -> list[dic
         if name.startswith("down"):
             gate_up = torch.randn(m, 2 * k, device=DEVICE, dtype=torch.bfloat16)
             row["silu_us"] = time_calls(torch.ops.compiled.silu_mul_linear, gate_up, weights, reps)
-        print(f"  fused {name:12s} M={m:2d}: " + ", ".join(f"{key} {v:.2f}" for key, v in row.items() if key.endswith("_us")),
+        cfg = tuple(lk.skinny_config(m, n, k, lk.num_sms(x.device), steps))
+        print(f"  fused {name:12s} M={m:2d} steps<={steps} {cfg}: " + ", ".join(f"{key} {v:.2f}" for key, v in row.items() if key.endswith("_us")),
               flush=True)
         rows.append(row)
     del weights
@@ -206,6 +207,8 @@ def main(argv=None) -> None:
     p.add_argument("--sweep", action="store_true", help="also search (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)")
     p.add_argument("--sweep-m", type=int, nargs="*", default=[1, 16])
     p.add_argument("--fused", action="store_true", help="also time the add + RMSNorm and SiLU prologues")
+    p.add_argument("--prologue-steps", type=int, nargs="*", default=[lk.PROLOGUE_MAX_STEPS],
+                   help="--fused: time each of these K-step bounds (linear_kernels.PROLOGUE_MAX_STEPS)")
     p.add_argument("--out", default="linear_bench.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -226,9 +229,12 @@ def main(argv=None) -> None:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(table(result["rows"]), flush=True)
     if args.fused:
-        for name in args.shapes:
-            result["fused"] += bench_fused(name, *SHAPES[name], args.m, args.reps)
-            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        for steps in args.prologue_steps:
+            lk.PROLOGUE_MAX_STEPS = steps   # read by the kernels' launcher
+            for name in args.shapes:
+                result["fused"] += [dict(r, prologue_steps=steps) for r in bench_fused(name, *SHAPES[name], args.m,
+                                                                                         args.reps, steps)]
+                Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     if args.sweep:
         for name in args.shapes:
             result["sweep"] += sweep_shape(name, *SHAPES[name], args.sweep_m, args.reps)

@@ -42,6 +42,10 @@ WORKSPACE_COLS = 128 * 1024  # split-K needs SPLIT_K * N <= this (fp32 partials:
 NUM_WARPS = 4
 NUM_STAGES = 5
 DEFAULT_NUM_SMS = 132      # an H100 / H200; used when there is no CUDA device (the interpreter)
+# With a prologue (fused_linear), at most this many K steps a program: its input tiles are
+# prefetched one step ahead only, so a long K range leaves part of each step's load latency
+# exposed and more, shorter programs hide it better (bench/linear_bench.py --fused, RESULTS.md).
+PROLOGUE_MAX_STEPS = 4
 
 
 class SkinnyConfig(NamedTuple):
@@ -53,12 +57,14 @@ class SkinnyConfig(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS) -> SkinnyConfig:
+def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, prologue_steps: int = 0) -> SkinnyConfig:
     """From a sweep on the H200 (bench/linear_bench.py --sweep; RESULTS.md). A wide N (the LM
     head) takes 64-column blocks and no split. Otherwise 64 columns from N = 2048 down to 32 (16
     for N <= 128), and SPLIT_K the largest power of two that keeps N x SPLIT_K within
     SPLIT_COLUMNS_PER_SM x num_sms, each split at least MIN_K_PER_SPLIT long and the partials
-    within the workspace. M does not enter: at M <= 16 the time is the weight's bytes."""
+    within the workspace. M does not enter: at M <= 16 the time is the weight's bytes.
+    `prologue_steps` (a kernel with a prologue: PROLOGUE_MAX_STEPS): split further, within the
+    same bounds, until a program has at most that many K steps."""
     block_k = min(MAX_BLOCK_K, max(MIN_BLOCK, triton.next_power_of_2(K)))
     if triton.cdiv(N, MAX_BLOCK_N) >= WIDE_PROGRAMS_PER_SM * num_sms:
         return SkinnyConfig(MAX_BLOCK_N, block_k, 1)
@@ -66,6 +72,8 @@ def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS) -> Ski
     max_split = min(MAX_SPLIT_K, K // MIN_K_PER_SPLIT, WORKSPACE_COLS // max(N, 1))
     split = 1
     while 2 * split <= max_split and N * 2 * split <= SPLIT_COLUMNS_PER_SM * num_sms:
+        split *= 2
+    while prologue_steps and 2 * split <= max_split and triton.cdiv(K, split * block_k) > prologue_steps:
         split *= 2
     return SkinnyConfig(block_n, block_k, split)
 
@@ -305,7 +313,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
     if config is None:
         if M > SKINNY_MAX_M:
             raise ValueError(f"skinny linear: M={M} rows, at most {SKINNY_MAX_M}")
-        config = skinny_config(M, N, K, num_sms(x.device))
+        config = skinny_config(M, N, K, num_sms(x.device), PROLOGUE_MAX_STEPS if prologue else 0)
     else:
         check_config(config, M, N)
     block_n, block_k, split_k, num_warps, num_stages = config
