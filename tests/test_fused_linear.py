@@ -37,9 +37,10 @@ SILU_CASES = [
     ("silu_m3_n130_k200_split4", 3, 130, 200, "float32", (32, 64, 4)),
     ("silu_m16_n48_k64_bf16_split2", 16, 48, 64, "bfloat16", (16, 16, 2)),
 ]
-# (name, T, K, dtype): the row kernel for the rows the skinny GEMM does not take
-ROW_CASES = [("rows_t3_k5", 3, 5, "float32"), ("rows_t7_k200_fp16", 7, 200, "float16"),
-             ("rows_t2_k2048_bf16", 2, 2048, "bfloat16")]
+# (name, prologue, T, K, dtype): the prologues' own launches, for what the skinny GEMM does not take
+ROW_CASES = [("rows_t3_k5", "norm", 3, 5, "float32"), ("rows_t7_k200_fp16", "norm", 7, 200, "float16"),
+             ("rows_t2_k2048_bf16", "norm", 2, 2048, "bfloat16"),
+             ("rows_silu_t5_k1500_bf16", "silu", 5, 1500, "bfloat16")]   # two column blocks
 
 
 def _randn(shape, dtype, seed, scale=1.0):
@@ -87,9 +88,14 @@ def silu_case(M, N, K, dtype, config) -> dict:
     return dict(err=max(errs), tol=TOL[dt], clean=clean)
 
 
-def rows_case(T, K, dtype) -> dict:
-    from compiled.graphs.norm_kernels import add_rms_norm_triton
+def rows_case(prologue, T, K, dtype) -> dict:
+    from compiled.graphs.activation import silu_and_mul_ref
+    from compiled.graphs.prologue_kernels import add_rms_norm_triton, silu_and_mul_triton
     dt = getattr(torch, dtype)
+    if prologue == "silu":   # over [T, 2K]
+        gate_up = _randn((T, 2 * K), dt, 3, 3.0)
+        return dict(err=max_err(silu_and_mul_triton(gate_up), silu_and_mul_ref(gate_up.float())), tol=TOL[dt],
+                    clean=True)
     x, delta = _residual(T, K, dt, 3)
     nw = _randn((K,), dt, 4, 0.5) + 1
     h, normed = add_rms_norm_triton(x, delta, nw, 1e-6)
@@ -169,10 +175,11 @@ def _check_norm(out, x, delta, nw, w, keep):
 @pytest.mark.parametrize("m", [1, 8, 16, 64])
 @pytest.mark.parametrize("n,k,keep", REAL_NORM)
 def test_gpu_add_rms_norm_linear_eager_and_graph(m, n, k, keep):
-    """M <= 16 runs the fused kernel (even where cuBLAS would take the bare linear), 64 rows the
-    row kernel + cuBLAS; both replayed from a CUDA graph on fresh inputs."""
+    """M <= 16 runs the fused kernel where the skinny GEMM takes the bare linear (the router),
+    else the row kernel + cuBLAS (qkv, w13, and 64 rows); both replayed from a CUDA graph on
+    fresh inputs."""
     x, delta, nw, w = _cuda_inputs(m, n, k, m * n + k)
-    assert lin.use_kernel(x, w, fused=True) == (m <= lin.SKINNY_MAX_M)
+    assert lin.use_kernel(x, w) == (m <= lin.SKINNY_MAX_M and n == 128)
     op = torch.ops.compiled.add_rms_norm_linear
     _check_norm(op(x, delta, nw, 1e-6, w, keep), x, delta, nw, w, keep)   # also readies the workspace
     graph = torch.cuda.CUDAGraph()
@@ -188,6 +195,7 @@ def test_gpu_add_rms_norm_linear_eager_and_graph(m, n, k, keep):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_gpu_silu_mul_linear_eager_and_graph(m):
+    """The 0.6B shape's down projection: the fused kernel up to 16 rows, the reference beyond."""
     g = torch.Generator(device="cuda").manual_seed(m)
     gate_up = torch.randn(m, 2 * 3072, device="cuda", generator=g).bfloat16()
     w = (torch.randn(1024, 3072, device="cuda", generator=g) * 3072 ** -0.5).bfloat16()

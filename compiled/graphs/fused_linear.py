@@ -3,9 +3,12 @@
 At decode sizes the residual add + RMSNorm in front of a linear, or the SiLU-and-mul in front of
 the down projection, is a launch of its own that moves a few kilobytes. The skinny GEMM does it in
 its prologue instead (`linear_kernels`: ADD_NORM, SILU_MUL), so the fuse_norm_linear and fuse_silu_linear
-passes route the graph's matching pairs here. The same rows as `compiled::linear` take the kernel
-(M <= SKINNY_MAX_M on CUDA in bf16/fp16, under the same backend switch); larger batches run a
-one-launch add + RMSNorm kernel (`norm_kernels`) then F.linear; CPU runs the torch references."""
+passes route the graph's matching pairs here. The kernel serves what it serves for
+`compiled::linear` (`use_kernel`: M <= SKINNY_MAX_M on CUDA in bf16/fp16, where it beats cuBLAS,
+under the same backend switch): there the prologue costs less than the launch it saves (H100,
+bench/RESULTS.md), while in front of a linear that cuBLAS does better (the 30B shape's qkv) it
+cost more. Elsewhere the prologue runs as one launch of its own (`prologue_kernels`) before
+F.linear, as Inductor's kernel did; CPU runs the torch references."""
 
 from __future__ import annotations
 
@@ -53,7 +56,7 @@ def add_rms_norm_linear(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch
     """x, delta `[T, K]` -> (y `[T, N]`, h = x + delta, normed = RMSNorm(h) or an empty tensor when
     not keep_normed). h is what the residual stream carries on; normed is for other readers."""
     _check_norm(x, delta, norm_weight, weight)
-    if use_kernel(x, weight, fused=True) and delta.stride(-1) == 1:
+    if use_kernel(x, weight) and delta.stride(-1) == 1:
         from compiled.graphs.linear_kernels import add_rms_norm_linear_triton
         y, h, normed = add_rms_norm_linear_triton(x, delta, norm_weight, eps, weight, keep_normed)
     else:
@@ -62,11 +65,15 @@ def add_rms_norm_linear(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch
     return y, h, normed if keep_normed else x.new_empty(0)
 
 
+def _own_launch(*tensors: torch.Tensor) -> bool:
+    """Whether a prologue outside the skinny kernel runs as its Triton launch (CUDA, last dims
+    contiguous, not the 'torch' backend) rather than as the reference's eager ops."""
+    return BACKEND.name != "torch" and all(t.is_cuda and t.stride(-1) == 1 for t in tensors)
+
+
 def _add_rms_norm(x, delta, norm_weight, eps):
-    """Outside the skinny kernel: one Triton launch on CUDA (as Inductor's fused kernel was), the
-    reference elsewhere or under the 'torch' backend."""
-    if x.is_cuda and BACKEND.name != "torch" and x.stride(-1) == 1 and delta.stride(-1) == 1:
-        from compiled.graphs.norm_kernels import add_rms_norm_triton
+    if _own_launch(x, delta):
+        from compiled.graphs.prologue_kernels import add_rms_norm_triton
         return add_rms_norm_triton(x, delta, norm_weight, eps)
     return add_rms_norm_ref(x, delta, norm_weight, eps)
 
@@ -90,9 +97,12 @@ def _check_silu(gate_up: torch.Tensor, weight: torch.Tensor) -> None:
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """(silu(gate) * up) @ weight.T for gate_up `[T, 2K]` = [gate | up]."""
     _check_silu(gate_up, weight)
-    if use_kernel(gate_up[:, :weight.shape[1]], weight, fused=True):
+    if use_kernel(gate_up[:, :weight.shape[1]], weight):
         from compiled.graphs.linear_kernels import silu_mul_linear_triton
         return silu_mul_linear_triton(gate_up, weight)
+    if _own_launch(gate_up):
+        from compiled.graphs.prologue_kernels import silu_and_mul_triton
+        return F.linear(silu_and_mul_triton(gate_up), weight)
     return silu_mul_linear_ref(gate_up, weight)
 
 

@@ -1,8 +1,10 @@
-"""Residual add + RMSNorm (Triton) for the rows the skinny GEMM does not take (prefill, large batches).
+"""The fused linears' prologues as launches of their own (Triton), for what the skinny GEMM does not
+take (prefill, larger batches, linears that cuBLAS does better).
 
-`compiled::add_rms_norm_linear` runs this and then F.linear there: one launch, as the Inductor
-kernel it replaces was, instead of the seven eager ops of the reference. One row a program, the
-whole row in one tile. The torch reference is `fused_linear.add_rms_norm_ref`."""
+`compiled::add_rms_norm_linear` and `compiled::silu_mul_linear` run these and then F.linear
+there: one launch each, as the Inductor kernels they replace were, instead of the reference's
+eager ops. The torch references are `fused_linear.add_rms_norm_ref` and
+`activation.silu_and_mul_ref`."""
 
 from __future__ import annotations
 
@@ -37,3 +39,25 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch
         _add_rms_norm_kernel[(T,)](x, delta, norm_weight, h, normed, K, eps, x.stride(0), delta.stride(0),
                                    BLOCK=block, num_warps=max(1, min(16, block // 256)))
     return h, normed
+
+
+@triton.jit
+def _silu_mul_kernel(X, Y, I, stride_xm, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < I
+    g = tl.load(X + row * stride_xm + cols, mask=mask, other=0.0)
+    u = tl.load(X + row * stride_xm + I + cols, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    s = (gf * tl.sigmoid(gf)).to(g.dtype)   # rounded where F.silu(gate) * up rounds
+    tl.store(Y + row * I + cols, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+
+
+def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up `[T, 2I]` = [gate | up] (last dim contiguous) -> `[T, I]`."""
+    T, I = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty((T, I))
+    if T:
+        block = min(1024, triton.next_power_of_2(I))
+        _silu_mul_kernel[(T, triton.cdiv(I, block))](gate_up, out, I, gate_up.stride(0), BLOCK=block, num_warps=4)
+    return out
