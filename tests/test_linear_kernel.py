@@ -182,6 +182,13 @@ def test_heuristic_fills_the_gpu_within_the_workspace(n, k):
         assert cfg.split_k > 1
     # cuBLAS keeps the mid-size single-pass shapes (qkv 5120, gate/up 6144), measured no slower
     assert lk.beats_cublas(cfg, n, 132) == (wide or n <= 2048)
+    # with a prologue (never the wide LM head), more splits until each program has at most the
+    # bound's K steps or the split is at its own bounds; never fewer than without
+    fused = lk.skinny_config(1, n, k, 132, lk.PROLOGUE_MAX_STEPS)
+    lk.check_config(fused, SKINNY_MAX_M, n)
+    assert fused.split_k >= cfg.split_k and fused[:2] == cfg[:2]
+    steps = -(-k // (fused.split_k * fused.block_k))
+    assert wide or steps <= lk.PROLOGUE_MAX_STEPS or fused.split_k * 2 > min(lk.MAX_SPLIT_K, k // lk.MIN_K_PER_SPLIT)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
     y = linear(silu_and_mul(gate_up), W)  ->  y = silu_mul_linear(gate_up, W)
 
-At decode sizes the skinny GEMM computes silu(gate) * up in its prologue (compiled/graphs/
-fused_linear.py), so the activation's own launch goes. Runs after silu_and_mul and skinny_linear,
+At decode sizes, where the skinny GEMM serves the down projection, it computes silu(gate) * up in
+its prologue and the activation's own launch goes (compiled/graphs/fused_linear.py). Runs after silu_and_mul and skinny_linear,
 whose ops it matches; an activation with other readers is left alone."""
 
 from __future__ import annotations
