@@ -46,8 +46,8 @@ DEFAULT_NUM_SMS = 132      # an H100 / H200; used when there is no CUDA device (
 # prefetched one step ahead only, so a long K range leaves part of each step's load latency
 # exposed and more, shorter programs hide it better (bench/linear_bench.py --fused, RESULTS.md).
 PROLOGUE_MAX_STEPS = 4
-# Kernels with a prologue launch without programmatic dependent launch: with it, a decode step
-# of the 30B shape measured 4.11 ms against 3.73 unfused, without it 3.73 against 3.74 (H100).
+# Kernels with a prologue launch without programmatic dependent launch: with it the 30B shape's
+# decode step measured 4.11-4.15 ms against 3.73-3.74 unfused (H100, RESULTS.md, eighth session).
 PROLOGUE_PDL = False
 
 
