@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -21,7 +20,7 @@ if ROOT not in sys.path:
 
 import compiled.graphs.linear as lin  # noqa: E402
 from compiled.graphs import fused_linear as fl  # noqa: E402
-from tests.test_linear_kernel import TOL, max_err  # noqa: E402
+from tests.test_linear_kernel import TOL, max_err, run_interpreted  # noqa: E402
 
 # (name, M, N, K, dtype, forced (block_n, block_k, split_k) or None, keep_normed)
 NORM_CASES = [
@@ -105,12 +104,7 @@ def rows_case(prologue, T, K, dtype) -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, dict]:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("COMPILED_LINEAR_BACKEND", None)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(__file__)
 
 
 @pytest.mark.parametrize("name", [c[0] for c in NORM_CASES + SILU_CASES + ROW_CASES])

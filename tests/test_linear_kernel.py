@@ -83,14 +83,20 @@ def op_case() -> dict:
     return dict(err=max(errs) if shape_ok else float("inf"), tol=TOL[torch.float32], clean=True)
 
 
-@pytest.fixture(scope="module")
-def interpreted_results() -> dict[str, dict]:
+def run_interpreted(script: str) -> dict[str, dict]:
+    """Run a test file as a script under TRITON_INTERPRET=1 (default linear backend); the JSON
+    its last line prints."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("COMPILED_LINEAR_BACKEND", None)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=ROOT,
+    proc = subprocess.run([sys.executable, os.path.abspath(script)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def interpreted_results() -> dict[str, dict]:
+    return run_interpreted(__file__)
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES] + ["op_forced_triton"])
