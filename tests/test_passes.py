@@ -51,11 +51,12 @@ def _passed(cfg: ModelConfig, plain: nn.Module, passes: list[str]) -> fx.GraphMo
     return gm
 
 
-def _run(module: nn.Module, cfg: ModelConfig, prompts: list[list[int]], decode_tokens: list[int]) -> torch.Tensor:
+def _run(module: nn.Module, cfg: ModelConfig, prompts: list[list[int]], decode_tokens: list[int],
+         dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Hidden states of a prefill of `prompts` followed by one decode step; fresh KV cache."""
-    ecfg = EngineConfig(device=torch.device("cpu"), dtype=torch.float32, max_model_len=128,
+    ecfg = EngineConfig(device=torch.device("cpu"), dtype=dtype, max_model_len=128,
                         max_num_seqs=8, max_num_batched_tokens=512)
-    kv = KVPool(cfg.num_hidden_layers, 512, cfg.num_key_value_heads, cfg.head_dim, torch.float32, ecfg.device)
+    kv = KVPool(cfg.num_hidden_layers, 512, cfg.num_key_value_heads, cfg.head_dim, dtype, ecfg.device)
     pool = ReqToTokenPool(8, 128, ecfg.device)
     scheduler = Scheduler(kv, pool, 8, 512)
     runner = ModelRunner(module, ecfg, kv, pool)
