@@ -43,3 +43,17 @@ def pdl_wait(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
 
+
+@triton.jit
+def pdl_wait_only(PDL: tl.constexpr):
+    """Wait for the previous kernel, letting the next one in later (`pdl_let_next_in`): for a
+    kernel whose grid the early next one would crowd (the skinny GEMM with a prologue)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_let_next_in(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+

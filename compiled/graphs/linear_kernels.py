@@ -28,7 +28,7 @@ import triton.language as tl
 
 from compiled.attention.triton_decode import interpreter_upcast, sm_count
 from compiled.graphs.linear import SKINNY_MAX_M
-from compiled.pdl import launch_kwargs, pdl_wait
+from compiled.pdl import launch_kwargs, pdl_let_next_in, pdl_wait, pdl_wait_only
 
 BLOCK_M = max(16, triton.next_power_of_2(SKINNY_MAX_M))  # one tile for every row (tl.dot needs >= 16)
 MIN_BLOCK = 16             # smallest BLOCK_N / BLOCK_K (tl.dot's minimum)
@@ -46,9 +46,6 @@ DEFAULT_NUM_SMS = 132      # an H100 / H200; used when there is no CUDA device (
 # prefetched one step ahead only, so a long K range leaves part of each step's load latency
 # exposed and more, shorter programs hide it better (bench/linear_bench.py --fused, RESULTS.md).
 PROLOGUE_MAX_STEPS = 4
-# Kernels with a prologue launch without programmatic dependent launch: with it the 30B shape's
-# decode step measured 4.11-4.15 ms against 3.73-3.74 unfused (H100, RESULTS.md, eighth session).
-PROLOGUE_PDL = False
 
 
 class SkinnyConfig(NamedTuple):
@@ -195,7 +192,12 @@ def _skinny_kernel(
     mask_n = offs_n < N
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    pdl_wait(PDL)
+    if ADD_NORM or SILU_MUL:
+        # With a prologue the next kernel is let in only after the main loop: let in at the start
+        # (pdl_wait), it made the decode step slower than no PDL at all (RESULTS.md, eighth session).
+        pdl_wait_only(PDL)
+    else:
+        pdl_wait(PDL)
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -239,6 +241,8 @@ def _skinny_kernel(
             w = w.to(tl.float32)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
         w_ptrs += BLOCK_K
+    if ADD_NORM or SILU_MUL:
+        pdl_let_next_in(PDL)
     out_mask = mask_m[:, None] & mask_n[None, :]
     y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     if SPLIT_K == 1:
@@ -334,4 +338,4 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
         Sums=sums, NORMED_CHUNK=triton.cdiv(K, grid[0]), **args,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=K % block_k == 0,
         UPCAST=upcast, DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
-        **(launch_kwargs(x.device) if PROLOGUE_PDL or not prologue else dict(PDL=False)))
+        **launch_kwargs(x.device))
