@@ -7,8 +7,8 @@ into a warm-up (compile, no launch), with PDL and TMA on as on Hopper; then a sm
 model with a dense layer runs a prefill and a decode step through the Triton backends (every
 pass on: fused linears, q/k norm + RoPE in attention), and the fused MoE is called at decode and
 prefill sizes with the H100's tuned configs (TMA, part-height tiles) and as the one-token kernel;
-the launches that the CPU path leaves out (the routing kernel, the prologues' own launches) are
-called directly.
+the launches those leave out (the routing kernel, the prologues' own launches, the plain K/V
+store) are called directly.
 Outputs are never computed, so nothing is compared: the test is that every kernel compiles."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # every @triton.jit kernel the package launches (a new kernel belongs here, and in a call below)
 EXPECTED = {"_skinny_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel", "_decode_kernel", "_extend_kernel",
+            "_store_kv_kernel",
             "_norm_rope_store_kernel", "topk_route_kernel", "align_count_kernel", "align_place_kernel",
             "moe_gemm1_kernel", "moe_gemm2_kernel", "moe_sum_kernel", "moe_one_token_kernel"}
 CONFIG = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=97, hidden_size=256, intermediate_size=384,
@@ -112,10 +113,15 @@ def _moe_calls() -> None:
     fm.fused_moe_triton(x[:1], weights[:1], ids[:1], w13, w2, one_launch=True)
 
 
-def _cuda_only_calls() -> None:
-    """Launches that the ops make on CUDA only: routing, and the prologues outside the GEMM."""
+def _other_calls() -> None:
+    """Launches the model steps above do not make: on CUDA only (routing, the prologues outside the
+    GEMM), or without the fuse_qk_norm_rope pass (the plain K/V store)."""
+    from compiled.attention.triton_store import store_kv_triton
     from compiled.graphs.prologue_kernels import add_rms_norm_triton, silu_and_mul_triton
     from compiled.moe.routing import topk_route_triton
+    k_cache = torch.zeros(64, 2, 128).bfloat16()
+    store_kv_triton(k_cache, k_cache.clone(), torch.arange(5), torch.randn(5, 2, 128).bfloat16(),
+                    torch.randn(5, 2, 128).bfloat16())
     topk_route_triton(torch.randn(24, 128).bfloat16(), 8, True)
     x = torch.randn(24, 2048).bfloat16()
     add_rms_norm_triton(x, x, torch.ones(2048).bfloat16(), 1e-6)
@@ -126,5 +132,5 @@ if __name__ == "__main__":   # run by the test above, without the interpreter
     launched = _stand_in_hopper()
     _model_steps()
     _moe_calls()
-    _cuda_only_calls()
+    _other_calls()
     print(json.dumps(sorted(set(launched))))
