@@ -28,6 +28,7 @@ import triton.language as tl
 
 from compiled.attention.triton_decode import interpreter_upcast, sm_count
 from compiled.graphs.linear import SKINNY_MAX_M
+from compiled.graphs.prologue_kernels import residual_add, rms_normed, silu_mul
 from compiled.pdl import launch_kwargs, pdl_let_next_in, pdl_wait, pdl_wait_only
 
 BLOCK_M = max(16, triton.next_power_of_2(SKINNY_MAX_M))  # one tile for every row (tl.dot needs >= 16)
@@ -141,14 +142,6 @@ def _prologue_tiles(X, D, offs_m, ks, mask, stride_xm, stride_dm, K, ADD_NORM: t
 
 
 @triton.jit
-def _silu_mul(g, u):
-    """silu(gate) * up, each result rounded as torch's F.silu(gate) * up rounds it."""
-    gf = g.to(tl.float32)
-    s = (gf * tl.sigmoid(gf)).to(g.dtype)
-    return (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
-
-
-@triton.jit
 def _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K, stride_xm, stride_dm,
                   stride_nm, BLOCK_K: tl.constexpr):
     """Column block pid_n writes its slice of the normalised rows (RMSNorm's output, for the
@@ -160,9 +153,9 @@ def _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K
         ks = k0 + offs_k
         mask = mask_m[:, None] & (ks < hi)[None, :]
         x, d = _prologue_tiles(X, D, offs_m, ks, mask, stride_xm, stride_dm, K, True)
-        h = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+        h = residual_add(x, d)
         nw = tl.load(NW + ks, mask=ks < hi, other=0.0)
-        normed = nw.to(tl.float32)[None, :] * (h.to(tl.float32) * rstd[:, None]).to(h.dtype).to(tl.float32)
+        normed = rms_normed(h, rstd[:, None], nw[None, :])
         tl.store(NORMED + offs_m[:, None] * stride_nm + ks[None, :], normed.to(h.dtype), mask=mask)
 
 
@@ -224,7 +217,7 @@ def _skinny_kernel(
                                              stride_dm, K, ADD_NORM)
             if ADD_NORM:
                 nw_next = tl.load(NW + nxt, mask=nxt < k_end, other=0.0)
-                h = (a.to(tl.float32) + b.to(tl.float32)).to(a.dtype)   # the residual add, rounded as torch's
+                h = residual_add(a, b)
                 if pid_n == 0:
                     tl.store(H + offs_m[:, None] * stride_hm + ks[None, :], h, mask=x_mask)
                 hf = h.to(tl.float32)
@@ -232,7 +225,7 @@ def _skinny_kernel(
                 x = (hf * nw.to(tl.float32)[None, :]).to(h.dtype)
                 nw = nw_next
             else:
-                x = _silu_mul(a, b)
+                x = silu_mul(a, b)
             a, b = a_next, b_next
         else:
             x = tl.load(X + offs_m[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)

@@ -3,8 +3,9 @@ take (prefill, larger batches, linears that cuBLAS does better).
 
 `compiled::add_rms_norm_linear` and `compiled::silu_mul_linear` run these and then F.linear
 there: one launch each, as the Inductor kernels they replace were, instead of the reference's
-eager ops. The torch references are `fused_linear.add_rms_norm_ref` and
-`activation.silu_and_mul_ref`."""
+eager ops. The jit helpers below hold the prologues' arithmetic, rounded where torch rounds it;
+the skinny GEMM's prologues (`linear_kernels`) call the same ones. The torch references are
+`fused_linear.add_rms_norm_ref` and `activation.silu_and_mul_ref`."""
 
 from __future__ import annotations
 
@@ -14,19 +15,39 @@ import triton.language as tl
 
 
 @triton.jit
+def residual_add(x, d):
+    """x + d rounded to x's dtype, as torch's add of two 16-bit tensors rounds it."""
+    return (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def rms_normed(h, rstd, nw):
+    """`layers.rms_norm`'s output (fp32, not yet rounded to h's dtype) from h, its 1 / rms and the
+    norm weight, broadcast to h's shape by the caller: h * rstd is rounded before the weight."""
+    return nw.to(tl.float32) * (h.to(tl.float32) * rstd).to(h.dtype).to(tl.float32)
+
+
+@triton.jit
+def silu_mul(g, u):
+    """silu(gate) * up, each result rounded as torch's F.silu(gate) * up rounds it."""
+    gf = g.to(tl.float32)
+    s = (gf * tl.sigmoid(gf)).to(g.dtype)
+    return (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+
+
+@triton.jit
 def _add_rms_norm_kernel(X, D, NW, H, NORMED, K, eps, stride_xm, stride_dm, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(X + row * stride_xm + cols, mask=mask, other=0.0)
     d = tl.load(D + row * stride_dm + cols, mask=mask, other=0.0)
-    h = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+    h = residual_add(x, d)
     tl.store(H + row * K + cols, h, mask=mask)
     hf = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / K + eps)
-    nw = tl.load(NW + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = nw * (hf * rstd).to(x.dtype).to(tl.float32)   # rounded where `layers.rms_norm` rounds
-    tl.store(NORMED + row * K + cols, normed.to(x.dtype), mask=mask)
+    nw = tl.load(NW + cols, mask=mask, other=0.0)
+    tl.store(NORMED + row * K + cols, rms_normed(h, rstd, nw).to(x.dtype), mask=mask)
 
 
 def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor,
@@ -48,9 +69,7 @@ def _silu_mul_kernel(X, Y, I, stride_xm, BLOCK: tl.constexpr):
     mask = cols < I
     g = tl.load(X + row * stride_xm + cols, mask=mask, other=0.0)
     u = tl.load(X + row * stride_xm + I + cols, mask=mask, other=0.0)
-    gf = g.to(tl.float32)
-    s = (gf * tl.sigmoid(gf)).to(g.dtype)   # rounded where F.silu(gate) * up rounds
-    tl.store(Y + row * I + cols, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+    tl.store(Y + row * I + cols, silu_mul(g, u), mask=mask)
 
 
 def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
