@@ -34,8 +34,7 @@ def fuse_norm_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord)
         if norm is None or not _is_add(norm[0]) or weight.op != "get_attr":
             continue
         h, norm_weight, eps = norm
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        first = min(normed.users, key=order.__getitem__)
+        first, before = _first_user(h, normed)
         keep_normed = len(normed.users) > 1
         with graph.inserting_before(first):
             fused = graph.call_function(torch.ops.compiled.add_rms_norm_linear.default,
@@ -45,8 +44,18 @@ def fuse_norm_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord)
         graph.erase_node(node)
         normed.replace_all_uses_with(normed_new)
         # later readers of h (the next residual add) take the op's; the old norm's own nodes die
-        h.replace_all_uses_with(h_new, delete_user_cb=lambda user: order.get(user, -1) > order[first])
+        h.replace_all_uses_with(h_new, delete_user_cb=lambda user: user not in before)
         record.rewrites += 1
+
+
+def _first_user(h: fx.Node, normed: fx.Node) -> tuple[fx.Node, set[fx.Node]]:
+    """The first node in graph order that reads `normed`, and the nodes from h up to it (the norm's
+    own): a walk over the few nodes in between, not an index of the whole graph per match."""
+    before, node = set(), h
+    while node not in normed.users:
+        before.add(node)
+        node = node.next
+    return node, before
 
 
 def _is_add(node) -> bool:
