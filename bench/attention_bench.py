@@ -98,12 +98,13 @@ class DecodeBench:
                                                                programs_per_sm=programs_per_sm)
         return self.workspaces[programs_per_sm]
 
-    def run(self, batch: int, ctx: int, programs_per_sm: int = triton_decode.PROGRAMS_PER_SM, **config) -> dict:
+    def run(self, batch: int, ctx: int, programs_per_sm: int = triton_decode.PROGRAMS_PER_SM,
+            splits: int | None = None, **config) -> dict:
         kv_bytes = batch * ctx * HKV * D * ELT * 2
         io_bytes = 2 * batch * HQ * D * ELT
         reps = max(1, min(self.max_batch // batch, math.ceil(MIN_BYTES_PER_REPLAY / kv_bytes)))
         ws = self.workspace(programs_per_sm)
-        splits = ws.splits_for(batch)
+        splits = splits or ws.splits_for(batch)
         seq_lens = torch.full((batch,), ctx, dtype=torch.int64, device="cuda")
         rows = [torch.arange(r * batch, (r + 1) * batch, device="cuda") for r in range(reps)]
         qs = [torch.randn(batch, HQ, D, dtype=DT, device="cuda") for _ in range(reps)]
@@ -116,6 +117,22 @@ class DecodeBench:
         ms = graph_time_ms(fn, reps)
         return dict(batch=batch, ctx=ctx, splits=splits, calls_per_replay=reps, us=ms * 1e3,
                     kv_bytes=kv_bytes, gbps=(kv_bytes + io_bytes) / (ms * 1e-3) / 1e9)
+
+
+def decode_latency() -> list[dict]:
+    """A decode step's attention at small batches is a chain of short calls: µs per call of 128
+    calls (distinct requests) in one graph, against the split count (None: the heuristic's)."""
+    bench = DecodeBench(128, 4096)
+    rows = []
+    for batch in (1, 8):
+        for ctx in (512, 2048, 4096):
+            for splits in (None, 1, 2, 4, 8, 16, 32, 64):
+                r = bench.run(batch, ctx, splits=splits)
+                r["heuristic"] = splits is None
+                rows.append(r)
+                print(f"  latency b={batch} ctx={ctx} splits={r['splits']}{' (heuristic)' if splits is None else ''}: "
+                      f"{r['us']:.2f} us", flush=True)
+    return rows
 
 
 def extend_flops(prefix: int, ext: int) -> float:
@@ -225,6 +242,8 @@ def main() -> None:
     ap.add_argument("--out", default="attention_bench.json")
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile/warp/stage configs")
     ap.add_argument("--max-ctx", type=int, default=max(CONTEXTS))
+    ap.add_argument("--latency", action="store_true",
+                    help="only the split-count sweep at batch 1-8, short contexts (a chain of calls in one graph)")
     args = ap.parse_args()
     torch.manual_seed(0)
     t0 = time.time()
@@ -233,6 +252,11 @@ def main() -> None:
                   triton=triton.__version__, date=time.strftime("%Y-%m-%d"))
     ceiling = copy_ceiling()
     result["copy_ceiling_gbps"] = ceiling / 1e9
+
+    if args.latency:
+        result["decode_latency"] = decode_latency()
+        _dump(result, args.out)
+        return
 
     # ---- decode
     max_b, max_ctx = max(BATCHES), args.max_ctx

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # A/B on one machine, alternated (A B A B) so that clock drift and a warm or cold host affect both
 # alike: bench/e2e_suite.py per model as it is (A) and with PASSES_B as its pass list and/or B_ENV
-# in its environment (B). Optional GPU_TESTS="tests/..." (pytest -m gpu) first. Results in ${OUT:-out}/.
+# in its environment and/or the code of B_TREE (B). Optional GPU_TESTS="tests/..." (pytest -m gpu)
+# first. Results in ${OUT:-out}/.
 #   PASSES_B=fuse_qkv,fuse_w13,silu_and_mul,skinny_linear | B_ENV="COMPILED_PDL=0"
+#   B_TREE=out/base (e.g. `git archive HEAD | tar -x -C out/base`, carried to the device)
 #   [MODELS="qwen3-30b-a3b:1,8 qwen3-0.6b:1"]
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
@@ -16,14 +18,15 @@ for entry in ${MODELS:-qwen3-30b-a3b:1,8 qwen3-0.6b:1}; do
   name=${entry%%:*}; batches=${entry#*:}
   for round in 1 2; do
     for side in A B; do
-      passes=(); envs=()
+      passes=(); envs=(); tree=$PWD
       if [ "$side" = B ]; then
         [ -n "${PASSES_B:-}" ] && passes=(--passes "$PASSES_B")
         envs=(${B_ENV:-})
+        [ -n "${B_TREE:-}" ] && tree=$(realpath "$B_TREE") && envs+=(PYTHONPATH="$tree")
       fi
       prof=(); [ "$round" = 1 ] && prof=(--profile-dir "$out/prof_${name}_$side")
       tag="${name}_${side}${round}"
-      env "${envs[@]}" python bench/e2e_suite.py "bench/configs/$name" --out "$out/$tag.json" --batches "$batches" \
+      env "${envs[@]}" python "$tree/bench/e2e_suite.py" "bench/configs/$name" --out "$out/$tag.json" --batches "$batches" \
         --max-num-seqs "$(echo "$batches" | tr , '\n' | sort -n | tail -1)" "${passes[@]}" "${prof[@]}" \
         > "$out/$tag.txt" 2>&1
       echo "== $tag"; grep -E "^batch|^prefill|Error|error" "$out/$tag.txt" | head -6

@@ -85,12 +85,14 @@ def random_norm_rope(t, d, dtype, device, seed, max_positions=4096):
 
 
 def decode_case(seq_lens, hq, hkv, d, dtype, num_splits, device="cpu", seed=0, graph=False, store=False,
-                norm_rope=False, **config):
+                norm_rope=False, then_lens=None, **config):
     """With `store`, the kernel also writes the step's K/V (at each request's newest slot) first;
     the pools it leaves are compared with the reference's too. With `norm_rope` (needs `store`), q
     and the new k are raw and the kernel normalises and rotates them (reference: norm_rope_ref).
     With `graph`, captured once and replayed over new lengths, queries (and K/V) written in place;
-    the merge counters must have been left at zero by the first run for the replay to be right."""
+    the merge counters must have been left at zero by the first run for the replay to be right.
+    With `then_lens` (no longer than seq_lens), a second call over those lengths, on the same
+    workspace, is the one compared: its live splits differ from the first call's."""
     from compiled.attention.triton_decode import DecodeWorkspace, decode_attention_triton
     k_cache, v_cache, table, rows = paged_batch(seq_lens, hkv, d, dtype, device, seed)
     b = len(seq_lens)
@@ -127,6 +129,10 @@ def decode_case(seq_lens, hq, hkv, d, dtype, num_splits, device="cpu", seed=0, g
         k_cache.copy_(k_ref), v_cache.copy_(v_ref)
         cg.replay()
         torch.cuda.synchronize()
+    elif then_lens is not None:
+        run()
+        lens.copy_(torch.tensor(then_lens, device=device))
+        out = run()
     else:
         out = run()
     err = max_err(out, reference())
@@ -259,6 +265,10 @@ CPU_GROUPS = {
         ("decode_gqa8_d128_f16", lambda: decode_case([77, 200], 8, 1, 128, F16, 4)),
         # 19 non-empty splits of 16 tokens: the merge walks two chunks of splits
         ("decode_gqa4_d64_19_live_splits", lambda: decode_case([300, 5, 260], 4, 1, 64, F32, 32, block_n=16)),
+        # only the splits holding tokens bump the merge counter: a second call with other live
+        # counts (2, 1, 17 of 32) finds the counters the first left at zero
+        ("decode_live_splits_change_between_calls",
+         lambda: decode_case([300, 5, 260], 4, 1, 64, F32, 32, then_lens=[20, 5, 259], block_n=16)),
         ("decode_store_gqa4_d64_splits3", lambda: decode_case([1, 300, 64, 129], 4, 1, 64, F32, 3, store=True)),
         ("decode_store_gqa1_d24_splits1", lambda: decode_case([1, 77, 5], 2, 2, 24, F32, 1, store=True)),
         ("decode_norm_rope_gqa4_d64_splits3", lambda: decode_case([1, 300, 64, 129], 4, 1, 64, F32, 3, store=True,
@@ -311,6 +321,17 @@ def test_interpreted_kernels_match_reference(interpreted_results, group):
     assert [r["case"] for r in results] == [name for name, _ in CPU_GROUPS[group]]
     bad = [r for r in results if not r["err"] <= r["tol"]]
     assert not bad, bad
+
+
+def test_split_count_leaves_each_split_enough_tokens():
+    """Short-context batches are latency-bound: at most REFERENCE_CONTEXT / MIN_SPLIT_TOKENS splits
+    (batch 1 of the 30B shape: 16, where 64 filled the waves); a batch that fills the GPU alone is
+    not split."""
+    from compiled.attention.triton_decode import MIN_SPLIT_TOKENS, REFERENCE_CONTEXT, num_kv_splits
+    most = REFERENCE_CONTEXT // MIN_SPLIT_TOKENS
+    counts = [num_kv_splits(b, 4, 132, 8) for b in range(1, 257)]
+    assert all(1 <= s <= most for s in counts)
+    assert counts[0] == most and counts[255] == 1
 
 
 def test_cpu_backend_is_torch_and_env_is_validated():

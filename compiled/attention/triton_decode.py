@@ -5,7 +5,9 @@ each K/V tile of its split once (slots gathered through `req_to_token`), compute
 scores with one `tl.dot`, and writes a partial output and its log-sum-exp (base 2, fp32) to a
 preallocated workspace. The merge needs no second launch: each program bumps a per-(request, KV
 head) counter after writing its partial, and the program that arrives last merges the splits and
-resets the counter to zero (so a captured graph replays with no memset). With `new_kv` the
+resets the counter to zero (so a captured graph replays with no memset). Only the splits that hold
+tokens take part: at a short context most of a batch's splits are empty, and waiting for them
+made the last arrival (and the merge) later. With `new_kv` the
 program whose split holds the newest token first writes the step's K/V into the pools, which
 saves the separate store launch of a decode step.
 
@@ -43,6 +45,13 @@ def _split_range(seq_len, split, NUM_SPLITS, BLOCK_N: tl.constexpr):
     start = split * per
     end = tl.minimum(start + per, seq_len)
     return start, end
+
+
+@triton.jit
+def _live_splits(seq_len, NUM_SPLITS, BLOCK_N: tl.constexpr):
+    """How many of the splits hold tokens: the first ones (0 for an empty request)."""
+    start, end = _split_range(seq_len, 0, NUM_SPLITS, BLOCK_N)
+    return tl.cdiv(seq_len, tl.maximum(end - start, 1))
 
 
 @triton.jit
@@ -125,15 +134,18 @@ def _decode_kernel(
         tl.store(out_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(Out.dtype.element_ty),
                  mask=mask_h[:, None] & mask_d[None, :])
     if not DIRECT:
-        # Every thread's partial must be written before the counter says so (release); the
-        # last program's reads come after its acquire and skip L1 (.cg), so they see them all.
-        tl.debug_barrier()
-        counter = Counters + b * tl.num_programs(1) + kvh
-        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            _merge_splits(Mid_o, Mid_lse, out_ptrs, seq_len, NUM_SPLITS, b, heads, mask_h, offs_d, mask_d,
-                          stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, BLOCK_H, BLOCK_D, BLOCK_N,
-                          MERGE_UNROLL)
-            tl.atomic_xchg(counter, 0, sem="relaxed")
+        # The splits with tokens arrive (an empty request: split 0 alone, which merges nothing
+        # into zeros). Every thread's partial must be written before the counter says so
+        # (release); the last program's reads come after its acquire and skip L1 (.cg).
+        arrivals = tl.maximum(_live_splits(seq_len, NUM_SPLITS, BLOCK_N), 1)
+        if split < arrivals:
+            tl.debug_barrier()
+            counter = Counters + b * tl.num_programs(1) + kvh
+            if tl.atomic_add(counter, 1, sem="acq_rel") == arrivals - 1:
+                _merge_splits(Mid_o, Mid_lse, out_ptrs, seq_len, NUM_SPLITS, b, heads, mask_h, offs_d, mask_d,
+                              stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, BLOCK_H, BLOCK_D, BLOCK_N,
+                              MERGE_UNROLL)
+                tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
 @triton.jit
@@ -164,11 +176,9 @@ def _merge_splits(Mid_o, Mid_lse, out_ptrs, seq_len, NUM_SPLITS, b, heads, mask_
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     mid = Mid_o + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + offs_d[None, :]
     lse_ptr = Mid_lse + b.to(tl.int64) * stride_lb + heads * stride_lh
-    # The non-empty splits are the first `live` (ranges start at zero). Unrolled, so that the
-    # loads of several splits are in flight at once instead of one round trip per split.
-    start, end = _split_range(seq_len, 0, NUM_SPLITS, BLOCK_N)
-    live = tl.cdiv(seq_len, tl.maximum(end - start, 1))
-    for split in tl.range(0, live, loop_unroll_factor=UNROLL):
+    # Unrolled, so that the loads of several splits are in flight at once instead of one round
+    # trip per split.
+    for split in tl.range(0, _live_splits(seq_len, NUM_SPLITS, BLOCK_N), loop_unroll_factor=UNROLL):
         lse = tl.load(lse_ptr + split, mask=mask_h, other=0.0, cache_modifier=".cg")
         o = tl.load(mid + split * stride_ms, mask=mask_h[:, None] & mask_d[None, :], other=0.0,
                     cache_modifier=".cg")
@@ -184,6 +194,13 @@ def _merge_splits(Mid_o, Mid_lse, out_ptrs, seq_len, NUM_SPLITS, b, heads, mask_
 
 
 PROGRAMS_PER_SM = 4   # decode programs resident per SM (the default config fits 5 on Hopper)
+# The context the split count is chosen for (it is fixed per captured batch size, the context is
+# not), and the fewest of its tokens a split should hold: below that, a split's fixed cost (its
+# partial written and merged) outweighs its share of the reads. From `attention_bench.py
+# --latency` on the H100 (RESULTS.md, ninth session): at batch 1, 16 splits beat 64 at 512-4096
+# tokens of context (7.96 / 11.77 / 14.70 µs against 8.43 / 13.75 / 18.01).
+REFERENCE_CONTEXT = 2048
+MIN_SPLIT_TOKENS = 128
 
 
 def default_config(head_dim: int) -> dict:
@@ -205,7 +222,8 @@ def num_kv_splits(batch: int, kv_heads: int, num_sms: int, group: int = 8, max_s
     """Splits per request: a function of the batch shape only, so it is fixed for a
     captured batch size. Picks the count whose programs fill the GPU's waves best, in the worst
     case over `programs_per_sm` or one more resident per SM, less the cost of each split's partial
-    results (written and read back: 2 * group / context of the KV bytes; a 2k context assumed).
+    results (written and read back: 2 * group / context of the KV bytes at REFERENCE_CONTEXT),
+    with at least MIN_SPLIT_TOKENS of that context a split.
     The wave model matches an H200: 768 programs where 660 fit streamed at 75-79% of the copy
     ceiling, 512 or 1024 at 89-100%."""
     base = max(batch * kv_heads, 1)
@@ -213,9 +231,10 @@ def num_kv_splits(batch: int, kv_heads: int, num_sms: int, group: int = 8, max_s
 
     def score(splits: int) -> float:
         eff = min(_wave_efficiency(base * splits, cap) for cap in occupancies)
-        return eff / (1 + splits * group / 1024)
-    # At most ~8 waves of programs: bounds the workspace whatever the batch.
-    most = max(1, min(max_splits, 8 * occupancies[1] // base))
+        return eff / (1 + 2 * splits * group / REFERENCE_CONTEXT)
+    # At most ~8 waves of programs (bounds the workspace whatever the batch), and at most
+    # REFERENCE_CONTEXT / MIN_SPLIT_TOKENS splits.
+    most = max(1, min(max_splits, 8 * occupancies[1] // base, REFERENCE_CONTEXT // MIN_SPLIT_TOKENS))
     return max(range(1, most + 1), key=lambda s: (score(s), -s))
 
 

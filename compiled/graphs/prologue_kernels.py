@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from compiled.pdl import launch_kwargs, pdl_wait
+
 
 @triton.jit
 def residual_add(x, d):
@@ -36,7 +38,9 @@ def silu_mul(g, u):
 
 
 @triton.jit
-def _add_rms_norm_kernel(X, D, NW, H, NORMED, K, eps, stride_xm, stride_dm, BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(X, D, NW, H, NORMED, K, eps, stride_xm, stride_dm, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
@@ -58,7 +62,7 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch
     if T:
         block = triton.next_power_of_2(K)
         _add_rms_norm_kernel[(T,)](x, delta, norm_weight, h, normed, K, eps, x.stride(0), delta.stride(0),
-                                   BLOCK=block, num_warps=max(1, min(16, block // 256)))
+                                   BLOCK=block, num_warps=max(1, min(16, block // 256)), **launch_kwargs(x.device))
     return h, normed
 
 
