@@ -325,7 +325,8 @@ def kept_entries(path: Path, tokens) -> tuple[dict, dict]:
             print(f"merging into {p}", flush=True)
             old = json.loads(p.read_text())
             timings = old.pop("_meta", {}).get("timings_us", {})
-            table = {k: v for k, v in old.items() if int(k) not in set(tokens)}
+            # token-count entries not re-tuned, and the other entries (the one-launch tile) as they are
+            table = {k: v for k, v in old.items() if not k.isdigit() or int(k) not in set(tokens)}
             return table, {k: v for k, v in timings.items() if k in table}
     return {}, {}
 
@@ -336,7 +337,8 @@ def _triton_version():
 
 
 def _write(path: Path, table: dict, meta: dict) -> None:
-    ordered = {str(k): table[str(k)] for k in sorted(int(k) for k in table)}
+    ordered = {str(k): table[str(k)] for k in sorted(int(k) for k in table if str(k).isdigit())}
+    ordered.update({k: v for k, v in table.items() if not str(k).isdigit()})
     ordered["_meta"] = meta
     path.write_text(json.dumps(ordered, indent=1) + "\n")
 

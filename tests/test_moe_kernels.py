@@ -79,7 +79,7 @@ def case_one_launch_odd_sizes_twice_and_reset():
         for _ in range(2):
             out = fm.fused_moe_triton(x, w, ids, w13, w2, one_launch=True, one_launch_config=cfg)
             torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
-        assert not fm.zeroed(x.device, "one_token_acc", 1, torch.float32).any()
+        assert not fm.zeroed(x.device, "one_token_acc", 1, torch.int64).any()
         assert not fm.zeroed(x.device, "one_token_done", 1, torch.int32).any()
     x, w, ids, w13, w2 = _problem(1, 16, 4, 48, 32, dtype=torch.bfloat16, seed=8)
     out = fm.fused_moe_triton(x, w, ids, w13, w2, one_launch=True, one_launch_config=cfg)
@@ -337,10 +337,12 @@ def test_op_on_cpu_is_reference_and_fake_shapes(monkeypatch):
 def test_config_lookup(tmp_path, monkeypatch):
     monkeypatch.setenv("COMPILED_MOE_CONFIG_DIR", str(tmp_path))
     fm.load_configs.cache_clear()
+    fm._config_file.cache_clear()
     name = fm.config_file_name(16, 48, "cpu", torch.float32)
     assert name == "E=16,N=48,device_name=cpu,dtype=float32.json"
+    one_launch = dict(BLOCK_I=32, BLOCK_K=64, BLOCK_N=128, num_warps=8, num_stages=3)
     table = {"1": _cfg(16, 32, 64), "64": _cfg(32, 64, 64), "1024": dict(_cfg(64, 128, 64), down=dict(BLOCK_SIZE_N=64)),
-             "_meta": {"note": "ignored"}}
+             "one_launch": one_launch, "_meta": {"note": "ignored"}}
     (tmp_path / name).write_text(json.dumps(table))
     try:
         assert fm.get_config(1, 16, 48, torch.float32)["BLOCK_SIZE_M"] == 16
@@ -349,16 +351,22 @@ def test_config_lookup(tmp_path, monkeypatch):
         up, down = fm._split_config(cfg)
         assert up["BLOCK_SIZE_N"] == 128 and down["BLOCK_SIZE_N"] == 64 and down["BLOCK_SIZE_M"] == 64
         assert fm.get_config(8, 99, 48, torch.float32) == fm.default_config(8, 99)  # no file: default
+        assert fm.tuned_one_launch_config(16, 48, torch.float32) == one_launch
+        assert fm.tuned_one_launch_config(99, 48, torch.float32) == fm.ONE_LAUNCH_CONFIG
     finally:
         fm.load_configs.cache_clear()
+        fm._config_file.cache_clear()
 
 
 def test_checked_in_configs_are_complete():
     files = sorted(fm.CONFIG_DIR.glob("E=*,N=*,device_name=*,dtype=*.json"))
     assert files, "no tuned configs checked in"
     for path in files:
-        table = {k: v for k, v in json.loads(path.read_text()).items() if k.isdigit()}
+        raw = json.loads(path.read_text())
+        table = {k: v for k, v in raw.items() if k.isdigit()}
         assert {int(k) for k in table} >= {1, 8, 64, 512, 4096}, path.name
+        assert set(raw) - set(table) <= {"one_launch", "_meta"}, path.name
+        assert set(raw.get("one_launch", fm.ONE_LAUNCH_CONFIG)) == set(fm.ONE_LAUNCH_CONFIG), path.name
         for cfg in table.values():
             up, down = fm._split_config(cfg)
             for c in (up, down):
@@ -422,7 +430,10 @@ def test_gpu_one_token_both_paths(real_layer):
             out = fm.fused_moe_triton(x, w, ids, w13, w2, one_launch=one_launch)
             assert (out.float() - exact).abs().max().item() <= 2 * ref_err + 1e-3, one_launch
             torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
-    assert not fm.zeroed(x.device, "one_token_acc", 1, torch.float32).any()
+            # the same bits every time, whatever order the programs' atomic adds land in
+            for _ in range(3):
+                assert torch.equal(fm.fused_moe_triton(x, w, ids, w13, w2, one_launch=one_launch), out), one_launch
+    assert not fm.zeroed(x.device, "one_token_acc", 1, torch.int64).any()
 
 
 @pytest.mark.gpu
@@ -520,8 +531,10 @@ def test_tuner_merge_keeps_untuned_entries(tmp_path):
     assert not path.exists()  # falls back to the checked-in table of that name
     table, timings = tune_moe.kept_entries(path, [2048, 4096])
     checked_in = json.loads((fm.CONFIG_DIR / path.name).read_text())
-    assert set(table) == {k for k in checked_in if k.isdigit()} - {"2048", "4096"}
-    assert table["1"] == checked_in["1"] and set(timings) <= set(table)
+    # the token counts not re-tuned, and the one-launch tile as it was
+    assert set(table) == {k for k in checked_in if k.isdigit()} - {"2048", "4096"} | {"one_launch"}
+    assert table["1"] == checked_in["1"] and table["one_launch"] == checked_in["one_launch"]
+    assert set(timings) <= set(table)
     path.write_text(json.dumps({"8": checked_in["8"], "_meta": {"timings_us": {"8": {"total": 1.0}}}}))
     assert tune_moe.kept_entries(path, [8]) == ({}, {})
     assert tune_moe.kept_entries(path, [16]) == ({"8": checked_in["8"]}, {"8": {"total": 1.0}})

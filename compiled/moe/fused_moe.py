@@ -92,18 +92,23 @@ def _config_dirs() -> list[Path]:
 
 
 @functools.lru_cache(maxsize=None)
-def load_configs(E: int, N: int, device: str, dtype: str) -> dict[int, dict] | None:
-    """The tuned table `{token count: config}` for this shape/device/dtype, or None."""
+def _config_file(E: int, N: int, device: str, dtype: str) -> dict:
+    """The tuned file's contents for this shape/device/dtype, or {}."""
     name = config_file_name(E, N, device, dtype)
     for d in _config_dirs():
         path = d / name
         if path.is_file():
-            raw = json.loads(path.read_text())
-            table = {int(k): v for k, v in raw.items() if k.isdigit()}
             log.info("fused_moe: using %s", path)
-            return table or None
+            return json.loads(path.read_text())
     log.info("fused_moe: no tuned config %s; using the default", name)
-    return None
+    return {}
+
+
+@functools.lru_cache(maxsize=None)
+def load_configs(E: int, N: int, device: str, dtype: str) -> dict[int, dict] | None:
+    """The tuned table `{token count: config}` for this shape/device/dtype, or None."""
+    table = {int(k): v for k, v in _config_file(E, N, device, dtype).items() if k.isdigit()}
+    return table or None
 
 
 def default_config(M: int, E: int) -> dict:
@@ -325,19 +330,25 @@ def sum_counters(device: torch.device, numel: int) -> torch.Tensor | None:
     return zeroed(device, "sum_counters", numel, torch.int32)
 
 
-# The one-launch path for one token (moe_one_token_kernel) and its tile, from
-# `bench/moe_bench.py --sweep-one-launch` on the H200 (25.8 µs against 28.2 for the two GEMMs).
-# Off by default: its fp32 atomic sum makes the last bit of an output vary from run to run, and
-# greedy decoding should repeat itself.
-ONE_LAUNCH = False
+# The one-launch path for one token (moe_one_token_kernel): on by default, its sum is deterministic
+# (fixed point). Its tile is the tuned file's "one_launch" entry (`bench/moe_bench.py
+# --sweep-one-launch`; H100: 31.8 µs against 34.6 for the two GEMMs, H200: 25.8 against 28.2),
+# else ONE_LAUNCH_CONFIG.
+ONE_LAUNCH = True
 ONE_LAUNCH_CONFIG = dict(BLOCK_I=64, BLOCK_K=128, BLOCK_N=256, num_warps=4, num_stages=4)
+
+
+def tuned_one_launch_config(E: int, I: int, dtype: torch.dtype, device: torch.device | None = None) -> dict:
+    """The tuned file's "one_launch" tile for this shape/device/dtype, else ONE_LAUNCH_CONFIG."""
+    return dict(_config_file(E, I, device_name(device), dtype_name(dtype)).get("one_launch") or ONE_LAUNCH_CONFIG)
 
 
 def _launch_one_token(x, w13, w2, topk_ids, weights, out, cfg: dict) -> bool:
     """False (nothing launched) when its zeroed buffers cannot be had inside a capture."""
     from compiled.moe import fused_moe_kernels as K
+    from compiled.pdl import launch_kwargs
     H, I = w2.shape[1], w2.shape[2]
-    acc = zeroed(x.device, "one_token_acc", H, torch.float32)
+    acc = zeroed(x.device, "one_token_acc", H, torch.int64)
     done = zeroed(x.device, "one_token_done", 1, torch.int32)
     if acc is None or done is None:
         return False
@@ -346,7 +357,7 @@ def _launch_one_token(x, w13, w2, topk_ids, weights, out, cfg: dict) -> bool:
         x, w13, w2, topk_ids, weights, acc, done, out, H, I,
         w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1), **_dot_flags(x.dtype),
         BLOCK_I=cfg["BLOCK_I"], BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(x.device))
     return True
 
 
@@ -387,7 +398,7 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     """The Triton path of `compiled::fused_moe`. `config` overrides the tuned/default lookup.
     `fused_sum`: sum the top-k slots inside gemm2 (True) or with a kernel of its own (False);
     None: inside up to FUSED_SUM_MAX_TOKENS tokens. `one_launch`: one token in one kernel
-    (moe_one_token_kernel; None: ONE_LAUNCH), with `one_launch_config` or ONE_LAUNCH_CONFIG."""
+    (moe_one_token_kernel; None: ONE_LAUNCH), with `one_launch_config` or the tuned one."""
     T, H = x.shape
     E, I = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -404,7 +415,8 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     topk_ids = topk_ids.contiguous()
     weights = topk_weights.contiguous().reshape(-1)
     if T == 1 and (ONE_LAUNCH if one_launch is None else one_launch) and _launch_one_token(
-            x, w13, w2, topk_ids, weights, out, one_launch_config or ONE_LAUNCH_CONFIG):
+            x, w13, w2, topk_ids, weights, out,
+            one_launch_config or tuned_one_launch_config(E, I, x.dtype, x.device)):
         return out
     up_cfg, down_cfg = _split_config(config if config is not None else get_config(T, E, I, x.dtype, x.device))
     ws = workspace or MoEWorkspace()

@@ -362,20 +362,28 @@ def moe_sum_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
+# The one-token kernel's accumulator holds sums in fixed point, units of 2^-32: integer adds give
+# the same total in any order (fp32 atomics did not: the last bit of an output varied from run to
+# run). Exact for |partial| < 2^31; a power-of-two scale keeps the conversions exact too.
+FIXED_POINT_SCALE = tl.constexpr(4294967296.0)
+
+
 @triton.jit
 def moe_one_token_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, weights_ptr, acc_ptr, done_ptr, out_ptr,
                          H, I, stride_w13e, stride_w13n, stride_w2e, stride_w2n,
                          PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_I: tl.constexpr,
-                         BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+                         BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """The whole MoE of one token in one launch, with no program waiting on another.
 
     Program (slot j, block b of the expert width I) computes act = silu(gate) * up for its BLOCK_I
     intermediate columns, then at once their share of the down projection, w_j * act . w2[e, :, b],
-    for every output column, and adds it into the fp32 accumulator `acc` [H] (atomics). The program
-    that finishes last (a counter) rounds `acc` into `out` and zeroes `acc` and the counter for the
-    next launch. The sum over slots and I blocks runs in fp32 in arrival order, so the last bit of
-    an output may differ from run to run (the two-kernel path rounds each slot to the activation
-    dtype and sums in slot order). The token's x sits in row 0 of 16-row dot tiles (rows 1.. zero)."""
+    for every output column, and adds it into the int64 accumulator `acc` [H] (atomics, fixed
+    point: FIXED_POINT_SCALE). The program that finishes last (a counter) rounds `acc` into `out`
+    and zeroes `acc` and the counter for the next launch. The sum is deterministic; it keeps each
+    slot's output unrounded (the two-kernel path rounds each slot to the activation dtype and sums
+    in slot order), so the two may differ in the last bit. The token's x sits in row 0 of 16-row
+    dot tiles (rows 1.. zero)."""
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     n_i = tl.cdiv(I, BLOCK_I)
     j = pid // n_i
@@ -421,7 +429,8 @@ def moe_one_token_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, weights_ptr, acc_ptr, 
         if DOT_FP32:
             b = b.to(tl.float32)
         part = tl.sum(tl.dot(act, b, input_precision=PRECISION), axis=0) * w
-        tl.atomic_add(acc_ptr + n * BLOCK_N + offs_n, part, mask=n_ok, sem="relaxed")
+        tl.atomic_add(acc_ptr + n * BLOCK_N + offs_n, (part * FIXED_POINT_SCALE).to(tl.int64), mask=n_ok,
+                      sem="relaxed")
         b_ptrs += BLOCK_N * stride_w2n
     # All this program's adds precede its arrival; the last arrival reads the sums from L2.
     tl.debug_barrier()
@@ -429,7 +438,7 @@ def moe_one_token_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, weights_ptr, acc_ptr, 
     if arrived == tl.num_programs(0) - 1:
         for n in range(0, tl.cdiv(H, BLOCK_N)):
             offs = n * BLOCK_N + offs_n
-            total = tl.load(acc_ptr + offs, mask=offs < H, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + offs, total.to(dt), mask=offs < H)
+            total = tl.load(acc_ptr + offs, mask=offs < H, other=0, cache_modifier=".cg")
+            tl.store(out_ptr + offs, (total.to(tl.float64) / FIXED_POINT_SCALE).to(tl.float32).to(dt), mask=offs < H)
             tl.store(acc_ptr + offs, tl.zeros_like(total), mask=offs < H)
         tl.store(done_ptr, 0)
