@@ -330,11 +330,12 @@ def sum_counters(device: torch.device, numel: int) -> torch.Tensor | None:
     return zeroed(device, "sum_counters", numel, torch.int32)
 
 
-# The one-launch path for one token (moe_one_token_kernel): on by default, its sum is deterministic
-# (fixed point). Its tile is the tuned file's "one_launch" entry (`bench/moe_bench.py
-# --sweep-one-launch`; H100: 31.8 µs against 34.6 for the two GEMMs, H200: 25.8 against 28.2),
-# else ONE_LAUNCH_CONFIG.
-ONE_LAUNCH = True
+# The one-launch path for one token (moe_one_token_kernel), deterministic (fixed-point sum). Its
+# tile is the tuned file's "one_launch" entry (`bench/moe_bench.py --sweep-one-launch`; alone,
+# H100: 31.8 µs against 34.6 for the two GEMMs, H200: 25.8 against 28.2), else ONE_LAUNCH_CONFIG.
+# Off by default: in the decode step it gained nothing over the two GEMMs, whose launches overlap
+# through PDL (H100, batch 1: 3.594-3.616 ms against 3.588-3.589; RESULTS.md, ninth session).
+ONE_LAUNCH = False
 ONE_LAUNCH_CONFIG = dict(BLOCK_I=64, BLOCK_K=128, BLOCK_N=256, num_warps=4, num_stages=4)
 
 
