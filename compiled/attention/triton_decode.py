@@ -72,6 +72,8 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
+    # Loaded beside the length, not after it: the slot gathers wait on both.
+    row = tl.load(Req_pool_indices + b).to(tl.int64)
     start, end = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
     offs_g = tl.arange(0, BLOCK_H)
     heads = kvh * GROUP + offs_g
@@ -93,7 +95,6 @@ def _decode_kernel(
                           stride_vcs, stride_vch, D, NORM_ROPE)
             tl.debug_barrier()   # the loop below reads that slot back
     if start < end:
-        row = tl.load(Req_pool_indices + b).to(tl.int64)
         if NORM_ROPE:
             q = q_rope
         else:
