@@ -6,8 +6,9 @@ still running, once all of that kernel's programs have started and called
 `gdc_launch_dependents`. Each such kernel here begins with `pdl_wait`: it lets the next kernel
 launch, then waits (`gdc_wait`) until the previous one has finished and its writes are visible,
 and only then reads or writes anything. A kernel that does not take part (cuBLAS, Inductor's)
-serialises as usual, before and after. (An L2 prefetch of the skinny GEMM's weights before the
-wait measured slower: bench/RESULTS.md, seventh session.)
+serialises as usual, before and after. (Prefetching the next weights into L2 before the wait
+measured slower, per cache line in the seventh session and as bulk TMA prefetches in the ninth:
+bench/RESULTS.md.)
 
 `COMPILED_PDL=0` (read at import) turns it off; it is also off off-GPU, before Hopper and under
 the Triton interpreter, where the flag is a compile-time False and the kernels are unchanged."""
