@@ -26,8 +26,8 @@ for entry in ${MODELS:-qwen3-30b-a3b:1,8 qwen3-0.6b:1}; do
       fi
       prof=(); [ "$round" = 1 ] && prof=(--profile-dir "$out/prof_${name}_$side")
       tag="${name}_${side}${round}"
-      env "${envs[@]}" python "$tree/bench/e2e_suite.py" "bench/configs/$name" --out "$out/$tag.json" --batches "$batches" \
-        --max-num-seqs "$(echo "$batches" | tr , '\n' | sort -n | tail -1)" "${passes[@]}" "${prof[@]}" \
+      env "${envs[@]}" python "$tree/bench/e2e_suite.py" "bench/configs/$name" --out "$out/$tag.json" \
+        --batches "$batches" --max-num-seqs "$(echo "$batches" | tr , '\n' | sort -n | tail -1)" "${passes[@]}" "${prof[@]}" \
         > "$out/$tag.txt" 2>&1
       echo "== $tag"; grep -E "^batch|^prefill|Error|error" "$out/$tag.txt" | head -6
     done

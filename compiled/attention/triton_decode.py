@@ -7,9 +7,9 @@ preallocated workspace. The merge needs no second launch: each program bumps a p
 head) counter after writing its partial, and the program that arrives last merges the splits and
 resets the counter to zero (so a captured graph replays with no memset). Only the splits that hold
 tokens take part: at a short context most of a batch's splits are empty, and waiting for them
-made the last arrival (and the merge) later. With `new_kv` the
-program whose split holds the newest token first writes the step's K/V into the pools, which
-saves the separate store launch of a decode step.
+made the last arrival (and the merge) later. With `new_kv` the program whose split holds the
+newest token first writes the step's K/V into the pools, which saves the separate store launch
+of a decode step.
 
 The number of splits is a launch parameter fixed by the batch size (so it is static inside a
 captured graph); each program derives its split's token range from `seq_lens` on the device,

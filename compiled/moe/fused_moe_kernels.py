@@ -364,7 +364,8 @@ def moe_sum_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr
 
 # The one-token kernel's accumulator holds sums in fixed point, units of 2^-32: integer adds give
 # the same total in any order (fp32 atomics did not: the last bit of an output varied from run to
-# run). Exact for |partial| < 2^31; a power-of-two scale keeps the conversions exact too.
+# run). Each partial is truncated to that unit (far below a bf16 or fp32 output's rounding) and
+# must stay under 2^31 in magnitude; the power-of-two scale itself converts exactly.
 FIXED_POINT_SCALE = tl.constexpr(4294967296.0)
 
 
