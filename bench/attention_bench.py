@@ -17,7 +17,7 @@ Shapes are Qwen3-30B-A3B's attention (32 q / 4 kv heads, head_dim 128, bf16).
 - Store: the Triton K+V store vs torch index_put at decode and prefill token counts.
 
 - Latency (`--latency`, only this): decode at batch 1 and 8, 512-4096 tokens, every split count
-  from 1 to 64 and the heuristic's, as a chain of calls in one graph (a decode step's attention
+  from 1 to 64 and the heuristic's (there also other tiles and warp counts), as a chain of calls in one graph (a decode step's attention
   is one short call after another at these sizes, so the per-call time is what counts).
 
 Usage: PYTHONPATH=$PWD python bench/attention_bench.py --out results/attn.json [--sweep | --latency]
@@ -135,6 +135,12 @@ def decode_latency() -> list[dict]:
                 r["heuristic"] = splits is None
                 rows.append(r)
                 print(f"  latency b={batch} ctx={ctx} splits={r['splits']}{' (heuristic)' if splits is None else ''}: "
+                      f"{r['us']:.2f} us", flush=True)
+            for block_n, warps in ((32, 4), (64, 2), (32, 2), (128, 4), (64, 8)):   # at the heuristic's splits
+                r = bench.run(batch, ctx, block_n=block_n, num_warps=warps)
+                r.update(heuristic=True, block_n=block_n, num_warps=warps)
+                rows.append(r)
+                print(f"  latency b={batch} ctx={ctx} splits={r['splits']} block_n={block_n} warps={warps}: "
                       f"{r['us']:.2f} us", flush=True)
     return rows
 
