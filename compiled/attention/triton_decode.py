@@ -204,18 +204,10 @@ REFERENCE_CONTEXT = 2048
 MIN_SPLIT_TOKENS = 128
 
 
-# Batches up to this size run their programs with 2 warps instead of 4: a program there is a
-# short chain of dependent loads, not a stream (`attention_bench.py --latency`, H100, RESULTS.md
-# ninth session: batch 1 at 512 / 2048 / 4096 tokens 7.02 / 10.76 / 14.47 µs against 7.77 / 11.87
-# / 14.64, batch 8 10.15 / 20.77 / 31.39 against 11.30 / 21.84 / 32.25).
-SMALL_BATCH = 8
-
-
-def default_config(head_dim: int, batch: int = SMALL_BATCH + 1) -> dict:
+def default_config(head_dim: int) -> dict:
     """Decode tile (KV tokens per iteration), warps, pipeline stages and the unrolling of the
-    split merge, for `batch` requests."""
-    return dict(block_n=32 if head_dim > 128 else 64, num_warps=2 if batch <= SMALL_BATCH else 4, num_stages=2,
-                merge_unroll=4)
+    split merge."""
+    return dict(block_n=32 if head_dim > 128 else 64, num_warps=4, num_stages=2, merge_unroll=4)
 
 
 def _wave_efficiency(programs: int, capacity: int) -> float:
@@ -325,7 +317,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if norm_rope is not None and new_kv is None:
         raise ValueError("decode attention: norm_rope needs new_kv (the raw k to normalise and store)")
     qw, kw, pos, cos_sin, eps = norm_rope if norm_rope is not None else (q, q, seq_lens, q, 0.0)  # unread
-    cfg = dict(default_config(d, batch), **config)
+    cfg = dict(default_config(d), **config)
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1
     _decode_kernel[(batch, hkv, splits)](
