@@ -197,3 +197,37 @@ def _check_skinny(gm: fx.GraphModule, cfg: ModelConfig, applied: bool) -> None:
     assert isinstance(gm.lm_head, SkinnyLinear) == applied
     if cfg.tie_word_embeddings:
         assert gm.lm_head.weight is gm.get_submodule("model.embed_tokens").weight
+
+
+def test_dead_node_sweep_matches_fx_dead_code_elimination(monkeypatch):
+    """The manager's sweep erases what fx's eliminate_dead_code erases: dead chains go in one walk,
+    a dead call with a side effect stays; and the passed graph of a model is the same either way."""
+    import compiled.passes.manager as manager
+    from compiled.passes.base import sweep_dead_nodes
+
+    def build() -> fx.Graph:
+        g = fx.Graph()
+        x = g.placeholder("x")
+        fed = g.call_function(torch.mul, (g.call_function(torch.add, (x, 1)), 2))   # read by the assert
+        g.call_function(torch._assert, (g.call_function(torch.gt, (fed, -1)), "kept: a side effect"))
+        g.call_function(torch.neg, (x,))   # dead
+        g.call_function(torch.sub, (g.call_function(torch.exp, (x,)), 1))   # a dead chain of two
+        g.output(g.call_function(torch.mul, (x, 3)))
+        return g
+
+    ours, theirs = build(), build()
+    assert sweep_dead_nodes(ours) == 3
+    theirs.eliminate_dead_code()
+    assert [(n.op, n.target) for n in ours.nodes] == [(n.op, n.target) for n in theirs.nodes]
+
+    cfg = ModelConfig.from_pretrained("compiled/demo/qwen3-moe")
+
+    def passed_code() -> str:
+        model = meta_model(cfg)
+        weights = model.checkpoint_map()
+        gm = trace(model)
+        run_passes(gm, weights, check="none")
+        return gm.code
+    code = passed_code()
+    monkeypatch.setattr(manager, "sweep_dead_nodes", lambda graph: graph.eliminate_dead_code())
+    assert passed_code() == code

@@ -32,6 +32,25 @@ class GraphPass:
     fn: Callable[[fx.GraphModule, WeightMap, PassRecord], None]
 
 
+def sweep_dead_nodes(graph: fx.Graph) -> int:
+    """Erase the nodes that nothing reads and that have no side effect (what a pass leaves behind:
+    replaced calls, unused getitems), walking back from the output so that chains go in one sweep.
+    fx's `eliminate_dead_code` does the same, but lints the whole graph first and asks every node
+    whether it is impure; here each (op, target) is asked once. Returns how many were erased."""
+    impure: dict[tuple, bool] = {}
+    erased = 0
+    for node in reversed(graph.nodes):
+        if node.users or node.op in ("placeholder", "output"):
+            continue
+        key = (node.op, node.target)
+        if key not in impure:
+            impure[key] = node.is_impure()
+        if not impure[key]:
+            graph.erase_node(node)
+            erased += 1
+    return erased
+
+
 def is_op(node: fx.Node, op) -> bool:
     """Whether `node` calls custom op `op` (traced as the packet or as its default overload)."""
     return node.op == "call_function" and node.target in (op, getattr(op, "default", None))

@@ -9,7 +9,7 @@ import torch
 from torch import fx
 
 from compiled.graphs.trace import example_inputs
-from compiled.passes.base import GraphPass, PassRecord
+from compiled.passes.base import GraphPass, PassRecord, sweep_dead_nodes
 from compiled.passes.fuse_norm_linear import fuse_norm_linear
 from compiled.passes.fuse_qk_norm_rope import fuse_qk_norm_rope
 from compiled.passes.fuse_silu_linear import fuse_silu_linear
@@ -76,7 +76,7 @@ def run_passes(gm: fx.GraphModule, weights: WeightMap, names: list[str] | tuple[
         start = time.perf_counter()
         graph_pass.fn(gm, result.weights, record)
         # Passes leave dead nodes (replaced splits, getitems) for one sweep here.
-        gm.graph.eliminate_dead_code()
+        sweep_dead_nodes(gm.graph)
         record.nodes_after = len(gm.graph.nodes)
         if check == "each" or on_pass:
             gm.recompile()  # code generation is slow on a large graph: only where it is read
