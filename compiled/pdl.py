@@ -40,9 +40,8 @@ def launch_kwargs(device: torch.device) -> dict:
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """Let the next kernel launch, then wait for the previous one (no-ops when PDL is off)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl_let_next_in(PDL)
+    pdl_wait_only(PDL)
 
 
 @triton.jit

@@ -56,6 +56,14 @@ def is_op(node: fx.Node, op) -> bool:
     return node.op == "call_function" and node.target in (op, getattr(op, "default", None))
 
 
+def linear_args(node: fx.Node) -> tuple[object, object] | None:
+    """(x, weight) if `node` is a plain `compiled::linear(x, weight)` call (what skinny_linear
+    leaves), else None: the anchor the fused-linear passes match from."""
+    if not is_op(node, torch.ops.compiled.linear) or node.kwargs or len(node.args) != 2:
+        return None
+    return node.args[0], node.args[1]
+
+
 def is_getitem(node, index: int) -> bool:
     """Whether `node` is `source[index]` (one output of a node returning a tuple)."""
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem \

@@ -21,15 +21,16 @@ from torch import fx
 
 import compiled.graphs.fused_linear  # noqa: F401  (registers compiled::add_rms_norm_linear)
 from compiled.graphs.weights import WeightMap
-from compiled.passes.base import PassRecord, is_call, is_op, match_rms_norm
+from compiled.passes.base import PassRecord, is_call, linear_args, match_rms_norm
 
 
 def fuse_norm_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
     graph = gm.graph
     for node in list(graph.nodes):
-        if not is_op(node, torch.ops.compiled.linear) or node.kwargs or len(node.args) != 2:
+        args = linear_args(node)
+        if args is None:
             continue
-        normed, weight = node.args
+        normed, weight = args
         norm = match_rms_norm(normed)
         if norm is None or not _is_add(norm[0]) or weight.op != "get_attr":
             continue

@@ -3,8 +3,9 @@
     y = linear(silu_and_mul(gate_up), W)  ->  y = silu_mul_linear(gate_up, W)
 
 At decode sizes, where the skinny GEMM serves the down projection, it computes silu(gate) * up in
-its prologue and the activation's own launch goes (compiled/graphs/fused_linear.py). Runs after silu_and_mul and skinny_linear,
-whose ops it matches; an activation with other readers is left alone."""
+its prologue and the activation's own launch goes (compiled/graphs/fused_linear.py). Runs after
+silu_and_mul and skinny_linear, whose ops it matches; an activation with other readers is left
+alone."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ from torch import fx
 
 import compiled.graphs.fused_linear  # noqa: F401  (registers compiled::silu_mul_linear)
 from compiled.graphs.weights import WeightMap
-from compiled.passes.base import PassRecord, is_op
+from compiled.passes.base import PassRecord, is_op, linear_args
 
 
 def fuse_silu_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
     for node in list(gm.graph.nodes):
-        if not is_op(node, torch.ops.compiled.linear) or node.kwargs or len(node.args) != 2:
+        args = linear_args(node)
+        if args is None:
             continue
-        act, weight = node.args
+        act, weight = args
         if not (isinstance(act, fx.Node) and is_op(act, torch.ops.compiled.silu_and_mul)
                 and len(act.users) == 1 and len(act.args) == 1):
             continue
