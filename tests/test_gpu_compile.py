@@ -74,6 +74,15 @@ def test_compiled_graphs_match_uncompiled(pair, batch):
     assert worst < 0.02 + 2 * _bf16_ulp(scale)
 
 
+def test_piecewise_graphs_read_every_activation_in_place(pair):
+    """Attention writes into the slab the next piece's graph reads, and each piece reads the
+    previous piece's outputs where its graph left them: no input is copied before a replay."""
+    fast, _ = pair
+    entries = [e for piece in fast.engine.runner.model.pieces for e in piece.graphs.entries.values()]
+    assert len(entries) == len(fast.engine.runner.model.pieces) * len(fast.engine.runner.prefill_buckets)
+    assert all(i is None or i.slab is None for e in entries for i in e.inputs)
+
+
 def _bf16_ulp(x: float) -> float:
     """Spacing of bfloat16 numbers at magnitude x (8 significant bits)."""
     return 2.0 ** (math.floor(math.log2(max(x, 1e-30))) - 7)

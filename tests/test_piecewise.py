@@ -77,3 +77,18 @@ def test_warm_up_once_runs_each_compiled_function_once_per_shape():
     assert calls == [4, 5] and outs[1] is outs[0] and outs[2] is outs[0]
     torch.testing.assert_close(layers[2](x, w + 2), x @ (w + 2))  # outside: every call runs
     assert calls == [4, 5, 4]
+
+
+def test_unowned_view_shares_memory_without_keeping_it():
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from compiled.runtime.piecewise_graphs import unowned_view
+    base = torch.randn(7, 12)
+    x = base[1:, 3:8]   # a strided view with a storage offset, like q/k/v of a fused qkv
+    view = unowned_view(x)
+    assert view.data_ptr() == x.data_ptr() and view.stride() == x.stride() and torch.equal(view, x)
+    x.add_(1)
+    assert torch.equal(view, x)
+    ref = StorageWeakRef(base.untyped_storage())
+    del base, x
+    assert ref.expired()  # the view did not keep the memory allocated

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -44,6 +44,9 @@ class ForwardContext:
     meta: AttentionMetadata
     kv: KVPool
     req_to_token: torch.Tensor
+    # Given q, the buffer attention writes its output into (piecewise CUDA graphs read it in
+    # place); None: a fresh tensor.
+    attention_out: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 _current: ForwardContext | None = None

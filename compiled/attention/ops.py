@@ -106,17 +106,18 @@ def _attention_triton(ctx: ForwardContext, q, k, v, layer: int, scale: float, ro
     from compiled.attention.triton_store import store_kv_triton
     meta, k_cache, v_cache = ctx.meta, ctx.kv.k[layer], ctx.kv.v[layer]
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    out = None if ctx.attention_out is None else ctx.attention_out(q)
     if meta.is_decode:
         if q.shape[0] != meta.seq_lens.shape[0]:
             raise ValueError(f"decode step with {q.shape[0]} tokens for {meta.seq_lens.shape[0]} requests")
         # The decode kernel stores the step's K/V itself (one launch instead of two).
         return decode_attention_triton(q, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
                                        meta.seq_lens, scale, decode_workspace(ctx, q),
-                                       new_kv=(k, v, meta.out_cache_loc), norm_rope=rope)
+                                       new_kv=(k, v, meta.out_cache_loc), norm_rope=rope, out=out)
     if rope is None:
         store_kv_triton(k_cache, v_cache, meta.out_cache_loc, k, v)
     else:   # one launch normalises, rotates and stores
         q, k = norm_rope_store_triton(q, k, v, k_cache, v_cache, meta.out_cache_loc, rope)
     return extend_attention_triton(q, k, v, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
                                    meta.seq_lens, meta.extend_lens, extend_start_loc(meta),
-                                   meta.max_extend_len, scale)
+                                   meta.max_extend_len, scale, out=out)

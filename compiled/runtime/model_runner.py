@@ -131,8 +131,12 @@ class ModelRunner:
         graphs = PiecewiseGraphs(buckets, self._graph_pool(), [self.inputs.input_ids, self.inputs.positions])
         graphs.attach(self.model.pieces)
         self.prefill_buckets = graphs.buckets
-        graphs.capture(self._padding_only)
-        self.piecewise = graphs
+        self.piecewise = graphs  # the capture's forwards write attention into its slab too
+        try:
+            graphs.capture(self._padding_only)
+        except BaseException:
+            self.piecewise = None
+            raise
         return graphs.capture_seconds
 
     @torch.inference_mode()
@@ -185,13 +189,16 @@ class ModelRunner:
             is_decode=is_decode, extend_start_loc=inp.extend_start_loc[:b])
 
     def _run_model(self, meta: AttentionMetadata, tokens: int) -> torch.Tensor:
-        from compiled.runtime.piecewise_graphs import piecewise_mode
+        from compiled.runtime.piecewise_graphs import current_mode, piecewise_mode
         write_request_table(self.req_pool.table, self.inputs, tokens)
-        ctx = ForwardContext(meta=meta, kv=self.kv, req_to_token=self.req_pool.table)
-        graphed = self.piecewise is not None and tokens in self.piecewise.buckets
-        if graphed:
-            self.piecewise.replays += 1
-        with forward_context(ctx), piecewise_mode(tokens) if graphed else contextlib.nullcontext():
+        pw = self.piecewise
+        graphed = pw is not None and tokens in pw.buckets
+        ctx = ForwardContext(meta=meta, kv=self.kv, req_to_token=self.req_pool.table,
+                             attention_out=pw.attention_out if graphed else None)
+        replay = graphed and current_mode() is None  # else PiecewiseGraphs.capture is running this forward
+        if replay:
+            pw.replays += 1
+        with forward_context(ctx), piecewise_mode(tokens) if replay else contextlib.nullcontext():
             return self.model(self.inputs.input_ids[:tokens], self.inputs.positions[:tokens])
 
     def _decode_bucket(self, batch: Batch) -> int | None:

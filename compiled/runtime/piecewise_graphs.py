@@ -2,13 +2,13 @@
 piecewise scheme): attention between the pieces runs eagerly, because its launch depends on the
 requests' lengths, and everything else replays.
 
-A graph reads its inputs from, and leaves its outputs in, fixed addresses:
-* outputs are copied (inside the graph) into shared slabs, alternating between two sets from one
-  piece to the next, so that one forward's worth of activations serves every layer and bucket;
-* inputs that arrive elsewhere (attention outputs) are copied into input slabs before replay;
-  inputs already at the captured address (the runner's buffers, a previous piece's output slab)
-  are used in place.
-The temporaries inside each graph come from the pool shared with the decode graphs."""
+A graph reads its inputs from, and leaves its outputs in, fixed addresses, with no copies:
+* outputs stay where the capture put them, in the pool shared with the decode graphs. The graphs
+  keep only unowned views of them, so the pool reuses their memory as soon as the forward is done
+  with them, as the allocator does in eager mode; replays run in capture order, so that is safe;
+* attention writes its output into one slab the next piece reads in place;
+* inputs found elsewhere at capture (none in the model's own forward) are copied into input slabs.
+The temporaries inside each graph come from the same pool."""
 
 from __future__ import annotations
 
@@ -51,18 +51,30 @@ class Slabs:
         full_key = (key, tuple(like.shape[1:]), like.dtype)
         buf = self.buffers.get(full_key)
         if buf is None:
-            # Zeroed: during capture, pieces that are not warmed up leave their slabs unwritten,
-            # and the eager attention after them reads these values.
-            buf = self.buffers[full_key] = torch.zeros((self.max_tokens, *like.shape[1:]), dtype=like.dtype,
+            buf = self.buffers[full_key] = torch.empty((self.max_tokens, *like.shape[1:]), dtype=like.dtype,
                                                        device=like.device)
         return buf[:like.shape[0]]
+
+
+def unowned_view(t: torch.Tensor) -> torch.Tensor:
+    """A view of `t`'s memory that does not keep it allocated (Inductor's CUDA-graph trees hold
+    their outputs the same way)."""
+    storage = t.untyped_storage()
+    unowned = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device, storage.nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(unowned, t.storage_offset(), t.shape, t.stride())
+
+
+@dataclass
+class _Input:
+    address: int                 # where the graph reads this activation
+    slab: torch.Tensor | None    # the input slab it is copied into first; None: read in place
 
 
 @dataclass
 class _Entry:
     graph: torch.cuda.CUDAGraph
-    inputs: list[torch.Tensor | None]   # the captured activation inputs (None: a weight)
-    outputs: tuple[torch.Tensor, ...]
+    inputs: list[_Input | None]   # per positional input; None: a weight
+    outputs: tuple[torch.Tensor, ...]  # unowned views of what the capture returned
 
 
 class PieceGraphs:
@@ -77,28 +89,31 @@ class PieceGraphs:
             return self._capture(mode.size, args)
         entry = self.entries[mode.size]
         for arg, static in zip(args, entry.inputs):
-            if static is not None and arg.data_ptr() != static.data_ptr():
-                static.copy_(arg)
+            if static is None:
+                continue
+            if static.slab is not None:
+                static.slab.copy_(arg)
+            elif arg.data_ptr() != static.address:
+                raise RuntimeError(f"piecewise CUDA graphs: piece {self.index} input moved since capture "
+                                   f"({arg.data_ptr():#x}, captured at {static.address:#x})")
         entry.graph.replay()
         return entry.outputs
 
     def _capture(self, size: int, args: tuple):
         owner = self.owner
-        inputs: list[torch.Tensor | None] = []
+        inputs: list[_Input | None] = []
+        call_args = []
         for i, (arg, is_weight) in enumerate(zip(args, self.weight_args)):
             if is_weight:
                 inputs.append(None)
             elif arg.data_ptr() in owner.fixed_ptrs:
-                writer = owner.writer.get(arg.data_ptr())
-                if writer is not None and writer != self.index - 1:
-                    # The slab set alternates per piece: only the previous piece's outputs survive.
-                    raise RuntimeError(f"piecewise CUDA graphs: piece {self.index} reads an output of piece {writer}")
-                inputs.append(arg)
+                inputs.append(_Input(arg.data_ptr(), None))
             else:
                 slab = owner.slabs.view(("in", i), arg)
                 slab.copy_(arg)
-                inputs.append(slab)
-        call_args = [a if s is None else s for a, s in zip(args, inputs)]
+                inputs.append(_Input(slab.data_ptr(), slab))
+                arg = slab
+            call_args.append(arg)
         if (self.fn, size) not in owner.warmed:
             # Lazy kernel compilation and autotuning must not happen inside a capture; they are
             # per compiled function and size, so one instance of identical layers warms up.
@@ -107,15 +122,11 @@ class PieceGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=owner.pool):
             out = self.fn(*call_args)
-            outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
-            slabs = tuple(owner.slabs.view(("out", self.index % 2, j), o) for j, o in enumerate(outs))
-            for slab, o in zip(slabs, outs):
-                slab.copy_(o)
-        for slab in slabs:
-            owner.fixed_ptrs.add(slab.data_ptr())
-            owner.writer[slab.data_ptr()] = self.index
-        self.entries[size] = _Entry(graph, inputs, slabs)
-        return slabs
+        outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
+        owner.fixed_ptrs.update(o.data_ptr() for o in outs)
+        self.entries[size] = _Entry(graph, inputs, tuple(unowned_view(o) for o in outs))
+        # The forward holds the owning tensors for as long as it uses them, and no longer.
+        return out
 
 
 class PiecewiseGraphs:
@@ -125,9 +136,9 @@ class PiecewiseGraphs:
         self.buckets = sorted(buckets)
         self.pool = pool
         self.slabs = Slabs(self.buckets[-1])
-        # Addresses that stay put between steps: graph inputs found there are used in place.
+        # Addresses that stay put between steps (the runner's buffers, the attention slab, the
+        # pieces' outputs): graph inputs found there are used in place.
         self.fixed_ptrs: set[int] = {t.data_ptr() for t in fixed}
-        self.writer: dict[int, int] = {}  # output slab address -> index of the piece writing it
         self.warmed: set[tuple[Callable, int]] = set()  # (compiled function, size) already run once
         self.capture_seconds = 0.0
         self.replays = 0  # forwards that replayed these graphs (tests check they are used)
@@ -136,6 +147,12 @@ class PiecewiseGraphs:
         """Give each compiled piece (in forward order) its graphs."""
         for index, piece in enumerate(pieces):
             piece.graphs = PieceGraphs(piece.fn, piece.weight_args, index, self)
+
+    def attention_out(self, q: torch.Tensor) -> torch.Tensor:
+        """Where attention writes its output `[T, Hq, D]` (like q), for the next piece to read."""
+        out = self.slabs.view(("attention",), q)
+        self.fixed_ptrs.add(out.data_ptr())
+        return out
 
     def capture(self, run_forward: Callable[[int], None]) -> None:
         """`run_forward(size)` stages a padding-only batch of `size` tokens and runs the model;
