@@ -79,6 +79,28 @@ def test_warm_up_once_runs_each_compiled_function_once_per_shape():
     assert calls == [4, 5, 4]
 
 
+def test_warm_up_once_runs_attention_once_per_shape():
+    from compiled.runtime.compiler import EagerAttention, warm_up_once
+    calls = []
+
+    class Layer(torch.nn.Module):
+        def __init__(self, i):
+            super().__init__()
+            self.i = i
+
+        def forward(self, q):
+            calls.append((self.i, q.shape[0]))
+            return q + self.i
+
+    layers = [EagerAttention(Layer(i)) for i in range(3)]
+    q = torch.randn(4, 2)
+    with warm_up_once():
+        outs = [layer(q) for layer in layers] + [layers[2](torch.randn(6, 2))]
+    assert calls == [(0, 4), (2, 6)] and outs[1] is outs[0] and outs[2] is outs[0]
+    torch.testing.assert_close(layers[1](q), q + 1)
+    assert calls[-1] == (1, 4)
+
+
 def test_unowned_view_shares_memory_without_keeping_it():
     from torch.multiprocessing.reductions import StorageWeakRef
 

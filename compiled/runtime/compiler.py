@@ -32,21 +32,47 @@ class CompileReport:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-# While set (see warm_up_once): outputs of the first call per (compiled function, input shapes).
+# While set (see warm_up_once): outputs of the first call per (function, input shapes).
 _warm_outputs: dict | None = None
 
 
 @contextlib.contextmanager
 def warm_up_once() -> Iterator[None]:
-    """A forward run only to trigger lazy work before a capture (Triton compiles, autotuning,
-    workspace allocation): identical layers share compiled code and shapes, so each compiled
-    function runs once per input shape and later pieces return those outputs."""
+    """A forward run only for its side effects (Triton compiles, autotuning, workspace
+    allocation before a capture; the piecewise capture itself): identical layers share code and
+    shapes, so each compiled function, and attention, runs once per input shape and later
+    layers return those outputs."""
     global _warm_outputs
     previous, _warm_outputs = _warm_outputs, {}
     try:
         yield
     finally:
         _warm_outputs = previous
+
+
+def _once_per_shape(kind: object, run: Callable, args: tuple, activations: list[bool] | None = None):
+    """`run(*args)`; during warm_up_once, the outputs of the first call of this `kind` with these
+    shapes of the activations (every tensor argument when `activations` is None)."""
+    if _warm_outputs is None:
+        return run(*args)
+    shapes = tuple(tuple(a.shape) for i, a in enumerate(args)
+                   if isinstance(a, torch.Tensor) and (activations is None or activations[i]))
+    key = (kind, shapes)
+    if key not in _warm_outputs:
+        _warm_outputs[key] = run(*args)
+    return _warm_outputs[key]
+
+
+class EagerAttention(nn.Module):
+    """Stands in for an attention submodule of the split (every layer's is the same op): runs
+    it, once per input shapes during warm_up_once, when its values do not matter."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args):
+        return _once_per_shape(EagerAttention, self.module, args)
 
 
 class CompiledPiece(nn.Module):
@@ -59,18 +85,12 @@ class CompiledPiece(nn.Module):
         self.weight_args = weight_args  # which positional inputs are weights (fixed addresses)
         self.graphs = None              # PieceGraphs once attached
 
-    def _call(self, args):
-        if _warm_outputs is None:
-            return self.fn(*args)
-        shapes = tuple(tuple(a.shape) for a, weight in zip(args, self.weight_args) if not weight)
-        key = (self.fn, shapes)
-        if key not in _warm_outputs:
-            _warm_outputs[key] = self.fn(*args)
-        return _warm_outputs[key]
-
     def forward(self, *args):
         mode = current_mode()
-        out = self._call(args) if mode is None or self.graphs is None else self.graphs(args, mode)
+        if mode is None or self.graphs is None:
+            out = _once_per_shape(self.fn, self.fn, args, [not w for w in self.weight_args])
+        else:
+            out = self.graphs(args, mode)
         # A loaded artifact returns its outputs as a list even when the graph returns one tensor.
         return out[0] if self.single_output and isinstance(out, (list, tuple)) else out
 
@@ -139,6 +159,8 @@ def compile_model(gm: nn.Module, device: torch.device,
             report.compiled += 1
     report.seconds["compile"] = time.perf_counter() - start
     calls = {n.target: n for n in split.top.graph.nodes if n.op == "call_module"}
+    for name in calls.keys() - {p.name for p in split.pieces}:
+        setattr(split.top, name, EagerAttention(getattr(split.top, name)))
     for piece in split.pieces:
         output = next(n for n in reversed(piece.graph.graph.nodes) if n.op == "output")
         single = not isinstance(output.args[0], (tuple, list))

@@ -157,9 +157,12 @@ class PiecewiseGraphs:
     def capture(self, run_forward: Callable[[int], None]) -> None:
         """`run_forward(size)` stages a padding-only batch of `size` tokens and runs the model;
         buckets go largest first so smaller ones reuse the pool's blocks."""
+        from compiled.runtime.compiler import warm_up_once  # imported late: compiler imports this module
         start = time.perf_counter()
         for size in reversed(self.buckets):
-            with piecewise_mode(size, capturing=True):
+            # Each piece captures; attention, whose outputs only need the right address (its
+            # slab), runs once per bucket.
+            with piecewise_mode(size, capturing=True), warm_up_once():
                 run_forward(size)
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
