@@ -10,7 +10,7 @@ Shapes are Qwen3-30B-A3B's attention (32 q / 4 kv heads, head_dim 128, bf16).
   read and out written, against the copy ceiling.
 - Extend: our kernel (prefix gathered through req_to_token, new tokens causal) against torch SDPA
   forced to the flash backend on the same shapes without paging (k/v expanded to 32 heads):
-  (a) 8k causal tokens, one request, no prefix: SDPA is_causal=True;
+  (a) 2k and 8k causal tokens, one request, no prefix: SDPA is_causal=True;
   (b) 2k new tokens over an 8k prefix: SDPA with q 2k x kv 10k and the bottom-right causal mask
       (`causal_lower_right`, which the flash backend runs natively).
   Both timed with triton.testing.do_bench (L2 flushed, median).
@@ -20,7 +20,7 @@ Shapes are Qwen3-30B-A3B's attention (32 q / 4 kv heads, head_dim 128, bf16).
   from 1 to 64 and the heuristic's (there also other tiles and warp counts), as a chain of calls in one graph (a decode step's attention
   is one short call after another at these sizes, so the per-call time is what counts).
 
-Usage: PYTHONPATH=$PWD python bench/attention_bench.py --out results/attn.json [--sweep | --latency]
+Usage: PYTHONPATH=$PWD python bench/attention_bench.py --out results/attn.json [--sweep] [--extend | --latency]
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ DT = torch.bfloat16
 ELT = 2
 BATCHES = [1, 8, 32, 64, 128, 256]
 CONTEXTS = [512, 2048, 8192, 32768]
+EXTEND_SHAPES = [(0, 2048), (0, 8192), (8192, 2048)]  # (cached prefix, new tokens): one request
 MIN_BYTES_PER_REPLAY = 512 << 20
 
 
@@ -212,9 +213,10 @@ def bench_extend(prefix: int, ext: int, sweep: bool) -> dict:
             res[f"speed_vs_sdpa_{name}"] = ms / res["ours_ms"]
     if sweep:
         res["sweep"] = []
-        for bm, bn, bnp, w, st in [(128, 64, 128, 8, 3), (128, 64, 64, 8, 3), (128, 128, 128, 8, 3),
-                                   (128, 64, 128, 8, 4), (64, 64, 64, 4, 3), (128, 32, 64, 4, 4)]:
-            cfg = dict(block_m=bm, block_n=bn, block_np=bnp, num_warps=w, num_stages=st)
+        tiles = [(128, 64, 128, 8, 3), (128, 64, 64, 8, 3), (128, 128, 128, 8, 3), (128, 64, 128, 8, 4),
+                 (64, 64, 64, 4, 3), (128, 32, 64, 4, 4), (128, 128, 128, 8, 2), (128, 64, 128, 8, 2)]
+        for (bm, bn, bnp, w, st), tma in ((tile, tma) for tile in tiles for tma in (False, True)):
+            cfg = dict(block_m=bm, block_n=bn, block_np=bnp, num_warps=w, num_stages=st, tma=tma)
             try:
                 ms = do_bench(ours(**cfg), return_mode="median")
                 res["sweep"].append(dict(cfg, ms=ms, tflops=flops / (ms * 1e-3) / 1e12))
@@ -222,6 +224,16 @@ def bench_extend(prefix: int, ext: int, sweep: bool) -> dict:
                 res["sweep"].append(dict(cfg, error=str(e)[:120]))
     del k_cache, v_cache, ks, vs
     return res
+
+
+def run_extend(result: dict, args) -> None:
+    result["extend"] = []
+    for prefix, ext in EXTEND_SHAPES:
+        result["extend"].append(bench_extend(prefix, ext, args.sweep))
+        print("  extend", {k: v for k, v in result["extend"][-1].items() if k != "sweep"}, flush=True)
+        for row in result["extend"][-1].get("sweep", []):
+            print("    sweep", row, flush=True)
+        _dump(result, args.out)
 
 
 def bench_store(t: int) -> dict:
@@ -252,6 +264,7 @@ def main() -> None:
     ap.add_argument("--out", default="attention_bench.json")
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile/warp/stage configs")
     ap.add_argument("--max-ctx", type=int, default=max(CONTEXTS))
+    ap.add_argument("--extend", action="store_true", help="only the extend shapes (with --sweep: their configs)")
     ap.add_argument("--latency", action="store_true",
                     help="only the split-count sweep at batch 1-8, short contexts (a chain of calls in one graph)")
     args = ap.parse_args()
@@ -266,6 +279,9 @@ def main() -> None:
     if args.latency:
         result["decode_latency"] = decode_latency()
         _dump(result, args.out)
+        return
+    if args.extend:
+        run_extend(result, args)
         return
 
     # ---- decode
@@ -318,12 +334,7 @@ def main() -> None:
     del bench
     torch.cuda.empty_cache()
 
-    # ---- extend
-    result["extend"] = []
-    for prefix, ext in ((0, 8192), (8192, 2048)):
-        result["extend"].append(bench_extend(prefix, ext, args.sweep))
-        print("  extend", {k: v for k, v in result["extend"][-1].items() if k != "sweep"}, flush=True)
-        _dump(result, args.out)
+    run_extend(result, args)
     torch.cuda.empty_cache()
     # ---- store
     result["store"] = [bench_store(t) for t in (32, 256, 8192)]

@@ -33,6 +33,26 @@ def hopper_or_newer(device: torch.device) -> bool:
     return device.type == "cuda" and _capability(device.index)[0] >= 9
 
 
+def interpreting() -> bool:
+    """Triton kernels run under the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def tma_descriptor(x: torch.Tensor, block: list[int]):
+    """A TMA tensor descriptor over the 2-D `x` with tiles of `block`, or None where TMA cannot
+    take it: a 16-bit tensor with unit last stride and 16-byte aligned base and rows, on Hopper
+    or newer (or the interpreter). Built per call: a small host object the launcher encodes, and
+    caching it would keep freed tensors alive."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    if (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
+        return None
+    if not (hopper_or_newer(x.device) or interpreting()):
+        return None
+    return TensorDescriptor.from_tensor(x, block)
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)

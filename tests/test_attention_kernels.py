@@ -186,13 +186,19 @@ def scaled_err(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-def extend_case(prefix_lens, ext_lens, hq, hkv, d, dtype, device="cpu", seed=0, **config):
-    from compiled.attention.triton_extend import extend_attention_triton
+def extend_case(prefix_lens, ext_lens, hq, hkv, d, dtype, device="cpu", seed=0, packed=False, **config):
+    """`packed`: q, k and v are views of one `[T, Hq + 2 Hkv, D]` projection output, as in the model."""
+    from compiled.attention.triton_extend import _new_token_desc, extend_attention_triton
     seq_lens = [p + e for p, e in zip(prefix_lens, ext_lens)]
     k_cache, v_cache, table, rows = paged_batch(seq_lens, hkv, d, dtype, device, seed)
     t = sum(ext_lens)
-    q = randn((t, hq, d), dtype, device, seed + 1)
-    k, v = randn((t, hkv, d), dtype, device, seed + 2), randn((t, hkv, d), dtype, device, seed + 3)
+    if packed:
+        q, k, v = randn((t, hq + 2 * hkv, d), dtype, device, seed + 1).split([hq, hkv, hkv], dim=1)
+    else:
+        q = randn((t, hq, d), dtype, device, seed + 1)
+        k, v = randn((t, hkv, d), dtype, device, seed + 2), randn((t, hkv, d), dtype, device, seed + 3)
+    if config.get("tma"):  # the case is about the TMA path: it must not fall back to pointer loads
+        assert _new_token_desc(k, config["block_n"]) is not None and _new_token_desc(v, config["block_n"]) is not None
     loc = torch.cat([table[r, p:s].long() for r, p, s in zip(rows.tolist(), prefix_lens, seq_lens)])
     store_kv(k_cache, v_cache, loc, k, v)
     scale = d ** -0.5
@@ -294,6 +300,11 @@ CPU_GROUPS = {
         ("extend_gqa4_d24_f16", lambda: extend_case([5, 64], [70, 2], 4, 1, 24, F16, block_m=32, block_n=32,
                                                     block_np=32)),
         ("extend_gqa4_d64_bf16", lambda: extend_case([100], [33], 4, 1, 64, BF16)),
+        # the new tokens' whole tiles through TMA descriptors, k/v contiguous and as views of qkv
+        ("extend_gqa4_d64_bf16_tma", lambda: extend_case([0, 40, 7], [150, 70, 33], 4, 2, 64, BF16, block_m=64,
+                                                         block_n=16, block_np=16, tma=True)),
+        ("extend_gqa2_d32_f16_tma_packed", lambda: extend_case([3, 0], [90, 41], 4, 2, 32, F16, packed=True,
+                                                               block_m=32, block_n=16, block_np=16, tma=True)),
     ],
     "op": [
         ("op_decode_triton_vs_torch", lambda: op_case(True)),
@@ -410,8 +421,9 @@ def test_gpu_norm_rope_store(t, hq, hkv, d):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("prefix,ext", [([0], [8192]), ([8000], [2048]), ([0, 8000, 5000, 17, 0], [2048, 300, 1, 999, 1])])
-def test_gpu_extend_real_size(prefix, ext):
-    err, tol = extend_case(prefix, ext, 32, 4, 128, BF16, device="cuda")
+@pytest.mark.parametrize("tma", [False, True])
+def test_gpu_extend_real_size(prefix, ext, tma):
+    err, tol = extend_case(prefix, ext, 32, 4, 128, BF16, device="cuda", packed=tma, tma=tma)
     assert err <= tol, err
 
 

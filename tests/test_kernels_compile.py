@@ -8,7 +8,7 @@ model with a dense layer runs a prefill and a decode step through the Triton bac
 pass on: fused linears, q/k norm + RoPE in attention), and the fused MoE is called at decode and
 prefill sizes with the H100's tuned configs (TMA, part-height tiles) and as the one-token kernel;
 the launches those leave out (the routing kernel, the prologues' own launches, the plain K/V
-store) are called directly.
+store, extend attention with TMA) are called directly.
 Outputs are never computed, so nothing is compared: the test is that every kernel compiles."""
 
 from __future__ import annotations
@@ -82,9 +82,9 @@ def _stand_in_hopper() -> list[str]:
         names.append(self.fn.__name__)
         return kernel
     JITFunction.run = compile_only
-    import compiled.moe.fused_moe as fm
+    import compiled.backend as backend
     import compiled.pdl as pdl
-    pdl.hopper_or_newer = fm.hopper_or_newer = lambda device: True
+    pdl.hopper_or_newer = backend.hopper_or_newer = lambda device: True
     return names
 
 
@@ -126,6 +126,11 @@ def _other_calls() -> None:
     x = torch.randn(24, 2048).bfloat16()
     add_rms_norm_triton(x, x, torch.ones(2048).bfloat16(), 1e-6)
     silu_and_mul_triton(x)
+    from compiled.attention.triton_extend import extend_attention_triton
+    q, kv = torch.randn(70, 4, 128).bfloat16(), torch.randn(70, 2, 128).bfloat16()
+    one = torch.tensor([70])
+    extend_attention_triton(q, kv, kv, k_cache, k_cache, torch.arange(64)[None], torch.zeros(1, dtype=torch.long),
+                            one, one, torch.zeros(1, dtype=torch.long), 70, 0.1, tma=True)
 
 
 if __name__ == "__main__":   # run by the test above, without the interpreter

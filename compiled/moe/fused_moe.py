@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from compiled.backend import hopper_or_newer
+from compiled.backend import interpreting, tma_descriptor
 from compiled.moe.experts import expert_loop
 
 log = logging.getLogger(__name__)
@@ -251,15 +251,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
 
 def weight_desc(w: torch.Tensor, block_n: int, block_k: int):
     """A TMA descriptor over the stacked weight `w [E, R, K]` seen as `[E * R, K]`, block
-    `[block_n, block_k]`, or None where TMA cannot take it (needs a contiguous 16-bit weight with
-    16-byte aligned rows; on the GPU, Hopper or newer). Built per call: it is a small host object,
-    encoded by the launcher, and caching it would keep freed weights alive."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    rows_ok = w.is_contiguous() and (w.shape[-1] * w.element_size()) % 16 == 0 and w.data_ptr() % 16 == 0
-    on_gpu = hopper_or_newer(w.device)
-    if not rows_ok or not (on_gpu or _interpreting()) or w.dtype not in (torch.bfloat16, torch.float16):
-        return None
-    return TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [block_n, block_k])
+    `[block_n, block_k]`, or None where TMA cannot take it (see `tma_descriptor`)."""
+    return tma_descriptor(w.view(-1, w.shape[-1]), [block_n, block_k]) if w.is_contiguous() else None
 
 
 def _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, cfg):
@@ -371,13 +364,9 @@ def _launch_sum(y, out, top_k):
                                               **launch_kwargs(y.device))
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _dot_flags(dtype: torch.dtype) -> dict:
     """fp32 stays fp32 (no tf32); under the CPU interpreter 16-bit operands are upcast for tl.dot."""
-    interp = _interpreting()
+    interp = interpreting()
     fp32 = dtype == torch.float32 or interp
     return dict(PRECISION="ieee" if fp32 else "tf32", DOT_FP32=interp and dtype != torch.float32)
 
