@@ -214,7 +214,9 @@ def bench_extend(prefix: int, ext: int, sweep: bool) -> dict:
     if sweep:
         res["sweep"] = []
         tiles = [(128, 64, 128, 8, 3), (128, 64, 64, 8, 3), (128, 128, 128, 8, 3), (128, 64, 128, 8, 4),
-                 (64, 64, 64, 4, 3), (128, 32, 64, 4, 4), (128, 128, 128, 8, 2), (128, 64, 128, 8, 2)]
+                 (64, 64, 64, 4, 3), (128, 32, 64, 4, 4), (128, 128, 128, 8, 2), (128, 64, 128, 8, 2),
+                 (64, 64, 128, 4, 3), (64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (64, 64, 64, 4, 4),
+                 (64, 32, 64, 4, 3), (64, 64, 128, 8, 3)]
         for (bm, bn, bnp, w, st), tma in ((tile, tma) for tile in tiles for tma in (False, True)):
             cfg = dict(block_m=bm, block_n=bn, block_np=bnp, num_warps=w, num_stages=st, tma=tma)
             try:

@@ -188,7 +188,7 @@ def scaled_err(a, b):
 
 def extend_case(prefix_lens, ext_lens, hq, hkv, d, dtype, device="cpu", seed=0, packed=False, **config):
     """`packed`: q, k and v are views of one `[T, Hq + 2 Hkv, D]` projection output, as in the model."""
-    from compiled.attention.triton_extend import _new_token_desc, extend_attention_triton
+    from compiled.attention.triton_extend import _new_token_desc, default_config, extend_attention_triton
     seq_lens = [p + e for p, e in zip(prefix_lens, ext_lens)]
     k_cache, v_cache, table, rows = paged_batch(seq_lens, hkv, d, dtype, device, seed)
     t = sum(ext_lens)
@@ -198,7 +198,8 @@ def extend_case(prefix_lens, ext_lens, hq, hkv, d, dtype, device="cpu", seed=0, 
         q = randn((t, hq, d), dtype, device, seed + 1)
         k, v = randn((t, hkv, d), dtype, device, seed + 2), randn((t, hkv, d), dtype, device, seed + 3)
     if config.get("tma"):  # the case is about the TMA path: it must not fall back to pointer loads
-        assert _new_token_desc(k, config["block_n"]) is not None and _new_token_desc(v, config["block_n"]) is not None
+        block_n = dict(default_config(d), **config)["block_n"]
+        assert _new_token_desc(k, block_n) is not None and _new_token_desc(v, block_n) is not None
     loc = torch.cat([table[r, p:s].long() for r, p, s in zip(rows.tolist(), prefix_lens, seq_lens)])
     store_kv(k_cache, v_cache, loc, k, v)
     scale = d ** -0.5
