@@ -163,7 +163,8 @@ def bench_extend(prefix: int, ext: int, sweep: bool) -> dict:
     out = torch.empty_like(q)
     meta = dict(req_pool_indices=torch.zeros(1, dtype=torch.int64, device="cuda"),
                 seq_lens=torch.tensor([seq], device="cuda"), extend_lens=torch.tensor([ext], device="cuda"),
-                extend_start_loc=torch.zeros(1, dtype=torch.int64, device="cuda"), max_extend_len=ext)
+                extend_start_loc=torch.zeros(1, dtype=torch.int64, device="cuda"), max_extend_len=ext,
+                max_prefix_len=prefix)
 
     def ours(**cfg):
         return lambda: extend_attention_triton(q, k, v, k_cache, v_cache, table, scale=D ** -0.5, out=out,
@@ -207,7 +208,7 @@ def bench_extend(prefix: int, ext: int, sweep: bool) -> dict:
     res["ours_tflops"] = flops / (res["ours_ms"] * 1e-3) / 1e12
     res["sdpa_tflops"] = flops / (res["sdpa_ms"] * 1e-3) / 1e12
     res["speed_vs_sdpa"] = res["sdpa_ms"] / res["ours_ms"]
-    res["config"] = triton_extend.default_config(D)
+    res["config"] = triton_extend.default_config(D, ext, prefix)
     for name, ms in res["sdpa_other_ms"].items():
         if isinstance(ms, float):
             res[f"speed_vs_sdpa_{name}"] = ms / res["ours_ms"]

@@ -296,6 +296,8 @@ CPU_GROUPS = {
         # empty and long prefixes, batches mixing extend lengths 1..300
         ("extend_gqa1_d64_mixed", lambda: extend_case([0, 50, 0, 211], [1, 37, 100, 64], 2, 2, 64, F32)),
         ("extend_gqa4_d128_long", lambda: extend_case([0, 3], [300, 1], 4, 1, 128, F32)),
+        ("extend_gqa4_d128_short_prompt_tiles", lambda: extend_case([0, 3], [300, 1], 4, 1, 128, F32,
+                                                                    max_prefix_len=3)),
         ("extend_gqa8_d64_small_tiles", lambda: extend_case([299, 0, 17], [1, 150, 40], 8, 1, 64, F32,
                                                             block_m=32, block_n=16, block_np=16)),
         ("extend_gqa4_d24_f16", lambda: extend_case([5, 64], [70, 2], 4, 1, 24, F16, block_m=32, block_n=32,
@@ -425,6 +427,13 @@ def test_gpu_norm_rope_store(t, hq, hkv, d):
 @pytest.mark.parametrize("tma", [False, True])
 def test_gpu_extend_real_size(prefix, ext, tma):
     err, tol = extend_case(prefix, ext, 32, 4, 128, BF16, device="cuda", packed=tma, tma=tma)
+    assert err <= tol, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefix,ext", [([0], [2048]), ([0, 500, 3], [2000, 17, 1])])
+def test_gpu_extend_short_prompt_tiles(prefix, ext):
+    err, tol = extend_case(prefix, ext, 32, 4, 128, BF16, device="cuda", packed=True, max_prefix_len=max(prefix))
     assert err <= tol, err
 
 

@@ -38,6 +38,10 @@ class AttentionMetadata:
     def max_extend_len(self) -> int:
         return max(self.extend_lens_cpu, default=0)
 
+    @property
+    def max_prefix_len(self) -> int:
+        return max((s - e for s, e in zip(self.seq_lens_cpu, self.extend_lens_cpu)), default=0)
+
 
 @dataclass
 class ForwardContext:

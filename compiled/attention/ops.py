@@ -120,4 +120,4 @@ def _attention_triton(ctx: ForwardContext, q, k, v, layer: int, scale: float, ro
         q, k = norm_rope_store_triton(q, k, v, k_cache, v_cache, meta.out_cache_loc, rope)
     return extend_attention_triton(q, k, v, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
                                    meta.seq_lens, meta.extend_lens, extend_start_loc(meta),
-                                   meta.max_extend_len, scale, out=out)
+                                   meta.max_extend_len, scale, out=out, max_prefix_len=meta.max_prefix_len)
