@@ -101,6 +101,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--prefill-len", type=int, default=2048)
+    ap.add_argument("--prefill-reps", type=int, default=7, help="prefills timed (time to first token each)")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--export", type=Path, default=None, help="write the compiled artifact here")
@@ -141,7 +142,7 @@ def main() -> None:
             record["host_split_ms"] = {b: host_split(llm, b, a.input_len) for b in (1, max(record["decode"]))}
             print("host ms per decode step:", json.dumps(record["host_split_ms"]), flush=True)
         prompt = core.random_ids(1, a.prefill_len, vocab, 1)[0]
-        ttft = [core.first_token(llm, prompt) for _ in range(3)]
+        ttft = [core.first_token(llm, prompt) for _ in range(a.prefill_reps)]
         record["prefill"] = {"tokens": a.prefill_len, "ttft_ms": [1e3 * t for t in ttft]}
         print(f"prefill {a.prefill_len}: ttft ms {[round(1e3 * t, 2) for t in ttft]}", flush=True)
         if a.profile_dir is not None:
