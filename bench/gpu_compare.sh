@@ -3,7 +3,8 @@
 # 512, 16 output tokens) compiled + CUDA graphs with `--compare hf` (HF transformers on the same
 # workload), then the eager engine (--enforce-eager), on the Qwen3-30B-A3B shape at batch 1, 8, 64
 # and the Qwen3-0.6B shape at batch 1; then a 2,048-token prefill (time to first token, batch 1) the
-# same three ways. JSON and text in ${OUT:-out}/; MODELS and PREFILL_MODELS override the lists.
+# same three ways. JSON and text in ${OUT:-out}/; MODELS and PREFILL_MODELS override the lists (set
+# to an empty string: none).
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
@@ -18,13 +19,13 @@ both_ways() {  # name, tag, options: compiled with --compare hf, then --enforce-
   grep -iE "decode|step|first token|error" "$out/${name}_${tag}_eager.txt" | head -4
 }
 common="--load-format dummy --max-model-len 2048 --max-num-seqs 64 --input-len 512 --output-len 16"
-for entry in ${MODELS:-qwen3-30b-a3b:1,8,64 qwen3-0.6b:1}; do
+for entry in ${MODELS-qwen3-30b-a3b:1,8,64 qwen3-0.6b:1}; do
   name=${entry%%:*}
   for b in $(echo "${entry#*:}" | tr , ' '); do
     both_ways "$name" "b$b" $common --batch-size "$b"
   done
 done
-for name in ${PREFILL_MODELS:-qwen3-30b-a3b}; do
+for name in ${PREFILL_MODELS-qwen3-30b-a3b}; do
   both_ways "$name" prefill2048 --load-format dummy --max-model-len 4096 --max-num-seqs 1 --input-len 2048 \
     --output-len 2 --batch-size 1
 done
