@@ -231,7 +231,7 @@ def bench_extend(prefix: int, ext: int, sweep: bool) -> dict:
 
 def run_extend(result: dict, args) -> None:
     result["extend"] = []
-    for prefix, ext in EXTEND_SHAPES:
+    for prefix, ext in args.extend_shapes or EXTEND_SHAPES:
         result["extend"].append(bench_extend(prefix, ext, args.sweep))
         print("  extend", {k: v for k, v in result["extend"][-1].items() if k != "sweep"}, flush=True)
         for row in result["extend"][-1].get("sweep", []):
@@ -268,6 +268,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile/warp/stage configs")
     ap.add_argument("--max-ctx", type=int, default=max(CONTEXTS))
     ap.add_argument("--extend", action="store_true", help="only the extend shapes (with --sweep: their configs)")
+    ap.add_argument("--extend-shapes", type=lambda s: tuple(int(x) for x in s.split("+")), nargs="+",
+                    help="PREFIX+NEW pairs instead of the default extend shapes, e.g. 512+2048")
     ap.add_argument("--latency", action="store_true",
                     help="only the split-count sweep at batch 1-8, short contexts (a chain of calls in one graph)")
     args = ap.parse_args()
