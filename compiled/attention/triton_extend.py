@@ -121,7 +121,8 @@ def _extend_kernel(
 
 
 # At most this many new tokens and cached prefix tokens per request: 64-row query tiles (twice the
-# programs, better balanced over the SMs). Measured at prefix 0 and 8192; the prefix bound is a guess.
+# programs, better balanced over the SMs). With 2,048 new tokens they win up to a 256-token prefix,
+# tie at 512 and lose from 1,024 on (bench/RESULTS.md, tenth session, run 10).
 SHORT_EXTEND, SHORT_PREFIX = 2048, 512
 
 
