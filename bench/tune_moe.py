@@ -178,9 +178,10 @@ class Problem:
         _, routes = make_routing(self.layers, T, E, top_k, seed)
         self.weights = [w.reshape(-1).contiguous() for w, _ in routes]
         self.ids = [i.contiguous() for _, i in routes]
-        self.inter = torch.randn(T * top_k, I, device=DEVICE, dtype=dtype)
-        self.y = torch.empty(T * top_k, H, device=DEVICE, dtype=dtype)
         self.naive = fm.use_naive(T)
+        rows = max(fm.intermediate_rows(T * top_k, E, bm, self.naive) for bm in (16, 32, 64, 128, 256))
+        self.inter = torch.randn(rows, I, device=DEVICE, dtype=dtype)   # gemm1 writes by block
+        self.y = torch.empty(T * top_k, H, device=DEVICE, dtype=dtype)
         self.aligned: dict[int, list] = {}
 
     def align(self, bm):

@@ -142,6 +142,14 @@ def case_tma_weight_tiles_bf16_n_and_k_tails():
     _check_fused(61, 33, 3, 32, 48, cfg, dtype=torch.bfloat16, seed=5)
 
 
+def case_tma_intermediate_tiles_full_blocks_bf16():
+    # 66-84 pairs per expert: full 32-row blocks, whose rows of the intermediate gemm2 reads through
+    # TMA (K = 48: the tail tile reads zeros past the last column), then partial blocks by pointers
+    cfg = dict(_cfg(32, 32, 32, group=4), HALF_M=1, TMA=1)
+    assert fm.A_TMA
+    _check_fused(300, 8, 2, 32, 48, cfg, dtype=torch.bfloat16, seed=11)
+
+
 def case_tma_up_only_fp16_half_tiles():
     cfg = dict(_cfg(64, 64, 16, group=4), HALF_M=1, TMA=1, down=dict(BLOCK_SIZE_N=32, TMA=0))
     _check_fused(300, 8, 2, 32, 48, cfg, dtype=torch.float16, seed=9)
@@ -240,7 +248,8 @@ GROUPS = {
           case_routing_kernel_vs_softmax_topk],
     "b": [case_t128_e16_k1_no_sum, case_t61_e33_k3_bf16, case_t2_e8_k8_all_experts_down_override,
           case_op_dispatch_and_workspace, case_align_multi_chunk_e128_k8, case_align_single_chunk_and_unused_experts,
-          case_tma_weight_tiles_bf16_n_and_k_tails, case_tma_up_only_fp16_half_tiles],
+          case_tma_weight_tiles_bf16_n_and_k_tails, case_tma_intermediate_tiles_full_blocks_bf16,
+          case_tma_up_only_fp16_half_tiles],
 }
 CASE_NAMES = [f.__name__ for fns in GROUPS.values() for f in fns]
 

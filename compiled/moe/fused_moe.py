@@ -153,6 +153,12 @@ def max_padded_size(numel: int, E: int, block_m: int) -> int:
     return numel + min(E, numel) * (block_m - 1)
 
 
+def intermediate_rows(numel: int, E: int, block_m: int, naive: bool) -> int:
+    """Rows of gemm1's output: BLOCK_M for every block (naive: one block per pair)."""
+    blocks = numel if naive else -(-max_padded_size(numel, E, block_m) // block_m)
+    return blocks * block_m
+
+
 def _align_chunk(numel: int) -> int:
     """Pairs per program of the alignment kernels: one program up to 128 pairs, else 32 a program
     (more beyond 256 programs). Short programs won: `moe_bench.py --sweep-align` on the H200,
@@ -185,7 +191,7 @@ class MoEWorkspace:
         self.get("totals", e_pad, torch.int32, device)
         self.get("bases", -(-numel // _align_chunk(numel)) * e_pad, torch.int32, device)
         self.get("post", 1, torch.int32, device)
-        self.get("inter", numel * I, dtype, device)
+        self.get("inter", intermediate_rows(numel, E, block_m, False) * I, dtype, device)
         self.get("y", numel * H, dtype, device)
         return self
 
@@ -255,6 +261,10 @@ def weight_desc(w: torch.Tensor, block_n: int, block_k: int):
     return tma_descriptor(w.view(-1, w.shape[-1]), [block_n, block_k]) if w.is_contiguous() else None
 
 
+# gemm2 loads its full-height tiles of the intermediate through TMA when its config loads the
+# weights so (Hopper); False: pointer loads.
+A_TMA = True
+
 def _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, cfg):
     from compiled.moe import fused_moe_kernels as K
     from compiled.pdl import launch_kwargs
@@ -281,13 +291,17 @@ def _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel
     grid = (n_blocks * triton_cdiv(H, bn),)
     fused_sum = counters is not None
     desc = weight_desc(w2, bn, cfg["BLOCK_SIZE_K"]) if cfg.get("TMA") else None
+    # The intermediate's full-height tiles through TMA wherever the weights' go.
+    a_tma = A_TMA and cfg.get("TMA") and not naive
+    a_desc = tma_descriptor(inter, [cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_K"]]) if a_tma else None
     K.moe_gemm2_kernel[grid](
-        inter, w2, desc, y, weights, out if fused_sum else y, counters if fused_sum else y,
+        inter, a_desc, w2, desc, y, weights, out if fused_sum else y, counters if fused_sum else y,
         sorted_ids, expert_ids, num_post, numel, H, I,
         inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         TOP_K=top_k, FUSED_SUM=fused_sum, NAIVE=naive, **_dot_flags(inter.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=I % cfg["BLOCK_SIZE_K"] == 0, HALF_M=0 if naive else cfg["HALF_M"], TMA=desc is not None,
+        A_TMA=a_desc is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(inter.device))
 
 
@@ -420,7 +434,9 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     else:
         sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, E, block_m, ws)
         n_blocks = expert_ids.numel()
-    inter = ws.get("inter", numel * I, x.dtype, x.device).view(numel, I)
+    rows = intermediate_rows(numel, E, block_m, naive)   # gemm1 writes each block's rows at its offset
+    assert rows == n_blocks * block_m
+    inter = ws.get("inter", rows * I, x.dtype, x.device).view(rows, I)
     _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, up_cfg)
     if top_k == 1:
         _launch_gemm2(inter, w2, out, weights, sorted_ids, expert_ids, num_post, numel, n_blocks, naive, down_cfg)

@@ -10,8 +10,9 @@ Design (after SGLang/vLLM's fused_moe, written from scratch):
   prefix sum. The order of rows inside a segment does not change any result: every GEMM row is
   computed on its own and the top-k sum runs in slot order.
 * `moe_gemm1_kernel`: one program per (block, N tile); gathers the block's token rows of x, multiplies
-  by the gate and the up tile of its expert's `w13` and writes `silu(gate) * up` (fused epilogue).
-* `moe_gemm2_kernel`: same grid over `w2`; the epilogue multiplies by the routing weight and (for
+  by the gate and the up tile of its expert's `w13` and writes `silu(gate) * up` (fused epilogue)
+  in block order, so that each block's rows are one contiguous tile for the next GEMM.
+* `moe_gemm2_kernel`: same grid over `w2`, reading those tiles (through TMA on Hopper); the epilogue multiplies by the routing weight and (for
   one token, where it saves a launch; see FUSED_SUM_MAX_TOKENS) sums the k weighted expert outputs
   of every token in fp32: the program that writes a token's last slot for an N tile does it,
   found through a per-(token, tile) atomic counter.
@@ -143,7 +144,7 @@ def _block(N, num_valid, sorted_ptr, num_post_ptr,
 
 
 @triton.jit
-def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, expert, pid_n, num_valid, N, K,
+def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid, N, K,
              stride_xm, stride_we, stride_wn, stride_om,
              TOP_K: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
              TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -192,30 +193,34 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, expert, pid_n, num_valid, N, K
     up = acc_u.to(dt).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
     out = (act * up).to(dt)
-    o_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    o_ptrs = out_ptr + pos.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_n[None, :] < N))
 
 
 @triton.jit
-def _down_tile(a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr, pair, expert, pid_n, num_valid,
-               N, K, stride_am, stride_we, stride_wn, stride_om,
+def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr, pair, first_pos, expert,
+               pid_n, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
                TOP_K: tl.constexpr, FUSED_SUM: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
                TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-               TMA: tl.constexpr):
+               TMA: tl.constexpr, A_TMA: tl.constexpr):
     """weight * (a . w2[e]) for the TILE_M rows `pair` and one N tile; with FUSED_SUM, then the
     top-k sum of every token whose k-th slot this was (see _sum_if_last). TMA as in _up_tile
-    (w as `[E * N, K]`)."""
+    (w as `[E * N, K]`). a holds the rows in block order: this tile's are the TILE_M from
+    `first_pos` (padding rows hold anything; their outputs are not stored), through `a_desc`
+    (block `[TILE_M, BLOCK_K]`) with A_TMA."""
     row_ok = pair < num_valid
     row = tl.where(row_ok, pair, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_nw = (offs_n % N).to(tl.int64)
-    a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
+    a_ptrs = a_ptr + (first_pos + tl.arange(0, TILE_M)).to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     b_ptrs = w_ptr + expert * stride_we + offs_nw[None, :] * stride_wn + offs_k[:, None]
     row_b = (expert * N + pid_n * BLOCK_N).to(tl.int32)
     acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
+        if A_TMA:
+            a = a_desc.load([first_pos.to(tl.int32), k * BLOCK_K])
+        elif EVEN_K:
             a = tl.load(a_ptrs)
         else:
             a = tl.load(a_ptrs, mask=(offs_k < K - k * BLOCK_K)[None, :], other=0.0)
@@ -290,9 +295,11 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr, TMA: tl.constexpr,
                      PDL: tl.constexpr):
-    """out[pair, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs.
+    """out[row, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs,
+    row = the pair's position in the sorted order (block b's rows are b * BLOCK_M onwards, padding
+    rows left unwritten), so that gemm2 reads each block's rows as one tile.
 
-    w is `[E, 2N, K]` (`[gate; up]`), out `[T*k, N]`; N = I, K = H. HALF_M (0, 1 or 2): a block
+    w is `[E, 2N, K]` (`[gate; up]`), out `[blocks * BLOCK_M, N]`; N = I, K = H. HALF_M (0, 1 or 2): a block
     whose real rows fit in half (a quarter) of BLOCK_M runs a tile of that height (_tile_rows)."""
     pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, NAIVE, BLOCK_M, BLOCK_N, GROUP_M)
@@ -301,29 +308,34 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
         height = BLOCK_M
         if HALF_M >= 1:
             height = _tile_rows(pair, num_valid, BLOCK_M, HALF_M)
+        first = pid_m * BLOCK_M   # out holds the rows in block order (gemm2 reads them as tiles)
         if height == BLOCK_M:
-            _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, expert, pid_n, num_valid, N, K,
-                     stride_xm, stride_we, stride_wn, stride_om,
+            _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, first + tl.arange(0, BLOCK_M), expert, pid_n, num_valid,
+                     N, K, stride_xm, stride_we, stride_wn, stride_om,
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
         elif height == BLOCK_M // 2:
-            _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2), expert,
+            _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2),
+                     first + tl.arange(0, BLOCK_M // 2), expert,
                      pid_n, num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA)
         elif HALF_M >= 2:
-            _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4), expert,
+            _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4),
+                     first + tl.arange(0, BLOCK_M // 4), expert,
                      pid_n, num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA)
 
 
 @triton.jit(do_not_specialize=["num_valid"])
-def moe_gemm2_kernel(a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr, sorted_ptr, expert_ids_ptr,
-                     num_post_ptr, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
+def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr, sorted_ptr,
+                     expert_ids_ptr, num_post_ptr, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
                      TOP_K: tl.constexpr, FUSED_SUM: tl.constexpr,
                      NAIVE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr, TMA: tl.constexpr,
-                     PDL: tl.constexpr):
-    """out[pair, n] = weight[pair] * (a[pair] . w[e, n]); w is `[E, N, K]` (N = H, K = I).
+                     A_TMA: tl.constexpr, PDL: tl.constexpr):
+    """out[pair, n] = weight[pair] * (a[row] . w[e, n]), the block's rows of a in block order (as
+    moe_gemm1_kernel writes them); w is `[E, N, K]` (N = H, K = I). A_TMA: full-height tiles of a
+    come through `a_desc`.
     FUSED_SUM: also sum[token, n] = sum over the token's k pairs of out (counters zero on entry
     and on exit, one per token and N tile). HALF_M as in moe_gemm1_kernel."""
     pdl_wait(PDL)
@@ -333,20 +345,21 @@ def moe_gemm2_kernel(a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counte
         height = BLOCK_M
         if HALF_M >= 1:
             height = _tile_rows(pair, num_valid, BLOCK_M, HALF_M)
+        first = pid_m * BLOCK_M
         if height == BLOCK_M:
-            _down_tile(a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr, pair, expert, pid_n,
-                       num_valid, N, K, stride_am, stride_we, stride_wn, stride_om, TOP_K, FUSED_SUM,
-                       PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
+            _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr, pair, first, expert,
+                       pid_n, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om, TOP_K, FUSED_SUM,
+                       PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, A_TMA)
         elif height == BLOCK_M // 2:
-            _down_tile(a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr,
-                       _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2), expert, pid_n,
+            _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr,
+                       _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2), first, expert, pid_n,
                        num_valid, N, K, stride_am, stride_we, stride_wn, stride_om, TOP_K, FUSED_SUM,
-                       PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA)
+                       PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA, False)
         elif HALF_M >= 2:
-            _down_tile(a_ptr, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr,
-                       _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4), expert, pid_n,
+            _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr,
+                       _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4), first, expert, pid_n,
                        num_valid, N, K, stride_am, stride_we, stride_wn, stride_om, TOP_K, FUSED_SUM,
-                       PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA)
+                       PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA, False)
 
 
 @triton.jit
