@@ -265,6 +265,7 @@ def weight_desc(w: torch.Tensor, block_n: int, block_k: int):
 # weights so (Hopper); False: pointer loads.
 A_TMA = True
 
+
 def _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, cfg):
     from compiled.moe import fused_moe_kernels as K
     from compiled.pdl import launch_kwargs

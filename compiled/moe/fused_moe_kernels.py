@@ -12,10 +12,11 @@ Design (after SGLang/vLLM's fused_moe, written from scratch):
 * `moe_gemm1_kernel`: one program per (block, N tile); gathers the block's token rows of x, multiplies
   by the gate and the up tile of its expert's `w13` and writes `silu(gate) * up` (fused epilogue)
   in block order, so that each block's rows are one contiguous tile for the next GEMM.
-* `moe_gemm2_kernel`: same grid over `w2`, reading those tiles (through TMA on Hopper); the epilogue multiplies by the routing weight and (for
-  one token, where it saves a launch; see FUSED_SUM_MAX_TOKENS) sums the k weighted expert outputs
-  of every token in fp32: the program that writes a token's last slot for an N tile does it,
-  found through a per-(token, tile) atomic counter.
+* `moe_gemm2_kernel`: same grid over `w2`, reading those tiles (through TMA on Hopper); the epilogue
+  multiplies by the routing weight and (for one token, where it saves a launch; see
+  FUSED_SUM_MAX_TOKENS) sums the k weighted expert outputs of every token in fp32: the program
+  that writes a token's last slot for an N tile does it, found through a per-(token, tile)
+  atomic counter.
 * `moe_sum_kernel`: that sum as a kernel of its own (more tokens, or no counters available).
 
 Blocks past the padded total (and so experts without tokens) exit at once. DOT_FP32 upcasts the
@@ -299,8 +300,9 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
     row = the pair's position in the sorted order (block b's rows are b * BLOCK_M onwards, padding
     rows left unwritten), so that gemm2 reads each block's rows as one tile.
 
-    w is `[E, 2N, K]` (`[gate; up]`), out `[blocks * BLOCK_M, N]`; N = I, K = H. HALF_M (0, 1 or 2): a block
-    whose real rows fit in half (a quarter) of BLOCK_M runs a tile of that height (_tile_rows)."""
+    w is `[E, 2N, K]` (`[gate; up]`), out `[blocks * BLOCK_M, N]`; N = I, K = H. HALF_M (0, 1 or
+    2): a block whose real rows fit in half (a quarter) of BLOCK_M runs a tile of that height
+    (_tile_rows)."""
     pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, NAIVE, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
