@@ -179,7 +179,7 @@ class Problem:
         self.weights = [w.reshape(-1).contiguous() for w, _ in routes]
         self.ids = [i.contiguous() for _, i in routes]
         self.naive = fm.use_naive(T)
-        rows = max(fm.intermediate_rows(T * top_k, E, bm, self.naive) for bm in (16, 32, 64, 128, 256))
+        rows = max(fm.intermediate_rows(T * top_k, E, bm, self.naive) for bm in block_m_candidates(T))
         self.inter = torch.randn(rows, I, device=DEVICE, dtype=dtype)   # gemm1 writes by block
         self.y = torch.empty(T * top_k, H, device=DEVICE, dtype=dtype)
         self.aligned: dict[int, list] = {}

@@ -34,8 +34,9 @@ def hopper_or_newer(device: torch.device) -> bool:
 
 
 def interpreting() -> bool:
-    """Triton kernels run under the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """Triton kernels run under the CPU interpreter (TRITON_INTERPRET, as Triton itself reads it)."""
+    from triton import knobs
+    return knobs.runtime.interpret
 
 
 def tma_descriptor(x: torch.Tensor, block: list[int]):

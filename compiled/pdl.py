@@ -21,14 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-from compiled.backend import hopper_or_newer
+from compiled.backend import hopper_or_newer, interpreting
 
 ENABLED = os.environ.get("COMPILED_PDL", "1") != "0"
 
 
 def use_pdl(device: torch.device) -> bool:
     """Whether launches on `device` use programmatic dependent launch."""
-    return ENABLED and os.environ.get("TRITON_INTERPRET", "0") != "1" and hopper_or_newer(device)
+    return ENABLED and not interpreting() and hopper_or_newer(device)
 
 
 def launch_kwargs(device: torch.device) -> dict:

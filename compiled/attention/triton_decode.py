@@ -18,14 +18,13 @@ so nothing here reads a host value that changes from step to step, synchronises,
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from compiled.attention.reference import NormRope
 from compiled.attention.triton_norm_rope import norm_rope_tile
+from compiled.backend import interpreting
 from compiled.pdl import launch_kwargs, pdl_wait
 
 LOG2E = 1.4426950408889634
@@ -35,7 +34,7 @@ MAX_SPLITS = 64   # upper bound on splits per request (workspace sizing)
 def interpreter_upcast(dtype: torch.dtype) -> bool:
     """Triton's CPU interpreter computes `tl.dot` on bf16 operands wrongly (as raw 16-bit
     integers), so under TRITON_INTERPRET=1 the kernels run their dots on bf16 data in fp32."""
-    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return dtype == torch.bfloat16 and interpreting()
 
 
 @triton.jit

@@ -435,8 +435,7 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     else:
         sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, E, block_m, ws)
         n_blocks = expert_ids.numel()
-    rows = intermediate_rows(numel, E, block_m, naive)   # gemm1 writes each block's rows at its offset
-    assert rows == n_blocks * block_m
+    rows = n_blocks * block_m   # gemm1 writes each block's rows at its offset (intermediate_rows)
     inter = ws.get("inter", rows * I, x.dtype, x.device).view(rows, I)
     _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, up_cfg)
     if top_k == 1:
