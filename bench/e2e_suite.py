@@ -75,7 +75,12 @@ def host_split(llm, batch: int, input_len: int, steps: int = 20) -> dict:
 
 
 def short_profile(prof: dict, n: int = 12) -> list[str]:
-    return [f"{r['self_ms']:9.3f} ms {r['self_pct']:5.1f}% x{r['calls']:<5} {r['name'][:90]}" for r in prof["top"][:n]]
+    lines = [f"{r['self_ms']:9.3f} ms {r['self_pct']:5.1f}% x{r['calls']:<5} {r['name'][:90]}" for r in prof["top"][:n]]
+    if prof.get("exposed"):
+        lines.append("on the critical path (own time not overlapped + idle before, ms):")
+        lines += [f"{r['exposed_ms']:9.3f} ({r['idle_before_ms']:.3f} idle) x{r['calls']:<5} {r['name'][:80]}"
+                  for r in prof["exposed"][:n]]
+    return lines
 
 
 def profiled_startup(args, input_len: int, out: Path):

@@ -566,8 +566,33 @@ def profile_steps(llm, items: Sequence[Item], steps: int, out_dir: Path, name: s
     rows = [{"name": e.key, "calls": e.count, "self_ms": getattr(e, key, 0.0) / 1e3,
              "self_pct": 100 * getattr(e, key, 0.0) / total,
              "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in events[:top] if getattr(e, key, 0.0) > 0]
-    return {"trace": str(trace), "steps": done, "sort_by": "self device time" if on_device else "self CPU time",
-            "total_self_ms": total / 1e3, "top": rows}
+    result = {"trace": str(trace), "steps": done, "sort_by": "self device time" if on_device else "self CPU time",
+              "total_self_ms": total / 1e3, "top": rows}
+    if on_device:
+        result["exposed"] = exposed_kernel_time(trace, top)
+    return result
+
+
+def exposed_kernel_time(trace: Path, top: int = 15) -> list[dict]:
+    """Each GPU kernel's share of the stream's critical path, from a Chrome trace: the time from
+    the end of what ran before it to its own end (its run not hidden behind the previous kernel,
+    plus the idle gap before it). With programmatic dependent launch a kernel starts early and
+    waits, so its own duration counts the previous kernel too; this does not. The rows add up to
+    the span from the first kernel's start to the last one's end."""
+    events = json.loads(Path(trace).read_text()).get("traceEvents", [])
+    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                     if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X")
+    per_name: dict[str, list[float]] = {}
+    prev_end = kernels[0][0] if kernels else 0.0
+    for start, end, name in kernels:
+        row = per_name.setdefault(name, [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += max(0.0, end - max(start, prev_end))   # its own, not overlapped
+        row[2] += max(0.0, start - prev_end)             # idle before it
+        prev_end = max(prev_end, end)
+    rows = sorted(per_name.items(), key=lambda kv: kv[1][1] + kv[1][2], reverse=True)
+    return [{"name": name, "calls": n, "exposed_ms": (run + idle) / 1e3, "idle_before_ms": idle / 1e3}
+            for name, (n, run, idle) in rows[:top]]
 
 
 # ---- the run's environment -------------------------------------------------------------------

@@ -9,7 +9,7 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from cli.bench_core import percentile, read_dataset
+from cli.bench_core import exposed_kernel_time, percentile, read_dataset
 from cli.main import app
 from compiled.graphs.config import ModelConfig
 from compiled.runtime import roofline
@@ -85,6 +85,22 @@ def test_percentile_interpolates_like_numpy():
     xs = [4.0, 1.0, 3.0, 2.0]
     assert percentile(xs, 50) == 2.5 and percentile(xs, 0) == 1.0 and percentile(xs, 100) == 4.0
     assert percentile(xs, 90) == pytest.approx(3.7)
+
+
+def test_exposed_kernel_time_splits_the_span(tmp_path):
+    # a runs 0-10; b starts early (PDL) at 4 and ends at 15: 5 of its own; c after a gap of 3,
+    # 18-20; a again inside c's span adds nothing; CPU events are ignored
+    kernels = [("a", 0, 10), ("b", 4, 11), ("c", 18, 2), ("a", 18.5, 1)]
+    events = [{"cat": "kernel", "ph": "X", "name": n, "ts": ts, "dur": d} for n, ts, d in kernels]
+    events.append({"cat": "cpu_op", "ph": "X", "name": "aten::mm", "ts": 0, "dur": 100})
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    rows = {r["name"]: r for r in exposed_kernel_time(trace)}
+    assert rows["a"]["calls"] == 2 and rows["a"]["exposed_ms"] == pytest.approx(10e-3)
+    assert rows["b"]["exposed_ms"] == pytest.approx(5e-3) and rows["b"]["idle_before_ms"] == 0
+    assert rows["c"]["exposed_ms"] == pytest.approx(5e-3) and rows["c"]["idle_before_ms"] == pytest.approx(3e-3)
+    assert sum(r["exposed_ms"] for r in rows.values()) == pytest.approx(20e-3)  # the whole span
+    assert set(rows) == {"a", "b", "c"}
 
 
 def test_dataset_file(tmp_path):

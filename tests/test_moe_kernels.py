@@ -177,6 +177,31 @@ def case_op_dispatch_and_workspace():
     assert {n: b.data_ptr() for n, b in ws.buffers.items()} == before, "workspace reallocated"
 
 
+def case_sum_add_rms_norm_kernel_and_op():
+    # the top-k sum + residual add + RMSNorm kernel against its reference (H not a power of two),
+    # then the whole op through the Triton MoE against the two ops' references
+    from compiled.moe.moe_norm_linear import moe_add_rms_norm_linear_ref
+    g = torch.Generator().manual_seed(18)
+    for T, k, H, dtype in ((1, 2, 40, torch.float32), (23, 4, 33, torch.bfloat16), (7, 8, 64, torch.float32)):
+        pairs, x = torch.randn(T * k, H, generator=g).to(dtype), torch.randn(T, H, generator=g).to(dtype)
+        nw = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+        h, normed = fm.moe_sum_add_rms_norm_triton(pairs, x, nw, 1e-6)
+        ref_h, ref_normed = fm.moe_sum_add_rms_norm_ref(pairs, x, nw, 1e-6)
+        tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(h, ref_h, **tol)
+        torch.testing.assert_close(normed, ref_normed, **tol)
+    x_moe, w, ids, w13, w2 = _problem(19, 8, 2, 32, 48, seed=19)
+    x = torch.randn(19, 32, generator=g)
+    nw, weight = 1 + 0.1 * torch.randn(32, generator=g), torch.randn(24, 32, generator=g)
+    os.environ["COMPILED_MOE_BACKEND"] = "triton"
+    try:
+        y, h, normed = torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight, True)
+    finally:
+        del os.environ["COMPILED_MOE_BACKEND"]
+    for got, ref in zip((y, h, normed), moe_add_rms_norm_linear_ref(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight)):
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+
+
 def _check_align(T, k, E, block_m, used=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(T, E, generator=g)
@@ -249,7 +274,7 @@ GROUPS = {
     "b": [case_t128_e16_k1_no_sum, case_t61_e33_k3_bf16, case_t2_e8_k8_all_experts_down_override,
           case_op_dispatch_and_workspace, case_align_multi_chunk_e128_k8, case_align_single_chunk_and_unused_experts,
           case_tma_weight_tiles_bf16_n_and_k_tails, case_tma_intermediate_tiles_full_blocks_bf16,
-          case_tma_up_only_fp16_half_tiles],
+          case_tma_up_only_fp16_half_tiles, case_sum_add_rms_norm_kernel_and_op],
 }
 CASE_NAMES = [f.__name__ for fns in GROUPS.values() for f in fns]
 
@@ -516,6 +541,40 @@ def test_gpu_no_host_sync_and_cuda_graph(real_layer, T):
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), fm.fused_moe_ref(x, w, ids, w13, w2).float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 64, 2048])
+def test_gpu_moe_add_rms_norm_linear_eager_and_graph(real_layer, T):
+    # the op's bits are those of the fused MoE followed by add_rms_norm_linear (the same sum's
+    # rounding, the same norm arithmetic), eagerly and replayed from a CUDA graph; the next
+    # layer's qkv shape
+    from compiled.moe.moe_norm_linear import moe_add_rms_norm_linear_ref
+    w13, w2 = real_layer
+    x_moe, w, ids = _real_inputs(T, seed=600 + T)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, H_REAL, device="cuda", generator=g).bfloat16()
+    nw = (1 + 0.1 * torch.randn(H_REAL, device="cuda", generator=g)).bfloat16()
+    weight = (torch.randn(5120, H_REAL, device="cuda", generator=g) / H_REAL ** 0.5).bfloat16()
+
+    def fused():
+        return torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight, True)
+
+    def apart():
+        moe = torch.ops.compiled.fused_moe(x_moe, w, ids, w13, w2)
+        return torch.ops.compiled.add_rms_norm_linear(x, moe, nw, 1e-6, weight, True)
+    expected = apart()
+    for got, want in zip(fused(), expected):
+        assert torch.equal(got, want)
+    for got, ref in zip(expected, moe_add_rms_norm_linear_ref(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight)):
+        torch.testing.assert_close(got.float(), ref.float(), atol=6e-2, rtol=3e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fused()
+    x_moe.copy_(_real_inputs(T, seed=650 + T)[0])
+    graph.replay()
+    for got, want in zip(outs, apart()):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.gpu

@@ -87,7 +87,9 @@ def test_passed_graph_matches_unpassed(name, passes):
 
 # the ops that apply a linear's weight (after skinny_linear), with the weight's place in their args
 LINEAR_OPS = {torch.ops.compiled.linear: 1, torch.ops.compiled.add_rms_norm_linear: 4,
-              torch.ops.compiled.silu_mul_linear: 1}
+              torch.ops.compiled.silu_mul_linear: 1, torch.ops.compiled.moe_add_rms_norm_linear: 8}
+# the ops that add + RMSNorm the residual stream before their linear: (norm weight, eps, keep_normed) places
+NORM_OPS = {torch.ops.compiled.add_rms_norm_linear: (2, 3, 5), torch.ops.compiled.moe_add_rms_norm_linear: (6, 7, 9)}
 
 
 def _is_linear_op(n: fx.Node) -> bool:
@@ -111,6 +113,15 @@ def _linears_under(gm: fx.GraphModule, prefix: str, exclude: str) -> list[str]:
     return [t for t in _linear_calls(gm) if t.startswith(prefix) and not t.endswith(exclude)]
 
 
+def _moe_weights(n: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(w13, w2) read by a fused MoE, alone or inside moe_add_rms_norm_linear; else None."""
+    if is_op(n, torch.ops.compiled.fused_moe):
+        return n.args[3], n.args[4]
+    if is_op(n, torch.ops.compiled.moe_add_rms_norm_linear):
+        return n.args[4], n.args[5]
+    return None
+
+
 def _check_structure(gm: fx.GraphModule, cfg: ModelConfig, passes: list[str]) -> None:
     nodes = list(gm.graph.nodes)
     for i in range(cfg.num_hidden_layers):
@@ -118,10 +129,9 @@ def _check_structure(gm: fx.GraphModule, cfg: ModelConfig, passes: list[str]) ->
         qkv = _linears_under(gm, layer + "self_attn", "o_proj")
         assert len(qkv) == (1 if "fuse_qkv" in passes else 3)
         if cfg.is_moe_layer(i):
-            fused = [n for n in nodes if is_op(n, torch.ops.compiled.fused_moe)
-                     and n.args[3].target == layer + "mlp.w13"]
+            fused = [args for args in map(_moe_weights, nodes) if args and args[0].target == layer + "mlp.w13"]
             if "fuse_w13" in passes:
-                assert len(fused) == 1 and fused[0].args[4].target == layer + "mlp.w2"
+                assert len(fused) == 1 and fused[0][1].target == layer + "mlp.w2"
                 assert not any(n.op == "get_attr" and ".experts." in n.target and n.target.startswith(layer)
                                for n in nodes)
             else:
@@ -152,17 +162,30 @@ def _check_norm_linear(gm: fx.GraphModule, cfg: ModelConfig, passes: list[str]) 
     bias-free linear goes into it: each layer's post-attention norm and, where qkv has no bias,
     every input norm but the first (which reads the embedding). The normalised rows are kept
     where something else reads them too (the MoE experts, unfused projections)."""
-    fused = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.add_rms_norm_linear)]
+    fused = [(n, NORM_OPS[op]) for n in gm.graph.nodes for op in NORM_OPS if is_op(n, op)]
     L = cfg.num_hidden_layers
     expected = L + (0 if cfg.attention_bias else L - 1) if {"skinny_linear", "fuse_norm_linear"} <= set(passes) else 0
     assert len(fused) == expected
     norms_left = 2 * L + 1 - expected + (0 if "fuse_qk_norm_rope" in passes else 2 * L)
     assert sum(n.op == "call_function" and n.target is torch.rsqrt for n in gm.graph.nodes) == norms_left
-    for n in fused:
-        layer = n.args[2].target.split(".")[2]
-        post = n.args[2].target.endswith("post_attention_layernorm.weight")
+    for n, (w, eps, keep) in fused:
+        layer = n.args[w].target.split(".")[2]
+        post = n.args[w].target.endswith("post_attention_layernorm.weight")
         shared = (cfg.is_moe_layer(int(layer)) or "fuse_w13" not in passes) if post else "fuse_qkv" not in passes
-        assert n.args[3] == cfg.rms_norm_eps and n.args[5] == shared, n.format_node()
+        assert n.args[eps] == cfg.rms_norm_eps and n.args[keep] == shared, n.format_node()
+    _check_moe_norm(gm, cfg, passes, expected > 0)
+
+
+def _check_moe_norm(gm: fx.GraphModule, cfg: ModelConfig, passes: list[str], norms_fused: bool) -> None:
+    """With fuse_moe_norm every fused MoE whose output goes into the next layer's fused input norm
+    is inside it: each MoE layer but the last (whose output goes to the final norm)."""
+    fused = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.moe_add_rms_norm_linear)]
+    applies = norms_fused and not cfg.attention_bias and {"fuse_w13", "fuse_moe_norm"} <= set(passes)
+    L = cfg.num_hidden_layers
+    assert len(fused) == (sum(cfg.is_moe_layer(i) for i in range(L - 1)) if applies else 0)
+    for n in fused:
+        layer = int(n.args[4].target.split(".")[2])
+        assert n.args[6].target == f"model.layers.{layer + 1}.input_layernorm.weight", n.format_node()
 
 
 def _check_qk_norm_rope(gm: fx.GraphModule, cfg: ModelConfig, applied: bool) -> None:

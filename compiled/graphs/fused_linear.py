@@ -38,7 +38,7 @@ def silu_mul_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Te
     return F.linear(silu_and_mul_ref(gate_up), weight)
 
 
-def _check_norm(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> None:
+def check_norm(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> None:
     check_shapes(x, weight)
     if x.dim() != 2:
         raise ValueError(f"compiled::add_rms_norm_linear: x {tuple(x.shape)}, expected [T, K]")
@@ -55,7 +55,7 @@ def add_rms_norm_linear(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch
                         weight: torch.Tensor, keep_normed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x, delta `[T, K]` -> (y `[T, N]`, h = x + delta, normed = RMSNorm(h) or an empty tensor when
     not keep_normed). h is what the residual stream carries on; normed is for other readers."""
-    _check_norm(x, delta, norm_weight, weight)
+    check_norm(x, delta, norm_weight, weight)
     if use_kernel(x, weight) and delta.stride(-1) == 1:
         from compiled.graphs.linear_kernels import add_rms_norm_linear_triton
         y, h, normed = add_rms_norm_linear_triton(x, delta, norm_weight, eps, weight, keep_normed)
@@ -80,7 +80,7 @@ def _add_rms_norm(x, delta, norm_weight, eps):
 
 @add_rms_norm_linear.register_fake
 def _(x, delta, norm_weight, eps, weight, keep_normed):
-    _check_norm(x, delta, norm_weight, weight)
+    check_norm(x, delta, norm_weight, weight)
     return x.new_empty((x.shape[0], weight.shape[0])), torch.empty_like(x), \
         torch.empty_like(x) if keep_normed else x.new_empty(0)
 

@@ -38,6 +38,18 @@ def silu_mul(g, u):
 
 
 @triton.jit
+def add_rms_norm_row(x, d, NW, H, NORMED, cols, mask, K, eps):
+    """One row's residual add + RMSNorm from its tiles x and d (masked lanes 0): stores h = x + d
+    at H and RMSNorm(h) * norm weight at NORMED (pointers to the row's start)."""
+    h = residual_add(x, d)
+    tl.store(H + cols, h, mask=mask)
+    hf = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / K + eps)
+    nw = tl.load(NW + cols, mask=mask, other=0.0)
+    tl.store(NORMED + cols, rms_normed(h, rstd, nw).to(x.dtype), mask=mask)
+
+
+@triton.jit
 def _add_rms_norm_kernel(X, D, NW, H, NORMED, K, eps, stride_xm, stride_dm, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
     pdl_wait(PDL)
@@ -46,12 +58,12 @@ def _add_rms_norm_kernel(X, D, NW, H, NORMED, K, eps, stride_xm, stride_dm, BLOC
     mask = cols < K
     x = tl.load(X + row * stride_xm + cols, mask=mask, other=0.0)
     d = tl.load(D + row * stride_dm + cols, mask=mask, other=0.0)
-    h = residual_add(x, d)
-    tl.store(H + row * K + cols, h, mask=mask)
-    hf = h.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / K + eps)
-    nw = tl.load(NW + cols, mask=mask, other=0.0)
-    tl.store(NORMED + row * K + cols, rms_normed(h, rstd, nw).to(x.dtype), mask=mask)
+    add_rms_norm_row(x, d, NW, H + row * K, NORMED + row * K, cols, mask, K, eps)
+
+
+def row_warps(block: int) -> int:
+    """Warps for a program holding one row of `block` columns (a norm's row kernels)."""
+    return max(1, min(16, block // 256))
 
 
 def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor,
@@ -62,7 +74,7 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch
     if T:
         block = triton.next_power_of_2(K)
         _add_rms_norm_kernel[(T,)](x, delta, norm_weight, h, normed, K, eps, x.stride(0), delta.stride(0),
-                                   BLOCK=block, num_warps=max(1, min(16, block // 256)), **launch_kwargs(x.device))
+                                   BLOCK=block, num_warps=row_warps(block), **launch_kwargs(x.device))
     return h, normed
 
 

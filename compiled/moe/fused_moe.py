@@ -379,6 +379,32 @@ def _launch_sum(y, out, top_k):
                                               **launch_kwargs(y.device))
 
 
+def moe_sum_add_rms_norm_ref(pairs: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor,
+                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, normed) from gemm2's weighted expert outputs `pairs [T*k, H]`: their top-k sum in fp32,
+    rounded to x's dtype (as the sum kernel stores it), then `add_rms_norm_ref(x, sum)`."""
+    from compiled.graphs.fused_linear import add_rms_norm_ref
+    T, H = x.shape
+    moe_out = pairs.view(T, -1, H).float().sum(1).to(x.dtype)
+    return add_rms_norm_ref(x, moe_out, norm_weight, eps)
+
+
+def moe_sum_add_rms_norm_triton(pairs: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's contract in one launch (`moe_sum_add_rms_norm_kernel`); x's last dim contiguous."""
+    from compiled.graphs.prologue_kernels import row_warps
+    from compiled.moe import fused_moe_kernels as K
+    from compiled.pdl import launch_kwargs
+    T, H = x.shape
+    h, normed = x.new_empty((T, H)), x.new_empty((T, H))
+    if T:
+        block = _next_pow2(H)
+        K.moe_sum_add_rms_norm_kernel[(T,)](pairs, x, norm_weight, h, normed, H, eps, x.stride(0),
+                                            TOP_K=pairs.shape[0] // T, BLOCK_H=block, num_warps=row_warps(block),
+                                            **launch_kwargs(x.device))
+    return h, normed
+
+
 def _dot_flags(dtype: torch.dtype) -> dict:
     """fp32 stays fp32 (no tf32); under the CPU interpreter 16-bit operands are upcast for tl.dot."""
     interp = interpreting()
@@ -399,11 +425,14 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
                      w13: torch.Tensor, w2: torch.Tensor, config: dict | None = None,
                      workspace: MoEWorkspace | None = None, out: torch.Tensor | None = None,
                      fused_sum: bool | None = None, one_launch: bool | None = None,
-                     one_launch_config: dict | None = None) -> torch.Tensor:
+                     one_launch_config: dict | None = None, sum_slots: bool = True) -> torch.Tensor:
     """The Triton path of `compiled::fused_moe`. `config` overrides the tuned/default lookup.
     `fused_sum`: sum the top-k slots inside gemm2 (True) or with a kernel of its own (False);
     None: inside up to FUSED_SUM_MAX_TOKENS tokens. `one_launch`: one token in one kernel
-    (moe_one_token_kernel; None: ONE_LAUNCH), with `one_launch_config` or the tuned one."""
+    (moe_one_token_kernel; None: ONE_LAUNCH), with `one_launch_config` or the tuned one.
+    `sum_slots=False` (top-k > 1, and then `fused_sum` and `one_launch` must not be asked for):
+    returns the weighted expert outputs `[T*k, H]` unsummed, for a kernel after it to sum them
+    (`moe_sum_add_rms_norm_triton`); `out` is then unused."""
     T, H = x.shape
     E, I = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
@@ -419,6 +448,10 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     w2 = w2.contiguous()
     topk_ids = topk_ids.contiguous()
     weights = topk_weights.contiguous().reshape(-1)
+    if not sum_slots:
+        if top_k == 1 or fused_sum or one_launch:
+            raise ValueError("fused_moe_triton: sum_slots=False needs top-k > 1, no fused sum and no one-launch path")
+        fused_sum, one_launch = False, False
     if T == 1 and (ONE_LAUNCH if one_launch is None else one_launch) and _launch_one_token(
             x, w13, w2, topk_ids, weights, out,
             one_launch_config or tuned_one_launch_config(E, I, x.dtype, x.device)):
@@ -447,6 +480,8 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     counters = sum_counters(x.device, T * triton_cdiv(H, down_cfg["BLOCK_SIZE_N"])) if fused_sum else None
     _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel, n_blocks, naive, down_cfg,
                   top_k, out, counters)
+    if not sum_slots:
+        return y
     if counters is None:
         _launch_sum(y, out, top_k)
     return out
@@ -454,7 +489,8 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
 
 # ----------------------------------------------------------------------------- the op
 
-def _backend(x: torch.Tensor) -> str:
+def backend(x: torch.Tensor) -> str:
+    """'triton' or 'torch': the forced COMPILED_MOE_BACKEND, else Triton on CUDA."""
     forced = os.environ.get("COMPILED_MOE_BACKEND", "").strip().lower()
     if forced in ("torch", "triton"):
         return forced
@@ -466,7 +502,7 @@ def _backend(x: torch.Tensor) -> str:
 @torch.library.custom_op("compiled::fused_moe", mutates_args=())
 def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    if _backend(x) == "triton":
+    if backend(x) == "triton":
         return fused_moe_triton(x, topk_weights, topk_ids, w13, w2)
     return fused_moe_ref(x, topk_weights, topk_ids, w13, w2)
 

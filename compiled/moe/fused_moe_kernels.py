@@ -28,6 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from compiled.graphs.prologue_kernels import add_rms_norm_row
+
 from compiled.pdl import pdl_wait
 
 
@@ -365,16 +367,38 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr
 
 
 @triton.jit
+def _slot_sum(y_ptr, t, offs, m, H, TOP_K: tl.constexpr):
+    """sum_j y[t*k + j] over a token's k weighted expert outputs, in fp32, in slot order."""
+    acc = tl.zeros(offs.shape, dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + j) * H + offs, mask=m, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def moe_sum_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum_j y[t*k + j] in fp32; y `[T*k, H]`, out `[T, H]` (both contiguous)."""
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m = offs < H
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        acc += tl.load(y_ptr + (t * TOP_K + j) * H + offs, mask=m, other=0.0).to(tl.float32)
+    acc = _slot_sum(y_ptr, t, offs, m, H, TOP_K)
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def moe_sum_add_rms_norm_kernel(y_ptr, x_ptr, nw_ptr, h_ptr, normed_ptr, H, eps, stride_xm,
+                                TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    """The top-k sum of `moe_sum_kernel` (rounded to x's dtype, as that kernel stores it), then
+    the residual add + RMSNorm of the layer after it on the whole row: h = x + sum, normed =
+    RMSNorm(h) * nw. One program a token; h and normed `[T, H]` contiguous."""
+    pdl_wait(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    m = offs < H
+    moe_out = _slot_sum(y_ptr, t, offs, m, H, TOP_K).to(x_ptr.dtype.element_ty)
+    x = tl.load(x_ptr + t * stride_xm + offs, mask=m, other=0.0)
+    add_rms_norm_row(x, moe_out, nw_ptr, h_ptr + t * H, normed_ptr + t * H, offs, m, H, eps)
 
 
 # The one-token kernel's accumulator holds sums in fixed point, units of 2^-32: integer adds give

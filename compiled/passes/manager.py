@@ -10,6 +10,7 @@ from torch import fx
 
 from compiled.graphs.trace import example_inputs
 from compiled.passes.base import GraphPass, PassRecord, sweep_dead_nodes
+from compiled.passes.fuse_moe_norm import fuse_moe_norm
 from compiled.passes.fuse_norm_linear import fuse_norm_linear
 from compiled.passes.fuse_qk_norm_rope import fuse_qk_norm_rope
 from compiled.passes.fuse_silu_linear import fuse_silu_linear
@@ -27,9 +28,10 @@ REGISTRY: dict[str, GraphPass] = {p.name: p for p in (
     GraphPass("fuse_qk_norm_rope", fuse_qk_norm_rope),
     GraphPass("fuse_norm_linear", fuse_norm_linear),
     GraphPass("fuse_silu_linear", fuse_silu_linear),
+    GraphPass("fuse_moe_norm", fuse_moe_norm),
 )}
 DEFAULT_PASSES: tuple[str, ...] = ("fuse_qkv", "fuse_w13", "silu_and_mul", "skinny_linear", "fuse_qk_norm_rope",
-                                   "fuse_norm_linear", "fuse_silu_linear")
+                                   "fuse_norm_linear", "fuse_silu_linear", "fuse_moe_norm")
 CHECKS = ("each", "end", "none")
 
 

@@ -1,0 +1,52 @@
+"""`compiled::moe_add_rms_norm_linear`: a MoE layer's experts, the residual add + RMSNorm after
+them and the linear that reads the norm (the next layer's qkv), as one op.
+
+    delta = fused_moe(moe_x, weights, ids, w13, w2);  y, h, normed = add_rms_norm_linear(x, delta, ...)
+
+For more than one token the experts' k weighted outputs per token are summed by a kernel of their
+own (`moe_sum_kernel`), which writes the MoE's output only for the norm's kernel to read it back.
+Here one kernel does both (`moe_sum_add_rms_norm_kernel`): one launch and one `[T, H]` round trip
+fewer a layer. One token keeps the sum inside gemm2 and the two ops' own paths, as does the CPU,
+where the op is the two ops' references in a row."""
+
+from __future__ import annotations
+
+import torch
+
+from compiled.graphs import fused_linear
+from compiled.graphs.linear import dispatch
+from compiled.moe import fused_moe as fm
+
+
+def sums_in_norm(x: torch.Tensor, moe_x: torch.Tensor, topk_ids: torch.Tensor) -> bool:
+    """Whether the top-k sum goes into the norm's kernel: the Triton MoE with a separate sum."""
+    return (fm.backend(moe_x) == "triton" and topk_ids.shape[1] > 1 and moe_x.shape[0] > fm.FUSED_SUM_MAX_TOKENS
+            and x.stride(-1) == 1)
+
+
+@torch.library.custom_op("compiled::moe_add_rms_norm_linear", mutates_args=())
+def moe_add_rms_norm_linear(x: torch.Tensor, moe_x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                            w13: torch.Tensor, w2: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            weight: torch.Tensor, keep_normed: bool
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`add_rms_norm_linear(x, fused_moe(moe_x, ...), norm_weight, eps, weight, keep_normed)`."""
+    fused_linear.check_norm(x, moe_x, norm_weight, weight)
+    if not sums_in_norm(x, moe_x, topk_ids):
+        delta = torch.ops.compiled.fused_moe(moe_x, topk_weights, topk_ids, w13, w2)
+        return torch.ops.compiled.add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed)
+    pairs = fm.fused_moe_triton(moe_x, topk_weights, topk_ids, w13, w2, sum_slots=False)
+    h, normed = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps)
+    return dispatch(normed, weight), h, normed if keep_normed else x.new_empty(0)
+
+
+@moe_add_rms_norm_linear.register_fake
+def _(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, keep_normed):
+    fused_linear.check_norm(x, moe_x, norm_weight, weight)
+    return x.new_empty((x.shape[0], weight.shape[0])), torch.empty_like(x), \
+        torch.empty_like(x) if keep_normed else x.new_empty(0)
+
+
+def moe_add_rms_norm_linear_ref(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight):
+    """(y, h, normed) from the two ops' torch references."""
+    delta = fm.fused_moe_ref(moe_x, topk_weights, topk_ids, w13, w2)
+    return fused_linear.add_rms_norm_linear_ref(x, delta, norm_weight, eps, weight)
