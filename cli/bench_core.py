@@ -570,7 +570,29 @@ def profile_steps(llm, items: Sequence[Item], steps: int, out_dir: Path, name: s
               "total_self_ms": total / 1e3, "top": rows}
     if on_device:
         result["exposed"] = exposed_kernel_time(trace, top)
+        result["idle_gaps"] = idle_gaps(trace)
     return result
+
+
+def _device_events(trace: Path) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, name) of the GPU's kernels, copies and memsets in a Chrome trace, by start."""
+    events = json.loads(Path(trace).read_text()).get("traceEvents", [])
+    return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X")
+
+
+def idle_gaps(trace: Path, top: int = 12) -> list[dict]:
+    """The longest stretches with nothing running on the GPU: where they start (µs after the first
+    kernel), how long, and the kernels on either side (where the host fell behind)."""
+    kernels = _device_events(trace)
+    gaps, prev_end, prev_name = [], kernels[0][0] if kernels else 0.0, ""
+    for start, end, name in kernels:
+        if start > prev_end:
+            gaps.append({"at_us": prev_end - kernels[0][0], "idle_us": start - prev_end,
+                         "after": prev_name[:60], "before": name[:60]})
+        if end > prev_end:
+            prev_end, prev_name = end, name
+    return sorted(gaps, key=lambda g: g["idle_us"], reverse=True)[:top]
 
 
 def exposed_kernel_time(trace: Path, top: int = 15) -> list[dict]:
@@ -579,9 +601,7 @@ def exposed_kernel_time(trace: Path, top: int = 15) -> list[dict]:
     plus the idle gap before it). With programmatic dependent launch a kernel starts early and
     waits, so its own duration counts the previous kernel too; this does not. The rows add up to
     the span from the first kernel's start to the last one's end."""
-    events = json.loads(Path(trace).read_text()).get("traceEvents", [])
-    kernels = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-                     if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X")
+    kernels = _device_events(trace)
     per_name: dict[str, list[float]] = {}
     prev_end = kernels[0][0] if kernels else 0.0
     for start, end, name in kernels:

@@ -9,7 +9,7 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from cli.bench_core import exposed_kernel_time, percentile, read_dataset
+from cli.bench_core import exposed_kernel_time, idle_gaps, percentile, read_dataset
 from cli.main import app
 from compiled.graphs.config import ModelConfig
 from compiled.runtime import roofline
@@ -101,6 +101,7 @@ def test_exposed_kernel_time_splits_the_span(tmp_path):
     assert rows["c"]["exposed_ms"] == pytest.approx(5e-3) and rows["c"]["idle_before_ms"] == pytest.approx(3e-3)
     assert sum(r["exposed_ms"] for r in rows.values()) == pytest.approx(20e-3)  # the whole span
     assert set(rows) == {"a", "b", "c"}
+    assert idle_gaps(trace) == [{"at_us": 15, "idle_us": 3, "after": "b", "before": "c"}]
 
 
 def test_dataset_file(tmp_path):
