@@ -7,7 +7,6 @@ timed; tokens a step produced appear in `request.output_token_ids` when it retur
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib.metadata
 import json
 import math
@@ -59,7 +58,8 @@ def sync(device: torch.device) -> None:
 
 
 def free_memory(device: torch.device) -> None:
-    gc.collect()
+    from compiled.runtime.llm import release_frozen_heap
+    release_frozen_heap()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -571,7 +571,21 @@ def profile_steps(llm, items: Sequence[Item], steps: int, out_dir: Path, name: s
     if on_device:
         result["exposed"] = exposed_kernel_time(trace, top)
         result["idle_gaps"] = idle_gaps(trace)
+        result["runtime_calls"] = runtime_calls(trace)
     return result
+
+
+def runtime_calls(trace: Path, top: int = 8) -> list[dict]:
+    """The host's CUDA runtime and driver calls in a Chrome trace by total time (a cudaMalloc or a
+    synchronize inside a step shows here)."""
+    per_name: dict[str, list[float]] = {}
+    for e in json.loads(Path(trace).read_text()).get("traceEvents", []):
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("ph") == "X":
+            row = per_name.setdefault(e["name"], [0, 0.0])
+            row[0] += 1
+            row[1] += e["dur"]
+    rows = sorted(per_name.items(), key=lambda kv: kv[1][1], reverse=True)[:top]
+    return [{"name": name, "calls": n, "ms": us / 1e3} for name, (n, us) in rows]
 
 
 def _device_events(trace: Path) -> list[tuple[float, float, str]]:

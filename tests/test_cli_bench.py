@@ -9,7 +9,7 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from cli.bench_core import exposed_kernel_time, idle_gaps, percentile, read_dataset
+from cli.bench_core import exposed_kernel_time, idle_gaps, percentile, read_dataset, runtime_calls
 from cli.main import app
 from compiled.graphs.config import ModelConfig
 from compiled.runtime import roofline
@@ -93,6 +93,7 @@ def test_exposed_kernel_time_splits_the_span(tmp_path):
     kernels = [("a", 0, 10), ("b", 4, 11), ("c", 18, 2), ("a", 18.5, 1)]
     events = [{"cat": "kernel", "ph": "X", "name": n, "ts": ts, "dur": d} for n, ts, d in kernels]
     events.append({"cat": "cpu_op", "ph": "X", "name": "aten::mm", "ts": 0, "dur": 100})
+    events += [{"cat": "cuda_runtime", "ph": "X", "name": "cudaMalloc", "ts": t, "dur": 40} for t in (1, 50)]
     trace = tmp_path / "t.json"
     trace.write_text(json.dumps({"traceEvents": events}))
     rows = {r["name"]: r for r in exposed_kernel_time(trace)}
@@ -102,6 +103,7 @@ def test_exposed_kernel_time_splits_the_span(tmp_path):
     assert sum(r["exposed_ms"] for r in rows.values()) == pytest.approx(20e-3)  # the whole span
     assert set(rows) == {"a", "b", "c"}
     assert idle_gaps(trace) == [{"at_us": 15, "idle_us": 3, "after": "b", "before": "c"}]
+    assert runtime_calls(trace) == [{"name": "cudaMalloc", "calls": 2, "ms": 0.08}]
 
 
 def test_dataset_file(tmp_path):
