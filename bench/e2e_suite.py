@@ -74,6 +74,35 @@ def host_split(llm, batch: int, input_len: int, steps: int = 20) -> dict:
     return out
 
 
+def prefill_host_split(llm, prompt, reps: int = 3) -> dict:
+    """Host milliseconds per prefill (time to first token) in each engine stage; `run_model` is the
+    forward's launches (piece graphs and eager attention), returning before the GPU is done."""
+    engine, runner = llm.engine, llm.engine.runner
+    targets = {"schedule": (engine.scheduler, "schedule"), "stage": (runner, "_stage"),
+               "run_model": (runner, "_run_model"), "logits": (runner, "logits"), "sampler": (engine, "sampler"),
+               "append": (engine, "_append")}
+    total = 0.0
+    with core.timed_calls_on(targets) as seconds:
+        for _ in range(reps):
+            total += core.first_token(llm, prompt)
+    out = {k: 1e3 * v / reps for k, v in seconds.items()}
+    out["ttft"] = 1e3 * total / reps
+    return out
+
+
+def profiled_prefill(llm, prompt, out: Path) -> None:
+    """cProfile of one prefill's host work; the top functions by own time go to `out`."""
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    prof.runcall(core.first_token, llm, prompt)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text.getvalue())
+
+
 def short_profile(prof: dict, n: int = 12) -> list[str]:
     lines = [f"{r['self_ms']:9.3f} ms {r['self_pct']:5.1f}% x{r['calls']:<5} {r['name'][:90]}" for r in prof["top"][:n]]
     if prof.get("exposed"):
@@ -122,6 +151,8 @@ def main() -> None:
     ap.add_argument("--profile-dir", type=Path, default=None)
     ap.add_argument("--cprofile", type=Path, default=None,
                     help="profile the start-up's Python (cProfile); the top functions go to this file")
+    ap.add_argument("--cprofile-prefill", type=Path, default=None,
+                    help="profile one prefill's Python (cProfile); the top functions go to this file")
     a = ap.parse_args()
 
     args = core.EngineArgs(model=a.model, load_format="dummy", max_model_len=a.max_model_len,
@@ -157,6 +188,10 @@ def main() -> None:
         ttft = [core.first_token(llm, prompt) for _ in range(a.prefill_reps)]
         record["prefill"] = {"tokens": a.prefill_len, "ttft_ms": [1e3 * t for t in ttft]}
         print(f"prefill {a.prefill_len}: ttft ms {[round(1e3 * t, 2) for t in ttft]}", flush=True)
+        record["prefill"]["host_split_ms"] = prefill_host_split(llm, prompt)
+        print("host ms per prefill:", json.dumps(record["prefill"]["host_split_ms"]), flush=True)
+        if a.cprofile_prefill is not None:
+            profiled_prefill(llm, prompt, a.cprofile_prefill)
         if a.profile_dir is not None:
             items = [core.Item(core.random_ids(1, a.input_len, vocab, 2)[0], 8)]
             dec = core.profile_steps(llm, items, 3, a.profile_dir, "decode_b1", skip_prefill=True, top=25)
