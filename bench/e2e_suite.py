@@ -77,10 +77,18 @@ def host_split(llm, batch: int, input_len: int, steps: int = 20) -> dict:
 def prefill_host_split(llm, prompt, reps: int = 3) -> dict:
     """Host milliseconds per prefill (time to first token) in each engine stage; `run_model` is the
     forward's launches (piece graphs and eager attention), returning before the GPU is done."""
+    from compiled.attention import ops, triton_extend, triton_norm_rope
+    from compiled.runtime.compiler import EagerAttention
+    from compiled.runtime.piecewise_graphs import PieceGraphs
     engine, runner = llm.engine, llm.engine.runner
     targets = {"schedule": (engine.scheduler, "schedule"), "stage": (runner, "_stage"),
                "run_model": (runner, "_run_model"), "logits": (runner, "logits"), "sampler": (engine, "sampler"),
-               "append": (engine, "_append")}
+               "append": (engine, "_append"),
+               # inside run_model (each inclusive of what it calls)
+               "piece_graphs": (PieceGraphs, "__call__"), "graph_launch": (torch.cuda.CUDAGraph, "replay"),
+               "attention_module": (EagerAttention, "forward"), "attention_impl": (ops, "_attention_triton"),
+               "norm_rope_store": (triton_norm_rope, "norm_rope_store_triton"),
+               "extend": (triton_extend, "extend_attention_triton")}
     total = 0.0
     with core.timed_calls_on(targets) as seconds:
         for _ in range(reps):
