@@ -120,7 +120,7 @@ def short_profile(prof: dict, n: int = 12) -> list[str]:
     if prof.get("idle_gaps"):
         lines.append("longest idle stretches (µs after the first kernel: idle µs, between):")
         lines += [f"{g['at_us']:10.1f}: {g['idle_us']:8.1f}  {g['after'][:45]} -> {g['before'][:45]}"
-                  for g in prof["idle_gaps"]]
+                  f"  | host: {'; '.join(g.get('host', []))}" for g in prof["idle_gaps"]]
     if prof.get("runtime_calls"):
         lines.append("host CUDA calls: " + ", ".join(f"{r['name']} x{r['calls']} {r['ms']:.3f} ms"
                                                       for r in prof["runtime_calls"]))

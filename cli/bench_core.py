@@ -595,18 +595,27 @@ def _device_events(trace: Path) -> list[tuple[float, float, str]]:
                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X")
 
 
-def idle_gaps(trace: Path, top: int = 12) -> list[dict]:
+def idle_gaps(trace: Path, top: int = 12, host_ops: int = 4) -> list[dict]:
     """The longest stretches with nothing running on the GPU: where they start (µs after the first
-    kernel), how long, and the kernels on either side (where the host fell behind)."""
+    kernel), how long, the kernels on either side, and the host's longest operations that
+    overlapped the stretch (what the host was doing while the GPU waited for it)."""
+    events = json.loads(Path(trace).read_text()).get("traceEvents", [])
     kernels = _device_events(trace)
+    host = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+            if e.get("cat") in ("cpu_op", "cuda_runtime", "python_function", "user_annotation") and e.get("ph") == "X"]
     gaps, prev_end, prev_name = [], kernels[0][0] if kernels else 0.0, ""
     for start, end, name in kernels:
         if start > prev_end:
             gaps.append({"at_us": prev_end - kernels[0][0], "idle_us": start - prev_end,
-                         "after": prev_name[:60], "before": name[:60]})
+                         "after": prev_name[:60], "before": name[:60], "window": (prev_end, start)})
         if end > prev_end:
             prev_end, prev_name = end, name
-    return sorted(gaps, key=lambda g: g["idle_us"], reverse=True)[:top]
+    gaps = sorted(gaps, key=lambda g: g["idle_us"], reverse=True)[:top]
+    for g in gaps:
+        lo, hi = g.pop("window")
+        inside = sorted(((min(e, hi) - max(s, lo), n) for s, e, n in host if s < hi and e > lo), reverse=True)
+        g["host"] = [f"{n[:50]} {us:.0f}" for us, n in inside[:host_ops] if us > 0]
+    return gaps
 
 
 def exposed_kernel_time(trace: Path, top: int = 15) -> list[dict]:

@@ -92,8 +92,8 @@ def test_exposed_kernel_time_splits_the_span(tmp_path):
     # 18-20; a again inside c's span adds nothing; CPU events are ignored
     kernels = [("a", 0, 10), ("b", 4, 11), ("c", 18, 2), ("a", 18.5, 1)]
     events = [{"cat": "kernel", "ph": "X", "name": n, "ts": ts, "dur": d} for n, ts, d in kernels]
-    events.append({"cat": "cpu_op", "ph": "X", "name": "aten::mm", "ts": 0, "dur": 100})
-    events += [{"cat": "cuda_runtime", "ph": "X", "name": "cudaMalloc", "ts": t, "dur": 40} for t in (1, 50)]
+    events.append({"cat": "cpu_op", "ph": "X", "name": "aten::mm", "ts": 0, "dur": 16})  # 1 µs into the gap
+    events += [{"cat": "cuda_runtime", "ph": "X", "name": "cudaMalloc", "ts": t, "dur": 40} for t in (1, 60)]
     trace = tmp_path / "t.json"
     trace.write_text(json.dumps({"traceEvents": events}))
     rows = {r["name"]: r for r in exposed_kernel_time(trace)}
@@ -102,7 +102,7 @@ def test_exposed_kernel_time_splits_the_span(tmp_path):
     assert rows["c"]["exposed_ms"] == pytest.approx(5e-3) and rows["c"]["idle_before_ms"] == pytest.approx(3e-3)
     assert sum(r["exposed_ms"] for r in rows.values()) == pytest.approx(20e-3)  # the whole span
     assert set(rows) == {"a", "b", "c"}
-    assert idle_gaps(trace) == [{"at_us": 15, "idle_us": 3, "after": "b", "before": "c"}]
+    assert idle_gaps(trace) == [{"at_us": 15, "idle_us": 3, "after": "b", "before": "c", "host": ["cudaMalloc 3", "aten::mm 1"]}]
     assert runtime_calls(trace) == [{"name": "cudaMalloc", "calls": 2, "ms": 0.08}]
 
 
