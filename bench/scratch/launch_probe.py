@@ -54,8 +54,15 @@ def main():
     req, seq, ext, start = one(0), one(T), one(T), one(0)
     out = torch.empty(T, hq, d, **bf)
     x = torch.zeros(16, device=dev)
+    from compiled.graphs.linear import dispatch
+    from compiled.graphs.linear_kernels import skinny_linear_triton
+    head = torch.randn(151936, 2048, generator=g, **bf)
+    x1 = torch.randn(1, 2048, generator=g, **bf)
     rows = {
         "tiny triton kernel": lambda: _tiny[(1,)](x, 16, BLOCK=16),
+        "LM head torch.ops.compiled.linear": lambda: torch.ops.compiled.linear(x1, head),
+        "LM head dispatch()": lambda: dispatch(x1, head),
+        "LM head skinny_linear_triton": lambda: skinny_linear_triton(x1, head),
         "norm_rope_store_triton": lambda: norm_rope_store_triton(q, k, v, kc, vc, loc, rope),
         "extend_attention_triton": lambda: extend_attention_triton(q, k, v, kc, vc, r2t, req, seq, ext, start, T,
                                                                    0.088, out=out, max_prefix_len=0),
@@ -66,8 +73,7 @@ def main():
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(50):
-        rows["extend_attention_triton"]()
-        rows["norm_rope_store_triton"]()
+        rows["LM head torch.ops.compiled.linear"]()
     prof.disable()
     torch.cuda.synchronize()
     text = io.StringIO()

@@ -83,11 +83,13 @@ def _(x, weight):
 
 
 class SkinnyLinear(nn.Linear):
-    """A bias-free nn.Linear whose forward is compiled::linear: for linears called outside the
-    graph (the LM head, applied by the runner to the rows that need logits)."""
+    """A bias-free nn.Linear computed as compiled::linear: for linears called outside the graph
+    (the LM head, applied by the runner to the rows that need logits). Nothing traces it, so it
+    calls the op's body directly: the dispatcher's round trip is host time (~45 µs a call on the
+    H100 hosts, bench/RESULTS.md, eleventh session) before a prefill's first token."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.compiled.linear(x, self.weight)
+        return dispatch(x, self.weight)
 
     @classmethod
     def sharing(cls, linear: nn.Linear) -> "SkinnyLinear":
