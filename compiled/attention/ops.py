@@ -40,16 +40,6 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sca
     With `q_norm` (set by the fuse_qk_norm_rope pass, together with `k_norm`, `positions`,
     `cos_sin` and `eps`), q and k are the raw projection output: the per-head RMSNorm and RoPE
     (`reference.norm_rope_ref`) are applied here, inside the kernels' launches on Triton."""
-    return attention_forward(q, k, v, layer, scale, q_norm, k_norm, positions, cos_sin, eps)
-
-
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
-                      q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                      positions: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None,
-                      eps: float = 0.0) -> torch.Tensor:
-    """The op's body, for callers outside any traced or compiled graph (the runtime's eager
-    attention between compiled pieces): the same work without the dispatcher's round trip, which
-    costs ~45 µs of host time a call on the H100 hosts (bench/RESULTS.md, eleventh session)."""
     rope = _norm_rope(q, q_norm, k_norm, positions, cos_sin, eps)
     ctx = get_forward_context()
     if backend_for(q) == "triton":

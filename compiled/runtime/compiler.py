@@ -65,18 +65,10 @@ def _once_per_shape(kind: object, run: Callable, args: tuple, activations: list[
 
 class EagerAttention(nn.Module):
     """Stands in for an attention submodule of the split (every layer's is the same op): runs
-    it, once per input shapes during warm_up_once, when its values do not matter. Its calls of
-    the attention op go straight to the op's body (`attention_forward`): nothing traces or
-    compiles these submodules, and the dispatcher's round trip is host time between pieces."""
+    it, once per input shapes during warm_up_once, when its values do not matter."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
-        if isinstance(module, fx.GraphModule):
-            from compiled.attention.ops import attention_forward
-            for node in module.graph.nodes:
-                if is_op(node, torch.ops.compiled.attention):
-                    node.target = attention_forward
-            module.recompile()
         self.module = module
 
     def forward(self, *args):

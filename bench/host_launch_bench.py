@@ -1,5 +1,8 @@
-"""Host microseconds per launch of the prefill's eager attention kernels (norm/RoPE/store, extend)
-and of a trivial Triton kernel, at a 2,048-token prefill of the Qwen3-30B-A3B attention shape."""
+"""Host microseconds per call (median of 200, launches only, no sync) of what a prefill runs
+eagerly between its piece graphs: the attention's two Triton kernels (norm/RoPE/store, extend)
+and the LM head (through the custom op, its body, the kernel's wrapper), beside a trivial
+Triton kernel, at a 2,048-token prefill of the Qwen3-30B-A3B shape; then a cProfile of the LM
+head's calls. `python bench/host_launch_bench.py` on a CUDA machine."""
 
 from __future__ import annotations
 
