@@ -205,8 +205,11 @@ MIN_SPLIT_TOKENS = 128
 
 def default_config(head_dim: int) -> dict:
     """Decode tile (KV tokens per iteration), warps, pipeline stages and the unrolling of the
-    split merge."""
-    return dict(block_n=32 if head_dim > 128 else 64, num_warps=4, num_stages=2, merge_unroll=4)
+    split merge. At head_dim 128, 128-token tiles: `attention_bench.py --latency` on the H100
+    (RESULTS.md, ninth session, run 10) had them ahead of 64 at batch 1 (7.33 / 10.34 / 13.13 µs
+    against 7.77 / 11.87 / 14.64 at 512 / 2,048 / 4,096 tokens) and at batch 8 up to 2,048."""
+    block_n = 32 if head_dim > 128 else 128 if head_dim == 128 else 64
+    return dict(block_n=block_n, num_warps=4, num_stages=2, merge_unroll=4)
 
 
 def _wave_efficiency(programs: int, capacity: int) -> float:
