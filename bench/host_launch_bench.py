@@ -18,6 +18,8 @@ import triton.language as tl
 from compiled.attention.reference import NormRope
 from compiled.attention.triton_extend import extend_attention_triton
 from compiled.attention.triton_norm_rope import norm_rope_store_triton
+from compiled.graphs.linear import dispatch
+from compiled.graphs.linear_kernels import skinny_linear_triton
 
 
 @triton.jit
@@ -57,8 +59,6 @@ def main():
     req, seq, ext, start = one(0), one(T), one(T), one(0)
     out = torch.empty(T, hq, d, **bf)
     x = torch.zeros(16, device=dev)
-    from compiled.graphs.linear import dispatch
-    from compiled.graphs.linear_kernels import skinny_linear_triton
     head = torch.randn(151936, 2048, generator=g, **bf)
     x1 = torch.randn(1, 2048, generator=g, **bf)
     rows = {

@@ -29,7 +29,6 @@ import triton
 import triton.language as tl
 
 from compiled.graphs.prologue_kernels import add_rms_norm_row
-
 from compiled.pdl import pdl_wait
 
 

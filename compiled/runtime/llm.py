@@ -31,8 +31,9 @@ def default_model() -> str:
 def freeze_startup_heap() -> None:
     """Collect once, then move everything start-up left alive (the traced graph, compiled pieces,
     configs: ~0.5M objects for the 30B shape) out of the garbage collector's reach. A full
-    collection walks them all (~0.1-0.2 s), and one landing inside a step stalls the GPU for that
-    long; vLLM and SGLang freeze their start-up heap for the same reason."""
+    collection walks them all (0.16 s on a development CPU), and one landing inside a step stalls
+    the host, and a GPU waiting for its launches, that long; vLLM's engine core freezes its
+    start-up heap for the same reason."""
     gc.collect()
     gc.freeze()
 
