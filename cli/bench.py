@@ -167,6 +167,17 @@ def _profile_table(prof: dict) -> Table:
     return table
 
 
+def _critical_path_table(prof: dict) -> Table:
+    """The GPU kernels by their time on the stream's critical path (profiles on CUDA only)."""
+    table = Table(title="kernels on the critical path (not overlapped by the one before, idle before it included)",
+                  title_justify="left")
+    for col in ("kernel", "calls", "ms", "idle before ms"):
+        table.add_column(col, justify="left" if col == "kernel" else "right")
+    for r in prof["exposed"]:
+        table.add_row(r["name"][:70], str(r["calls"]), f"{r['exposed_ms']:,.3f}", f"{r['idle_before_ms']:,.3f}")
+    return table
+
+
 def _progress(what: str) -> Progress:
     return Progress(TextColumn(f"[bold]{what}[/bold]"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=Console(stderr=True), transient=True)
@@ -221,6 +232,8 @@ class Run:
             self.console.print(table)
         if self.profile:
             self.console.print(_profile_table(self.profile))
+            if self.profile.get("exposed"):
+                self.console.print(_critical_path_table(self.profile))
         if self.o.json_path is not None:
             from cli.bench_core import environment, write_json
             options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(self.o).items()}

@@ -106,6 +106,17 @@ def test_exposed_kernel_time_splits_the_span(tmp_path):
     assert runtime_calls(trace) == [{"name": "cudaMalloc", "calls": 2, "ms": 0.08}]
 
 
+def test_critical_path_table_renders_exposed_rows():
+    from rich.console import Console
+
+    from cli.bench import _critical_path_table
+    console = Console(width=160, record=True)
+    console.print(_critical_path_table({"exposed": [{"name": "moe_gemm1_kernel", "calls": 144,
+                                                     "exposed_ms": 2.954, "idle_before_ms": 0.0}]}))
+    text = console.export_text()
+    assert "moe_gemm1_kernel" in text and "2.954" in text and "144" in text
+
+
 def test_dataset_file(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt_token_ids": [1, 2, 3], "output_len": 5}\n\n[4, 5]\n"text"\n')
