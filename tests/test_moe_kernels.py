@@ -368,6 +368,18 @@ def test_op_on_cpu_is_reference_and_fake_shapes(monkeypatch):
     assert fm.fused_moe_ref(x[:0], w[:0], ids[:0], w13, w2).shape == (0, 32)
 
 
+def test_moe_norm_op_bad_shapes_are_one_line_errors():
+    import compiled.moe.moe_norm_linear  # noqa: F401  (registers the op)
+    x_moe, w, ids, w13, w2 = _problem(4, 8, 2, 32, 48)
+    x, nw, weight = torch.randn(4, 32), torch.ones(32), torch.randn(24, 32)
+    with pytest.raises(ValueError, match=r"compiled::moe_add_rms_norm_linear: moe_x \(4, 31\) torch.float32 "
+                                         r"does not match x \(4, 32\)") as e:
+        torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe[:, :31], w, ids, w13, w2, nw, 1e-6, weight, False)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"compiled::moe_add_rms_norm_linear: norm weight \(31,\), expected \(32,\)"):
+        torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe, w, ids, w13, w2, nw[:31], 1e-6, weight, False)
+
+
 def test_config_lookup(tmp_path, monkeypatch):
     monkeypatch.setenv("COMPILED_MOE_CONFIG_DIR", str(tmp_path))
     fm.load_configs.cache_clear()

@@ -38,16 +38,18 @@ def silu_mul_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Te
     return F.linear(silu_and_mul_ref(gate_up), weight)
 
 
-def check_norm(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> None:
+def check_norm(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+               op: str = "compiled::add_rms_norm_linear", delta_name: str = "delta") -> None:
+    """One-line errors naming `op` and the argument at fault; `delta_name`: what the op calls the
+    tensor shaped like x (the MoE op takes the experts' input there)."""
     check_shapes(x, weight)
     if x.dim() != 2:
-        raise ValueError(f"compiled::add_rms_norm_linear: x {tuple(x.shape)}, expected [T, K]")
+        raise ValueError(f"{op}: x {tuple(x.shape)}, expected [T, K]")
     if delta.shape != x.shape or delta.dtype != x.dtype:
-        raise ValueError(f"compiled::add_rms_norm_linear: delta {tuple(delta.shape)} {delta.dtype} "
+        raise ValueError(f"{op}: {delta_name} {tuple(delta.shape)} {delta.dtype} "
                          f"does not match x {tuple(x.shape)} {x.dtype}")
     if norm_weight.shape != (x.shape[-1],):
-        raise ValueError(f"compiled::add_rms_norm_linear: norm weight {tuple(norm_weight.shape)}, "
-                         f"expected ({x.shape[-1]},)")
+        raise ValueError(f"{op}: norm weight {tuple(norm_weight.shape)}, expected ({x.shape[-1]},)")
 
 
 @torch.library.custom_op("compiled::add_rms_norm_linear", mutates_args=())

@@ -25,13 +25,17 @@ def sums_in_norm(x: torch.Tensor, moe_x: torch.Tensor, topk_ids: torch.Tensor) -
     return fm.backend(moe_x) == "triton" and topk_ids.shape[1] > 1 and x.stride(-1) == 1
 
 
+def _check(x: torch.Tensor, moe_x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> None:
+    fused_linear.check_norm(x, moe_x, norm_weight, weight, op="compiled::moe_add_rms_norm_linear", delta_name="moe_x")
+
+
 @torch.library.custom_op("compiled::moe_add_rms_norm_linear", mutates_args=())
 def moe_add_rms_norm_linear(x: torch.Tensor, moe_x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                             w13: torch.Tensor, w2: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                             weight: torch.Tensor, keep_normed: bool
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`add_rms_norm_linear(x, fused_moe(moe_x, ...), norm_weight, eps, weight, keep_normed)`."""
-    fused_linear.check_norm(x, moe_x, norm_weight, weight)
+    _check(x, moe_x, norm_weight, weight)
     if not sums_in_norm(x, moe_x, topk_ids):
         delta = torch.ops.compiled.fused_moe(moe_x, topk_weights, topk_ids, w13, w2)
         return torch.ops.compiled.add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed)
@@ -42,7 +46,7 @@ def moe_add_rms_norm_linear(x: torch.Tensor, moe_x: torch.Tensor, topk_weights: 
 
 @moe_add_rms_norm_linear.register_fake
 def _(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, keep_normed):
-    fused_linear.check_norm(x, moe_x, norm_weight, weight)
+    _check(x, moe_x, norm_weight, weight)
     return x.new_empty((x.shape[0], weight.shape[0])), torch.empty_like(x), \
         torch.empty_like(x) if keep_normed else x.new_empty(0)
 
