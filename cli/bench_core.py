@@ -569,17 +569,23 @@ def profile_steps(llm, items: Sequence[Item], steps: int, out_dir: Path, name: s
     result = {"trace": str(trace), "steps": done, "sort_by": "self device time" if on_device else "self CPU time",
               "total_self_ms": total / 1e3, "top": rows}
     if on_device:
-        result["exposed"] = exposed_kernel_time(trace, top)
-        result["idle_gaps"] = idle_gaps(trace)
-        result["runtime_calls"] = runtime_calls(trace)
+        events = trace_events(trace)   # read once: a trace runs to tens of megabytes
+        result["exposed"] = exposed_kernel_time(events, top)
+        result["idle_gaps"] = idle_gaps(events)
+        result["runtime_calls"] = runtime_calls(events)
     return result
 
 
-def runtime_calls(trace: Path, top: int = 8) -> list[dict]:
-    """The host's CUDA runtime and driver calls in a Chrome trace by total time (a cudaMalloc or a
-    synchronize inside a step shows here)."""
+def trace_events(trace: Path) -> list[dict]:
+    """The events of a Chrome trace file."""
+    return json.loads(Path(trace).read_text()).get("traceEvents", [])
+
+
+def runtime_calls(events: list[dict], top: int = 8) -> list[dict]:
+    """The host's CUDA runtime and driver calls in a Chrome trace's events by total time (a
+    cudaMalloc or a synchronize inside a step shows here)."""
     per_name: dict[str, list[float]] = {}
-    for e in json.loads(Path(trace).read_text()).get("traceEvents", []):
+    for e in events:
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("ph") == "X":
             row = per_name.setdefault(e["name"], [0, 0.0])
             row[0] += 1
@@ -588,19 +594,17 @@ def runtime_calls(trace: Path, top: int = 8) -> list[dict]:
     return [{"name": name, "calls": n, "ms": us / 1e3} for name, (n, us) in rows]
 
 
-def _device_events(trace: Path) -> list[tuple[float, float, str]]:
-    """(start µs, end µs, name) of the GPU's kernels, copies and memsets in a Chrome trace, by start."""
-    events = json.loads(Path(trace).read_text()).get("traceEvents", [])
+def _device_events(events: list[dict]) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, name) of the GPU's kernels, copies and memsets among a trace's events, by start."""
     return sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X")
 
 
-def idle_gaps(trace: Path, top: int = 12, host_ops: int = 4) -> list[dict]:
+def idle_gaps(events: list[dict], top: int = 12, host_ops: int = 4) -> list[dict]:
     """The longest stretches with nothing running on the GPU: where they start (µs after the first
     kernel), how long, the kernels on either side, and the host's longest operations that
     overlapped the stretch (what the host was doing while the GPU waited for it)."""
-    events = json.loads(Path(trace).read_text()).get("traceEvents", [])
-    kernels = _device_events(trace)
+    kernels = _device_events(events)
     host = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
             if e.get("cat") in ("cpu_op", "cuda_runtime", "python_function", "user_annotation") and e.get("ph") == "X"]
     gaps, prev_end, prev_name = [], kernels[0][0] if kernels else 0.0, ""
@@ -618,13 +622,13 @@ def idle_gaps(trace: Path, top: int = 12, host_ops: int = 4) -> list[dict]:
     return gaps
 
 
-def exposed_kernel_time(trace: Path, top: int = 15) -> list[dict]:
-    """Each GPU kernel's share of the stream's critical path, from a Chrome trace: the time from
-    the end of what ran before it to its own end (its run not hidden behind the previous kernel,
-    plus the idle gap before it). With programmatic dependent launch a kernel starts early and
+def exposed_kernel_time(events: list[dict], top: int = 15) -> list[dict]:
+    """Each GPU kernel's share of the stream's critical path, from a Chrome trace's events: the
+    time from the end of what ran before it to its own end (its run not hidden behind the previous
+    kernel, plus the idle gap before it). With programmatic dependent launch a kernel starts early and
     waits, so its own duration counts the previous kernel too; this does not. The rows add up to
     the span from the first kernel's start to the last one's end."""
-    kernels = _device_events(trace)
+    kernels = _device_events(events)
     per_name: dict[str, list[float]] = {}
     prev_end = kernels[0][0] if kernels else 0.0
     for start, end, name in kernels:

@@ -9,7 +9,7 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from cli.bench_core import exposed_kernel_time, idle_gaps, percentile, read_dataset, runtime_calls
+from cli.bench_core import exposed_kernel_time, idle_gaps, percentile, read_dataset, runtime_calls, trace_events
 from cli.main import app
 from compiled.graphs.config import ModelConfig
 from compiled.runtime import roofline
@@ -96,14 +96,14 @@ def test_exposed_kernel_time_splits_the_span(tmp_path):
     events += [{"cat": "cuda_runtime", "ph": "X", "name": "cudaMalloc", "ts": t, "dur": 40} for t in (1, 60)]
     trace = tmp_path / "t.json"
     trace.write_text(json.dumps({"traceEvents": events}))
-    rows = {r["name"]: r for r in exposed_kernel_time(trace)}
+    rows = {r["name"]: r for r in exposed_kernel_time(trace_events(trace))}
     assert rows["a"]["calls"] == 2 and rows["a"]["exposed_ms"] == pytest.approx(10e-3)
     assert rows["b"]["exposed_ms"] == pytest.approx(5e-3) and rows["b"]["idle_before_ms"] == 0
     assert rows["c"]["exposed_ms"] == pytest.approx(5e-3) and rows["c"]["idle_before_ms"] == pytest.approx(3e-3)
     assert sum(r["exposed_ms"] for r in rows.values()) == pytest.approx(20e-3)  # the whole span
     assert set(rows) == {"a", "b", "c"}
-    assert idle_gaps(trace) == [{"at_us": 15, "idle_us": 3, "after": "b", "before": "c", "host": ["cudaMalloc 3", "aten::mm 1"]}]
-    assert runtime_calls(trace) == [{"name": "cudaMalloc", "calls": 2, "ms": 0.08}]
+    assert idle_gaps(trace_events(trace)) == [{"at_us": 15, "idle_us": 3, "after": "b", "before": "c", "host": ["cudaMalloc 3", "aten::mm 1"]}]
+    assert runtime_calls(trace_events(trace)) == [{"name": "cudaMalloc", "calls": 2, "ms": 0.08}]
 
 
 def test_critical_path_table_renders_exposed_rows():

@@ -190,16 +190,18 @@ def case_sum_add_rms_norm_kernel_and_op():
         tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
         torch.testing.assert_close(h, ref_h, **tol)
         torch.testing.assert_close(normed, ref_normed, **tol)
-    x_moe, w, ids, w13, w2 = _problem(19, 8, 2, 32, 48, seed=19)
-    x = torch.randn(19, 32, generator=g)
-    nw, weight = 1 + 0.1 * torch.randn(32, generator=g), torch.randn(24, 32, generator=g)
-    os.environ["COMPILED_MOE_BACKEND"] = "triton"
-    try:
-        y, h, normed = torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight, True)
-    finally:
-        del os.environ["COMPILED_MOE_BACKEND"]
-    for got, ref in zip((y, h, normed), moe_add_rms_norm_linear_ref(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight)):
-        torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    for T in (19, 1):   # sorted blocks, and one token's naive blocks
+        x_moe, w, ids, w13, w2 = _problem(T, 8, 2, 32, 48, seed=19)
+        x = torch.randn(T, 32, generator=g)
+        nw, weight = 1 + 0.1 * torch.randn(32, generator=g), torch.randn(24, 32, generator=g)
+        os.environ["COMPILED_MOE_BACKEND"] = "triton"
+        try:
+            y, h, normed = torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight,
+                                                                      True)
+        finally:
+            del os.environ["COMPILED_MOE_BACKEND"]
+        for got, ref in zip((y, h, normed), moe_add_rms_norm_linear_ref(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight)):
+            torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
 def _check_align(T, k, E, block_m, used=None, seed=0):

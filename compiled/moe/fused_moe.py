@@ -438,20 +438,21 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     top_k = topk_ids.shape[1]
     assert w13.shape == (E, 2 * I, H) and w2.shape == (E, H, I), (x.shape, w13.shape, w2.shape)
     assert topk_weights.shape == topk_ids.shape == (T, top_k)
-    if out is None:
-        out = torch.empty_like(x)
-    assert out.is_contiguous() and out.shape == x.shape, "fused_moe_triton: out must be a contiguous [T, H]"
+    if sum_slots:
+        if out is None:
+            out = torch.empty_like(x)
+        assert out.is_contiguous() and out.shape == x.shape, "fused_moe_triton: out must be a contiguous [T, H]"
+    else:   # the unsummed outputs go to the workspace's y; no [T, H] output is allocated
+        if top_k == 1 or fused_sum or one_launch:
+            raise ValueError("fused_moe_triton: sum_slots=False needs top-k > 1, no fused sum and no one-launch path")
+        fused_sum, one_launch = False, False
     if T == 0:
-        return out
+        return out if sum_slots else x.new_empty((0, H))
     x = x.contiguous()
     w13 = w13.contiguous()
     w2 = w2.contiguous()
     topk_ids = topk_ids.contiguous()
     weights = topk_weights.contiguous().reshape(-1)
-    if not sum_slots:
-        if top_k == 1 or fused_sum or one_launch:
-            raise ValueError("fused_moe_triton: sum_slots=False needs top-k > 1, no fused sum and no one-launch path")
-        fused_sum, one_launch = False, False
     if T == 1 and (ONE_LAUNCH if one_launch is None else one_launch) and _launch_one_token(
             x, w13, w2, topk_ids, weights, out,
             one_launch_config or tuned_one_launch_config(E, I, x.dtype, x.device)):
