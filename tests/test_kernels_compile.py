@@ -8,7 +8,7 @@ model with a dense layer runs a prefill and a decode step through the Triton bac
 pass on: fused linears, q/k norm + RoPE in attention), and the fused MoE is called at decode and
 prefill sizes with the H100's tuned configs (TMA, part-height tiles) and as the one-token kernel;
 the launches those leave out (the routing kernel, the prologues' own launches, the plain K/V
-store, extend attention with TMA) are called directly.
+store, extend attention with TMA, the greedy argmax) are called directly.
 Outputs are never computed, so nothing is compared: the test is that every kernel compiles."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ EXPECTED = {"_skinny_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel", "_deco
             "_store_kv_kernel",
             "_norm_rope_store_kernel", "topk_route_kernel", "align_count_kernel", "align_place_kernel",
             "moe_gemm1_kernel", "moe_gemm2_kernel", "moe_sum_kernel", "moe_one_token_kernel",
-            "moe_sum_add_rms_norm_kernel"}
+            "moe_sum_add_rms_norm_kernel", "_argmax_kernel"}
 CONFIG = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=97, hidden_size=256, intermediate_size=384,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
               max_position_embeddings=128, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
@@ -124,6 +124,8 @@ def _other_calls() -> None:
     store_kv_triton(k_cache, k_cache.clone(), torch.arange(5), torch.randn(5, 2, 128).bfloat16(),
                     torch.randn(5, 2, 128).bfloat16())
     topk_route_triton(torch.randn(24, 128).bfloat16(), 8, True)
+    from compiled.runtime.argmax import argmax_triton
+    argmax_triton(torch.randn(2, 10000))
     x = torch.randn(24, 2048).bfloat16()
     add_rms_norm_triton(x, x, torch.ones(2048).bfloat16(), 1e-6)
     silu_and_mul_triton(x)

@@ -83,6 +83,22 @@ def op_case() -> dict:
     return dict(err=max(errs) if shape_ok else float("inf"), tol=TOL[torch.float32], clean=True)
 
 
+def fp32_out_case() -> dict:
+    """bf16 x into an fp32 `out` (the LM head's logits): the same values as the kernel's bf16
+    output, exactly, with and without split-K, through the op's body too."""
+    from compiled.graphs import linear_kernels as lk
+    x, w = _randn((3, 200), torch.bfloat16, 6), _randn((130, 200), torch.bfloat16, 7)
+    diffs = []
+    for cfg in (lk.SkinnyConfig(32, 64, 1), lk.SkinnyConfig(32, 64, 4)):
+        out = torch.full((3, 130), float("nan"))
+        lk.skinny_linear_triton(x, w, cfg, out=out)
+        diffs.append((out - lk.skinny_linear_triton(x, w, cfg).float()).abs().max().item())
+    lin.set_backend("triton")
+    out = torch.full((3, 130), float("nan"))
+    diffs.append((lin.dispatch(x, w, out=out) - lin.dispatch(x, w).float()).abs().max().item())
+    return dict(err=max(diffs), tol=0.0, clean=True)
+
+
 def run_interpreted(script: str) -> dict[str, dict]:
     """Run a test file as a script under TRITON_INTERPRET=1 (default linear backend); the JSON
     its last line prints."""
@@ -99,7 +115,7 @@ def interpreted_results() -> dict[str, dict]:
     return run_interpreted(__file__)
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CASES] + ["op_forced_triton"])
+@pytest.mark.parametrize("name", [c[0] for c in CASES] + ["op_forced_triton", "fp32_out"])
 def test_interpreted_kernel_matches_reference(interpreted_results, name):
     r = interpreted_results[name]
     assert r["err"] <= r["tol"] and r["clean"], r
@@ -121,9 +137,9 @@ def kernel_spy(monkeypatch):
     from compiled.graphs import linear_kernels
     calls = []
 
-    def spy(x, weight, config=None):
+    def spy(x, weight, config=None, out=None):
         calls.append(x.shape[0])
-        return linear_ref(x, weight)
+        return linear_ref(x, weight) if out is None else out.copy_(linear_ref(x, weight))
     monkeypatch.setattr(linear_kernels, "skinny_linear_triton", spy)
     return calls
 
@@ -156,6 +172,22 @@ def test_bad_shapes_and_backend_are_one_line_errors(backend):
         torch.ops.compiled.linear(torch.randn(3, 6), torch.randn(8, 6, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="COMPILED_LINEAR_BACKEND"):
         backend("cuda")
+
+
+def test_out_takes_the_reference_off_the_kernel_and_checks_its_shape(backend):
+    """`dispatch(..., out=)` where the kernel does not serve (CPU 'auto'): the reference's result,
+    cast into out (fp32 logits of a bf16 head, as compute_logits asks); a wrong out is one line."""
+    from compiled.runtime.model_runner import compute_logits
+    backend("auto")
+    x, w = torch.randn(3, 6, dtype=torch.bfloat16), torch.randn(8, 6, dtype=torch.bfloat16)
+    out = torch.empty(3, 8)
+    assert lin.dispatch(x, w, out=out) is out and torch.equal(out, linear_ref(x, w).float())
+    head = SkinnyLinear(6, 8, bias=False, dtype=torch.bfloat16)
+    assert torch.equal(compute_logits(head, x), head(x).float())
+    plain = torch.nn.Linear(6, 8, bias=False, dtype=torch.bfloat16)
+    assert torch.equal(compute_logits(plain, x), plain(x).float())
+    with pytest.raises(ValueError, match=r"out \(3, 7\) for x \(3, 6\)"):
+        lin.dispatch(x, w, out=torch.empty(3, 7))
 
 
 def test_forced_config_is_validated():
@@ -266,6 +298,20 @@ def test_gpu_real_shapes_match_cublas(backend, m, n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 16])
+def test_gpu_lm_head_writes_fp32_logits_as_its_bf16_output(backend, m):
+    """The LM head's shape into an fp32 buffer: bit for bit the bf16 output, upcast."""
+    backend("auto")
+    g = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(151936, 2048, device="cuda", dtype=torch.bfloat16, generator=g) * 2048 ** -0.5
+    assert lin.use_kernel(x, w)
+    out = torch.empty(m, 151936, device="cuda")
+    lin.dispatch(x, w, out=out)
+    assert torch.equal(out, lin.dispatch(x, w).float())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m,n", [(1, 2048), (5, 128)])
 def test_gpu_dependent_launches_wait_for_their_input(backend, m, n):
     """Programmatic dependent launch: each skinny GEMM of a chain starts while the one before it
@@ -297,4 +343,5 @@ def test_gpu_dependent_launches_wait_for_their_input(backend, m, n):
 if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
     results = {name: kernel_case(M, N, K, dt, cfg) for name, M, N, K, dt, cfg in CASES}
     results["op_forced_triton"] = op_case()
+    results["fp32_out"] = fp32_out_case()
     print(json.dumps(results))

@@ -65,14 +65,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return dispatch(x, weight)
 
 
-def dispatch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The op's body: the skinny kernel where `use_kernel` allows it, F.linear otherwise."""
+def dispatch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The op's body: the skinny kernel where `use_kernel` allows it, F.linear otherwise.
+    `out` (x `[M, K]` only): a contiguous `[M, N]` tensor the result is written to, in its dtype,
+    rounded to x's dtype first (the LM head's bf16 logits into the fp32 logits buffer: the kernel
+    stores them there, where a copy after F.linear was a launch of its own)."""
     check_shapes(x, weight)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    if not use_kernel(x2, weight):
+    if out is not None:
+        if x.dim() != 2 or out.shape != (x.shape[0], weight.shape[0]) or out.stride(1) != 1:
+            raise ValueError(f"compiled::linear: out {tuple(out.shape)} for x {tuple(x.shape)} @ weight "
+                             f"{tuple(weight.shape)}.T: expected a [M, N] tensor with contiguous rows")
+        if not use_kernel(x2, weight):
+            return out.copy_(linear_ref(x, weight))
+    elif not use_kernel(x2, weight):
         return linear_ref(x, weight)
     from compiled.graphs.linear_kernels import skinny_linear_triton
-    y = skinny_linear_triton(x2, weight)
+    y = skinny_linear_triton(x2, weight, out=out)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -90,6 +99,10 @@ class SkinnyLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return dispatch(x, self.weight)
+
+    def forward_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`forward` written into `out` (`[M, N]`, e.g. fp32 logits), rounded as forward rounds."""
+        return dispatch(x, self.weight, out=out)
 
     @classmethod
     def sharing(cls, linear: nn.Linear) -> "SkinnyLinear":

@@ -168,7 +168,8 @@ def _skinny_kernel(
     ADD_NORM: tl.constexpr, SILU_MUL: tl.constexpr, KEEP_NORMED: tl.constexpr, PDL: tl.constexpr,
 ):
     """EVEN_K (K a multiple of BLOCK_K, so every split is whole tiles): no mask along K, which
-    keeps the weight loads vectorised.
+    keeps the weight loads vectorised. Y may be wider than X (fp32 logits): the output is rounded
+    to X's dtype first, as the linear's own output would be.
 
     Prologues, what the kernel does to x before the dot. ADD_NORM: x and D are the residual
     stream and the output added to it; the dot reads (x + D) * norm_weight and, RMSNorm's 1 / rms
@@ -245,7 +246,7 @@ def _skinny_kernel(
             if KEEP_NORMED:
                 _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K, stride_xm, stride_dm,
                               stride_nm, BLOCK_K)
-        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=out_mask)
+        tl.store(y_ptrs, acc.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=out_mask)
     else:
         # Partials laid out [SPLIT_K, M, N]; sums of squares [column block, SPLIT_K, BLOCK_M].
         part_ptrs = Partials + offs_m[:, None] * N + offs_n[None, :]
@@ -271,14 +272,17 @@ def _skinny_kernel(
                 if KEEP_NORMED:
                     _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K, stride_xm,
                                   stride_dm, stride_nm, BLOCK_K)
-            tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=out_mask)
+            tl.store(y_ptrs, total.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(Semaphores + pid_n, 0)
 
 
-def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
+def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
     """x `[M, K]` (M <= SKINNY_MAX_M, last dim contiguous), weight `[N, K]` (last dim contiguous)
-    -> `[M, N]` in x's dtype. `config` overrides the heuristic (tests, the benchmark's sweep)."""
-    y = x.new_empty((x.shape[0], weight.shape[0]))
+    -> `[M, N]` in x's dtype, or into `out` (`[M, N]`, rows contiguous, any float dtype: the
+    result is rounded to x's dtype, then stored in out's). `config` overrides the heuristic
+    (tests, the benchmark's sweep)."""
+    y = x.new_empty((x.shape[0], weight.shape[0])) if out is None else out
     _launch(x, weight, y, config, {})
     return y
 

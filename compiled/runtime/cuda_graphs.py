@@ -12,7 +12,7 @@ import time
 import torch
 from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
 from compiled.runtime.config import smallest_bucket
-from compiled.runtime.model_runner import write_request_table
+from compiled.runtime.model_runner import StaticInputs, compute_logits, write_request_table
 
 DEFAULT_MAX_BATCH = 256
 
@@ -27,11 +27,15 @@ def default_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     """Per bucket: write the request table, run the model, and write the fp32 logits of every
-    row into one static buffer shared by all buckets (one replay at a time reads it)."""
+    row into one static buffer shared by all buckets (one replay at a time reads it). The graphs
+    read their step's integers from a staging buffer of their own, sized for the largest bucket:
+    the runner's is sized for a prefill (max_num_batched_tokens per field), and uploading all of
+    it took ~7 µs a decode step (H100, RESULTS.md)."""
 
     def __init__(self, runner, buckets: list[int], pool) -> None:
         self.runner, self.model = runner, runner.model
         self.buckets = sorted(buckets)
+        self.inputs = StaticInputs(self.max_batch, self.max_batch, runner.cfg.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
         self.logits = torch.empty(self.max_batch, runner.model.lm_head.weight.shape[0], dtype=torch.float32,
@@ -47,7 +51,7 @@ class DecodeGraphs:
         return smallest_bucket(self.buckets, batch)
 
     def _meta(self, batch: int) -> AttentionMetadata:
-        inp = self.runner.inputs
+        inp = self.inputs
         rows = [self.runner.req_pool.padding_row] * batch
         return AttentionMetadata(
             out_cache_loc=inp.out_cache_loc[:batch], req_pool_indices=inp.req_pool_indices[:batch],
@@ -56,17 +60,17 @@ class DecodeGraphs:
             extend_start_loc=inp.extend_start_loc[:batch])
 
     def _step(self, batch: int) -> torch.Tensor:
-        inp = self.runner.inputs
+        inp = self.inputs
         write_request_table(self.runner.req_pool.table, inp, batch)
         hidden = self.model(inp.input_ids[:batch], inp.positions[:batch])
-        self.logits[:batch].copy_(self.model.lm_head(hidden))
+        compute_logits(self.model.lm_head, hidden, self.logits[:batch])
         return hidden
 
     @torch.inference_mode()
     def capture(self) -> None:
         from compiled.runtime.compiler import warm_up_once  # imported late: it pulls in the split's fx/fake machinery
         start = time.perf_counter()
-        inp = self.runner.inputs
+        inp = self.inputs
         for batch in sorted(self.buckets, reverse=True):
             inp.begin()
             inp.pad_decode(0, batch, self.runner.req_pool.padding_row)

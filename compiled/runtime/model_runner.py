@@ -18,6 +18,7 @@ from torch import nn
 
 from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
 from compiled.attention.kv_cache import PADDING_SLOT, KVPool, ReqToTokenPool
+from compiled.graphs.linear import SkinnyLinear
 from compiled.runtime.config import EngineConfig, smallest_bucket
 from compiled.runtime.scheduler import Batch
 
@@ -88,6 +89,16 @@ def write_request_table(table: torch.Tensor, inputs: StaticInputs, tokens: int) 
     table[inputs.token_rows[:tokens], inputs.positions[:tokens]] = inputs.out_cache_loc[:tokens].to(table.dtype)
 
 
+def compute_logits(head: nn.Module, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The LM head's logits of `hidden` `[T, H]` in fp32 (into `out` if given), rounded to the
+    model's dtype as HF's are. A SkinnyLinear head writes them in fp32 itself (no cast launch)."""
+    if out is None:
+        out = hidden.new_empty((hidden.shape[0], head.weight.shape[0]), dtype=torch.float32)
+    if isinstance(head, SkinnyLinear):
+        return head.forward_into(hidden, out)
+    return out.copy_(head(hidden))
+
+
 def _rows(x: torch.Tensor, t: int, rows: Sequence[int]) -> torch.Tensor | None:
     """`x[rows]` without a gather when `rows` is every one of the first `t` rows; None for none."""
     if not rows:
@@ -144,10 +155,12 @@ class ModelRunner:
         """A batch of nothing but the padding request, `tokens` long (for capture)."""
         self._run_model(self._stage([], tokens), tokens)
 
-    def _stage(self, chunks: list, tokens: int, is_decode: bool = False) -> AttentionMetadata:
-        """Fill the host buffer with `chunks` padded to `tokens` and upload it. A decode batch
-        pads with one request per token (its graph has one row per request), anything else with
-        one padding request."""
+    def _stage(self, chunks: list, tokens: int, is_decode: bool = False,
+               inputs: StaticInputs | None = None) -> AttentionMetadata:
+        """Fill the host buffer of `inputs` (default: the runner's) with `chunks` padded to `tokens`
+        and upload it. A decode batch pads with one request per token (its graph has one row per
+        request), anything else with one padding request."""
+        inp = inputs or self.inputs
         ids, positions, token_rows, starts = [], [], [], []
         rows, seq_lens, ext_lens = [], [], []
         t = 0
@@ -163,7 +176,7 @@ class ModelRunner:
             t += c.length
         b = len(rows)
         # One numpy assignment per field: per-chunk slicing costs more than the data at decode.
-        h = self.inputs.begin()
+        h = inp.begin()
         h["input_ids"][:t] = ids
         h["positions"][:t] = positions
         h["token_rows"][:t] = token_rows
@@ -175,13 +188,12 @@ class ModelRunner:
         h["extend_lens"][:b] = ext_lens
         padding_row = self.req_pool.padding_row
         if is_decode:
-            self.inputs.pad_decode(t, tokens, padding_row)
+            inp.pad_decode(t, tokens, padding_row)
         elif tokens > t:
-            self.inputs.pad_extend(t, b, tokens, padding_row)
+            inp.pad_extend(t, b, tokens, padding_row)
             rows, seq_lens, ext_lens = rows + [padding_row], seq_lens + [tokens - t], ext_lens + [tokens - t]
             b += 1
-        self.inputs.upload()
-        inp = self.inputs
+        inp.upload()
         return AttentionMetadata(
             out_cache_loc=inp.out_cache_loc[:tokens], req_pool_indices=inp.req_pool_indices[:b],
             seq_lens=inp.seq_lens[:b], extend_lens=inp.extend_lens[:b],
@@ -217,23 +229,24 @@ class ModelRunner:
         host does not know them yet)."""
         t = batch.num_tokens
         bucket = self._decode_bucket(batch)
-        if bucket is not None:
-            self._stage(batch.chunks, bucket, is_decode=True)
-            self._feed(feed, t)
+        if bucket is not None:   # the graphs read their own small buffer: a short upload
+            self._stage(batch.chunks, bucket, is_decode=True, inputs=self.graphs.inputs)
+            self._feed(feed, t, self.graphs.inputs)
             hidden, logits = self.graphs.replay(bucket)
             return StepOutput(hidden[:t], _rows(logits, t, sample_rows))
         tokens = self._prefill_bucket(t)
         meta = self._stage(batch.chunks, tokens, is_decode=batch.is_decode and tokens == t)
-        self._feed(feed, t)
+        self._feed(feed, t, self.inputs)
         hidden = self._run_model(meta, tokens)[:t]
         rows = _rows(hidden, t, sample_rows)
         return StepOutput(hidden, None if rows is None else self.logits(rows))
 
-    def _feed(self, feed: torch.Tensor | None, t: int) -> None:
+    @staticmethod
+    def _feed(feed: torch.Tensor | None, t: int, inputs: StaticInputs) -> None:
         if feed is not None:
             assert feed.shape == (t,), f"feed of {tuple(feed.shape)} for {t} tokens"
-            self.inputs.input_ids[:t].copy_(feed)
+            inputs.input_ids[:t].copy_(feed)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(hidden).float()
+        return compute_logits(self.model.lm_head, hidden)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .argmax import greedy_argmax
 from .sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -491,7 +492,7 @@ class Sampler:
     def _choose(logits: torch.Tensor, batch: SamplingBatch, plan: _Plan, row: _RowTensors | None) -> torch.Tensor:
         all_greedy, any_greedy = all(plan.greedy), any(plan.greedy)
         if all_greedy:
-            return logits.argmax(dim=-1)
+            return greedy_argmax(logits)
         scaled = apply_temperature(logits, row.temperature)
         top_p_rows = None
         if 0 < len(plan.top_p_rows) < len(batch):

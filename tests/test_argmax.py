@@ -1,0 +1,88 @@
+"""Greedy argmax (compiled/runtime/argmax.py): the Triton kernel against torch's argmax.
+
+CPU: the kernel under `TRITON_INTERPRET=1` in a subprocess (the variable must be set before the
+kernel is defined), on fresh random logits with ties, NaN and all -inf rows, vocabularies that are
+one slice and many, and two calls in a row (the row counters go back to zero). GPU: the 30B's
+vocabulary at decode batch sizes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from compiled.runtime import argmax as am  # noqa: E402
+
+CASES = [(1, 97), (3, 4096), (2, 4096 * 3 + 5), (5, 151936)]
+
+
+def _logits(B: int, V: int, seed: int) -> torch.Tensor:
+    x = torch.randn(B, V, generator=torch.Generator().manual_seed(seed))
+    x[0, V // 2] = x[0, V - 1] = 50.0          # a tie across slices: the first index wins
+    if B > 2:
+        x[2, 7] = x[2, V - 3] = float("nan")   # NaN is the maximum, the first one wins
+    if B > 3:
+        x[3] = float("-inf")                   # nothing finite: index 0
+    return x
+
+
+def interpreted() -> dict:
+    results = {}
+    for B, V in CASES:
+        for call in range(2):
+            x = _logits(B, V, 10 * call + V)
+            got, want = am.argmax_triton(x), am.argmax_ref(x)
+            results[f"{B}x{V}_{call}"] = dict(got=got.tolist(), want=want.tolist())
+    ws = am._WORKSPACES.get(torch.device("cpu"))
+    results["counters_clean"] = ws is None or not ws.counters.any().item()
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreted_results() -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", [f"{B}x{V}_{c}" for B, V in CASES for c in range(2)])
+def test_interpreted_kernel_matches_torch(interpreted_results, case):
+    r = interpreted_results[case]
+    assert r["got"] == r["want"], r
+
+
+def test_interpreted_kernel_leaves_the_counters_at_zero(interpreted_results):
+    assert interpreted_results["counters_clean"]
+
+
+def test_dispatch_and_limits():
+    x = torch.randn(2, 10)
+    assert torch.equal(am.greedy_argmax(x), x.argmax(-1))           # CPU 'auto': torch
+    assert am.greedy_argmax(torch.randn(3)).shape == ()             # not [B, V]: torch's
+    with pytest.raises(ValueError, match="vocabulary of"):
+        am.argmax_triton(torch.empty(1, am.CHUNK * am.MAX_CHUNKS + 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_gpu_matches_torch_on_the_vocabulary(batch):
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    for _ in range(3):
+        x = torch.randn(batch, 151936, device="cuda", generator=g)
+        x[0, 100] = x[0, 150000] = x.max() + 1
+        assert torch.equal(am.argmax_triton(x), x.argmax(-1))
+    assert not am._WORKSPACES[x.device].counters.any()
+
+
+if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
+    print(json.dumps(interpreted()))
