@@ -36,13 +36,16 @@ def _logits(B: int, V: int, seed: int) -> torch.Tensor:
 
 def interpreted() -> dict:
     results = {}
+    ws = am.ArgmaxWorkspace(8, torch.device("cpu"))
     for B, V in CASES:
         for call in range(2):
             x = _logits(B, V, 10 * call + V)
-            got, want = am.argmax_triton(x), am.argmax_ref(x)
+            got, want = am.argmax_triton(x, ws), am.argmax_ref(x)
             results[f"{B}x{V}_{call}"] = dict(got=got.tolist(), want=want.tolist())
-    ws = am._WORKSPACES.get(torch.device("cpu"))
-    results["counters_clean"] = ws is None or not ws.counters.any().item()
+    out = torch.full((3,), -1)
+    am.argmax_triton(_logits(3, 5000, 1), ws, out=out)
+    results["into_out"] = dict(got=out.tolist(), want=am.argmax_ref(_logits(3, 5000, 1)).tolist())
+    results["counters_clean"] = not ws.counters.any().item()
     return results
 
 
@@ -55,7 +58,7 @@ def interpreted_results() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", [f"{B}x{V}_{c}" for B, V in CASES for c in range(2)])
+@pytest.mark.parametrize("case", [f"{B}x{V}_{c}" for B, V in CASES for c in range(2)] + ["into_out"])
 def test_interpreted_kernel_matches_torch(interpreted_results, case):
     r = interpreted_results[case]
     assert r["got"] == r["want"], r
@@ -65,23 +68,23 @@ def test_interpreted_kernel_leaves_the_counters_at_zero(interpreted_results):
     assert interpreted_results["counters_clean"]
 
 
-def test_dispatch_and_limits():
-    x = torch.randn(2, 10)
-    assert torch.equal(am.greedy_argmax(x), x.argmax(-1))           # CPU 'auto': torch
-    assert am.greedy_argmax(torch.randn(3)).shape == ()             # not [B, V]: torch's
-    with pytest.raises(ValueError, match="vocabulary of"):
-        am.argmax_triton(torch.empty(1, am.CHUNK * am.MAX_CHUNKS + 1))
+def test_limits_are_one_line_errors():
+    ws = am.ArgmaxWorkspace(2, torch.device("cpu"))
+    for bad in (torch.empty(1, am.CHUNK * am.MAX_CHUNKS + 1), torch.empty(3, 10), torch.empty(10, 2).t()):
+        with pytest.raises(ValueError, match=r"argmax: logits \("):
+            am.argmax_triton(bad, ws)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 8, 64])
 def test_gpu_matches_torch_on_the_vocabulary(batch):
     g = torch.Generator(device="cuda").manual_seed(batch)
+    ws = am.ArgmaxWorkspace(batch, torch.device("cuda"))
     for _ in range(3):
         x = torch.randn(batch, 151936, device="cuda", generator=g)
         x[0, 100] = x[0, 150000] = x.max() + 1
-        assert torch.equal(am.argmax_triton(x), x.argmax(-1))
-    assert not am._WORKSPACES[x.device].counters.any()
+        assert torch.equal(am.argmax_triton(x, ws), x.argmax(-1))
+    assert not ws.counters.any()
 
 
 if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1

@@ -74,6 +74,16 @@ def test_compiled_graphs_match_uncompiled(pair, batch):
     assert worst < 0.02 + 2 * _bf16_ulp(scale)
 
 
+@pytest.mark.parametrize("batch", [1, 5, 32])
+def test_decode_graphs_argmax_is_torchs(pair, batch):
+    """The graphs' in-graph argmax (greedy's tokens) over the logits of their last replay."""
+    import torch
+    fast, _ = pair
+    _step_logprobs(fast, batch, 100 + batch)   # its last step replays the batch's decode graph
+    graphs = fast.engine.runner.graphs
+    assert torch.equal(graphs.argmax[:batch], graphs.logits[:batch].argmax(-1))
+
+
 def test_piecewise_graphs_read_every_activation_in_place(pair):
     """Attention writes into the slab the next piece's graph reads, and each piece reads the
     previous piece's outputs where its graph left them: no input is copied before a replay."""

@@ -124,8 +124,8 @@ def _other_calls() -> None:
     store_kv_triton(k_cache, k_cache.clone(), torch.arange(5), torch.randn(5, 2, 128).bfloat16(),
                     torch.randn(5, 2, 128).bfloat16())
     topk_route_triton(torch.randn(24, 128).bfloat16(), 8, True)
-    from compiled.runtime.argmax import argmax_triton
-    argmax_triton(torch.randn(2, 10000))
+    from compiled.runtime.argmax import ArgmaxWorkspace, argmax_triton
+    argmax_triton(torch.randn(2, 10000), ArgmaxWorkspace(2, torch.device("cpu")))
     x = torch.randn(24, 2048).bfloat16()
     add_rms_norm_triton(x, x, torch.ones(2048).bfloat16(), 1e-6)
     silu_and_mul_triton(x)

@@ -302,6 +302,25 @@ def test_greedy_rows_take_argmax(device):
     assert out.dtype == torch.int64 and out.shape == (6,)
 
 
+def test_greedy_rows_take_a_precomputed_argmax_only_from_unchanged_logits():
+    """The decode graphs hand their argmax in: greedy rows take it (all-greedy batches and mixed
+    ones), unless a penalty or min_new_tokens changed the logits, when it is recomputed."""
+    logits = torch.randn(2, 50)
+    marker = torch.tensor([7, 9])   # not the argmax: shows which one was taken
+    sampler = Sampler()
+    greedy = [SamplingParams(temperature=0.0)] * 2
+    assert sampler(logits, make_batch(greedy), argmax=marker).token_ids.tolist() == [7, 9]
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1)]
+    assert sampler(logits, make_batch(mixed), argmax=marker).token_ids[0].item() == 7
+    penalised = [SamplingParams(temperature=0.0, repetition_penalty=1.5)] * 2
+    out = sampler(logits, make_batch(penalised, outputs=[[1], [2]]), argmax=marker).token_ids
+    assert out.tolist() != [7, 9]
+    held = [SamplingParams(temperature=0.0, min_new_tokens=3)] * 2
+    eos = (int(logits[0].argmax()),)
+    out = sampler(logits, make_batch(held, eos=eos), argmax=marker).token_ids
+    assert out.tolist() != [7, 9] and out[0].item() != eos[0]
+
+
 def test_tiny_temperature_behaves_like_argmax_without_nan(device):
     torch.manual_seed(1)
     # logits / T alone would overflow to inf (and inf - inf = NaN in softmax)

@@ -1,4 +1,4 @@
-"""Greedy decoding's argmax over the vocabulary, in one Triton launch on CUDA.
+"""Greedy decoding's argmax over the vocabulary, in one Triton launch, inside the decode graphs.
 
 At a decode step's small batches torch's argmax reduces each row of the fp32 logits (~150k
 entries) with few blocks: 8.7 µs a step on the H100 (30B, batch 1), after the graph and before
@@ -6,7 +6,9 @@ the token goes back to the host, so on the step's critical path. Here CHUNK-wide
 a row's slices in parallel and write (max, first index); the program that arrives last at the
 row's counter reduces those in slice order and puts the counter back to zero (no memset, as the
 skinny GEMM's split-K). Ties and NaN follow torch: the first maximal index wins, NaN counts as
-the maximum. The reference is `argmax_ref`; `COMPILED_ARGMAX_BACKEND=torch|triton` forces one."""
+the maximum. The decode graphs run it on every step's logits (`cuda_graphs.DecodeGraphs`), so
+its host launch cost is paid once, at capture; the sampler takes the result for rows whose
+logits it leaves as they are. The reference is `argmax_ref`."""
 
 from __future__ import annotations
 
@@ -14,9 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from compiled.backend import BackendChoice
-
-BACKEND = BackendChoice("COMPILED_ARGMAX_BACKEND")
 CHUNK = 4096          # logits a program reduces
 MAX_CHUNKS = 128      # slices a row may have (V <= 512k); the last program reduces them in one tile
 
@@ -58,44 +57,29 @@ def _argmax_kernel(Logits, Out, Vals, Idx, Counters, V, stride_b, CHUNKS, CHUNK:
             tl.atomic_xchg(Counters + b, 0)
 
 
-class _Workspace:
-    """Per device: the slices' (max, index) and the rows' counters (zero between launches), grown
-    to the largest batch seen. Launches on one device must be stream-ordered (they share them)."""
+class ArgmaxWorkspace:
+    """The slices' (max, index) and the rows' counters (zero between launches) for up to
+    `max_rows` rows: held by the caller (the decode graphs capture its addresses)."""
 
-    def __init__(self) -> None:
-        self.rows = 0
-        self.vals = self.idx = self.counters = None
-
-    def views(self, rows: int, device: torch.device):
-        if rows > self.rows:
-            self.rows = max(rows, 2 * self.rows)
-            self.vals = torch.empty(self.rows * MAX_CHUNKS, dtype=torch.float32, device=device)
-            self.idx = torch.empty(self.rows * MAX_CHUNKS, dtype=torch.int32, device=device)
-            self.counters = torch.zeros(self.rows, dtype=torch.int32, device=device)
-        return self.vals, self.idx, self.counters
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        self.max_rows = max_rows
+        self.vals = torch.empty(max_rows * MAX_CHUNKS, dtype=torch.float32, device=device)
+        self.idx = torch.empty(max_rows * MAX_CHUNKS, dtype=torch.int32, device=device)
+        self.counters = torch.zeros(max_rows, dtype=torch.int32, device=device)
 
 
-_WORKSPACES: dict[torch.device, _Workspace] = {}
-
-
-def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
-    """logits `[B, V]` (last dim contiguous) -> `[B]` int64."""
+def argmax_triton(logits: torch.Tensor, workspace: ArgmaxWorkspace, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits `[B, V]` (last dim contiguous) -> `[B]` int64 (into `out` if given). Launches
+    sharing a workspace must be stream-ordered."""
     B, V = logits.shape
-    out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(B, dtype=torch.int64, device=logits.device)
     chunks = triton.cdiv(V, CHUNK)
-    if chunks > MAX_CHUNKS:
-        raise ValueError(f"argmax: vocabulary of {V} exceeds {CHUNK * MAX_CHUNKS}")
+    if chunks > MAX_CHUNKS or B > workspace.max_rows or logits.stride(-1) != 1:
+        raise ValueError(f"argmax: logits {tuple(logits.shape)} (stride {logits.stride()}) need rows <= "
+                         f"{workspace.max_rows}, vocabulary <= {CHUNK * MAX_CHUNKS} and a contiguous last dim")
     if B == 0:
         return out
-    vals, idx, counters = _WORKSPACES.setdefault(logits.device, _Workspace()).views(B, logits.device)
-    _argmax_kernel[(B, chunks)](logits, out, vals, idx, counters, V, logits.stride(0), chunks,
-                                CHUNK=CHUNK, MAX_CHUNKS=MAX_CHUNKS, num_warps=8)
+    _argmax_kernel[(B, chunks)](logits, out, workspace.vals, workspace.idx, workspace.counters, V,
+                                logits.stride(0), chunks, CHUNK=CHUNK, MAX_CHUNKS=MAX_CHUNKS, num_warps=8)
     return out
-
-
-def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax: the kernel on CUDA ('auto'), torch elsewhere."""
-    use = BACKEND.name == "triton" or (BACKEND.name == "auto" and logits.is_cuda)
-    if use and logits.dim() == 2 and logits.stride(-1) == 1 and logits.numel():
-        return argmax_triton(logits)
-    return argmax_ref(logits)

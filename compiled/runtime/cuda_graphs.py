@@ -11,6 +11,7 @@ import time
 
 import torch
 from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
+from compiled.runtime.argmax import ArgmaxWorkspace, argmax_triton
 from compiled.runtime.config import smallest_bucket
 from compiled.runtime.model_runner import StaticInputs, compute_logits, write_request_table
 
@@ -27,7 +28,8 @@ def default_buckets(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     """Per bucket: write the request table, run the model, and write the fp32 logits of every
-    row into one static buffer shared by all buckets (one replay at a time reads it). The graphs
+    row and their argmax (greedy's tokens, `argmax.py`) into static buffers shared by all buckets
+    (one replay at a time reads them). The graphs
     read their step's integers from a staging buffer of their own, sized for the largest bucket:
     the runner's is sized for a prefill (max_num_batched_tokens per field), and uploading all of
     it took ~7 µs a decode step (H100, RESULTS.md)."""
@@ -40,6 +42,8 @@ class DecodeGraphs:
         self.hidden: dict[int, torch.Tensor] = {}
         self.logits = torch.empty(self.max_batch, runner.model.lm_head.weight.shape[0], dtype=torch.float32,
                                   device=runner.cfg.device)
+        self.argmax = torch.empty(self.max_batch, dtype=torch.int64, device=runner.cfg.device)
+        self.argmax_workspace = ArgmaxWorkspace(self.max_batch, runner.cfg.device)
         self.pool = pool
         self.capture_seconds = 0.0
 
@@ -64,6 +68,7 @@ class DecodeGraphs:
         write_request_table(self.runner.req_pool.table, inp, batch)
         hidden = self.model(inp.input_ids[:batch], inp.positions[:batch])
         compute_logits(self.model.lm_head, hidden, self.logits[:batch])
+        argmax_triton(self.logits[:batch], self.argmax_workspace, out=self.argmax[:batch])
         return hidden
 
     @torch.inference_mode()
@@ -86,8 +91,8 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
 
-    def replay(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the decode batch staged (and padded to `bucket`) in the runner's inputs; returns
-        hidden states and logits `[bucket, ...]`."""
+    def replay(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run the decode batch staged (and padded to `bucket`) in `inputs`; returns hidden states,
+        logits and their argmax `[bucket, ...]`."""
         self.graphs[bucket].replay()
-        return self.hidden[bucket], self.logits[:bucket]
+        return self.hidden[bucket], self.logits[:bucket], self.argmax[:bucket]

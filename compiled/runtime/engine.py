@@ -149,7 +149,7 @@ class Engine:
             prompt_token_ids=[r.prompt_token_ids for r in requests],
             generators=[r.generator for r in requests],
             eos_token_ids=self._eos_sorted,
-        ))
+        ), argmax=out.argmax)
         for r in requests:
             r.pending += 1
         return self._readback.start(requests, sampled.token_ids, sampled.logprobs)

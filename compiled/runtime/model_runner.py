@@ -110,6 +110,7 @@ def _rows(x: torch.Tensor, t: int, rows: Sequence[int]) -> torch.Tensor | None:
 class StepOutput:
     hidden: torch.Tensor   # [T, H] final hidden states in chunk order
     logits: torch.Tensor | None  # [len(sample_rows), V] fp32; None when no row samples
+    argmax: torch.Tensor | None = None  # [len(sample_rows)] their argmax, where a decode graph computed it
 
 
 class ModelRunner:
@@ -232,8 +233,8 @@ class ModelRunner:
         if bucket is not None:   # the graphs read their own small buffer: a short upload
             self._stage(batch.chunks, bucket, is_decode=True, inputs=self.graphs.inputs)
             self._feed(feed, t, self.graphs.inputs)
-            hidden, logits = self.graphs.replay(bucket)
-            return StepOutput(hidden[:t], _rows(logits, t, sample_rows))
+            hidden, logits, argmax = self.graphs.replay(bucket)
+            return StepOutput(hidden[:t], _rows(logits, t, sample_rows), _rows(argmax, t, sample_rows))
         tokens = self._prefill_bucket(t)
         meta = self._stage(batch.chunks, tokens, is_decode=batch.is_decode and tokens == t)
         self._feed(feed, t, self.inputs)

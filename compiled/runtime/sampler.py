@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .argmax import greedy_argmax
 from .sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -457,7 +456,9 @@ class Sampler:
     """Stateless: all per-request state arrives in the SamplingBatch."""
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, argmax: torch.Tensor | None = None) -> SamplerOutput:
+        """`argmax`: each row's argmax of `logits`, if the step computed it already (the decode
+        graphs do); taken for greedy rows when no penalty or mask changes the logits."""
         if logits.dim() != 2 or logits.shape[0] != len(batch):
             raise ValueError(
                 f"Sampler: logits must be [{len(batch)}, vocab] (one row per request), got {tuple(logits.shape)}"
@@ -469,7 +470,7 @@ class Sampler:
         # All-greedy batches without penalties (the common case) need no per-row upload.
         row = _RowTensors.build(batch.params, plan, raw.device) if plan.needs_rows else None
         processed = apply_min_new_tokens(self._penalise(raw, batch, plan, row), batch)
-        token_ids = self._choose(processed, batch, plan, row)
+        token_ids = self._choose(processed, batch, plan, row, argmax if processed is raw else None)
         return SamplerOutput(token_ids, self._logprobs(raw, token_ids, batch))
 
     @staticmethod
@@ -489,10 +490,11 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _choose(logits: torch.Tensor, batch: SamplingBatch, plan: _Plan, row: _RowTensors | None) -> torch.Tensor:
+    def _choose(logits: torch.Tensor, batch: SamplingBatch, plan: _Plan, row: _RowTensors | None,
+                argmax: torch.Tensor | None = None) -> torch.Tensor:
         all_greedy, any_greedy = all(plan.greedy), any(plan.greedy)
         if all_greedy:
-            return greedy_argmax(logits)
+            return logits.argmax(dim=-1) if argmax is None else argmax
         scaled = apply_temperature(logits, row.temperature)
         top_p_rows = None
         if 0 < len(plan.top_p_rows) < len(batch):
@@ -509,7 +511,7 @@ class Sampler:
         if not any_greedy:
             return sampled
         greedy_rows = _to_device(plan.greedy, torch.bool, logits.device)
-        return torch.where(greedy_rows, logits.argmax(dim=-1), sampled)
+        return torch.where(greedy_rows, logits.argmax(dim=-1) if argmax is None else argmax, sampled)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch) -> list[dict[int, float] | None]:
