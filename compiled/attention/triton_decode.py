@@ -87,16 +87,12 @@ def _decode_kernel(
                                 eps, D, Q.dtype.element_ty).to(Q.dtype.element_ty)
     else:
         rope_row = Cos_sin
-    # The split holding the newest token stores it, and its loop takes that token's K/V from
-    # these registers instead of reading the slot back: no wait for the store (a barrier and a
-    # round trip to L2 before the loop's loads could start, measured in RESULTS.md).
-    k_row = tl.zeros([BLOCK_D], K_cache.dtype.element_ty)
-    v_row = tl.zeros([BLOCK_D], V_cache.dtype.element_ty)
     if STORE:
-        if (start < end) & (end == seq_len):
-            k_row, v_row = _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, Kw, rope_row, eps, b, kvh, offs_g,
-                                         offs_d, mask_d, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_kcs,
-                                         stride_kch, stride_vcs, stride_vch, D, NORM_ROPE)
+        if (start < end) & (end == seq_len):   # this split holds the newest token: store it first
+            _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, Kw, rope_row, eps, b, kvh, offs_g, offs_d,
+                          mask_d, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_kcs, stride_kch,
+                          stride_vcs, stride_vch, D, NORM_ROPE)
+            tl.debug_barrier()   # the loop below reads that slot back
     if start < end:
         if NORM_ROPE:
             q = q_rope
@@ -117,13 +113,9 @@ def _decode_kernel(
             slots = tl.load(r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(k_base + slots[:, None] * stride_kcs + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_base + slots[:, None] * stride_vcs + offs_d[None, :], mask=kv_mask, other=0.0)
-            if STORE:
-                newest = (offs_n == seq_len - 1)[:, None]
-                k = tl.where(newest, k_row[None, :], k)
-                v = tl.where(newest, v_row[None, :], v)
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * sm_scale_log2
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            v = tl.load(v_base + slots[:, None] * stride_vcs + offs_d[None, :], mask=kv_mask, other=0.0)
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
@@ -160,20 +152,18 @@ def _decode_kernel(
 def _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, Kw, rope_row, eps, b, kvh, offs_g, offs_d, mask_d,
                   stride_knb, stride_knh, stride_vnb, stride_vnh, stride_kcs, stride_kch, stride_vcs, stride_vch,
                   D: tl.constexpr, NORM_ROPE: tl.constexpr):
-    """Stores request b's new K/V row of head kvh in its slot; returns them as stored `[BLOCK_D]`."""
     slot = tl.load(Loc + b).to(tl.int64)
-    k_ptr = K_new + b.to(tl.int64) * stride_knb + kvh * stride_knh
-    if NORM_ROPE:   # one row as a tile (the tile helper's shape): its first row is k
+    k_row = K_new + b.to(tl.int64) * stride_knb + kvh * stride_knh
+    if NORM_ROPE:   # one row as a tile (the tile helper's shape), stored from its first row
         first = offs_g == 0
-        tile = norm_rope_tile(k_ptr, offs_g * 0, first, offs_d, Kw, rope_row, eps, D, K_new.dtype.element_ty)
-        k = tl.sum(tl.where(first[:, None], tile, 0.0), axis=0).to(K_cache.dtype.element_ty)
+        k = norm_rope_tile(k_row, offs_g * 0, first, offs_d, Kw, rope_row, eps, D, K_new.dtype.element_ty)
+        tl.store(K_cache + slot * stride_kcs + kvh * stride_kch + offs_g[:, None] * 0 + offs_d[None, :],
+                 k.to(K_cache.dtype.element_ty), mask=first[:, None] & mask_d[None, :])
     else:
-        k = tl.load(k_ptr + offs_d, mask=mask_d, other=0.0).to(K_cache.dtype.element_ty)
-    tl.store(K_cache + slot * stride_kcs + kvh * stride_kch + offs_d, k, mask=mask_d)
-    v = tl.load(V_new + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d, mask=mask_d, other=0.0)
-    v = v.to(V_cache.dtype.element_ty)
-    tl.store(V_cache + slot * stride_vcs + kvh * stride_vch + offs_d, v, mask=mask_d)
-    return k, v
+        k = tl.load(k_row + offs_d, mask=mask_d)
+        tl.store(K_cache + slot * stride_kcs + kvh * stride_kch + offs_d, k.to(K_cache.dtype.element_ty), mask=mask_d)
+    v = tl.load(V_new + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d, mask=mask_d)
+    tl.store(V_cache + slot * stride_vcs + kvh * stride_vch + offs_d, v.to(V_cache.dtype.element_ty), mask=mask_d)
 
 
 @triton.jit
