@@ -87,17 +87,12 @@ def _decode_kernel(
                                 eps, D, Q.dtype.element_ty).to(Q.dtype.element_ty)
     else:
         rope_row = Cos_sin
-    # The split holding the newest token stores it and adds it to its softmax from registers,
-    # after the loop over the others: nothing waits for the store (a barrier and a read back of
-    # the slot before the loop's loads could start).
-    holds_new = STORE and (start < end) & (end == seq_len)
-    loop_end = end - 1 if holds_new else end
-    k_row = tl.zeros([BLOCK_D], K_cache.dtype.element_ty)
-    v_row = tl.zeros([BLOCK_D], V_cache.dtype.element_ty)
-    if holds_new:
-        k_row, v_row = _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, Kw, rope_row, eps, b, kvh, offs_g, offs_d,
-                                     mask_d, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_kcs, stride_kch,
-                                     stride_vcs, stride_vch, D, NORM_ROPE)
+    if STORE:
+        if (start < end) & (end == seq_len):   # this split holds the newest token: store it first
+            _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, Kw, rope_row, eps, b, kvh, offs_g, offs_d,
+                          mask_d, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_kcs, stride_kch,
+                          stride_vcs, stride_vch, D, NORM_ROPE)
+            tl.debug_barrier()   # the loop below reads that slot back
     if start < end:
         if NORM_ROPE:
             q = q_rope
@@ -112,9 +107,9 @@ def _decode_kernel(
         r2t = Req_to_token + row * stride_r2t
         k_base = K_cache + kvh * stride_kch
         v_base = V_cache + kvh * stride_vch
-        for n0 in range(start, loop_end, BLOCK_N):
+        for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < loop_end
+            mask_n = offs_n < end
             slots = tl.load(r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(k_base + slots[:, None] * stride_kcs + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -126,14 +121,6 @@ def _decode_kernel(
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
-            m_i = m_new
-        if holds_new:   # the newest token, one more step of the same update (p rounded as the dot's)
-            s = tl.sum(q.to(tl.float32) * k_row.to(q.dtype).to(tl.float32)[None, :], 1) * sm_scale_log2
-            m_new = tl.maximum(m_i, s)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new).to(q.dtype).to(tl.float32)
-            l_i = l_i * alpha + tl.exp2(s - m_new)
-            acc = acc * alpha[:, None] + p[:, None] * v_row.to(q.dtype).to(tl.float32)[None, :]
             m_i = m_new
         if DIRECT:
             tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
@@ -165,20 +152,18 @@ def _decode_kernel(
 def _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, Kw, rope_row, eps, b, kvh, offs_g, offs_d, mask_d,
                   stride_knb, stride_knh, stride_vnb, stride_vnh, stride_kcs, stride_kch, stride_vcs, stride_vch,
                   D: tl.constexpr, NORM_ROPE: tl.constexpr):
-    """Stores request b's new K/V row of head kvh in its slot; returns them as stored `[BLOCK_D]`."""
     slot = tl.load(Loc + b).to(tl.int64)
-    k_ptr = K_new + b.to(tl.int64) * stride_knb + kvh * stride_knh
-    if NORM_ROPE:   # one row as a tile (the tile helper's shape): its first row is k
+    k_row = K_new + b.to(tl.int64) * stride_knb + kvh * stride_knh
+    if NORM_ROPE:   # one row as a tile (the tile helper's shape), stored from its first row
         first = offs_g == 0
-        tile = norm_rope_tile(k_ptr, offs_g * 0, first, offs_d, Kw, rope_row, eps, D, K_new.dtype.element_ty)
-        k = tl.sum(tl.where(first[:, None], tile, 0.0), axis=0).to(K_cache.dtype.element_ty)
+        k = norm_rope_tile(k_row, offs_g * 0, first, offs_d, Kw, rope_row, eps, D, K_new.dtype.element_ty)
+        tl.store(K_cache + slot * stride_kcs + kvh * stride_kch + offs_g[:, None] * 0 + offs_d[None, :],
+                 k.to(K_cache.dtype.element_ty), mask=first[:, None] & mask_d[None, :])
     else:
-        k = tl.load(k_ptr + offs_d, mask=mask_d, other=0.0).to(K_cache.dtype.element_ty)
-    tl.store(K_cache + slot * stride_kcs + kvh * stride_kch + offs_d, k, mask=mask_d)
-    v = tl.load(V_new + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d, mask=mask_d, other=0.0)
-    v = v.to(V_cache.dtype.element_ty)
-    tl.store(V_cache + slot * stride_vcs + kvh * stride_vch + offs_d, v, mask=mask_d)
-    return k, v
+        k = tl.load(k_row + offs_d, mask=mask_d)
+        tl.store(K_cache + slot * stride_kcs + kvh * stride_kch + offs_d, k.to(K_cache.dtype.element_ty), mask=mask_d)
+    v = tl.load(V_new + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d, mask=mask_d)
+    tl.store(V_cache + slot * stride_vcs + kvh * stride_vch + offs_d, v.to(V_cache.dtype.element_ty), mask=mask_d)
 
 
 @triton.jit
