@@ -29,10 +29,10 @@ def default_buckets(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """Per bucket: write the request table, run the model, and write the fp32 logits of every
     row and their argmax (greedy's tokens, `argmax.py`) into static buffers shared by all buckets
-    (one replay at a time reads them). The graphs
-    read their step's integers from a staging buffer of their own, sized for the largest bucket:
-    the runner's is sized for a prefill (max_num_batched_tokens per field), and uploading all of
-    it took ~7 µs a decode step (H100, RESULTS.md)."""
+    (one replay at a time reads them, until the next replay overwrites them). The graphs read
+    their step's integers from a staging buffer of their own, sized for the largest bucket: the
+    runner's is sized for a prefill (max_num_batched_tokens per field), and uploading all of it
+    took ~7 µs a decode step (H100, RESULTS.md)."""
 
     def __init__(self, runner, buckets: list[int], pool) -> None:
         self.runner, self.model = runner, runner.model

@@ -108,6 +108,8 @@ def _rows(x: torch.Tensor, t: int, rows: Sequence[int]) -> torch.Tensor | None:
 
 @dataclass
 class StepOutput:
+    """After a graph replay, views of the graphs' static buffers: read (enqueue reads) before the
+    next replay, which overwrites them."""
     hidden: torch.Tensor   # [T, H] final hidden states in chunk order
     logits: torch.Tensor | None  # [len(sample_rows), V] fp32; None when no row samples
     argmax: torch.Tensor | None = None  # [len(sample_rows)] their argmax, where a decode graph computed it
