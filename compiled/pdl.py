@@ -7,7 +7,8 @@ still running, once all of that kernel's programs have started and called
 launch, then waits (`gdc_wait`) until the previous one has finished and its writes are visible,
 and only then reads or writes anything. A kernel that does not take part (cuBLAS, Inductor's)
 serialises as usual, before and after. (Prefetching the next weights into L2 before the wait
-measured slower, per cache line in the seventh session and as bulk TMA prefetches in the ninth:
+measured slower, per cache line in the seventh session and as bulk TMA prefetches in the ninth,
+and so did prefetching them from the decode attention's grid, while DRAM idles, in the twelfth:
 bench/RESULTS.md.)
 
 `COMPILED_PDL=0` (read at import) turns it off; it is also off off-GPU, before Hopper and under

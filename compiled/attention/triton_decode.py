@@ -92,7 +92,9 @@ def _decode_kernel(
             _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, Kw, rope_row, eps, b, kvh, offs_g, offs_d,
                           mask_d, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_kcs, stride_kch,
                           stride_vcs, stride_vch, D, NORM_ROPE)
-            tl.debug_barrier()   # the loop below reads that slot back
+            # The loop below reads that slot back. (Taking the token from registers instead, with
+            # no barrier, measured slower both ways tried: RESULTS.md, twelfth session.)
+            tl.debug_barrier()
     if start < end:
         if NORM_ROPE:
             q = q_rope
