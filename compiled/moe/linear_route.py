@@ -12,8 +12,6 @@ projection and the routing runs in Triton (CUDA; M <= SKINNY_MAX_M), one kernel 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -26,10 +24,6 @@ from compiled.moe.routing import routing_backend, topk_route_ref
 OP = "compiled::linear_add_norm_route"
 MAX_EXPERTS = 256        # the last program holds a row's logits for every expert in registers
 NORM_TILE = 4096         # elements of the last program's [rows, columns] tiles of h
-# Up to this many rows the projection kernel's last column block routes them all; above, a second
-# launch does, ROUTE_ROWS rows a program (the last program's work is serial in the rows).
-FINISH_MAX_ROWS = int(os.environ.get("COMPILED_ROUTE_FINISH_MAX_ROWS", "16"))
-ROUTE_ROWS = 2
 
 
 def linear_add_norm_route_ref(attn: torch.Tensor, w_o: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor,
@@ -112,7 +106,7 @@ def linear_add_norm_route_triton(attn: torch.Tensor, w_o: torch.Tensor, x: torch
                                  config: lk.SkinnyConfig | None = None):
     """The op's contract in one launch (`_linear_add_norm_route_kernel`); `config` overrides the
     projection's skinny-GEMM tile (tests)."""
-    from compiled.moe import linear_route_kernels as K_
+    from compiled.moe.linear_route_kernels import _linear_add_norm_route_kernel
     from compiled.pdl import launch_kwargs
 
     M, K = attn.shape
@@ -121,23 +115,19 @@ def linear_add_norm_route_triton(attn: torch.Tensor, w_o: torch.Tensor, x: torch
     block_n, block_k, split_k, num_warps, num_stages = config
     n_cb = triton.cdiv(N, block_n)
     e_pad = max(16, triton.next_power_of_2(E))
-    finish = M <= FINISH_MAX_ROWS
-    rows = max(2, triton.next_power_of_2(M)) if finish else ROUTE_ROWS
+    rows = max(2, triton.next_power_of_2(M))
     split = lk.split_workspace(attn.device)   # the projection's partials; semaphores[n_cb] counts column blocks
     ws = route_workspace(attn.device, n_cb * lk.BLOCK_M * (e_pad + 1))
     r_part, sq_part = ws[:n_cb * lk.BLOCK_M * e_pad], ws[n_cb * lk.BLOCK_M * e_pad:]
     h, normed = x.new_empty((M, N)), x.new_empty((M, N))
     weights = torch.empty(M, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(M, top_k, dtype=torch.int64, device=x.device)
-    rows_args = dict(N_CB=n_cb, ROWS=rows, BLOCK_M=lk.BLOCK_M, E_PAD=e_pad, TOP_K=top_k,
-                     K_PAD=max(2, triton.next_power_of_2(top_k)), RENORM=bool(renormalize),
-                     NORM_BLOCK=min(triton.next_power_of_2(N), NORM_TILE // rows), **launch_kwargs(attn.device))
-    K_._linear_add_norm_route_kernel[(n_cb, split_k)](
+    _linear_add_norm_route_kernel[(n_cb, split_k)](
         attn, w_o, x, norm_weight, w_router, h, normed, weights, ids, split.partials, split.semaphores, r_part,
         sq_part, M, N, K, E, lk.k_per_split(K, config), attn.stride(0), w_o.stride(0), x.stride(0),
-        w_router.stride(0), eps, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=K % block_k == 0,
-        FINISH=finish, **rows_args, **lk.dot_flags(attn.dtype), num_warps=num_warps, num_stages=num_stages)
-    if not finish:
-        K_._route_rows_kernel[(triton.cdiv(M, rows),)](h, norm_weight, normed, weights, ids, r_part, sq_part, M, N, E,
-                                                       eps, **rows_args, num_warps=4)
+        w_router.stride(0), eps,
+        BLOCK_M=lk.BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=K % block_k == 0, N_CB=n_cb,
+        ROWS=rows, E_PAD=e_pad, TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), RENORM=bool(renormalize),
+        NORM_BLOCK=min(triton.next_power_of_2(N), NORM_TILE // rows), **lk.dot_flags(attn.dtype),
+        num_warps=num_warps, num_stages=num_stages, **launch_kwargs(attn.device))
     return h, normed, weights, ids

@@ -31,69 +31,55 @@ def _linear_add_norm_route_kernel(
     A, WO, X, NW, WR, HO, NORMED, TW, TID, Partials, Semaphores, RPart, SqPart,
     M, N, K, E, K_PER_SPLIT, stride_am, stride_wo, stride_xm, stride_wr, eps,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, N_CB: tl.constexpr, FINISH: tl.constexpr, ROWS: tl.constexpr, E_PAD: tl.constexpr,
-    TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, N_CB: tl.constexpr, ROWS: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr, RENORM: tl.constexpr, NORM_BLOCK: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """A `[M, K]` @ WO `[N, K]`.T, then with the residual X `[M, N]`: HO = X + that, NORMED =
     RMSNorm(HO) * NW, and the top-k of softmax(NORMED @ WR `[E, N]`.T) into TW / TID `[M, TOP_K]`.
-    N_CB = cdiv(N, BLOCK_N) column blocks. FINISH: the last column block to arrive (Semaphores[N_CB]
-    counts them) does the rows' part; else `_route_rows_kernel`, launched next, does it. ROWS: M
-    rounded up to a power of two (the last program's tiles)."""
+    N_CB = cdiv(N, BLOCK_N) column blocks; ROWS: M rounded up to a power of two (the last
+    program's tiles); Semaphores[N_CB] counts the finished column blocks."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    out_mask = mask_m[:, None] & mask_n[None, :]
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    # The column block's router and norm weights, which no kernel before writes, while the one
-    # before finishes: whichever split finishes the block has them at hand.
-    offs_e = tl.arange(0, E_PAD)
-    wr = tl.load(WR + offs_e[:, None] * stride_wr + offs_n[None, :], mask=(offs_e < E)[:, None] & mask_n[None, :],
-                 other=0.0)
-    nw = tl.load(NW + offs_n, mask=mask_n, other=0.0)
     pdl_wait(PDL)
     acc = dot_k_range(A, WO, offs_m, offs_n, mask_m, mask_n, k_start, k_end, stride_am, stride_wo,
                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, DOT_PRECISION)
-    x = tl.load(X + offs_m[:, None] * stride_xm + offs_n[None, :], mask=out_mask, other=0.0)
+    out_mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
         last = True
         total = acc
     else:
         last, total = split_k_sum(acc, Partials, Semaphores, pid_n, pid_k, offs_m, offs_n, out_mask, M, N, SPLIT_K)
     if last:
-        _finish_columns(total, x, nw, wr, HO, RPart, SqPart, offs_m, offs_n, out_mask, pid_n, N, BLOCK_M, E_PAD,
-                        UPCAST, DOT_PRECISION)
-        if FINISH:
-            # Every thread's partial stores must precede the release below.
-            tl.debug_barrier()
-            arrived = tl.atomic_add(Semaphores + N_CB, 1, sem="acq_rel", scope="gpu")
-            if arrived == N_CB - 1:
-                _finish_rows(HO, NW, NORMED, TW, TID, RPart, SqPart, 0, M, N, E, eps, N_CB, ROWS, BLOCK_M, E_PAD,
-                             TOP_K, K_PAD, RENORM, NORM_BLOCK)
-                tl.atomic_xchg(Semaphores + N_CB, 0)
+        _finish_columns(total, X, NW, WR, HO, RPart, SqPart, offs_m, offs_n, mask_n, out_mask, pid_n, N, E,
+                        stride_xm, stride_wr, BLOCK_M, E_PAD, UPCAST, DOT_PRECISION)
+        # Every thread's partial stores must precede the release below.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Semaphores + N_CB, 1, sem="acq_rel", scope="gpu")
+        if arrived == N_CB - 1:
+            _finish_rows(HO, NW, NORMED, TW, TID, RPart, SqPart, M, N, E, eps, N_CB, ROWS, BLOCK_M, E_PAD, TOP_K,
+                         K_PAD, RENORM, NORM_BLOCK)
+            tl.atomic_xchg(Semaphores + N_CB, 0)
 
 
 @triton.jit
-def _route_rows_kernel(HO, NW, NORMED, TW, TID, RPart, SqPart, M, N, E, eps, N_CB: tl.constexpr,
-                       ROWS: tl.constexpr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr,
-                       K_PAD: tl.constexpr, RENORM: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """The rows' part after `_linear_add_norm_route_kernel` without FINISH: ROWS rows a program."""
-    pdl_wait(PDL)
-    _finish_rows(HO, NW, NORMED, TW, TID, RPart, SqPart, tl.program_id(0) * ROWS, M, N, E, eps, N_CB, ROWS, BLOCK_M,
-                 E_PAD, TOP_K, K_PAD, RENORM, NORM_BLOCK)
-
-
-@triton.jit
-def _finish_columns(total, x, nw, wr, HO, RPart, SqPart, offs_m, offs_n, out_mask, pid_n, N, BLOCK_M: tl.constexpr,
-                    E_PAD: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _finish_columns(total, X, NW, WR, HO, RPart, SqPart, offs_m, offs_n, mask_n, out_mask, pid_n, N, E,
+                    stride_xm, stride_wr, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, UPCAST: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
     """A column block's share: h = x + y (y rounded as the projection's output), and into the
     workspace its rows' sums of squares and partial router logits (h * norm weight, rounded as
-    the skinny kernel's ADD_NORM prologue rounds it, times the router's columns wr)."""
+    the skinny kernel's ADD_NORM prologue rounds it, times the router's columns)."""
     offs_e = tl.arange(0, E_PAD)
+    wr = tl.load(WR + offs_e[:, None] * stride_wr + offs_n[None, :], mask=(offs_e < E)[:, None] & mask_n[None, :],
+                 other=0.0)
+    x = tl.load(X + offs_m[:, None] * stride_xm + offs_n[None, :], mask=out_mask, other=0.0)
+    nw = tl.load(NW + offs_n, mask=mask_n, other=0.0)
     h = residual_add(x, total.to(x.dtype))
     tl.store(HO + offs_m[:, None] * N + offs_n[None, :], h, mask=out_mask)
     hf = h.to(tl.float32)
@@ -107,12 +93,12 @@ def _finish_columns(total, x, nw, wr, HO, RPart, SqPart, offs_m, offs_n, out_mas
 
 
 @triton.jit
-def _finish_rows(HO, NW, NORMED, TW, TID, RPart, SqPart, row0, M, N, E, eps, N_CB: tl.constexpr, ROWS: tl.constexpr,
+def _finish_rows(HO, NW, NORMED, TW, TID, RPart, SqPart, M, N, E, eps, N_CB: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                  RENORM: tl.constexpr, NORM_BLOCK: tl.constexpr):
-    """Rows row0 .. row0 + ROWS: their logits and 1 / rms from the partials, their routing and
-    their normalised rows."""
-    rows = row0 + tl.arange(0, ROWS)
+    """The last column block: every row's logits and 1 / rms from the partials, its routing, and
+    its normalised row."""
+    rows = tl.arange(0, ROWS)
     row_ok = rows < M
     offs_e = tl.arange(0, E_PAD)
     cols = tl.arange(0, NORM_BLOCK)
@@ -123,9 +109,8 @@ def _finish_rows(HO, NW, NORMED, TW, TID, RPart, SqPart, row0, M, N, E, eps, N_C
     sq = tl.zeros([ROWS], dtype=tl.float32)
     # Unrolled, so that the partials' loads are all in flight at once; .cg: other programs wrote them.
     for c in tl.static_range(N_CB):
-        logits += tl.load(RPart + c * BLOCK_M * E_PAD + rows[:, None] * E_PAD + offs_e[None, :],
-                          mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
-        sq += tl.load(SqPart + c * BLOCK_M + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
+        logits += tl.load(RPart + c * BLOCK_M * E_PAD + rows[:, None] * E_PAD + offs_e[None, :], cache_modifier=".cg")
+        sq += tl.load(SqPart + c * BLOCK_M + rows, cache_modifier=".cg")
     rstd = tl.rsqrt(sq / N + eps)
     # the router linear's output is stored in h's dtype before the routing reads it
     logits = (logits * rstd[:, None]).to(h.dtype).to(tl.float32)
