@@ -5,10 +5,10 @@ The CPU tests run the kernels under Triton's interpreter, which accepts code the
 subprocess points Triton at a stand-in driver that reports an sm_90 target and turns every launch
 into a warm-up (compile, no launch), with PDL and TMA on as on Hopper; then a small Qwen3-MoE
 model with a dense layer runs a prefill and a decode step through the Triton backends (every
-pass on: fused linears, q/k norm + RoPE in attention, o_proj to routing in one kernel at decode),
-and the fused MoE is called at decode and prefill sizes with the H100's tuned configs (TMA,
-part-height tiles) and as the one-token kernel; the launches those leave out (the prologues' own
-launches, the plain K/V store, extend attention with TMA, the greedy argmax) are called directly.
+pass on: fused linears, q/k norm + RoPE in attention), and the fused MoE is called at decode and
+prefill sizes with the H100's tuned configs (TMA, part-height tiles) and as the one-token kernel;
+the launches those leave out (the routing kernel, the prologues' own launches, the plain K/V
+store, extend attention with TMA, the greedy argmax) are called directly.
 Outputs are never computed, so nothing is compared: the test is that every kernel compiles."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ EXPECTED = {"_skinny_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel", "_deco
             "_store_kv_kernel",
             "_norm_rope_store_kernel", "topk_route_kernel", "align_count_kernel", "align_place_kernel",
             "moe_gemm1_kernel", "moe_gemm2_kernel", "moe_sum_kernel", "moe_one_token_kernel",
-            "moe_sum_add_rms_norm_kernel", "_argmax_kernel", "_linear_add_norm_route_kernel"}
+            "moe_sum_add_rms_norm_kernel", "_argmax_kernel"}
 CONFIG = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=97, hidden_size=256, intermediate_size=384,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
               max_position_embeddings=128, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
@@ -36,7 +36,7 @@ CONFIG = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=97, hidden_size=
 def test_every_kernel_compiles_for_hopper():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), COMPILED_LINEAR_BACKEND="triton",
-               COMPILED_ATTENTION_BACKEND="triton", COMPILED_MOE_BACKEND="triton", COMPILED_ROUTING_BACKEND="triton")
+               COMPILED_ATTENTION_BACKEND="triton", COMPILED_MOE_BACKEND="triton")
     proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -85,14 +85,11 @@ def test_passed_graph_matches_unpassed(name, passes):
     _check_structure(gm, cfg, passes)
 
 
-# the ops that apply linears' weights (after skinny_linear), with the weights' places in their args
-LINEAR_OPS = {torch.ops.compiled.linear: (1,), torch.ops.compiled.add_rms_norm_linear: (4,),
-              torch.ops.compiled.silu_mul_linear: (1,), torch.ops.compiled.moe_add_rms_norm_linear: (8,),
-              torch.ops.compiled.linear_add_norm_route: (1, 5)}
-# the ops that add + RMSNorm the residual stream before their linear: (norm weight, eps, keep_normed)
-# places; None: the op always keeps the normalised rows
-NORM_OPS = {torch.ops.compiled.add_rms_norm_linear: (2, 3, 5), torch.ops.compiled.moe_add_rms_norm_linear: (6, 7, 9),
-            torch.ops.compiled.linear_add_norm_route: (3, 4, None)}
+# the ops that apply a linear's weight (after skinny_linear), with the weight's place in their args
+LINEAR_OPS = {torch.ops.compiled.linear: 1, torch.ops.compiled.add_rms_norm_linear: 4,
+              torch.ops.compiled.silu_mul_linear: 1, torch.ops.compiled.moe_add_rms_norm_linear: 8}
+# the ops that add + RMSNorm the residual stream before their linear: (norm weight, eps, keep_normed) places
+NORM_OPS = {torch.ops.compiled.add_rms_norm_linear: (2, 3, 5), torch.ops.compiled.moe_add_rms_norm_linear: (6, 7, 9)}
 
 
 def _is_linear_op(n: fx.Node) -> bool:
@@ -106,9 +103,9 @@ def _linear_calls(gm: fx.GraphModule) -> dict[str, fx.Node]:
     for n in gm.graph.nodes:
         if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Linear):
             calls[n.target] = n
-        for op, places in LINEAR_OPS.items():
+        for op, at in LINEAR_OPS.items():
             if is_op(n, op):
-                calls.update({n.args[at].target.removesuffix(".weight"): n for at in places})
+                calls[n.args[at].target.removesuffix(".weight")] = n
     return calls
 
 
@@ -175,25 +172,8 @@ def _check_norm_linear(gm: fx.GraphModule, cfg: ModelConfig, passes: list[str]) 
         layer = n.args[w].target.split(".")[2]
         post = n.args[w].target.endswith("post_attention_layernorm.weight")
         shared = (cfg.is_moe_layer(int(layer)) or "fuse_w13" not in passes) if post else "fuse_qkv" not in passes
-        assert n.args[eps] == cfg.rms_norm_eps and (n.args[keep] if keep else True) == shared, n.format_node()
+        assert n.args[eps] == cfg.rms_norm_eps and n.args[keep] == shared, n.format_node()
     _check_moe_norm(gm, cfg, passes, expected > 0)
-    _check_route(gm, cfg, passes, expected > 0)
-
-
-def _check_route(gm: fx.GraphModule, cfg: ModelConfig, passes: list[str], norms_fused: bool) -> None:
-    """With fuse_route every MoE layer's o_proj, post-attention norm, router and routing are one
-    op, and no routing is left on its own."""
-    fused = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.linear_add_norm_route)]
-    routes = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.topk_route)]
-    moe_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
-    applies = norms_fused and not cfg.attention_bias and "fuse_route" in passes
-    assert len(fused) == (len(moe_layers) if applies else 0)
-    assert len(routes) == len(moe_layers) - len(fused)
-    for n, i in zip(fused, moe_layers):
-        assert [n.args[at].target for at in (1, 3, 5)] == [
-            f"model.layers.{i}.self_attn.o_proj.weight", f"model.layers.{i}.post_attention_layernorm.weight",
-            f"model.layers.{i}.mlp.gate.weight"], n.format_node()
-        assert n.args[6:] == (cfg.num_experts_per_tok, cfg.norm_topk_prob)
 
 
 def _check_moe_norm(gm: fx.GraphModule, cfg: ModelConfig, passes: list[str], norms_fused: bool) -> None:

@@ -160,69 +160,6 @@ def _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K
 
 
 @triton.jit
-def _weight_tile(w_ptrs, mask_m, mask_n, ks, k_end, EVEN_K: tl.constexpr):
-    """One K step's weight tile, streamed once (evict_first), and the mask of the x tile beside it
-    (EVEN_K: no mask along K, which keeps the loads vectorised)."""
-    if EVEN_K:
-        w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
-        x_mask = mask_m[:, None]
-    else:
-        mask_k = ks < k_end
-        w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
-        x_mask = mask_m[:, None] & mask_k[None, :]
-    return w, x_mask
-
-
-@triton.jit
-def _mma(acc, x, w, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc + x @ w.T on the tensor cores (UPCAST: see interpreter_upcast())."""
-    if UPCAST:
-        x = x.to(tl.float32)
-        w = w.to(tl.float32)
-    return acc + tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def dot_k_range(X, W, offs_m, offs_n, mask_m, mask_n, k_start, k_end, stride_xm, stride_wn,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """`x[offs_m, k_start:k_end] @ w[offs_n, k_start:k_end].T` as a `[BLOCK_M, BLOCK_N]` fp32 tile:
-    the skinny GEMM's main loop without a prologue (the fused router's too)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        ks = k0 + offs_k
-        w, x_mask = _weight_tile(w_ptrs, mask_m, mask_n, ks, k_end, EVEN_K)
-        x = tl.load(X + offs_m[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
-        acc = _mma(acc, x, w, UPCAST, DOT_PRECISION)
-        w_ptrs += BLOCK_K
-    return acc
-
-
-@triton.jit
-def split_k_sum(acc, Partials, Semaphores, pid_n, pid_k, offs_m, offs_n, out_mask, M, N, SPLIT_K: tl.constexpr):
-    """(last, total): this split's fp32 partial goes to the workspace (`[SPLIT_K, M, N]`) and it
-    bumps its column block's semaphore; the last split to arrive gets the partials' sum, in split
-    order (deterministic), and puts the semaphore back to 0. The caller's own workspace stores
-    must come before this call (its barrier orders them before the release)."""
-    part_ptrs = Partials + offs_m[:, None] * N + offs_n[None, :]
-    tl.store(part_ptrs + pid_k * M * N, acc, mask=out_mask)
-    # Every thread's partial store must precede the release below.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(Semaphores + pid_n, 1, sem="acq_rel", scope="gpu")
-    last = arrived == SPLIT_K - 1
-    total = tl.zeros_like(acc)
-    if last:
-        # Unrolled (no loop for the pipeliner to turn into async copies); .cg reads from L2,
-        # which is coherent, never from a stale L1 line.
-        for s in tl.static_range(SPLIT_K):
-            total += tl.load(part_ptrs + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(Semaphores + pid_n, 0)
-    return last, total
-
-
-@triton.jit
 def _skinny_kernel(
     X, W, Y, Partials, Semaphores, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
     D, NW, H, NORMED, Sums, eps, NORMED_CHUNK, stride_dm, stride_hm, stride_nm,
@@ -255,10 +192,10 @@ def _skinny_kernel(
         pdl_wait_only(PDL)
     else:
         pdl_wait(PDL)
+    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ADD_NORM or SILU_MUL:
-        w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
         # A prologue's input tiles are loaded one step ahead by hand: Triton's pipeliner prefetches
         # the loads that feed the dot, and these feed arithmetic first (one step's wait a step).
         ks = k_start + offs_k
@@ -266,9 +203,16 @@ def _skinny_kernel(
                                ADD_NORM)
         if ADD_NORM:
             nw = tl.load(NW + ks, mask=ks < k_end, other=0.0)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            ks = k0 + offs_k
-            w, x_mask = _weight_tile(w_ptrs, mask_m, mask_n, ks, k_end, EVEN_K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        ks = k0 + offs_k
+        if EVEN_K:
+            x_mask = mask_m[:, None]
+            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
+        else:
+            mask_k = ks < k_end
+            x_mask = mask_m[:, None] & mask_k[None, :]
+            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
+        if ADD_NORM or SILU_MUL:
             nxt = ks + BLOCK_K
             a_next, b_next = _prologue_tiles(X, D, offs_m, nxt, mask_m[:, None] & (nxt < k_end)[None, :], stride_xm,
                                              stride_dm, K, ADD_NORM)
@@ -284,11 +228,13 @@ def _skinny_kernel(
             else:
                 x = silu_mul(a, b)
             a, b = a_next, b_next
-            acc = _mma(acc, x, w, UPCAST, DOT_PRECISION)
-            w_ptrs += BLOCK_K
-    else:
-        acc = dot_k_range(X, W, offs_m, offs_n, mask_m, mask_n, k_start, k_end, stride_xm, stride_wn,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, UPCAST, DOT_PRECISION)
+        else:
+            x = tl.load(X + offs_m[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
+        if UPCAST:  # see interpreter_upcast()
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+        w_ptrs += BLOCK_K
     if ADD_NORM or SILU_MUL:
         pdl_let_next_in(PDL)
     out_mask = mask_m[:, None] & mask_n[None, :]
@@ -302,12 +248,21 @@ def _skinny_kernel(
                               stride_nm, BLOCK_K)
         tl.store(y_ptrs, acc.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=out_mask)
     else:
-        # Sums of squares laid out [column block, SPLIT_K, BLOCK_M].
+        # Partials laid out [SPLIT_K, M, N]; sums of squares [column block, SPLIT_K, BLOCK_M].
+        part_ptrs = Partials + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptrs + pid_k * M * N, acc, mask=out_mask)
         sum_ptrs = Sums + pid_n * SPLIT_K * BLOCK_M + offs_m
         if ADD_NORM:
             tl.store(sum_ptrs + pid_k * BLOCK_M, sq)
-        last, total = split_k_sum(acc, Partials, Semaphores, pid_n, pid_k, offs_m, offs_n, out_mask, M, N, SPLIT_K)
-        if last:
+        # Every thread's partial store must precede the release below.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(Semaphores + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            # Unrolled (no loop for the pipeliner to turn into async copies); .cg reads from L2,
+            # which is coherent, never from a stale L1 line.
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part_ptrs + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
             if ADD_NORM:
                 sq = tl.zeros([BLOCK_M], dtype=tl.float32)
                 for s in tl.static_range(SPLIT_K):
@@ -318,6 +273,7 @@ def _skinny_kernel(
                     _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K, stride_xm,
                                   stride_dm, stride_nm, BLOCK_K)
             tl.store(y_ptrs, total.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(Semaphores + pid_n, 0)
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None,
@@ -353,44 +309,30 @@ def silu_mul_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor, config: 
     return y
 
 
-def resolve_config(x: torch.Tensor, N: int, K: int, config: SkinnyConfig | None, prologue_steps: int = 0
-                   ) -> SkinnyConfig:
-    """`config` checked, or the heuristic's for x `[M, K]` @ a `[N, K]` weight on x's device."""
-    M = x.shape[0]
-    if config is not None:
-        check_config(config, M, N)
-        return config
-    if M > SKINNY_MAX_M:
-        raise ValueError(f"skinny linear: M={M} rows, at most {SKINNY_MAX_M}")
-    return skinny_config(M, N, K, num_sms(x.device), prologue_steps)
-
-
-def k_per_split(K: int, config: SkinnyConfig) -> int:
-    """Each split's K range: whole BLOCK_K tiles."""
-    return triton.cdiv(triton.cdiv(K, config.split_k), config.block_k) * config.block_k
-
-
-def dot_flags(dtype: torch.dtype) -> dict:
-    """The kernels' UPCAST (see interpreter_upcast()) and tl.dot precision for operands of `dtype`."""
-    upcast = interpreter_upcast(dtype)
-    return dict(UPCAST=upcast, DOT_PRECISION="ieee" if upcast or dtype == torch.float32 else "tf32")
-
-
 def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: SkinnyConfig | None,
             prologue: dict) -> None:
     """One launch writing y; `prologue`: the ADD_NORM / SILU_MUL arguments that differ from none."""
     M = x.shape[0]
     N, K = weight.shape
-    config = resolve_config(x, N, K, config, PROLOGUE_MAX_STEPS if prologue else 0)
+    if config is None:
+        if M > SKINNY_MAX_M:
+            raise ValueError(f"skinny linear: M={M} rows, at most {SKINNY_MAX_M}")
+        config = skinny_config(M, N, K, num_sms(x.device), PROLOGUE_MAX_STEPS if prologue else 0)
+    else:
+        check_config(config, M, N)
     block_n, block_k, split_k, num_warps, num_stages = config
     ws = split_workspace(x.device) if split_k > 1 else None
     partials, semaphores, sums = ws if ws is not None else (y, y, y)  # never read when SPLIT_K == 1
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    upcast = interpreter_upcast(x.dtype)
+    precision = "ieee" if upcast or x.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(N, block_n), split_k)
     args = dict(D=y, NW=y, H=y, NORMED=y, eps=0.0, stride_dm=0, stride_hm=0, stride_nm=0,
                 ADD_NORM=False, SILU_MUL=False, KEEP_NORMED=False)
     args.update(prologue)
     _skinny_kernel[grid](
-        x, weight, y, partials, semaphores, M, N, K, k_per_split(K, config), x.stride(0), weight.stride(0),
-        y.stride(0), Sums=sums, NORMED_CHUNK=triton.cdiv(K, grid[0]), **args,
+        x, weight, y, partials, semaphores, M, N, K, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
+        Sums=sums, NORMED_CHUNK=triton.cdiv(K, grid[0]), **args,
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=K % block_k == 0,
-        **dot_flags(x.dtype), num_warps=num_warps, num_stages=num_stages, **launch_kwargs(x.device))
+        UPCAST=upcast, DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        **launch_kwargs(x.device))

@@ -40,8 +40,7 @@ def topk_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool
     return weights, ids
 
 
-def routing_backend(router_logits: torch.Tensor) -> str:
-    """'triton' or 'torch': the forced COMPILED_ROUTING_BACKEND, else Triton on CUDA."""
+def _routing_backend(router_logits: torch.Tensor) -> str:
     forced = os.environ.get("COMPILED_ROUTING_BACKEND", "").strip().lower()
     if forced in ("torch", "triton"):
         return forced
@@ -50,7 +49,7 @@ def routing_backend(router_logits: torch.Tensor) -> str:
 
 @torch.library.custom_op("compiled::topk_route", mutates_args=())
 def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if routing_backend(router_logits) == "triton":
+    if _routing_backend(router_logits) == "triton":
         return topk_route_triton(router_logits, top_k, renormalize)
     return topk_route_ref(router_logits, top_k, renormalize)
 

@@ -1,8 +1,7 @@
 """Triton kernel for `compiled::topk_route`: fp32 softmax over all experts, top-k, renormalise.
 
 One launch instead of softmax + topk + sum + div; ROWS tokens per program. Ties pick the lower
-expert index. `topk_softmax` is the arithmetic, shared with the fused router
-(`linear_route_kernels`)."""
+expert index."""
 
 from __future__ import annotations
 
@@ -10,42 +9,6 @@ import triton
 import triton.language as tl
 
 from compiled.pdl import pdl_wait
-
-
-@triton.jit
-def topk_softmax(logits, row_ok, ok, cols, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                 RENORM: tl.constexpr):
-    """(weights fp32, expert ids int32), each `[rows, K_PAD]`, from fp32 logits `[rows, E_PAD]`
-    whose entries outside `ok` (padding experts, rows past the batch) are ignored."""
-    logits = tl.where(ok, logits, float("-inf"))
-    logits = tl.where(row_ok[:, None], logits, 0.0)  # rows past T: finite garbage, never stored
-    mx = tl.max(logits, axis=1)
-    p = tl.where(ok, tl.exp(logits - mx[:, None]), 0.0)
-    denom = tl.sum(p, axis=1)
-    probs = p / tl.where(row_ok, denom, 1.0)[:, None]
-    probs = tl.where(ok, probs, -1.0)
-    slots = tl.arange(0, K_PAD)
-    vals = tl.zeros([logits.shape[0], K_PAD], dtype=tl.float32)
-    idxs = tl.zeros([logits.shape[0], K_PAD], dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(probs, axis=1)
-        arg = tl.min(tl.where(probs == best[:, None], cols[None, :], E_PAD), axis=1)
-        vals = tl.where(slots[None, :] == j, best[:, None], vals)
-        idxs = tl.where(slots[None, :] == j, arg[:, None], idxs)
-        probs = tl.where(cols[None, :] == arg[:, None], -1.0, probs)
-    if RENORM:
-        vals = vals / tl.sum(vals, axis=1)[:, None]
-    return vals, idxs
-
-
-@triton.jit
-def store_topk(weights_ptr, ids_ptr, rows, row_ok, vals, idxs, TOP_K: tl.constexpr, K_PAD: tl.constexpr):
-    """Rows `rows` of the `[T, TOP_K]` outputs (fp32 weights, int64 ids)."""
-    slots = tl.arange(0, K_PAD)
-    out_ok = row_ok[:, None] & (slots[None, :] < TOP_K)
-    offs = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
-    tl.store(weights_ptr + offs, vals, mask=out_ok)
-    tl.store(ids_ptr + offs, idxs.to(tl.int64), mask=out_ok)
 
 
 @triton.jit
@@ -59,5 +22,24 @@ def topk_route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_t,
     ok = row_ok[:, None] & (cols[None, :] < E)
     logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=ok,
                      other=float("-inf")).to(tl.float32)
-    vals, idxs = topk_softmax(logits, row_ok, ok, cols, TOP_K, K_PAD, E_PAD, RENORM)
-    store_topk(weights_ptr, ids_ptr, rows, row_ok, vals, idxs, TOP_K, K_PAD)
+    logits = tl.where(row_ok[:, None], logits, 0.0)  # rows past T: finite garbage, never stored
+    mx = tl.max(logits, axis=1)
+    p = tl.where(ok, tl.exp(logits - mx[:, None]), 0.0)
+    denom = tl.sum(p, axis=1)
+    probs = p / tl.where(row_ok, denom, 1.0)[:, None]
+    probs = tl.where(ok, probs, -1.0)
+    slots = tl.arange(0, K_PAD)
+    vals = tl.zeros([ROWS, K_PAD], dtype=tl.float32)
+    idxs = tl.zeros([ROWS, K_PAD], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=1)
+        arg = tl.min(tl.where(probs == best[:, None], cols[None, :], E_PAD), axis=1)
+        vals = tl.where(slots[None, :] == j, best[:, None], vals)
+        idxs = tl.where(slots[None, :] == j, arg[:, None], idxs)
+        probs = tl.where(cols[None, :] == arg[:, None], -1.0, probs)
+    if RENORM:
+        vals = vals / tl.sum(vals, axis=1)[:, None]
+    out_ok = row_ok[:, None] & (slots[None, :] < TOP_K)
+    offs = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
+    tl.store(weights_ptr + offs, vals, mask=out_ok)
+    tl.store(ids_ptr + offs, idxs.to(tl.int64), mask=out_ok)

@@ -15,7 +15,6 @@ from compiled.passes.fuse_norm_linear import fuse_norm_linear
 from compiled.passes.fuse_qk_norm_rope import fuse_qk_norm_rope
 from compiled.passes.fuse_silu_linear import fuse_silu_linear
 from compiled.passes.fuse_qkv import fuse_qkv
-from compiled.passes.fuse_route import fuse_route
 from compiled.passes.fuse_w13 import fuse_w13
 from compiled.passes.silu_and_mul import silu_and_mul
 from compiled.passes.skinny_linear import skinny_linear
@@ -30,10 +29,9 @@ REGISTRY: dict[str, GraphPass] = {p.name: p for p in (
     GraphPass("fuse_norm_linear", fuse_norm_linear),
     GraphPass("fuse_silu_linear", fuse_silu_linear),
     GraphPass("fuse_moe_norm", fuse_moe_norm),
-    GraphPass("fuse_route", fuse_route),
 )}
 DEFAULT_PASSES: tuple[str, ...] = ("fuse_qkv", "fuse_w13", "silu_and_mul", "skinny_linear", "fuse_qk_norm_rope",
-                                   "fuse_norm_linear", "fuse_silu_linear", "fuse_moe_norm", "fuse_route")
+                                   "fuse_norm_linear", "fuse_silu_linear", "fuse_moe_norm")
 CHECKS = ("each", "end", "none")
 
 
