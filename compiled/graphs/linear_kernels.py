@@ -82,7 +82,8 @@ def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, prolog
 def beats_cublas(config: SkinnyConfig, N: int, num_sms: int = DEFAULT_NUM_SMS) -> bool:
     """Where the kernel is worth a launch over cuBLAS: when it splits K (cuBLAS at M = 1 either
     leaves SMs idle or adds a reduce kernel: router, o_proj, down) or N is wide (the LM head, 4%).
-    A mid-size N in one pass (qkv, gate/up) is what cuBLAS's own GEMV does as well or better."""
+    A mid-size N in one pass (qkv, gate/up) is what cuBLAS's own GEMV does as well or better, in
+    the decode step too (the 30B's qkv and the 0.6B's gate/up; bench/RESULTS.md, thirteenth session)."""
     return config.split_k > 1 or triton.cdiv(N, MAX_BLOCK_N) >= WIDE_PROGRAMS_PER_SM * num_sms
 
 

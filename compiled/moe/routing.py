@@ -2,7 +2,11 @@
 
 This is the order HF and SGLang use (one reference document describes it the other way round).
 On CUDA the op runs one Triton kernel (`routing_kernels.py`); `COMPILED_ROUTING_BACKEND=torch`
-forces the torch reference, `=triton` forces the kernel (also on CPU under TRITON_INTERPRET=1)."""
+forces the torch reference, `=triton` forces the kernel (also on CPU under TRITON_INTERPRET=1).
+
+The router GEMM and this routing folded into the o_proj's kernel (its column blocks sharing out the
+router, the last one to finish routing) measured no faster in the decode step: its serial tail
+cost what the two launches did (bench/RESULTS.md, thirteenth session)."""
 
 from __future__ import annotations
 
