@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import string
+from pathlib import Path
 
 import pytest
 
@@ -116,7 +117,7 @@ def test_configs():
     assert dense.model_type == "qwen3" and dense.tie_word_embeddings
     for cfg, path in ((moe, demo.MOE_MODEL), (dense, demo.DENSE_MODEL)):
         assert cfg.num_attention_heads > cfg.num_key_value_heads  # GQA
-        gen = json.load(open(os.path.join(path, "generation_config.json")))
+        gen = json.loads(Path(path, "generation_config.json").read_text())
         assert gen["eos_token_id"] == cfg.eos_token_id is not None
         assert cfg.pad_token_id is not None
     # head_dim independent of hidden_size / heads in the dense model
@@ -171,7 +172,7 @@ def test_adapters(loaded):
     peft = pytest.importorskip("peft")
     which, tok, _ = loaded
     for name, path in MODELS[which][1].items():
-        cfg = json.load(open(os.path.join(path, "adapter_config.json")))
+        cfg = json.loads(Path(path, "adapter_config.json").read_text())
         targets = set(cfg.get("target_modules") or []) | set(cfg.get("target_parameters") or [])
         if name == "first":
             assert targets == {"q_proj", "k_proj", "v_proj", "o_proj"}
