@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -20,6 +19,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from compiled.runtime import argmax as am  # noqa: E402
+from tests.test_linear_kernel import run_interpreted  # noqa: E402
 
 CASES = [(1, 97), (3, 4096), (2, 4096 * 3 + 5), (5, 151936)]
 
@@ -51,11 +51,7 @@ def interpreted() -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(__file__)
 
 
 @pytest.mark.parametrize("case", [f"{B}x{V}_{c}" for B, V in CASES for c in range(2)] + ["into_out"])

@@ -448,6 +448,11 @@ class _RowTensors:
         return _RowTensors(*columns)
 
 
+def _greedy(logits: torch.Tensor, argmax: torch.Tensor | None) -> torch.Tensor:
+    """Each row's argmax: the one the step computed, else torch's."""
+    return logits.argmax(dim=-1) if argmax is None else argmax
+
+
 def _only(rows: Sequence[Sequence[int]], keep: Sequence[bool]) -> list[Sequence[int]]:
     return [r if k else () for r, k in zip(rows, keep)]
 
@@ -494,7 +499,7 @@ class Sampler:
                 argmax: torch.Tensor | None = None) -> torch.Tensor:
         all_greedy, any_greedy = all(plan.greedy), any(plan.greedy)
         if all_greedy:
-            return logits.argmax(dim=-1) if argmax is None else argmax
+            return _greedy(logits, argmax)
         scaled = apply_temperature(logits, row.temperature)
         top_p_rows = None
         if 0 < len(plan.top_p_rows) < len(batch):
@@ -511,7 +516,7 @@ class Sampler:
         if not any_greedy:
             return sampled
         greedy_rows = _to_device(plan.greedy, torch.bool, logits.device)
-        return torch.where(greedy_rows, logits.argmax(dim=-1) if argmax is None else argmax, sampled)
+        return torch.where(greedy_rows, _greedy(logits, argmax), sampled)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, batch: SamplingBatch) -> list[dict[int, float] | None]:
