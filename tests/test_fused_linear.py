@@ -29,12 +29,17 @@ NORM_CASES = [
     ("norm_m16_n48_k200_split3_ragged", 16, 48, 200, "float32", (32, 16, 3), False),
     ("norm_m5_n40_k96_bf16_split2", 5, 40, 96, "bfloat16", (16, 32, 2), True),
     ("norm_m2_n33_k64_fp16", 2, 33, 64, "float16", None, True),
+    # the GEMV mode (one row)
+    ("norm_gemv_m1_n130_k200_split4", 1, 130, 200, "float32", (8, 32, 4, 4, 1, True), True),
+    ("norm_gemv_m1_n40_k96_bf16", 1, 40, 96, "bfloat16", (8, 64, 1, 4, 1, True), False),
 ]
 # (name, M, N, K, dtype, forced config or None): gate_up is [M, 2K]
 SILU_CASES = [
     ("silu_m1_n7_k5", 1, 7, 5, "float32", None),
     ("silu_m3_n130_k200_split4", 3, 130, 200, "float32", (32, 64, 4)),
     ("silu_m16_n48_k64_bf16_split2", 16, 48, 64, "bfloat16", (16, 16, 2)),
+    ("silu_gemv_m1_n48_k200_split2", 1, 48, 200, "float32", (8, 64, 2, 4, 1, True)),
+    ("silu_gemv_m1_n33_k64_bf16", 1, 33, 64, "bfloat16", None),
 ]
 # (name, prologue, T, K, dtype): the prologues' own launches, for what the skinny GEMM does not take
 ROW_CASES = [("rows_t3_k5", "norm", 3, 5, "float32"), ("rows_t7_k200_fp16", "norm", 7, 200, "float16"),

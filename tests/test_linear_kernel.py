@@ -46,6 +46,11 @@ CASES = [
     ("m16_n7_k200_bf16", 16, 7, 200, "bfloat16", None),
     ("m3_n48_k5_bf16_split2", 3, 48, 5, "bfloat16", (16, 16, 2)),
     ("m16_n130_k200_bf16_split4", 16, 130, 200, "bfloat16", (32, 64, 4)),
+    # the GEMV mode (one row; the default for M = 1 below the LM head's width): ragged N and K,
+    # split K, and a K range shorter than one step
+    ("gemv_m1_n13_k200", 1, 13, 200, "float32", (8, 64, 1, 4, 1, True)),
+    ("gemv_m1_n130_k200_bf16_split4", 1, 130, 200, "bfloat16", (8, 32, 4, 4, 1, True)),
+    ("gemv_m1_n20_k5_split2", 1, 20, 5, "float32", (4, 16, 2, 4, 1, True)),
 ]
 
 
@@ -89,10 +94,11 @@ def fp32_out_case() -> dict:
     from compiled.graphs import linear_kernels as lk
     x, w = _randn((3, 200), torch.bfloat16, 6), _randn((130, 200), torch.bfloat16, 7)
     diffs = []
-    for cfg in (lk.SkinnyConfig(32, 64, 1), lk.SkinnyConfig(32, 64, 4)):
-        out = torch.full((3, 130), float("nan"))
-        lk.skinny_linear_triton(x, w, cfg, out=out)
-        diffs.append((out - lk.skinny_linear_triton(x, w, cfg).float()).abs().max().item())
+    for rows, cfg in ((x, lk.SkinnyConfig(32, 64, 1)), (x, lk.SkinnyConfig(32, 64, 4)),
+                      (x[:1], lk.SkinnyConfig(8, 64, 2, gemv=True))):
+        out = torch.full((rows.shape[0], 130), float("nan"))
+        lk.skinny_linear_triton(rows, w, cfg, out=out)
+        diffs.append((out - lk.skinny_linear_triton(rows, w, cfg).float()).abs().max().item())
     lin.set_backend("triton")
     out = torch.full((3, 130), float("nan"))
     diffs.append((lin.dispatch(x, w, out=out) - lin.dispatch(x, w).float()).abs().max().item())
@@ -199,6 +205,8 @@ def test_forced_config_is_validated():
         lk.skinny_linear_triton(x, torch.randn(lk.WORKSPACE_COLS, 32), lk.SkinnyConfig(16, 16, 2))
     with pytest.raises(ValueError, match="M=17"):
         lk.skinny_linear_triton(torch.randn(17, 32), w)
+    with pytest.raises(ValueError, match="GEMV mode serves one row, not M=2"):
+        lk.skinny_linear_triton(x, w, lk.SkinnyConfig(8, 16, 1, gemv=True))
 
 
 # (N, K): qkv and o_proj of Qwen3-30B-A3B, its router, the LM head, Qwen3-0.6B's w13 and down.
@@ -207,8 +215,9 @@ REAL_SHAPES = [(5120, 2048), (2048, 4096), (128, 2048), (151936, 2048), (6144, 1
 
 @pytest.mark.parametrize("n,k", REAL_SHAPES)
 def test_heuristic_fills_the_gpu_within_the_workspace(n, k):
+    """The tensor-core tiles (2-16 rows)."""
     from compiled.graphs import linear_kernels as lk
-    cfg = lk.skinny_config(1, n, k, 132)
+    cfg = lk.skinny_config(2, n, k, 132)
     lk.check_config(cfg, SKINNY_MAX_M, n)
     programs = -(-n // cfg.block_n) * cfg.split_k
     assert programs >= 64 and k // cfg.split_k >= min(k, lk.MIN_K_PER_SPLIT)
@@ -222,11 +231,30 @@ def test_heuristic_fills_the_gpu_within_the_workspace(n, k):
     assert lk.beats_cublas(cfg, n, 132) == (wide or n <= 2048)
     # with a prologue (never the wide LM head), more splits until each program has at most the
     # bound's K steps or the split is at its own bounds; never fewer than without
-    fused = lk.skinny_config(1, n, k, 132, lk.PROLOGUE_MAX_STEPS)
+    fused = lk.skinny_config(2, n, k, 132, lk.PROLOGUE_MAX_STEPS)
     lk.check_config(fused, SKINNY_MAX_M, n)
     assert fused.split_k >= cfg.split_k and fused[:2] == cfg[:2]
     steps = -(-k // (fused.split_k * fused.block_k))
     assert wide or steps <= lk.PROLOGUE_MAX_STEPS or fused.split_k * 2 > min(lk.MAX_SPLIT_K, k // lk.MIN_K_PER_SPLIT)
+
+
+@pytest.mark.parametrize("n,k", REAL_SHAPES)
+def test_one_row_takes_the_gemv_mode(n, k):
+    """One row: the GEMV mode below the LM head's width (chosen over cuBLAS too), splitting K
+    only for a grid short of half the SMs (the router), within the workspace."""
+    from compiled.graphs import linear_kernels as lk
+    cfg = lk.skinny_config(1, n, k, 132)
+    lk.check_config(cfg, 1, n)
+    wide = n >= 64 * lk.WIDE_PROGRAMS_PER_SM * 132
+    assert cfg.gemv != wide and lk.beats_cublas(cfg, n, 132)
+    if wide:
+        assert cfg == lk.skinny_config(2, n, k, 132)
+        return
+    blocks = -(-n // cfg.block_n)
+    assert (cfg.split_k > 1) == (blocks < 66) and blocks * cfg.split_k >= 66
+    assert blocks * cfg.split_k <= 2 * 132 or cfg.split_k == 1
+    assert cfg.block_k <= lk.GEMV_MAX_BLOCK_K and k // cfg.split_k >= lk.MIN_K_PER_SPLIT
+    assert lk.skinny_config(1, n, k, 132, lk.PROLOGUE_MAX_STEPS) == cfg
 
 
 # ----------------------------------------------------------------------------------------------

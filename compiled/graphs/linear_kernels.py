@@ -4,7 +4,8 @@ At M <= 16 rows a linear reads its whole weight to do almost no arithmetic, so i
 weight's bytes over the memory bandwidth, plus the launch. cuBLAS picks tiles made for large M:
 too few programs to keep every SM's loads in flight, and split-K as a second (reduce) kernel.
 
-Here each program owns BLOCK_N output columns for all M rows (one BLOCK_M = 16-row tile, masked,
+For one row the kernel runs in its GEMV mode (no tensor-core tile: see `_skinny_kernel`).
+Otherwise each program owns BLOCK_N output columns for all M rows (one BLOCK_M = 16-row tile, masked,
 so `tl.dot` runs on the tensor cores with fp32 accumulation) and walks its K range in BLOCK_K
 steps, the weight tiles `[BLOCK_N, BLOCK_K]` contiguous along K (coalesced) and software-pipelined
 (num_stages). When N / BLOCK_N programs cannot fill the GPU (router N=128, o_proj N=2048), SPLIT_K
@@ -47,6 +48,12 @@ DEFAULT_NUM_SMS = 132      # an H100 / H200; used when there is no CUDA device (
 # prefetched one step ahead only, so a long K range leaves part of each step's load latency
 # exposed and more, shorter programs hide it better (bench/linear_bench.py --fused, RESULTS.md).
 PROLOGUE_MAX_STEPS = 4
+# One row (M = 1) takes the GEMV mode: 8 columns a program, 512-wide K steps, no split unless the
+# column blocks are fewer than half the SMs (the router). It beat both the tensor-core tiles and
+# cuBLAS on every decode linear of both models (H100, bench/gemv_bench.py; RESULTS.md, fourteenth
+# session). Wide N (the LM head) keeps the tiles.
+GEMV_BLOCK_N = 8
+GEMV_MAX_BLOCK_K = 512
 
 
 class SkinnyConfig(NamedTuple):
@@ -55,6 +62,7 @@ class SkinnyConfig(NamedTuple):
     split_k: int
     num_warps: int = NUM_WARPS
     num_stages: int = NUM_STAGES
+    gemv: bool = False     # one row, FMA into registers instead of a tensor-core tile (M = 1 only)
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,12 +71,14 @@ def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, prolog
     head) takes 64-column blocks and no split. Otherwise 64 columns from N = 2048 down to 32 (16
     for N <= 128), and SPLIT_K the largest power of two that keeps N x SPLIT_K within
     SPLIT_COLUMNS_PER_SM x num_sms, each split at least MIN_K_PER_SPLIT long and the partials
-    within the workspace. M does not enter: at M <= 16 the time is the weight's bytes.
-    `prologue_steps` (a kernel with a prologue: PROLOGUE_MAX_STEPS): split further, within the
+    within the workspace. One row takes the GEMV mode instead (`gemv_config`); otherwise M does
+    not enter: at M <= 16 the time is the weight's bytes. `prologue_steps` (a kernel with a prologue: PROLOGUE_MAX_STEPS): split further, within the
     same bounds, until a program has at most that many K steps."""
     block_k = min(MAX_BLOCK_K, max(MIN_BLOCK, triton.next_power_of_2(K)))
     if triton.cdiv(N, MAX_BLOCK_N) >= WIDE_PROGRAMS_PER_SM * num_sms:
         return SkinnyConfig(MAX_BLOCK_N, block_k, 1)
+    if M == 1:
+        return gemv_config(N, K, num_sms)
     block_n = MAX_BLOCK_N if N >= 2048 else (2 * MIN_BLOCK if N > 128 else MIN_BLOCK)
     max_split = min(MAX_SPLIT_K, K // MIN_K_PER_SPLIT, WORKSPACE_COLS // max(N, 1))
     split = 1
@@ -79,24 +89,41 @@ def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, prolog
     return SkinnyConfig(block_n, block_k, split)
 
 
+def gemv_config(N: int, K: int, num_sms: int) -> SkinnyConfig:
+    """GEMV_BLOCK_N columns a program; a grid short of half the SMs splits K (a power of two,
+    up to two programs per SM, each split at least MIN_K_PER_SPLIT long)."""
+    blocks = triton.cdiv(N, GEMV_BLOCK_N)
+    split = 1
+    if blocks < num_sms // 2:
+        while (2 * split <= MAX_SPLIT_K and K // (2 * split) >= MIN_K_PER_SPLIT
+               and blocks * 2 * split <= 2 * num_sms):
+            split *= 2
+    block_k = min(GEMV_MAX_BLOCK_K, max(MIN_BLOCK, triton.next_power_of_2(triton.cdiv(K, split))))
+    return SkinnyConfig(GEMV_BLOCK_N, block_k, split, num_warps=8 if split == 1 else 4, num_stages=1, gemv=True)
+
+
 def beats_cublas(config: SkinnyConfig, N: int, num_sms: int = DEFAULT_NUM_SMS) -> bool:
-    """Where the kernel is worth a launch over cuBLAS: when it splits K (cuBLAS at M = 1 either
-    leaves SMs idle or adds a reduce kernel: router, o_proj, down) or N is wide (the LM head, 4%).
-    A mid-size N in one pass (qkv, gate/up) is what cuBLAS's own GEMV does as well or better, in
-    the decode step too (the 30B's qkv and the 0.6B's gate/up; bench/RESULTS.md, thirteenth session)."""
-    return config.split_k > 1 or triton.cdiv(N, MAX_BLOCK_N) >= WIDE_PROGRAMS_PER_SM * num_sms
+    """Where the kernel is worth a launch over cuBLAS: in the GEMV mode (one row: every decode
+    linear measured), when it splits K (cuBLAS at M <= 16 either leaves SMs idle or adds a reduce
+    kernel: router, o_proj, down) or N is wide (the LM head, 4%). A mid-size N in one pass of
+    tensor-core tiles (qkv, gate/up at 2-16 rows) is what cuBLAS does as well or better, in the
+    decode step too (the 30B's qkv and the 0.6B's gate/up; bench/RESULTS.md, thirteenth session)."""
+    return config.gemv or config.split_k > 1 or triton.cdiv(N, MAX_BLOCK_N) >= WIDE_PROGRAMS_PER_SM * num_sms
 
 
 def check_config(config: SkinnyConfig, M: int, N: int) -> None:
+    smallest = 1 if config.gemv else MIN_BLOCK  # tl.dot's minimum does not bind the GEMV mode
     for name in ("block_n", "block_k"):
         value = getattr(config, name)
-        if value < MIN_BLOCK or value & (value - 1):
-            raise ValueError(f"skinny linear: {name}={value} must be a power of two >= {MIN_BLOCK}")
+        if value < smallest or value & (value - 1):
+            raise ValueError(f"skinny linear: {name}={value} must be a power of two >= {smallest}")
     if config.split_k < 1 or config.split_k > 1 and config.split_k * N > WORKSPACE_COLS:
         raise ValueError(f"skinny linear: split_k={config.split_k} with N={N} needs 1 <= split_k and "
                          f"split_k * N <= {WORKSPACE_COLS}")
     if M > SKINNY_MAX_M:
         raise ValueError(f"skinny linear: M={M} rows, at most {SKINNY_MAX_M}")
+    if config.gemv and M != 1:
+        raise ValueError(f"skinny linear: the GEMV mode serves one row, not M={M}")
 
 
 def num_sms(device: torch.device) -> int:
@@ -166,7 +193,8 @@ def _skinny_kernel(
     D, NW, H, NORMED, Sums, eps, NORMED_CHUNK, stride_dm, stride_hm, stride_nm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ADD_NORM: tl.constexpr, SILU_MUL: tl.constexpr, KEEP_NORMED: tl.constexpr, PDL: tl.constexpr,
+    ADD_NORM: tl.constexpr, SILU_MUL: tl.constexpr, KEEP_NORMED: tl.constexpr, GEMV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """EVEN_K (K a multiple of BLOCK_K, so every split is whole tiles): no mask along K, which
     keeps the weight loads vectorised. Y may be wider than X (fp32 logits): the output is rounded
@@ -177,7 +205,11 @@ def _skinny_kernel(
     being one factor a row, the finished row is scaled by it (sums of squares gathered on the way,
     across splits like the partials). Column block 0 stores the sum H, and with KEEP_NORMED each
     column block's finishing program a slice of the normalised rows. SILU_MUL: x is a fused
-    `[M, 2K]` gate/up output and the dot reads silu(gate) * up."""
+    `[M, 2K]` gate/up output and the dot reads silu(gate) * up.
+
+    GEMV (one row, BLOCK_M = 1): no tensor-core tile. The weight tile goes straight into
+    registers and is multiplied into an fp32 `[BLOCK_N, BLOCK_K]` accumulator, reduced along K
+    once after the loop; everything else (prologues, splits, the epilogue) is the same code."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -194,7 +226,10 @@ def _skinny_kernel(
     else:
         pdl_wait(PDL)
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if GEMV:
+        acc_k = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     if ADD_NORM or SILU_MUL:
         # A prologue's input tiles are loaded one step ahead by hand: Triton's pipeliner prefetches
@@ -231,11 +266,16 @@ def _skinny_kernel(
             a, b = a_next, b_next
         else:
             x = tl.load(X + offs_m[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
-        if UPCAST:  # see interpreter_upcast()
-            x = x.to(tl.float32)
-            w = w.to(tl.float32)
-        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+        if GEMV:
+            acc_k += w.to(tl.float32) * x.to(tl.float32)
+        else:
+            if UPCAST:  # see interpreter_upcast()
+                x = x.to(tl.float32)
+                w = w.to(tl.float32)
+            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
         w_ptrs += BLOCK_K
+    if GEMV:
+        acc = tl.sum(acc_k, axis=1)[None, :]
     if ADD_NORM or SILU_MUL:
         pdl_let_next_in(PDL)
     out_mask = mask_m[:, None] & mask_n[None, :]
@@ -321,7 +361,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
         config = skinny_config(M, N, K, num_sms(x.device), PROLOGUE_MAX_STEPS if prologue else 0)
     else:
         check_config(config, M, N)
-    block_n, block_k, split_k, num_warps, num_stages = config
+    block_n, block_k, split_k, num_warps, num_stages, gemv = config
     ws = split_workspace(x.device) if split_k > 1 else None
     partials, semaphores, sums = ws if ws is not None else (y, y, y)  # never read when SPLIT_K == 1
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
@@ -334,6 +374,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
     _skinny_kernel[grid](
         x, weight, y, partials, semaphores, M, N, K, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         Sums=sums, NORMED_CHUNK=triton.cdiv(K, grid[0]), **args,
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=K % block_k == 0,
-        UPCAST=upcast, DOT_PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=1 if gemv else BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=K % block_k == 0,
+        UPCAST=upcast, DOT_PRECISION=precision, GEMV=gemv, num_warps=num_warps, num_stages=num_stages,
         **launch_kwargs(x.device))
