@@ -174,11 +174,11 @@ def _check_norm(out, x, delta, nw, w, keep):
 @pytest.mark.parametrize("m", [1, 8, 16, 64])
 @pytest.mark.parametrize("n,k,keep", REAL_NORM)
 def test_gpu_add_rms_norm_linear_eager_and_graph(m, n, k, keep):
-    """M <= 16 runs the fused kernel where the skinny GEMM takes the bare linear (the router),
-    else the row kernel + cuBLAS (qkv, w13, and 64 rows); both replayed from a CUDA graph on
-    fresh inputs."""
+    """One row runs the fused kernel (its GEMV mode), 2-16 rows where the skinny GEMM takes the
+    bare linear (the router), else the row kernel + cuBLAS (qkv, w13 at 8-16 rows, and 64 rows);
+    both replayed from a CUDA graph on fresh inputs."""
     x, delta, nw, w = _cuda_inputs(m, n, k, m * n + k)
-    assert lin.use_kernel(x, w) == (m <= lin.SKINNY_MAX_M and n == 128)
+    assert lin.use_kernel(x, w) == (m == 1 or m <= lin.SKINNY_MAX_M and n == 128)
     op = torch.ops.compiled.add_rms_norm_linear
     _check_norm(op(x, delta, nw, 1e-6, w, keep), x, delta, nw, w, keep)   # also readies the workspace
     graph = torch.cuda.CUDAGraph()

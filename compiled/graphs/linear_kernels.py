@@ -41,6 +41,7 @@ MIN_K_PER_SPLIT = 128      # one BLOCK_K tile: a shorter split cannot amortise i
 WIDE_PROGRAMS_PER_SM = 2   # this many 64-column blocks per SM fill the GPU without splitting K
 SPLIT_COLUMNS_PER_SM = 64  # split-K: columns x splits in flight per SM (H200 sweep, bench/RESULTS.md)
 WORKSPACE_COLS = 128 * 1024  # split-K needs SPLIT_K * N <= this (fp32 partials: 16 x this x 4 B = 8 MiB)
+SEMAPHORES = WORKSPACE_COLS // MIN_BLOCK  # split-K: one per column block
 NUM_WARPS = 4
 NUM_STAGES = 5
 DEFAULT_NUM_SMS = 132      # an H100 / H200; used when there is no CUDA device (the interpreter)
@@ -48,12 +49,13 @@ DEFAULT_NUM_SMS = 132      # an H100 / H200; used when there is no CUDA device (
 # prefetched one step ahead only, so a long K range leaves part of each step's load latency
 # exposed and more, shorter programs hide it better (bench/linear_bench.py --fused, RESULTS.md).
 PROLOGUE_MAX_STEPS = 4
-# One row (M = 1) takes the GEMV mode: 8 columns a program, 512-wide K steps, no split unless the
-# column blocks are fewer than half the SMs (the router). It beat both the tensor-core tiles and
-# cuBLAS on every decode linear of both models (H100, bench/gemv_bench.py; RESULTS.md, fourteenth
-# session). Wide N (the LM head) keeps the tiles.
-GEMV_BLOCK_N = 8
-GEMV_MAX_BLOCK_K = 512
+# One row (M = 1) takes the GEMV mode: 2 columns a program, 1024-wide K steps, 4 warps, no split
+# unless the column blocks are fewer than half the SMs (the router). The best of a sweep on every
+# decode linear of both models, where it beat the tensor-core tiles and cuBLAS (H100,
+# bench/gemv_bench.py; RESULTS.md, fourteenth session). Wide N (the LM head) keeps the tiles.
+GEMV_BLOCK_N = 2
+GEMV_MAX_BLOCK_K = 1024
+GEMV_NUM_WARPS = 4
 
 
 class SkinnyConfig(NamedTuple):
@@ -91,15 +93,14 @@ def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, prolog
 
 def gemv_config(N: int, K: int, num_sms: int) -> SkinnyConfig:
     """GEMV_BLOCK_N columns a program; a grid short of half the SMs splits K (a power of two,
-    up to two programs per SM, each split at least MIN_K_PER_SPLIT long)."""
+    up to one program per SM, each split at least MIN_K_PER_SPLIT long)."""
     blocks = triton.cdiv(N, GEMV_BLOCK_N)
     split = 1
     if blocks < num_sms // 2:
-        while (2 * split <= MAX_SPLIT_K and K // (2 * split) >= MIN_K_PER_SPLIT
-               and blocks * 2 * split <= 2 * num_sms):
+        while 2 * split <= MAX_SPLIT_K and K // (2 * split) >= MIN_K_PER_SPLIT and blocks * 2 * split <= num_sms:
             split *= 2
     block_k = min(GEMV_MAX_BLOCK_K, max(MIN_BLOCK, triton.next_power_of_2(triton.cdiv(K, split))))
-    return SkinnyConfig(GEMV_BLOCK_N, block_k, split, num_warps=8 if split == 1 else 4, num_stages=1, gemv=True)
+    return SkinnyConfig(GEMV_BLOCK_N, block_k, split, GEMV_NUM_WARPS, num_stages=1, gemv=True)
 
 
 def beats_cublas(config: SkinnyConfig, N: int, num_sms: int = DEFAULT_NUM_SMS) -> bool:
@@ -117,9 +118,10 @@ def check_config(config: SkinnyConfig, M: int, N: int) -> None:
         value = getattr(config, name)
         if value < smallest or value & (value - 1):
             raise ValueError(f"skinny linear: {name}={value} must be a power of two >= {smallest}")
-    if config.split_k < 1 or config.split_k > 1 and config.split_k * N > WORKSPACE_COLS:
-        raise ValueError(f"skinny linear: split_k={config.split_k} with N={N} needs 1 <= split_k and "
-                         f"split_k * N <= {WORKSPACE_COLS}")
+    if config.split_k < 1 or config.split_k > 1 and (config.split_k * N > WORKSPACE_COLS
+                                                     or triton.cdiv(N, config.block_n) > SEMAPHORES):
+        raise ValueError(f"skinny linear: split_k={config.split_k} with N={N} needs 1 <= split_k, "
+                         f"split_k * N <= {WORKSPACE_COLS} and at most {SEMAPHORES} column blocks")
     if M > SKINNY_MAX_M:
         raise ValueError(f"skinny linear: M={M} rows, at most {SKINNY_MAX_M}")
     if config.gemv and M != 1:
@@ -149,11 +151,11 @@ def split_workspace(device: torch.device) -> SplitWorkspace:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("skinny linear: split-K workspace first needed inside a CUDA graph capture; "
                                "run the linear once before capturing")
-        # column blocks x splits <= WORKSPACE_COLS / MIN_BLOCK + MAX_SPLIT_K (split_k * N <= WORKSPACE_COLS)
+        # column blocks x splits <= SEMAPHORES + MAX_SPLIT_K (split_k * N <= WORKSPACE_COLS), BLOCK_M sums each
         ws = _WORKSPACES[device] = SplitWorkspace(
             torch.empty(SKINNY_MAX_M * WORKSPACE_COLS, dtype=torch.float32, device=device),
-            torch.zeros(WORKSPACE_COLS // MIN_BLOCK, dtype=torch.int32, device=device),
-            torch.empty((WORKSPACE_COLS // MIN_BLOCK + MAX_SPLIT_K) * BLOCK_M, dtype=torch.float32, device=device))
+            torch.zeros(SEMAPHORES, dtype=torch.int32, device=device),
+            torch.empty((SEMAPHORES + MAX_SPLIT_K) * BLOCK_M, dtype=torch.float32, device=device))
     return ws
 
 
