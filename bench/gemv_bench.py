@@ -22,7 +22,7 @@ import triton
 from bench.linear_bench import SHAPES, make_weights, time_calls, weight_copies
 from compiled.graphs import linear_kernels as lk
 
-GRID = list(itertools.product((2, 4, 8, 16), (128, 256, 512, 1024), (1, 2, 4, 8, 16), (4, 8), (1,)))
+GRID = list(itertools.product((1, 2, 4, 8), (256, 512, 1024, 2048), (1, 2, 4, 8, 16), (4, 8), (1,)))
 
 
 def candidates(n: int, k: int, sms: int) -> list[tuple]:

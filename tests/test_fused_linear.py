@@ -31,7 +31,7 @@ NORM_CASES = [
     ("norm_m2_n33_k64_fp16", 2, 33, 64, "float16", None, True),
     # the GEMV mode (one row)
     ("norm_gemv_m1_n130_k200_split4", 1, 130, 200, "float32", (8, 32, 4, 4, 1, True), True),
-    ("norm_gemv_m1_n40_k96_bf16", 1, 40, 96, "bfloat16", (8, 64, 1, 4, 1, True), False),
+    ("norm_gemv_m1_n40_k96_bf16_split2", 1, 40, 96, "bfloat16", (1, 32, 2, 4, 1, True), False),
 ]
 # (name, M, N, K, dtype, forced config or None): gate_up is [M, 2K]
 SILU_CASES = [

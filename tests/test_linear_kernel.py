@@ -242,8 +242,8 @@ def test_heuristic_fills_the_gpu_within_the_workspace(n, k):
 
 @pytest.mark.parametrize("n,k", REAL_SHAPES)
 def test_one_row_takes_the_gemv_mode(n, k):
-    """One row: the GEMV mode below the LM head's width (chosen over cuBLAS too), splitting K
-    only for a grid short of half the SMs (the router), within the workspace."""
+    """One row: the GEMV mode below the LM head's width (chosen over cuBLAS too), with one
+    column a program and no split where two columns would leave half the SMs idle (the router)."""
     from compiled.graphs import linear_kernels as lk
     cfg = lk.skinny_config(1, n, k, 132)
     lk.check_config(cfg, 1, n)

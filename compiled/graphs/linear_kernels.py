@@ -49,10 +49,11 @@ DEFAULT_NUM_SMS = 132      # an H100 / H200; used when there is no CUDA device (
 # prefetched one step ahead only, so a long K range leaves part of each step's load latency
 # exposed and more, shorter programs hide it better (bench/linear_bench.py --fused, RESULTS.md).
 PROLOGUE_MAX_STEPS = 4
-# One row (M = 1) takes the GEMV mode: 2 columns a program, 1024-wide K steps, 4 warps, no split
-# unless the column blocks are fewer than half the SMs (the router). The best of a sweep on every
-# decode linear of both models, where it beat the tensor-core tiles and cuBLAS (H100,
-# bench/gemv_bench.py; RESULTS.md, fourteenth session). Wide N (the LM head) keeps the tiles.
+# One row (M = 1) takes the GEMV mode: 2 columns a program (1 where 2 would leave half the SMs
+# idle: the router), 1024-wide K steps, 4 warps, K split only where even that grid is short. The
+# best of sweeps on every decode linear of both models, where it beat the tensor-core tiles and
+# cuBLAS (H100, bench/gemv_bench.py; RESULTS.md, fourteenth session). Wide N (the LM head) keeps
+# the tiles.
 GEMV_BLOCK_N = 2
 GEMV_MAX_BLOCK_K = 1024
 GEMV_NUM_WARPS = 4
@@ -92,15 +93,17 @@ def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, prolog
 
 
 def gemv_config(N: int, K: int, num_sms: int) -> SkinnyConfig:
-    """GEMV_BLOCK_N columns a program; a grid short of half the SMs splits K (a power of two,
-    up to one program per SM, each split at least MIN_K_PER_SPLIT long)."""
-    blocks = triton.cdiv(N, GEMV_BLOCK_N)
+    """GEMV_BLOCK_N columns a program, or one where that grid is short of half the SMs; a grid
+    still short splits K (a power of two, up to one program per SM, each split at least
+    MIN_K_PER_SPLIT long)."""
+    block_n = GEMV_BLOCK_N if triton.cdiv(N, GEMV_BLOCK_N) >= num_sms // 2 else 1
+    blocks = triton.cdiv(N, block_n)
     split = 1
     if blocks < num_sms // 2:
         while 2 * split <= MAX_SPLIT_K and K // (2 * split) >= MIN_K_PER_SPLIT and blocks * 2 * split <= num_sms:
             split *= 2
     block_k = min(GEMV_MAX_BLOCK_K, max(MIN_BLOCK, triton.next_power_of_2(triton.cdiv(K, split))))
-    return SkinnyConfig(GEMV_BLOCK_N, block_k, split, GEMV_NUM_WARPS, num_stages=1, gemv=True)
+    return SkinnyConfig(block_n, block_k, split, GEMV_NUM_WARPS, num_stages=1, gemv=True)
 
 
 def beats_cublas(config: SkinnyConfig, N: int, num_sms: int = DEFAULT_NUM_SMS) -> bool:
