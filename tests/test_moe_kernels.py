@@ -562,8 +562,13 @@ def test_gpu_no_host_sync_and_cuda_graph(real_layer, T):
 def test_gpu_moe_add_rms_norm_linear_eager_and_graph(real_layer, T):
     # the op's bits are those of the fused MoE followed by add_rms_norm_linear (the same sum's
     # rounding, the same norm arithmetic), eagerly and replayed from a CUDA graph; the next
-    # layer's qkv shape
+    # layer's qkv shape. Where add_rms_norm_linear's own kernel takes the linear (one row: the
+    # GEMV mode), it sums the squares in K steps and scales by 1 / rms after the dot, while the
+    # op's linear reads the row kernel's normalised row: h keeps its bits, y and normed agree to
+    # bf16's rounding.
+    from compiled.graphs.linear import use_kernel
     from compiled.moe.moe_norm_linear import moe_add_rms_norm_linear_ref
+    from tests.test_linear_kernel import max_err
     w13, w2 = real_layer
     x_moe, w, ids = _real_inputs(T, seed=600 + T)
     g = torch.Generator(device="cuda").manual_seed(T)
@@ -577,9 +582,17 @@ def test_gpu_moe_add_rms_norm_linear_eager_and_graph(real_layer, T):
     def apart():
         moe = torch.ops.compiled.fused_moe(x_moe, w, ids, w13, w2)
         return torch.ops.compiled.add_rms_norm_linear(x, moe, nw, 1e-6, weight, True)
+    prologue = use_kernel(x, weight)
+    assert prologue == (T == 1)
+
+    def same(outs, wants):
+        for i, (got, want) in enumerate(zip(outs, wants)):
+            if i != 1 and prologue:
+                assert max_err(got, want) <= 1.6e-2
+            else:
+                assert torch.equal(got, want)
     expected = apart()
-    for got, want in zip(fused(), expected):
-        assert torch.equal(got, want)
+    same(fused(), expected)
     for got, ref in zip(expected, moe_add_rms_norm_linear_ref(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight)):
         torch.testing.assert_close(got.float(), ref.float(), atol=6e-2, rtol=3e-2)
     graph = torch.cuda.CUDAGraph()
@@ -587,8 +600,7 @@ def test_gpu_moe_add_rms_norm_linear_eager_and_graph(real_layer, T):
         outs = fused()
     x_moe.copy_(_real_inputs(T, seed=650 + T)[0])
     graph.replay()
-    for got, want in zip(outs, apart()):
-        assert torch.equal(got, want)
+    same(outs, apart())
 
 
 @pytest.mark.gpu
