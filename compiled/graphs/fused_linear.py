@@ -5,9 +5,9 @@ the down projection, is a launch of its own that moves a few kilobytes. The skin
 its prologue instead (`linear_kernels`: ADD_NORM, SILU_MUL), so the fuse_norm_linear and fuse_silu_linear
 passes route the graph's matching pairs here. The kernel serves what it serves for
 `compiled::linear` (`use_kernel`: M <= SKINNY_MAX_M on CUDA in bf16/fp16, where it beats cuBLAS,
-under the same backend switch): there the prologue costs less than the launch it saves (H100,
-bench/RESULTS.md), while in front of a linear that cuBLAS does better (the 30B shape's qkv) it
-cost more. Elsewhere the prologue runs as one launch of its own (`prologue_kernels`) before
+under the same backend switch; one row always, in its GEMV mode): there the prologue costs less
+than the launch it saves (H100, bench/RESULTS.md), while at 2-16 rows in front of a linear that
+cuBLAS does better (the 30B shape's qkv) it cost more. Elsewhere the prologue runs as one launch of its own (`prologue_kernels`) before
 F.linear, as Inductor's kernel did; CPU runs the torch references."""
 
 from __future__ import annotations
