@@ -7,8 +7,9 @@ passes route the graph's matching pairs here. The kernel serves what it serves f
 `compiled::linear` (`use_kernel`: M <= SKINNY_MAX_M on CUDA in bf16/fp16, where it beats cuBLAS,
 under the same backend switch; one row always, in its GEMV mode): there the prologue costs less
 than the launch it saves (H100, bench/RESULTS.md), while at 2-16 rows in front of a linear that
-cuBLAS does better (the 30B shape's qkv) it cost more. Elsewhere the prologue runs as one launch of its own (`prologue_kernels`) before
-F.linear, as Inductor's kernel did; CPU runs the torch references."""
+cuBLAS does better (the 30B shape's qkv) it cost more. Elsewhere the prologue runs as one launch
+of its own (`prologue_kernels`) before F.linear, as Inductor's kernel did; CPU runs the torch
+references."""
 
 from __future__ import annotations
 

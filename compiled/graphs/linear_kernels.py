@@ -75,8 +75,9 @@ def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, prolog
     for N <= 128), and SPLIT_K the largest power of two that keeps N x SPLIT_K within
     SPLIT_COLUMNS_PER_SM x num_sms, each split at least MIN_K_PER_SPLIT long and the partials
     within the workspace. One row takes the GEMV mode instead (`gemv_config`); otherwise M does
-    not enter: at M <= 16 the time is the weight's bytes. `prologue_steps` (a kernel with a prologue: PROLOGUE_MAX_STEPS): split further, within the
-    same bounds, until a program has at most that many K steps."""
+    not enter: at M <= 16 the time is the weight's bytes. `prologue_steps` (a kernel with a
+    prologue: PROLOGUE_MAX_STEPS): split further, within the same bounds, until a program has at
+    most that many K steps."""
     block_k = min(MAX_BLOCK_K, max(MIN_BLOCK, triton.next_power_of_2(K)))
     if triton.cdiv(N, MAX_BLOCK_N) >= WIDE_PROGRAMS_PER_SM * num_sms:
         return SkinnyConfig(MAX_BLOCK_N, block_k, 1)
