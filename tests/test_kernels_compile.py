@@ -8,7 +8,8 @@ model with a dense layer runs a prefill and a decode step through the Triton bac
 pass on: fused linears, q/k norm + RoPE in attention), and the fused MoE is called at decode and
 prefill sizes with the H100's tuned configs (TMA, part-height tiles) and as the one-token kernel;
 the launches those leave out (the routing kernel, the prologues' own launches, the plain K/V
-store, extend attention with TMA, the greedy argmax) are called directly.
+store, extend attention with TMA, the greedy argmax, the skinny GEMM's one-row GEMV mode) are
+called directly.
 Outputs are never computed, so nothing is compared: the test is that every kernel compiles."""
 
 from __future__ import annotations
@@ -116,7 +117,8 @@ def _moe_calls() -> None:
 
 def _other_calls() -> None:
     """Launches the model steps above do not make: on CUDA only (routing, the prologues outside the
-    GEMM), or without the fuse_qk_norm_rope pass (the plain K/V store)."""
+    GEMM), without the fuse_qk_norm_rope pass (the plain K/V store), or at one row (the skinny
+    GEMM's GEMV mode: plain, split, and with each prologue; the decode step above has three)."""
     from compiled.attention.triton_store import store_kv_triton
     from compiled.graphs.prologue_kernels import add_rms_norm_triton, silu_and_mul_triton
     from compiled.moe.routing import topk_route_triton
@@ -134,6 +136,12 @@ def _other_calls() -> None:
     one = torch.tensor([70])
     extend_attention_triton(q, kv, kv, k_cache, k_cache, torch.arange(64)[None], torch.zeros(1, dtype=torch.long),
                             one, one, torch.zeros(1, dtype=torch.long), 70, 0.1, tma=True)
+    from compiled.graphs import linear_kernels as lk
+    row, router = x[:1], torch.randn(128, 2048).bfloat16()
+    lk.skinny_linear_triton(row, torch.randn(512, 2048).bfloat16())
+    lk.skinny_linear_triton(row, router, lk.SkinnyConfig(2, 256, 2, gemv=True))
+    lk.add_rms_norm_linear_triton(row, row, torch.ones(2048).bfloat16(), 1e-6, router, True)
+    lk.silu_mul_linear_triton(torch.randn(1, 4096).bfloat16(), torch.randn(512, 2048).bfloat16())
 
 
 if __name__ == "__main__":   # run by the test above, without the interpreter
