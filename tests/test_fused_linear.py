@@ -32,6 +32,7 @@ NORM_CASES = [
     # the GEMV mode (one row)
     ("norm_gemv_m1_n130_k200_split4", 1, 130, 200, "float32", (8, 32, 4, 4, 1, True), True),
     ("norm_gemv_m1_n40_k96_bf16_split2", 1, 40, 96, "bfloat16", (1, 32, 2, 4, 1, True), False),
+    ("norm_gemv_m3_n40_k200_split2", 3, 40, 200, "float32", (2, 64, 2, 4, 1, True), True),
 ]
 # (name, M, N, K, dtype, forced config or None): gate_up is [M, 2K]
 SILU_CASES = [
@@ -40,6 +41,7 @@ SILU_CASES = [
     ("silu_m16_n48_k64_bf16_split2", 16, 48, 64, "bfloat16", (16, 16, 2)),
     ("silu_gemv_m1_n48_k200_split2", 1, 48, 200, "float32", (8, 64, 2, 4, 1, True)),
     ("silu_gemv_m1_n33_k64_bf16", 1, 33, 64, "bfloat16", None),
+    ("silu_gemv_m2_n48_k200", 2, 48, 200, "float32", (4, 64, 1, 4, 1, True)),
 ]
 # (name, prologue, T, K, dtype): the prologues' own launches, for what the skinny GEMM does not take
 ROW_CASES = [("rows_t3_k5", "norm", 3, 5, "float32"), ("rows_t7_k200_fp16", "norm", 7, 200, "float16"),

@@ -140,6 +140,7 @@ def _other_calls() -> None:
     row, router = x[:1], torch.randn(128, 2048).bfloat16()
     lk.skinny_linear_triton(row, torch.randn(512, 2048).bfloat16())
     lk.skinny_linear_triton(row, router, lk.SkinnyConfig(2, 256, 2, gemv=True))
+    lk.skinny_linear_triton(x[:4], router, lk.SkinnyConfig(2, 256, 1, gemv=True))   # several rows (forced)
     lk.add_rms_norm_linear_triton(row, row, torch.ones(2048).bfloat16(), 1e-6, router, True)
     lk.silu_mul_linear_triton(torch.randn(1, 4096).bfloat16(), torch.randn(512, 2048).bfloat16())
 

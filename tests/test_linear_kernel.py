@@ -51,6 +51,9 @@ CASES = [
     ("gemv_m1_n13_k200", 1, 13, 200, "float32", (8, 64, 1, 4, 1, True)),
     ("gemv_m1_n130_k200_bf16_split4", 1, 130, 200, "bfloat16", (8, 32, 4, 4, 1, True)),
     ("gemv_m1_n20_k5_split2", 1, 20, 5, "float32", (4, 16, 2, 4, 1, True)),
+    # several rows (a forced config): a power of two, and 3 rows masked in a 4-row block
+    ("gemv_m2_n13_k200_split2", 2, 13, 200, "float32", (2, 64, 2, 4, 1, True)),
+    ("gemv_m3_n130_k200_bf16", 3, 130, 200, "bfloat16", (8, 64, 1, 4, 1, True)),
 ]
 
 
@@ -207,8 +210,6 @@ def test_forced_config_is_validated():
         lk.skinny_linear_triton(x[:1], torch.randn(4 * lk.SEMAPHORES, 32), lk.SkinnyConfig(2, 16, 2, gemv=True))
     with pytest.raises(ValueError, match="M=17"):
         lk.skinny_linear_triton(torch.randn(17, 32), w)
-    with pytest.raises(ValueError, match="GEMV mode serves one row, not M=2"):
-        lk.skinny_linear_triton(x, w, lk.SkinnyConfig(8, 16, 1, gemv=True))
 
 
 # (N, K): qkv and o_proj of Qwen3-30B-A3B, its router, the LM head, Qwen3-0.6B's w13 and down.

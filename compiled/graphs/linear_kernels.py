@@ -4,7 +4,8 @@ At M <= 16 rows a linear reads its whole weight to do almost no arithmetic, so i
 weight's bytes over the memory bandwidth, plus the launch. cuBLAS picks tiles made for large M:
 too few programs to keep every SM's loads in flight, and split-K as a second (reduce) kernel.
 
-For one row the kernel runs in its GEMV mode (no tensor-core tile: see `_skinny_kernel`).
+For one row the kernel runs in its GEMV mode (no tensor-core tile: see `_skinny_kernel`; the
+mode serves several rows too, for a forced config and the benchmark's sweep).
 Otherwise each program owns BLOCK_N output columns for all M rows (one BLOCK_M = 16-row tile, masked,
 so `tl.dot` runs on the tensor cores with fp32 accumulation) and walks its K range in BLOCK_K
 steps, the weight tiles `[BLOCK_N, BLOCK_K]` contiguous along K (coalesced) and software-pipelined
@@ -57,6 +58,7 @@ PROLOGUE_MAX_STEPS = 4
 GEMV_BLOCK_N = 2
 GEMV_MAX_BLOCK_K = 1024
 GEMV_NUM_WARPS = 4
+GEMV_MAX_M = 1             # rows the heuristic gives the mode (it serves up to SKINNY_MAX_M: a forced config)
 
 
 class SkinnyConfig(NamedTuple):
@@ -65,7 +67,7 @@ class SkinnyConfig(NamedTuple):
     split_k: int
     num_warps: int = NUM_WARPS
     num_stages: int = NUM_STAGES
-    gemv: bool = False     # one row, FMA into registers instead of a tensor-core tile (M = 1 only)
+    gemv: bool = False     # FMA into registers instead of a tensor-core tile (one row, by the heuristic)
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,14 +76,14 @@ def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, prolog
     head) takes 64-column blocks and no split. Otherwise 64 columns from N = 2048 down to 32 (16
     for N <= 128), and SPLIT_K the largest power of two that keeps N x SPLIT_K within
     SPLIT_COLUMNS_PER_SM x num_sms, each split at least MIN_K_PER_SPLIT long and the partials
-    within the workspace. One row takes the GEMV mode instead (`gemv_config`); otherwise M does
-    not enter: at M <= 16 the time is the weight's bytes. `prologue_steps` (a kernel with a
-    prologue: PROLOGUE_MAX_STEPS): split further, within the same bounds, until a program has at
-    most that many K steps."""
+    within the workspace. Up to GEMV_MAX_M rows take the GEMV mode instead (`gemv_config`);
+    otherwise M does not enter: at M <= 16 the time is the weight's bytes. `prologue_steps` (a
+    kernel with a prologue: PROLOGUE_MAX_STEPS): split further, within the same bounds, until a
+    program has at most that many K steps."""
     block_k = min(MAX_BLOCK_K, max(MIN_BLOCK, triton.next_power_of_2(K)))
     if triton.cdiv(N, MAX_BLOCK_N) >= WIDE_PROGRAMS_PER_SM * num_sms:
         return SkinnyConfig(MAX_BLOCK_N, block_k, 1)
-    if M == 1:
+    if M <= GEMV_MAX_M:
         return gemv_config(N, K, num_sms)
     block_n = MAX_BLOCK_N if N >= 2048 else (2 * MIN_BLOCK if N > 128 else MIN_BLOCK)
     max_split = min(MAX_SPLIT_K, K // MIN_K_PER_SPLIT, WORKSPACE_COLS // max(N, 1))
@@ -128,8 +130,6 @@ def check_config(config: SkinnyConfig, M: int, N: int) -> None:
                          f"split_k * N <= {WORKSPACE_COLS} and at most {SEMAPHORES} column blocks")
     if M > SKINNY_MAX_M:
         raise ValueError(f"skinny linear: M={M} rows, at most {SKINNY_MAX_M}")
-    if config.gemv and M != 1:
-        raise ValueError(f"skinny linear: the GEMV mode serves one row, not M={M}")
 
 
 def num_sms(device: torch.device) -> int:
@@ -213,9 +213,11 @@ def _skinny_kernel(
     column block's finishing program a slice of the normalised rows. SILU_MUL: x is a fused
     `[M, 2K]` gate/up output and the dot reads silu(gate) * up.
 
-    GEMV (one row, BLOCK_M = 1): no tensor-core tile. The weight tile goes straight into
-    registers and is multiplied into an fp32 `[BLOCK_N, BLOCK_K]` accumulator, reduced along K
-    once after the loop; everything else (prologues, splits, the epilogue) is the same code."""
+    GEMV (BLOCK_M = M rounded up to a power of two, 1 by the heuristic): no tensor-core tile. The
+    weight tile goes straight into registers and is multiplied by each row into an fp32
+    `[BLOCK_N, BLOCK_K]` accumulator (`[BLOCK_M, BLOCK_N, BLOCK_K]` for several rows), reduced
+    along K once after the loop; everything else (prologues, splits, the epilogue) is the same
+    code."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -233,7 +235,10 @@ def _skinny_kernel(
         pdl_wait(PDL)
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
     if GEMV:
-        acc_k = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if BLOCK_M == 1:
+            acc_k = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        else:
+            acc_k = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -273,7 +278,10 @@ def _skinny_kernel(
         else:
             x = tl.load(X + offs_m[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
         if GEMV:
-            acc_k += w.to(tl.float32) * x.to(tl.float32)
+            if BLOCK_M == 1:
+                acc_k += w.to(tl.float32) * x.to(tl.float32)
+            else:
+                acc_k += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         else:
             if UPCAST:  # see interpreter_upcast()
                 x = x.to(tl.float32)
@@ -281,7 +289,10 @@ def _skinny_kernel(
             acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
         w_ptrs += BLOCK_K
     if GEMV:
-        acc = tl.sum(acc_k, axis=1)[None, :]
+        if BLOCK_M == 1:
+            acc = tl.sum(acc_k, axis=1)[None, :]
+        else:
+            acc = tl.sum(acc_k, axis=2)
     if ADD_NORM or SILU_MUL:
         pdl_let_next_in(PDL)
     out_mask = mask_m[:, None] & mask_n[None, :]
@@ -380,6 +391,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
     _skinny_kernel[grid](
         x, weight, y, partials, semaphores, M, N, K, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         Sums=sums, NORMED_CHUNK=triton.cdiv(K, grid[0]), **args,
-        BLOCK_M=1 if gemv else BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=K % block_k == 0,
+        BLOCK_M=triton.next_power_of_2(M) if gemv else BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=K % block_k == 0,
         UPCAST=upcast, DOT_PRECISION=precision, GEMV=gemv, num_warps=num_warps, num_stages=num_stages,
         **launch_kwargs(x.device))
