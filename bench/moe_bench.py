@@ -9,6 +9,7 @@ Measured in the same run:
   sep. sum     the same with the top-k sum as a kernel of its own (fused_sum=False)
   TMA          the same tuned tiles with the weight tiles loaded through TMA descriptors (TMA=1)
   2 kernels    one token only: the two-GEMM path instead of the one-launch kernel (one_launch=False)
+  gemv         one token only: the two GEMVs (gemv=True, GEMV_TILES); --sweep-gemv times other tiles
   fused+route  compiled::topk_route (Triton) + fused MoE (CUDA graph)
   gmm+route    torch routing + torch._grouped_mm for w13 and w2 (CUDA graph when capturable)
   hf_eager     transformers' Qwen3MoeExperts, eager expert loop (routing given; host syncs, events)
@@ -159,8 +160,13 @@ def run(args) -> dict:
             attempt("fused_two_kernels_us", lambda: time_graph(
                 [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
                                                  one_launch=False) for l in range(L)], reps=args.reps) / L)
+            attempt("gemv_us", lambda: time_graph(
+                [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
+                                                 one_launch=False, gemv=True) for l in range(L)], reps=args.reps) / L)
             if args.sweep_one_launch:
                 row["one_launch_sweep"] = sweep_one_launch(x, routes, w13, w2, ws, L, args.reps)
+            if args.sweep_gemv:
+                row["gemv_sweep"] = sweep_gemv(x, routes, w13, w2, ws, L, args.reps)
 
         def fused_route(l):
             w, i = torch.ops.compiled.topk_route(logits[l], TOP_K, True)
@@ -203,6 +209,34 @@ def run(args) -> dict:
 def with_tma(cfg: dict) -> dict:
     """The config with both GEMMs loading their weight tiles through TMA descriptors."""
     return dict(cfg, TMA=1, down=dict(cfg.get("down") or {}, TMA=1))
+
+
+def sweep_gemv(x, routes, w13, w2, ws, L: int, reps: int) -> list[dict]:
+    """µs per layer of the one-token GEMVs over a grid of tiles: the up kernel's with GEMV_TILES'
+    down tile, then the down kernel's with the best up tile; best first."""
+    grid = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (1, 2, 4, 8) for bk in (256, 512, 1024)
+            for w in (4, 8)]
+
+    def timed(cfg: dict) -> float | None:
+        try:
+            return time_graph([lambda l=l: fm.fused_moe_triton(
+                x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws, one_launch=False, gemv=True,
+                gemv_tiles=cfg) for l in range(L)], reps=reps) / L
+        except Exception as exc:  # noqa: BLE001  (out of registers, ...)
+            print(f"  gemv {cfg}: {type(exc).__name__}", flush=True)
+            return None
+    results = []
+    for stage in ("up", "down"):
+        base = dict(fm.GEMV_TILES) if not results else {k: results[0][k] for k in ("up", "down")}
+        for tile in grid:
+            cfg = dict(base, **{stage: tile})
+            us = timed(cfg)
+            if us is not None:
+                results.append(dict(cfg, us=us))
+        results.sort(key=lambda r: r["us"])
+    for r in results[:8]:
+        print(f"  gemv sweep: {r}", flush=True)
+    return results
 
 
 def sweep_one_launch(x, routes, w13, w2, ws, L: int, reps: int) -> list[dict]:
@@ -345,6 +379,8 @@ def main(argv=None):
     p.add_argument("--out", default="moe_bench.json")
     p.add_argument("--paired-from", type=int, default=2048,
                    help="from this token count on, also time the fused MoE and the matmul alternately")
+    p.add_argument("--sweep-gemv", action="store_true",
+                   help="time the one-token GEMVs over a grid of (up, down) tiles")
     p.add_argument("--sweep-one-launch", action="store_true",
                    help="time the one-token one-launch kernel over a grid of tiles")
     p.add_argument("--sweep-align", type=int, nargs="*", default=None,

@@ -88,6 +88,29 @@ def case_one_launch_odd_sizes_twice_and_reset():
     assert (out.float() - exact).abs().max().item() <= 8.0 * ref_err + 1e-3
 
 
+def case_one_token_gemv_odd_sizes_slots_and_sum():
+    # one token as two GEMVs: H and I not multiples of the tiles, top-1 to top-8, summed (by the
+    # sum kernel) and unsummed (each slot's row as the two-GEMM path's), fp32 and bf16, the
+    # default tiles too
+    tiles = dict(up=dict(BLOCK_N=2, BLOCK_K=16, num_warps=4), down=dict(BLOCK_N=4, BLOCK_K=32, num_warps=4))
+    for E, k, H, I, seed in ((128, 8, 40, 24, 5), (8, 1, 33, 48, 6), (60, 6, 64, 17, 7)):
+        x, w, ids, w13, w2 = _problem(1, E, k, H, I, seed=seed)
+        ref = fm.fused_moe_ref(x, w, ids, w13, w2)
+        out = fm.fused_moe_triton(x, w, ids, w13, w2, gemv=True, gemv_tiles=tiles)
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+        if k > 1:
+            slots = fm.fused_moe_triton(x, w, ids, w13, w2, gemv=True, gemv_tiles=tiles, sum_slots=False)
+            tiled = fm.fused_moe_triton(x, w, ids, w13, w2, config=fm.default_config(1, E), one_launch=False,
+                                        sum_slots=False)
+            torch.testing.assert_close(slots, tiled, atol=2e-5, rtol=1e-5)
+    x, w, ids, w13, w2 = _problem(1, 16, 4, 48, 32, dtype=torch.bfloat16, seed=8)
+    exact = fm.fused_moe_ref(x.float(), w, ids, w13.float(), w2.float())
+    ref_err = (fm.fused_moe_ref(x, w, ids, w13, w2).float() - exact).abs().max().item()
+    for t in (tiles, None):
+        out = fm.fused_moe_triton(x, w, ids, w13, w2, gemv=True, gemv_tiles=t)
+        assert (out.float() - exact).abs().max().item() <= 8.0 * ref_err + 1e-3
+
+
 def case_fused_sum_counters_reset_and_separate_sum():
     # gemm2's fused top-k sum: twice in a row (the counters must be back at zero), against the
     # separate sum kernel and the reference; one token (naive blocks) and many
@@ -270,6 +293,7 @@ def case_routing_kernel_vs_softmax_topk():
 
 GROUPS = {
     "a": [case_one_token_naive_e128_k8, case_one_launch_odd_sizes_twice_and_reset,
+          case_one_token_gemv_odd_sizes_slots_and_sum,
           case_fused_sum_counters_reset_and_separate_sum, case_t300_e8_k2_two_k_steps_grouped_half_and_quarter_tiles,
           case_t150_e8_k2_half_tiles_up_only, case_t37_e128_k8_unused_experts_fp16, case_t5_e60_k6_uneven_k_and_n,
           case_routing_kernel_vs_softmax_topk],
@@ -467,20 +491,21 @@ def test_gpu_fused_moe_real_shape_bf16(real_layer, T):
 
 @pytest.mark.gpu
 def test_gpu_one_token_both_paths(real_layer):
-    # the one-launch kernel and the two-GEMM path against the reference, several routings in a row
+    # the one-launch kernel, the two-GEMM path and the two GEMVs against the reference, several
+    # routings in a row
     w13, w2 = real_layer
     for seed in range(5):
         x, w, ids = _real_inputs(1, seed=400 + seed)
         ref = fm.fused_moe_ref(x, w, ids, w13, w2)
         exact = fm.fused_moe_ref(x.float(), w, ids, w13.float(), w2.float())
         ref_err = (ref.float() - exact).abs().max().item()
-        for one_launch in (True, False):
-            out = fm.fused_moe_triton(x, w, ids, w13, w2, one_launch=one_launch)
-            assert (out.float() - exact).abs().max().item() <= 2 * ref_err + 1e-3, one_launch
+        for path in (dict(one_launch=True), dict(one_launch=False), dict(one_launch=False, gemv=True)):
+            out = fm.fused_moe_triton(x, w, ids, w13, w2, **path)
+            assert (out.float() - exact).abs().max().item() <= 2 * ref_err + 1e-3, path
             torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
             # the same bits every time, whatever order the programs' atomic adds land in
             for _ in range(3):
-                assert torch.equal(fm.fused_moe_triton(x, w, ids, w13, w2, one_launch=one_launch), out), one_launch
+                assert torch.equal(fm.fused_moe_triton(x, w, ids, w13, w2, **path), out), path
     assert not fm.zeroed(x.device, "one_token_acc", 1, torch.int64).any()
 
 

@@ -6,6 +6,8 @@ returns `[T, H]` in x's dtype. On CUDA it runs the Triton kernels of `fused_moe_
 (token, slot) pairs by expert and pad each expert's segment to BLOCK_M, grouped GEMM over `w13` with
 `silu(gate) * up` in its epilogue, grouped GEMM over `w2` with the routing weight in its epilogue,
 sum over the top-k. No host syncs and fixed-size buffers, so it can be captured in a CUDA graph.
+One token can instead run as one kernel (ONE_LAUNCH) or as two GEMVs (ONE_TOKEN_GEMV), both off
+by default.
 
 Kernel configs (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages, optional HALF_M and TMA per
 token count, and an optional "down" override of N/K/GROUP/warps/stages/HALF_M/TMA for the second
@@ -370,6 +372,31 @@ def _launch_one_token(x, w13, w2, topk_ids, weights, out, cfg: dict) -> bool:
     return True
 
 
+# One token as two GEMVs (`gemv_kernels.py`: no 16-row tensor-core tile for its one live row),
+# with these tiles. Off by default until measured in the decode step; COMPILED_MOE_GEMV=1 (read at
+# import) turns it on, `bench/moe_bench.py --sweep-gemv` times tiles.
+ONE_TOKEN_GEMV = os.environ.get("COMPILED_MOE_GEMV", "0") == "1"
+GEMV_TILES = dict(up=dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4), down=dict(BLOCK_N=2, BLOCK_K=256, num_warps=4))
+
+
+def _launch_gemv(x, w13, w2, topk_ids, weights, inter, y, tiles: dict) -> None:
+    """y `[k, H]` <- the one token's k weighted expert outputs, through inter `[k, I]`."""
+    from compiled.moe import gemv_kernels as G
+    from compiled.pdl import launch_kwargs
+    H, I = w2.shape[1], w2.shape[2]
+    k = topk_ids.numel()
+    ids = topk_ids.reshape(-1)
+    up, down = tiles["up"], tiles["down"]
+    G.moe_gemv_up_kernel[(k * triton_cdiv(I, up["BLOCK_N"]),)](
+        x, w13, ids, inter, I, H, w13.stride(0), w13.stride(1), inter.stride(0),
+        BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], EVEN_K=H % up["BLOCK_K"] == 0, num_warps=up["num_warps"],
+        num_stages=1, **launch_kwargs(x.device))
+    G.moe_gemv_down_kernel[(k * triton_cdiv(H, down["BLOCK_N"]),)](
+        inter, w2, ids, weights, y, H, I, inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], EVEN_K=I % down["BLOCK_K"] == 0,
+        num_warps=down["num_warps"], num_stages=1, **launch_kwargs(x.device))
+
+
 def _launch_sum(y, out, top_k):
     from compiled.moe import fused_moe_kernels as K
     from compiled.pdl import launch_kwargs
@@ -425,11 +452,14 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
                      w13: torch.Tensor, w2: torch.Tensor, config: dict | None = None,
                      workspace: MoEWorkspace | None = None, out: torch.Tensor | None = None,
                      fused_sum: bool | None = None, one_launch: bool | None = None,
-                     one_launch_config: dict | None = None, sum_slots: bool = True) -> torch.Tensor:
+                     one_launch_config: dict | None = None, sum_slots: bool = True, gemv: bool | None = None,
+                     gemv_tiles: dict | None = None) -> torch.Tensor:
     """The Triton path of `compiled::fused_moe`. `config` overrides the tuned/default lookup.
     `fused_sum`: sum the top-k slots inside gemm2 (True) or with a kernel of its own (False);
     None: inside up to FUSED_SUM_MAX_TOKENS tokens. `one_launch`: one token in one kernel
-    (moe_one_token_kernel; None: ONE_LAUNCH), with `one_launch_config` or the tuned one.
+    (moe_one_token_kernel; None: ONE_LAUNCH), with `one_launch_config` or the tuned one. `gemv`:
+    one token as two GEMVs (None: ONE_TOKEN_GEMV), with `gemv_tiles` or GEMV_TILES; the top-k sum
+    is then a kernel of its own (or the caller's, with sum_slots=False).
     `sum_slots=False` (top-k > 1, and then `fused_sum` and `one_launch` must not be asked for):
     returns the weighted expert outputs `[T*k, H]` unsummed, for a kernel after it to sum them
     (`moe_sum_add_rms_norm_triton`); `out` is then unused."""
@@ -457,9 +487,18 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
             x, w13, w2, topk_ids, weights, out,
             one_launch_config or tuned_one_launch_config(E, I, x.dtype, x.device)):
         return out
-    up_cfg, down_cfg = _split_config(config if config is not None else get_config(T, E, I, x.dtype, x.device))
     ws = workspace or MoEWorkspace()
     numel = T * top_k
+    if T == 1 and (ONE_TOKEN_GEMV if gemv is None else gemv):
+        y = out if top_k == 1 else ws.get("y", numel * H, x.dtype, x.device).view(numel, H)
+        _launch_gemv(x, w13, w2, topk_ids, weights, ws.get("inter", numel * I, x.dtype, x.device).view(numel, I), y,
+                     gemv_tiles or GEMV_TILES)
+        if not sum_slots:
+            return y
+        if top_k > 1:
+            _launch_sum(y, out, top_k)
+        return out
+    up_cfg, down_cfg = _split_config(config if config is not None else get_config(T, E, I, x.dtype, x.device))
     block_m = up_cfg["BLOCK_SIZE_M"]
     naive = use_naive(T)
     if naive:

@@ -1,0 +1,84 @@
+"""The fused MoE of one token as two GEMVs (Triton): no tensor-core tile, the skinny GEMM's GEMV
+mode applied to the k experts' weights.
+
+At one token each (token, slot) pair is a 16-row tensor-core tile with one live row. Here a
+program owns BLOCK_N output columns of one pair's expert, loads the weight tile straight into
+registers and multiplies it by the pair's row into an fp32 `[BLOCK_N, BLOCK_K]` accumulator,
+reduced along K once after the loop:
+
+* `moe_gemv_up_kernel`: silu(gate) * up for BLOCK_N intermediate columns of pair p (its gate and
+  up rows of `w13[e]`), into row p of the intermediate `[k, I]`;
+* `moe_gemv_down_kernel`: weight[p] * (inter[p] . w2[e]) for BLOCK_N output columns, into row p
+  of `y [k, H]`, for the top-k sum after it (`moe_sum_kernel` or the next norm's kernel).
+
+Each rounds where the tile kernels (`fused_moe_kernels._up_tile`, `_down_tile`) round, so the
+results differ from theirs only in the order of the fp32 sums. The torch reference is
+`fused_moe.fused_moe_ref`."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from compiled.pdl import pdl_wait
+
+
+@triton.jit
+def _pair_row_dot(a_ptr, w_ptr, rows, row_ok, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  EVEN_K: tl.constexpr):
+    """`[BLOCK_N]` fp32: the weight rows `rows` (pointers from w_ptr) dotted with the vector at a_ptr."""
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptr + k0 + offs_k)
+            w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
+        else:
+            k_ok = k0 + offs_k < K
+            a = tl.load(a_ptr + k0 + offs_k, mask=k_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_wn, stride_om,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    """out[p, n] = silu(x . w[e, n]) * (x . w[e, N + n]), e = ids[p], for the token x `[K]`."""
+    pdl_wait(PDL)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    pair = tl.program_id(0) // n_blocks
+    offs_n = (tl.program_id(0) % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    rows = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    w_e = w_ptr + expert * stride_we
+    gate = _pair_row_dot(x_ptr, w_e, rows, n_ok, K, stride_wn, BLOCK_N, BLOCK_K, EVEN_K)
+    up = _pair_row_dot(x_ptr, w_e, rows + N, n_ok, K, stride_wn, BLOCK_N, BLOCK_K, EVEN_K)
+    # round like the unfused model: gate/up in the activation dtype, silu, product
+    dt = out_ptr.dtype.element_ty
+    gate = gate.to(dt).to(tl.float32)
+    up = up.to(dt).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    tl.store(out_ptr + pair * stride_om + offs_n, (act * up).to(dt), mask=n_ok)
+
+
+@triton.jit
+def moe_gemv_down_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_am, stride_we, stride_wn,
+                         stride_om, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                         PDL: tl.constexpr):
+    """out[p, n] = weight[p] * (a[p] . w[e, n]), e = ids[p]."""
+    pdl_wait(PDL)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    pair = tl.program_id(0) // n_blocks
+    offs_n = (tl.program_id(0) % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    rows = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    acc = _pair_row_dot(a_ptr + pair * stride_am, w_ptr + expert * stride_we, rows, n_ok, K, stride_wn, BLOCK_N,
+                        BLOCK_K, EVEN_K)
+    dt = out_ptr.dtype.element_ty
+    w = tl.load(weights_ptr + pair).to(dt).to(tl.float32)
+    tl.store(out_ptr + pair * stride_om + offs_n, (acc.to(dt).to(tl.float32) * w).to(dt), mask=n_ok)
