@@ -44,16 +44,23 @@ def _pair_row_dot(a_ptr, w_ptr, rows, row_ok, K, stride_wn, BLOCK_N: tl.constexp
 
 
 @triton.jit
-def moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_wn, stride_om,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    """out[p, n] = silu(x . w[e, n]) * (x . w[e, N + n]), e = ids[p], for the token x `[K]`."""
-    pdl_wait(PDL)
+def _pair_block(ids_ptr, N, BLOCK_N: tl.constexpr):
+    """This program's pair, its BLOCK_N output columns (offsets, valid, clamped row indices) and
+    the pair's expert."""
     n_blocks = tl.cdiv(N, BLOCK_N)
     pair = tl.program_id(0) // n_blocks
     offs_n = (tl.program_id(0) % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    rows = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    return pair, offs_n, n_ok, tl.where(n_ok, offs_n, 0).to(tl.int64), expert
+
+
+@triton.jit
+def moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_wn, stride_om,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    """out[p, n] = silu(x . w[e, n]) * (x . w[e, N + n]), e = ids[p], for the token x `[K]`."""
+    pdl_wait(PDL)
+    pair, offs_n, n_ok, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
     w_e = w_ptr + expert * stride_we
     gate = _pair_row_dot(x_ptr, w_e, rows, n_ok, K, stride_wn, BLOCK_N, BLOCK_K, EVEN_K)
     up = _pair_row_dot(x_ptr, w_e, rows + N, n_ok, K, stride_wn, BLOCK_N, BLOCK_K, EVEN_K)
@@ -71,12 +78,7 @@ def moe_gemv_down_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stri
                          PDL: tl.constexpr):
     """out[p, n] = weight[p] * (a[p] . w[e, n]), e = ids[p]."""
     pdl_wait(PDL)
-    n_blocks = tl.cdiv(N, BLOCK_N)
-    pair = tl.program_id(0) // n_blocks
-    offs_n = (tl.program_id(0) % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    rows = tl.where(n_ok, offs_n, 0).to(tl.int64)
+    pair, offs_n, n_ok, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
     acc = _pair_row_dot(a_ptr + pair * stride_am, w_ptr + expert * stride_we, rows, n_ok, K, stride_wn, BLOCK_N,
                         BLOCK_K, EVEN_K)
     dt = out_ptr.dtype.element_ty
