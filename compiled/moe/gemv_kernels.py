@@ -24,23 +24,29 @@ from compiled.pdl import pdl_wait
 
 
 @triton.jit
-def _pair_row_dot(a_ptr, w_ptr, rows, row_ok, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  EVEN_K: tl.constexpr):
-    """`[BLOCK_N]` fp32: the weight rows `rows` (pointers from w_ptr) dotted with the vector at a_ptr."""
+def _rows_dot(a_ptr, w_ptr, rows, row_ok, K, stride_wn, second, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr, PAIRED: tl.constexpr):
+    """`[BLOCK_N]` fp32: the weight rows `rows` (from w_ptr) dotted with the vector at a_ptr, and
+    with PAIRED the rows `second` further on too, in the same K loop (zeros without)."""
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
+        if EVEN_K:   # no mask along K: the weight loads stay vectorised
             a = tl.load(a_ptr + k0 + offs_k)
-            w = tl.load(w_ptrs, mask=row_ok[:, None], other=0.0, eviction_policy="evict_first")
+            mask = row_ok[:, None]
         else:
             k_ok = k0 + offs_k < K
             a = tl.load(a_ptr + k0 + offs_k, mask=k_ok, other=0.0)
-            w = tl.load(w_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+            mask = row_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+        if PAIRED:
+            w2 = tl.load(w_ptrs + second * stride_wn, mask=mask, other=0.0, eviction_policy="evict_first")
+            acc2 += w2.to(tl.float32) * a.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
-    return tl.sum(acc, axis=1)
+    return tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
 
 
 @triton.jit
@@ -62,8 +68,7 @@ def moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_w
     pdl_wait(PDL)
     pair, offs_n, n_ok, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
     w_e = w_ptr + expert * stride_we
-    gate = _pair_row_dot(x_ptr, w_e, rows, n_ok, K, stride_wn, BLOCK_N, BLOCK_K, EVEN_K)
-    up = _pair_row_dot(x_ptr, w_e, rows + N, n_ok, K, stride_wn, BLOCK_N, BLOCK_K, EVEN_K)
+    gate, up = _rows_dot(x_ptr, w_e, rows, n_ok, K, stride_wn, N, BLOCK_N, BLOCK_K, EVEN_K, True)
     # round like the unfused model: gate/up in the activation dtype, silu, product
     dt = out_ptr.dtype.element_ty
     gate = gate.to(dt).to(tl.float32)
@@ -79,8 +84,8 @@ def moe_gemv_down_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stri
     """out[p, n] = weight[p] * (a[p] . w[e, n]), e = ids[p]."""
     pdl_wait(PDL)
     pair, offs_n, n_ok, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
-    acc = _pair_row_dot(a_ptr + pair * stride_am, w_ptr + expert * stride_we, rows, n_ok, K, stride_wn, BLOCK_N,
-                        BLOCK_K, EVEN_K)
+    acc, _ = _rows_dot(a_ptr + pair * stride_am, w_ptr + expert * stride_we, rows, n_ok, K, stride_wn, 0, BLOCK_N,
+                       BLOCK_K, EVEN_K, False)
     dt = out_ptr.dtype.element_ty
     w = tl.load(weights_ptr + pair).to(dt).to(tl.float32)
     tl.store(out_ptr + pair * stride_om + offs_n, (acc.to(dt).to(tl.float32) * w).to(dt), mask=n_ok)
