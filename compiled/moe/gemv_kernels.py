@@ -27,7 +27,8 @@ from compiled.pdl import pdl_wait
 def _rows_dot(a_ptr, w_ptr, rows, row_ok, K, stride_wn, second, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               EVEN_K: tl.constexpr, PAIRED: tl.constexpr):
     """`[BLOCK_N]` fp32: the weight rows `rows` (from w_ptr) dotted with the vector at a_ptr, and
-    with PAIRED the rows `second` further on too, in the same K loop (zeros without)."""
+    with PAIRED the rows `second` further on too, in the same K loop (without: the first twice,
+    no second reduction)."""
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -46,7 +47,10 @@ def _rows_dot(a_ptr, w_ptr, rows, row_ok, K, stride_wn, second, BLOCK_N: tl.cons
             w2 = tl.load(w_ptrs + second * stride_wn, mask=mask, other=0.0, eviction_policy="evict_first")
             acc2 += w2.to(tl.float32) * a.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
-    return tl.sum(acc, axis=1), tl.sum(acc2, axis=1)
+    total = tl.sum(acc, axis=1)
+    if PAIRED:
+        return total, tl.sum(acc2, axis=1)
+    return total, total
 
 
 @triton.jit
