@@ -8,8 +8,8 @@ Measured in the same run:
   fused        compiled::fused_moe's Triton path, routing given (CUDA graph of one call per layer)
   sep. sum     the same with the top-k sum as a kernel of its own (fused_sum=False)
   TMA          the same tuned tiles with the weight tiles loaded through TMA descriptors (TMA=1)
-  2 kernels    one token only: the two-GEMM path instead of the one-launch kernel (one_launch=False)
-  gemv         one token only: the two GEMVs (gemv=True, GEMV_TILES); --sweep-gemv times other tiles
+  2 kernels    one token only: the two grouped GEMMs (one_launch=False, gemv=False)
+  gemv         one token only: the two GEMVs (the default there: GEMV_TILES); --sweep-gemv times other tiles
   fused+route  compiled::topk_route (Triton) + fused MoE (CUDA graph)
   gmm+route    torch routing + torch._grouped_mm for w13 and w2 (CUDA graph when capturable)
   hf_eager     transformers' Qwen3MoeExperts, eager expert loop (routing given; host syncs, events)
@@ -151,15 +151,15 @@ def run(args) -> dict:
 
         attempt("fused_sep_sum_us", lambda: time_graph(
             [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
-                                             fused_sum=False, one_launch=False) for l in range(L)], reps=args.reps) / L)
+                                             fused_sum=False, one_launch=False, gemv=False) for l in range(L)], reps=args.reps) / L)
         tma_cfg = with_tma(fm.get_config(T, E, I, torch.bfloat16))
         attempt("fused_tma_us", lambda: time_graph(
             [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
-                                             config=tma_cfg, one_launch=False) for l in range(L)], reps=args.reps) / L)
+                                             config=tma_cfg, one_launch=False, gemv=False) for l in range(L)], reps=args.reps) / L)
         if T == 1:
             attempt("fused_two_kernels_us", lambda: time_graph(
                 [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
-                                                 one_launch=False) for l in range(L)], reps=args.reps) / L)
+                                                 one_launch=False, gemv=False) for l in range(L)], reps=args.reps) / L)
             attempt("gemv_us", lambda: time_graph(
                 [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
                                                  one_launch=False, gemv=True) for l in range(L)], reps=args.reps) / L)
@@ -214,8 +214,11 @@ def with_tma(cfg: dict) -> dict:
 def sweep_gemv(x, routes, w13, w2, ws, L: int, reps: int) -> list[dict]:
     """µs per layer of the one-token GEMVs over a grid of tiles: the up kernel's with GEMV_TILES'
     down tile, then the down kernel's with the best up tile; best first."""
-    grid = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (1, 2, 4, 8) for bk in (256, 512, 1024)
-            for w in (4, 8)]
+    # around the fifteenth session's first sweep's best (up 4 x 1024, down 8 x 256, 4 warps)
+    grids = dict(up=[dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (2, 4, 8) for bk in (512, 1024, 2048)
+                     for w in (2, 4, 8)],
+                 down=[dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (4, 8, 16) for bk in (128, 256, 512)
+                       for w in (2, 4, 8)])
 
     def timed(cfg: dict) -> float | None:
         try:
@@ -228,7 +231,7 @@ def sweep_gemv(x, routes, w13, w2, ws, L: int, reps: int) -> list[dict]:
     results = []
     for stage in ("up", "down"):
         base = dict(fm.GEMV_TILES) if not results else {k: results[0][k] for k in ("up", "down")}
-        for tile in grid:
+        for tile in grids[stage]:
             cfg = dict(base, **{stage: tile})
             us = timed(cfg)
             if us is not None:

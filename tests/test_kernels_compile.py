@@ -112,7 +112,7 @@ def _moe_calls() -> None:
         ids = torch.randint(0, E, (T, k))
         weights = torch.rand(T, k)
         config = table[min(table, key=lambda m: abs(m - T))]
-        fm.fused_moe_triton(x, weights, ids, w13, w2, config=config)
+        fm.fused_moe_triton(x, weights, ids, w13, w2, config=config, gemv=False)
     fm.fused_moe_triton(x[:1], weights[:1], ids[:1], w13, w2, one_launch=True)
     fm.fused_moe_triton(x[:1], weights[:1], ids[:1], w13, w2, gemv=True)
 

@@ -65,7 +65,7 @@ def _check_fused(T, E, k, H, I, cfg, dtype=torch.float32, used_experts=None, see
 
 def case_one_token_naive_e128_k8():
     x, w, ids, w13, w2 = _problem(1, 128, 8, 32, 48)
-    out = fm.fused_moe_triton(x, w, ids, w13, w2, config=fm.default_config(1, 128), one_launch=False)
+    out = fm.fused_moe_triton(x, w, ids, w13, w2, config=fm.default_config(1, 128), one_launch=False, gemv=False)
     torch.testing.assert_close(out, fm.fused_moe_ref(x, w, ids, w13, w2), atol=2e-5, rtol=1e-5)
 
 
@@ -100,7 +100,7 @@ def case_one_token_gemv_odd_sizes_slots_and_sum():
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
         if k > 1:
             slots = fm.fused_moe_triton(x, w, ids, w13, w2, gemv=True, gemv_tiles=tiles, sum_slots=False)
-            tiled = fm.fused_moe_triton(x, w, ids, w13, w2, config=fm.default_config(1, E), one_launch=False,
+            tiled = fm.fused_moe_triton(x, w, ids, w13, w2, config=fm.default_config(1, E), one_launch=False, gemv=False,
                                         sum_slots=False)
             torch.testing.assert_close(slots, tiled, atol=2e-5, rtol=1e-5)
     x, w, ids, w13, w2 = _problem(1, 16, 4, 48, 32, dtype=torch.bfloat16, seed=8)
@@ -117,7 +117,7 @@ def case_fused_sum_counters_reset_and_separate_sum():
     for T, cfg in ((1, fm.default_config(1, 16)), (37, _cfg(16, 16, 16))):
         x, w, ids, w13, w2 = _problem(T, 16, 4, 40, 48, seed=T)
         ref = fm.fused_moe_ref(x, w, ids, w13, w2)
-        outs = [fm.fused_moe_triton(x, w, ids, w13, w2, config=cfg, fused_sum=f, one_launch=False)
+        outs = [fm.fused_moe_triton(x, w, ids, w13, w2, config=cfg, fused_sum=f, one_launch=False, gemv=False)
                 for f in (True, True, False)]
         for out in outs:
             torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
@@ -499,7 +499,7 @@ def test_gpu_one_token_both_paths(real_layer):
         ref = fm.fused_moe_ref(x, w, ids, w13, w2)
         exact = fm.fused_moe_ref(x.float(), w, ids, w13.float(), w2.float())
         ref_err = (ref.float() - exact).abs().max().item()
-        for path in (dict(one_launch=True), dict(one_launch=False), dict(one_launch=False, gemv=True)):
+        for path in (dict(one_launch=True), dict(one_launch=False, gemv=False), dict(one_launch=False, gemv=True)):
             out = fm.fused_moe_triton(x, w, ids, w13, w2, **path)
             assert (out.float() - exact).abs().max().item() <= 2 * ref_err + 1e-3, path
             torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
@@ -517,7 +517,7 @@ def test_gpu_tma_weight_tiles(real_layer, T):
     cfg = fm.get_config(T, E_REAL, I_REAL, torch.bfloat16, x.device)
     cfg = dict(cfg, TMA=1, down=dict(cfg.get("down") or {}, TMA=1))
     assert fm.weight_desc(w13, cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]) is not None
-    out = fm.fused_moe_triton(x, w, ids, w13, w2, config=cfg, one_launch=False)
+    out = fm.fused_moe_triton(x, w, ids, w13, w2, config=cfg, one_launch=False, gemv=False)
     torch.testing.assert_close(out.float(), fm.fused_moe_ref(x, w, ids, w13, w2).float(), atol=3e-2, rtol=3e-2)
 
 
@@ -533,7 +533,7 @@ def test_gpu_quarter_height_tiles(real_layer, T, bm):
         cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=3,
                    HALF_M=2, TMA=tma, down=dict(BLOCK_SIZE_N=128, HALF_M=2, TMA=tma))
         assert fm._split_config(cfg)[1]["HALF_M"] == 2
-        out = fm.fused_moe_triton(x, w, ids, w13, w2, config=cfg, one_launch=False)
+        out = fm.fused_moe_triton(x, w, ids, w13, w2, config=cfg, one_launch=False, gemv=False)
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
 
