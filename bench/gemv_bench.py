@@ -1,7 +1,7 @@
 """The skinny GEMM's GEMV mode (weight tiles straight into registers, FMA, one reduction at the
 end; no tensor-core tile, no shared-memory staging) against its tensor-core tiles and cuBLAS on
 the decode step's linears, at one row (where the heuristic takes it) and, with --rows, at more
-(where the heuristic gives it a narrow N only, GEMV_NARROW_MAX_M): the `gemv_config` tile and
+(where the heuristic's GEMV_MAX_M would have to be raised first): the `gemv_config` tile and
 the best of a sweep. Timing as bench/linear_bench.py (one CUDA graph of one call per weight
 copy, copies cycled past L2).
 
@@ -22,7 +22,6 @@ import triton
 
 from bench.linear_bench import SHAPES, make_weights, time_calls, try_config, weight_copies
 from compiled.graphs import linear_kernels as lk
-from compiled.graphs.linear import SKINNY_MAX_M
 
 GRID = list(itertools.product((1, 2, 4, 8), (256, 512, 1024, 2048), (1, 2, 4, 8, 16), (4, 8), (1,)))
 
@@ -54,7 +53,7 @@ def main() -> None:
         n, k = SHAPES[name]
         weights = make_weights(n, k, weight_copies(n, k))
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        tiles, gemv = lk.skinny_config(SKINNY_MAX_M, n, k, sms), lk.gemv_config(n, k, sms, m)  # M: tiles ignore it
+        tiles, gemv = lk.skinny_config(max(m, 2), n, k, sms), lk.gemv_config(n, k, sms)
         row = {"m": m, "cublas_us": time_calls(F.linear, x, weights, a.reps),
                "tiles_us": time_calls(lambda a_, w: lk.skinny_linear_triton(a_, w, tiles), x, weights, a.reps),
                "gemv_heuristic": list(gemv),

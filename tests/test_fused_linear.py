@@ -33,8 +33,6 @@ NORM_CASES = [
     ("norm_gemv_m1_n130_k200_split4", 1, 130, 200, "float32", (8, 32, 4, 4, 1, True), True),
     ("norm_gemv_m1_n40_k96_bf16_split2", 1, 40, 96, "bfloat16", (1, 32, 2, 4, 1, True), False),
     ("norm_gemv_m3_n40_k200_split2", 3, 40, 200, "float32", (2, 64, 2, 4, 1, True), True),
-    # several rows of a narrow N, as the heuristic gives the router: one column, all K in one step
-    ("norm_gemv_m8_n7_k200_one_step", 8, 7, 200, "bfloat16", (1, 256, 1, 8, 1, True), True),
 ]
 # (name, M, N, K, dtype, forced config or None): gate_up is [M, 2K]
 SILU_CASES = [

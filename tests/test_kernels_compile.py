@@ -119,9 +119,8 @@ def _moe_calls() -> None:
 
 def _other_calls() -> None:
     """Launches the model steps above do not make: on CUDA only (routing, the prologues outside the
-    GEMM), without the fuse_qk_norm_rope pass (the plain K/V store), or in the skinny GEMM's GEMV
-    mode (one row: plain, split, and with each prologue; the router's 8 rows with the norm; the
-    decode step above has three)."""
+    GEMM), without the fuse_qk_norm_rope pass (the plain K/V store), or at one row (the skinny
+    GEMM's GEMV mode: plain, split, and with each prologue; the decode step above has three)."""
     from compiled.attention.triton_store import store_kv_triton
     from compiled.graphs.prologue_kernels import add_rms_norm_triton, silu_and_mul_triton
     from compiled.moe.routing import topk_route_triton
@@ -145,7 +144,6 @@ def _other_calls() -> None:
     lk.skinny_linear_triton(row, router, lk.SkinnyConfig(2, 256, 2, gemv=True))
     lk.skinny_linear_triton(x[:4], router, lk.SkinnyConfig(2, 256, 1, gemv=True))   # several rows (forced)
     lk.add_rms_norm_linear_triton(row, row, torch.ones(2048).bfloat16(), 1e-6, router, True)
-    lk.add_rms_norm_linear_triton(x[:8], x[:8], torch.ones(2048).bfloat16(), 1e-6, router, True)  # 8 rows: GEMV
     lk.silu_mul_linear_triton(torch.randn(1, 4096).bfloat16(), torch.randn(512, 2048).bfloat16())
 
 

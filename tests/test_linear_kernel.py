@@ -218,9 +218,9 @@ REAL_SHAPES = [(5120, 2048), (2048, 4096), (128, 2048), (151936, 2048), (6144, 1
 
 @pytest.mark.parametrize("n,k", REAL_SHAPES)
 def test_heuristic_fills_the_gpu_within_the_workspace(n, k):
-    """The tensor-core tiles (2-16 rows; M does not enter)."""
+    """The tensor-core tiles (2-16 rows)."""
     from compiled.graphs import linear_kernels as lk
-    cfg = lk.skinny_config(SKINNY_MAX_M, n, k, 132)
+    cfg = lk.skinny_config(2, n, k, 132)
     lk.check_config(cfg, SKINNY_MAX_M, n)
     programs = -(-n // cfg.block_n) * cfg.split_k
     assert programs >= 64 and k // cfg.split_k >= min(k, lk.MIN_K_PER_SPLIT)
@@ -234,7 +234,7 @@ def test_heuristic_fills_the_gpu_within_the_workspace(n, k):
     assert lk.beats_cublas(cfg, n, 132) == (wide or n <= 2048)
     # with a prologue (never the wide LM head), more splits until each program has at most the
     # bound's K steps or the split is at its own bounds; never fewer than without
-    fused = lk.skinny_config(SKINNY_MAX_M, n, k, 132, lk.PROLOGUE_MAX_STEPS)
+    fused = lk.skinny_config(2, n, k, 132, lk.PROLOGUE_MAX_STEPS)
     lk.check_config(fused, SKINNY_MAX_M, n)
     assert fused.split_k >= cfg.split_k and fused[:2] == cfg[:2]
     steps = -(-k // (fused.split_k * fused.block_k))
@@ -251,27 +251,13 @@ def test_one_row_takes_the_gemv_mode(n, k):
     wide = n >= 64 * lk.WIDE_PROGRAMS_PER_SM * 132
     assert cfg.gemv != wide and lk.beats_cublas(cfg, n, 132)
     if wide:
-        assert cfg == lk.skinny_config(SKINNY_MAX_M, n, k, 132)
+        assert cfg == lk.skinny_config(2, n, k, 132)
         return
     blocks = -(-n // cfg.block_n)
     assert (cfg.split_k > 1) == (blocks < 66) and blocks * cfg.split_k >= 66
     assert blocks * cfg.split_k <= 132 or cfg.split_k == 1
     assert cfg.block_k <= lk.GEMV_MAX_BLOCK_K and k // cfg.split_k >= lk.MIN_K_PER_SPLIT
     assert lk.skinny_config(1, n, k, 132, lk.PROLOGUE_MAX_STEPS) == cfg
-
-
-@pytest.mark.parametrize("n,k", REAL_SHAPES)
-def test_several_rows_take_the_gemv_mode_for_a_narrow_n_only(n, k):
-    """2 to GEMV_NARROW_MAX_M rows: the GEMV mode for the router (one column a program, the whole
-    K in one step, no split, 8 warps), the tiles for every other shape and for more rows."""
-    from compiled.graphs import linear_kernels as lk
-    for m in (2, 3, lk.GEMV_NARROW_MAX_M, lk.GEMV_NARROW_MAX_M + 1):
-        cfg = lk.skinny_config(m, n, k, 132, lk.PROLOGUE_MAX_STEPS)
-        assert cfg.gemv == (n == 128 and m <= lk.GEMV_NARROW_MAX_M), (m, cfg)
-        if cfg.gemv:
-            assert cfg == lk.SkinnyConfig(1, min(k, lk.GEMV_NARROW_BLOCK_K), 1, lk.GEMV_NARROW_NUM_WARPS, 1, True)
-            assert lk.beats_cublas(cfg, n, 132)
-            lk.check_config(cfg, m, n)
 
 
 # ----------------------------------------------------------------------------------------------

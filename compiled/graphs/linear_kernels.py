@@ -59,13 +59,6 @@ GEMV_BLOCK_N = 2
 GEMV_MAX_BLOCK_K = 1024
 GEMV_NUM_WARPS = 4
 GEMV_MAX_M = 1             # rows the heuristic gives the mode (it serves up to SKINNY_MAX_M: a forced config)
-# A narrow N (one column a program: the router) takes the mode up to this many rows, in one
-# 2048-wide K step with 8 warps: at 2-8 rows 2.2-3.0 µs against 4.9-5.0 for the split tiles and
-# 5.3 for cuBLAS (H100, gemv_bench.py --rows; RESULTS.md, fifteenth session). Wider N (qkv,
-# o_proj) measured no better than the tiles at 2-8 rows.
-GEMV_NARROW_MAX_M = 8
-GEMV_NARROW_BLOCK_K = 2048
-GEMV_NARROW_NUM_WARPS = 8
 
 
 class SkinnyConfig(NamedTuple):
@@ -83,16 +76,15 @@ def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, prolog
     head) takes 64-column blocks and no split. Otherwise 64 columns from N = 2048 down to 32 (16
     for N <= 128), and SPLIT_K the largest power of two that keeps N x SPLIT_K within
     SPLIT_COLUMNS_PER_SM x num_sms, each split at least MIN_K_PER_SPLIT long and the partials
-    within the workspace. Up to GEMV_MAX_M rows (GEMV_NARROW_MAX_M for a narrow N) take the GEMV
-    mode instead (`gemv_config`);
+    within the workspace. Up to GEMV_MAX_M rows take the GEMV mode instead (`gemv_config`);
     otherwise M does not enter: at M <= 16 the time is the weight's bytes. `prologue_steps` (a
     kernel with a prologue: PROLOGUE_MAX_STEPS): split further, within the same bounds, until a
     program has at most that many K steps."""
     block_k = min(MAX_BLOCK_K, max(MIN_BLOCK, triton.next_power_of_2(K)))
     if triton.cdiv(N, MAX_BLOCK_N) >= WIDE_PROGRAMS_PER_SM * num_sms:
         return SkinnyConfig(MAX_BLOCK_N, block_k, 1)
-    if M <= GEMV_MAX_M or M <= GEMV_NARROW_MAX_M and gemv_narrow(N, num_sms):
-        return gemv_config(N, K, num_sms, M)
+    if M <= GEMV_MAX_M:
+        return gemv_config(N, K, num_sms)
     block_n = MAX_BLOCK_N if N >= 2048 else (2 * MIN_BLOCK if N > 128 else MIN_BLOCK)
     max_split = min(MAX_SPLIT_K, K // MIN_K_PER_SPLIT, WORKSPACE_COLS // max(N, 1))
     split = 1
@@ -103,27 +95,18 @@ def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, prolog
     return SkinnyConfig(block_n, block_k, split)
 
 
-def gemv_narrow(N: int, num_sms: int) -> bool:
-    """Whether GEMV_BLOCK_N columns a program would leave half the SMs idle (the router)."""
-    return triton.cdiv(N, GEMV_BLOCK_N) < num_sms // 2
-
-
-def gemv_config(N: int, K: int, num_sms: int, M: int = 1) -> SkinnyConfig:
+def gemv_config(N: int, K: int, num_sms: int) -> SkinnyConfig:
     """GEMV_BLOCK_N columns a program, or one where that grid is short of half the SMs; a grid
     still short splits K (a power of two, up to one program per SM, each split at least
-    MIN_K_PER_SPLIT long). Several rows (a narrow N only, by the heuristic): wider K steps and
-    more warps, GEMV_NARROW_*."""
-    narrow = gemv_narrow(N, num_sms)
-    block_n = 1 if narrow else GEMV_BLOCK_N
+    MIN_K_PER_SPLIT long)."""
+    block_n = GEMV_BLOCK_N if triton.cdiv(N, GEMV_BLOCK_N) >= num_sms // 2 else 1
     blocks = triton.cdiv(N, block_n)
     split = 1
     if blocks < num_sms // 2:
         while 2 * split <= MAX_SPLIT_K and K // (2 * split) >= MIN_K_PER_SPLIT and blocks * 2 * split <= num_sms:
             split *= 2
-    max_block_k, warps = ((GEMV_NARROW_BLOCK_K, GEMV_NARROW_NUM_WARPS) if narrow and M > 1
-                          else (GEMV_MAX_BLOCK_K, GEMV_NUM_WARPS))
-    block_k = min(max_block_k, max(MIN_BLOCK, triton.next_power_of_2(triton.cdiv(K, split))))
-    return SkinnyConfig(block_n, block_k, split, warps, num_stages=1, gemv=True)
+    block_k = min(GEMV_MAX_BLOCK_K, max(MIN_BLOCK, triton.next_power_of_2(triton.cdiv(K, split))))
+    return SkinnyConfig(block_n, block_k, split, GEMV_NUM_WARPS, num_stages=1, gemv=True)
 
 
 def beats_cublas(config: SkinnyConfig, N: int, num_sms: int = DEFAULT_NUM_SMS) -> bool:
