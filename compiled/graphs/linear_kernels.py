@@ -194,6 +194,13 @@ def _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K
 
 
 @triton.jit
+def _weight_tile(w_ptrs, mask_n, mask_k, EVEN_K: tl.constexpr):
+    """One `[BLOCK_N, BLOCK_K]` weight tile; EVEN_K: no mask along K (the loads stay vectorised)."""
+    mask = mask_n[:, None] if EVEN_K else mask_n[:, None] & mask_k[None, :]
+    return tl.load(w_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
 def _skinny_kernel(
     X, W, Y, Partials, Semaphores, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
     D, NW, H, NORMED, Sums, eps, NORMED_CHUNK, stride_dm, stride_hm, stride_nm,
@@ -227,13 +234,17 @@ def _skinny_kernel(
     mask_n = offs_n < N
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
+    if GEMV:
+        # The weights do not depend on the kernel before: the first tile is loaded before waiting
+        # for it, and each later one a step ahead.
+        w = _weight_tile(w_ptrs, mask_n, k_start + offs_k < k_end, EVEN_K)
     if ADD_NORM or SILU_MUL:
         # With a prologue the next kernel is let in only after the main loop: let in at the start
         # (pdl_wait), it made the decode step slower than no PDL at all (RESULTS.md, eighth session).
         pdl_wait_only(PDL)
     else:
         pdl_wait(PDL)
-    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
     if GEMV:
         if BLOCK_M == 1:
             acc_k = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -252,13 +263,9 @@ def _skinny_kernel(
             nw = tl.load(NW + ks, mask=ks < k_end, other=0.0)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + offs_k
-        if EVEN_K:
-            x_mask = mask_m[:, None]
-            w = tl.load(w_ptrs, mask=mask_n[:, None], other=0.0, eviction_policy="evict_first")
-        else:
-            mask_k = ks < k_end
-            x_mask = mask_m[:, None] & mask_k[None, :]
-            w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
+        x_mask = mask_m[:, None] if EVEN_K else mask_m[:, None] & (ks < k_end)[None, :]
+        if not GEMV:
+            w = _weight_tile(w_ptrs, mask_n, ks < k_end, EVEN_K)
         if ADD_NORM or SILU_MUL:
             nxt = ks + BLOCK_K
             a_next, b_next = _prologue_tiles(X, D, offs_m, nxt, mask_m[:, None] & (nxt < k_end)[None, :], stride_xm,
@@ -282,6 +289,8 @@ def _skinny_kernel(
                 acc_k += w.to(tl.float32) * x.to(tl.float32)
             else:
                 acc_k += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            if k0 + BLOCK_K < k_end:
+                w = _weight_tile(w_ptrs + BLOCK_K, mask_n, ks + BLOCK_K < k_end, EVEN_K)
         else:
             if UPCAST:  # see interpreter_upcast()
                 x = x.to(tl.float32)
