@@ -20,47 +20,37 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.pdl import pdl_let_next_in, pdl_wait, pdl_wait_only
+from compiled.pdl import pdl_wait
 
 
 @triton.jit
 def _rows_dot(a_ptr, w_ptr, rows, row_ok, K, stride_wn, second, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr, PAIRED: tl.constexpr, WAIT: tl.constexpr):
+              EVEN_K: tl.constexpr, PAIRED: tl.constexpr):
     """`[BLOCK_N]` fp32: the weight rows `rows` (from w_ptr) dotted with the vector at a_ptr, and
     with PAIRED the rows `second` further on too, in the same K loop (without: the first twice,
-    no second reduction). Each weight tile is loaded a step ahead; WAIT: the first before waiting
-    for the kernel before (PDL), which the vector comes from."""
+    no second reduction)."""
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
-    w, w2 = _tiles(w_ptrs, second * stride_wn, row_ok, offs_k < K, EVEN_K, PAIRED)
-    pdl_wait(WAIT)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
+        if EVEN_K:   # no mask along K: the weight loads stay vectorised
             a = tl.load(a_ptr + k0 + offs_k)
+            mask = row_ok[:, None]
         else:
-            a = tl.load(a_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0)
+            k_ok = k0 + offs_k < K
+            a = tl.load(a_ptr + k0 + offs_k, mask=k_ok, other=0.0)
+            mask = row_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
         if PAIRED:
+            w2 = tl.load(w_ptrs + second * stride_wn, mask=mask, other=0.0, eviction_policy="evict_first")
             acc2 += w2.to(tl.float32) * a.to(tl.float32)[None, :]
-        if k0 + BLOCK_K < K:
-            w_ptrs += BLOCK_K
-            w, w2 = _tiles(w_ptrs, second * stride_wn, row_ok, k0 + BLOCK_K + offs_k < K, EVEN_K, PAIRED)
+        w_ptrs += BLOCK_K
     total = tl.sum(acc, axis=1)
     if PAIRED:
         return total, tl.sum(acc2, axis=1)
     return total, total
-
-
-@triton.jit
-def _tiles(w_ptrs, second, row_ok, k_ok, EVEN_K: tl.constexpr, PAIRED: tl.constexpr):
-    """The weight tile at w_ptrs and, with PAIRED, the one `second` further on (else the first again)."""
-    mask = row_ok[:, None] if EVEN_K else row_ok[:, None] & k_ok[None, :]
-    w = tl.load(w_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
-    if PAIRED:
-        return w, tl.load(w_ptrs + second, mask=mask, other=0.0, eviction_policy="evict_first")
-    return w, w
 
 
 @triton.jit
@@ -79,13 +69,10 @@ def _pair_block(ids_ptr, N, BLOCK_N: tl.constexpr):
 def moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_wn, stride_om,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """out[p, n] = silu(x . w[e, n]) * (x . w[e, N + n]), e = ids[p], for the token x `[K]`."""
-    # The ids come from the kernel before. The next kernel is let in only once they are written,
-    # so that it may read them before its own wait.
-    pdl_wait_only(PDL)
-    pdl_let_next_in(PDL)
+    pdl_wait(PDL)
     pair, offs_n, n_ok, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
     w_e = w_ptr + expert * stride_we
-    gate, up = _rows_dot(x_ptr, w_e, rows, n_ok, K, stride_wn, N, BLOCK_N, BLOCK_K, EVEN_K, True, False)
+    gate, up = _rows_dot(x_ptr, w_e, rows, n_ok, K, stride_wn, N, BLOCK_N, BLOCK_K, EVEN_K, True)
     # round like the unfused model: gate/up in the activation dtype, silu, product
     dt = out_ptr.dtype.element_ty
     gate = gate.to(dt).to(tl.float32)
@@ -98,11 +85,11 @@ def moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_w
 def moe_gemv_down_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_am, stride_we, stride_wn,
                          stride_om, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                          PDL: tl.constexpr):
-    """out[p, n] = weight[p] * (a[p] . w[e, n]), e = ids[p]. The ids (and the weight tile they
-    select) are read before waiting for the up kernel: it lets this one in only after they exist."""
+    """out[p, n] = weight[p] * (a[p] . w[e, n]), e = ids[p]."""
+    pdl_wait(PDL)
     pair, offs_n, n_ok, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
     acc, _ = _rows_dot(a_ptr + pair * stride_am, w_ptr + expert * stride_we, rows, n_ok, K, stride_wn, 0, BLOCK_N,
-                       BLOCK_K, EVEN_K, False, PDL)
+                       BLOCK_K, EVEN_K, False)
     dt = out_ptr.dtype.element_ty
     w = tl.load(weights_ptr + pair).to(dt).to(tl.float32)
     tl.store(out_ptr + pair * stride_om + offs_n, (acc.to(dt).to(tl.float32) * w).to(dt), mask=n_ok)
