@@ -151,11 +151,13 @@ def run(args) -> dict:
 
         attempt("fused_sep_sum_us", lambda: time_graph(
             [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
-                                             fused_sum=False, one_launch=False, gemv=False) for l in range(L)], reps=args.reps) / L)
+                                             fused_sum=False, one_launch=False, gemv=False) for l in range(L)],
+            reps=args.reps) / L)
         tma_cfg = with_tma(fm.get_config(T, E, I, torch.bfloat16))
         attempt("fused_tma_us", lambda: time_graph(
             [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
-                                             config=tma_cfg, one_launch=False, gemv=False) for l in range(L)], reps=args.reps) / L)
+                                             config=tma_cfg, one_launch=False, gemv=False) for l in range(L)],
+            reps=args.reps) / L)
         if T == 1:
             attempt("fused_two_kernels_us", lambda: time_graph(
                 [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,

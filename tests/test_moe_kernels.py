@@ -100,8 +100,8 @@ def case_one_token_gemv_odd_sizes_slots_and_sum():
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
         if k > 1:
             slots = fm.fused_moe_triton(x, w, ids, w13, w2, gemv=True, gemv_tiles=tiles, sum_slots=False)
-            tiled = fm.fused_moe_triton(x, w, ids, w13, w2, config=fm.default_config(1, E), one_launch=False, gemv=False,
-                                        sum_slots=False)
+            tiled = fm.fused_moe_triton(x, w, ids, w13, w2, config=fm.default_config(1, E), one_launch=False,
+                                        gemv=False, sum_slots=False)
             torch.testing.assert_close(slots, tiled, atol=2e-5, rtol=1e-5)
     x, w, ids, w13, w2 = _problem(1, 16, 4, 48, 32, dtype=torch.bfloat16, seed=8)
     exact = fm.fused_moe_ref(x.float(), w, ids, w13.float(), w2.float())
