@@ -66,14 +66,24 @@ def _decode_kernel(
 ):
     """DIRECT (one split): write the normalised output straight to Out, no merge. NORM_ROPE: q
     and the new k arrive raw; RMSNorm (weights Qw, Kw) and RoPE at Pos[b] are applied here."""
-    pdl_wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # The lengths, rows, positions and the request->token table come from the host (or an
+    # ordinary kernel before the step), never from the kernel before this one: they and the first
+    # tile's slots are read before waiting for it (PDL).
     seq_len = tl.load(Seq_lens + b).to(tl.int32)
     # Loaded beside the length, not after it: the slot gathers wait on both.
     row = tl.load(Req_pool_indices + b).to(tl.int64)
     start, end = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
+    r2t = Req_to_token + row * stride_r2t
+    offs_n = start + tl.arange(0, BLOCK_N)
+    slots = tl.load(r2t + offs_n, mask=offs_n < end, other=0).to(tl.int64)
+    if NORM_ROPE:
+        rope_row = Cos_sin + tl.load(Pos + b).to(tl.int64) * stride_cs
+    else:
+        rope_row = Cos_sin
+    pdl_wait(PDL)
     offs_g = tl.arange(0, BLOCK_H)
     heads = kvh * GROUP + offs_g
     mask_h = offs_g < GROUP
@@ -81,12 +91,8 @@ def _decode_kernel(
     mask_d = offs_d < D
     out_ptrs = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     if NORM_ROPE:
-        # Before the split's range is known: these loads then overlap the sequence length's.
-        rope_row = Cos_sin + tl.load(Pos + b).to(tl.int64) * stride_cs
         q_rope = norm_rope_tile(Q + b.to(tl.int64) * stride_qb, heads * stride_qh, mask_h, offs_d, Qw, rope_row,
                                 eps, D, Q.dtype.element_ty).to(Q.dtype.element_ty)
-    else:
-        rope_row = Cos_sin
     if STORE:
         if (start < end) & (end == seq_len):   # this split holds the newest token: store it first
             _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, Kw, rope_row, eps, b, kvh, offs_g, offs_d,
@@ -106,13 +112,11 @@ def _decode_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        r2t = Req_to_token + row * stride_r2t
         k_base = K_cache + kvh * stride_kch
         v_base = V_cache + kvh * stride_vch
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            slots = tl.load(r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(k_base + slots[:, None] * stride_kcs + offs_d[None, :], mask=kv_mask, other=0.0)
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * sm_scale_log2
@@ -124,6 +128,8 @@ def _decode_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
             m_i = m_new
+            if n0 + BLOCK_N < end:   # the next tile's slots, a step ahead
+                slots = tl.load(r2t + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end, other=0).to(tl.int64)
         if DIRECT:
             tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
         else:
