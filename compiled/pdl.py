@@ -5,12 +5,14 @@ A kernel launched with `launch_pdl=True` may start while the previous kernel of 
 still running, once all of that kernel's programs have started and called
 `gdc_launch_dependents`. Each such kernel here begins with `pdl_wait`: it lets the next kernel
 launch, then waits (`gdc_wait`) until the previous one has finished and its writes are visible,
-and only then reads what kernels write or writes anything. A kernel that does not take part
-(cuBLAS, Inductor's) serialises as usual, before and after. (Prefetching the next weights into L2
-before the wait measured slower, per cache line in the seventh session and as bulk TMA prefetches
-in the ninth, and so did prefetching them from the decode attention's grid, while DRAM idles, in
-the twelfth; loading the skinny GEMV's first weight tile into registers before the wait measured
-faster, in the fifteenth: bench/RESULTS.md.)
+and only then writes anything or reads what a kernel of the step may have written: the weights
+(the skinny GEMV's first tile) and what the host uploads before the step (decode attention's
+lengths and slots) may be read before the wait. A kernel that does not take part (cuBLAS,
+Inductor's) serialises as usual, before and after, and so ends any early start. (Prefetching the
+next weights into L2 before the wait measured slower, per cache line in the seventh session and
+as bulk TMA prefetches in the ninth, and so did prefetching them from the decode attention's grid,
+while DRAM idles, in the twelfth; the register loads before the wait measured faster, in the
+fifteenth: bench/RESULTS.md.)
 
 `COMPILED_PDL=0` (read at import) turns it off; it is also off off-GPU, before Hopper and under
 the Triton interpreter, where the flag is a compile-time False and the kernels are unchanged."""
