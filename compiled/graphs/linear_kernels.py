@@ -194,7 +194,7 @@ def _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K
 
 
 @triton.jit
-def _weight_tile(w_ptrs, mask_n, mask_k, EVEN_K: tl.constexpr):
+def weight_tile(w_ptrs, mask_n, mask_k, EVEN_K: tl.constexpr):
     """One `[BLOCK_N, BLOCK_K]` weight tile; EVEN_K: no mask along K (the loads stay vectorised)."""
     mask = mask_n[:, None] if EVEN_K else mask_n[:, None] & mask_k[None, :]
     return tl.load(w_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
@@ -238,7 +238,7 @@ def _skinny_kernel(
     if GEMV:
         # The weights do not depend on the kernel before: the first tile is loaded before waiting
         # for it, and each later one a step ahead.
-        w = _weight_tile(w_ptrs, mask_n, k_start + offs_k < k_end, EVEN_K)
+        w = weight_tile(w_ptrs, mask_n, k_start + offs_k < k_end, EVEN_K)
     if ADD_NORM or SILU_MUL:
         # With a prologue the next kernel is let in only after the main loop: let in at the start
         # (pdl_wait), it made the decode step slower than no PDL at all (RESULTS.md, eighth session).
@@ -265,7 +265,7 @@ def _skinny_kernel(
         ks = k0 + offs_k
         x_mask = mask_m[:, None] if EVEN_K else mask_m[:, None] & (ks < k_end)[None, :]
         if not GEMV:
-            w = _weight_tile(w_ptrs, mask_n, ks < k_end, EVEN_K)
+            w = weight_tile(w_ptrs, mask_n, ks < k_end, EVEN_K)
         if ADD_NORM or SILU_MUL:
             nxt = ks + BLOCK_K
             a_next, b_next = _prologue_tiles(X, D, offs_m, nxt, mask_m[:, None] & (nxt < k_end)[None, :], stride_xm,
@@ -290,7 +290,7 @@ def _skinny_kernel(
             else:
                 acc_k += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
             if k0 + BLOCK_K < k_end:
-                w = _weight_tile(w_ptrs + BLOCK_K, mask_n, ks + BLOCK_K < k_end, EVEN_K)
+                w = weight_tile(w_ptrs + BLOCK_K, mask_n, ks + BLOCK_K < k_end, EVEN_K)
         else:
             if UPCAST:  # see interpreter_upcast()
                 x = x.to(tl.float32)
@@ -400,6 +400,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
     _skinny_kernel[grid](
         x, weight, y, partials, semaphores, M, N, K, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         Sums=sums, NORMED_CHUNK=triton.cdiv(K, grid[0]), **args,
-        BLOCK_M=triton.next_power_of_2(M) if gemv else BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=K % block_k == 0,
-        UPCAST=upcast, DOT_PRECISION=precision, GEMV=gemv, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=triton.next_power_of_2(M) if gemv else BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        EVEN_K=K % block_k == 0, UPCAST=upcast, DOT_PRECISION=precision, GEMV=gemv, num_warps=num_warps,
+        num_stages=num_stages,
         **launch_kwargs(x.device))

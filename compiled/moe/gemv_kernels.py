@@ -20,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from compiled.graphs.linear_kernels import weight_tile
 from compiled.pdl import pdl_wait
 
 
@@ -34,17 +35,15 @@ def _rows_dot(a_ptr, w_ptr, rows, row_ok, K, stride_wn, second, BLOCK_N: tl.cons
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:   # no mask along K: the weight loads stay vectorised
+        k_ok = k0 + offs_k < K
+        if EVEN_K:   # no mask along K: the loads stay vectorised
             a = tl.load(a_ptr + k0 + offs_k)
-            mask = row_ok[:, None]
         else:
-            k_ok = k0 + offs_k < K
             a = tl.load(a_ptr + k0 + offs_k, mask=k_ok, other=0.0)
-            mask = row_ok[:, None] & k_ok[None, :]
-        w = tl.load(w_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+        w = weight_tile(w_ptrs, row_ok, k_ok, EVEN_K)
         acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
         if PAIRED:
-            w2 = tl.load(w_ptrs + second * stride_wn, mask=mask, other=0.0, eviction_policy="evict_first")
+            w2 = weight_tile(w_ptrs + second * stride_wn, row_ok, k_ok, EVEN_K)
             acc2 += w2.to(tl.float32) * a.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
     total = tl.sum(acc, axis=1)
