@@ -1,0 +1,159 @@
+"""The project's shape: imports flow one way with no cycles, every folder says what it owns, and
+the text of the tree speaks of the software rather than of how it was made."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("compiled", "cli")
+# Folders that must not reach into the runtime, the compilation or the CLI.
+LOWER = ("compiled.graphs", "compiled.passes", "compiled.attention", "compiled.moe", "compiled.linear",
+         "compiled.lora")
+UPPER = ("compiled.runtime", "cli")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules `path` imports (anywhere in the file, lazy imports included)."""
+    found = set()
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        for name in names:
+            # `import a.b.c` loads a.b.c; `from a.b import c` loads a.b.c when c is a module, else a.b
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != me and not me.startswith(name + ".") and name not in ("compiled", "cli"):
+                found.add(name)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(path, modules) for name, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycles():
+    cycle = _cycle(_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def _within(name: str, folders) -> bool:
+    return any(name == f or name.startswith(f + ".") for f in folders)
+
+
+def test_lower_folders_do_not_import_runtime_or_cli():
+    bad = [f"{m} imports {i}" for m, deps in _graph().items() if _within(m, LOWER)
+           for i in deps if _within(i, UPPER + ("compiled.compilation",))]
+    assert not bad, bad
+
+
+def test_compilation_does_not_import_runtime_or_cli():
+    bad = [f"{m} imports {i}" for m, deps in _graph().items() if _within(m, ("compiled.compilation",))
+           for i in deps if _within(i, UPPER)]
+    assert not bad, bad
+
+
+def test_op_folders_do_not_import_each_other():
+    ops = ("compiled.attention", "compiled.moe", "compiled.linear")
+    bad = [f"{m} imports {i}" for m, deps in _graph().items() for i in deps
+           if any(_within(m, (a,)) and _within(i, ops) and not _within(i, (a,)) for a in ops)]
+    assert not bad, bad
+
+
+def test_every_folder_says_what_it_owns():
+    for pkg in PACKAGES:
+        for init in (ROOT / pkg).rglob("__init__.py"):
+            doc = ast.get_docstring(ast.parse(init.read_text()))
+            assert doc, f"{init.relative_to(ROOT)} has no docstring"
+            assert len(doc.strip().splitlines()) <= 2, f"{init.relative_to(ROOT)}: say it in two lines"
+
+
+def test_readme_layout_matches_the_tree():
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Layout"):]
+    section = section[:section.find("\n## ", 4) if "\n## " in section[4:] else len(section)]
+    listed = set(re.findall(r"^\s*((?:compiled|cli)/[\w/]*?)/?\s", section, re.M))
+    folders = {str(p.parent.relative_to(ROOT)) for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")}
+    assert folders <= {f.rstrip("/") for f in listed}, f"not in the README's layout: {folders - listed}"
+    assert {f.rstrip("/") for f in listed} <= folders, f"in the README but not the tree: {listed - folders}"
+
+
+# Words that tell how the project was made rather than what it does.
+MAKING = re.compile(r"\b(sessions?|rounds? of work|tickets?|issue \d+|#\d{2,}|sprints?|milestones?|"
+                    r"device tool|lent|leases?d?|sandbox|agents?|claude|LLM-written|"
+                    r"(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|"
+                    r"thirteenth|fourteenth|fifteenth|sixteenth) (session|run|round)|run \d+\b)", re.I)
+
+
+def _tracked_text_files():
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout.split()
+    for rel in out:
+        path = ROOT / rel
+        if not path.is_file() or path.suffix in (".safetensors", ".model", ".json") or rel.startswith(".ci/"):
+            continue
+        try:
+            yield rel, path.read_text()
+        except UnicodeDecodeError:
+            continue
+
+
+def test_no_words_about_the_making_of_the_project():
+    hits = []
+    for rel, text in _tracked_text_files():
+        if rel == "tests/project/test_layout.py":
+            continue
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if m := MAKING.search(line):
+                hits.append(f"{rel}:{lineno}: {m.group(0)!r}")
+    assert not hits, "\n".join(hits[:40]) + f"\n({len(hits)} in all)"
+
+
+def test_results_are_current_and_short():
+    lines = (ROOT / "bench" / "RESULTS.md").read_text().splitlines()
+    assert len(lines) < 400, f"bench/RESULTS.md has {len(lines)} lines"
