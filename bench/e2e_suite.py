@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from cli import bench_core as core
-from compiled.runtime.compiler import COMPILES
+from compiled.compilation.inductor import COMPILES
 
 
 def graph_gpu_ms(llm, bucket: int, reps: int = 50) -> float | None:
@@ -78,15 +78,15 @@ def prefill_host_split(llm, prompt, reps: int = 3) -> dict:
     """Host milliseconds per prefill (time to first token) in each engine stage; `run_model` is the
     forward's launches (piece graphs and eager attention), returning before the GPU is done."""
     from compiled.attention import ops, triton_extend, triton_norm_rope
-    from compiled.runtime.compiler import EagerAttention
-    from compiled.runtime.piecewise_graphs import PieceGraphs
+    from compiled.compilation.inductor import EagerSplitOp
+    from compiled.compilation.piecewise_graphs import PieceGraphs
     engine, runner = llm.engine, llm.engine.runner
     targets = {"schedule": (engine.scheduler, "schedule"), "stage": (runner, "_stage"),
                "run_model": (runner, "_run_model"), "logits": (runner, "logits"), "sampler": (engine, "sampler"),
                "append": (engine, "_append"),
                # inside run_model (each inclusive of what it calls)
                "piece_graphs": (PieceGraphs, "__call__"), "graph_launch": (torch.cuda.CUDAGraph, "replay"),
-               "attention_module": (EagerAttention, "forward"), "attention_impl": (ops, "_attention_triton"),
+               "attention_module": (EagerSplitOp, "forward"), "attention_impl": (ops, "_attention_triton"),
                "norm_rope_store": (triton_norm_rope, "norm_rope_store_triton"),
                "extend": (triton_extend, "extend_attention_triton")}
     total = 0.0

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import triton
 
 from bench.linear_bench import SHAPES, make_weights, time_calls, try_config, weight_copies
-from compiled.graphs import linear_kernels as lk
+from compiled.linear import skinny_kernels as lk
 
 GRID = list(itertools.product((1, 2, 4, 8), (256, 512, 1024, 2048), (1, 2, 4, 8, 16), (4, 8), (1,)))
 

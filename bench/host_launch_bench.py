@@ -18,8 +18,8 @@ import triton.language as tl
 from compiled.attention.reference import NormRope
 from compiled.attention.triton_extend import extend_attention_triton
 from compiled.attention.triton_norm_rope import norm_rope_store_triton
-from compiled.graphs.linear import dispatch
-from compiled.graphs.linear_kernels import skinny_linear_triton
+from compiled.linear.ops import dispatch
+from compiled.linear.skinny_kernels import skinny_linear_triton
 
 
 @triton.jit

@@ -32,8 +32,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from compiled.graphs import linear as lin  # noqa: E402
-from compiled.graphs import linear_kernels as lk  # noqa: E402
+from compiled.linear import ops as lin  # noqa: E402
+from compiled.linear import skinny_kernels as lk  # noqa: E402
 from moe_bench import copy_bandwidth  # noqa: E402
 from tune_moe import time_graph  # noqa: E402
 

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from cli.engine_options import DEFAULTS, engine_config, engine_parameter
 from cli.errors import fail_cleanly
 
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -41,21 +42,10 @@ def _opt(name: str, annotation, default, help: str, *decls: str) -> inspect.Para
 
 
 COMMON = [
-    _opt("device", Optional[str], None, "cpu or cuda (default: cuda when available)."),
-    _opt("dtype", Optional[str], None, "float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu)."),
-    _opt("load_format", str, "auto", "auto (safetensors) or dummy (random weights in the real shapes)."),
-    _opt("seed", int, 0, "Seed for weights (dummy), prompts and arrival times."),
-    _opt("max_model_len", Optional[int], None, "Context length (default: the model's)."),
-    _opt("max_num_seqs", int, 256, "Most requests in one step."),
-    _opt("max_num_batched_tokens", int, 8192, "Token budget of one step (longer prefills are chunked)."),
-    _opt("kv_cache_tokens", Optional[int], None, "KV cache size in tokens (default: from memory)."),
-    _opt("mem_fraction", float, 0.9, "Share of GPU memory for weights + KV + activations."),
-    _opt("enforce_eager", bool, False, "No Inductor, no CUDA graphs: the eager graph module.", "--enforce-eager"),
-    _opt("compile", Optional[bool], None, "Lower the graph with Inductor (default: on CUDA only).",
-         "--compile/--no-compile"),
-    _opt("artifact", Optional[Path], None, "Load compiled pieces from this `compiled export` folder."),
-    _opt("overlap_schedule", bool, True, "Launch each decode step before the previous one's tokens are read back.",
-         "--overlap-schedule/--no-overlap-schedule"),
+    *(engine_parameter(name) for name in ("device", "dtype", "load_format", "max_model_len", "max_num_seqs",
+                                          "max_num_batched_tokens", "kv_cache_tokens", "mem_fraction",
+                                          "enforce_eager", "compile", "artifact", "overlap_schedule")),
+    _opt("seed", int, DEFAULTS.seed, "Seed for weights (dummy), prompts and arrival times."),
     _opt("json_path", Optional[Path], None, "Write machine-readable results here.", "--json"),
     _opt("profile", Optional[Path], None, "Profile a few steps: Chrome trace into this folder + top-15 ops table."),
     _opt("profile_steps", int, 5, "Steps to profile with --profile."),
@@ -101,12 +91,7 @@ def _check_common(o: SimpleNamespace) -> None:
 
 
 def _engine_args(o: SimpleNamespace):
-    from cli.bench_core import EngineArgs
-    return EngineArgs(model=o.model, device=o.device, dtype=o.dtype, load_format=o.load_format, seed=o.seed,
-                      max_model_len=o.max_model_len, max_num_seqs=o.max_num_seqs,
-                      max_num_batched_tokens=o.max_num_batched_tokens, kv_cache_tokens=o.kv_cache_tokens,
-                      mem_fraction=o.mem_fraction, enforce_eager=o.enforce_eager, compile=o.compile,
-                      artifact=None if o.artifact is None else str(o.artifact), overlap_schedule=o.overlap_schedule)
+    return engine_config(vars(o))
 
 
 # ---- formatting -------------------------------------------------------------------------------
@@ -189,7 +174,7 @@ class Run:
     """The state a subcommand carries: the engine, what it reports, and the JSON record."""
 
     def __init__(self, command: str, o: SimpleNamespace, llm) -> None:
-        from compiled.runtime.roofline import device_name
+        from cli.roofline import device_name
         self.command, self.o, self.llm = command, o, llm
         self.device = llm.config.device
         self.info = {

@@ -6,6 +6,7 @@ timed; tokens a step produced appear in `request.output_token_ids` when it retur
 
 from __future__ import annotations
 
+
 import contextlib
 import importlib.metadata
 import json
@@ -23,6 +24,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from cli.prompts import read_jsonl_prompts
+from cli.engine_options import build_llm
+from compiled.runtime.config import EngineConfig
 from compiled.runtime.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -65,36 +68,6 @@ def free_memory(device: torch.device) -> None:
 
 
 # ---- the engine -------------------------------------------------------------------------------
-
-
-@dataclass
-class EngineArgs:
-    model: str | None
-    device: str | None = None
-    dtype: str | None = None
-    load_format: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    kv_cache_tokens: int | None = None
-    mem_fraction: float = 0.9
-    enforce_eager: bool = False
-    compile: bool | None = None
-    artifact: str | None = None
-    overlap_schedule: bool = True
-    passes: list[str] | None = None   # graph passes by name; None: the default list
-
-    def build(self):
-        from compiled import LLM
-        # Compile options are passed only when set, so the defaults stay the LLM's own.
-        extra = {k: v for k, v in (("enforce_eager", self.enforce_eager or None), ("compile", self.compile),
-                                   ("artifact", self.artifact)) if v is not None}
-        return LLM(self.model, device=self.device, dtype=self.dtype, load_format=self.load_format,
-                   max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs,
-                   max_num_batched_tokens=self.max_num_batched_tokens, kv_cache_tokens=self.kv_cache_tokens,
-                   mem_fraction=self.mem_fraction, seed=self.seed, overlap_schedule=self.overlap_schedule,
-                   passes=self.passes, **extra)
 
 
 def greedy(output_len: int) -> SamplingParams:
@@ -260,7 +233,7 @@ def latency(llm, batch: int, input_len: int, output_len: int, iters: int, warmup
 
 def bandwidth(device: torch.device, gbps: float | None = None):
     """The device's copy bandwidth: `gbps` when given, else measured once and cached."""
-    from compiled.runtime.roofline import Bandwidth, device_bandwidth, device_name
+    from cli.roofline import Bandwidth, device_bandwidth, device_name
     if gbps is not None:
         return Bandwidth(gbps * 1e9, device_name(device), "given")
     return device_bandwidth(device)
@@ -269,7 +242,7 @@ def bandwidth(device: torch.device, gbps: float | None = None):
 def roofline(llm, batch: int, input_len: int, output_len: int, decode_p50_ms: float | None, bw) -> dict:
     """The decode floor at the batch's middle context (input + output/2 tokens in the KV cache)
     against the median step."""
-    from compiled.runtime.roofline import decode_bytes
+    from cli.roofline import decode_bytes
     context = input_len + output_len // 2
     b = decode_bytes(llm.model_config, batch, context, llm.config.dtype.itemsize)
     floor_ms = 1e3 * b.floor_s(bw.bytes_per_s)
@@ -481,7 +454,7 @@ def timed_calls_on(targets: dict[str, tuple[object, str]]) -> Iterator[dict[str,
 _MISSING = object()
 
 
-def startup(args: EngineArgs, input_len: int) -> tuple[object, dict]:
+def startup(args: EngineConfig, input_len: int) -> tuple[object, dict]:
     """`LLM(...)` broken into stages: the tokenizer load, every stage the LLM reports
     (`llm.startup_seconds` / `llm.build_report.seconds`: trace, passes, load, and whatever later
     stages such as compile, kv_cache or capture it records), the engine + KV allocation when the
@@ -490,7 +463,7 @@ def startup(args: EngineArgs, input_len: int) -> tuple[object, dict]:
     import compiled.runtime.llm as llm_module
     t0 = time.perf_counter()
     with timed_calls(llm_module, {"load_tokenizer": "tokenizer", "Engine": "engine"}) as outer:
-        llm = args.build()
+        llm = build_llm(args)
     sync(llm.config.device)
     total = time.perf_counter() - t0
     reported = getattr(llm, "startup_seconds", None)
@@ -666,7 +639,7 @@ def git_commit() -> dict:
 
 
 def environment(device: torch.device) -> dict:
-    from compiled.runtime.roofline import device_name
+    from cli.roofline import device_name
     return {
         "device": str(device), "device_name": device_name(device),
         "torch": torch.__version__, "triton": _version("triton"), "transformers": _version("transformers"),

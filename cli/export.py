@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from cli.engine_options import DEFAULTS, build_llm, engine_config, engine_option
 from cli.errors import fail_cleanly
 
 
@@ -17,20 +18,21 @@ def export(
     model: str = typer.Argument(..., help="HF model folder."),
     out: Path = typer.Option(..., "--out", help="Folder to write the artifact to."),
     buckets: Optional[str] = typer.Option(None, help="Decode CUDA-graph batch buckets, e.g. 1,2,4,8 (recorded)."),
-    device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
-    dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16."),
-    load_format: str = typer.Option("dummy", help="Weights do not change the compiled code: dummy skips reading them."),
+    device: Optional[str] = engine_option("device"),
+    dtype: Optional[str] = engine_option("dtype"),
+    load_format: str = typer.Option("dummy", help="Weights do not change the compiled code: dummy (the "
+                                    "default here) skips reading them."),
     passes: Optional[str] = typer.Option(None, help="Comma-separated pass list (default: all)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     with fail_cleanly(debug):
-        from compiled import LLM
         bucket_list = [int(b) for b in buckets.split(",")] if buckets else None
         pass_list = [p.strip() for p in passes.split(",") if p.strip()] if passes else None
         start = time.perf_counter()
-        llm = LLM(model, device=device, dtype=dtype, load_format=load_format, compile=True,
-                  cuda_graph_buckets=bucket_list, passes=pass_list,
-                  max_num_seqs=max(bucket_list) if bucket_list else 256)
+        config = engine_config(dict(model=model, device=device, dtype=dtype, load_format=load_format), compile=True,
+                               cuda_graph_buckets=bucket_list, passes=pass_list,
+                               max_num_seqs=max(bucket_list) if bucket_list else DEFAULTS.max_num_seqs)
+        llm = build_llm(config)
         llm.export_artifact(str(out))
         table = Table(title=f"exported {model} -> {out}")
         table.add_column("stage")

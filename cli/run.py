@@ -11,7 +11,13 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from cli.engine_options import build_llm, engine_config, engine_option
 from cli.errors import fail_cleanly
+from compiled.runtime.sampling_params import SamplingParams
+
+# `compiled run` generates greedily, 64 tokens a prompt, unless told otherwise; the other
+# sampling defaults are SamplingParams' own.
+SAMPLING = SamplingParams(max_new_tokens=64, temperature=0.0)
 from cli.prompts import read_jsonl_prompts
 
 err = Console(stderr=True)
@@ -25,33 +31,32 @@ def run(
     model: Optional[str] = typer.Argument(None, help="HF model folder; default: the shipped demo MoE model."),
     prompt: list[str] = typer.Option([], "--prompt", "-p", help="A prompt (repeatable)."),
     prompts_file: Optional[Path] = typer.Option(None, help="JSONL file of prompts."),
-    max_new_tokens: int = typer.Option(64, help="Tokens to generate per prompt."),
-    temperature: float = typer.Option(0.0, help="0 = greedy."),
-    top_k: int = typer.Option(-1),
-    top_p: float = typer.Option(1.0),
-    min_p: float = typer.Option(0.0),
-    repetition_penalty: float = typer.Option(1.0),
-    presence_penalty: float = typer.Option(0.0),
-    frequency_penalty: float = typer.Option(0.0),
-    seed: Optional[int] = typer.Option(None, help="Per-request sampling seed."),
+    max_new_tokens: int = typer.Option(SAMPLING.max_new_tokens, help="Tokens to generate per prompt."),
+    temperature: float = typer.Option(SAMPLING.temperature, help="0 = greedy."),
+    top_k: int = typer.Option(SAMPLING.top_k),
+    top_p: float = typer.Option(SAMPLING.top_p),
+    min_p: float = typer.Option(SAMPLING.min_p),
+    repetition_penalty: float = typer.Option(SAMPLING.repetition_penalty),
+    presence_penalty: float = typer.Option(SAMPLING.presence_penalty),
+    frequency_penalty: float = typer.Option(SAMPLING.frequency_penalty),
+    seed: Optional[int] = typer.Option(SAMPLING.seed, help="Per-request sampling seed."),
     stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
-    ignore_eos: bool = typer.Option(False),
-    logprobs: Optional[int] = typer.Option(None, help="Return this many top logprobs per token (JSON output)."),
+    ignore_eos: bool = typer.Option(SAMPLING.ignore_eos),
+    logprobs: Optional[int] = typer.Option(SAMPLING.logprobs,
+                                           help="Return this many top logprobs per token (JSON output)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap each prompt in the model's chat template."),
-    device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when available)."),
-    dtype: Optional[str] = typer.Option(None, help="float32, bfloat16 or float16."),
-    load_format: str = typer.Option("auto", help="auto (safetensors) or dummy (random weights)."),
-    max_model_len: Optional[int] = typer.Option(None),
-    enforce_eager: bool = typer.Option(False, "--enforce-eager", help="No Inductor, no CUDA graphs."),
-    overlap_schedule: bool = typer.Option(True, "--overlap-schedule/--no-overlap-schedule",
-                                          help="Launch each decode step before the previous one's tokens are read back."),
-    artifact: Optional[str] = typer.Option(None, help="Load compiled pieces from this `compiled export` folder."),
-    recompile_on_mismatch: bool = typer.Option(False, help="Recompile instead of failing on a mismatched artifact."),
+    device: Optional[str] = engine_option("device"),
+    dtype: Optional[str] = engine_option("dtype"),
+    load_format: str = engine_option("load_format"),
+    max_model_len: Optional[int] = engine_option("max_model_len"),
+    enforce_eager: bool = engine_option("enforce_eager"),
+    overlap_schedule: bool = engine_option("overlap_schedule"),
+    artifact: Optional[str] = engine_option("artifact"),
+    recompile_on_mismatch: bool = engine_option("recompile_on_mismatch"),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per output line."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     with fail_cleanly(debug):
-        from compiled import LLM, SamplingParams
 
         prompts: list[str | list[int]] = list(prompt)
         if prompts_file is not None:
@@ -67,9 +72,11 @@ def run(
             frequency_penalty=frequency_penalty, seed=seed, stop=stop or None, ignore_eos=ignore_eos,
             logprobs=logprobs)
         start = time.perf_counter()
-        llm = LLM(model, device=device, dtype=dtype, load_format=load_format, max_model_len=max_model_len,
-                  enforce_eager=enforce_eager, overlap_schedule=overlap_schedule, artifact=artifact,
-                  recompile_on_mismatch=recompile_on_mismatch)
+        config = engine_config(dict(model=model, device=device, dtype=dtype, load_format=load_format,
+                                    max_model_len=max_model_len, enforce_eager=enforce_eager,
+                                    overlap_schedule=overlap_schedule, artifact=artifact,
+                                    recompile_on_mismatch=recompile_on_mismatch))
+        llm = build_llm(config)
         loaded = time.perf_counter()
         outs = llm.chat(prompts, params) if chat else llm.generate(prompts, params)
         done = time.perf_counter()

@@ -21,7 +21,7 @@ if ROOT not in sys.path:
 
 from compiled.attention.reference import (NormRope, decode_attention_ref, extend_attention_ref,  # noqa: E402
                                          norm_rope_ref, store_kv)
-from compiled.graphs.layers import rope_cos_sin  # noqa: E402
+from compiled.functional import rope_cos_sin  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 

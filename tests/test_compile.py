@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from compiled import LLM, SamplingParams
-from compiled.runtime.artifact import ArtifactError
+from compiled.compilation.artifact import ArtifactError
 from compiled.passes.manager import DEFAULT_PASSES
-from compiled.runtime.compiler import COMPILES
+from compiled.compilation.inductor import COMPILES
 from tests.conftest import make_checkpoint
 from tests.test_hf_parity import assert_prompt_logprobs_match, random_prompts
 from tests.conftest import hf_model

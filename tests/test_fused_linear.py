@@ -18,8 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import compiled.graphs.linear as lin  # noqa: E402
-from compiled.graphs import fused_linear as fl  # noqa: E402
+import compiled.linear.ops as lin  # noqa: E402
+from compiled.linear import fused as fl  # noqa: E402
 from tests.test_linear_kernel import TOL, max_err, run_interpreted  # noqa: E402
 
 # (name, M, N, K, dtype, forced (block_n, block_k, split_k) or None, keep_normed)
@@ -63,7 +63,7 @@ def _residual(M, K, dt, seed):
 def norm_case(M, N, K, dtype, config, keep_normed) -> dict:
     """Two calls on fresh inputs (the second proves the semaphores were put back): y, h and the
     kept normalised rows against the reference; semaphores all zero afterwards."""
-    from compiled.graphs import linear_kernels as lk
+    from compiled.linear import skinny_kernels as lk
     dt = getattr(torch, dtype)
     cfg = None if config is None else lk.SkinnyConfig(*config)
     errs = []
@@ -81,7 +81,7 @@ def norm_case(M, N, K, dtype, config, keep_normed) -> dict:
 
 
 def silu_case(M, N, K, dtype, config) -> dict:
-    from compiled.graphs import linear_kernels as lk
+    from compiled.linear import skinny_kernels as lk
     dt = getattr(torch, dtype)
     cfg = None if config is None else lk.SkinnyConfig(*config)
     errs = []
@@ -95,8 +95,8 @@ def silu_case(M, N, K, dtype, config) -> dict:
 
 
 def rows_case(prologue, T, K, dtype) -> dict:
-    from compiled.graphs.activation import silu_and_mul_ref
-    from compiled.graphs.prologue_kernels import add_rms_norm_triton, silu_and_mul_triton
+    from compiled.functional import add_rms_norm_ref, silu_and_mul_ref
+    from compiled.linear.prologue_kernels import add_rms_norm_triton, silu_and_mul_triton
     dt = getattr(torch, dtype)
     if prologue == "silu":   # over [T, 2K]
         gate_up = _randn((T, 2 * K), dt, 3, 3.0)
@@ -105,7 +105,7 @@ def rows_case(prologue, T, K, dtype) -> dict:
     x, delta = _residual(T, K, dt, 3)
     nw = _randn((K,), dt, 4, 0.5) + 1
     h, normed = add_rms_norm_triton(x, delta, nw, 1e-6)
-    ref_h, ref_normed = fl.add_rms_norm_ref(x.float(), delta.float(), nw.float(), 1e-6)
+    ref_h, ref_normed = add_rms_norm_ref(x.float(), delta.float(), nw.float(), 1e-6)
     return dict(err=max(max_err(h, ref_h), max_err(normed, ref_normed)), tol=TOL[dt], clean=True)
 
 

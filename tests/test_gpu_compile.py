@@ -12,7 +12,7 @@ import random
 import pytest
 
 from compiled import LLM, SamplingParams
-from compiled.runtime.compiler import COMPILES
+from compiled.compilation.inductor import COMPILES
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

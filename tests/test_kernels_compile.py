@@ -84,9 +84,8 @@ def _stand_in_hopper() -> list[str]:
         names.append(self.fn.__name__)
         return kernel
     JITFunction.run = compile_only
-    import compiled.backend as backend
-    import compiled.pdl as pdl
-    pdl.hopper_or_newer = backend.hopper_or_newer = lambda device: True
+    import compiled.triton_utils as triton_utils
+    triton_utils.hopper_or_newer = lambda device: True
     return names
 
 
@@ -122,7 +121,7 @@ def _other_calls() -> None:
     GEMM), without the fuse_qk_norm_rope pass (the plain K/V store), or at one row (the skinny
     GEMM's GEMV mode: plain, split, and with each prologue; the decode step above has three)."""
     from compiled.attention.triton_store import store_kv_triton
-    from compiled.graphs.prologue_kernels import add_rms_norm_triton, silu_and_mul_triton
+    from compiled.linear.prologue_kernels import add_rms_norm_triton, silu_and_mul_triton
     from compiled.moe.routing import topk_route_triton
     k_cache = torch.zeros(64, 2, 128).bfloat16()
     store_kv_triton(k_cache, k_cache.clone(), torch.arange(5), torch.randn(5, 2, 128).bfloat16(),
@@ -138,7 +137,7 @@ def _other_calls() -> None:
     one = torch.tensor([70])
     extend_attention_triton(q, kv, kv, k_cache, k_cache, torch.arange(64)[None], torch.zeros(1, dtype=torch.long),
                             one, one, torch.zeros(1, dtype=torch.long), 70, 0.1, tma=True)
-    from compiled.graphs import linear_kernels as lk
+    from compiled.linear import skinny_kernels as lk
     row, router = x[:1], torch.randn(128, 2048).bfloat16()
     lk.skinny_linear_triton(row, torch.randn(512, 2048).bfloat16())
     lk.skinny_linear_triton(row, router, lk.SkinnyConfig(2, 256, 2, gemv=True))

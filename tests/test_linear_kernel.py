@@ -19,8 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import compiled.graphs.linear as lin  # noqa: E402
-from compiled.graphs.linear import SKINNY_MAX_M, SkinnyLinear, linear_ref  # noqa: E402
+import compiled.linear.ops as lin  # noqa: E402
+from compiled.linear.ops import SKINNY_MAX_M, SkinnyLinear, linear_ref  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
@@ -65,7 +65,7 @@ def _randn(shape, dtype, seed):
 def kernel_case(M: int, N: int, K: int, dtype: str, config) -> dict:
     """Two calls on fresh inputs each: both must match (the second proves the split-K
     semaphores were put back to 0), and the semaphores must be all zero afterwards."""
-    from compiled.graphs import linear_kernels as lk
+    from compiled.linear import skinny_kernels as lk
     dt = getattr(torch, dtype)
     cfg = None if config is None else lk.SkinnyConfig(*config)
     errs = []
@@ -94,7 +94,7 @@ def op_case() -> dict:
 def fp32_out_case() -> dict:
     """bf16 x into an fp32 `out` (the LM head's logits): the same values as the kernel's bf16
     output, exactly, with and without split-K, through the op's body too."""
-    from compiled.graphs import linear_kernels as lk
+    from compiled.linear import skinny_kernels as lk
     x, w = _randn((3, 200), torch.bfloat16, 6), _randn((130, 200), torch.bfloat16, 7)
     diffs = []
     for rows, cfg in ((x, lk.SkinnyConfig(32, 64, 1)), (x, lk.SkinnyConfig(32, 64, 4)),
@@ -143,13 +143,13 @@ def backend():
 @pytest.fixture
 def kernel_spy(monkeypatch):
     """Replaces the kernel by the reference and records each call's row count."""
-    from compiled.graphs import linear_kernels
+    from compiled.linear import skinny_kernels
     calls = []
 
     def spy(x, weight, config=None, out=None):
         calls.append(x.shape[0])
         return linear_ref(x, weight) if out is None else out.copy_(linear_ref(x, weight))
-    monkeypatch.setattr(linear_kernels, "skinny_linear_triton", spy)
+    monkeypatch.setattr(skinny_kernels, "skinny_linear_triton", spy)
     return calls
 
 
@@ -200,7 +200,7 @@ def test_out_takes_the_reference_off_the_kernel_and_checks_its_shape(backend):
 
 
 def test_forced_config_is_validated():
-    from compiled.graphs import linear_kernels as lk
+    from compiled.linear import skinny_kernels as lk
     x, w = torch.randn(2, 32), torch.randn(8, 32)
     with pytest.raises(ValueError, match="block_n=24"):
         lk.skinny_linear_triton(x, w, lk.SkinnyConfig(24, 16, 1))
@@ -219,7 +219,7 @@ REAL_SHAPES = [(5120, 2048), (2048, 4096), (128, 2048), (151936, 2048), (6144, 1
 @pytest.mark.parametrize("n,k", REAL_SHAPES)
 def test_heuristic_fills_the_gpu_within_the_workspace(n, k):
     """The tensor-core tiles (2-16 rows)."""
-    from compiled.graphs import linear_kernels as lk
+    from compiled.linear import skinny_kernels as lk
     cfg = lk.skinny_config(2, n, k, 132)
     lk.check_config(cfg, SKINNY_MAX_M, n)
     programs = -(-n // cfg.block_n) * cfg.split_k
@@ -245,7 +245,7 @@ def test_heuristic_fills_the_gpu_within_the_workspace(n, k):
 def test_one_row_takes_the_gemv_mode(n, k):
     """One row: the GEMV mode below the LM head's width (chosen over cuBLAS too), with one
     column a program and no split where two columns would leave half the SMs idle (the router)."""
-    from compiled.graphs import linear_kernels as lk
+    from compiled.linear import skinny_kernels as lk
     cfg = lk.skinny_config(1, n, k, 132)
     lk.check_config(cfg, 1, n)
     wide = n >= 64 * lk.WIDE_PROGRAMS_PER_SM * 132
@@ -323,7 +323,7 @@ def test_gpu_real_shapes_match_cublas(backend, m, n, k):
         x.copy_(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g.manual_seed(seed)))
         graph.replay()
         assert max_err(y, torch.nn.functional.linear(x.float(), w.float())) <= 1e-2
-    from compiled.graphs import linear_kernels as lk
+    from compiled.linear import skinny_kernels as lk
     ws = lk._WORKSPACES.get(x.device)
     assert ws is None or not ws.semaphores.any().item()
 
@@ -348,7 +348,7 @@ def test_gpu_dependent_launches_wait_for_their_input(backend, m, n):
     """Programmatic dependent launch: each skinny GEMM of a chain starts while the one before it
     ends but must read x only after that one has written it. A
     captured chain of 24 split-K calls, each reading the last's output, matches the torch chain."""
-    from compiled.pdl import use_pdl
+    from compiled.triton_utils import use_pdl
     backend("triton")
     assert use_pdl(torch.device("cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
     g = torch.Generator(device="cuda").manual_seed(n)

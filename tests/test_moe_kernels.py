@@ -203,7 +203,7 @@ def case_op_dispatch_and_workspace():
 def case_sum_add_rms_norm_kernel_and_op():
     # the top-k sum + residual add + RMSNorm kernel against its reference (H not a power of two),
     # then the whole op through the Triton MoE against the two ops' references
-    from compiled.moe.moe_norm_linear import moe_add_rms_norm_linear_ref
+    from compiled.fusions.moe_norm_linear import moe_add_rms_norm_linear_ref
     g = torch.Generator().manual_seed(18)
     for T, k, H, dtype in ((1, 2, 40, torch.float32), (23, 4, 33, torch.bfloat16), (7, 8, 64, torch.float32)):
         pairs, x = torch.randn(T * k, H, generator=g).to(dtype), torch.randn(T, H, generator=g).to(dtype)
@@ -395,7 +395,7 @@ def test_op_on_cpu_is_reference_and_fake_shapes(monkeypatch):
 
 
 def test_moe_norm_op_bad_shapes_are_one_line_errors():
-    import compiled.moe.moe_norm_linear  # noqa: F401  (registers the op)
+    import compiled.fusions.moe_norm_linear  # noqa: F401  (registers the op)
     x_moe, w, ids, w13, w2 = _problem(4, 8, 2, 32, 48)
     x, nw, weight = torch.randn(4, 32), torch.ones(32), torch.randn(24, 32)
     with pytest.raises(ValueError, match=r"compiled::moe_add_rms_norm_linear: moe_x \(4, 31\) torch.float32 "
@@ -591,8 +591,8 @@ def test_gpu_moe_add_rms_norm_linear_eager_and_graph(real_layer, T):
     # GEMV mode), it sums the squares in K steps and scales by 1 / rms after the dot, while the
     # op's linear reads the row kernel's normalised row: h keeps its bits, y and normed agree to
     # bf16's rounding.
-    from compiled.graphs.linear import use_kernel
-    from compiled.moe.moe_norm_linear import moe_add_rms_norm_linear_ref
+    from compiled.linear.ops import use_kernel
+    from compiled.fusions.moe_norm_linear import moe_add_rms_norm_linear_ref
     from tests.test_linear_kernel import max_err
     w13, w2 = real_layer
     x_moe, w, ids = _real_inputs(T, seed=600 + T)

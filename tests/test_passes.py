@@ -9,7 +9,7 @@ from torch import fx, nn
 
 from compiled.attention.kv_cache import KVPool, ReqToTokenPool
 from compiled.graphs.config import ModelConfig
-from compiled.graphs.linear import SkinnyLinear
+from compiled.linear.ops import SkinnyLinear
 from compiled.graphs.trace import materialize, meta_model, trace
 from compiled.passes.base import is_op
 from compiled.passes.manager import DEFAULT_PASSES, run_passes

@@ -14,7 +14,7 @@ from compiled.graphs.config import ModelConfig
 from compiled.graphs.trace import meta_model, trace
 from compiled.passes.base import is_op
 from compiled.passes.manager import run_passes
-from compiled.runtime.piecewise import flatten, split_at_attention
+from compiled.compilation.split import flatten, split_graph
 
 
 def _structure(gm: fx.GraphModule) -> list[tuple]:
@@ -28,7 +28,7 @@ def test_split_matches_split_module():
     cfg = dataclasses.replace(ModelConfig.from_pretrained(MOE_MODEL), num_hidden_layers=4, mlp_only_layers=(2,))
     meta = meta_model(cfg)
     gm = run_passes(trace(meta), meta.checkpoint_map(), check="end").gm
-    split = split_at_attention(gm)
+    split = split_graph(gm)
 
     flat = fx.GraphModule(gm, flatten(gm))
     part, counter = {}, 0
@@ -47,9 +47,9 @@ def test_split_matches_split_module():
 
 
 def test_inline_references_replaces_silu_and_mul_with_its_reference():
-    import compiled.graphs.activation  # noqa: F401  (registers compiled::silu_and_mul)
-    from compiled.graphs.activation import silu_and_mul_ref
-    from compiled.runtime.compiler import inline_references
+    import compiled.linear.activation  # noqa: F401  (registers compiled::silu_and_mul)
+    from compiled.linear.activation import silu_and_mul_ref
+    from compiled.passes.inline_references import inline_references
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     act = graph.call_function(torch.ops.compiled.silu_and_mul.default, (x,))
@@ -62,7 +62,8 @@ def test_inline_references_replaces_silu_and_mul_with_its_reference():
 
 
 def test_warm_up_once_runs_each_compiled_function_once_per_shape():
-    from compiled.runtime.compiler import CompiledPiece, warm_up_once
+    from compiled.compilation.inductor import CompiledPiece
+    from compiled.compilation.warm_up import warm_up_once
     calls = []
 
     def fn(x, w):
@@ -80,7 +81,8 @@ def test_warm_up_once_runs_each_compiled_function_once_per_shape():
 
 
 def test_warm_up_once_runs_attention_once_per_shape():
-    from compiled.runtime.compiler import EagerAttention, warm_up_once
+    from compiled.compilation.inductor import EagerSplitOp
+    from compiled.compilation.warm_up import warm_up_once
     calls = []
 
     class Layer(torch.nn.Module):
@@ -92,7 +94,7 @@ def test_warm_up_once_runs_attention_once_per_shape():
             calls.append((self.i, q.shape[0]))
             return q + self.i
 
-    layers = [EagerAttention(Layer(i)) for i in range(3)]
+    layers = [EagerSplitOp(Layer(i)) for i in range(3)]
     q = torch.randn(4, 2)
     with warm_up_once():
         outs = [layer(q) for layer in layers] + [layers[2](torch.randn(6, 2))]
@@ -104,7 +106,7 @@ def test_warm_up_once_runs_attention_once_per_shape():
 def test_unowned_view_shares_memory_without_keeping_it():
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from compiled.runtime.piecewise_graphs import unowned_view
+    from compiled.compilation.piecewise_graphs import unowned_view
     base = torch.randn(7, 12)
     x = base[1:, 3:8]   # a strided view with a storage offset, like q/k/v of a fused qkv
     view = unowned_view(x)

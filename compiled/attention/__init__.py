@@ -1,4 +1,2 @@
-"""KV cache pools and the attention custom op over them.
-
-Torch reference kernels (`reference`) serve CPU and act as the oracle; the Triton kernels
-(`triton_store`, `triton_decode` flash-decoding, `triton_extend` varlen prefill) serve CUDA."""
+"""KV cache pools, the forward context and the attention custom op: Triton kernels (K/V store,
+flash-decoding, varlen prefill) for CUDA, the torch reference for the CPU and as the oracle."""

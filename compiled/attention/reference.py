@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from compiled.graphs.layers import apply_rope, rms_norm
+from compiled.functional import apply_rope, rms_norm
 
 
 class NormRope(NamedTuple):

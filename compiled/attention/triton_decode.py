@@ -24,17 +24,11 @@ import triton.language as tl
 
 from compiled.attention.reference import NormRope
 from compiled.attention.triton_norm_rope import norm_rope_tile
-from compiled.backend import interpreting
-from compiled.pdl import launch_kwargs, pdl_wait
+from compiled.triton_utils import interpreter_upcast, launch_kwargs, num_sms, pdl_wait
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64   # upper bound on splits per request (workspace sizing)
-
-
-def interpreter_upcast(dtype: torch.dtype) -> bool:
-    """Triton's CPU interpreter computes `tl.dot` on bf16 operands wrongly (as raw 16-bit
-    integers), so under TRITON_INTERPRET=1 the kernels run their dots on bf16 data in fp32."""
-    return dtype == torch.bfloat16 and interpreting()
+CPU_SMS = 8       # the SMs the split heuristic assumes off CUDA (the interpreter)
 
 
 @triton.jit
@@ -249,17 +243,6 @@ def num_kv_splits(batch: int, kv_heads: int, num_sms: int, group: int = 8, max_s
     return max(range(1, most + 1), key=lambda s: (score(s), -s))
 
 
-_SM_COUNT: dict[str, int] = {}
-
-
-def sm_count(device: torch.device) -> int:
-    key = str(device)
-    if key not in _SM_COUNT:
-        _SM_COUNT[key] = (torch.cuda.get_device_properties(device).multi_processor_count
-                          if device.type == "cuda" else 8)
-    return _SM_COUNT[key]
-
-
 class DecodeWorkspace:
     """Partial outputs `[B, Hq, S, D]` and log-sum-exps `[B, Hq, S]` (fp32), allocated once for
     every batch size up to `max_batch` that the heuristic splits (unsplit batches need none; at
@@ -273,7 +256,7 @@ class DecodeWorkspace:
         self.num_q_heads, self.kv_heads, self.head_dim = num_q_heads, kv_heads, head_dim
         self.max_batch, self.max_splits, self.device = max_batch, max_splits, torch.device(device)
         self.programs_per_sm = programs_per_sm
-        self.num_sms = sm_count(self.device)
+        self.num_sms = num_sms(self.device, off_gpu=CPU_SMS)
         group = num_q_heads // kv_heads
         self._splits = [1] + [num_kv_splits(b, kv_heads, self.num_sms, group, max_splits, programs_per_sm)
                               for b in range(1, max_batch + 1)]

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from compiled.attention.triton_decode import LOG2E, interpreter_upcast
-from compiled.backend import tma_descriptor
+from compiled.attention.triton_decode import LOG2E
+from compiled.triton_utils import interpreter_upcast, tma_descriptor
 
 
 @triton.jit

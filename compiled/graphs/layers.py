@@ -1,9 +1,12 @@
-"""Building blocks shared by the Qwen3 models: RMSNorm and rotary embeddings."""
+"""Building blocks shared by the Qwen3 models: the RMSNorm and rotary-embedding modules (their
+arithmetic is `compiled.functional`, which the ops' references share)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from compiled.functional import apply_rope, rms_norm, rope_cos_sin
 
 
 class RMSNorm(nn.Module):
@@ -16,25 +19,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The traced form of this function is what `passes.base.match_rms_norm` matches: keep the
-    two in step."""
-    # type_as, not .to(x.dtype): a dtype read would be a getattr node in the traced graph.
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.type_as(x)
-
-
-def rope_cos_sin(head_dim: int, theta: float, max_positions: int, device=None) -> torch.Tensor:
-    """[max_positions, head_dim] table: cos in the first half, sin in the second.
-
-    Computed exactly as HF does per step (fp32 inverse frequencies times fp32 positions), so
-    looking positions up in it gives bit-identical values."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
-    freqs = torch.arange(max_positions, dtype=torch.float, device=device)[:, None] * inv_freq
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -51,18 +35,3 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return apply_rope(self.cos_sin, positions, q, k)
-
-
-def apply_rope(cos_sin: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
-               k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q `[T, Hq, D]`, k `[T, Hkv, D]` rotated by the table rows of `positions` `[T]` (cos and sin
-    rounded to q's dtype first, each product and the sum rounded: HF's order of operations)."""
-    cos, sin = cos_sin[positions].type_as(q).chunk(2, dim=-1)
-    cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
-    sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)

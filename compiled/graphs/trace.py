@@ -12,7 +12,7 @@ from typing import Iterator
 import torch
 from torch import fx, nn
 
-import compiled.graphs.activation  # noqa: F401  (registers compiled::silu_and_mul)
+import compiled.linear.activation  # noqa: F401  (registers compiled::silu_and_mul)
 from compiled.graphs.config import ModelConfig
 from compiled.graphs.layers import RotaryEmbedding
 from compiled.graphs.qwen3 import Qwen3ForCausalLM

@@ -1,3 +1,2 @@
-"""Mixture-of-experts routing and expert compute as custom ops.
-
-Softmax-topk-renormalise routing and a torch reference for the expert GEMMs."""
+"""Mixture-of-experts custom ops: softmax-top-k routing and the fused experts, their Triton kernels
+for CUDA and their torch references."""

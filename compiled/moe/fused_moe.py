@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from compiled.backend import interpreting, tma_descriptor
 from compiled.moe.experts import expert_loop
+from compiled.triton_utils import interpreting, tma_descriptor
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
     one chunk keep their order and chunks come in arrival order (atomics); nothing downstream
     depends on that order. No host sync. `launch` overrides `align_launch` (benchmark sweeps)."""
     from compiled.moe import fused_moe_kernels as K
-    from compiled.pdl import launch_kwargs
+    from compiled.triton_utils import launch_kwargs
 
     ws = workspace or MoEWorkspace()
     dev = topk_ids.device
@@ -270,7 +270,7 @@ A_TMA = True
 
 def _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, cfg):
     from compiled.moe import fused_moe_kernels as K
-    from compiled.pdl import launch_kwargs
+    from compiled.triton_utils import launch_kwargs
     I, H = w13.shape[1] // 2, w13.shape[2]
     bn = cfg["BLOCK_SIZE_N"]
     grid = (n_blocks * triton_cdiv(I, bn),)
@@ -288,7 +288,7 @@ def _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel
                   top_k=1, out=None, counters=None):
     """With `counters` (see sum_counters), the kernel also writes the top-k sum into `out`."""
     from compiled.moe import fused_moe_kernels as K
-    from compiled.pdl import launch_kwargs
+    from compiled.triton_utils import launch_kwargs
     H, I = w2.shape[1], w2.shape[2]
     bn = cfg["BLOCK_SIZE_N"]
     grid = (n_blocks * triton_cdiv(H, bn),)
@@ -357,7 +357,7 @@ def tuned_one_launch_config(E: int, I: int, dtype: torch.dtype, device: torch.de
 def _launch_one_token(x, w13, w2, topk_ids, weights, out, cfg: dict) -> bool:
     """False (nothing launched) when its zeroed buffers cannot be had inside a capture."""
     from compiled.moe import fused_moe_kernels as K
-    from compiled.pdl import launch_kwargs
+    from compiled.triton_utils import launch_kwargs
     H, I = w2.shape[1], w2.shape[2]
     acc = zeroed(x.device, "one_token_acc", H, torch.int64)
     done = zeroed(x.device, "one_token_done", 1, torch.int32)
@@ -383,7 +383,7 @@ GEMV_TILES = dict(up=dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4), down=dict(BLOCK
 def _launch_gemv(x, w13, w2, topk_ids, weights, inter, y, tiles: dict) -> None:
     """y `[k, H]` <- the one token's k weighted expert outputs, through inter `[k, I]`."""
     from compiled.moe import gemv_kernels as G
-    from compiled.pdl import launch_kwargs
+    from compiled.triton_utils import launch_kwargs
     H, I = w2.shape[1], w2.shape[2]
     k = topk_ids.numel()
     ids = topk_ids.reshape(-1)
@@ -400,7 +400,7 @@ def _launch_gemv(x, w13, w2, topk_ids, weights, inter, y, tiles: dict) -> None:
 
 def _launch_sum(y, out, top_k):
     from compiled.moe import fused_moe_kernels as K
-    from compiled.pdl import launch_kwargs
+    from compiled.triton_utils import launch_kwargs
     T, H = out.shape
     bh = min(1024, _next_pow2(H))
     K.moe_sum_kernel[(T, triton_cdiv(H, bh))](y, out, H, TOP_K=top_k, BLOCK_H=bh, num_warps=4,
@@ -411,7 +411,7 @@ def moe_sum_add_rms_norm_ref(pairs: torch.Tensor, x: torch.Tensor, norm_weight: 
                              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, normed) from gemm2's weighted expert outputs `pairs [T*k, H]`: their top-k sum in fp32,
     rounded to x's dtype (as the sum kernel stores it), then `add_rms_norm_ref(x, sum)`."""
-    from compiled.graphs.fused_linear import add_rms_norm_ref
+    from compiled.functional import add_rms_norm_ref
     T, H = x.shape
     moe_out = pairs.view(T, -1, H).float().sum(1).to(x.dtype)
     return add_rms_norm_ref(x, moe_out, norm_weight, eps)
@@ -420,9 +420,9 @@ def moe_sum_add_rms_norm_ref(pairs: torch.Tensor, x: torch.Tensor, norm_weight: 
 def moe_sum_add_rms_norm_triton(pairs: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor,
                                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's contract in one launch (`moe_sum_add_rms_norm_kernel`); x's last dim contiguous."""
-    from compiled.graphs.prologue_kernels import row_warps
+    from compiled.triton_utils import row_warps
     from compiled.moe import fused_moe_kernels as K
-    from compiled.pdl import launch_kwargs
+    from compiled.triton_utils import launch_kwargs
     T, H = x.shape
     h, normed = x.new_empty((T, H)), x.new_empty((T, H))
     if T:

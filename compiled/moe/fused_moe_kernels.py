@@ -28,8 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.graphs.prologue_kernels import add_rms_norm_row
-from compiled.pdl import pdl_wait
+from compiled.triton_utils import add_rms_norm_row, pdl_wait
 
 
 @triton.jit

@@ -20,8 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.graphs.linear_kernels import weight_tile
-from compiled.pdl import pdl_wait
+from compiled.triton_utils import pdl_wait, weight_tile
 
 
 @triton.jit

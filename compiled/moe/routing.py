@@ -1,18 +1,22 @@
 """Expert routing: softmax over all experts in fp32, top-k, then renormalise if asked.
 
 This is the order HF and SGLang use (one reference document describes it the other way round).
-On CUDA the op runs one Triton kernel (`routing_kernels.py`); `COMPILED_ROUTING_BACKEND=torch`
-forces the torch reference, `=triton` forces the kernel (also on CPU under TRITON_INTERPRET=1).
+On CUDA the op runs one Triton kernel (`routing_kernels.py`). `BACKEND` ('auto': the kernel on
+CUDA, the reference elsewhere; from `COMPILED_ROUTING_BACKEND`, read at import, or the engine
+config) set to 'torch' forces the torch reference, 'triton' the kernel (also on CPU under
+TRITON_INTERPRET=1).
 
 The router GEMM and this routing folded into the o_proj's kernel (its column blocks sharing out the
 router, the last one to finish routing) measured no faster in the decode step: its serial tail
-cost what the two launches did (bench/RESULTS.md, thirteenth session)."""
+cost what the two launches did (bench/RESULTS.md)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from compiled.backend import BackendChoice
+
+BACKEND = BackendChoice("COMPILED_ROUTING_BACKEND")
 
 
 def topk_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,7 +31,7 @@ def topk_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 def topk_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The same contract in one Triton launch (ties pick the lower expert index)."""
     from compiled.moe.routing_kernels import topk_route_kernel
-    from compiled.pdl import launch_kwargs
+    from compiled.triton_utils import launch_kwargs
 
     T, E = router_logits.shape
     weights = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
@@ -45,10 +49,9 @@ def topk_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool
 
 
 def _routing_backend(router_logits: torch.Tensor) -> str:
-    forced = os.environ.get("COMPILED_ROUTING_BACKEND", "").strip().lower()
-    if forced in ("torch", "triton"):
-        return forced
-    return "triton" if router_logits.is_cuda else "torch"
+    if BACKEND.name == "auto":
+        return "triton" if router_logits.is_cuda else "torch"
+    return BACKEND.name
 
 
 @torch.library.custom_op("compiled::topk_route", mutates_args=())

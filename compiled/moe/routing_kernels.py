@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.pdl import pdl_wait
+from compiled.triton_utils import pdl_wait
 
 
 @triton.jit

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib
+import inspect
 import operator
+import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -25,11 +30,33 @@ class PassRecord:
     seconds: float = 0.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class GraphPass:
-    """A named rewrite `fn(gm, weights, record)` that edits `gm` in place and fills `record`."""
+    """A named rewrite `fn(gm, weights, record)` that edits `gm` in place and fills `record`.
+    `after` names the passes that must run before it when both are in a list (it matches what
+    they leave); the manager rejects a list that breaks this."""
     name: str
     fn: Callable[[fx.GraphModule, WeightMap, PassRecord], None]
+    after: tuple[str, ...] = ()
+
+    @property
+    def doc(self) -> str:
+        """What the pass does: its module's docstring."""
+        return inspect.getdoc(sys.modules[self.fn.__module__]) or ""
+
+    @property
+    def uuid(self) -> str:
+        """A hash of the pass's source and of the helpers every pass shares: it joins the
+        artifact's manifest, so a changed pass never meets code compiled for the old one."""
+        return _source_hash(self.fn.__module__)
+
+
+@functools.lru_cache(maxsize=None)
+def _source_hash(module: str) -> str:
+    digest = hashlib.sha256()
+    for name in (module, __name__, "compiled.passes.linear_fusion"):
+        digest.update(inspect.getsource(importlib.import_module(name)).encode())
+    return digest.hexdigest()[:16]
 
 
 def sweep_dead_nodes(graph: fx.Graph) -> int:

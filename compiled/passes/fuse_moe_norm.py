@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-import compiled.moe.moe_norm_linear  # noqa: F401  (registers compiled::moe_add_rms_norm_linear)
+import compiled.fusions.moe_norm_linear  # noqa: F401  (registers compiled::moe_add_rms_norm_linear)
 from compiled.graphs.weights import WeightMap
-from compiled.passes.base import PassRecord, is_op
+from compiled.passes.base import GraphPass, PassRecord, is_op
 
 
 def fuse_moe_norm(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
@@ -33,3 +33,6 @@ def fuse_moe_norm(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) ->
         graph.erase_node(node)
         graph.erase_node(moe)
         record.rewrites += 1
+
+
+PASS = GraphPass("fuse_moe_norm", fuse_moe_norm, after=("fuse_w13", "fuse_norm_linear"))

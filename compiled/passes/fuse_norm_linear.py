@@ -19,9 +19,9 @@ import operator
 import torch
 from torch import fx
 
-import compiled.graphs.fused_linear  # noqa: F401  (registers compiled::add_rms_norm_linear)
+import compiled.linear.fused  # noqa: F401  (registers compiled::add_rms_norm_linear)
 from compiled.graphs.weights import WeightMap
-from compiled.passes.base import PassRecord, is_call, linear_args, match_rms_norm
+from compiled.passes.base import GraphPass, PassRecord, is_call, linear_args, match_rms_norm
 
 
 def fuse_norm_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
@@ -61,3 +61,6 @@ def _first_user(h: fx.Node, normed: fx.Node) -> tuple[fx.Node, set[fx.Node]]:
 
 def _is_add(node) -> bool:
     return is_call(node, operator.add, 2) and all(isinstance(a, fx.Node) for a in node.args)
+
+
+PASS = GraphPass("fuse_norm_linear", fuse_norm_linear, after=("skinny_linear",))

@@ -17,7 +17,7 @@ from torch import fx
 import compiled.attention.ops  # noqa: F401  (registers compiled::attention)
 from compiled.graphs.layers import RotaryEmbedding
 from compiled.graphs.weights import WeightMap
-from compiled.passes.base import PassRecord, is_getitem, is_module, is_op, match_rms_norm
+from compiled.passes.base import GraphPass, PassRecord, is_getitem, is_module, is_op, match_rms_norm
 
 
 def fuse_qk_norm_rope(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
@@ -46,3 +46,6 @@ def _rope_call(gm: fx.GraphModule, q, k) -> fx.Node | None:
     if not is_module(gm, rope, RotaryEmbedding) or len(rope.args) != 3 or rope.kwargs:
         return None
     return rope
+
+
+PASS = GraphPass("fuse_qk_norm_rope", fuse_qk_norm_rope)

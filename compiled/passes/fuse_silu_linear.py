@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-import compiled.graphs.fused_linear  # noqa: F401  (registers compiled::silu_mul_linear)
+import compiled.linear.fused  # noqa: F401  (registers compiled::silu_mul_linear)
 from compiled.graphs.weights import WeightMap
-from compiled.passes.base import PassRecord, is_op, linear_args
+from compiled.passes.base import GraphPass, PassRecord, is_op, linear_args
 
 
 def fuse_silu_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
@@ -32,3 +32,6 @@ def fuse_silu_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord)
         node.replace_all_uses_with(fused)
         gm.graph.erase_node(node)
         record.rewrites += 1
+
+
+PASS = GraphPass("fuse_silu_linear", fuse_silu_linear, after=("silu_and_mul", "skinny_linear"))

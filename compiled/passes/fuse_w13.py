@@ -7,7 +7,7 @@ from torch import fx, nn
 
 import compiled.moe.experts  # noqa: F401  (registers compiled::moe_experts)
 import compiled.moe.fused_moe  # noqa: F401  (registers compiled::fused_moe)
-from compiled.passes.base import PassRecord, is_op, note_params
+from compiled.passes.base import GraphPass, PassRecord, is_op, note_params
 from compiled.passes.linear_fusion import fuse_sibling_linears
 from compiled.graphs.weights import WeightMap
 
@@ -54,3 +54,6 @@ def _stack_experts(gm: fx.GraphModule, weights: WeightMap, record: PassRecord, n
 def _attr(gm: fx.GraphModule, node: fx.Node) -> torch.Tensor:
     owner, _, name = node.target.rpartition(".")
     return getattr(gm.get_submodule(owner), name)
+
+
+PASS = GraphPass("fuse_w13", fuse_w13)

@@ -8,30 +8,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from compiled.errors import CompiledError
 from compiled.graphs.trace import example_inputs
 from compiled.passes.base import GraphPass, PassRecord, sweep_dead_nodes
-from compiled.passes.fuse_moe_norm import fuse_moe_norm
-from compiled.passes.fuse_norm_linear import fuse_norm_linear
-from compiled.passes.fuse_qk_norm_rope import fuse_qk_norm_rope
-from compiled.passes.fuse_silu_linear import fuse_silu_linear
-from compiled.passes.fuse_qkv import fuse_qkv
-from compiled.passes.fuse_w13 import fuse_w13
-from compiled.passes.silu_and_mul import silu_and_mul
-from compiled.passes.skinny_linear import skinny_linear
+from compiled.passes import (fuse_moe_norm, fuse_norm_linear, fuse_qk_norm_rope, fuse_qkv, fuse_silu_linear,
+                             fuse_w13, silu_and_mul, skinny_linear)
 from compiled.graphs.weights import WeightMap
 
-REGISTRY: dict[str, GraphPass] = {p.name: p for p in (
-    GraphPass("fuse_qkv", fuse_qkv),
-    GraphPass("fuse_w13", fuse_w13),
-    GraphPass("silu_and_mul", silu_and_mul),
-    GraphPass("skinny_linear", skinny_linear),
-    GraphPass("fuse_qk_norm_rope", fuse_qk_norm_rope),
-    GraphPass("fuse_norm_linear", fuse_norm_linear),
-    GraphPass("fuse_silu_linear", fuse_silu_linear),
-    GraphPass("fuse_moe_norm", fuse_moe_norm),
-)}
-DEFAULT_PASSES: tuple[str, ...] = ("fuse_qkv", "fuse_w13", "silu_and_mul", "skinny_linear", "fuse_qk_norm_rope",
-                                   "fuse_norm_linear", "fuse_silu_linear", "fuse_moe_norm")
+# Every pass, in the default order (which satisfies each pass's `after`).
+REGISTRY: dict[str, GraphPass] = {m.PASS.name: m.PASS for m in (
+    fuse_qkv, fuse_w13, silu_and_mul, skinny_linear, fuse_qk_norm_rope, fuse_norm_linear, fuse_silu_linear,
+    fuse_moe_norm)}
+DEFAULT_PASSES: tuple[str, ...] = tuple(REGISTRY)
 CHECKS = ("each", "end", "none")
 
 
@@ -40,7 +28,29 @@ def resolve_passes(names: list[str] | tuple[str, ...] | None) -> list[GraphPass]
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
         raise ValueError(f"unknown pass {unknown[0]!r} (available: {', '.join(REGISTRY)})")
+    check_order(names)
     return [REGISTRY[n] for n in names]
+
+
+class PassOrderError(CompiledError, ValueError):
+    """A pass list runs a pass before one whose output it matches, or runs a pass twice."""
+
+
+def check_order(names: list[str] | tuple[str, ...]) -> None:
+    position = {}
+    for i, name in enumerate(names):
+        if name in position:
+            raise PassOrderError(f"pass {name!r} is listed twice")
+        position[name] = i
+    for name in names:
+        for first in REGISTRY[name].after:
+            if position.get(first, -1) > position[name]:
+                raise PassOrderError(f"pass {name!r} must run after {first!r}: list {first!r} before it")
+
+
+def pass_hashes(names: list[str] | tuple[str, ...] | None) -> dict[str, str]:
+    """Each pass of the list with the hash of its source (artifact and compile-cache keys)."""
+    return {p.name: p.uuid for p in resolve_passes(names)}
 
 
 @dataclass

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-import compiled.graphs.activation  # noqa: F401  (registers compiled::silu_and_mul)
-from compiled.passes.base import PassRecord, is_getitem
+import compiled.linear.activation  # noqa: F401  (registers compiled::silu_and_mul)
+from compiled.passes.base import GraphPass, PassRecord, is_getitem
 from compiled.graphs.weights import WeightMap
 
 _MULS = (operator.mul, torch.mul)
@@ -46,3 +46,6 @@ def _match(mul: fx.Node) -> fx.Node | None:
     if dim != -1 or len(sizes) != 2 or sizes[0] != sizes[1] or len(silu.users) != 1:
         return None
     return h
+
+
+PASS = GraphPass("silu_and_mul", silu_and_mul, after=("fuse_w13",))

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
-from compiled.graphs.linear import SkinnyLinear
+from compiled.linear.ops import SkinnyLinear
 from compiled.graphs.weights import WeightMap
-from compiled.passes.base import PassRecord, is_module
+from compiled.passes.base import GraphPass, PassRecord, is_module
 
 
 def skinny_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
@@ -35,3 +35,6 @@ def skinny_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) ->
     if type(head) is nn.Linear and head.bias is None:
         gm.lm_head = SkinnyLinear.sharing(head)
         record.rewrites += 1
+
+
+PASS = GraphPass("skinny_linear", skinny_linear, after=("fuse_qkv", "fuse_w13"))

@@ -9,32 +9,16 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
-from compiled.errors import CheckpointError
 from compiled.graphs.config import ModelConfig
 from compiled.graphs.trace import materialize, meta_model, trace
 from compiled.passes.base import PassRecord
 from compiled.passes.manager import DEFAULT_PASSES, run_passes
-from compiled.runtime.loader import LOAD_FORMATS, fill_dummy, load_checkpoint
+from compiled.runtime.config import EngineConfig
+from compiled.runtime.loader import fill_dummy, load_checkpoint
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class BuildOptions:
-    load_format: str = "auto"
-    passes: list[str] | tuple[str, ...] | None = None   # None: DEFAULT_PASSES
-    use_graph: bool = True          # False: the plain eager module (no trace, no passes, no compile)
-    compile: bool = False           # lower the pieces with Inductor
-    artifact: str | None = None     # load compiled pieces from this folder instead of compiling
-    recompile_on_mismatch: bool = False  # a mismatched artifact is logged and recompiled, not an error
-    seed: int = 0
-
-    @property
-    def pass_names(self) -> list[str]:
-        return list(DEFAULT_PASSES if self.passes is None else self.passes)
 
 
 @dataclass
@@ -47,11 +31,15 @@ class BuildReport:
     compiled_now: int = 0                                      # pieces Inductor compiled in this start
 
 
-def build_model(cfg: ModelConfig, path: str, device: torch.device, dtype: torch.dtype,
-                opts: BuildOptions | None = None) -> tuple[nn.Module, BuildReport]:
-    opts = opts or BuildOptions()
-    if opts.load_format not in LOAD_FORMATS:
-        raise CheckpointError(f"unknown load_format {opts.load_format!r} (expected one of {', '.join(LOAD_FORMATS)})")
+def pass_names(config: EngineConfig) -> list[str]:
+    """The graph passes `config` runs, in order."""
+    return list(DEFAULT_PASSES if config.passes is None else config.passes)
+
+
+def build_model(cfg: ModelConfig, path: str, config: EngineConfig) -> tuple[nn.Module, BuildReport]:
+    """The model of the checkpoint at `path` as `config` (resolved) asks for it."""
+    device, dtype = config.device, config.dtype
+    use_graph = config.use_graph and not config.enforce_eager
     report = BuildReport()
     clock = time.perf_counter()
 
@@ -63,21 +51,21 @@ def build_model(cfg: ModelConfig, path: str, device: torch.device, dtype: torch.
 
     module: nn.Module = meta_model(cfg, dtype)
     weights = module.checkpoint_map()
-    if opts.use_graph:
+    if use_graph:
         module = trace(module)
         lap("trace")
         # A start from an artifact skips the meta run: the export checked this same graph.
-        result = run_passes(module, weights, opts.pass_names, check="none" if opts.artifact else "end")
+        result = run_passes(module, weights, pass_names(config), check="none" if config.artifact else "end")
         weights, report.records = result.weights, result.records
         lap("passes")
     materialize(module, device)
-    if opts.load_format == "dummy":
-        fill_dummy(module, opts.seed)
+    if config.load_format == "dummy":
+        fill_dummy(module, config.seed)
     else:
         load_checkpoint(module, weights, path, tied_head=cfg.tie_word_embeddings)
     lap("load")
-    if opts.use_graph and (opts.compile or opts.artifact):
-        module = _compile(module, cfg, device, dtype, opts, report)
+    if use_graph and (config.use_compile or config.artifact):
+        module = _compile(module, cfg, config, report)
         lap("compile")
         # Importing Inductor, the artifact load and the split are reported on their own;
         # "compile" keeps the rest (Inductor, when any piece was compiled), so the stages add up.
@@ -86,12 +74,11 @@ def build_model(cfg: ModelConfig, path: str, device: torch.device, dtype: torch.
     return module, report
 
 
-def _compile(module: nn.Module, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-             opts: BuildOptions, report: BuildReport) -> nn.Module:
-    from compiled.runtime.artifact import ArtifactError, load_artifact, manifest_for
-    from compiled.runtime.compiler import compile_model
+def _compile(module: nn.Module, cfg: ModelConfig, config: EngineConfig, report: BuildReport) -> nn.Module:
+    from compiled.compilation.artifact import ArtifactError, load_artifact
+    from compiled.compilation.inductor import compile_model
     artifacts = None
-    if opts.artifact:
+    if config.artifact:
         start = time.perf_counter()
         # Most of a warm start: the modules a compiled artifact needs to load (reported alone).
         from torch._inductor import CompiledArtifact  # noqa: F401
@@ -99,15 +86,21 @@ def _compile(module: nn.Module, cfg: ModelConfig, device: torch.device, dtype: t
         report.seconds["inductor_import"] = time.perf_counter() - start
         start = time.perf_counter()
         try:
-            artifacts = load_artifact(opts.artifact, manifest_for(cfg, opts.pass_names, dtype, device))
+            artifacts = load_artifact(config.artifact, artifact_manifest(cfg, config))
         except ArtifactError as e:
-            if not opts.recompile_on_mismatch:
+            if not config.recompile_on_mismatch:
                 raise
             log.warning("%s; compiling instead", e)
         report.seconds["artifact_load"] = time.perf_counter() - start
-    compiled, report.compiled, crep = compile_model(module, device, artifacts)
+    compiled, report.compiled, crep = compile_model(module, config.device, artifacts, config.splitting_ops)
     report.seconds["split"] = crep.seconds["split"]
     report.pieces, report.unique_pieces, report.compiled_now = crep.pieces, crep.unique, crep.compiled
     if artifacts is not None and crep.compiled:
-        raise ArtifactError(f"{opts.artifact}: artifact lacks {crep.compiled} of {crep.unique} compiled pieces")
+        raise ArtifactError(f"{config.artifact}: artifact lacks {crep.compiled} of {crep.unique} compiled pieces")
     return compiled
+
+
+def artifact_manifest(cfg: ModelConfig, config: EngineConfig) -> dict:
+    """What an artifact for this model and config must have been compiled for."""
+    from compiled.compilation.artifact import manifest_for
+    return manifest_for(cfg, pass_names(config), config.splitting_ops, config.dtype, config.device)

@@ -1,20 +1,39 @@
-"""Engine settings: the one place that holds limits and defaults of the runtime."""
+"""Engine settings: the one place that holds the runtime's limits and defaults.
+
+`LLM(model, **kwargs)` fills an `EngineConfig`; every CLI command reads its option defaults from
+`DEFAULTS`. `resolve()` turns the user's choices (None for "pick for me") into the concrete
+values the engine runs with (a torch device and dtype, a context length)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+
+from compiled.compilation.split import SPLITTING_OPS
+from compiled.envs import BACKENDS
+from compiled.errors import ConfigError
+from compiled.runtime.loader import LOAD_FORMATS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
-    device: torch.device
-    dtype: torch.dtype
-    max_model_len: int
+    # Folder of a Qwen3 / Qwen3-MoE checkpoint; None: the demo MoE model shipped in the package.
+    model: str | None = None
+    # Tokenizer folder; None: the model's folder.
+    tokenizer: str | None = None
+    # None: cuda when available, else cpu.
+    device: str | torch.device | None = None
+    # None: bfloat16 on cuda, float32 on cpu.
+    dtype: str | torch.dtype | None = None
+    # "auto" reads safetensors; "dummy" fills the real shapes with random weights.
+    load_format: str = "auto"
+    # None: the model's max_position_embeddings.
+    max_model_len: int | None = None
     max_num_seqs: int = 256
     # Token budget of one step; longer prompts are prefilled in chunks of at most this many.
     max_num_batched_tokens: int = 8192
@@ -22,23 +41,70 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     # Fraction of the GPU's memory the engine may use in all (weights + KV + activations).
     mem_fraction: float = 0.9
-    # Without a GPU there is no "memory left" to measure; this many bytes go to the KV cache.
-    cpu_kv_cache_bytes: int = 2 << 30
-    # Prompt-logprob rows are pushed through the LM head this many at a time to bound memory.
-    logits_chunk: int = 1024
     seed: int = 0
+    # Graph passes by name, in order; None: every pass (passes/manager.py DEFAULT_PASSES).
+    passes: tuple[str, ...] | None = None
+    # False: the plain eager module (no trace, no passes, no compile).
+    use_graph: bool = True
     # Eager torch modules only: no Inductor, no CUDA graphs (debugging).
     enforce_eager: bool = False
     # Lower the pieces with Inductor; None means on CUDA only (CPU compiles are slow to start).
     compile: bool | None = None
-    # Decode CUDA-graph buckets; None means default_buckets(min(max_num_seqs, 256)).
-    cuda_graph_buckets: list[int] | None = None
+    # Ops the graph is split at for Inductor and the piecewise CUDA graphs.
+    splitting_ops: tuple[str, ...] = SPLITTING_OPS
+    # Decode CUDA-graph buckets; None means 1, 2, 4, 8, 16, ... up to max_cuda_graph_batch.
+    cuda_graph_buckets: tuple[int, ...] | None = None
+    max_cuda_graph_batch: int = 256
     # Token buckets of the piecewise CUDA graphs for prefill and mixed batches (compiled model
     # only); None means 16, 32, 64, ... up to min(max_piecewise_tokens, max_num_batched_tokens).
-    piecewise_buckets: list[int] | None = None
+    piecewise_buckets: tuple[int, ...] | None = None
     max_piecewise_tokens: int = 2048
     # Launch a decode step before the previous step's tokens are read back (see engine.py).
     overlap_schedule: bool = True
+    # Load compiled pieces from this `compiled export` folder instead of compiling.
+    artifact: str | None = None
+    # A mismatched artifact is logged and recompiled instead of being an error.
+    recompile_on_mismatch: bool = False
+    # Kernel or torch reference per op family: auto (the kernel where it applies), torch, triton.
+    # The COMPILED_*_BACKEND environment variables override these (compiled/envs.py).
+    attention_backend: str = "auto"
+    linear_backend: str = "auto"
+    moe_backend: str = "auto"
+    routing_backend: str = "auto"
+    # Without a GPU there is no "memory left" to measure; this many bytes go to the KV cache.
+    cpu_kv_cache_bytes: int = 2 << 30
+    # Prompt-logprob rows are pushed through the LM head this many at a time to bound memory.
+    logits_chunk: int = 1024
+
+    @classmethod
+    def from_kwargs(cls, owner: str = "LLM", **kwargs) -> EngineConfig:
+        """The config of `kwargs`; an unknown name is an error listing the valid ones."""
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(kwargs) - set(valid))
+        if unknown:
+            raise TypeError(f"{owner} got an unexpected argument {unknown[0]!r} (valid: {', '.join(valid)})")
+        for name in ("passes", "splitting_ops", "cuda_graph_buckets", "piecewise_buckets"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = tuple(kwargs[name])
+        return cls(**kwargs)
+
+    def resolve(self, max_position_embeddings: int) -> EngineConfig:
+        """Concrete device, dtype and context length, after checking every value."""
+        self.validate()
+        device = resolve_device(self.device)
+        max_len = self.max_model_len or max_position_embeddings
+        if max_len > max_position_embeddings:
+            raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
+                              f"{max_position_embeddings}")
+        return dataclasses.replace(self, device=device, dtype=resolve_dtype(self.dtype, device),
+                                   max_model_len=max_len)
+
+    def validate(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format={self.load_format!r}: expected one of {', '.join(LOAD_FORMATS)}")
+        for name in ("attention_backend", "linear_backend", "moe_backend", "routing_backend"):
+            if getattr(self, name) not in BACKENDS:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(BACKENDS)}")
 
     @property
     def use_compile(self) -> bool:
@@ -50,18 +116,24 @@ class EngineConfig:
     def use_cuda_graphs(self) -> bool:
         return self.device.type == "cuda" and not self.enforce_eager
 
+    @property
+    def backends(self) -> dict[str, str]:
+        """Op family -> the configured backend choice."""
+        return {name: getattr(self, f"{name}_backend") for name in ("attention", "linear", "moe", "routing")}
 
-def smallest_bucket(buckets: list[int], size: int) -> int | None:
-    """The bucket a batch of `size` is padded to: the smallest of the sorted `buckets` >= size."""
-    return next((b for b in buckets if b >= size), None)
+
+DEFAULTS = EngineConfig()
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"device={device!r}: expected cpu, cuda or cuda:N") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r} requested but CUDA is not available")
+        raise ConfigError(f"device {str(device)!r} requested but CUDA is not available")
     return device
 
 
@@ -71,5 +143,5 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported (choose from {', '.join(DTYPES)})")
+        raise ConfigError(f"dtype {dtype!r} is not supported (choose from {', '.join(DTYPES)})")
     return DTYPES[dtype]

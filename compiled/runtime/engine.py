@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from compiled.attention.kv_cache import KVPool, ReqToTokenPool
+from compiled.compilation.buckets import decode_buckets, token_buckets
 from compiled.errors import RequestError
 from compiled.graphs.config import ModelConfig
 from compiled.runtime.config import EngineConfig
@@ -53,19 +54,27 @@ class Engine:
         self.num_overlapped = 0  # steps launched before the previous step's tokens were read
 
     def graph_buckets(self) -> list[int]:
-        from compiled.runtime.cuda_graphs import DEFAULT_MAX_BATCH, default_buckets
         # A bucket is a batch of one-token requests: it must fit both the request and token limits.
         limit = min(self.cfg.max_num_seqs, self.cfg.max_num_batched_tokens)
         if self.cfg.cuda_graph_buckets is not None:
             return sorted(b for b in self.cfg.cuda_graph_buckets if b <= limit)
-        return default_buckets(min(limit, DEFAULT_MAX_BATCH))
+        return decode_buckets(min(limit, self.cfg.max_cuda_graph_batch))
+
+    def capture_graphs(self) -> dict[str, float]:
+        """Capture the decode graphs and, for a compiled model, the pieces' graphs; returns the
+        seconds each capture took."""
+        seconds = {}
+        if self.graph_buckets():
+            seconds["capture"] = self.runner.capture_graphs(self.graph_buckets())
+        if self.runner.is_compiled and self.piecewise_buckets():
+            seconds["capture_piecewise"] = self.runner.capture_piecewise(self.piecewise_buckets())
+        return seconds
 
     def piecewise_buckets(self) -> list[int]:
         limit = self.cfg.max_num_batched_tokens
         if self.cfg.piecewise_buckets is not None:
             return sorted(b for b in self.cfg.piecewise_buckets if b <= limit)
-        top = min(self.cfg.max_piecewise_tokens, limit)
-        return [1 << i for i in range(4, top.bit_length()) if 1 << i <= top]
+        return token_buckets(min(self.cfg.max_piecewise_tokens, limit))
 
     # ---- admission -------------------------------------------------------------------------
 

@@ -12,9 +12,10 @@ import torch
 
 from compiled.errors import ConfigError
 from compiled.graphs.config import ModelConfig
-from compiled.runtime.config import EngineConfig, resolve_device, resolve_dtype
+from compiled.runtime.backends import configure_backends
+from compiled.runtime.build import artifact_manifest, build_model
+from compiled.runtime.config import EngineConfig
 from compiled.runtime.engine import Engine
-from compiled.runtime.build import BuildOptions, build_model
 from compiled.runtime.memory import num_kv_slots
 from compiled.runtime.request import RequestOutput
 from compiled.runtime.sampling_params import SamplingParams
@@ -48,63 +49,37 @@ def release_frozen_heap() -> None:
 class LLM:
     """Loads a Qwen3 / Qwen3-MoE folder (or the shipped demo model when `model` is None).
 
-    By default the model is traced and every graph pass runs (`passes` picks a list, `[]` none);
-    `use_graph=False` runs the plain eager module instead. On CUDA the passed graph is compiled
-    with Inductor (`compile=`); decode replays one CUDA graph per batch bucket and prefill or
-    mixed batches one graph per compiled piece and token bucket (`piecewise_buckets`);
-    `enforce_eager=True` turns all of that off. `artifact=DIR` loads compiled pieces written by
-    `export_artifact` instead of compiling. `overlap_schedule` launches each decode step before
-    the previous step's tokens are read back (see runtime/engine.py)."""
+    Every keyword argument is a field of `EngineConfig` (runtime/config.py), which holds each
+    default; an unknown name is an error listing the valid ones. By default the model is traced
+    and every graph pass runs (`passes` picks a list, `[]` none); `use_graph=False` runs the
+    plain eager module instead. On CUDA the passed graph is compiled with Inductor (`compile=`);
+    decode replays one CUDA graph per batch bucket and prefill or mixed batches one graph per
+    compiled piece and token bucket (`piecewise_buckets`); `enforce_eager=True` turns all of that
+    off. `artifact=DIR` loads compiled pieces written by `export_artifact` instead of compiling.
+    `overlap_schedule` launches each decode step before the previous step's tokens are read back
+    (see runtime/engine.py)."""
 
-    def __init__(self, model: str | None = None, *, device: str | torch.device | None = None,
-                 dtype: str | torch.dtype | None = None, load_format: str = "auto",
-                 max_model_len: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192, kv_cache_tokens: int | None = None,
-                 mem_fraction: float = 0.9, seed: int = 0, tokenizer: str | None = None,
-                 passes: list[str] | None = None, use_graph: bool = True, enforce_eager: bool = False,
-                 compile: bool | None = None, cuda_graph_buckets: list[int] | None = None,
-                 piecewise_buckets: list[int] | None = None, overlap_schedule: bool = True,
-                 artifact: str | None = None, recompile_on_mismatch: bool = False) -> None:
-        self.model_path = model or default_model()
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        requested = EngineConfig.from_kwargs(model=model, **kwargs)
+        self.model_path = requested.model or default_model()
         if not os.path.isdir(self.model_path):
             raise ConfigError(f"{self.model_path}: model folder not found")
         self.model_config = ModelConfig.from_pretrained(self.model_path)
-        dev = resolve_device(device)
-        max_len = max_model_len or self.model_config.max_position_embeddings
-        if max_len > self.model_config.max_position_embeddings:
-            raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
-                              f"{self.model_config.max_position_embeddings}")
-        self.config = EngineConfig(device=dev, dtype=resolve_dtype(dtype, dev), max_model_len=max_len,
-                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                   kv_cache_tokens=kv_cache_tokens, mem_fraction=mem_fraction, seed=seed,
-                                   enforce_eager=enforce_eager, compile=compile,
-                                   cuda_graph_buckets=cuda_graph_buckets, piecewise_buckets=piecewise_buckets,
-                                   overlap_schedule=overlap_schedule)
-        torch.manual_seed(seed)
-        tok_path = tokenizer or self.model_path
+        self.config = requested.resolve(self.model_config.max_position_embeddings)
+        configure_backends(self.config)
+        torch.manual_seed(self.config.seed)
+        tok_path = self.config.tokenizer or self.model_path
         self.tokenizer: Tokenizer | None = load_tokenizer(tok_path) if has_tokenizer(tok_path) else None
-        self.build_options = BuildOptions(
-            load_format=load_format, passes=passes, use_graph=use_graph and not enforce_eager,
-            compile=self.config.use_compile or artifact is not None, artifact=artifact,
-            recompile_on_mismatch=recompile_on_mismatch, seed=seed)
-        self.model, self.build_report = build_model(self.model_config, self.model_path, dev, self.config.dtype,
-                                                    self.build_options)
+        self.model, self.build_report = build_model(self.model_config, self.model_path, self.config)
         start = time.perf_counter()
         self.engine = Engine(self.model, self.model_config, self.config, num_kv_slots(self.model_config, self.config),
                              self.tokenizer, self._eos_token_ids())
         self.build_report.seconds["kv_cache"] = time.perf_counter() - start
         if self.config.use_cuda_graphs:
-            self._capture_graphs()
+            self.build_report.seconds.update(self.engine.capture_graphs())
         start = time.perf_counter()
         freeze_startup_heap()
         self.build_report.seconds["gc_freeze"] = time.perf_counter() - start
-
-    def _capture_graphs(self) -> None:
-        runner, seconds = self.engine.runner, self.build_report.seconds
-        if self.engine.graph_buckets():
-            seconds["capture"] = runner.capture_graphs(self.engine.graph_buckets())
-        if hasattr(self.model, "pieces") and self.engine.piecewise_buckets():
-            seconds["capture_piecewise"] = runner.capture_piecewise(self.engine.piecewise_buckets())
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -154,11 +129,10 @@ class LLM:
 
     def export_artifact(self, folder: str) -> None:
         """Write the compiled pieces and their manifest to `folder` (needs a compiled model)."""
-        from compiled.runtime.artifact import manifest_for, save_artifact
+        from compiled.compilation.artifact import save_artifact
         if not self.build_report.compiled:
             raise ConfigError("nothing to export: this LLM was not compiled (compile=True, not enforce_eager)")
-        manifest = manifest_for(self.model_config, self.build_options.pass_names, self.config.dtype,
-                                self.config.device)
+        manifest = artifact_manifest(self.model_config, self.config)
         buckets = None
         if self.config.use_cuda_graphs:
             buckets = {"decode": self.engine.graph_buckets(), "piecewise": self.engine.piecewise_buckets()}

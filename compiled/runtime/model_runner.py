@@ -1,10 +1,10 @@
-"""Runs one batch through the model: stages the step's integers, installs the attention context,
-and returns the final hidden states plus the logits of the rows that sample.
+"""Runs one batch through the model: stages the step's integers (`static_inputs.py`), installs the
+attention context, and returns the final hidden states plus the logits of the rows that sample.
 
-The step's integers live in one device buffer at their maximum sizes, staged through one pinned
-host buffer, so a step costs one host->device copy and a CUDA graph can replay over the same
-addresses. Decode batches that fit a bucket replay a captured graph that also writes the request
-table and computes the logits; everything else runs the (compiled) model directly."""
+The runner owns the CUDA graphs and their capture. Decode batches that fit a bucket replay a
+captured graph that also writes the request table and computes the logits (`decode_graphs.py`);
+everything else runs the (compiled) model directly, replaying the pieces' graphs where the
+token count has a bucket."""
 
 from __future__ import annotations
 
@@ -17,86 +17,13 @@ import torch
 from torch import nn
 
 from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
-from compiled.attention.kv_cache import PADDING_SLOT, KVPool, ReqToTokenPool
-from compiled.graphs.linear import SkinnyLinear
-from compiled.runtime.config import EngineConfig, smallest_bucket
+from compiled.attention.kv_cache import KVPool, ReqToTokenPool
+from compiled.compilation.buckets import smallest_bucket
+from compiled.compilation.piecewise_graphs import PiecewiseGraphs, current_mode, piecewise_mode
+from compiled.runtime.config import EngineConfig
+from compiled.runtime.decode_graphs import DecodeGraphs, compute_logits
 from compiled.runtime.scheduler import Batch
-
-# One entry per token / per request of the step, in this order in the packed buffers.
-TOKEN_FIELDS = ("input_ids", "positions", "out_cache_loc", "token_rows")
-SEQ_FIELDS = ("req_pool_indices", "seq_lens", "extend_lens", "extend_start_loc")
-
-
-class StaticInputs:
-    """Every integer the model reads per step. `host[name]` are numpy views of the pinned staging
-    buffer; the attributes of the same names are the device views the model reads."""
-
-    def __init__(self, max_tokens: int, max_seqs: int, device: torch.device) -> None:
-        sizes = [(f, max_tokens) for f in TOKEN_FIELDS] + [(f, max_seqs) for f in SEQ_FIELDS]
-        total = sum(n for _, n in sizes)
-        on_gpu = device.type == "cuda"
-        self._host = torch.zeros(total, dtype=torch.int64, pin_memory=on_gpu)
-        self._device = torch.zeros(total, dtype=torch.int64, device=device) if on_gpu else self._host
-        # The copy reads the pinned buffer after the host moved on: wait for it before refilling.
-        self._copied = torch.cuda.Event() if on_gpu else None
-        host = self._host.numpy()
-        self.host: dict[str, np.ndarray] = {}
-        offset = 0
-        for name, n in sizes:
-            setattr(self, name, self._device[offset:offset + n])
-            self.host[name] = host[offset:offset + n]
-            offset += n
-
-    def begin(self) -> dict[str, np.ndarray]:
-        if self._copied is not None:
-            self._copied.synchronize()
-        return self.host
-
-    def upload(self) -> None:
-        if self._device is not self._host:
-            self._device.copy_(self._host, non_blocking=True)
-            self._copied.record()
-
-    def pad_decode(self, tokens: int, bucket: int, padding_row: int) -> None:
-        """Rows [tokens, bucket) become one-token requests on the padding row writing KV slot 0."""
-        h = self.host
-        self._pad_tokens(tokens, bucket, padding_row)
-        h["req_pool_indices"][tokens:bucket] = padding_row
-        h["seq_lens"][tokens:bucket] = 1
-        h["extend_lens"][tokens:bucket] = 1
-        h["extend_start_loc"][tokens:bucket] = np.arange(tokens, bucket)
-
-    def pad_extend(self, tokens: int, seqs: int, bucket: int, padding_row: int) -> None:
-        """Tokens [tokens, bucket) become one more request (index `seqs`) on the padding row: a
-        fresh prompt of `bucket - tokens` tokens, all at position 0 and KV slot 0."""
-        h, n = self.host, bucket - tokens
-        self._pad_tokens(tokens, bucket, padding_row)
-        h["req_pool_indices"][seqs] = padding_row
-        h["seq_lens"][seqs] = n
-        h["extend_lens"][seqs] = n
-        h["extend_start_loc"][seqs] = tokens
-
-    def _pad_tokens(self, start: int, end: int, padding_row: int) -> None:
-        h = self.host
-        h["input_ids"][start:end] = 0
-        h["positions"][start:end] = 0
-        h["out_cache_loc"][start:end] = PADDING_SLOT
-        h["token_rows"][start:end] = padding_row
-
-
-def write_request_table(table: torch.Tensor, inputs: StaticInputs, tokens: int) -> None:
-    """Record each new token's KV slot in its request's row of the request->token table."""
-    table[inputs.token_rows[:tokens], inputs.positions[:tokens]] = inputs.out_cache_loc[:tokens].to(table.dtype)
-
-
-def compute_logits(head: nn.Module, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The LM head's logits of `hidden` `[T, H]` in fp32 (into `out` if given), rounded to the
-    model's dtype as HF's are. A SkinnyLinear head writes them in fp32 itself (no cast launch)."""
-    if out is None:
-        out = hidden.new_empty((hidden.shape[0], head.weight.shape[0]), dtype=torch.float32)
-    if isinstance(head, SkinnyLinear):
-        return head.forward_into(hidden, out)
-    return out.copy_(head(hidden))
+from compiled.runtime.static_inputs import StaticInputs, write_request_table
 
 
 def _rows(x: torch.Tensor, t: int, rows: Sequence[int]) -> torch.Tensor | None:
@@ -131,17 +58,21 @@ class ModelRunner:
             self._pool = torch.cuda.graph_pool_handle()
         return self._pool
 
+    @property
+    def is_compiled(self) -> bool:
+        """Whether the model is split into compiled pieces (which have graphs of their own)."""
+        from compiled.compilation.inductor import CompiledModel
+        return isinstance(self.model, CompiledModel)
+
     def capture_graphs(self, buckets: list[int]) -> float:
         """Capture the decode CUDA graphs; returns the seconds it took."""
-        from compiled.runtime.cuda_graphs import DecodeGraphs
-        graphs = DecodeGraphs(self, buckets, self._graph_pool())
+        graphs = DecodeGraphs(self.model, self.kv, self.req_pool, buckets, self._graph_pool(), self.cfg.device)
         graphs.capture()
         self.graphs = graphs
         return graphs.capture_seconds
 
     def capture_piecewise(self, buckets: list[int]) -> float:
         """Capture every compiled piece's graph per token bucket; returns the seconds it took."""
-        from compiled.runtime.piecewise_graphs import PiecewiseGraphs
         graphs = PiecewiseGraphs(buckets, self._graph_pool(), [self.inputs.input_ids, self.inputs.positions])
         graphs.attach(self.model.pieces)
         self.prefill_buckets = graphs.buckets
@@ -204,7 +135,6 @@ class ModelRunner:
             is_decode=is_decode, extend_start_loc=inp.extend_start_loc[:b])
 
     def _run_model(self, meta: AttentionMetadata, tokens: int) -> torch.Tensor:
-        from compiled.runtime.piecewise_graphs import current_mode, piecewise_mode
         write_request_table(self.req_pool.table, self.inputs, tokens)
         pw = self.piecewise
         graphed = pw is not None and tokens in pw.buckets

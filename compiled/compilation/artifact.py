@@ -15,11 +15,12 @@ import torch
 
 from compiled.errors import CompiledError
 from compiled.graphs.config import ModelConfig
+from compiled.passes.manager import pass_hashes
 
 MANIFEST = "manifest.json"
-FORMAT = 2  # 2: pieces flattened by inlining the leaf modules (split args positional)
+FORMAT = 3  # 3: passes recorded with the hash of their source, splitting ops listed
 # Fields that must match for the compiled code to be valid here, in the order they are checked.
-CHECKED = ("format", "package", "torch", "triton", "device", "model_config", "passes", "dtype")
+CHECKED = ("format", "package", "torch", "triton", "device", "model_config", "passes", "splitting_ops", "dtype")
 
 
 class ArtifactError(CompiledError, ValueError):
@@ -43,12 +44,15 @@ def _triton_version() -> str | None:
         return None
 
 
-def manifest_for(cfg: ModelConfig, passes: list[str], dtype: torch.dtype, device: torch.device) -> dict:
+def manifest_for(cfg: ModelConfig, passes: list[str] | tuple[str, ...], splitting_ops: tuple[str, ...],
+                 dtype: torch.dtype, device: torch.device) -> dict:
+    """What compiled code depends on; `passes` are recorded with the hash of each one's source."""
     from compiled import __version__
     return {
         "format": FORMAT, "package": __version__, "torch": torch.__version__, "triton": _triton_version(),
-        "device": device_name(device), "model_config": config_hash(cfg), "passes": list(passes),
-        "dtype": str(dtype).replace("torch.", ""), "architecture": cfg.architecture,
+        "device": device_name(device), "model_config": config_hash(cfg), "passes": pass_hashes(passes),
+        "splitting_ops": list(splitting_ops), "dtype": str(dtype).replace("torch.", ""),
+        "architecture": cfg.architecture,
     }
 
 

@@ -157,7 +157,7 @@ class PiecewiseGraphs:
     def capture(self, run_forward: Callable[[int], None]) -> None:
         """`run_forward(size)` stages a padding-only batch of `size` tokens and runs the model;
         buckets go largest first so smaller ones reuse the pool's blocks."""
-        from compiled.runtime.compiler import warm_up_once  # imported late: compiler imports this module
+        from compiled.compilation.warm_up import warm_up_once
         start = time.perf_counter()
         for size in reversed(self.buckets):
             # Each piece captures; attention, whose outputs only need the right address (its

@@ -3,9 +3,9 @@ take (prefill, larger batches, linears that cuBLAS does better).
 
 `compiled::add_rms_norm_linear` and `compiled::silu_mul_linear` run these and then F.linear
 there: one launch each, as the Inductor kernels they replace were, instead of the reference's
-eager ops. The jit helpers below hold the prologues' arithmetic, rounded where torch rounds it;
-the skinny GEMM's prologues (`linear_kernels`) call the same ones. The torch references are
-`fused_linear.add_rms_norm_ref` and `activation.silu_and_mul_ref`."""
+eager ops. The prologues' arithmetic is `triton_utils`' jit helpers, rounded where torch rounds
+it; the skinny GEMM's prologues (`skinny_kernels`) call the same ones. The torch references are
+`functional.add_rms_norm_ref` and `functional.silu_and_mul_ref`."""
 
 from __future__ import annotations
 
@@ -13,40 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compiled.pdl import launch_kwargs, pdl_wait
-
-
-@triton.jit
-def residual_add(x, d):
-    """x + d rounded to x's dtype, as torch's add of two 16-bit tensors rounds it."""
-    return (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
-
-
-@triton.jit
-def rms_normed(h, rstd, nw):
-    """`layers.rms_norm`'s output (fp32, not yet rounded to h's dtype) from h, its 1 / rms and the
-    norm weight, broadcast to h's shape by the caller: h * rstd is rounded before the weight."""
-    return nw.to(tl.float32) * (h.to(tl.float32) * rstd).to(h.dtype).to(tl.float32)
-
-
-@triton.jit
-def silu_mul(g, u):
-    """silu(gate) * up, each result rounded as torch's F.silu(gate) * up rounds it."""
-    gf = g.to(tl.float32)
-    s = (gf * tl.sigmoid(gf)).to(g.dtype)
-    return (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
-
-
-@triton.jit
-def add_rms_norm_row(x, d, NW, H, NORMED, cols, mask, K, eps):
-    """One row's residual add + RMSNorm from its tiles x and d (masked lanes 0): stores h = x + d
-    at H and RMSNorm(h) * norm weight at NORMED (pointers to the row's start)."""
-    h = residual_add(x, d)
-    tl.store(H + cols, h, mask=mask)
-    hf = h.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / K + eps)
-    nw = tl.load(NW + cols, mask=mask, other=0.0)
-    tl.store(NORMED + cols, rms_normed(h, rstd, nw).to(x.dtype), mask=mask)
+from compiled.triton_utils import add_rms_norm_row, launch_kwargs, pdl_wait, row_warps, silu_mul
 
 
 @triton.jit
@@ -59,11 +26,6 @@ def _add_rms_norm_kernel(X, D, NW, H, NORMED, K, eps, stride_xm, stride_dm, BLOC
     x = tl.load(X + row * stride_xm + cols, mask=mask, other=0.0)
     d = tl.load(D + row * stride_dm + cols, mask=mask, other=0.0)
     add_rms_norm_row(x, d, NW, H + row * K, NORMED + row * K, cols, mask, K, eps)
-
-
-def row_warps(block: int) -> int:
-    """Warps for a program holding one row of `block` columns (a norm's row kernels)."""
-    return max(1, min(16, block // 256))
 
 
 def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor,

@@ -1,7 +1,7 @@
 """`compiled::linear`: `y = x @ weight.T` (a bias-free nn.Linear), Triton's skinny GEMM for a few rows.
 
 The skinny_linear pass routes the model's bias-free linears (and the LM head) through this op.
-Decode steps run them at M = 1..16 rows, where the skinny kernel (`linear_kernels`) streams the
+Decode steps run them at M = 1..16 rows, where the skinny kernel (`skinny_kernels`) streams the
 weight in one launch; anything else (more rows, other dtypes, CPU) goes to `F.linear` (cuBLAS).
 
 Backends: 'auto' (the kernel on CUDA for bf16/fp16 at M <= SKINNY_MAX_M, torch otherwise),
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from compiled.backend import BackendChoice
+from compiled.linear import SKINNY_MAX_M
 
-SKINNY_MAX_M = 16  # rows the skinny kernel serves (one 16-row tile); above, cuBLAS is at home
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # 'auto' on CUDA; fp32 stays with cuBLAS (TF32 rules)
 FORCED_DTYPES = KERNEL_DTYPES + (torch.float32,)
 
@@ -54,7 +54,7 @@ def use_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.stride(1) == 1 and weight.stride(1) == 1 and x.device == weight.device)
     if not fits or BACKEND.name == "triton":
         return fits
-    from compiled.graphs import linear_kernels as lk
+    from compiled.linear import skinny_kernels as lk
     sms = lk.num_sms(x.device)
     return lk.beats_cublas(lk.skinny_config(M, N, K, sms), N, sms)
 
@@ -80,7 +80,7 @@ def dispatch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = N
             return out.copy_(linear_ref(x, weight))
     elif not use_kernel(x2, weight):
         return linear_ref(x, weight)
-    from compiled.graphs.linear_kernels import skinny_linear_triton
+    from compiled.linear.skinny_kernels import skinny_linear_triton
     y = skinny_linear_triton(x2, weight, out=out)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 

@@ -1,7 +1,8 @@
-"""Split the passed graph into pieces at the attention ops, ready for Inductor.
+"""Split the passed graph into pieces at the splitting ops, ready for Inductor.
 
 1. Flatten: re-trace with no leaf modules, so every weight is a `get_attr` and every op a call.
-2. Split at each `compiled::attention` node (vLLM's piecewise scheme): attention stays eager.
+2. Split at each node that calls a splitting op (vLLM's piecewise scheme; by default
+   `compiled::attention`, whose launch depends on the requests' lengths): those stay eager.
    Each piece takes its weights as inputs and has canonical node names, so the pieces of
    identical layers are the same graph and compile once (48 layers -> a handful of graphs).
 3. Propagate fake tensors with a symbolic token count T (no 0/1 specialisation).
@@ -24,7 +25,9 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from compiled.graphs.trace import ModelTracer
-from compiled.passes.base import is_op
+
+# Ops the graph is split at (run eagerly between the compiled pieces), by qualified name.
+SPLITTING_OPS: tuple[str, ...] = ("compiled::attention",)
 
 
 class FlatTracer(ModelTracer):
@@ -114,7 +117,7 @@ class Piece:
 
 @dataclass
 class SplitGraph:
-    top: fx.GraphModule            # calls submod_i in order; attention submodules stay eager
+    top: fx.GraphModule            # calls submod_i in order; splitting-op submodules stay eager
     pieces: list[Piece]
 
     @property
@@ -125,17 +128,18 @@ class SplitGraph:
         return out
 
 
-def split_at_attention(gm: nn.Module) -> SplitGraph:
-    """Flatten and split; weights arrive in every piece as inputs. The top graph calls the
-    attention submodules eagerly and the pieces until compile_model puts compiled ones there."""
+def split_graph(gm: nn.Module, splitting_ops: tuple[str, ...] = SPLITTING_OPS) -> SplitGraph:
+    """Flatten and split at `splitting_ops`; weights arrive in every piece as inputs. The top
+    graph calls the splitting ops' submodules eagerly and the pieces until compile_model puts
+    compiled ones there."""
     flat = flatten(gm)
-    parts = _partition(flat)
+    parts = _partition(flat, frozenset(splitting_ops))
     modules: dict[str, nn.Module] = {}
     pieces: list[Piece] = []
     keys: dict[tuple, str] = {}
     for part in parts:
         graph = _canonical_graph(part)
-        if part.attention:
+        if part.splits:
             modules[part.name] = fx.GraphModule({}, graph)
         else:
             weights = [_fetch(gm, n.target) if n.op == "get_attr" else None for n in part.inputs]
@@ -164,7 +168,7 @@ def attach_fake_inputs(split: SplitGraph, device: torch.device, example_tokens: 
             elif node.op == "call_module":
                 args = [env[a] for a in node.args]
                 piece = by_name.get(node.target)
-                if piece is None:  # an attention submodule: one op, cheap to propagate
+                if piece is None:  # a splitting op's submodule: one op, cheap to propagate
                     env[node] = FakeTensorProp(getattr(split.top, node.target), mode).propagate_dont_convert_inputs(*args)
                 elif piece.key in outputs:
                     env[node] = outputs[piece.key]
@@ -178,9 +182,9 @@ def attach_fake_inputs(split: SplitGraph, device: torch.device, example_tokens: 
 
 @dataclass
 class _Part:
-    """A run of nodes between attention ops, or one attention op: submod_{index} of the split."""
+    """A run of nodes between splitting ops, or one splitting op: submod_{index} of the split."""
     index: int
-    attention: bool
+    splits: bool
     nodes: list[fx.Node] = field(default_factory=list)
     inputs: dict[fx.Node, None] = field(default_factory=dict)   # ordered: first use first
     outputs: dict[fx.Node, None] = field(default_factory=dict)  # ordered: first use elsewhere first
@@ -190,8 +194,8 @@ class _Part:
         return f"submod_{self.index}"
 
 
-def _partition(flat: fx.Graph) -> list[_Part]:
-    """Numbered as split_module numbers the parts (0, attention 1, 2, attention 3, ...); inputs
+def _partition(flat: fx.Graph, splitting_ops: frozenset[str]) -> list[_Part]:
+    """Numbered as split_module numbers the parts (0, split 1, 2, split 3, ...); inputs
     and outputs in the order split_module finds them, walking the nodes' arguments in order."""
     parts: dict[int, _Part] = {}
     owner: dict[fx.Node, _Part] = {}
@@ -201,12 +205,12 @@ def _partition(flat: fx.Graph) -> list[_Part]:
             continue
         user = None
         if node.op != "output":
-            attention = is_op(node, torch.ops.compiled.attention)
-            index = counter + 1 if attention else counter
-            if attention:
+            splits = node.op == "call_function" and op_name(node.target) in splitting_ops
+            index = counter + 1 if splits else counter
+            if splits:
                 counter += 2
             if index not in parts:
-                parts[index] = _Part(index, attention)
+                parts[index] = _Part(index, splits)
             user = owner[node] = parts[index]
             user.nodes.append(node)
         for arg in node.all_input_nodes:
@@ -277,3 +281,10 @@ def _top_graph(gm: nn.Module, flat: fx.Graph, parts: list[_Part], modules: dict[
 def _fetch(module: nn.Module, target: str) -> torch.Tensor:
     owner, _, attr = target.rpartition(".")
     return getattr(module.get_submodule(owner) if owner else module, attr)
+
+
+def op_name(target) -> str | None:
+    """'namespace::name' of a custom op (its packet or an overload), None for anything else."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target.name().split(".")[0]
+    return getattr(target, "_qualified_op_name", None)

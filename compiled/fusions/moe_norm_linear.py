@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from compiled.graphs import fused_linear
-from compiled.graphs.linear import dispatch
+from compiled.linear import fused as fused_linear
+from compiled.linear.ops import dispatch
 from compiled.moe import fused_moe as fm
 
 

@@ -17,7 +17,7 @@ and the launch is safe to capture in a CUDA graph: the workspace and semaphores 
 per device, before capture, and the kernel leaves them as it found them.
 
 `skinny_config` (the heuristic) and the constants below are the only tuning knobs. The torch
-reference is `compiled.graphs.linear.linear_ref` (F.linear), beside the op that dispatches here."""
+reference is `compiled.linear.ops.linear_ref` (F.linear), beside the op that dispatches here."""
 
 from __future__ import annotations
 
@@ -28,10 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from compiled.attention.triton_decode import interpreter_upcast, sm_count
-from compiled.graphs.linear import SKINNY_MAX_M
-from compiled.graphs.prologue_kernels import residual_add, rms_normed, silu_mul
-from compiled.pdl import launch_kwargs, pdl_let_next_in, pdl_wait, pdl_wait_only
+from compiled.linear import SKINNY_MAX_M
+from compiled.triton_utils import (DEFAULT_NUM_SMS, interpreter_upcast, launch_kwargs, num_sms, pdl_let_next_in,
+                                   pdl_wait, pdl_wait_only, residual_add, rms_normed, silu_mul, weight_tile)
 
 BLOCK_M = max(16, triton.next_power_of_2(SKINNY_MAX_M))  # one tile for every row (tl.dot needs >= 16)
 MIN_BLOCK = 16             # smallest BLOCK_N / BLOCK_K (tl.dot's minimum)
@@ -45,8 +44,7 @@ WORKSPACE_COLS = 128 * 1024  # split-K needs SPLIT_K * N <= this (fp32 partials:
 SEMAPHORES = WORKSPACE_COLS // MIN_BLOCK  # split-K: one per column block
 NUM_WARPS = 4
 NUM_STAGES = 5
-DEFAULT_NUM_SMS = 132      # an H100 / H200; used when there is no CUDA device (the interpreter)
-# With a prologue (fused_linear), at most this many K steps a program: its input tiles are
+# With a prologue (`fused`), at most this many K steps a program: its input tiles are
 # prefetched one step ahead only, so a long K range leaves part of each step's load latency
 # exposed and more, shorter programs hide it better (bench/linear_bench.py --fused, RESULTS.md).
 PROLOGUE_MAX_STEPS = 4
@@ -132,11 +130,6 @@ def check_config(config: SkinnyConfig, M: int, N: int) -> None:
         raise ValueError(f"skinny linear: M={M} rows, at most {SKINNY_MAX_M}")
 
 
-def num_sms(device: torch.device) -> int:
-    """The device's SMs (cached by sm_count); off CUDA, the Hopper count the heuristic assumes."""
-    return sm_count(device) if device.type == "cuda" else DEFAULT_NUM_SMS
-
-
 class SplitWorkspace(NamedTuple):
     partials: torch.Tensor   # fp32 [SKINNY_MAX_M * WORKSPACE_COLS]
     semaphores: torch.Tensor  # int32, one per column block, all zero between launches
@@ -179,7 +172,7 @@ def _prologue_tiles(X, D, offs_m, ks, mask, stride_xm, stride_dm, K, ADD_NORM: t
 def _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K, stride_xm, stride_dm,
                   stride_nm, BLOCK_K: tl.constexpr):
     """Column block pid_n writes its slice of the normalised rows (RMSNorm's output, for the
-    other readers of it), rounded as `layers.rms_norm` rounds."""
+    other readers of it), rounded as `functional.rms_norm` rounds."""
     offs_k = tl.arange(0, BLOCK_K)
     lo = pid_n * NORMED_CHUNK
     hi = tl.minimum(lo + NORMED_CHUNK, K)
@@ -191,13 +184,6 @@ def _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K
         nw = tl.load(NW + ks, mask=ks < hi, other=0.0)
         normed = rms_normed(h, rstd[:, None], nw[None, :])
         tl.store(NORMED + offs_m[:, None] * stride_nm + ks[None, :], normed.to(h.dtype), mask=mask)
-
-
-@triton.jit
-def weight_tile(w_ptrs, mask_n, mask_k, EVEN_K: tl.constexpr):
-    """One `[BLOCK_N, BLOCK_K]` weight tile; EVEN_K: no mask along K (the loads stay vectorised)."""
-    mask = mask_n[:, None] if EVEN_K else mask_n[:, None] & mask_k[None, :]
-    return tl.load(w_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
 At decode sizes the residual add + RMSNorm in front of a linear, or the SiLU-and-mul in front of
 the down projection, is a launch of its own that moves a few kilobytes. The skinny GEMM does it in
-its prologue instead (`linear_kernels`: ADD_NORM, SILU_MUL), so the fuse_norm_linear and fuse_silu_linear
+its prologue instead (`skinny_kernels`: ADD_NORM, SILU_MUL), so the fuse_norm_linear and fuse_silu_linear
 passes route the graph's matching pairs here. The kernel serves what it serves for
 `compiled::linear` (`use_kernel`: M <= SKINNY_MAX_M on CUDA in bf16/fp16, where it beats cuBLAS,
 under the same backend switch; one row always, in its GEMV mode): there the prologue costs less
@@ -16,16 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from compiled.graphs.activation import silu_and_mul_ref
-from compiled.graphs.layers import rms_norm
-from compiled.graphs.linear import BACKEND, check_shapes, use_kernel
-
-
-def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, normed): h = x + delta, normed = the model's `rms_norm(h)`."""
-    h = x + delta
-    return h, rms_norm(h, norm_weight, eps)
+from compiled.functional import add_rms_norm_ref, silu_and_mul_ref
+from compiled.linear.ops import BACKEND, check_shapes, use_kernel
 
 
 def add_rms_norm_linear_ref(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -60,7 +52,7 @@ def add_rms_norm_linear(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch
     not keep_normed). h is what the residual stream carries on; normed is for other readers."""
     check_norm(x, delta, norm_weight, weight)
     if use_kernel(x, weight) and delta.stride(-1) == 1:
-        from compiled.graphs.linear_kernels import add_rms_norm_linear_triton
+        from compiled.linear.skinny_kernels import add_rms_norm_linear_triton
         y, h, normed = add_rms_norm_linear_triton(x, delta, norm_weight, eps, weight, keep_normed)
     else:
         h, normed = _add_rms_norm(x, delta, norm_weight, eps)
@@ -76,7 +68,7 @@ def _own_launch(*tensors: torch.Tensor) -> bool:
 
 def _add_rms_norm(x, delta, norm_weight, eps):
     if _own_launch(x, delta):
-        from compiled.graphs.prologue_kernels import add_rms_norm_triton
+        from compiled.linear.prologue_kernels import add_rms_norm_triton
         return add_rms_norm_triton(x, delta, norm_weight, eps)
     return add_rms_norm_ref(x, delta, norm_weight, eps)
 
@@ -101,10 +93,10 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     """(silu(gate) * up) @ weight.T for gate_up `[T, 2K]` = [gate | up]."""
     _check_silu(gate_up, weight)
     if use_kernel(gate_up[:, :weight.shape[1]], weight):
-        from compiled.graphs.linear_kernels import silu_mul_linear_triton
+        from compiled.linear.skinny_kernels import silu_mul_linear_triton
         return silu_mul_linear_triton(gate_up, weight)
     if _own_launch(gate_up):
-        from compiled.graphs.prologue_kernels import silu_and_mul_triton
+        from compiled.linear.prologue_kernels import silu_and_mul_triton
         return F.linear(silu_and_mul_triton(gate_up), weight)
     return silu_mul_linear_ref(gate_up, weight)
 

@@ -6,12 +6,8 @@ reference is the implementation until a kernel replaces it."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+from compiled.functional import silu_and_mul_ref
 
 
 @torch.library.custom_op("compiled::silu_and_mul", mutates_args=())

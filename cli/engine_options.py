@@ -1,0 +1,58 @@
+"""The engine's settings as command-line options: flags and help here, defaults from `DEFAULTS`
+(the engine config), so no command writes a default of its own."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Annotated, Optional
+
+import typer
+
+from compiled.runtime.config import DEFAULTS, EngineConfig
+
+# field -> (annotation, help, typer's declarations). Defaults come from DEFAULTS.
+ENGINE_OPTIONS: dict[str, tuple[object, str, tuple[str, ...]]] = {
+    "device": (Optional[str], "cpu or cuda (default: cuda when available).", ()),
+    "dtype": (Optional[str], "float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu).", ()),
+    "load_format": (str, "auto (safetensors) or dummy (random weights in the real shapes).", ()),
+    "seed": (int, "Seed of the dummy weights and of the engine.", ()),
+    "max_model_len": (Optional[int], "Context length (default: the model's).", ()),
+    "max_num_seqs": (int, "Most requests in one step.", ()),
+    "max_num_batched_tokens": (int, "Token budget of one step (longer prefills are chunked).", ()),
+    "kv_cache_tokens": (Optional[int], "KV cache size in tokens (default: from memory).", ()),
+    "mem_fraction": (float, "Share of GPU memory for weights + KV + activations.", ()),
+    "enforce_eager": (bool, "No Inductor, no CUDA graphs: the eager graph module.", ("--enforce-eager",)),
+    "compile": (Optional[bool], "Lower the graph with Inductor (default: on CUDA only).", ("--compile/--no-compile",)),
+    "artifact": (Optional[str], "Load compiled pieces from this `compiled export` folder.", ()),
+    "recompile_on_mismatch": (bool, "Recompile instead of failing on a mismatched artifact.",
+                              ("--recompile-on-mismatch",)),
+    "overlap_schedule": (bool, "Launch each decode step before the previous one's tokens are read back.",
+                         ("--overlap-schedule/--no-overlap-schedule",)),
+}
+
+
+def engine_option(name: str, help: str | None = None):
+    """A typer.Option for the engine config field `name`, its default taken from DEFAULTS."""
+    _, default_help, decls = ENGINE_OPTIONS[name]
+    return typer.Option(getattr(DEFAULTS, name), *decls, help=help or default_help)
+
+
+def engine_parameter(name: str, help: str | None = None) -> inspect.Parameter:
+    """The same option as a keyword-only parameter (for commands whose signature is built)."""
+    annotation, default_help, decls = ENGINE_OPTIONS[name]
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=getattr(DEFAULTS, name),
+                             annotation=Annotated[annotation, typer.Option(*decls, help=help or default_help)])
+
+
+def engine_config(values: dict, **overrides) -> EngineConfig:
+    """The engine config of a command's option values (names that are not fields are ignored)."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    chosen = {k: (str(v) if k == "artifact" and v is not None else v) for k, v in values.items() if k in fields}
+    return EngineConfig.from_kwargs(owner="compiled", **dict(chosen, **overrides))
+
+
+def build_llm(config: EngineConfig):
+    """An LLM with every setting of `config`."""
+    from compiled import LLM
+    return LLM(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})

@@ -1,0 +1,61 @@
+"""CUDA graphs of the whole forward, one per batch-size bucket (decode), replayed each step.
+
+What the graphs read and write lives in the runtime's static buffers: a subclass says how to
+stage a padding-only batch of a bucket's size (`prepare`) and what one step runs (`step`).
+Buckets are captured largest first in one shared memory pool, so smaller ones reuse its blocks."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, ContextManager
+
+import torch
+
+from compiled.compilation.buckets import smallest_bucket
+from compiled.compilation.warm_up import warm_up_once
+
+
+class BucketGraphs:
+    def __init__(self, buckets: list[int], pool) -> None:
+        self.buckets = sorted(buckets)
+        self.pool = pool
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, Any] = {}   # what the step returned at capture, per bucket
+        self.capture_seconds = 0.0
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def bucket_for(self, batch: int) -> int | None:
+        return smallest_bucket(self.buckets, batch)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Per bucket, inside `prepare(size)`: `step(size)` once outside the graph (lazy
+        allocations, compiles and autotuning), then once captured."""
+        start = time.perf_counter()
+        for size in reversed(self.buckets):
+            with self.prepare(size):
+                with warm_up_once():
+                    self.step(size)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.outputs[size] = self.step(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+
+    def prepare(self, size: int) -> ContextManager:
+        """Stage a padding-only batch of `size` and enter whatever the step runs under."""
+        return contextlib.nullcontext()
+
+    def step(self, size: int) -> Any:
+        """One step over the first `size` rows of the static buffers; returns its outputs."""
+        raise NotImplementedError
+
+    def replay_graph(self, bucket: int) -> Any:
+        """Replay `bucket`'s graph; returns the outputs its capture left in place."""
+        self.graphs[bucket].replay()
+        return self.outputs[bucket]

@@ -1,0 +1,165 @@
+"""Triton helpers shared by the kernels of several op folders: the device checks (Hopper or newer,
+the CPU interpreter), the SM count, TMA descriptors, programmatic dependent launch, and the
+@triton.jit pieces more than one kernel calls (weight tiles; the residual add, RMSNorm and
+SiLU-and-mul arithmetic, each rounded where torch rounds it).
+
+Programmatic dependent launch (Hopper+): a decode step's small Triton kernels overlap their
+launch with the kernel before them. A kernel launched with `launch_pdl=True` may start while the
+previous kernel of the stream is still running, once all of that kernel's programs have started
+and called `gdc_launch_dependents`. Each such kernel here begins with `pdl_wait`: it lets the next
+kernel launch, then waits (`gdc_wait`) until the previous one has finished and its writes are
+visible, and only then writes anything or reads what a kernel of the step may have written: the
+weights (the skinny GEMV's first tile) and what the host uploads before the step (decode
+attention's lengths and slots) may be read before the wait. A kernel that does not take part
+(cuBLAS, Inductor's) serialises as usual, before and after, and so ends any early start.
+(Prefetching the next weights into L2 before the wait measured slower, per cache line and as bulk
+TMA prefetches, and so did prefetching them from the decode attention's grid while DRAM idles;
+the register loads before the wait measured faster: bench/RESULTS.md.)
+
+`COMPILED_PDL=0` (read at import) turns it off; it is also off off-GPU, before Hopper and under
+the Triton interpreter, where the flag is a compile-time False and the kernels are unchanged."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from compiled import envs
+
+DEFAULT_NUM_SMS = 132  # an H100 / H200: what the heuristics assume without a CUDA device (the interpreter)
+
+
+# ----------------------------------------------------------------------------- the device
+
+def hopper_or_newer(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 or newer (TMA, programmatic dependent launch)."""
+    return device.type == "cuda" and _capability(device.index)[0] >= 9
+
+
+def interpreting() -> bool:
+    """Triton kernels run under the CPU interpreter (TRITON_INTERPRET, as Triton itself reads it)."""
+    from triton import knobs
+    return knobs.runtime.interpret
+
+
+def interpreter_upcast(dtype: torch.dtype) -> bool:
+    """Triton's CPU interpreter computes `tl.dot` on bf16 operands wrongly (as raw 16-bit
+    integers), so under TRITON_INTERPRET=1 the kernels run their dots on bf16 data in fp32."""
+    return dtype == torch.bfloat16 and interpreting()
+
+
+def num_sms(device: torch.device, off_gpu: int = DEFAULT_NUM_SMS) -> int:
+    """The CUDA device's SM count (cached); `off_gpu` for any other device (the interpreter)."""
+    return _sm_count(device.index) if device.type == "cuda" else off_gpu
+
+
+def tma_descriptor(x: torch.Tensor, block: list[int]):
+    """A TMA tensor descriptor over the 2-D `x` with tiles of `block`, or None where TMA cannot
+    take it: a 16-bit tensor with unit last stride and 16-byte aligned base and rows, on Hopper
+    or newer (or the interpreter). Built per call: a small host object the launcher encodes, and
+    caching it would keep freed tensors alive."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2 or x.stride(1) != 1:
+        return None
+    if (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
+        return None
+    if not (hopper_or_newer(x.device) or interpreting()):
+        return None
+    return TensorDescriptor.from_tensor(x, block)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def row_warps(block: int) -> int:
+    """Warps for a program holding one row of `block` columns (a norm's row kernels)."""
+    return max(1, min(16, block // 256))
+
+
+# ----------------------------------------------------------------------------- programmatic dependent launch
+
+ENABLED = envs.read("COMPILED_PDL") is not False
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether launches on `device` use programmatic dependent launch."""
+    return ENABLED and not interpreting() and hopper_or_newer(device)
+
+
+def launch_kwargs(device: torch.device) -> dict:
+    """`PDL=` (the kernels' constexpr) and Triton's `launch_pdl=` for one launch on `device`."""
+    on = use_pdl(device)
+    return dict(PDL=on, launch_pdl=True) if on else dict(PDL=False)
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Let the next kernel launch, then wait for the previous one (no-ops when PDL is off)."""
+    pdl_let_next_in(PDL)
+    pdl_wait_only(PDL)
+
+
+@triton.jit
+def pdl_wait_only(PDL: tl.constexpr):
+    """Wait for the previous kernel, letting the next one in later (`pdl_let_next_in`): for a
+    kernel whose grid the early next one would crowd (the skinny GEMM with a prologue)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_let_next_in(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+# ----------------------------------------------------------------------------- @triton.jit pieces
+
+@triton.jit
+def weight_tile(w_ptrs, mask_n, mask_k, EVEN_K: tl.constexpr):
+    """One `[BLOCK_N, BLOCK_K]` weight tile; EVEN_K: no mask along K (the loads stay vectorised)."""
+    mask = mask_n[:, None] if EVEN_K else mask_n[:, None] & mask_k[None, :]
+    return tl.load(w_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def residual_add(x, d):
+    """x + d rounded to x's dtype, as torch's add of two 16-bit tensors rounds it."""
+    return (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def rms_normed(h, rstd, nw):
+    """`functional.rms_norm`'s output (fp32, not yet rounded to h's dtype) from h, its 1 / rms and
+    the norm weight, broadcast to h's shape by the caller: h * rstd is rounded before the weight."""
+    return nw.to(tl.float32) * (h.to(tl.float32) * rstd).to(h.dtype).to(tl.float32)
+
+
+@triton.jit
+def silu_mul(g, u):
+    """silu(gate) * up, each result rounded as torch's F.silu(gate) * up rounds it."""
+    gf = g.to(tl.float32)
+    s = (gf * tl.sigmoid(gf)).to(g.dtype)
+    return (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+
+
+@triton.jit
+def add_rms_norm_row(x, d, NW, H, NORMED, cols, mask, K, eps):
+    """One row's residual add + RMSNorm from its tiles x and d (masked lanes 0): stores h = x + d
+    at H and RMSNorm(h) * norm weight at NORMED (pointers to the row's start)."""
+    h = residual_add(x, d)
+    tl.store(H + cols, h, mask=mask)
+    hf = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / K + eps)
+    nw = tl.load(NW + cols, mask=mask, other=0.0)
+    tl.store(NORMED + cols, rms_normed(h, rstd, nw).to(x.dtype), mask=mask)
