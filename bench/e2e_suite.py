@@ -17,6 +17,7 @@ import torch
 
 from cli import bench_core as core
 from compiled.compilation.inductor import COMPILES
+from compiled.runtime.config import EngineConfig
 
 
 def graph_gpu_ms(llm, bucket: int, reps: int = 50) -> float | None:
@@ -163,9 +164,9 @@ def main() -> None:
                     help="profile one prefill's Python (cProfile); the top functions go to this file")
     a = ap.parse_args()
 
-    args = core.EngineArgs(model=a.model, load_format="dummy", max_model_len=a.max_model_len,
-                           max_num_seqs=a.max_num_seqs, artifact=None if a.artifact is None else str(a.artifact),
-                           passes=None if a.passes is None else [p for p in a.passes.split(",") if p])
+    args = EngineConfig(model=a.model, load_format="dummy", max_model_len=a.max_model_len,
+                        max_num_seqs=a.max_num_seqs, artifact=None if a.artifact is None else str(a.artifact),
+                        passes=None if a.passes is None else tuple(p for p in a.passes.split(",") if p))
     compiles_before = COMPILES["count"]
     if a.cprofile is None:
         llm, start = core.startup(args, a.input_len)

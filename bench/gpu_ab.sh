@@ -4,7 +4,7 @@
 # in its environment and/or the code of B_TREE (B). Optional GPU_TESTS="tests/..." (pytest -m gpu)
 # first. Results in ${OUT:-out}/.
 #   PASSES_B=fuse_qkv,fuse_w13,silu_and_mul,skinny_linear | B_ENV="COMPILED_PDL=0"
-#   B_TREE=out/base (e.g. `git archive HEAD | tar -x -C out/base`, carried to the device)
+#   B_TREE=out/base (another checkout, e.g. `mkdir -p out/base && git archive BASE | tar -x -C out/base`)
 #   [MODELS="qwen3-30b-a3b:1,8 qwen3-0.6b:1"]
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
@@ -35,4 +35,5 @@ for entry in ${MODELS:-qwen3-30b-a3b:1,8 qwen3-0.6b:1}; do
 done
 rm -rf "$out"/prof_*/*.json
 sleep 1   # let the last writes settle before the archive
+# Everything again in one archive, for copying the results off the machine.
 tar -C "$out" -czf "$out/0_all_results.tgz" --exclude 0_all_results.tgz .

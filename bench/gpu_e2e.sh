@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The compile issue's GPU numbers in one run: GPU compile tests, then bench/e2e_suite.py on the
-# Qwen3-30B-A3B shape (cold caches, export) and a warm start from its artifact in a fresh process,
-# then the Qwen3-0.6B shape. Results go to ${OUT:-out}/. Optional, before the end-to-end runs:
+# End-to-end and start-up numbers in one run: bench/e2e_suite.py on the Qwen3-30B-A3B shape (cold
+# caches, export), a warm start from its artifact in a fresh process (with and without torch's
+# bytecode cache), then the Qwen3-0.6B shape. Results go to ${OUT:-out}/. Optional, before the end-to-end runs:
 # GPU_TESTS="tests/..." (pytest -m gpu), MOE_BENCH=1 [MOE_FLAGS], LINEAR_BENCH=1 [LINEAR_FLAGS],
 # ATTN_BENCH=1 [ATTN_FLAGS] (bench/moe_bench.py, linear_bench.py, attention_bench.py); E2E_FLAGS and
 # WARM_FLAGS (e.g. "--cprofile out/warm.prof.txt") go to the cold and warm e2e_suite runs.
@@ -9,10 +9,10 @@ set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
-# An installed torch has its modules compiled to bytecode (pip does it at install time). The lent
-# machines' venv has no __pycache__ and sets PYTHONDONTWRITEBYTECODE, so each process compiles
-# torch's sources again (~1.8 s of a warm start). Here the first process writes bytecode to a cache
-# that the later ones read, as on an installed system; the warm start is also run once without it.
+# An installed torch has its modules compiled to bytecode (pip does it at install time). A venv
+# without __pycache__, or with PYTHONDONTWRITEBYTECODE set, compiles torch's sources in every process
+# (~1.8 s of a warm start). Here the first process writes bytecode to a cache that the later ones
+# read, as on an installed system; the warm start is also run once without it.
 export PYTHONPYCACHEPREFIX=$(mktemp -d); unset PYTHONDONTWRITEBYTECODE
 if [ -n "${GPU_TESTS:-}" ]; then
   python -m pytest -m gpu -q -s $GPU_TESTS 2>&1 | tee "$out/gpu_tests.txt" | grep -E "batch [0-9]+:|passed|failed|Error" | tail -30
@@ -38,5 +38,5 @@ env -u PYTHONPYCACHEPREFIX PYTHONDONTWRITEBYTECODE=1 python bench/e2e_suite.py b
 python bench/e2e_suite.py bench/configs/qwen3-0.6b --out "$out/e2e_06b.json" --batches 1 \
   --profile-dir "$out/prof_06b" 2>&1 | tee "$out/e2e_06b.txt" | grep -v "^ *\"" | tail -40
 rm -rf "$out"/prof_*/*.json
-# The device tool returns at most 8 files: everything again in one archive (sorted first).
+# Everything again in one archive, for copying the results off the machine.
 tar -C "$out" -czf "$out/0_all_results.tgz" --exclude 0_all_results.tgz .

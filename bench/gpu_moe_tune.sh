@@ -19,5 +19,5 @@ cp "$cfg"/*.json "$out/tuned.json"
 export COMPILED_MOE_CONFIG_DIR=$cfg
 python bench/moe_bench.py --out "$out/moe_bench.json" ${MOE_FLAGS:-} 2>&1 | tee "$out/moe_bench.txt" | tail -12
 python -m pytest -m gpu -q tests/test_moe_kernels.py 2>&1 | tee "$out/moe_tests.txt" | tail -2
-# The device tool returns at most 8 files: everything again in one archive (sorted first).
+# Everything again in one archive, for copying the results off the machine.
 tar -C "$out" -czf "$out/0_all_results.tgz" --exclude 0_all_results.tgz .

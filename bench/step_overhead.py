@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from cli import bench_core as core
+from compiled.runtime.config import EngineConfig
 
 
 def timed(fn, reps: int) -> dict:
@@ -81,7 +82,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
-    args = core.EngineArgs(model=a.model, load_format="dummy", max_model_len=2048, max_num_seqs=max(a.batch, 8))
+    args = EngineConfig(model=a.model, load_format="dummy", max_model_len=2048, max_num_seqs=max(a.batch, 8))
     llm, _ = core.startup(args, a.input_len)
     res, _ = core.latency(llm, a.batch, a.input_len, a.output_len, iters=1, warmup=1, seed=0)
     record = {"model": a.model, "batch": a.batch, "environment": core.environment(llm.config.device),

@@ -1,3 +1,2 @@
-"""The `compiled` command line (Typer + rich).
-
-Thin wrappers over the Python API in compiled/."""
+"""The `compiled` command line (Typer + rich): argument parsing over the Python API in compiled/;
+every engine default comes from the engine config."""

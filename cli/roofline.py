@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from compiled import envs
 from compiled.graphs.config import ModelConfig
 
 # ---- bytes per decode step ---------------------------------------------------------------
@@ -149,7 +150,7 @@ def device_name(device: torch.device | str) -> str:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = envs.read("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "compiled"
 
 

@@ -1,5 +1,4 @@
-"""compiled: a compiled-graph inference runtime for Qwen3 and Qwen3-MoE with many LoRA adapters.
-
+"""compiled: a compiled-graph inference runtime for Qwen3 and Qwen3-MoE.
 Public API: `LLM`, `SamplingParams`, `RequestOutput`."""
 
 from compiled.runtime.llm import LLM

@@ -1,6 +1,5 @@
-"""Small trained demo models shipped with the package (the embedded default).
-
-Built reproducibly by build.py; see README.md here for what they do."""
+"""Small trained demo models shipped with the package (the embedded default), built reproducibly
+by build.py; README.md here says what they do."""
 
 import os
 

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from compiled import envs
+
 DEMO_DIR = Path(__file__).resolve().parent
 SEED = 20240611
 
@@ -643,10 +645,10 @@ def main(argv=None):
     ap.add_argument("--eval-n", type=int, default=40, help="random prompts per evaluation (0: skip)")
     args = ap.parse_args(argv)
 
-    if argv is None and "OMP_WAIT_POLICY" not in os.environ:
+    if argv is None and not envs.is_set("OMP_WAIT_POLICY"):
         # torch is already imported (compiled/__init__), so re-exec: with the default spinning
         # OpenMP threads a CPU shared with other processes trains ~10x slower.  Numerics unchanged.
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        envs.set_for_children("OMP_WAIT_POLICY", "PASSIVE")
         os.execv(sys.executable, [sys.executable, "-m", "compiled.demo.build", *sys.argv[1:]])
 
     from transformers import AutoTokenizer, Qwen3ForCausalLM, Qwen3MoeForCausalLM

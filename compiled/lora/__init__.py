@@ -1,3 +1,2 @@
-"""Multi-LoRA: PEFT adapter loading, GPU slot pool and batched delta kernels.
-
-Empty until the LoRA issue lands."""
+"""Multi-LoRA serving: PEFT adapter loading and the GPU slot pool (in progress: nothing here yet).
+The LoRA op and its kernels will sit with the other ops."""

@@ -1,2 +1,2 @@
-"""Graph passes over the traced model: each a small function doing one rewrite (fusions now; LoRA
-deltas and parallelism later), run in order by `manager.run_passes` (REGISTRY, DEFAULT_PASSES)."""
+"""Graph passes over the traced model, each a small object with one rewrite, its order rules and
+a source hash; `manager` checks a pass list and runs it in order."""

@@ -1,3 +1,2 @@
-"""Turns a checkpoint into served tokens: weight loading, engine, sampler, tokenizer.
-
-Everything between the model definition and the user-facing API lives here."""
+"""Turns a built model into served tokens: engine config, weight loading, model runner, scheduler,
+sampler, tokenizer / detokenizer and the `LLM` API."""

@@ -119,6 +119,7 @@ def test_readme_layout_matches_the_tree():
     section = section[:section.find("\n## ", 4) if "\n## " in section[4:] else len(section)]
     listed = set(re.findall(r"^\s*((?:compiled|cli)/[\w/]*?)/?\s", section, re.M))
     folders = {str(p.parent.relative_to(ROOT)) for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")}
+    folders.discard("compiled")  # the package root: its modules are listed one by one
     assert folders <= {f.rstrip("/") for f in listed}, f"not in the README's layout: {folders - listed}"
     assert {f.rstrip("/") for f in listed} <= folders, f"in the README but not the tree: {listed - folders}"
 
