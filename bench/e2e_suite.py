@@ -1,4 +1,4 @@
-"""End-to-end numbers of the compile issue for one model, in one process: start-up stages,
+"""End-to-end numbers for one model, in one process: start-up stages,
 decode step latency at several batch sizes, prefill time to first token, the decode graph's GPU
 time alone (replayed back to back), profiles of a decode and a prefill step, and optionally an
 exported artifact. With --artifact it measures a warm start from that artifact instead.

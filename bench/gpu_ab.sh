@@ -4,7 +4,7 @@
 # in its environment and/or the code of B_TREE (B). Optional GPU_TESTS="tests/..." (pytest -m gpu)
 # first. Results in ${OUT:-out}/.
 #   PASSES_B=fuse_qkv,fuse_w13,silu_and_mul,skinny_linear | B_ENV="COMPILED_PDL=0"
-#   B_TREE=out/base (another checkout, e.g. `mkdir -p out/base && git archive BASE | tar -x -C out/base`)
+#   B_TREE=out/base (another checkout: mkdir -p out/base && git archive BASE | tar -x -C out/base)
 #   [MODELS="qwen3-30b-a3b:1,8 qwen3-0.6b:1"]
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"

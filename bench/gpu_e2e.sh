@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end and start-up numbers in one run: bench/e2e_suite.py on the Qwen3-30B-A3B shape (cold
 # caches, export), a warm start from its artifact in a fresh process (with and without torch's
-# bytecode cache), then the Qwen3-0.6B shape. Results go to ${OUT:-out}/. Optional, before the end-to-end runs:
+# bytecode cache), then the Qwen3-0.6B shape. Results go to ${OUT:-out}/.
+# Usage (repo root, on a CUDA machine): bash bench/gpu_e2e.sh. Optional, before the end-to-end runs:
 # GPU_TESTS="tests/..." (pytest -m gpu), MOE_BENCH=1 [MOE_FLAGS], LINEAR_BENCH=1 [LINEAR_FLAGS],
 # ATTN_BENCH=1 [ATTN_FLAGS] (bench/moe_bench.py, linear_bench.py, attention_bench.py); E2E_FLAGS and
 # WARM_FLAGS (e.g. "--cprofile out/warm.prof.txt") go to the cold and warm e2e_suite runs.
@@ -10,9 +11,9 @@ out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
 # An installed torch has its modules compiled to bytecode (pip does it at install time). A venv
-# without __pycache__, or with PYTHONDONTWRITEBYTECODE set, compiles torch's sources in every process
-# (~1.8 s of a warm start). Here the first process writes bytecode to a cache that the later ones
-# read, as on an installed system; the warm start is also run once without it.
+# without __pycache__, or with PYTHONDONTWRITEBYTECODE set, compiles torch's sources in every
+# process (~1.8 s of a warm start). Here the first process writes bytecode to a cache that the
+# later ones read, as on an installed system; the warm start is also run once without it.
 export PYTHONPYCACHEPREFIX=$(mktemp -d); unset PYTHONDONTWRITEBYTECODE
 if [ -n "${GPU_TESTS:-}" ]; then
   python -m pytest -m gpu -q -s $GPU_TESTS 2>&1 | tee "$out/gpu_tests.txt" | grep -E "batch [0-9]+:|passed|failed|Error" | tail -30

@@ -2,8 +2,9 @@
 # Retune the fused-MoE table on this GPU and measure it: bench/moe_bench.py with the checked-in
 # table first (BEFORE_TOKENS, default 4096; empty skips it), then bench/tune_moe.py (TMA searched;
 # TUNE_FLAGS, e.g. "--merge --tokens 2048 4096") into a scratch folder, then moe_bench.py
-# (MOE_FLAGS) and the GPU MoE tests with that table. The table lands in ${OUT:-out}/tuned.json, to be
-# copied into compiled/moe/configs/ under the name the tuner printed.
+# (MOE_FLAGS) and the GPU MoE tests with that table. The table lands in ${OUT:-out}/tuned.json, to
+# be copied into compiled/moe/configs/ under the name the tuner printed. Usage (repo root, on the
+# GPU to tune for): bash bench/gpu_moe_tune.sh
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

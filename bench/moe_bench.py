@@ -216,7 +216,7 @@ def with_tma(cfg: dict) -> dict:
 def sweep_gemv(x, routes, w13, w2, ws, L: int, reps: int) -> list[dict]:
     """µs per layer of the one-token GEMVs over a grid of tiles: the up kernel's with GEMV_TILES'
     down tile, then the down kernel's with the best up tile; best first."""
-    # around the fifteenth session's first sweep's best (up 4 x 1024, down 8 x 256, 4 warps)
+    # around the tiles GEMV_TILES holds, a first sweep's best (up 4 x 1024, down 8 x 256, 4 warps)
     grids = dict(up=[dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (2, 4, 8) for bk in (512, 1024, 2048)
                      for w in (2, 4, 8)],
                  down=[dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (4, 8, 16) for bk in (128, 256, 512)

@@ -154,13 +154,13 @@ def _space(bm: int, down: bool) -> list[dict]:
 
 
 def all_jobs(tokens) -> list[tuple]:
-    """(kind, naive, config) for every kernel variant the search will launch."""
+    """(kind, config) for every kernel variant the search will launch."""
     jobs = set()
     for T in tokens:
         for bm in block_m_candidates(T):
             for down in (False, True):
                 for cfg in _space(bm, down):
-                    jobs.add(("down" if down else "up", fm.use_naive(T), tuple(sorted(cfg.items()))))
+                    jobs.add(("down" if down else "up", tuple(sorted(cfg.items()))))
     return sorted(jobs)
 
 
@@ -178,42 +178,30 @@ class Problem:
         _, routes = make_routing(self.layers, T, E, top_k, seed)
         self.weights = [w.reshape(-1).contiguous() for w, _ in routes]
         self.ids = [i.contiguous() for _, i in routes]
-        self.naive = fm.use_naive(T)
-        rows = max(fm.intermediate_rows(T * top_k, E, bm, self.naive) for bm in block_m_candidates(T))
+        rows = max(fm.intermediate_rows(T * top_k, E, bm) for bm in block_m_candidates(T))
         self.inter = torch.randn(rows, I, device=DEVICE, dtype=dtype)   # gemm1 writes by block
         self.y = torch.empty(T * top_k, H, device=DEVICE, dtype=dtype)
         self.aligned: dict[int, list] = {}
 
     def align(self, bm):
         if bm not in self.aligned:
-            if self.naive:
-                flat = [i.reshape(-1) for i in self.ids]
-                self.aligned[bm] = [(f, f, f, self.T * self.top_k) for f in flat]
-            else:
-                al = []
-                for ids in self.ids:
-                    s, e, n = fm.moe_align_block_size(ids, self.E, bm)
-                    al.append((s, e, n, e.numel()))
-                self.aligned[bm] = al
+            self.aligned[bm] = [fm.moe_align_block_size(ids, self.E, bm) for ids in self.ids]
         return self.aligned[bm]
 
     def time_align(self, bm, reps=10):
-        if self.naive:
-            return 0.0
         ws = [fm.MoEWorkspace() for _ in self.ids]
         return time_graph([lambda i=i, w=w: fm.moe_align_block_size(i, self.E, bm, w) for i, w in zip(self.ids, ws)],
                           reps) / self.layers
 
     def fns(self, cfg, down):
-        numel = self.T * self.top_k
         out = []
-        for layer, (s, e, n, blocks) in enumerate(self.align(cfg["BLOCK_SIZE_M"])):
+        for layer, blocks in enumerate(self.align(cfg["BLOCK_SIZE_M"])):
             if down:
-                out.append(lambda l=layer, s=s, e=e, n=n, b=blocks: fm._launch_gemm2(
-                    self.inter, self.w2[l], self.y, self.weights[l], s, e, n, numel, b, self.naive, cfg))
+                out.append(lambda l=layer, b=blocks: fm._launch_gemm2(
+                    self.inter, self.w2[l], self.y, self.weights[l], b, cfg))
             else:
-                out.append(lambda l=layer, s=s, e=e, n=n, b=blocks: fm._launch_gemm1(
-                    self.x, self.w13[l], self.inter, s, e, n, numel, self.top_k, b, self.naive, cfg))
+                out.append(lambda l=layer, b=blocks: fm._launch_gemm1(
+                    self.x, self.w13[l], self.inter, b, self.top_k, cfg))
         return out
 
     def time(self, cfg, down, reps=10):
@@ -230,9 +218,9 @@ def _compile_worker(args):
     w13, w2 = make_weights(1, e_small, H, I, dtype)
     failed = []
     probs = {}
-    for kind, naive, items in jobs:
+    for kind, items in jobs:
         cfg = dict(items)
-        T = 1 if naive else 16
+        T = 16
         try:
             if T not in probs:
                 probs[T] = Problem(w13, w2, T, min(top_k, e_small), e_small, seed=3)
@@ -241,7 +229,7 @@ def _compile_worker(args):
             if DEVICE == "cuda":
                 _torch.cuda.synchronize()
         except Exception as exc:  # out of resources etc.: dropped from the search
-            failed.append((kind, naive, items, type(exc).__name__))
+            failed.append((kind, items, type(exc).__name__))
     return failed
 
 
@@ -264,7 +252,7 @@ def tune(args) -> dict:
     t0 = time.time()
     jobs = all_jobs(tokens)
     print(f"{len(jobs)} kernel variants; compiling with {args.workers} workers", flush=True)
-    failed = {(k, n, i) for k, n, i, _ in precompile(jobs, E, H, I, top_k, args.dtype, args.workers)}
+    failed = {(k, i) for k, i, _ in precompile(jobs, E, H, I, top_k, args.dtype, args.workers)}
     print(f"compiled in {time.time() - t0:.0f}s; {len(failed)} variants dropped", flush=True)
     w13, w2 = make_weights(args.layers, E, H, I, dtype)
     name = fm.config_file_name(E, I, fm.device_name(), dtype)
@@ -283,7 +271,7 @@ def tune(args) -> dict:
             res = {}
             for down in (False, True):
                 space = [c for c in _space(bm, down)
-                         if ("down" if down else "up", prob.naive, tuple(sorted(c.items()))) not in failed]
+                         if ("down" if down else "up", tuple(sorted(c.items()))) not in failed]
                 if over:  # out of time: a few plausible tiles only
                     space = space[:: max(1, len(space) // 4)]
                 scored = []
@@ -326,7 +314,7 @@ def kept_entries(path: Path, tokens) -> tuple[dict, dict]:
             print(f"merging into {p}", flush=True)
             old = json.loads(p.read_text())
             timings = old.pop("_meta", {}).get("timings_us", {})
-            # token-count entries not re-tuned, and the other entries (the one-launch tile) as they are
+            # token-count entries not re-tuned, and the other entries as they are
             table = {k: v for k, v in old.items() if not k.isdigit() or int(k) not in set(tokens)}
             return table, {k: v for k, v in timings.items() if k in table}
     return {}, {}

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from cli.engine_options import DEFAULTS, engine_config, engine_parameter
+from cli.engine_options import DEFAULTS, build_llm, engine_config, engine_parameter
 from cli.errors import fail_cleanly
 
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -83,7 +83,6 @@ def _at_least(o: SimpleNamespace, name: str, low: int) -> None:
 def _check_common(o: SimpleNamespace) -> None:
     _check(o.compare is None or o.compare in COMPARE,
            f"--compare {o.compare!r} is not supported (choose from: {', '.join(COMPARE)})")
-    _check(o.load_format in ("auto", "dummy"), f"--load-format {o.load_format!r} is not supported (choose from: auto, dummy)")
     for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_model_len", 2),
                       ("kv_cache_tokens", 1), ("profile_steps", 1)):
         _at_least(o, name, low)
@@ -251,7 +250,7 @@ def latency(
     _check(o.batch_size <= o.max_num_seqs, f"--batch-size {o.batch_size} exceeds --max-num-seqs {o.max_num_seqs}")
     _check(o.bandwidth is None or o.bandwidth > 0, f"--bandwidth must be positive, got {o.bandwidth}")
     bw = core.bandwidth(resolve_device(o.device), o.bandwidth)   # before the model takes the memory
-    run = Run("latency", o, _engine_args(o).build())
+    run = Run("latency", o, build_llm(_engine_args(o)))
     context = run.llm.engine.max_context
     _check(o.input_len + o.output_len <= context, f"--input-len {o.input_len} + --output-len {o.output_len} exceed "
                                                   f"the context of {context} tokens (raise --max-model-len)")
@@ -358,7 +357,7 @@ def throughput(
 ) -> None:
     from cli import bench_core as core
     _check_workload(o)
-    run = Run("throughput", o, _engine_args(o).build())
+    run = Run("throughput", o, build_llm(_engine_args(o)))
     items, workload = _workload(run)
     with _progress("throughput") as bar:
         task = bar.add_task("requests", total=len(items))
@@ -405,7 +404,7 @@ def serving(
     _check(o.request_rate > 0, f"--request-rate must be positive (or inf), got {o.request_rate}")
     _at_least(o, "max_concurrency", 1)
     _check_workload(o)
-    run = Run("serving", o, _engine_args(o).build())
+    run = Run("serving", o, build_llm(_engine_args(o)))
     items, workload = _workload(run)
     with _progress("serving") as bar:
         task = bar.add_task("requests", total=len(items))

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from cli.bench_core import exposed_kernel_time, idle_gaps, percentile, read_dataset, runtime_calls, trace_events
 from cli.main import app
 from compiled.graphs.config import ModelConfig
-from compiled.runtime import roofline
+from cli import roofline
 from tests.conftest import make_checkpoint
 
 runner = CliRunner()

@@ -4,10 +4,9 @@ them and the linear that reads the norm (the next layer's qkv), as one op.
     delta = fused_moe(moe_x, weights, ids, w13, w2);  y, h, normed = add_rms_norm_linear(x, delta, ...)
 
 Alone, the experts' k weighted outputs per token are summed by a kernel of their own
-(`moe_sum_kernel`), or for one token inside gemm2 through atomic counters, and the norm's kernel
-reads the sum back. Here one kernel does both (`moe_sum_add_rms_norm_kernel`): one launch and one
-`[T, H]` round trip fewer a layer, and for one token a gemm2 without counters. The CPU runs the
-two ops' references in a row."""
+(`moe_sum_kernel`), and the norm's kernel reads the sum back. Here one kernel does both
+(`moe_sum_add_rms_norm_kernel`): one launch and one `[T, H]` round trip fewer a layer. The CPU
+runs the two ops' references in a row. It calls into moe/ and linear/, so it lives above both."""
 
 from __future__ import annotations
 
@@ -19,9 +18,7 @@ from compiled.moe import fused_moe as fm
 
 
 def sums_in_norm(x: torch.Tensor, moe_x: torch.Tensor, topk_ids: torch.Tensor) -> bool:
-    """Whether the top-k sum goes into the norm's kernel: the Triton MoE with top-k > 1. One
-    token too: there gemm2 would otherwise sum through atomic counters (FUSED_SUM_MAX_TOKENS) to
-    save the sum's launch, and here that launch is the norm's, which runs anyway."""
+    """Whether the top-k sum goes into the norm's kernel: the Triton MoE with top-k > 1."""
     return fm.backend(moe_x) == "triton" and topk_ids.shape[1] > 1 and x.stride(-1) == 1
 
 

@@ -6,8 +6,8 @@ returns `[T, H]` in x's dtype. On CUDA it runs the Triton kernels of `fused_moe_
 (token, slot) pairs by expert and pad each expert's segment to BLOCK_M, grouped GEMM over `w13` with
 `silu(gate) * up` in its epilogue, grouped GEMM over `w2` with the routing weight in its epilogue,
 sum over the top-k. No host syncs and fixed-size buffers, so it can be captured in a CUDA graph.
-One token runs as two GEMVs (ONE_TOKEN_GEMV, on by default: no 16-row tensor-core tile for one live
-row) and can instead run as one kernel (ONE_LAUNCH, off) or as the two grouped GEMMs.
+One token runs as two GEMVs instead (`gemv_kernels.py`: no 16-row tensor-core tile for one live
+row).
 
 Kernel configs (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages, optional HALF_M and TMA per
 token count, and an optional "down" override of N/K/GROUP/warps/stages/HALF_M/TMA for the second
@@ -16,23 +16,28 @@ height when its rows fit, TMA loads the weight tiles through tensor descriptors 
 instead of pointer loads) come from
 `configs/E={E},N={I},device_name={name},dtype={dtype}.json` (written by `bench/tune_moe.py`);
 the entry whose token count is nearest wins, and a default is used when no file matches.
-`COMPILED_MOE_BACKEND=torch|triton` forces a path; `COMPILED_MOE_CONFIG_DIR` adds a config folder
-searched first."""
+`BACKEND` ('auto': Triton on CUDA, the reference elsewhere; from `COMPILED_MOE_BACKEND`, read at
+import, or the engine config) set to 'torch' or 'triton' forces a path; `COMPILED_MOE_CONFIG_DIR`
+adds a config folder searched first."""
 
 from __future__ import annotations
 
 import functools
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+import triton
 
+from compiled import envs
+from compiled.backend import BackendChoice
+from compiled.functional import add_rms_norm_ref
 from compiled.moe.experts import expert_loop
-from compiled.triton_utils import interpreting, tma_descriptor
+from compiled.triton_utils import interpreting, launch_kwargs, row_warps, tma_descriptor
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +94,7 @@ def config_file_name(E: int, N: int, device: str, dtype: torch.dtype | str) -> s
 
 
 def _config_dirs() -> list[Path]:
-    extra = os.environ.get("COMPILED_MOE_CONFIG_DIR")
+    extra = envs.read("COMPILED_MOE_CONFIG_DIR")
     return ([Path(extra)] if extra else []) + [CONFIG_DIR]
 
 
@@ -146,19 +151,14 @@ def _split_config(cfg: dict) -> tuple[dict, dict]:
 
 # ----------------------------------------------------------------------------- Triton path
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def max_padded_size(numel: int, E: int, block_m: int) -> int:
     """Upper bound of the padded pair count: every expert that gets a pair pads < BLOCK_M rows."""
     return numel + min(E, numel) * (block_m - 1)
 
 
-def intermediate_rows(numel: int, E: int, block_m: int, naive: bool) -> int:
-    """Rows of gemm1's output: BLOCK_M for every block (naive: one block per pair)."""
-    blocks = numel if naive else -(-max_padded_size(numel, E, block_m) // block_m)
-    return blocks * block_m
+def intermediate_rows(numel: int, E: int, block_m: int) -> int:
+    """Rows of gemm1's output: BLOCK_M for every block."""
+    return triton.cdiv(max_padded_size(numel, E, block_m), block_m) * block_m
 
 
 def _align_chunk(numel: int) -> int:
@@ -166,8 +166,13 @@ def _align_chunk(numel: int) -> int:
     (more beyond 256 programs). Short programs won: `moe_bench.py --sweep-align` on the H200,
     64 tokens x top-8: 7.5 µs with 32 pairs a program against 13.4 with 128."""
     if numel <= 128:
-        return max(16, _next_pow2(numel))
-    return max(32, _next_pow2(-(-numel // 256)))
+        return max(16, triton.next_power_of_2(numel))
+    return max(32, triton.next_power_of_2(triton.cdiv(numel, 256)))
+
+
+def _expert_pad(E: int) -> int:
+    """The alignment kernels' expert axis: E rounded up to a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(E))
 
 
 @dataclass
@@ -188,12 +193,12 @@ class MoEWorkspace:
                 device: torch.device, block_m: int = 128) -> "MoEWorkspace":
         numel = max_tokens * top_k
         self.get("sorted", max_padded_size(numel, E, block_m) + block_m, torch.int32, device)
-        self.get("experts", -(-max_padded_size(numel, E, 16) // 16), torch.int32, device)
-        e_pad = max(16, _next_pow2(E))
+        self.get("experts", triton.cdiv(max_padded_size(numel, E, 16), 16), torch.int32, device)
+        e_pad = _expert_pad(E)
         self.get("totals", e_pad, torch.int32, device)
-        self.get("bases", -(-numel // _align_chunk(numel)) * e_pad, torch.int32, device)
+        self.get("bases", triton.cdiv(numel, _align_chunk(numel)) * e_pad, torch.int32, device)
         self.get("post", 1, torch.int32, device)
-        self.get("inter", intermediate_rows(numel, E, block_m, False) * I, dtype, device)
+        self.get("inter", intermediate_rows(numel, E, block_m) * I, dtype, device)
         self.get("y", numel * H, dtype, device)
         return self
 
@@ -210,34 +215,38 @@ class AlignLaunch:
 
 def align_launch(numel: int, E: int, block_m: int) -> AlignLaunch:
     chunk = _align_chunk(numel)
-    e_pad = max(16, _next_pow2(E))
-    return AlignLaunch(chunk=chunk, sub=min(chunk, 32), bb=min(64, 4096 // max(block_m, e_pad)))
+    return AlignLaunch(chunk=chunk, sub=min(chunk, 32), bb=min(64, 4096 // max(block_m, _expert_pad(E))))
+
+
+class Blocks(NamedTuple):
+    """The (token, slot) pairs sorted by expert into BLOCK_M blocks (`moe_align_block_size`)."""
+    sorted_ids: torch.Tensor   # int32 [P]: pair indices (token * k + slot); padding rows hold T*k
+    expert_ids: torch.Tensor   # int32 [P / BLOCK_M]: each block's expert, -1 past num_post
+    num_post: torch.Tensor     # int32 [1]: the padded pair count
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace: MoEWorkspace | None = None,
-                         launch: AlignLaunch | None = None):
+                         launch: AlignLaunch | None = None) -> Blocks:
     """Sort (token, slot) pairs by expert, padding each expert's segment to a multiple of block_m.
 
-    Returns (sorted_ids int32 `[P]`, expert_ids int32 `[P / block_m]`, num_post int32 `[1]`) with P
-    the fixed bound `max_padded_size`: sorted_ids holds pair indices (token * k + slot), padding
-    rows hold T*k; expert_ids is -1 for blocks past num_post. Inside an expert's segment, pairs of
-    one chunk keep their order and chunks come in arrival order (atomics); nothing downstream
-    depends on that order. No host sync. `launch` overrides `align_launch` (benchmark sweeps)."""
+    The buffers are sized by the fixed bound P = `max_padded_size`. Inside an expert's segment,
+    pairs of one chunk keep their order and chunks come in arrival order (atomics); nothing
+    downstream depends on that order. No host sync. `launch` overrides `align_launch` (benchmark
+    sweeps)."""
     from compiled.moe import fused_moe_kernels as K
-    from compiled.triton_utils import launch_kwargs
 
     ws = workspace or MoEWorkspace()
     dev = topk_ids.device
     ids = topk_ids.reshape(-1)
     numel = ids.numel()
     max_pad = max_padded_size(numel, E, block_m)
-    max_blocks = -(-max_pad // block_m)
+    max_blocks = triton.cdiv(max_pad, block_m)
     sorted_ids = ws.get("sorted", max_blocks * block_m, torch.int32, dev)
     expert_ids = ws.get("experts", max_blocks, torch.int32, dev)
     num_post = ws.get("post", 1, torch.int32, dev)
-    e_pad = max(16, _next_pow2(E))
+    e_pad = _expert_pad(E)
     lc = launch or align_launch(numel, E, block_m)
-    n_chunks = -(-numel // lc.chunk)
+    n_chunks = triton.cdiv(numel, lc.chunk)
     totals = done = bases = num_post  # unused with one chunk
     reset = False
     if n_chunks > 1:
@@ -254,7 +263,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
                                       num_post, numel, max_blocks, BLOCK_M=block_m, CHUNK=lc.chunk, SUB=lc.sub,
                                       E_PAD=e_pad, BB=lc.bb, SINGLE=n_chunks == 1, RESET=reset, num_warps=lc.warps,
                                       **launch_kwargs(dev))
-    return sorted_ids, expert_ids, num_post
+    return Blocks(sorted_ids, expert_ids, num_post)
 
 
 def weight_desc(w: torch.Tensor, block_n: int, block_k: int):
@@ -263,61 +272,47 @@ def weight_desc(w: torch.Tensor, block_n: int, block_k: int):
     return tma_descriptor(w.view(-1, w.shape[-1]), [block_n, block_k]) if w.is_contiguous() else None
 
 
-# gemm2 loads its full-height tiles of the intermediate through TMA when its config loads the
-# weights so (Hopper); False: pointer loads.
-A_TMA = True
-
-
-def _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, cfg):
+def _launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks: Blocks, top_k: int,
+                  cfg: dict) -> None:
+    """inter (block order) <- silu(gate) * up for every pair of `blocks`; x `[T, H]`."""
     from compiled.moe import fused_moe_kernels as K
-    from compiled.triton_utils import launch_kwargs
     I, H = w13.shape[1] // 2, w13.shape[2]
-    bn = cfg["BLOCK_SIZE_N"]
-    grid = (n_blocks * triton_cdiv(I, bn),)
-    desc = weight_desc(w13, bn, cfg["BLOCK_SIZE_K"]) if cfg.get("TMA") else None
+    bn, bk = cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
+    grid = (blocks.expert_ids.numel() * triton.cdiv(I, bn),)
+    desc = weight_desc(w13, bn, bk) if cfg.get("TMA") else None
     K.moe_gemm1_kernel[grid](
-        x, w13, desc, inter, sorted_ids, expert_ids, num_post, numel, I, H,
+        x, w13, desc, inter, blocks.sorted_ids, blocks.expert_ids, blocks.num_post, x.shape[0] * top_k, I, H,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        TOP_K=top_k, NAIVE=naive, **_dot_flags(x.dtype),
-        BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
-        EVEN_K=H % cfg["BLOCK_SIZE_K"] == 0, HALF_M=0 if naive else cfg["HALF_M"], TMA=desc is not None,
+        TOP_K=top_k, **_dot_flags(x.dtype),
+        BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
+        EVEN_K=H % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(x.device))
 
 
-def _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel, n_blocks, naive, cfg,
-                  top_k=1, out=None, counters=None):
-    """With `counters` (see sum_counters), the kernel also writes the top-k sum into `out`."""
+def _launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, blocks: Blocks,
+                  cfg: dict) -> None:
+    """y `[T*k, H]` <- each pair's routing weight (`weights`, `[T*k]`) times its row of inter . w2."""
     from compiled.moe import fused_moe_kernels as K
-    from compiled.triton_utils import launch_kwargs
     H, I = w2.shape[1], w2.shape[2]
-    bn = cfg["BLOCK_SIZE_N"]
-    grid = (n_blocks * triton_cdiv(H, bn),)
-    fused_sum = counters is not None
-    desc = weight_desc(w2, bn, cfg["BLOCK_SIZE_K"]) if cfg.get("TMA") else None
+    bn, bk = cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
+    grid = (blocks.expert_ids.numel() * triton.cdiv(H, bn),)
+    desc = weight_desc(w2, bn, bk) if cfg.get("TMA") else None
     # The intermediate's full-height tiles through TMA wherever the weights' go.
-    a_tma = A_TMA and cfg.get("TMA") and not naive
-    a_desc = tma_descriptor(inter, [cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_K"]]) if a_tma else None
+    a_desc = tma_descriptor(inter, [cfg["BLOCK_SIZE_M"], bk]) if cfg.get("TMA") else None
     K.moe_gemm2_kernel[grid](
-        inter, a_desc, w2, desc, y, weights, out if fused_sum else y, counters if fused_sum else y,
-        sorted_ids, expert_ids, num_post, numel, H, I,
-        inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        TOP_K=top_k, FUSED_SUM=fused_sum, NAIVE=naive, **_dot_flags(inter.dtype),
-        BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=cfg["BLOCK_SIZE_K"], GROUP_M=cfg["GROUP_SIZE_M"],
-        EVEN_K=I % cfg["BLOCK_SIZE_K"] == 0, HALF_M=0 if naive else cfg["HALF_M"], TMA=desc is not None,
-        A_TMA=a_desc is not None,
+        inter, a_desc, w2, desc, y, weights, blocks.sorted_ids, blocks.expert_ids, blocks.num_post, weights.numel(),
+        H, I, inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        **_dot_flags(inter.dtype),
+        BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
+        EVEN_K=I % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None, A_TMA=a_desc is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(inter.device))
 
 
-# Buffers the kernels keep at zero between launches (they restore them): gemm2's top-k sum
-# counters (one int32 per (token, N tile)), the alignment's per-expert totals and arrival counter,
-# and the one-launch kernel's fp32 accumulator and arrival counter. Each is allocated once per
-# device, zeroed, and only ever replaced by a larger one outside CUDA graph capture; replaced
-# buffers stay alive because captured graphs hold their addresses.
+# Buffers the kernels keep at zero between launches (they restore them): the alignment's
+# per-expert totals and arrival counter. Each is allocated once per device, zeroed, and only ever
+# replaced by a larger one outside CUDA graph capture; replaced buffers stay alive because
+# captured graphs hold their addresses.
 MIN_ZEROED = 1 << 16
-# Measured on the H200 (bench/moe_bench.py, Qwen3-30B-A3B layer): one token 27.5 µs fused vs 28.1
-# separate; from 8 tokens on the counters and scattered reads cost more than the launch they save
-# (4096 tokens: 1093 vs 845 µs).
-FUSED_SUM_MAX_TOKENS = 1
 _ZEROED: dict[tuple[torch.device, str], torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []
 
@@ -336,74 +331,79 @@ def zeroed(device: torch.device, name: str, numel: int, dtype: torch.dtype) -> t
     return buf
 
 
-def sum_counters(device: torch.device, numel: int) -> torch.Tensor | None:
-    return zeroed(device, "sum_counters", numel, torch.int32)
-
-
-# The one-launch path for one token (moe_one_token_kernel), deterministic (fixed-point sum). Its
-# tile is the tuned file's "one_launch" entry (`bench/moe_bench.py --sweep-one-launch`; alone,
-# H100: 31.8 µs against 34.6 for the two GEMMs, H200: 25.8 against 28.2), else ONE_LAUNCH_CONFIG.
-# Off by default: in the decode step it gained nothing over the two GEMMs, whose launches overlap
-# through PDL (H100, batch 1: 3.594-3.616 ms against 3.588-3.589; RESULTS.md, ninth session).
-ONE_LAUNCH = False
-ONE_LAUNCH_CONFIG = dict(BLOCK_I=64, BLOCK_K=128, BLOCK_N=256, num_warps=4, num_stages=4)
-
-
-def tuned_one_launch_config(E: int, I: int, dtype: torch.dtype, device: torch.device | None = None) -> dict:
-    """The tuned file's "one_launch" tile for this shape/device/dtype, else ONE_LAUNCH_CONFIG."""
-    return dict(_config_file(E, I, device_name(device), dtype_name(dtype)).get("one_launch") or ONE_LAUNCH_CONFIG)
-
-
-def _launch_one_token(x, w13, w2, topk_ids, weights, out, cfg: dict) -> bool:
-    """False (nothing launched) when its zeroed buffers cannot be had inside a capture."""
-    from compiled.moe import fused_moe_kernels as K
-    from compiled.triton_utils import launch_kwargs
-    H, I = w2.shape[1], w2.shape[2]
-    acc = zeroed(x.device, "one_token_acc", H, torch.int64)
-    done = zeroed(x.device, "one_token_done", 1, torch.int32)
-    if acc is None or done is None:
-        return False
-    grid = (topk_ids.numel() * triton_cdiv(I, cfg["BLOCK_I"]),)
-    K.moe_one_token_kernel[grid](
-        x, w13, w2, topk_ids, weights, acc, done, out, H, I,
-        w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1), **_dot_flags(x.dtype),
-        BLOCK_I=cfg["BLOCK_I"], BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(x.device))
-    return True
-
-
-# One token as two GEMVs (`gemv_kernels.py`: no 16-row tensor-core tile for its one live row),
-# with these tiles (the best of `bench/moe_bench.py --sweep-gemv` on an H100: 30.6 µs a layer
-# against 34.5 for the grouped GEMMs; the 30B's batch-1 step 0.14 ms shorter, RESULTS.md fifteenth
-# session). COMPILED_MOE_GEMV=0 (read at import) turns it off.
-ONE_TOKEN_GEMV = os.environ.get("COMPILED_MOE_GEMV", "1") == "1"
+# One token runs as two GEMVs (`gemv_kernels.py`: no 16-row tensor-core tile for its one live
+# row), with these tiles (the best of `bench/moe_bench.py --sweep-gemv` on an H100: 30.6 µs a
+# layer against 34.5 for the grouped GEMMs; the 30B's batch-1 step 0.14 ms shorter, RESULTS.md).
 GEMV_TILES = dict(up=dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4), down=dict(BLOCK_N=8, BLOCK_K=256, num_warps=4))
 
 
-def _launch_gemv(x, w13, w2, topk_ids, weights, inter, y, tiles: dict) -> None:
-    """y `[k, H]` <- the one token's k weighted expert outputs, through inter `[k, I]`."""
+@dataclass(frozen=True)
+class MoECall:
+    """One call's launch plan: its operands, contiguous (x `[T, H]`, the pairs' routing weights
+    `[T*k]` in fp32 and experts `[T, k]`, the stacked weights), the workspace its scratch comes
+    from, and y, where the down GEMM(V) writes the weighted expert outputs: `[T*k, H]` for the
+    top-k sum after it, or the output itself for top-1."""
+    x: torch.Tensor
+    weights: torch.Tensor
+    ids: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    ws: MoEWorkspace
+    y: torch.Tensor
+
+    @property
+    def top_k(self) -> int:
+        return self.ids.shape[1]
+
+    def inter(self, rows: int) -> torch.Tensor:
+        """The workspace's intermediate (silu(gate) * up), `[rows, I]`."""
+        I = self.w2.shape[2]
+        return self.ws.get("inter", rows * I, self.x.dtype, self.x.device).view(rows, I)
+
+
+def _plan(x, topk_weights, topk_ids, w13, w2, ws: MoEWorkspace, out: torch.Tensor | None) -> MoECall:
+    numel, H = topk_ids.numel(), x.shape[1]
+    x = x.contiguous()
+    y = out if topk_ids.shape[1] == 1 else ws.get("y", numel * H, x.dtype, x.device).view(numel, H)
+    return MoECall(x, topk_weights.contiguous().reshape(-1), topk_ids.contiguous(), w13.contiguous(),
+                   w2.contiguous(), ws, y)
+
+
+def _launch_gemv(call: MoECall, tiles: dict) -> None:
+    """One token: y `[k, H]` <- its k weighted expert outputs, through the intermediate `[k, I]`."""
     from compiled.moe import gemv_kernels as G
-    from compiled.triton_utils import launch_kwargs
+    x, w13, w2 = call.x, call.w13, call.w2
     H, I = w2.shape[1], w2.shape[2]
-    k = topk_ids.numel()
-    ids = topk_ids.reshape(-1)
+    k = call.ids.numel()
+    ids = call.ids.reshape(-1)
+    inter = call.inter(k)
     up, down = tiles["up"], tiles["down"]
-    G.moe_gemv_up_kernel[(k * triton_cdiv(I, up["BLOCK_N"]),)](
+    G.moe_gemv_up_kernel[(k * triton.cdiv(I, up["BLOCK_N"]),)](
         x, w13, ids, inter, I, H, w13.stride(0), w13.stride(1), inter.stride(0),
         BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], EVEN_K=H % up["BLOCK_K"] == 0, num_warps=up["num_warps"],
         num_stages=1, **launch_kwargs(x.device))
-    G.moe_gemv_down_kernel[(k * triton_cdiv(H, down["BLOCK_N"]),)](
-        inter, w2, ids, weights, y, H, I, inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+    G.moe_gemv_down_kernel[(k * triton.cdiv(H, down["BLOCK_N"]),)](
+        inter, w2, ids, call.weights, call.y, H, I, inter.stride(0), w2.stride(0), w2.stride(1), call.y.stride(0),
         BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], EVEN_K=I % down["BLOCK_K"] == 0,
         num_warps=down["num_warps"], num_stages=1, **launch_kwargs(x.device))
 
 
+def _launch_grouped(call: MoECall, config: dict) -> None:
+    """Two tokens or more: the pairs sorted by expert into BLOCK_M blocks, gemm1 into the
+    intermediate (each block's rows at its offset: `intermediate_rows`), gemm2 into y."""
+    up, down = _split_config(config)
+    block_m = up["BLOCK_SIZE_M"]
+    blocks = moe_align_block_size(call.ids, call.w13.shape[0], block_m, call.ws)
+    inter = call.inter(blocks.expert_ids.numel() * block_m)
+    _launch_gemm1(call.x, call.w13, inter, blocks, call.top_k, up)
+    _launch_gemm2(inter, call.w2, call.y, call.weights, blocks, down)
+
+
 def _launch_sum(y, out, top_k):
     from compiled.moe import fused_moe_kernels as K
-    from compiled.triton_utils import launch_kwargs
     T, H = out.shape
-    bh = min(1024, _next_pow2(H))
-    K.moe_sum_kernel[(T, triton_cdiv(H, bh))](y, out, H, TOP_K=top_k, BLOCK_H=bh, num_warps=4,
+    bh = min(1024, triton.next_power_of_2(H))
+    K.moe_sum_kernel[(T, triton.cdiv(H, bh))](y, out, H, TOP_K=top_k, BLOCK_H=bh, num_warps=4,
                                               **launch_kwargs(y.device))
 
 
@@ -411,7 +411,6 @@ def moe_sum_add_rms_norm_ref(pairs: torch.Tensor, x: torch.Tensor, norm_weight: 
                              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, normed) from gemm2's weighted expert outputs `pairs [T*k, H]`: their top-k sum in fp32,
     rounded to x's dtype (as the sum kernel stores it), then `add_rms_norm_ref(x, sum)`."""
-    from compiled.functional import add_rms_norm_ref
     T, H = x.shape
     moe_out = pairs.view(T, -1, H).float().sum(1).to(x.dtype)
     return add_rms_norm_ref(x, moe_out, norm_weight, eps)
@@ -420,13 +419,11 @@ def moe_sum_add_rms_norm_ref(pairs: torch.Tensor, x: torch.Tensor, norm_weight: 
 def moe_sum_add_rms_norm_triton(pairs: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor,
                                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference's contract in one launch (`moe_sum_add_rms_norm_kernel`); x's last dim contiguous."""
-    from compiled.triton_utils import row_warps
     from compiled.moe import fused_moe_kernels as K
-    from compiled.triton_utils import launch_kwargs
     T, H = x.shape
     h, normed = x.new_empty((T, H)), x.new_empty((T, H))
     if T:
-        block = _next_pow2(H)
+        block = triton.next_power_of_2(H)
         K.moe_sum_add_rms_norm_kernel[(T,)](pairs, x, norm_weight, h, normed, H, eps, x.stride(0),
                                             TOP_K=pairs.shape[0] // T, BLOCK_H=block, num_warps=row_warps(block),
                                             **launch_kwargs(x.device))
@@ -440,104 +437,56 @@ def _dot_flags(dtype: torch.dtype) -> dict:
     return dict(PRECISION="ieee" if fp32 else "tf32", DOT_FP32=interp and dtype != torch.float32)
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def use_naive(T: int) -> bool:
-    """One token: its k experts are distinct, so one block per pair needs no sorting at all."""
-    return T == 1
+def _check_shapes(x, topk_weights, topk_ids, w13, w2) -> None:
+    T, H = x.shape
+    E, I = w13.shape[0], w2.shape[2]
+    assert w13.shape == (E, 2 * I, H) and w2.shape == (E, H, I), (x.shape, w13.shape, w2.shape)
+    assert topk_weights.shape == topk_ids.shape == (T, topk_ids.shape[1])
 
 
 def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                      w13: torch.Tensor, w2: torch.Tensor, config: dict | None = None,
                      workspace: MoEWorkspace | None = None, out: torch.Tensor | None = None,
-                     fused_sum: bool | None = None, one_launch: bool | None = None,
-                     one_launch_config: dict | None = None, sum_slots: bool = True, gemv: bool | None = None,
-                     gemv_tiles: dict | None = None) -> torch.Tensor:
-    """The Triton path of `compiled::fused_moe`. `config` overrides the tuned/default lookup.
-    `fused_sum`: sum the top-k slots inside gemm2 (True) or with a kernel of its own (False);
-    None: inside up to FUSED_SUM_MAX_TOKENS tokens. `one_launch`: one token in one kernel
-    (moe_one_token_kernel; None: ONE_LAUNCH), with `one_launch_config` or the tuned one. `gemv`:
-    one token as two GEMVs (None: ONE_TOKEN_GEMV), with `gemv_tiles` or GEMV_TILES; the top-k sum
-    is then a kernel of its own (or the caller's, with sum_slots=False).
-    `sum_slots=False` (top-k > 1, and then `fused_sum` and `one_launch` must not be asked for):
-    returns the weighted expert outputs `[T*k, H]` unsummed, for a kernel after it to sum them
+                     sum_slots: bool = True, gemv_tiles: dict | None = None) -> torch.Tensor:
+    """The Triton path of `compiled::fused_moe`: one token as two GEMVs (`gemv_tiles`, else
+    GEMV_TILES), more as the two grouped GEMMs (`config`, else the tuned or default config), then
+    the top-k sum as a kernel of its own. `sum_slots=False` (top-k > 1): returns the weighted
+    expert outputs `[T*k, H]` unsummed, for a kernel after it to sum them
     (`moe_sum_add_rms_norm_triton`); `out` is then unused."""
+    _check_shapes(x, topk_weights, topk_ids, w13, w2)
     T, H = x.shape
-    E, I = w13.shape[0], w2.shape[2]
     top_k = topk_ids.shape[1]
-    assert w13.shape == (E, 2 * I, H) and w2.shape == (E, H, I), (x.shape, w13.shape, w2.shape)
-    assert topk_weights.shape == topk_ids.shape == (T, top_k)
     if sum_slots:
         if out is None:
             out = torch.empty_like(x)
         assert out.is_contiguous() and out.shape == x.shape, "fused_moe_triton: out must be a contiguous [T, H]"
-    else:   # the unsummed outputs go to the workspace's y; no [T, H] output is allocated
-        if top_k == 1 or fused_sum or one_launch:
-            raise ValueError("fused_moe_triton: sum_slots=False needs top-k > 1, no fused sum and no one-launch path")
-        fused_sum, one_launch = False, False
+    elif top_k == 1:   # the unsummed outputs go to the workspace's y; no [T, H] output is allocated
+        raise ValueError("fused_moe_triton: sum_slots=False needs top-k > 1")
     if T == 0:
         return out if sum_slots else x.new_empty((0, H))
-    x = x.contiguous()
-    w13 = w13.contiguous()
-    w2 = w2.contiguous()
-    topk_ids = topk_ids.contiguous()
-    weights = topk_weights.contiguous().reshape(-1)
-    if T == 1 and (ONE_LAUNCH if one_launch is None else one_launch) and _launch_one_token(
-            x, w13, w2, topk_ids, weights, out,
-            one_launch_config or tuned_one_launch_config(E, I, x.dtype, x.device)):
-        return out
-    ws = workspace or MoEWorkspace()
-    numel = T * top_k
-    if T == 1 and (ONE_TOKEN_GEMV if gemv is None else gemv):
-        y = out if top_k == 1 else ws.get("y", numel * H, x.dtype, x.device).view(numel, H)
-        _launch_gemv(x, w13, w2, topk_ids, weights, ws.get("inter", numel * I, x.dtype, x.device).view(numel, I), y,
-                     gemv_tiles or GEMV_TILES)
-        if not sum_slots:
-            return y
-        if top_k > 1:
-            _launch_sum(y, out, top_k)
-        return out
-    up_cfg, down_cfg = _split_config(config if config is not None else get_config(T, E, I, x.dtype, x.device))
-    block_m = up_cfg["BLOCK_SIZE_M"]
-    naive = use_naive(T)
-    if naive:
-        sorted_ids = expert_ids = topk_ids.reshape(-1)  # expert of block b is that of pair b
-        num_post = sorted_ids  # unused when NAIVE
-        n_blocks = numel
+    call = _plan(x, topk_weights, topk_ids, w13, w2, workspace or MoEWorkspace(), out)
+    if T == 1:
+        _launch_gemv(call, gemv_tiles or GEMV_TILES)
     else:
-        sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, E, block_m, ws)
-        n_blocks = expert_ids.numel()
-    rows = n_blocks * block_m   # gemm1 writes each block's rows at its offset (intermediate_rows)
-    inter = ws.get("inter", rows * I, x.dtype, x.device).view(rows, I)
-    _launch_gemm1(x, w13, inter, sorted_ids, expert_ids, num_post, numel, top_k, n_blocks, naive, up_cfg)
-    if top_k == 1:
-        _launch_gemm2(inter, w2, out, weights, sorted_ids, expert_ids, num_post, numel, n_blocks, naive, down_cfg)
-        return out
-    y = ws.get("y", numel * H, x.dtype, x.device).view(numel, H)
-    if fused_sum is None:
-        fused_sum = T <= FUSED_SUM_MAX_TOKENS
-    counters = sum_counters(x.device, T * triton_cdiv(H, down_cfg["BLOCK_SIZE_N"])) if fused_sum else None
-    _launch_gemm2(inter, w2, y, weights, sorted_ids, expert_ids, num_post, numel, n_blocks, naive, down_cfg,
-                  top_k, out, counters)
+        _launch_grouped(call, config if config is not None else get_config(T, w13.shape[0], w2.shape[2], x.dtype,
+                                                                            x.device))
     if not sum_slots:
-        return y
-    if counters is None:
-        _launch_sum(y, out, top_k)
+        return call.y
+    if top_k > 1:
+        _launch_sum(call.y, out, top_k)
     return out
 
 
 # ----------------------------------------------------------------------------- the op
 
+BACKEND = BackendChoice("COMPILED_MOE_BACKEND")
+
+
 def backend(x: torch.Tensor) -> str:
-    """'triton' or 'torch': the forced COMPILED_MOE_BACKEND, else Triton on CUDA."""
-    forced = os.environ.get("COMPILED_MOE_BACKEND", "").strip().lower()
-    if forced in ("torch", "triton"):
-        return forced
-    if forced:
-        raise ValueError(f"COMPILED_MOE_BACKEND must be 'torch' or 'triton', got {forced!r}")
-    return "triton" if x.is_cuda else "torch"
+    """'triton' or 'torch': BACKEND's choice, where 'auto' is Triton on CUDA."""
+    if BACKEND.name == "auto":
+        return "triton" if x.is_cuda else "torch"
+    return BACKEND.name
 
 
 @torch.library.custom_op("compiled::fused_moe", mutates_args=())

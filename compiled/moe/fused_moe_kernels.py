@@ -13,11 +13,9 @@ Design (after SGLang/vLLM's fused_moe, written from scratch):
   by the gate and the up tile of its expert's `w13` and writes `silu(gate) * up` (fused epilogue)
   in block order, so that each block's rows are one contiguous tile for the next GEMM.
 * `moe_gemm2_kernel`: same grid over `w2`, reading those tiles (through TMA on Hopper); the epilogue
-  multiplies by the routing weight and (for one token, where it saves a launch; see
-  FUSED_SUM_MAX_TOKENS) sums the k weighted expert outputs of every token in fp32: the program
-  that writes a token's last slot for an N tile does it, found through a per-(token, tile)
-  atomic counter.
-* `moe_sum_kernel`: that sum as a kernel of its own (more tokens, or no counters available).
+  multiplies by the routing weight.
+* `moe_sum_kernel`: the sum of every token's k weighted expert outputs, in fp32 and slot order
+  (`moe_sum_add_rms_norm_kernel`: with the residual add + RMSNorm of the layer after it).
 
 Blocks past the padded total (and so experts without tokens) exit at once. DOT_FP32 upcasts the
 operands of `tl.dot` (exact products, fp32 sums): only for the CPU interpreter, whose bf16 dot is
@@ -118,8 +116,8 @@ def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, exp
 
 
 @triton.jit
-def _block(N, num_valid, sorted_ptr, num_post_ptr,
-           NAIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+def _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           GROUP_M: tl.constexpr):
     """(pid_m, pid_n, pair indices of the block's rows (num_valid marks padding), block is live)."""
     # tile ids, grouped along M so that blocks sharing weight tiles run together
     pid = tl.program_id(0)
@@ -131,16 +129,11 @@ def _block(N, num_valid, sorted_ptr, num_post_ptr,
     pid_m = first_m + (pid % in_group) % group_m
     pid_n = (pid % in_group) // group_m
     offs_m = tl.arange(0, BLOCK_M)
-    if NAIVE:
-        # one pair per block and no sorting (T == 1: the k experts are distinct)
-        live = pid_m < num_valid
-        pair = tl.where(offs_m == 0, pid_m, num_valid)
-    else:
-        num_post = tl.load(num_post_ptr)
-        live = pid_m * BLOCK_M < num_post
-        # (a vector mask built without broadcasting a scalar bool: the interpreter rejects those)
-        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m, mask=(offs_m * 0 + pid_m * BLOCK_M) < num_post,
-                       other=num_valid)
+    num_post = tl.load(num_post_ptr)
+    live = pid_m * BLOCK_M < num_post
+    # (a vector mask built without broadcasting a scalar bool: the interpreter rejects those)
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m, mask=(offs_m * 0 + pid_m * BLOCK_M) < num_post,
+                   other=num_valid)
     return pid_m, pid_n, pair, live
 
 
@@ -199,13 +192,12 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
 
 
 @triton.jit
-def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr, pair, first_pos, expert,
+def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_pos, expert,
                pid_n, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
-               TOP_K: tl.constexpr, FUSED_SUM: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+               PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
                TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                TMA: tl.constexpr, A_TMA: tl.constexpr):
-    """weight * (a . w2[e]) for the TILE_M rows `pair` and one N tile; with FUSED_SUM, then the
-    top-k sum of every token whose k-th slot this was (see _sum_if_last). TMA as in _up_tile
+    """weight * (a . w2[e]) for the TILE_M rows `pair` and one N tile. TMA as in _up_tile
     (w as `[E * N, K]`). a holds the rows in block order: this tile's are the TILE_M from
     `first_pos` (padding rows hold anything; their outputs are not stored), through `a_desc`
     (block `[TILE_M, BLOCK_K]`) with A_TMA."""
@@ -242,32 +234,6 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, coun
     out = (acc.to(dt).to(tl.float32) * w[:, None]).to(dt)
     o_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_n[None, :] < N))
-    if FUSED_SUM:
-        _sum_if_last(out_ptr, sum_ptr, counter_ptr, row, row_ok, offs_n, pid_n, N, stride_om, TOP_K, TILE_M, BLOCK_N)
-
-
-@triton.jit
-def _sum_if_last(y_ptr, sum_ptr, counter_ptr, pair, row_ok, offs_n, pid_n, N, stride_ym,
-                 TOP_K: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The top-k sum without a launch of its own: each row bumps its token's counter for this N
-    tile, and the row that arrives k-th sums the token's k slots (fp32, slot order, like
-    moe_sum_kernel) and puts the counter back to zero. The rows of one tile are distinct tokens
-    (a token meets an expert once), so their counters are distinct."""
-    # Every thread's y stores must precede the releases; the acquiring rows' loads (by any
-    # thread, after the second barrier) go to L2 (.cg), never a stale L1 line.
-    tl.debug_barrier()
-    token = pair // TOP_K
-    counters = counter_ptr + token * tl.cdiv(N, BLOCK_N) + pid_n
-    arrived = tl.atomic_add(counters, 1, mask=row_ok, sem="acq_rel")
-    last = row_ok & (arrived == TOP_K - 1)
-    tl.debug_barrier()
-    mask = last[:, None] & (offs_n[None, :] < N)
-    total = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        total += tl.load(y_ptr + (token * TOP_K + j)[:, None] * stride_ym + offs_n[None, :], mask=mask,
-                         other=0.0, cache_modifier=".cg").to(tl.float32)
-    tl.store(sum_ptr + token[:, None] * N + offs_n[None, :], total.to(sum_ptr.dtype.element_ty), mask=mask)
-    tl.store(counters, tl.zeros_like(arrived), mask=last)
 
 
 @triton.jit
@@ -292,7 +258,7 @@ def _tile_rows(pair, num_valid, BLOCK_M: tl.constexpr, HALF_M: tl.constexpr):
 @triton.jit(do_not_specialize=["num_valid"])
 def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
                      num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
-                     TOP_K: tl.constexpr, NAIVE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+                     TOP_K: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr, TMA: tl.constexpr,
                      PDL: tl.constexpr):
@@ -304,7 +270,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
     2): a block whose real rows fit in half (a quarter) of BLOCK_M runs a tile of that height
     (_tile_rows)."""
     pdl_wait(PDL)
-    pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, NAIVE, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         height = BLOCK_M
@@ -328,20 +294,17 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
 
 
 @triton.jit(do_not_specialize=["num_valid"])
-def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr, sorted_ptr,
+def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_ptr,
                      expert_ids_ptr, num_post_ptr, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
-                     TOP_K: tl.constexpr, FUSED_SUM: tl.constexpr,
-                     NAIVE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+                     PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr, TMA: tl.constexpr,
                      A_TMA: tl.constexpr, PDL: tl.constexpr):
     """out[pair, n] = weight[pair] * (a[row] . w[e, n]), the block's rows of a in block order (as
     moe_gemm1_kernel writes them); w is `[E, N, K]` (N = H, K = I). A_TMA: full-height tiles of a
-    come through `a_desc`.
-    FUSED_SUM: also sum[token, n] = sum over the token's k pairs of out (counters zero on entry
-    and on exit, one per token and N tile). HALF_M as in moe_gemm1_kernel."""
+    come through `a_desc`. HALF_M as in moe_gemm1_kernel."""
     pdl_wait(PDL)
-    pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, NAIVE, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         height = BLOCK_M
@@ -349,18 +312,18 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr
             height = _tile_rows(pair, num_valid, BLOCK_M, HALF_M)
         first = pid_m * BLOCK_M
         if height == BLOCK_M:
-            _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr, pair, first, expert,
-                       pid_n, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om, TOP_K, FUSED_SUM,
+            _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first, expert,
+                       pid_n, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
                        PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, A_TMA)
         elif height == BLOCK_M // 2:
-            _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr,
+            _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr,
                        _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2), first, expert, pid_n,
-                       num_valid, N, K, stride_am, stride_we, stride_wn, stride_om, TOP_K, FUSED_SUM,
+                       num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
                        PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA, False)
         elif HALF_M >= 2:
-            _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sum_ptr, counter_ptr,
+            _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr,
                        _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4), first, expert, pid_n,
-                       num_valid, N, K, stride_am, stride_we, stride_wn, stride_om, TOP_K, FUSED_SUM,
+                       num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
                        PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA, False)
 
 
@@ -397,86 +360,3 @@ def moe_sum_add_rms_norm_kernel(y_ptr, x_ptr, nw_ptr, h_ptr, normed_ptr, H, eps,
     moe_out = _slot_sum(y_ptr, t, offs, m, H, TOP_K).to(x_ptr.dtype.element_ty)
     x = tl.load(x_ptr + t * stride_xm + offs, mask=m, other=0.0)
     add_rms_norm_row(x, moe_out, nw_ptr, h_ptr + t * H, normed_ptr + t * H, offs, m, H, eps)
-
-
-# The one-token kernel's accumulator holds sums in fixed point, units of 2^-32: integer adds give
-# the same total in any order (fp32 atomics did not: the last bit of an output varied from run to
-# run). Each partial is truncated to that unit (far below a bf16 or fp32 output's rounding) and
-# must stay under 2^31 in magnitude; the power-of-two scale itself converts exactly.
-FIXED_POINT_SCALE = tl.constexpr(4294967296.0)
-
-
-@triton.jit
-def moe_one_token_kernel(x_ptr, w13_ptr, w2_ptr, ids_ptr, weights_ptr, acc_ptr, done_ptr, out_ptr,
-                         H, I, stride_w13e, stride_w13n, stride_w2e, stride_w2n,
-                         PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_I: tl.constexpr,
-                         BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    """The whole MoE of one token in one launch, with no program waiting on another.
-
-    Program (slot j, block b of the expert width I) computes act = silu(gate) * up for its BLOCK_I
-    intermediate columns, then at once their share of the down projection, w_j * act . w2[e, :, b],
-    for every output column, and adds it into the int64 accumulator `acc` [H] (atomics, fixed
-    point: FIXED_POINT_SCALE). The program that finishes last (a counter) rounds `acc` into `out`
-    and zeroes `acc` and the counter for the next launch. The sum is deterministic; it keeps each
-    slot's output unrounded (the two-kernel path rounds each slot to the activation dtype and sums
-    in slot order), so the two may differ in the last bit. The token's x sits in row 0 of 16-row
-    dot tiles (rows 1.. zero)."""
-    pdl_wait(PDL)
-    pid = tl.program_id(0)
-    n_i = tl.cdiv(I, BLOCK_I)
-    j = pid // n_i
-    expert = tl.load(ids_ptr + j).to(tl.int64)
-    dt = out_ptr.dtype.element_ty
-    w = tl.load(weights_ptr + j).to(dt).to(tl.float32)
-    rows = tl.arange(0, 16)
-    offs_i = (pid % n_i) * BLOCK_I + tl.arange(0, BLOCK_I)
-    i_ok = offs_i < I
-    offs_iw = (offs_i % I).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + rows[:, None] * 0 + offs_k[None, :]
-    g_ptrs = w13_ptr + expert * stride_w13e + offs_iw[None, :] * stride_w13n + offs_k[:, None]
-    u_ptrs = g_ptrs + I * stride_w13n
-    acc_g = tl.zeros([16, BLOCK_I], dtype=tl.float32)
-    acc_u = tl.zeros([16, BLOCK_I], dtype=tl.float32)
-    for k in range(0, tl.cdiv(H, BLOCK_K)):
-        k_ok = offs_k < H - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=(rows[:, None] == 0) & k_ok[None, :], other=0.0)
-        g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-        u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-        if DOT_FP32:
-            a = a.to(tl.float32)
-            g = g.to(tl.float32)
-            u = u.to(tl.float32)
-        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    # round like the unfused model: gate/up in the activation dtype, silu, product
-    gate = acc_g.to(dt).to(tl.float32)
-    up = acc_u.to(dt).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-    act = tl.where(i_ok[None, :], act * up, 0.0).to(dt)
-    if DOT_FP32:
-        act = act.to(tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
-    b_ptrs = w2_ptr + expert * stride_w2e + offs_n[None, :].to(tl.int64) * stride_w2n + offs_iw[:, None]
-    for n in range(0, tl.cdiv(H, BLOCK_N)):
-        n_ok = offs_n < H - n * BLOCK_N
-        b = tl.load(b_ptrs, mask=i_ok[:, None] & n_ok[None, :], other=0.0)
-        if DOT_FP32:
-            b = b.to(tl.float32)
-        part = tl.sum(tl.dot(act, b, input_precision=PRECISION), axis=0) * w
-        tl.atomic_add(acc_ptr + n * BLOCK_N + offs_n, (part * FIXED_POINT_SCALE).to(tl.int64), mask=n_ok,
-                      sem="relaxed")
-        b_ptrs += BLOCK_N * stride_w2n
-    # All this program's adds precede its arrival; the last arrival reads the sums from L2.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(done_ptr, 1, sem="acq_rel")
-    if arrived == tl.num_programs(0) - 1:
-        for n in range(0, tl.cdiv(H, BLOCK_N)):
-            offs = n * BLOCK_N + offs_n
-            total = tl.load(acc_ptr + offs, mask=offs < H, other=0, cache_modifier=".cg")
-            tl.store(out_ptr + offs, (total.to(tl.float64) / FIXED_POINT_SCALE).to(tl.float32).to(dt), mask=offs < H)
-            tl.store(acc_ptr + offs, tl.zeros_like(total), mask=offs < H)
-        tl.store(done_ptr, 0)
