@@ -6,10 +6,8 @@ E=128, H=2048, I=768, top-8, bf16, random weights and random router logits. `--l
 the weights are cycled (one call per layer, like the model), so weights come from HBM, not L2.
 Measured in the same run:
   fused        compiled::fused_moe's Triton path, routing given (CUDA graph of one call per layer)
-  sep. sum     the same with the top-k sum as a kernel of its own (fused_sum=False)
   TMA          the same tuned tiles with the weight tiles loaded through TMA descriptors (TMA=1)
-  2 kernels    one token only: the two grouped GEMMs (one_launch=False, gemv=False)
-  gemv         one token only: the two GEMVs (the default there: GEMV_TILES); --sweep-gemv times other tiles
+  (one token runs as two GEMVs with GEMV_TILES; --sweep-gemv times other tiles)
   fused+route  compiled::topk_route (Triton) + fused MoE (CUDA graph)
   gmm+route    torch routing + torch._grouped_mm for w13 and w2 (CUDA graph when capturable)
   hf_eager     transformers' Qwen3MoeExperts, eager expert loop (routing given; host syncs, events)
@@ -149,24 +147,13 @@ def run(args) -> dict:
         if T >= args.paired_from:
             attempt("fused_frac_matmul_paired", lambda: paired_fraction(fused_fns, L, flops)[0])
 
-        attempt("fused_sep_sum_us", lambda: time_graph(
-            [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
-                                             fused_sum=False, one_launch=False, gemv=False) for l in range(L)],
-            reps=args.reps) / L)
-        tma_cfg = with_tma(fm.get_config(T, E, I, torch.bfloat16))
-        attempt("fused_tma_us", lambda: time_graph(
-            [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
-                                             config=tma_cfg, one_launch=False, gemv=False) for l in range(L)],
-            reps=args.reps) / L)
+        if T > 1:   # one token runs the GEMVs, which take no config
+            tma_cfg = with_tma(fm.get_config(T, E, I, torch.bfloat16))
+            attempt("fused_tma_us", lambda: time_graph(
+                [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
+                                                 config=tma_cfg) for l in range(L)],
+                reps=args.reps) / L)
         if T == 1:
-            attempt("fused_two_kernels_us", lambda: time_graph(
-                [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
-                                                 one_launch=False, gemv=False) for l in range(L)], reps=args.reps) / L)
-            attempt("gemv_us", lambda: time_graph(
-                [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
-                                                 one_launch=False, gemv=True) for l in range(L)], reps=args.reps) / L)
-            if args.sweep_one_launch:
-                row["one_launch_sweep"] = sweep_one_launch(x, routes, w13, w2, ws, L, args.reps)
             if args.sweep_gemv:
                 row["gemv_sweep"] = sweep_gemv(x, routes, w13, w2, ws, L, args.reps)
 
@@ -225,8 +212,8 @@ def sweep_gemv(x, routes, w13, w2, ws, L: int, reps: int) -> list[dict]:
     def timed(cfg: dict) -> float | None:
         try:
             return time_graph([lambda l=l: fm.fused_moe_triton(
-                x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws, one_launch=False, gemv=True,
-                gemv_tiles=cfg) for l in range(L)], reps=reps) / L
+                x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws, gemv_tiles=cfg) for l in range(L)],
+                reps=reps) / L
         except Exception as exc:  # noqa: BLE001  (out of registers, ...)
             print(f"  gemv {cfg}: {type(exc).__name__}", flush=True)
             return None
@@ -241,29 +228,6 @@ def sweep_gemv(x, routes, w13, w2, ws, L: int, reps: int) -> list[dict]:
         results.sort(key=lambda r: r["us"])
     for r in results[:8]:
         print(f"  gemv sweep: {r}", flush=True)
-    return results
-
-
-def sweep_one_launch(x, routes, w13, w2, ws, L: int, reps: int) -> list[dict]:
-    """µs per layer of the one-launch kernel for each tile in a small grid, best first."""
-    results = []
-    for bi in (32, 64):
-        for bk in (64, 128, 256):
-            for bn in (128, 256):
-                for warps in (4, 8):
-                    for stages in (3, 4, 5):
-                        cfg = dict(BLOCK_I=bi, BLOCK_K=bk, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-                        try:
-                            us = time_graph([lambda l=l: fm.fused_moe_triton(
-                                x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws, one_launch=True,
-                                one_launch_config=cfg) for l in range(L)], reps=reps) / L
-                        except Exception as exc:  # noqa: BLE001  (out of shared memory, ...)
-                            print(f"  one-launch {cfg}: {type(exc).__name__}", flush=True)
-                            continue
-                        results.append(dict(cfg, us=us))
-    results.sort(key=lambda r: r["us"])
-    for r in results[:8]:
-        print(f"  one-launch sweep: {r}", flush=True)
     return results
 
 
@@ -335,14 +299,13 @@ def table(result) -> str:
     lines = [f"MoE layer E={E} H={H} I={I} top-{TOP_K} bf16 on {info['device']} "
              f"(torch {info['torch']}, triton {info['triton']}, {info['layers']} layers cycled)",
              f"copy {info['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {info['matmul_flops'] / 1e12:.0f} TFLOP/s",
-             "| tokens | experts | floor µs | fused µs | ×floor | sep. sum µs | TMA µs | 2 kernels µs | fused+route µs "
+             "| tokens | experts | floor µs | fused µs | ×floor | TMA µs | fused+route µs "
              "| gmm+route µs | HF eager µs | HF gmm µs | fused TFLOP/s | % matmul | % matmul paired |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         lines.append("| " + " | ".join([
             str(r["tokens"]), f(r["experts"]), f(r["floor_us"]), f(r.get("fused_us")),
-            f(r.get("fused_x_floor"), "{:.2f}"), f(r.get("fused_sep_sum_us")), f(r.get("fused_tma_us")),
-            f(r.get("fused_two_kernels_us")),
+            f(r.get("fused_x_floor"), "{:.2f}"), f(r.get("fused_tma_us")),
             f(r.get("fused_route_us")),
             f(r.get("gmm_route_us")),
             f(r.get("hf_eager_us"), "{:.0f}"), f(r.get("hf_gmm_us")), f(r.get("fused_tflops"), "{:.0f}"),
@@ -386,8 +349,6 @@ def main(argv=None):
                    help="from this token count on, also time the fused MoE and the matmul alternately")
     p.add_argument("--sweep-gemv", action="store_true",
                    help="time the one-token GEMVs over a grid of (up, down) tiles")
-    p.add_argument("--sweep-one-launch", action="store_true",
-                   help="time the one-token one-launch kernel over a grid of tiles")
     p.add_argument("--sweep-align", type=int, nargs="*", default=None,
                    help="time the alignment kernels' launch shapes at these token counts (and nothing else)")
     p.add_argument("--profile", type=int, nargs="*", default=None,

@@ -2,7 +2,7 @@
 
 CPU: the kernels run under `TRITON_INTERPRET=1` in a subprocess per group (the variable only
 takes effect for kernels defined after it is set, so setting it in this process could turn every
-later Triton kernel of the session, GPU runs included, into an interpreted one). The subprocess
+later Triton kernel of the test process, GPU runs included, into an interpreted one). The subprocess
 runs this file as a script. GPU (`-m gpu`): the same comparisons at real sizes in bf16."""
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def decode_case(seq_lens, hq, hkv, d, dtype, num_splits, device="cpu", seed=0, g
     the pools it leaves are compared with the reference's too. With `norm_rope` (needs `store`), q
     and the new k are raw and the kernel normalises and rotates them (reference: norm_rope_ref).
     With `graph`, captured once and replayed over new lengths, queries (and K/V) written in place;
-    the merge counters must have been left at zero by the first run for the replay to be right.
+    the merge counters must have been left at zero by the first call for the replay to be right.
     With `then_lens` (no longer than seq_lens), a second call over those lengths, on the same
     workspace, is the one compared: its live splits differ from the first call's."""
     from compiled.attention.triton_decode import DecodeWorkspace, decode_attention_triton

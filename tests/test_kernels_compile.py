@@ -6,7 +6,7 @@ subprocess points Triton at a stand-in driver that reports an sm_90 target and t
 into a warm-up (compile, no launch), with PDL and TMA on as on Hopper; then a small Qwen3-MoE
 model with a dense layer runs a prefill and a decode step through the Triton backends (every
 pass on: fused linears, q/k norm + RoPE in attention), and the fused MoE is called at decode and
-prefill sizes with the H100's tuned configs (TMA, part-height tiles) and as the one-token kernel;
+prefill sizes with the H100's tuned configs (TMA, part-height tiles) and as the one-token GEMVs;
 the launches those leave out (the routing kernel, the prologues' own launches, the plain K/V
 store, extend attention with TMA, the greedy argmax, the skinny GEMM's one-row GEMV mode) are
 called directly.
@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPECTED = {"_skinny_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel", "_decode_kernel", "_extend_kernel",
             "_store_kv_kernel",
             "_norm_rope_store_kernel", "topk_route_kernel", "align_count_kernel", "align_place_kernel",
-            "moe_gemm1_kernel", "moe_gemm2_kernel", "moe_sum_kernel", "moe_one_token_kernel",
+            "moe_gemm1_kernel", "moe_gemm2_kernel", "moe_sum_kernel",
             "moe_sum_add_rms_norm_kernel", "_argmax_kernel", "moe_gemv_up_kernel", "moe_gemv_down_kernel"}
 CONFIG = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=97, hidden_size=256, intermediate_size=384,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
@@ -100,20 +100,18 @@ def _model_steps() -> None:
 
 
 def _moe_calls() -> None:
-    """The fused MoE at 1 to 512 tokens with the H100's tuned configs, the one-token kernel and the
-    one-token GEMVs."""
+    """The fused MoE at 2 to 512 tokens with the H100's tuned configs, and the one-token GEMVs."""
     import compiled.moe.fused_moe as fm
     E, H, I, k = 128, 256, 128, 8
     table = fm.load_configs(E, 768, "NVIDIA_H100_80GB_HBM3", "bfloat16")
     w13, w2 = torch.randn(E, 2 * I, H).bfloat16(), torch.randn(E, H, I).bfloat16()
-    for T in (1, 8, 64, 512):
+    for T in (2, 8, 64, 512):
         x = torch.randn(T, H).bfloat16()
         ids = torch.randint(0, E, (T, k))
         weights = torch.rand(T, k)
         config = table[min(table, key=lambda m: abs(m - T))]
-        fm.fused_moe_triton(x, weights, ids, w13, w2, config=config, gemv=False)
-    fm.fused_moe_triton(x[:1], weights[:1], ids[:1], w13, w2, one_launch=True)
-    fm.fused_moe_triton(x[:1], weights[:1], ids[:1], w13, w2, gemv=True)
+        fm.fused_moe_triton(x, weights, ids, w13, w2, config=config)
+    fm.fused_moe_triton(x[:1], weights[:1], ids[:1], w13, w2)
 
 
 def _other_calls() -> None:

@@ -63,66 +63,33 @@ def _check_fused(T, E, k, H, I, cfg, dtype=torch.float32, used_experts=None, see
 
 # ----------------------------------------------------------------------------- interpreter cases
 
-def case_one_token_naive_e128_k8():
-    x, w, ids, w13, w2 = _problem(1, 128, 8, 32, 48)
-    out = fm.fused_moe_triton(x, w, ids, w13, w2, config=fm.default_config(1, 128), one_launch=False, gemv=False)
+def case_two_tokens_e128_k8_default_config():
+    # the fewest tokens the grouped GEMMs take (one token runs the GEMVs)
+    x, w, ids, w13, w2 = _problem(2, 128, 8, 32, 48)
+    out = fm.fused_moe_triton(x, w, ids, w13, w2, config=fm.default_config(2, 128))
     torch.testing.assert_close(out, fm.fused_moe_ref(x, w, ids, w13, w2), atol=2e-5, rtol=1e-5)
-
-
-def case_one_launch_odd_sizes_twice_and_reset():
-    # one token in one kernel: several I blocks per slot, H and I not multiples of the tiles,
-    # top-1 to top-8; twice in a row (the accumulator and the counter must be back at zero)
-    cfg = dict(BLOCK_I=16, BLOCK_K=16, BLOCK_N=16, num_warps=4, num_stages=2)
-    for E, k, H, I, seed in ((128, 8, 40, 24, 5), (8, 1, 33, 48, 6), (60, 6, 64, 17, 7)):
-        x, w, ids, w13, w2 = _problem(1, E, k, H, I, seed=seed)
-        ref = fm.fused_moe_ref(x, w, ids, w13, w2)
-        for _ in range(2):
-            out = fm.fused_moe_triton(x, w, ids, w13, w2, one_launch=True, one_launch_config=cfg)
-            torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
-        assert not fm.zeroed(x.device, "one_token_acc", 1, torch.int64).any()
-        assert not fm.zeroed(x.device, "one_token_done", 1, torch.int32).any()
-    x, w, ids, w13, w2 = _problem(1, 16, 4, 48, 32, dtype=torch.bfloat16, seed=8)
-    out = fm.fused_moe_triton(x, w, ids, w13, w2, one_launch=True, one_launch_config=cfg)
-    exact = fm.fused_moe_ref(x.float(), w, ids, w13.float(), w2.float())
-    ref_err = (fm.fused_moe_ref(x, w, ids, w13, w2).float() - exact).abs().max().item()
-    assert (out.float() - exact).abs().max().item() <= 8.0 * ref_err + 1e-3
 
 
 def case_one_token_gemv_odd_sizes_slots_and_sum():
     # one token as two GEMVs: H and I not multiples of the tiles, top-1 to top-8, summed (by the
-    # sum kernel) and unsummed (each slot's row as the two-GEMM path's), fp32 and bf16, the
-    # default tiles too
+    # sum kernel) and unsummed (each slot's weighted expert output), fp32 and bf16, the default
+    # tiles too
     tiles = dict(up=dict(BLOCK_N=2, BLOCK_K=16, num_warps=4), down=dict(BLOCK_N=4, BLOCK_K=32, num_warps=4))
     for E, k, H, I, seed in ((128, 8, 40, 24, 5), (8, 1, 33, 48, 6), (60, 6, 64, 17, 7)):
         x, w, ids, w13, w2 = _problem(1, E, k, H, I, seed=seed)
         ref = fm.fused_moe_ref(x, w, ids, w13, w2)
-        out = fm.fused_moe_triton(x, w, ids, w13, w2, gemv=True, gemv_tiles=tiles)
+        out = fm.fused_moe_triton(x, w, ids, w13, w2, gemv_tiles=tiles)
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
         if k > 1:
-            slots = fm.fused_moe_triton(x, w, ids, w13, w2, gemv=True, gemv_tiles=tiles, sum_slots=False)
-            tiled = fm.fused_moe_triton(x, w, ids, w13, w2, config=fm.default_config(1, E), one_launch=False,
-                                        gemv=False, sum_slots=False)
-            torch.testing.assert_close(slots, tiled, atol=2e-5, rtol=1e-5)
+            slots = fm.fused_moe_triton(x, w, ids, w13, w2, gemv_tiles=tiles, sum_slots=False)
+            assert slots.shape == (k, H)
+            torch.testing.assert_close(slots.sum(0, keepdim=True), ref, atol=2e-5, rtol=1e-5)
     x, w, ids, w13, w2 = _problem(1, 16, 4, 48, 32, dtype=torch.bfloat16, seed=8)
     exact = fm.fused_moe_ref(x.float(), w, ids, w13.float(), w2.float())
     ref_err = (fm.fused_moe_ref(x, w, ids, w13, w2).float() - exact).abs().max().item()
     for t in (tiles, None):
-        out = fm.fused_moe_triton(x, w, ids, w13, w2, gemv=True, gemv_tiles=t)
+        out = fm.fused_moe_triton(x, w, ids, w13, w2, gemv_tiles=t)
         assert (out.float() - exact).abs().max().item() <= 8.0 * ref_err + 1e-3
-
-
-def case_fused_sum_counters_reset_and_separate_sum():
-    # gemm2's fused top-k sum: twice in a row (the counters must be back at zero), against the
-    # separate sum kernel and the reference; one token (naive blocks) and many
-    for T, cfg in ((1, fm.default_config(1, 16)), (37, _cfg(16, 16, 16))):
-        x, w, ids, w13, w2 = _problem(T, 16, 4, 40, 48, seed=T)
-        ref = fm.fused_moe_ref(x, w, ids, w13, w2)
-        outs = [fm.fused_moe_triton(x, w, ids, w13, w2, config=cfg, fused_sum=f, one_launch=False, gemv=False)
-                for f in (True, True, False)]
-        for out in outs:
-            torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
-        assert torch.equal(outs[0], outs[2])
-        assert not fm.sum_counters(x.device, 1).any()
 
 
 def case_t300_e8_k2_two_k_steps_grouped_half_and_quarter_tiles():
@@ -169,7 +136,6 @@ def case_tma_intermediate_tiles_full_blocks_bf16():
     # 66-84 pairs per expert: full 32-row blocks, whose rows of the intermediate gemm2 reads through
     # TMA (K = 48: the tail tile reads zeros past the last column), then partial blocks by pointers
     cfg = dict(_cfg(32, 32, 32, group=4), HALF_M=1, TMA=1)
-    assert fm.A_TMA
     _check_fused(300, 8, 2, 32, 48, cfg, dtype=torch.bfloat16, seed=11)
 
 
@@ -185,11 +151,12 @@ def case_t2_e8_k8_all_experts_down_override():
 
 def case_op_dispatch_and_workspace():
     x, w, ids, w13, w2 = _problem(9, 8, 2, 32, 48, seed=7)
-    os.environ["COMPILED_MOE_BACKEND"] = "triton"
+    before = fm.BACKEND.name
+    fm.BACKEND.set("triton")
     try:
         out = torch.ops.compiled.fused_moe(x, w, ids, w13, w2)
     finally:
-        del os.environ["COMPILED_MOE_BACKEND"]
+        fm.BACKEND.set(before)
     torch.testing.assert_close(out, fm.fused_moe_ref(x, w, ids, w13, w2), atol=2e-5, rtol=1e-5)
     ws = fm.MoEWorkspace().reserve(40, 8, 32, 48, 2, torch.float32, x.device)
     before = {n: b.data_ptr() for n, b in ws.buffers.items()}
@@ -213,16 +180,17 @@ def case_sum_add_rms_norm_kernel_and_op():
         tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
         torch.testing.assert_close(h, ref_h, **tol)
         torch.testing.assert_close(normed, ref_normed, **tol)
-    for T in (19, 1):   # sorted blocks, and one token's naive blocks
+    for T in (19, 1):   # the grouped GEMMs, and one token's GEMVs
         x_moe, w, ids, w13, w2 = _problem(T, 8, 2, 32, 48, seed=19)
         x = torch.randn(T, 32, generator=g)
         nw, weight = 1 + 0.1 * torch.randn(32, generator=g), torch.randn(24, 32, generator=g)
-        os.environ["COMPILED_MOE_BACKEND"] = "triton"
+        before = fm.BACKEND.name
+        fm.BACKEND.set("triton")
         try:
             y, h, normed = torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight,
                                                                       True)
         finally:
-            del os.environ["COMPILED_MOE_BACKEND"]
+            fm.BACKEND.set(before)
         for got, ref in zip((y, h, normed), moe_add_rms_norm_linear_ref(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight)):
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
@@ -268,6 +236,7 @@ def case_align_single_chunk_and_unused_experts():
 
 
 def case_routing_kernel_vs_softmax_topk():
+    from compiled.moe import routing
     from compiled.moe.routing import topk_route_triton
     g = torch.Generator().manual_seed(15)
     for T, E, k, dtype in ((1, 8, 2, torch.float32), (37, 128, 8, torch.bfloat16), (300, 60, 6, torch.float32),
@@ -283,18 +252,18 @@ def case_routing_kernel_vs_softmax_topk():
             # same experts up to ties: every chosen expert has the probability of that rank
             torch.testing.assert_close(probs.gather(1, ids), top.values, atol=0, rtol=0)
             assert bool((ids.sort(-1).values.diff(dim=-1) > 0).all()) if k > 1 else True
-        os.environ["COMPILED_ROUTING_BACKEND"] = "triton"
+        before = routing.BACKEND.name
+        routing.BACKEND.set("triton")
         try:
             w_op, _ = torch.ops.compiled.topk_route(logits, k, True)
         finally:
-            del os.environ["COMPILED_ROUTING_BACKEND"]
+            routing.BACKEND.set(before)
         torch.testing.assert_close(w_op, topk_route_ref(logits, k, True)[0], atol=1e-6, rtol=1e-5)
 
 
 GROUPS = {
-    "a": [case_one_token_naive_e128_k8, case_one_launch_odd_sizes_twice_and_reset,
-          case_one_token_gemv_odd_sizes_slots_and_sum,
-          case_fused_sum_counters_reset_and_separate_sum, case_t300_e8_k2_two_k_steps_grouped_half_and_quarter_tiles,
+    "a": [case_two_tokens_e128_k8_default_config, case_one_token_gemv_odd_sizes_slots_and_sum,
+          case_t300_e8_k2_two_k_steps_grouped_half_and_quarter_tiles,
           case_t150_e8_k2_half_tiles_up_only, case_t37_e128_k8_unused_experts_fp16, case_t5_e60_k6_uneven_k_and_n,
           case_routing_kernel_vs_softmax_topk],
     "b": [case_t128_e16_k1_no_sum, case_t61_e33_k3_bf16, case_t2_e8_k8_all_experts_down_override,
@@ -377,15 +346,18 @@ def test_reference_matches_hf_experts(dtype):
     torch.testing.assert_close(fm.fused_moe_ref(x, w, ids, w13, w2), want, **tol)
 
 
-def test_op_on_cpu_is_reference_and_fake_shapes(monkeypatch):
-    monkeypatch.delenv("COMPILED_MOE_BACKEND", raising=False)
-    x, w, ids, w13, w2 = _problem(6, 8, 2, 32, 48, seed=22)
-    out = torch.ops.compiled.fused_moe(x, w, ids, w13, w2)
-    torch.testing.assert_close(out, fm.fused_moe_ref(x, w, ids, w13, w2), atol=0, rtol=0)
-    monkeypatch.setenv("COMPILED_MOE_BACKEND", "bogus")
-    with pytest.raises(ValueError, match="COMPILED_MOE_BACKEND"):
-        torch.ops.compiled.fused_moe(x, w, ids, w13, w2)
-    monkeypatch.delenv("COMPILED_MOE_BACKEND")
+def test_op_on_cpu_is_reference_and_fake_shapes():
+    before = fm.BACKEND.name
+    fm.BACKEND.set("auto")
+    try:
+        x, w, ids, w13, w2 = _problem(6, 8, 2, 32, 48, seed=22)
+        out = torch.ops.compiled.fused_moe(x, w, ids, w13, w2)
+        torch.testing.assert_close(out, fm.fused_moe_ref(x, w, ids, w13, w2), atol=0, rtol=0)
+        with pytest.raises(ValueError, match="COMPILED_MOE_BACKEND"):
+            fm.BACKEND.set("bogus")
+        assert fm.BACKEND.name == "auto"
+    finally:
+        fm.BACKEND.set(before)
     from torch._subclasses.fake_tensor import FakeTensorMode
     real = (x.bfloat16(), w, ids, w13.bfloat16(), w2.bfloat16())
     with FakeTensorMode() as mode:
@@ -412,9 +384,8 @@ def test_config_lookup(tmp_path, monkeypatch):
     fm._config_file.cache_clear()
     name = fm.config_file_name(16, 48, "cpu", torch.float32)
     assert name == "E=16,N=48,device_name=cpu,dtype=float32.json"
-    one_launch = dict(BLOCK_I=32, BLOCK_K=64, BLOCK_N=128, num_warps=8, num_stages=3)
     table = {"1": _cfg(16, 32, 64), "64": _cfg(32, 64, 64), "1024": dict(_cfg(64, 128, 64), down=dict(BLOCK_SIZE_N=64)),
-             "one_launch": one_launch, "_meta": {"note": "ignored"}}
+             "_meta": {"note": "ignored"}}
     (tmp_path / name).write_text(json.dumps(table))
     try:
         assert fm.get_config(1, 16, 48, torch.float32)["BLOCK_SIZE_M"] == 16
@@ -423,8 +394,6 @@ def test_config_lookup(tmp_path, monkeypatch):
         up, down = fm._split_config(cfg)
         assert up["BLOCK_SIZE_N"] == 128 and down["BLOCK_SIZE_N"] == 64 and down["BLOCK_SIZE_M"] == 64
         assert fm.get_config(8, 99, 48, torch.float32) == fm.default_config(8, 99)  # no file: default
-        assert fm.tuned_one_launch_config(16, 48, torch.float32) == one_launch
-        assert fm.tuned_one_launch_config(99, 48, torch.float32) == fm.ONE_LAUNCH_CONFIG
     finally:
         fm.load_configs.cache_clear()
         fm._config_file.cache_clear()
@@ -437,8 +406,7 @@ def test_checked_in_configs_are_complete():
         raw = json.loads(path.read_text())
         table = {k: v for k, v in raw.items() if k.isdigit()}
         assert {int(k) for k in table} >= {1, 8, 64, 512, 4096}, path.name
-        assert set(raw) - set(table) <= {"one_launch", "_meta"}, path.name
-        assert set(raw.get("one_launch", fm.ONE_LAUNCH_CONFIG)) == set(fm.ONE_LAUNCH_CONFIG), path.name
+        assert set(raw) - set(table) <= {"_meta"}, path.name
         for cfg in table.values():
             up, down = fm._split_config(cfg)
             for c in (up, down):
@@ -490,34 +458,30 @@ def test_gpu_fused_moe_real_shape_bf16(real_layer, T):
 
 
 @pytest.mark.gpu
-def test_gpu_one_token_both_paths(real_layer):
-    # the one-launch kernel, the two-GEMM path and the two GEMVs against the reference, several
-    # routings in a row
+def test_gpu_one_token_gemv(real_layer):
+    # the two GEMVs against the reference, several routings in a row, the same bits every time
     w13, w2 = real_layer
     for seed in range(5):
         x, w, ids = _real_inputs(1, seed=400 + seed)
         ref = fm.fused_moe_ref(x, w, ids, w13, w2)
         exact = fm.fused_moe_ref(x.float(), w, ids, w13.float(), w2.float())
         ref_err = (ref.float() - exact).abs().max().item()
-        for path in (dict(one_launch=True), dict(one_launch=False, gemv=False), dict(one_launch=False, gemv=True)):
-            out = fm.fused_moe_triton(x, w, ids, w13, w2, **path)
-            assert (out.float() - exact).abs().max().item() <= 2 * ref_err + 1e-3, path
-            torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
-            # the same bits every time, whatever order the programs' atomic adds land in
-            for _ in range(3):
-                assert torch.equal(fm.fused_moe_triton(x, w, ids, w13, w2, **path), out), path
-    assert not fm.zeroed(x.device, "one_token_acc", 1, torch.int64).any()
+        out = fm.fused_moe_triton(x, w, ids, w13, w2)
+        assert (out.float() - exact).abs().max().item() <= 2 * ref_err + 1e-3
+        torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+        for _ in range(3):
+            assert torch.equal(fm.fused_moe_triton(x, w, ids, w13, w2), out)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 300, 4096])
+@pytest.mark.parametrize("T", [2, 300, 4096])
 def test_gpu_tma_weight_tiles(real_layer, T):
     w13, w2 = real_layer
     x, w, ids = _real_inputs(T, seed=500 + T)
     cfg = fm.get_config(T, E_REAL, I_REAL, torch.bfloat16, x.device)
     cfg = dict(cfg, TMA=1, down=dict(cfg.get("down") or {}, TMA=1))
     assert fm.weight_desc(w13, cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]) is not None
-    out = fm.fused_moe_triton(x, w, ids, w13, w2, config=cfg, one_launch=False, gemv=False)
+    out = fm.fused_moe_triton(x, w, ids, w13, w2, config=cfg)
     torch.testing.assert_close(out.float(), fm.fused_moe_ref(x, w, ids, w13, w2).float(), atol=3e-2, rtol=3e-2)
 
 
@@ -525,7 +489,7 @@ def test_gpu_tma_weight_tiles(real_layer, T):
 @pytest.mark.parametrize("T", [300, 2048, 4096])
 @pytest.mark.parametrize("bm", [64, 128])
 def test_gpu_quarter_height_tiles(real_layer, T, bm):
-    # partial blocks run 16/32-row tiles (HALF_M=2) in both GEMMs, with and without TMA
+    # partial blocks take 16/32-row tiles (HALF_M=2) in both GEMMs, with and without TMA
     w13, w2 = real_layer
     x, w, ids = _real_inputs(T, seed=700 + T)
     ref = fm.fused_moe_ref(x, w, ids, w13, w2).float()
@@ -533,7 +497,7 @@ def test_gpu_quarter_height_tiles(real_layer, T, bm):
         cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=3,
                    HALF_M=2, TMA=tma, down=dict(BLOCK_SIZE_N=128, HALF_M=2, TMA=tma))
         assert fm._split_config(cfg)[1]["HALF_M"] == 2
-        out = fm.fused_moe_triton(x, w, ids, w13, w2, config=cfg, one_launch=False, gemv=False)
+        out = fm.fused_moe_triton(x, w, ids, w13, w2, config=cfg)
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
 
@@ -650,9 +614,9 @@ def test_tuner_merge_keeps_untuned_entries(tmp_path):
     assert not path.exists()  # falls back to the checked-in table of that name
     table, timings = tune_moe.kept_entries(path, [2048, 4096])
     checked_in = json.loads((fm.CONFIG_DIR / path.name).read_text())
-    # the token counts not re-tuned, and the one-launch tile as it was
-    assert set(table) == {k for k in checked_in if k.isdigit()} - {"2048", "4096"} | {"one_launch"}
-    assert table["1"] == checked_in["1"] and table["one_launch"] == checked_in["one_launch"]
+    # the token counts not re-tuned, as they were
+    assert set(table) == {k for k in checked_in if k.isdigit()} - {"2048", "4096"}
+    assert table["1"] == checked_in["1"]
     assert set(timings) <= set(table)
     path.write_text(json.dumps({"8": checked_in["8"], "_meta": {"timings_us": {"8": {"total": 1.0}}}}))
     assert tune_moe.kept_entries(path, [8]) == ({}, {})

@@ -4,8 +4,9 @@ Opaque to tracing (its fake returns a tensor shaped like q), so the model graph 
 layer and the compile backend can split there.
 
 Backends: the Triton kernels (`triton_store`, `triton_decode`, `triton_extend`) when q is on CUDA,
-the torch reference (`reference`) otherwise. `COMPILED_ATTENTION_BACKEND=torch|triton` (read at
-import) or `set_backend()` forces one; forcing Triton on CPU needs `TRITON_INTERPRET=1`."""
+the torch reference (`reference`) otherwise. `BACKEND` may force one: the engine config
+(`configure`), where `COMPILED_ATTENTION_BACKEND=torch|triton` (read at import) wins, or
+`set_backend()`; forcing Triton on CPU needs `TRITON_INTERPRET=1`."""
 
 from __future__ import annotations
 

@@ -93,7 +93,7 @@ def _decode_kernel(
                           mask_d, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_kcs, stride_kch,
                           stride_vcs, stride_vch, D, NORM_ROPE)
             # The loop below reads that slot back. (Taking the token from registers instead, with
-            # no barrier, measured slower both ways tried: RESULTS.md, twelfth session.)
+            # no barrier, measured slower both ways tried: bench/RESULTS.md.)
             tl.debug_barrier()
     if start < end:
         if NORM_ROPE:
@@ -199,7 +199,7 @@ PROGRAMS_PER_SM = 4   # decode programs resident per SM (the default config fits
 # The context the split count is chosen for (it is fixed per captured batch size, the context is
 # not), and the fewest of its tokens a split should hold: below that, a split's fixed cost (its
 # partial written and merged) outweighs its share of the reads. From `attention_bench.py
-# --latency` on the H100 (RESULTS.md, ninth session): at batch 1, 16 splits beat 64 at 512-4096
+# --latency` on the H100 (bench/RESULTS.md): at batch 1, 16 splits beat 64 at 512-4096
 # tokens of context (7.96 / 11.77 / 14.70 µs against 8.43 / 13.75 / 18.01).
 REFERENCE_CONTEXT = 2048
 MIN_SPLIT_TOKENS = 128
@@ -208,7 +208,7 @@ MIN_SPLIT_TOKENS = 128
 def default_config(head_dim: int) -> dict:
     """Decode tile (KV tokens per iteration), warps, pipeline stages and the unrolling of the
     split merge. At head_dim 128, 128-token tiles: `attention_bench.py --latency` on the H100
-    (RESULTS.md, ninth session, run 10) had them ahead of 64 at batch 1 (7.33 / 10.34 / 13.13 µs
+    (bench/RESULTS.md) had them ahead of 64 at batch 1 (7.33 / 10.34 / 13.13 µs
     against 7.77 / 11.87 / 14.64 at 512 / 2,048 / 4,096 tokens) and at batch 8 up to 2,048."""
     block_n = 32 if head_dim > 128 else 128 if head_dim == 128 else 64
     return dict(block_n=block_n, num_warps=4, num_stages=2, merge_unroll=4)

@@ -122,14 +122,14 @@ def _extend_kernel(
 
 # At most this many new tokens and cached prefix tokens per request: 64-row query tiles (twice the
 # programs, better balanced over the SMs). With 2,048 new tokens they win up to a 256-token prefix,
-# tie at 512 and lose from 1,024 on (bench/RESULTS.md, tenth session, run 10).
+# tie at 512 and lose from 1,024 on (bench/RESULTS.md).
 SHORT_EXTEND, SHORT_PREFIX = 2048, 512
 
 
 def default_config(head_dim: int, max_extend_len: int | None = None, max_prefix_len: int | None = None) -> dict:
     """Query rows, new-token and prefix tile sizes, warps, pipeline stages and whether the new
-    tokens' whole tiles come through TMA, tuned on an H200 (triton 3.6; bench/RESULTS.md, tenth
-    session): at head_dim 128 the gathered prefix runs best in 128-token tiles, the causal part in
+    tokens' whole tiles come through TMA, tuned on an H200 (triton 3.6; bench/RESULTS.md): at
+    head_dim 128 the gathered prefix runs best in 128-token tiles, the causal part in
     64, and a short prompt with little prefix in 64-row query tiles (2k tokens: 90.8 against 98.7 µs)."""
     if head_dim <= 64:
         return dict(block_m=128, block_n=64, block_np=64, num_warps=4, num_stages=3, tma=False)

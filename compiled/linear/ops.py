@@ -6,8 +6,9 @@ weight in one launch; anything else (more rows, other dtypes, CPU) goes to `F.li
 
 Backends: 'auto' (the kernel on CUDA for bf16/fp16 at M <= SKINNY_MAX_M, torch otherwise),
 'torch' (always F.linear), 'triton' (the kernel wherever M and the layout allow it, any device
-and fp32 too; forcing it on CPU needs `TRITON_INTERPRET=1`). `COMPILED_LINEAR_BACKEND` (read at
-import) or `set_backend()` picks one."""
+and fp32 too; forcing it on CPU needs `TRITON_INTERPRET=1`). `BACKEND` holds the choice: the
+engine config's (`configure`), where `COMPILED_LINEAR_BACKEND` (read at import) wins, or
+`set_backend()`'s."""
 
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ PROLOGUE_MAX_STEPS = 4
 # One row (M = 1) takes the GEMV mode: 2 columns a program (1 where 2 would leave half the SMs
 # idle: the router), 1024-wide K steps, 4 warps, K split only where even that grid is short. The
 # best of sweeps on every decode linear of both models, where it beat the tensor-core tiles and
-# cuBLAS (H100, bench/gemv_bench.py; RESULTS.md, fourteenth session). Wide N (the LM head) keeps
+# cuBLAS (H100, bench/gemv_bench.py; bench/RESULTS.md). Wide N (the LM head) keeps
 # the tiles.
 GEMV_BLOCK_N = 2
 GEMV_MAX_BLOCK_K = 1024
@@ -112,7 +112,7 @@ def beats_cublas(config: SkinnyConfig, N: int, num_sms: int = DEFAULT_NUM_SMS) -
     linear measured), when it splits K (cuBLAS at M <= 16 either leaves SMs idle or adds a reduce
     kernel: router, o_proj, down) or N is wide (the LM head, 4%). A mid-size N in one pass of
     tensor-core tiles (qkv, gate/up at 2-16 rows) is what cuBLAS does as well or better, in the
-    decode step too (the 30B's qkv and the 0.6B's gate/up; bench/RESULTS.md, thirteenth session)."""
+    decode step too (the 30B's qkv and the 0.6B's gate/up; bench/RESULTS.md)."""
     return config.gemv or config.split_k > 1 or triton.cdiv(N, MAX_BLOCK_N) >= WIDE_PROGRAMS_PER_SM * num_sms
 
 
@@ -227,7 +227,7 @@ def _skinny_kernel(
         w = weight_tile(w_ptrs, mask_n, k_start + offs_k < k_end, EVEN_K)
     if ADD_NORM or SILU_MUL:
         # With a prologue the next kernel is let in only after the main loop: let in at the start
-        # (pdl_wait), it made the decode step slower than no PDL at all (RESULTS.md, eighth session).
+        # (pdl_wait), it made the decode step slower than no PDL at all (bench/RESULTS.md).
         pdl_wait_only(PDL)
     else:
         pdl_wait(PDL)

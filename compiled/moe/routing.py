@@ -13,6 +13,7 @@ cost what the two launches did (bench/RESULTS.md)."""
 from __future__ import annotations
 
 import torch
+import triton
 
 from compiled.backend import BackendChoice
 
@@ -39,11 +40,11 @@ def topk_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool
     if T == 0:
         return weights, ids
     logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-    e_pad = max(16, 1 << (E - 1).bit_length())
+    e_pad = max(16, triton.next_power_of_2(E))
     # few rows a program: the k rounds of max/argmin are a serial chain, keep each step short
     rows = max(2, min(4, 512 // e_pad))
-    topk_route_kernel[(-(-T // rows),)](
-        logits, weights, ids, T, E, logits.stride(0), TOP_K=top_k, K_PAD=max(2, 1 << (top_k - 1).bit_length()),
+    topk_route_kernel[(triton.cdiv(T, rows),)](
+        logits, weights, ids, T, E, logits.stride(0), TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)),
         E_PAD=e_pad, ROWS=rows, RENORM=bool(renormalize), num_warps=4, **launch_kwargs(logits.device))
     return weights, ids
 
