@@ -19,6 +19,6 @@ python bench/tune_moe.py --out-dir "$cfg" --budget-s ${TUNE_BUDGET_S:-300} ${TUN
 cp "$cfg"/*.json "$out/tuned.json"
 export COMPILED_MOE_CONFIG_DIR=$cfg
 python bench/moe_bench.py --out "$out/moe_bench.json" ${MOE_FLAGS:-} 2>&1 | tee "$out/moe_bench.txt" | tail -12
-python -m pytest -m gpu -q tests/test_moe_kernels.py 2>&1 | tee "$out/moe_tests.txt" | tail -2
+python -m pytest -m gpu -q tests/moe/test_moe_kernels.py 2>&1 | tee "$out/moe_tests.txt" | tail -2
 # Everything again in one archive, for copying the results off the machine.
 tar -C "$out" -czf "$out/0_all_results.tgz" --exclude 0_all_results.tgz .

@@ -8,9 +8,9 @@ distinct copies (at least 8, and 4x the L2 cache in bytes) that the weights come
 L2; median replay time / calls = µs per call. GB/s = (weight + x + y bytes) / time, against the
 device copy bandwidth measured here (bytes read + written). `--sweep` also times a small grid of
 (BLOCK_N, BLOCK_K, SPLIT_K) at 4 warps / 4 stages, then warps x stages around the best three, and
-prints the best per shape next to the heuristic's choice (compiled/graphs/linear_kernels.py);
+prints the best per shape next to the heuristic's choice (compiled/linear/skinny_kernels.py);
 about 300 tile configs compile over all shapes (minutes): `--shapes` narrows it. `--fused` also
-times the kernel with its prologues (compiled/graphs/fused_linear.py): the residual add + RMSNorm
+times the kernel with its prologues (compiled/linear/fused.py): the residual add + RMSNorm
 in front of the linear (normalised rows kept for the router, as in the MoE layer) and, for the
 down projection, SiLU-and-mul, each against the linear alone."""
 

@@ -10,13 +10,20 @@ CHOICES = envs.BACKENDS   # "auto", "torch", "triton"
 class BackendChoice:
     """'auto' (the kernel where it applies, the torch reference elsewhere), 'torch' or 'triton'.
 
-    Starts from the environment variable `env` (read once, at import of the op's module; unset
-    means 'auto'). `configure` is how the engine config sets it: the environment, when set, wins
-    over it. `set` sets it whatever the environment says (tests, benchmarks)."""
+    Starts from the environment variable `env` (read at the first use, so that importing the
+    package never fails; unset means 'auto'). `configure` is how the engine config sets it: the
+    environment, when set, wins over it. `set` sets it whatever the environment says (tests,
+    benchmarks)."""
 
     def __init__(self, env: str) -> None:
         self.env = env
-        self.name = envs.read(env) or "auto"
+        self._name: str | None = None
+
+    @property
+    def name(self) -> str:
+        if self._name is None:
+            self._name = envs.read(self.env) or "auto"
+        return self._name
 
     def check(self, name: str) -> str:
         if name not in CHOICES:
@@ -24,10 +31,10 @@ class BackendChoice:
         return name
 
     def set(self, name: str) -> None:
-        self.name = self.check(name)
+        self._name = self.check(name)
 
     def configure(self, name: str) -> None:
         """Set `name` (the engine config's choice) unless the environment variable is set."""
         self.check(name)
         if not envs.is_set(self.env):
-            self.name = name
+            self._name = name

@@ -85,3 +85,9 @@ def set_for_children(name: str, value: str) -> None:
     """Put `name` into the environment that child processes inherit (validated like a read)."""
     os.environ[name] = value
     read(name)
+
+
+def check_all() -> None:
+    """Read every variable, so that a bad value fails at start-up rather than at first use."""
+    for name in VARIABLES:
+        read(name)

@@ -88,12 +88,15 @@ def row_warps(block: int) -> int:
 
 # ----------------------------------------------------------------------------- programmatic dependent launch
 
-ENABLED = envs.read("COMPILED_PDL") is not False
+@functools.cache
+def pdl_enabled() -> bool:
+    """COMPILED_PDL, read once at the first launch (unset: on)."""
+    return envs.read("COMPILED_PDL") is not False
 
 
 def use_pdl(device: torch.device) -> bool:
     """Whether launches on `device` use programmatic dependent launch."""
-    return ENABLED and not interpreting() and hopper_or_newer(device)
+    return pdl_enabled() and not interpreting() and hopper_or_newer(device)
 
 
 def launch_kwargs(device: torch.device) -> dict:

@@ -3,7 +3,7 @@
     delta = fused_moe(moe_x, weights, ids, w13, w2);  y, h, normed = add_rms_norm_linear(x, delta, ...)
         -> y, h, normed = moe_add_rms_norm_linear(x, moe_x, weights, ids, w13, w2, ...)
 
-The op sums each token's k expert outputs inside the norm's kernel (compiled/moe/moe_norm_linear.py).
+The op sums each token's k expert outputs inside the norm's kernel (compiled/fusions/moe_norm_linear.py).
 Runs after fuse_w13 and fuse_norm_linear, whose ops it matches; a MoE output with other readers
 (the last layer's, which goes to the final norm) is left alone."""
 

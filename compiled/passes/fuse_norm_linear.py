@@ -7,7 +7,7 @@ In a decoder layer that is the attention's residual add with the post-attention 
 MLP's first linear (the router in a MoE layer), and the MLP's residual add with the next layer's
 input norm and its qkv projection. At decode sizes, where the skinny GEMM serves the linear, it
 does the add and the norm in its prologue and the launch between the two GEMMs goes; elsewhere
-the op runs them as one launch of its own (compiled/graphs/fused_linear.py).
+the op runs them as one launch of its own (compiled/linear/fused.py).
 h keeps the residual stream going; `keep_normed` where others read the norm too (the MoE experts).
 Runs after skinny_linear (it matches compiled::linear); the first norm (of the embedding) and the
 final one have no add or no linear and stay as they are."""

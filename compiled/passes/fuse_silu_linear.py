@@ -3,7 +3,7 @@
     y = linear(silu_and_mul(gate_up), W)  ->  y = silu_mul_linear(gate_up, W)
 
 At decode sizes, where the skinny GEMM serves the down projection, it computes silu(gate) * up in
-its prologue and the activation's own launch goes (compiled/graphs/fused_linear.py). Runs after
+its prologue and the activation's own launch goes (compiled/linear/fused.py). Runs after
 silu_and_mul and skinny_linear, whose ops it matches; an activation with other readers is left
 alone."""
 

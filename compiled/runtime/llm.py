@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from compiled import envs
 from compiled.errors import ConfigError
 from compiled.graphs.config import ModelConfig
 from compiled.runtime.backends import configure_backends
@@ -60,6 +61,7 @@ class LLM:
     (see runtime/engine.py)."""
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
+        envs.check_all()
         requested = EngineConfig.from_kwargs(model=model, **kwargs)
         self.model_path = requested.model or default_model()
         if not os.path.isdir(self.model_path):

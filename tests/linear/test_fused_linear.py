@@ -2,8 +2,8 @@
 add + RMSNorm row kernel) against their torch references; dispatch and errors.
 
 CPU: the kernels run under `TRITON_INTERPRET=1` in one subprocess that runs this file as a script
-(as tests/test_linear_kernel.py does). GPU (`-m gpu`): Qwen3 shapes in bf16, eagerly and replayed
-from a CUDA graph. The passes that route the graph here are tested in tests/test_passes.py."""
+(as tests/linear/test_linear_kernel.py does). GPU (`-m gpu`): Qwen3 shapes in bf16, eagerly and replayed
+from a CUDA graph. The passes that route the graph here are tested in tests/passes/test_passes.py."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import compiled.linear.ops as lin  # noqa: E402
 from compiled.linear import fused as fl  # noqa: E402
-from tests.test_linear_kernel import TOL, max_err, run_interpreted  # noqa: E402
+from tests.linear.test_linear_kernel import TOL, max_err, run_interpreted  # noqa: E402
 
 # (name, M, N, K, dtype, forced (block_n, block_k, split_k) or None, keep_normed)
 NORM_CASES = [

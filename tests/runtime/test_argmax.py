@@ -14,12 +14,12 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from compiled.runtime import argmax as am  # noqa: E402
-from tests.test_linear_kernel import run_interpreted  # noqa: E402
+from tests.linear.test_linear_kernel import run_interpreted  # noqa: E402
 
 CASES = [(1, 97), (3, 4096), (2, 4096 * 3 + 5), (5, 151936)]
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
@@ -268,7 +268,7 @@ def test_pass_routes_every_linear_and_keeps_outputs(model):
     from compiled.demo import DENSE_MODEL, MOE_MODEL
     from compiled.graphs.config import ModelConfig
     from compiled.passes.manager import DEFAULT_PASSES
-    from tests.test_passes import _linear_calls, _passed, _plain, _run
+    from tests.passes.test_passes import _linear_calls, _passed, _plain, _run
     cfg = ModelConfig.from_pretrained(DENSE_MODEL if model == "dense" else MOE_MODEL)
     plain = _plain(cfg)
     before = _passed(cfg, plain, [p for p in DEFAULT_PASSES if p != "skinny_linear"])
@@ -292,7 +292,7 @@ def test_pass_counts_rewrites_and_leaves_biased_linears():
     from compiled.graphs.config import ModelConfig
     from compiled.graphs.trace import meta_model, trace
     from compiled.passes.manager import run_passes
-    from tests.test_passes import CONFIGS
+    from tests.passes.test_passes import CONFIGS
     cfg = ModelConfig.from_dict(CONFIGS["dense_mqa_bias"])
     meta = meta_model(cfg, torch.float32)
     record = run_passes(trace(meta), meta.checkpoint_map(), ["skinny_linear"]).records[0]

@@ -114,7 +114,7 @@ def test_prompt_logprobs_match_hf(demo):
     """Done-when 1 on the trained demo models: every prompt position within 1e-4 of HF."""
     from compiled.demo import EXAMPLE_PROMPTS as prompts
     from tests.conftest import hf_model
-    from tests.test_hf_parity import assert_prompt_logprobs_match
+    from tests.graphs.test_hf_parity import assert_prompt_logprobs_match
     path, llm = demo
     hf = hf_model(path)
     outs = llm.generate(prompts[:4], SamplingParams(max_new_tokens=1, prompt_logprobs=-1))

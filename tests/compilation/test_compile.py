@@ -11,10 +11,10 @@ import torch
 
 from compiled import LLM, SamplingParams
 from compiled.compilation.artifact import ArtifactError
-from compiled.passes.manager import DEFAULT_PASSES
+from compiled.passes.manager import DEFAULT_PASSES, pass_hashes
 from compiled.compilation.inductor import COMPILES
 from tests.conftest import make_checkpoint
-from tests.test_hf_parity import assert_prompt_logprobs_match, random_prompts
+from tests.graphs.test_hf_parity import assert_prompt_logprobs_match, random_prompts
 from tests.conftest import hf_model
 
 @pytest.fixture(scope="module")
@@ -89,4 +89,6 @@ def test_artifact_manifest_records_versions(artifact):
     with open(f"{artifact}/manifest.json") as f:
         manifest = json.load(f)
     assert manifest["torch"] == torch.__version__ and manifest["device"] == "cpu"
-    assert manifest["passes"] == list(DEFAULT_PASSES) and manifest["pieces"]
+    assert list(manifest["passes"]) == list(DEFAULT_PASSES) and manifest["pieces"]
+    assert manifest["passes"] == pass_hashes(DEFAULT_PASSES)
+    assert manifest["splitting_ops"] == ["compiled::attention"]

@@ -12,9 +12,10 @@ from safetensors.torch import load_file, save_file
 from compiled import LLM, SamplingParams
 from compiled.errors import CheckpointError, ConfigError
 from compiled.graphs.config import ModelConfig
-from compiled.runtime.build import BuildOptions, build_model
+from compiled.runtime.build import build_model
+from compiled.runtime.config import EngineConfig
 from tests.conftest import hf_model, make_checkpoint
-from tests.test_hf_parity import assert_prompt_logprobs_match, random_prompts
+from tests.graphs.test_hf_parity import assert_prompt_logprobs_match, random_prompts
 
 
 def _hf_logprobs(path: str, prompt: list[int]) -> torch.Tensor:
@@ -41,7 +42,8 @@ def test_dummy_load_reads_no_files(tmp_path):
     make_checkpoint(tmp_path, moe=True)
     os.remove(tmp_path / "model.safetensors")
     cfg = ModelConfig.from_pretrained(str(tmp_path))
-    model, _ = build_model(cfg, str(tmp_path), torch.device("cpu"), torch.float32, BuildOptions(load_format="dummy"))
+    config = EngineConfig(device="cpu", dtype="float32", load_format="dummy").resolve(cfg.max_position_embeddings)
+    model, _ = build_model(cfg, str(tmp_path), config)
     w = model.get_submodule("model.layers.0.mlp").w13
     assert w.shape == (cfg.num_experts, 2 * cfg.moe_intermediate_size, cfg.hidden_size) and w.std() > 0.01
     llm = LLM(str(tmp_path), device="cpu", load_format="dummy")

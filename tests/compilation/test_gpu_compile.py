@@ -15,7 +15,7 @@ from compiled import LLM, SamplingParams
 from compiled.compilation.inductor import COMPILES
 
 pytestmark = pytest.mark.gpu
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUCKETS = [1, 2, 4, 8, 16, 32]
 
 

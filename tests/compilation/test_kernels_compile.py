@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # every @triton.jit kernel the package launches (a new kernel belongs here, and in a call below)
 EXPECTED = {"_skinny_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel", "_decode_kernel", "_extend_kernel",
             "_store_kv_kernel",
@@ -92,7 +92,7 @@ def _stand_in_hopper() -> list[str]:
 def _model_steps() -> None:
     """A prefill of three prompts and a decode step of the passed graph, in bf16."""
     from compiled.graphs.config import ModelConfig
-    from tests.test_passes import _passed, _plain, _run
+    from tests.passes.test_passes import _passed, _plain, _run
     cfg = ModelConfig.from_dict(CONFIG)
     plain = _plain(cfg).to(torch.bfloat16)
     gm = _passed(cfg, plain, None).to(torch.bfloat16)

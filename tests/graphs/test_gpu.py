@@ -7,7 +7,7 @@ import torch
 
 from compiled import LLM, SamplingParams
 from tests.conftest import make_checkpoint
-from tests.test_hf_parity import CONFIGS, random_prompts
+from tests.graphs.test_hf_parity import CONFIGS, random_prompts
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,7 @@ from cli import roofline
 from tests.conftest import make_checkpoint
 
 runner = CliRunner()
-QWEN3_30B = os.path.join(os.path.dirname(__file__), "..", "bench", "configs", "qwen3-30b-a3b")
+QWEN3_30B = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "configs", "qwen3-30b-a3b")
 SMALL = ["--device", "cpu", "--seed", "1"]
 
 

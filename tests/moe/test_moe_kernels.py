@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
@@ -557,7 +557,7 @@ def test_gpu_moe_add_rms_norm_linear_eager_and_graph(real_layer, T):
     # bf16's rounding.
     from compiled.linear.ops import use_kernel
     from compiled.fusions.moe_norm_linear import moe_add_rms_norm_linear_ref
-    from tests.test_linear_kernel import max_err
+    from tests.linear.test_linear_kernel import max_err
     w13, w2 = real_layer
     x_moe, w, ids = _real_inputs(T, seed=600 + T)
     g = torch.Generator(device="cuda").manual_seed(T)
