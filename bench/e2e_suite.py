@@ -40,12 +40,12 @@ def graph_gpu_ms(llm, bucket: int, reps: int = 50) -> float | None:
 def synchronous_decode(llm, batch: int, input_len: int, output_len: int) -> dict:
     """The decode step with overlap scheduling off (each step's tokens read back before the next
     launch), same workload and process, for the side-by-side."""
-    cfg = llm.engine.cfg
-    cfg.overlap_schedule = False
+    engine = llm.engine
+    engine.overlap_schedule = False
     try:
         return core.latency(llm, batch, input_len, output_len, iters=1, warmup=1, seed=0)[0]["decode_step_ms"]
     finally:
-        cfg.overlap_schedule = True
+        engine.overlap_schedule = True
 
 
 def host_split(llm, batch: int, input_len: int, steps: int = 20) -> dict:

@@ -52,6 +52,7 @@ class Engine:
         self._readback = TokenReadback(cfg.max_num_seqs, cfg.device)
         self._inflight: InFlight | None = None  # launched, tokens not read yet
         self.num_overlapped = 0  # steps launched before the previous step's tokens were read
+        self.overlap_schedule = cfg.overlap_schedule  # may be switched between steps
 
     def graph_buckets(self) -> list[int]:
         # A bucket is a batch of one-token requests: it must fit both the request and token limits.
@@ -181,7 +182,7 @@ class Engine:
         one more token for exactly the requests that sampled in `step`, and nothing about it may
         depend on those tokens' values on the host."""
         s = self.scheduler
-        if not self.cfg.overlap_schedule or (s.waiting and len(s.running) < s.max_num_seqs):
+        if not self.overlap_schedule or (s.waiting and len(s.running) < s.max_num_seqs):
             return False
         if len(step.requests) != len(s.running) or any(a is not b for a, b in zip(step.requests, s.running)):
             return False

@@ -123,10 +123,10 @@ def test_overlap_schedule_same_tokens_as_synchronous(pair, batch):
     before = engine.num_overlapped
     overlapped = fast.generate(prompts, params)
     assert engine.num_overlapped > before
-    engine.cfg.overlap_schedule = False
+    engine.overlap_schedule = False
     try:
         plain = fast.generate(prompts, params)
     finally:
-        engine.cfg.overlap_schedule = True
+        engine.overlap_schedule = True
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in plain]
     assert engine.kv.num_used == 0
