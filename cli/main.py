@@ -5,11 +5,12 @@ from __future__ import annotations
 import typer
 
 from cli.bench import bench_app
+from cli.errors import OneLineUsageErrors
 from cli.export import export
 from cli.graph import graph
 from cli.run import run
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(cls=OneLineUsageErrors, add_completion=False, no_args_is_help=True,
                   help="compiled: a compiled-graph inference runtime for Qwen3 / Qwen3-MoE.")
 
 

@@ -56,6 +56,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "overrides `moe_backend`: the fused-MoE Triton kernels or the torch reference"),
     EnvVar("COMPILED_ROUTING_BACKEND", _backend, "|".join(BACKENDS),
            "overrides `routing_backend`: the top-k routing Triton kernel or the torch reference"),
+    EnvVar("COMPILED_LORA_BACKEND", _backend, "|".join(BACKENDS),
+           "the multi-LoRA shrink / expand ops: their Triton kernels or the torch reference"),
     EnvVar("COMPILED_MOE_CONFIG_DIR", _text, "a folder",
            "a folder of tuned fused-MoE configs, searched before the package's own"),
     EnvVar("XDG_CACHE_HOME", _text, "a folder",

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from compiled.errors import ConfigError
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+# model_type -> architecture, for a config.json without "architectures" (what a bare
+# `Qwen3MoeConfig(...).save_pretrained` writes); transformers' Auto classes resolve it the same way.
+MODEL_TYPES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,14 @@ def _parse(raw: dict, source: str) -> ModelConfig:
 
     archs = raw.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else None
+    if arch is None and raw.get("model_type") is not None:
+        model_type = raw["model_type"]
+        arch = MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+        if arch is None:
+            raise fail(f"no 'architectures' and unsupported model_type {model_type!r} "
+                       f"(supported: {', '.join(MODEL_TYPES)})")
+    if arch is None:
+        raise fail(f"neither 'architectures' nor 'model_type' is set (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise fail(f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
@@ -136,6 +147,8 @@ def _parse(raw: dict, source: str) -> ModelConfig:
         raise fail(f"field 'mlp_only_layers' must be a list of layer indices, got {mlp_only!r}")
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos_ids):
+        raise fail(f"field 'eos_token_id' must be an int or a list of ints >= 0, got {eos!r}")
 
     cfg = ModelConfig(
         architecture=arch,

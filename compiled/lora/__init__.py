@@ -1,2 +1,7 @@
-"""Multi-LoRA serving: PEFT adapter loading and the GPU slot pool (in progress: nothing here yet).
-The LoRA op and its kernels will sit with the other ops."""
+"""Multi-LoRA serving: PEFT adapter loading and normalisation (adapter.py; merge.py folds one into
+base weights for oracles), and, later, the GPU slot pool."""
+
+from compiled.lora.adapter import load_adapter
+from compiled.lora.weights import Adapter, ExpertLoRAWeight, LoRAError, LoRAWeight
+
+__all__ = ["load_adapter", "Adapter", "LoRAWeight", "ExpertLoRAWeight", "LoRAError"]

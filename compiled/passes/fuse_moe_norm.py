@@ -35,4 +35,4 @@ def fuse_moe_norm(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) ->
         record.rewrites += 1
 
 
-PASS = GraphPass("fuse_moe_norm", fuse_moe_norm, after=("fuse_w13", "fuse_norm_linear"))
+PASS = GraphPass("fuse_moe_norm", fuse_moe_norm, after=("fuse_w13", "fuse_norm_linear", "lora_delta"))

@@ -63,4 +63,4 @@ def _is_add(node) -> bool:
     return is_call(node, operator.add, 2) and all(isinstance(a, fx.Node) for a in node.args)
 
 
-PASS = GraphPass("fuse_norm_linear", fuse_norm_linear, after=("skinny_linear",))
+PASS = GraphPass("fuse_norm_linear", fuse_norm_linear, after=("skinny_linear", "lora_delta"))

@@ -34,4 +34,5 @@ def fuse_silu_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord)
         record.rewrites += 1
 
 
-PASS = GraphPass("fuse_silu_linear", fuse_silu_linear, after=("silu_and_mul", "skinny_linear"))
+PASS = GraphPass("fuse_silu_linear", fuse_silu_linear,
+                 after=("silu_and_mul", "skinny_linear", "lora_delta"))

@@ -12,24 +12,37 @@ from compiled.errors import CompiledError
 from compiled.graphs.trace import example_inputs
 from compiled.passes.base import GraphPass, PassRecord, sweep_dead_nodes
 from compiled.passes import (fuse_moe_norm, fuse_norm_linear, fuse_qk_norm_rope, fuse_qkv, fuse_silu_linear,
-                             fuse_w13, silu_and_mul, skinny_linear)
+                             fuse_w13, lora_delta, silu_and_mul, skinny_linear)
 from compiled.graphs.weights import WeightMap
 
-# Every pass, in the default order (which satisfies each pass's `after`).
+# Every pass, in an order that satisfies each pass's `after`.
 REGISTRY: dict[str, GraphPass] = {m.PASS.name: m.PASS for m in (
-    fuse_qkv, fuse_w13, silu_and_mul, skinny_linear, fuse_qk_norm_rope, fuse_norm_linear, fuse_silu_linear,
-    fuse_moe_norm)}
-DEFAULT_PASSES: tuple[str, ...] = tuple(REGISTRY)
+    fuse_qkv, fuse_w13, silu_and_mul, skinny_linear, lora_delta, fuse_qk_norm_rope, fuse_norm_linear,
+    fuse_silu_linear, fuse_moe_norm)}
+# What a model without LoRA runs; `with_lora` adds the LoRA deltas.
+DEFAULT_PASSES: tuple[str, ...] = tuple(name for name in REGISTRY if name != "lora_delta")
+PassList = list[str | GraphPass] | tuple[str | GraphPass, ...]
 CHECKS = ("each", "end", "none")
 
 
-def resolve_passes(names: list[str] | tuple[str, ...] | None) -> list[GraphPass]:
+def resolve_passes(names: PassList | None) -> list[GraphPass]:
+    """The passes of `names` (a name, or a GraphPass built with options such as the LoRA pool's
+    sizes), checked for their order."""
     names = DEFAULT_PASSES if names is None else names
-    unknown = [n for n in names if n not in REGISTRY]
+    unknown = [n for n in names if not isinstance(n, GraphPass) and n not in REGISTRY]
     if unknown:
         raise ValueError(f"unknown pass {unknown[0]!r} (available: {', '.join(REGISTRY)})")
-    check_order(names)
-    return [REGISTRY[n] for n in names]
+    passes = [n if isinstance(n, GraphPass) else REGISTRY[n] for n in names]
+    check_order([p.name for p in passes])
+    return passes
+
+
+def with_lora(names: PassList | None, lora: GraphPass) -> list[str | GraphPass]:
+    """`names` with the LoRA pass `lora` placed after the passes it follows and before the rest."""
+    names = list(DEFAULT_PASSES if names is None else names)
+    names = [n for n in names if (n.name if isinstance(n, GraphPass) else n) != lora.name]
+    last = max((i for i, n in enumerate(names) if n in lora.after), default=-1)
+    return names[:last + 1] + [lora] + names[last + 1:]
 
 
 class PassOrderError(CompiledError, ValueError):
@@ -43,12 +56,12 @@ def check_order(names: list[str] | tuple[str, ...]) -> None:
             raise PassOrderError(f"pass {name!r} is listed twice")
         position[name] = i
     for name in names:
-        for first in REGISTRY[name].after:
+        for first in REGISTRY[name].after if name in REGISTRY else ():
             if position.get(first, -1) > position[name]:
                 raise PassOrderError(f"pass {name!r} must run after {first!r}: list {first!r} before it")
 
 
-def pass_hashes(names: list[str] | tuple[str, ...] | None) -> dict[str, str]:
+def pass_hashes(names: PassList | None) -> dict[str, str]:
     """Each pass of the list with the hash of its source (artifact and compile-cache keys)."""
     return {p.name: p.uuid for p in resolve_passes(names)}
 
@@ -71,7 +84,7 @@ def check_graph(gm: fx.GraphModule, num_tokens: int = 3) -> None:
         raise AssertionError(f"graph returns {tuple(out.shape)}, expected {(num_tokens, gm.config.hidden_size)}")
 
 
-def run_passes(gm: fx.GraphModule, weights: WeightMap, names: list[str] | tuple[str, ...] | None = None,
+def run_passes(gm: fx.GraphModule, weights: WeightMap, names: PassList | None = None,
                check: str = "each", on_pass=None) -> PassResult:
     """Apply the named passes (default: all) to `gm` in place, updating `weights` (the traced
     model's checkpoint map). `check` says when the graph is run on meta tensors: after every

@@ -7,6 +7,8 @@ values the engine runs with (a torch device and dtype, a context length)."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import os
 from dataclasses import dataclass
 
 import torch
@@ -78,33 +80,75 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, owner: str = "LLM", **kwargs) -> EngineConfig:
-        """The config of `kwargs`; an unknown name is an error listing the valid ones."""
+        """The config of `kwargs`, checked (`validate`) before any file is read; an unknown name is
+        an error listing the valid ones."""
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(kwargs) - set(valid))
         if unknown:
             raise TypeError(f"{owner} got an unexpected argument {unknown[0]!r} (valid: {', '.join(valid)})")
-        for name in ("passes", "splitting_ops", "cuda_graph_buckets", "piecewise_buckets"):
-            if kwargs.get(name) is not None:
-                kwargs[name] = tuple(kwargs[name])
-        return cls(**kwargs)
+        for name, value in kwargs.items():
+            kwargs[name] = _normalise(name, value)
+        config = cls(**kwargs)
+        config.validate()
+        return config
 
     def resolve(self, max_position_embeddings: int) -> EngineConfig:
         """Concrete device, dtype and context length, after checking every value."""
         self.validate()
         device = resolve_device(self.device)
-        max_len = self.max_model_len or max_position_embeddings
+        max_len = max_position_embeddings if self.max_model_len is None else self.max_model_len
         if max_len > max_position_embeddings:
             raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
                               f"{max_position_embeddings}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < max_len:
+            # Checked here too (runtime/memory.py checks every size) so it fails before loading.
+            raise kv_cache_too_small(self.kv_cache_tokens, max_len, f"kv_cache_tokens={self.kv_cache_tokens}",
+                                     f"raise kv_cache_tokens to at least {max_len}")
         return dataclasses.replace(self, device=device, dtype=resolve_dtype(self.dtype, device),
                                    max_model_len=max_len)
 
     def validate(self) -> None:
+        """Every field's type and range; the first bad one is a ConfigError naming it, its value and
+        what it takes. Values that only fail deep inside the engine (a zero token budget queues
+        requests that never run, a negative KV size reaches torch.zeros) are refused here."""
+        for name, low in _INT_AT_LEAST.items():
+            value = getattr(self, name)
+            if not _is_int(value) or value < low:
+                raise _bad(name, value, f"an int >= {low}")
+        for name, low in _OPTIONAL_INT_AT_LEAST.items():
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < low):
+                raise _bad(name, value, f"None or an int >= {low}")
+        if not _is_real(self.mem_fraction) or not 0 < self.mem_fraction <= 1:  # NaN fails both
+            raise _bad("mem_fraction", self.mem_fraction, "a float in (0, 1]")
+        if not _is_int(self.seed):
+            raise _bad("seed", self.seed, "an int")
+        for name in ("use_graph", "enforce_eager", "overlap_schedule", "recompile_on_mismatch"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "True or False")
+        if self.compile is not None and not isinstance(self.compile, bool):
+            raise _bad("compile", self.compile, "None, True or False")
+        for name in ("model", "tokenizer", "artifact"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise _bad(name, getattr(self, name), "None or a folder path")
+        if self.device is not None and not isinstance(self.device, (str, torch.device)):
+            raise _bad("device", self.device, "None, cpu, cuda or cuda:N")
+        if self.dtype is not None and not (isinstance(self.dtype, str) and self.dtype in DTYPES) \
+                and not (isinstance(self.dtype, torch.dtype) and self.dtype in DTYPES.values()):
+            raise _bad("dtype", self.dtype, f"None or one of {', '.join(DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
-            raise ConfigError(f"load_format={self.load_format!r}: expected one of {', '.join(LOAD_FORMATS)}")
+            raise _bad("load_format", self.load_format, f"one of {', '.join(LOAD_FORMATS)}")
         for name in ("attention_backend", "linear_backend", "moe_backend", "routing_backend"):
             if getattr(self, name) not in BACKENDS:
-                raise ConfigError(f"{name}={getattr(self, name)!r}: expected one of {', '.join(BACKENDS)}")
+                raise _bad(name, getattr(self, name), f"one of {', '.join(BACKENDS)}")
+        for name in ("passes", "splitting_ops"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
+                raise _bad(name, value, "None or a list of names")
+        for name in ("cuda_graph_buckets", "piecewise_buckets"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, tuple) and all(_is_int(b) and b >= 1 for b in value)):
+                raise _bad(name, value, "None or a list of ints >= 1")
 
     @property
     def use_compile(self) -> bool:
@@ -120,6 +164,53 @@ class EngineConfig:
     def backends(self) -> dict[str, str]:
         """Op family -> the configured backend choice."""
         return {name: getattr(self, f"{name}_backend") for name in ("attention", "linear", "moe", "routing")}
+
+
+# Lower bounds of the integer settings. A context of one token could hold a prompt but not the
+# token it generates, so max_model_len starts at 2.
+_INT_AT_LEAST = dict(max_num_seqs=1, max_num_batched_tokens=1, max_cuda_graph_batch=1, max_piecewise_tokens=1,
+                     cpu_kv_cache_bytes=1, logits_chunk=1)
+_OPTIONAL_INT_AT_LEAST = dict(max_model_len=2, kv_cache_tokens=1)
+_SEQUENCES = ("passes", "splitting_ops", "cuda_graph_buckets", "piecewise_buckets")
+
+
+def _is_int(value) -> bool:
+    # bool is an int subclass, but `max_num_seqs=True` is a mistake, not 1.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _bad(name: str, value, expected: str) -> ConfigError:
+    shown = repr(value).replace("\n", " ")
+    return ConfigError(f"{name}={shown}: expected {expected}")
+
+
+def _normalise(name: str, value):
+    """What the caller meant, in the field's own type: numpy ints as ints, paths as strings, lists
+    as tuples (the config is frozen and hashable). A bare string where a list of names belongs
+    would be split into characters, so it stays a string and `validate` refuses it."""
+    if value is None or isinstance(value, bool):
+        return value
+    if name in _SEQUENCES:
+        if isinstance(value, (list, tuple)):
+            return tuple(int(v) if _is_int(v) else v for v in value)
+        return value
+    if name in ("model", "tokenizer", "artifact") and isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if _is_int(value) and not isinstance(value, int):
+        return int(value)
+    if name == "mem_fraction" and _is_real(value) and not isinstance(value, float):
+        return float(value)
+    return value
+
+
+def kv_cache_too_small(slots: int, max_model_len: int, where: str, fix: str) -> ConfigError:
+    """The start-up error for a KV cache that cannot hold one max_model_len sequence (as vLLM's)."""
+    return ConfigError(f"the KV cache holds {slots} tokens ({where}), fewer than one max_model_len={max_model_len}"
+                       f" sequence needs; {fix} or lower max_model_len to at most {slots}")
 
 
 DEFAULTS = EngineConfig()

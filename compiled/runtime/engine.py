@@ -10,12 +10,22 @@ the earlier step's tokens while the GPU runs the later one. A request that a res
 finishes (EOS, stop string) has computed one token too many; that token is dropped and its KV
 slot freed with the rest. Whatever the rows need that only the host knows (penalties over the
 output so far, logprobs, min_new_tokens still to go, a length limit reached at this token, a
-request waiting for admission) makes that step synchronous instead."""
+request waiting for admission) makes that step synchronous instead.
+
+A step is a transaction: if it raises (an error, or Ctrl-C while the model runs), the batch it was
+launching is rolled back (its KV slots freed, its requests' progress reset, the requests it
+admitted queued again), while the work that did complete stands: a step launched before stays
+unread and the next call reads it, and requests that finished are returned by the next call.
+`abort` ends one request wherever it is; `LLM.generate` aborts its own requests when interrupted."""
 
 from __future__ import annotations
 
 import itertools
+import numbers
+from collections import deque
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -27,10 +37,11 @@ from compiled.runtime.config import EngineConfig
 from compiled.runtime.detokenizer import IncrementalDetokenizer, find_stop
 from compiled.runtime.inflight import InFlight, TokenReadback
 from compiled.runtime.model_runner import ModelRunner
-from compiled.runtime.request import Request
+from compiled.runtime.model_runner import StepOutput
+from compiled.runtime.request import Logprobs, Request
 from compiled.runtime.sampler import Sampler, SamplingBatch, batch_top_logprobs
 from compiled.runtime.sampling_params import SamplingParams
-from compiled.runtime.scheduler import Batch, Scheduler
+from compiled.runtime.scheduler import Batch, Chunk, Scheduler
 from compiled.runtime.tokenizer import Tokenizer
 
 
@@ -50,7 +61,9 @@ class Engine:
         self.max_context = min(cfg.max_model_len, num_kv_slots)
         self._ids = itertools.count()
         self._readback = TokenReadback(cfg.max_num_seqs, cfg.device)
-        self._inflight: InFlight | None = None  # launched, tokens not read yet
+        self._unread: deque[InFlight] = deque()  # launched steps whose tokens are not read yet, oldest first
+        self._live: dict[int, Request] = {}  # added and not finished, by id
+        self._finished: list[Request] = []  # finished since the last `step` returned
         self.num_overlapped = 0  # steps launched before the previous step's tokens were read
         self.overlap_schedule = cfg.overlap_schedule  # may be switched between steps
 
@@ -81,6 +94,14 @@ class Engine:
 
     def make_request(self, index: int, prompt: str | list[int], params: SamplingParams) -> Request:
         """Validate and tokenize one prompt (`index` names it in errors); nothing is queued yet."""
+        if not isinstance(params, SamplingParams):
+            shown = repr(params).replace("\n", " ")
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise TypeError(f"sampling params of prompt {index}: expected a SamplingParams (or a list of them, one "
+                            f"per prompt), got {type(params).__name__} {shown}")
+        # Checked again here, not only at construction: a field set afterwards (p.temperature = -1)
+        # would otherwise reach the sampler unchecked.
+        params.validate()
         text = prompt if isinstance(prompt, str) else None
         if text is not None:
             if not text:
@@ -88,16 +109,16 @@ class Engine:
             if self.tokenizer is None:
                 raise RequestError(f"prompt {index} is text but the model has no tokenizer; pass token ids")
             ids = self.tokenizer.encode(text)
+        elif isinstance(prompt, (Sequence, np.ndarray)):
+            ids = self._check_token_ids(index, prompt)
         else:
-            ids = list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-            if bad is not None:
-                raise RequestError(f"prompt {index} has token id {bad!r} outside the vocabulary [0, {vocab})")
+            raise RequestError(f"prompt {index} is a {type(prompt).__name__}: expected a str or a list of token ids")
         if not ids:
             raise RequestError(f"prompt {index} is empty")
         if len(ids) >= self.max_context:
-            raise RequestError(f"prompt {index} has {len(ids)} tokens; the context holds {self.max_context}")
+            # One position is left for the first generated token.
+            raise RequestError(f"prompt {index} has {len(ids)} tokens; the context holds {self.max_context}"
+                               f" (max_model_len), so a prompt may have at most {self.max_context - 1}")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.cfg.device).manual_seed(params.seed)
@@ -110,49 +131,97 @@ class Engine:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         return request
 
+    def _check_token_ids(self, index: int, prompt) -> list[int]:
+        """The prompt's ids as Python ints; numpy / torch integer ids are accepted as the ints they
+        hold, while bools (an int subclass) and anything else are refused."""
+        vocab = self.model_config.vocab_size
+        ids = []
+        for t in prompt:
+            if isinstance(t, (np.ndarray, torch.Tensor)) and t.ndim == 0:
+                t = t.item()
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+                raise RequestError(f"prompt {index} has token id {t!r} of type {type(t).__name__}: "
+                                   f"expected ints in [0, {vocab})")
+            t = int(t)
+            if not 0 <= t < vocab:
+                raise RequestError(f"prompt {index} has token id {t} outside the vocabulary [0, {vocab})")
+            ids.append(t)
+        return ids
+
     def add(self, request: Request) -> None:
+        self._live[request.id] = request
         self.scheduler.add(request)
+
+    def abort(self, request_id: int) -> bool:
+        """Stop serving a request now, wherever it is: waiting, part-way through its prompt,
+        decoding, or with a step launched ahead that computes its next token. Its KV slots and
+        request row go back to the pools; it ends with finish_reason "abort" and `step` does not
+        return it. False when no such request is being served (unknown, finished or aborted).
+        Call it between steps: the engine is not thread-safe."""
+        request = self._live.pop(request_id, None)
+        if request is None:
+            return False
+        request.finish_reason = "abort"
+        request.pending = 0
+        self.scheduler.abort(request)
+        # A step launched ahead is still read back for its other rows; one with none is dropped.
+        self._unread = deque(s for s in self._unread if not all(r.finished for r in s.requests))
+        return True
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._inflight is not None
+        return self.scheduler.has_work or bool(self._unread)
 
     # ---- one step --------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
         """Launch one forward pass and read back the tokens of the step before it (or of this
         one, when the next cannot overlap); return the requests that finished."""
-        finished: list[Request] = []
-        prev, self._inflight = self._inflight, None
-        batch = self.scheduler.schedule_decode() if prev is not None and self._can_overlap(prev) else None
+        ahead = self._unread[-1] if self._unread else None
+        batch = self.scheduler.schedule_decode() if ahead is not None and self._can_overlap(ahead) else None
         if batch is None:
-            if prev is not None:
-                finished += self._resolve(prev)
-                prev = None
+            ahead = None
+            while self._unread:
+                self._read_oldest()
             if not self.scheduler.has_work:
-                return finished
+                return self._take_finished()
             batch = self.scheduler.schedule()
             if batch is None:
                 raise RuntimeError("scheduler found nothing to run although requests are waiting")
-        launched = self._launch(batch, None if prev is None else prev.token_ids)
-        if prev is not None:
+        launched = self._launch(batch, None if ahead is None else ahead.token_ids)
+        if ahead is not None:
             self.num_overlapped += 1
-            finished += self._resolve(prev)
         if launched is not None:
-            if self._can_overlap(launched):
-                self._inflight = launched
-            else:
-                finished += self._resolve(launched)
+            self._unread.append(launched)
+        while len(self._unread) > 1:
+            self._read_oldest()
+        if launched is not None and not self._can_overlap(launched):
+            self._read_oldest()
+        return self._take_finished()
+
+    def _take_finished(self) -> list[Request]:
+        finished, self._finished = self._finished, []
         return finished
 
     def _launch(self, batch: Batch, feed: torch.Tensor | None) -> InFlight | None:
-        """Run the model and the sampler on `batch` (input ids of its pending tokens from `feed`)."""
+        """Run the model and the sampler on `batch` (input ids of its pending tokens from `feed`).
+        Its requests take the results (a pending token each, prompt logprobs) only once all of it
+        ran; if any of it raises, the batch is rolled back."""
         sampling = [(c, row) for c, row in zip(batch.chunks, _last_rows(batch)) if c.samples]
-        out = self.runner.forward(batch, [row for _, row in sampling], feed)
-        self._prompt_logprobs(batch, out.hidden)
-        if not sampling:
-            return None
-        requests = [c.request for c, _ in sampling]
+        try:
+            out = self.runner.forward(batch, [row for _, row in sampling], feed)
+            prompt_logprobs = self._prompt_logprobs(batch, out.hidden)
+            launched = self._sample(out, [c.request for c, _ in sampling]) if sampling else None
+        except BaseException:
+            self.scheduler.rollback(batch)
+            raise
+        for request, entries in prompt_logprobs:
+            request.prompt_logprobs += entries
+        for request in launched.requests if launched is not None else ():
+            request.pending += 1
+        return launched
+
+    def _sample(self, out: StepOutput, requests: list[Request]) -> InFlight:
         sampled = self.sampler(out.logits, SamplingBatch(
             params=[r.params for r in requests],
             output_token_ids=[r.output_token_ids for r in requests],
@@ -160,22 +229,30 @@ class Engine:
             generators=[r.generator for r in requests],
             eos_token_ids=self._eos_sorted,
         ), argmax=out.argmax)
-        for r in requests:
-            r.pending += 1
         return self._readback.start(requests, sampled.token_ids, sampled.logprobs)
 
-    def _resolve(self, step: InFlight) -> list[Request]:
-        finished = []
-        for request, token, logprobs in zip(step.requests, step.tokens(), step.logprobs):
+    def _read_oldest(self) -> None:
+        """Append the oldest unread step's tokens to their requests. A row counts as read before
+        its token is appended, so a call that raised part-way resumes after that row."""
+        step = self._unread[0]
+        tokens = step.tokens()
+        while step.num_read < len(step.requests):
+            i = step.num_read
+            step.num_read += 1
+            request = step.requests[i]
             if request.finished:
                 continue  # it finished on an earlier token: this one was computed ahead, dropped
             request.pending -= 1
-            self._append(request, token, logprobs)
+            self._append(request, tokens[i], step.logprobs[i])
             if request.finished:
-                request.pending = 0
-                self.scheduler.finish(request)
-                finished.append(request)
-        return finished
+                self._finish(request)
+        self._unread.popleft()
+
+    def _finish(self, request: Request) -> None:
+        request.pending = 0
+        self.scheduler.finish(request)
+        self._live.pop(request.id, None)
+        self._finished.append(request)
 
     def _can_overlap(self, step: InFlight) -> bool:
         """Whether the step after `step` can be launched before its tokens are known: it must be
@@ -195,21 +272,27 @@ class Engine:
                 and n_out < p.max_new_tokens and len(request.prompt_token_ids) + n_out < self.max_context
                 and not p.has_repetition_penalty and not p.has_presence_frequency_penalty)
 
-    def _prompt_logprobs(self, batch: Batch, hidden: torch.Tensor) -> None:
-        offset = 0
+    def _prompt_logprobs(self, batch: Batch, hidden: torch.Tensor) -> list[tuple[Request, list[Logprobs]]]:
+        """The prompt logprobs `batch` adds, per request; stored by the caller once the step ran."""
+        added, offset = [], 0
         for c in batch.chunks:
-            request = c.request
-            if request.wants_prompt_logprobs:
-                # Row p predicts token p + 1; the prompt's last row predicts the first output.
-                n = min(c.length, len(request.prompt_token_ids) - 1 - c.start)
-                targets = torch.tensor(request.prompt_token_ids[c.start + 1:c.start + 1 + n])
-                k = request.params.prompt_logprobs
-                for i in range(0, n, self.cfg.logits_chunk):
-                    m = min(self.cfg.logits_chunk, n - i)
-                    rows = hidden[offset + i:offset + i + m]
-                    logprobs = torch.log_softmax(self.runner.logits(rows), dim=-1)
-                    request.prompt_logprobs += batch_top_logprobs(logprobs, [k] * m, targets[i:i + m].to(rows.device))
+            positions = _missing_prompt_logprobs(c)
+            if positions:
+                rows = hidden[offset + positions.start - c.start:offset + positions.stop - c.start]
+                added.append((c.request, self._prompt_logprob_entries(c.request, rows, positions)))
             offset += c.length
+        return added
+
+    def _prompt_logprob_entries(self, request: Request, hidden: torch.Tensor, positions: range) -> list[Logprobs]:
+        # Row p predicts prompt token p + 1.
+        targets = torch.tensor(request.prompt_token_ids[positions.start + 1:positions.stop + 1])
+        k, step = request.params.prompt_logprobs, self.cfg.logits_chunk
+        entries: list[Logprobs] = []
+        for i in range(0, len(positions), step):
+            rows = hidden[i:i + step]
+            logprobs = torch.log_softmax(self.runner.logits(rows), dim=-1)
+            entries += batch_top_logprobs(logprobs, [k] * len(rows), targets[i:i + len(rows)].to(rows.device))
+        return entries
 
     def _append(self, request: Request, token: int, logprobs: dict | None) -> None:
         params = request.params
@@ -223,7 +306,9 @@ class Engine:
         n_out = len(request.output_token_ids)
         if n_out >= params.min_new_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
-                request.finish_reason, request.stop_reason = "stop", token
+                # As vLLM: stop_reason names a stop string or stop token id the user asked for;
+                # the model's own end of sequence leaves it None.
+                request.finish_reason, request.stop_reason = "stop", None
                 return
             if token in params.stop_token_ids:
                 request.finish_reason, request.stop_reason = "stop", token
@@ -236,6 +321,20 @@ class Engine:
                     return
         if n_out >= params.max_new_tokens or request.num_resolved >= self.max_context:
             request.finish_reason = "length"
+
+
+def _missing_prompt_logprobs(chunk: Chunk) -> range:
+    """Positions of `chunk` whose rows give prompt logprobs the request does not have yet (row p
+    gives entry p + 1; entry 0 is None). A request that recomputes its prompt after a retraction
+    already has those of the positions it had computed, and gets only the rest."""
+    request = chunk.request
+    if request.prompt_logprobs is None:
+        return range(0)
+    have = len(request.prompt_logprobs)
+    positions = range(max(chunk.start, have - 1), min(chunk.start + chunk.length, len(request.prompt_token_ids) - 1))
+    assert not positions or positions.start == have - 1, \
+        f"request {request.id}: chunk at {chunk.start} skips prompt logprobs from {have}"
+    return positions
 
 
 def _last_rows(batch: Batch) -> list[int]:

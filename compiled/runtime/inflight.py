@@ -22,11 +22,16 @@ class InFlight:
     logprobs: list                # per row, as the sampler returned them
     host: torch.Tensor            # [B] int64 (pinned on CUDA) the tokens are copied into
     copied: torch.cuda.Event | None
+    num_read: int = 0             # rows whose tokens were appended to their requests
+    _tokens: list[int] | None = None
 
     def tokens(self) -> list[int]:
-        if self.copied is not None:
-            self.copied.synchronize()
-        return self.host.tolist()
+        # Kept once read: a step whose reading was interrupted may outlive its turn of `host`.
+        if self._tokens is None:
+            if self.copied is not None:
+                self.copied.synchronize()
+            self._tokens = self.host.tolist()
+        return self._tokens
 
 
 class TokenReadback:

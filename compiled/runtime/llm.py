@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import gc
 import json
 import os
@@ -18,7 +20,7 @@ from compiled.runtime.build import artifact_manifest, build_model
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.engine import Engine
 from compiled.runtime.memory import num_kv_slots
-from compiled.runtime.request import RequestOutput
+from compiled.runtime.request import Request, RequestOutput
 from compiled.runtime.sampling_params import SamplingParams
 from compiled.runtime.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 
@@ -38,6 +40,17 @@ def freeze_startup_heap() -> None:
     start-up heap for the same reason."""
     gc.collect()
     gc.freeze()
+    _unfreeze_at_exit()
+
+
+@functools.cache
+def _unfreeze_at_exit() -> None:
+    """Hand the frozen heap back to the collector when the interpreter exits. The collections
+    Python runs at shutdown never look at frozen objects, so reference cycles through Triton's
+    modules would outlive them, and Triton's nanobind extension (triton._C.libtriton) reports every
+    type, function and instance of it still alive at exit: ~30 lines of "nanobind: leaked ..." on
+    stderr after every run, whatever its outcome. atexit handlers run before those collections."""
+    atexit.register(gc.unfreeze)
 
 
 def release_frozen_heap() -> None:
@@ -72,10 +85,11 @@ class LLM:
         torch.manual_seed(self.config.seed)
         tok_path = self.config.tokenizer or self.model_path
         self.tokenizer: Tokenizer | None = load_tokenizer(tok_path) if has_tokenizer(tok_path) else None
+        eos_token_ids = self._eos_token_ids()  # before the (slow) build: a bad file fails fast
         self.model, self.build_report = build_model(self.model_config, self.model_path, self.config)
         start = time.perf_counter()
         self.engine = Engine(self.model, self.model_config, self.config, num_kv_slots(self.model_config, self.config),
-                             self.tokenizer, self._eos_token_ids())
+                             self.tokenizer, eos_token_ids)
         self.build_report.seconds["kv_cache"] = time.perf_counter() - start
         if self.config.use_cuda_graphs:
             self.build_report.seconds.update(self.engine.capture_graphs())
@@ -87,9 +101,19 @@ class LLM:
         ids = set(self.model_config.eos_token_ids)
         gen_file = os.path.join(self.model_path, "generation_config.json")
         if os.path.exists(gen_file):
-            with open(gen_file) as f:
-                eos = json.load(f).get("eos_token_id")
-            ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+            try:
+                with open(gen_file, encoding="utf-8") as f:
+                    gen = json.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ConfigError(f"{gen_file}: malformed JSON ({e})") from None
+            if not isinstance(gen, dict):
+                raise ConfigError(f"{gen_file}: expected a JSON object, got {type(gen).__name__}")
+            eos = gen.get("eos_token_id")
+            eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t for t in eos):
+                raise ConfigError(f"{gen_file}: field 'eos_token_id' must be an int or a list of ints >= 0, "
+                                  f"got {gen.get('eos_token_id')!r}")
+            ids |= set(eos)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
@@ -107,13 +131,23 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         # Validate everything before queueing anything.
         requests = [self.engine.make_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-        for request in requests:
-            self.engine.add(request)
+        try:
+            for request in requests:
+                self.engine.add(request)
+            self._run_to_completion(requests)
+        except BaseException:
+            # Interrupted (Ctrl-C, an error in a step): this call's requests must not outlive it,
+            # holding KV slots and rows or running again inside the next call.
+            for request in requests:
+                self.engine.abort(request.id)
+            raise
+        return [r.to_output() for r in requests]
+
+    def _run_to_completion(self, requests: list[Request]) -> None:
         pending = {r.id for r in requests}
         while pending:
             for request in self.engine.step():
                 pending.discard(request.id)
-        return [r.to_output() for r in requests]
 
     def chat(self, messages: str | Sequence[str],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:

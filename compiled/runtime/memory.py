@@ -6,7 +6,7 @@ import torch
 
 from compiled.attention.kv_cache import kv_slots_for_memory
 from compiled.graphs.config import ModelConfig
-from compiled.runtime.config import EngineConfig
+from compiled.runtime.config import EngineConfig, kv_cache_too_small
 
 
 def activation_bytes(mcfg: ModelConfig, cfg: EngineConfig) -> int:
@@ -20,17 +20,25 @@ def activation_bytes(mcfg: ModelConfig, cfg: EngineConfig) -> int:
 
 
 def num_kv_slots(mcfg: ModelConfig, cfg: EngineConfig) -> int:
+    """KV cache size in tokens: `kv_cache_tokens`, else what the memory budget holds. Like vLLM,
+    start-up refuses a cache that cannot hold one `max_model_len` sequence: such an engine would
+    cut long requests short with finish reason "length", or never admit a long prompt."""
     if cfg.kv_cache_tokens is not None:
-        return cfg.kv_cache_tokens
-    per_token = mcfg.kv_bytes_per_token * torch.empty((), dtype=cfg.dtype).element_size()
-    cap = cfg.max_num_seqs * cfg.max_model_len  # more slots than every row can hold are useless
-    if cfg.device.type != "cuda":
-        return min(kv_slots_for_memory(cfg.cpu_kv_cache_bytes, per_token), cap)
-    free, total = torch.cuda.mem_get_info(cfg.device)
-    budget = cfg.mem_fraction * total - (total - free) - activation_bytes(mcfg, cfg)
-    slots = min(kv_slots_for_memory(budget, per_token), cap)
-    if slots < cfg.max_model_len // 16:
-        raise RuntimeError(
-            f"only {slots} KV tokens fit in mem_fraction={cfg.mem_fraction} of the GPU after the weights;"
-            " raise mem_fraction or lower max_num_batched_tokens")
+        slots = cfg.kv_cache_tokens
+        where, fix = f"kv_cache_tokens={slots}", f"raise kv_cache_tokens to at least {cfg.max_model_len}"
+    else:
+        per_token = mcfg.kv_bytes_per_token * torch.empty((), dtype=cfg.dtype).element_size()
+        cap = cfg.max_num_seqs * cfg.max_model_len  # more slots than every row can hold are useless
+        if cfg.device.type != "cuda":
+            slots = min(kv_slots_for_memory(cfg.cpu_kv_cache_bytes, per_token), cap)
+            where = f"cpu_kv_cache_bytes={cfg.cpu_kv_cache_bytes}"
+            fix = "raise cpu_kv_cache_bytes or kv_cache_tokens"
+        else:
+            free, total = torch.cuda.mem_get_info(cfg.device)
+            budget = cfg.mem_fraction * total - (total - free) - activation_bytes(mcfg, cfg)
+            slots = min(kv_slots_for_memory(budget, per_token), cap)
+            where = f"mem_fraction={cfg.mem_fraction} of the GPU after the weights and activations"
+            fix = "raise mem_fraction, lower max_num_batched_tokens"
+    if slots < cfg.max_model_len:
+        raise kv_cache_too_small(slots, cfg.max_model_len, where, fix)
     return slots

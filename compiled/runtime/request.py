@@ -18,7 +18,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str | None          # "stop" (EOS, stop token or stop string) or "length"
+    finish_reason: str | None          # "stop" (EOS, stop token or stop string), "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[Logprobs] | None = None
     prompt_logprobs: list[Logprobs | None] | None = None
@@ -68,12 +68,6 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        # Only on the first pass over the prompt: a retracted request recomputes without them.
-        return self.params.prompt_logprobs is not None and self.prompt_logprobs is not None \
-            and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(

@@ -1,10 +1,13 @@
 """Per-request sampling settings, modelled on vLLM's `SamplingParams`.
 
-Validation happens once, at construction, so the sampler and the engine can
-trust every field without re-checking it on the hot path."""
+Every field is validated at construction and again (`validate`) when a request
+is made from the params, so a field set after construction is checked too; the
+sampler and the engine then trust every field without re-checking it on the
+hot path."""
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -104,6 +107,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field and normalise it in place (numpy numbers to Python ones, `stop` to a
+        list); a bad field is a ValueError naming it, its value and the allowed range."""
         self._validate_lengths()
         self._validate_sampling()
         self._validate_penalties()
@@ -158,6 +166,15 @@ class SamplingParams:
             _check_bool(name, getattr(self, name))
 
     @property
+    def max_tokens(self) -> int:
+        """vLLM's name for `max_new_tokens`: one setting, read or written under either name."""
+        return self.max_new_tokens
+
+    @max_tokens.setter
+    def max_tokens(self, value: int) -> None:
+        self.max_new_tokens = value
+
+    @property
     def has_repetition_penalty(self) -> bool:
         return self.repetition_penalty != 1.0
 
@@ -169,3 +186,23 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the choice is deterministic: argmax of the penalised logits."""
         return self.temperature == 0.0 or self.top_k == 1
+
+
+_UNSET = object()
+
+
+def _accept_max_tokens(init):
+    """The dataclass __init__, also taking vLLM's `max_tokens=` for `max_new_tokens`."""
+    @functools.wraps(init)
+    def __init__(self, *args, max_tokens: Any = _UNSET, **kwargs) -> None:
+        if max_tokens is not _UNSET:
+            if args or ("max_new_tokens" in kwargs and kwargs["max_new_tokens"] != max_tokens):
+                given = args[0] if args else kwargs["max_new_tokens"]
+                raise ValueError(f"SamplingParams got max_tokens={max_tokens!r} and max_new_tokens={given!r}: "
+                                 "they are one setting (max_tokens is vLLM's name), pass one of them")
+            kwargs["max_new_tokens"] = max_tokens
+        init(self, *args, **kwargs)
+    return __init__
+
+
+SamplingParams.__init__ = _accept_max_tokens(SamplingParams.__init__)

@@ -122,3 +122,47 @@ class Scheduler:
 
     def finish(self, request: Request) -> None:
         self._release(request)
+
+    def rollback(self, batch: Batch) -> None:
+        """Undo the scheduling of `batch`, whose step failed before it completed: each chunk's
+        slots go back to the pool and its request's `num_computed` back to the chunk's start, and
+        the requests this batch admitted return, in order, to the front of the waiting queue
+        with their rows freed. A retraction made while scheduling stands: the victim recomputes,
+        as after any retraction."""
+        admitted: list[Request] = []
+        for chunk in reversed(batch.chunks):
+            request = chunk.request
+            if not request.slots or request.slots[-1] is not chunk.slots:
+                continue  # no longer owns the chunk's slots (retracted or aborted since)
+            request.slots.pop()
+            self.kv.free(chunk.slots)
+            request.num_computed = chunk.start
+            if chunk.start == 0:  # its first chunk: admitted by this batch
+                admitted.append(request)
+        for request in admitted:  # newest first, so the oldest ends up in front
+            self._release(request)
+            self.waiting.appendleft(request)
+
+    def abort(self, request: Request) -> None:
+        """Forget `request` wherever it is: dropped from the waiting queue, or from the running
+        batch with its KV slots and row returned to the pools."""
+        _discard(self.waiting, request)
+        _discard(self.running, request)
+        self._free(request)
+
+    def _free(self, request: Request) -> None:
+        if request.slots:
+            self.kv.free(np.concatenate(request.slots))
+            request.slots = []
+        if request.row is not None:
+            self.req_pool.free(request.row)
+            request.row = None
+        request.num_computed = 0
+
+
+def _discard(queue: deque[Request] | list[Request], request: Request) -> None:
+    """Remove `request` (by identity: requests compare by value) from `queue` if it is there."""
+    for i, queued in enumerate(queue):
+        if queued is request:
+            del queue[i]
+            return

@@ -27,9 +27,14 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
 
+from compiled.errors import ConfigError
+
 __all__ = ["SentencePieceTokenizer", "Tokenizer", "has_tokenizer", "load_tokenizer"]
 
 _SPM_FILE = "tokenizer.model"
+# The JSON files transformers may read from a tokenizer folder; each holds one JSON object.
+_JSON_FILES = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json", "added_tokens.json",
+               "chat_template.json", "vocab.json")
 
 
 def _has_fast_files(folder: Path) -> bool:
@@ -51,22 +56,54 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     if not folder.is_dir():
         raise ValueError(f"tokenizer folder {str(folder)!r} does not exist or is not a directory")
     if _has_fast_files(folder):
-        hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        load, main_file = lambda: AutoTokenizer.from_pretrained(str(folder), local_files_only=True), folder
     elif (folder / _SPM_FILE).is_file():
-        hf = _load_sentencepiece(folder)
+        load, main_file = lambda: _load_sentencepiece(folder), folder / _SPM_FILE
     else:
         raise ValueError(
             f"no tokenizer files in {str(folder)!r} "
             "(expected tokenizer.json, tokenizer.model, or vocab.json + merges.txt)"
         )
+    try:
+        hf = load()
+    except ConfigError:
+        raise
+    except Exception as e:
+        # transformers reports a broken file as a bare JSONDecodeError, KeyError or TypeError that
+        # names no file; find the file at fault so the one-line error can name it.
+        raise _culprit(folder, main_file, e) from e
     return Tokenizer(hf)
+
+
+def _read_json(file: Path) -> dict:
+    """The JSON object in `file`; anything else is a ConfigError naming the file."""
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{file}: malformed JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _culprit(folder: Path, main_file: Path, error: Exception) -> ConfigError:
+    """The error naming the tokenizer file that made loading fail: the first malformed JSON file,
+    else `main_file` (the folder, or the sentencepiece model) with the loader's own message."""
+    for name in _JSON_FILES:
+        if (folder / name).is_file():
+            try:
+                _read_json(folder / name)
+            except ConfigError as e:
+                return e
+    first = str(error).splitlines()[0] if str(error) else ""
+    return ConfigError(f"{main_file}: cannot load the tokenizer ({type(error).__name__}: {first})")
 
 
 def _configured_class(folder: Path) -> type | None:
     config_file = folder / "tokenizer_config.json"
     if not config_file.is_file():
         return None
-    name = json.loads(config_file.read_text(encoding="utf-8")).get("tokenizer_class")
+    name = _read_json(config_file).get("tokenizer_class")
     return tokenizer_class_from_name(name) if isinstance(name, str) else None
 
 

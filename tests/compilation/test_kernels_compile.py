@@ -8,8 +8,8 @@ model with a dense layer runs a prefill and a decode step through the Triton bac
 pass on: fused linears, q/k norm + RoPE in attention), and the fused MoE is called at decode and
 prefill sizes with the H100's tuned configs (TMA, part-height tiles) and as the one-token GEMVs;
 the launches those leave out (the routing kernel, the prologues' own launches, the plain K/V
-store, extend attention with TMA, the greedy argmax, the skinny GEMM's one-row GEMV mode) are
-called directly.
+store, extend attention with TMA, the greedy argmax, the skinny GEMM's one-row GEMV mode, the
+multi-LoRA kernels and the fused MoE with expert LoRA) are called directly.
 Outputs are never computed, so nothing is compared: the test is that every kernel compiles."""
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ EXPECTED = {"_skinny_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel", "_deco
             "_store_kv_kernel",
             "_norm_rope_store_kernel", "topk_route_kernel", "align_count_kernel", "align_place_kernel",
             "moe_gemm1_kernel", "moe_gemm2_kernel", "moe_sum_kernel",
-            "moe_sum_add_rms_norm_kernel", "_argmax_kernel", "moe_gemv_up_kernel", "moe_gemv_down_kernel"}
+            "moe_sum_add_rms_norm_kernel", "_argmax_kernel", "moe_gemv_up_kernel", "moe_gemv_down_kernel",
+            "_lora_shrink_kernel", "_lora_expand_kernel", "moe_lora_shrink_kernel", "moe_lora_gemm1_kernel",
+            "moe_lora_gemm2_kernel"}
 CONFIG = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=97, hidden_size=256, intermediate_size=384,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
               max_position_embeddings=128, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
@@ -144,9 +146,34 @@ def _other_calls() -> None:
     lk.silu_mul_linear_triton(torch.randn(1, 4096).bfloat16(), torch.randn(512, 2048).bfloat16())
 
 
+def _lora_calls() -> None:
+    """The multi-LoRA shrink / expand (decode and prefill blocks, bf16 and fp32, an uneven K) and
+    the fused MoE with expert LoRA at decode and prefill sizes with the H100's tuned tiles."""
+    from compiled.linear.lora_kernels import lora_expand_triton, lora_shrink_triton
+    for T, dtype in ((1, torch.bfloat16), (64, torch.bfloat16), (512, torch.bfloat16), (8, torch.float32)):
+        x, slot = torch.randn(T, 2048).to(dtype), torch.zeros(T, dtype=torch.int32)
+        s = lora_shrink_triton(x, torch.randn(8, 48, 2048).to(dtype), slot)
+        lora_expand_triton(torch.randn(T, 5120).to(dtype), s, torch.randn(8, 5120, 16).to(dtype), torch.ones(8, 3),
+                           slot, [4096, 512, 512])
+    lora_shrink_triton(torch.randn(4, 1000).bfloat16(), torch.randn(8, 16, 1000).bfloat16(),
+                       torch.zeros(4, dtype=torch.int32))
+    import compiled.moe.fused_moe as fm
+    from compiled.moe.expert_lora import fused_moe_lora_triton
+    E, H, I, k, R, S = 128, 256, 128, 8, 16, 4
+    table = fm.load_configs(E, 768, "NVIDIA_H100_80GB_HBM3", "bfloat16")
+    lora = [torch.randn(*shape).bfloat16() for shape in ((S, E, 2 * R, H), (S, E, 2 * I, R), (S, E, R, I),
+                                                         (S, E, H, R))]
+    w13, w2 = torch.randn(E, 2 * I, H).bfloat16(), torch.randn(E, H, I).bfloat16()
+    for T in (1, 64, 512):
+        config = table[min(table, key=lambda m: abs(m - T))]
+        fused_moe_lora_triton(torch.randn(T, H).bfloat16(), torch.rand(T, k), torch.randint(0, E, (T, k)), w13, w2,
+                              *lora, torch.ones(S, 3), torch.zeros(T, dtype=torch.int32), config=config)
+
+
 if __name__ == "__main__":   # run by the test above, without the interpreter
     launched = _stand_in_hopper()
     _model_steps()
     _moe_calls()
     _other_calls()
+    _lora_calls()
     print(json.dumps(sorted(set(launched))))

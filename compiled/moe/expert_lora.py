@@ -1,0 +1,246 @@
+"""The fused MoE with per-(token, expert) LoRA deltas: `compiled::fused_moe_lora`, its torch reference
+and Triton path.
+
+The adapters' expert weights sit in a slot pool of S slots, ranks zero-padded to the pool's R;
+each token names its slot (`slot [T]` int32, -1: no adapter):
+
+    a13 [S, E, 2R, H]   gate's A rows 0..R, up's R..2R      b13 [S, E, 2I, R]   gate's B rows 0..I, up's I..2I
+    a2  [S, E, R, I]    down's A                            b2  [S, E, H, R]    down's B
+    scale [S, 3] fp32   gate, up, down
+
+For each pair (t, e) of the routing, with s = slot[t] (no delta where s is -1):
+
+    gate = w13[e, :I] @ x_t + scale[s, 0] * b13[s, e, :I] @ (a13[s, e, :R] @ x_t)
+    up   = w13[e, I:] @ x_t + scale[s, 1] * b13[s, e, I:] @ (a13[s, e, R:] @ x_t)
+    act  = silu(gate) * up
+    out  = w2[e] @ act + scale[s, 2] * b2[s, e] @ (a2[s, e] @ act)
+
+and the token's output is the top-k sum of the outs times their routing weights, as
+`compiled::fused_moe` (which this equals, bit for bit in the reference, where every slot is -1).
+
+The reference (`fused_moe_lora_ref`) is `fused_moe_ref`'s expert loop with the pairs of each
+expert sorted by slot: each delta in fp32, added to the base projection's output in fp32 and
+rounded to x's dtype. One host sync (the counts), like the base reference.
+
+The Triton path (`fused_moe_lora_triton`, CUDA, or anywhere under the 'triton' backend) sorts
+the pairs by expert with the base MoE's `moe_align_block_size` and runs `expert_lora_kernels`:
+the gate/up LoRA shrink, the up GEMM with the gate/up deltas added before silu * up, the down
+LoRA shrink over the intermediate, the down GEMM with its delta, and the base top-k sum kernel:
+6 launches against the base's 4 (1 token: 2 GEMVs and the sum), no host sync, scratch from the
+`MoEWorkspace` (reserve it before a CUDA graph capture). Its GEMMs take the tuned config's
+tiles but not its TMA / part-height options, and one token runs the grouped tiles, not the
+GEMVs. Backend: the MoE's (`fused_moe.BACKEND`, `COMPILED_MOE_BACKEND`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from compiled.moe.fused_moe import BACKEND, MoEWorkspace, get_config, moe_align_block_size
+from compiled.triton_utils import interpreting, launch_kwargs
+
+OP = "compiled::fused_moe_lora"
+
+
+def backend(x: torch.Tensor) -> str:
+    """'triton' or 'torch': the MoE backend's choice, where 'auto' is Triton on CUDA."""
+    if BACKEND.name == "auto":
+        return "triton" if x.is_cuda else "torch"
+    return BACKEND.name
+
+
+# ----------------------------------------------------------------------------- reference
+
+def _add_delta(base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    return (base.float() + delta).to(base.dtype)
+
+
+def fused_moe_lora_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+                       w2: torch.Tensor, a13: torch.Tensor, b13: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor,
+                       scale: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """`[T, H]` in x's dtype. `fused_moe_ref`'s loop (transformers' eager experts: per expert,
+    linear, silu * up, linear, times the routing weight in x's dtype, index_add in expert order),
+    each expert's pairs sorted by slot so that each slot's rows get their delta as one product."""
+    out = torch.zeros_like(x)
+    T = x.shape[0]
+    if T == 0:
+        return out
+    E, I = w13.shape[0], w2.shape[2]
+    S, R = a13.shape[0], a2.shape[2]
+    top_k = topk_ids.shape[1]
+    token_slot = torch.where((slot >= 0) & (slot < S), slot.long(), -1)
+    pair_slot = token_slot.repeat_interleave(top_k)
+    flat_ids = topk_ids.reshape(-1).long()
+    key = flat_ids * (S + 1) + pair_slot + 1      # expert-major, then no adapter, slot 0, 1, ...
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=E * (S + 1)).view(E, S + 1).tolist()
+    token_of = order // top_k
+    weight_of = topk_weights.reshape(-1)[order].to(x.dtype)
+    start = 0
+    for e in range(E):
+        n = sum(counts[e])
+        if n == 0:
+            continue
+        tokens = token_of[start:start + n]
+        h = x[tokens]
+        gate, up = F.linear(h, w13[e]).split(I, dim=-1)
+        segments, lo = [], counts[e][0]
+        for s in range(S):
+            if counts[e][s + 1]:
+                segments.append((s, slice(lo, lo + counts[e][s + 1])))
+            lo += counts[e][s + 1]
+        for s, rows in segments:
+            hs = h[rows].float()
+            sa = hs @ a13[s, e].float().T                      # [n_s, 2R]
+            gate[rows] = _add_delta(gate[rows], scale[s, 0] * sa[:, :R] @ b13[s, e, :I].float().T)
+            up[rows] = _add_delta(up[rows], scale[s, 1] * sa[:, R:] @ b13[s, e, I:].float().T)
+        act = F.silu(gate) * up
+        y = F.linear(act, w2[e])
+        for s, rows in segments:
+            sd = act[rows].float() @ a2[s, e].float().T        # [n_s, R]
+            y[rows] = _add_delta(y[rows], scale[s, 2] * sd @ b2[s, e].float().T)
+        out.index_add_(0, tokens, y * weight_of[start:start + n, None])
+        start += n
+    return out
+
+
+# ----------------------------------------------------------------------------- shape checks
+
+def check_shapes(x, topk_weights, topk_ids, w13, w2, a13, b13, a2, b2, scale, slot) -> None:
+    """One-line errors naming the op and the argument at fault."""
+    if x.dim() != 2:
+        raise ValueError(f"{OP}: x {tuple(x.shape)}, expected [T, H]")
+    T, H = x.shape
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"{OP}: topk_weights {tuple(topk_weights.shape)}, topk_ids {tuple(topk_ids.shape)}: "
+                         f"expected both [{T}, k]")
+    if w13.dim() != 3 or w2.dim() != 3 or w13.shape[2] != H or w2.shape[1] != H or w13.shape[0] != w2.shape[0] \
+            or w13.shape[1] != 2 * w2.shape[2]:
+        raise ValueError(f"{OP}: w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}: expected [E, 2I, {H}] and [E, {H}, I]")
+    E, I = w13.shape[0], w2.shape[2]
+    if a2.dim() != 4:
+        raise ValueError(f"{OP}: a2 {tuple(a2.shape)}, expected [S, {E}, R, {I}]")
+    S, R = a2.shape[0], a2.shape[2]
+    for name, t, want in (("a13", a13, (S, E, 2 * R, H)), ("b13", b13, (S, E, 2 * I, R)), ("a2", a2, (S, E, R, I)),
+                          ("b2", b2, (S, E, H, R))):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{OP}: {name} {tuple(t.shape)}, expected {want} (S={S} slots, E={E}, rank R={R}, "
+                             f"H={H}, I={I})")
+    for name, t in (("w13", w13), ("w2", w2), ("a13", a13), ("b13", b13), ("a2", a2), ("b2", b2)):
+        if t.dtype != x.dtype:
+            raise ValueError(f"{OP}: {name} is {t.dtype}, x is {x.dtype}")
+    if scale.shape != (S, 3) or scale.dtype != torch.float32:
+        raise ValueError(f"{OP}: scale {tuple(scale.shape)} {scale.dtype}, expected ({S}, 3) torch.float32 "
+                         f"(gate, up, down)")
+    if slot.shape != (T,) or slot.dtype != torch.int32:
+        raise ValueError(f"{OP}: slot {tuple(slot.shape)} {slot.dtype}, expected ({T},) torch.int32")
+
+
+# ----------------------------------------------------------------------------- Triton path
+
+def _dot_flags(dtype: torch.dtype) -> dict:
+    """As the base MoE's: fp32 stays fp32; the interpreter upcasts 16-bit dot operands. The
+    deltas' dots (fp32 shrink outputs against 16-bit B, upcast) run in TF32 on the GPU."""
+    interp = interpreting()
+    fp32 = dtype == torch.float32 or interp
+    return dict(PRECISION="ieee" if fp32 else "tf32", DOT_FP32=interp and dtype != torch.float32,
+                DELTA_PRECISION="ieee" if fp32 else "tf32")
+
+
+def reserve_workspace(ws: MoEWorkspace, max_tokens: int, E: int, H: int, I: int, top_k: int, R: int,
+                      dtype: torch.dtype, device: torch.device, block_m: int = 128) -> MoEWorkspace:
+    """`MoEWorkspace.reserve` plus the LoRA shrink outputs, for up to max_tokens (before capture)."""
+    from compiled.moe.fused_moe import intermediate_rows
+    ws.reserve(max_tokens, E, H, I, top_k, dtype, device, block_m)
+    rows = max(intermediate_rows(max_tokens * top_k, E, bm) for bm in (16, block_m))
+    ws.get("lora_s13", rows * 2 * R, torch.float32, device)
+    ws.get("lora_s2", rows * R, torch.float32, device)
+    return ws
+
+
+def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+                          w2: torch.Tensor, a13: torch.Tensor, b13: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor,
+                          scale: torch.Tensor, slot: torch.Tensor, config: dict | None = None,
+                          workspace: MoEWorkspace | None = None) -> torch.Tensor:
+    """The op's Triton path (shapes as `check_shapes`); `config` as `fused_moe_triton`'s (its
+    BLOCK_SIZE_*, GROUP_SIZE_M, num_warps, num_stages and "down" overrides; TMA and HALF_M are
+    ignored)."""
+    from compiled.moe import expert_lora_kernels as LK
+    from compiled.moe import fused_moe_kernels as K
+    T, H = x.shape
+    E, I = w13.shape[0], w2.shape[2]
+    S, R = a2.shape[0], a2.shape[2]
+    top_k = topk_ids.shape[1]
+    out = torch.empty_like(x)
+    if T == 0:
+        return out
+    x, w13, w2, a13, b13, a2, b2 = (t.contiguous() for t in (x, w13, w2, a13, b13, a2, b2))
+    weights, ids, scale = topk_weights.contiguous().reshape(-1), topk_ids.contiguous(), scale.contiguous()
+    cfg = config if config is not None else get_config(T, E, I, x.dtype, x.device)
+    up = {k: int(cfg[k]) for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps",
+                                   "num_stages")}
+    down = dict(up, **{k: int(v) for k, v in (cfg.get("down") or {}).items() if k in up and k != "BLOCK_SIZE_M"})
+    bm = up["BLOCK_SIZE_M"]
+    ws = workspace or MoEWorkspace()
+    numel = ids.numel()
+    blocks = moe_align_block_size(ids, E, bm, ws)
+    n_blocks = blocks.expert_ids.numel()
+    rows = n_blocks * bm
+    inter = ws.get("inter", rows * I, x.dtype, x.device).view(rows, I)
+    s13 = ws.get("lora_s13", rows * 2 * R, torch.float32, x.device).view(rows, 2 * R)
+    s2 = ws.get("lora_s2", rows * R, torch.float32, x.device).view(rows, R)
+    y = out if top_k == 1 else ws.get("y", numel * H, x.dtype, x.device).view(numel, H)
+    flags = _dot_flags(x.dtype)
+    shrink_flags = dict(PRECISION=flags["PRECISION"], DOT_FP32=flags["DOT_FP32"])
+    block_r = max(16, triton.next_power_of_2(R))
+    pdl = launch_kwargs(x.device)
+    common = (blocks.sorted_ids, blocks.expert_ids, blocks.num_post, numel)
+
+    def shrink(src, a, dst, K, gather):
+        bk = max(16, min(128, triton.next_power_of_2(K)))
+        LK.moe_lora_shrink_kernel[(n_blocks, S)](
+            src, a, dst, slot, *common, S, a.shape[2], K, src.stride(0), a.stride(0), a.stride(1), a.stride(2),
+            dst.stride(0), TOP_K=top_k, GATHER=gather, **shrink_flags, BLOCK_M=bm,
+            BLOCK_N=max(16, triton.next_power_of_2(a.shape[2])), BLOCK_K=bk, EVEN_K=K % bk == 0, num_warps=4,
+            num_stages=2, **pdl)
+
+    if S and R:
+        shrink(x, a13, s13, H, True)
+    LK.moe_lora_gemm1_kernel[(n_blocks * triton.cdiv(I, up["BLOCK_SIZE_N"]),)](
+        x, w13, inter, s13, b13, scale, slot, *common, I, H, S if R else 0, R, x.stride(0), w13.stride(0),
+        w13.stride(1), inter.stride(0), s13.stride(0), b13.stride(0), b13.stride(1), b13.stride(2),
+        TOP_K=top_k, **flags, BLOCK_M=bm, BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"], BLOCK_R=block_r,
+        GROUP_M=up["GROUP_SIZE_M"], EVEN_K=H % up["BLOCK_SIZE_K"] == 0, num_warps=up["num_warps"],
+        num_stages=up["num_stages"], **pdl)
+    if S and R:
+        shrink(inter, a2, s2, I, False)
+    LK.moe_lora_gemm2_kernel[(n_blocks * triton.cdiv(H, down["BLOCK_SIZE_N"]),)](
+        inter, w2, y, weights, s2, b2, scale, slot, *common, H, I, S if R else 0, R, inter.stride(0), w2.stride(0),
+        w2.stride(1), y.stride(0), s2.stride(0), b2.stride(0), b2.stride(1), b2.stride(2),
+        TOP_K=top_k, **flags, BLOCK_M=bm, BLOCK_N=down["BLOCK_SIZE_N"], BLOCK_K=down["BLOCK_SIZE_K"],
+        BLOCK_R=block_r, GROUP_M=down["GROUP_SIZE_M"], EVEN_K=I % down["BLOCK_SIZE_K"] == 0,
+        num_warps=down["num_warps"], num_stages=down["num_stages"], **pdl)
+    if top_k > 1:
+        bh = min(1024, triton.next_power_of_2(H))
+        K.moe_sum_kernel[(T, triton.cdiv(H, bh))](y, out, H, TOP_K=top_k, BLOCK_H=bh, num_warps=4, **pdl)
+    return out
+
+
+# ----------------------------------------------------------------------------- the op
+
+@torch.library.custom_op(OP, mutates_args=())
+def fused_moe_lora(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
+                   w2: torch.Tensor, a13: torch.Tensor, b13: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor,
+                   scale: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """`compiled::fused_moe` with each pair's gate, up and down LoRA deltas (slot -1: none) -> `[T, H]`."""
+    check_shapes(x, topk_weights, topk_ids, w13, w2, a13, b13, a2, b2, scale, slot)
+    if backend(x) == "triton":
+        return fused_moe_lora_triton(x, topk_weights, topk_ids, w13, w2, a13, b13, a2, b2, scale, slot)
+    return fused_moe_lora_ref(x, topk_weights, topk_ids, w13, w2, a13, b13, a2, b2, scale, slot)
+
+
+@fused_moe_lora.register_fake
+def _(x, topk_weights, topk_ids, w13, w2, a13, b13, a2, b2, scale, slot):
+    check_shapes(x, topk_weights, topk_ids, w13, w2, a13, b13, a2, b2, scale, slot)
+    return torch.empty_like(x)

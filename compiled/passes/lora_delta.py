@@ -1,0 +1,132 @@
+"""lora_delta: every LoRA-targetable projection gets the batched multi-adapter delta.
+
+    y = linear(x, W)  ->  y = lora_expand(linear(x, W), lora_shrink(x, A, slot), B, scale, slot, slices)
+
+One shrink reads the (fused) input once for all N slices of the projection (qkv: 3, w13: 2,
+o / down: 1) and one expand adds each slice's delta. A MoE layer's `fused_moe` becomes
+`fused_moe_lora`, which adds the delta of each token's adapter for each (token, expert) pair.
+`slot` (`[T]`: the adapter slot of each token, -1 for none) is read once per forward.
+
+The adapters' weights live in buffers this pass registers beside each projection's weight
+(`lora_a [S, N*R, in]`, `lora_b [S, out, R]`, `lora_scale [S, N]`; experts: `lora_a13`,
+`lora_b13`, `lora_a2`, `lora_b2`, `lora_scale`), one slot per adapter the batch may use, ranks
+zero-padded to R; the slot pool (`compiled/lora/pool.py`) writes them. Every targetable
+projection takes a delta, so the graph does not depend on which adapters are loaded. Runs after
+the fusions that build the projections and before those that fold a norm or activation into a
+linear (a LoRA'd linear keeps its input, which they then leave alone or keep)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import fx, nn
+
+import compiled.linear.lora  # noqa: F401  (registers compiled::lora_shrink / lora_expand)
+import compiled.linear.lora_slots  # noqa: F401  (registers compiled::lora_token_slots)
+import compiled.moe.expert_lora  # noqa: F401  (registers compiled::fused_moe_lora)
+from compiled.graphs.config import ModelConfig
+from compiled.graphs.weights import WeightMap
+from compiled.passes.base import GraphPass, PassRecord, is_module, is_op
+
+# Projection module (relative to a decoder layer) -> the checkpoint projections it computes.
+DENSE_TARGETS: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "self_attn.q_proj": ("q_proj",), "self_attn.k_proj": ("k_proj",), "self_attn.v_proj": ("v_proj",),
+    "self_attn.o_proj": ("o_proj",),
+    "mlp.w13": ("gate_proj", "up_proj"), "mlp.gate_proj": ("gate_proj",), "mlp.up_proj": ("up_proj",),
+    "mlp.down_proj": ("down_proj",),
+}
+_OWNER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK = 8, 64   # the sizes `compiled graph` shows the pass with
+
+
+def projection_width(cfg: ModelConfig, proj: str) -> int:
+    """Output width of a checkpoint projection of a dense layer."""
+    return {"q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size, "o_proj": cfg.hidden_size,
+            "gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size,
+            "down_proj": cfg.hidden_size}[proj]
+
+
+def dense_target(owner: str) -> tuple[int, tuple[str, ...]] | None:
+    """(layer, projections) if the module at `owner` is a LoRA-targetable projection."""
+    m = _OWNER.match(owner)
+    if m is None or m.group(2) not in DENSE_TARGETS:
+        return None
+    return int(m.group(1)), DENSE_TARGETS[m.group(2)]
+
+
+def lora_delta_pass(max_loras: int, max_rank: int) -> GraphPass:
+    """The pass for a pool of `max_loras` slots of rank up to `max_rank`."""
+    def lora_delta(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
+        slot = _slot_node(gm)
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function" and is_op(node, torch.ops.compiled.fused_moe):
+                _expert_delta(gm, node, slot, max_loras, max_rank)
+                record.rewrites += 1
+            elif (found := _linear(gm, node)) is not None and dense_target(found[1]) is not None:
+                _dense_delta(gm, node, found, slot, max_loras, max_rank)
+                record.rewrites += 1
+        if not slot.users:
+            gm.graph.erase_node(slot)
+    return GraphPass("lora_delta", lora_delta, after=("fuse_qkv", "fuse_w13", "silu_and_mul", "skinny_linear"))
+
+
+def _slot_node(gm: fx.GraphModule) -> fx.Node:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    with gm.graph.inserting_after(placeholders[-1]):
+        return gm.graph.call_function(torch.ops.compiled.lora_token_slots.default, (placeholders[0],))
+
+
+def _linear(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, str] | None:
+    """(input, owner module path) of a bias-free linear call, either form."""
+    if is_op(node, torch.ops.compiled.linear) and len(node.args) == 2 and node.args[1].op == "get_attr":
+        return node.args[0], node.args[1].target.removesuffix(".weight")
+    if is_module(gm, node, nn.Linear) and len(node.args) == 1 and gm.get_submodule(node.target).bias is None:
+        return node.args[0], node.target
+    return None
+
+
+def _buffer(module: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype, device) -> None:
+    module.register_buffer(name, torch.empty(shape, dtype=dtype, device=device), persistent=False)
+
+
+def _dense_delta(gm: fx.GraphModule, node: fx.Node, found: tuple[fx.Node, str], slot: fx.Node, S: int, R: int) -> None:
+    x, owner = found
+    _, projs = dense_target(owner)
+    module = gm.get_submodule(owner)
+    weight = module.weight
+    slices = [projection_width(gm.config, p) for p in projs]
+    assert sum(slices) == weight.shape[0], f"{owner}: slices {slices} do not add up to {tuple(weight.shape)}"
+    _buffer(module, "lora_a", (S, len(projs) * R, weight.shape[1]), weight.dtype, weight.device)
+    _buffer(module, "lora_b", (S, weight.shape[0], R), weight.dtype, weight.device)
+    _buffer(module, "lora_scale", (S, len(projs)), torch.float32, weight.device)
+    graph = gm.graph
+    with graph.inserting_before(node.next):   # inserting_after would stack the new nodes in reverse
+        a, b, scale = (graph.get_attr(f"{owner}.{n}") for n in ("lora_a", "lora_b", "lora_scale"))
+        shrunk = graph.call_function(torch.ops.compiled.lora_shrink.default, (x, a, slot))
+        expanded = graph.call_function(torch.ops.compiled.lora_expand.default, (node, shrunk, b, scale, slot, slices))
+    node.replace_all_uses_with(expanded, delete_user_cb=lambda user: user is not expanded)
+
+
+def _expert_delta(gm: fx.GraphModule, node: fx.Node, slot: fx.Node, S: int, R: int) -> None:
+    x, topk_weights, topk_ids, w13_node, w2_node = node.args
+    owner = w13_node.target.removesuffix(".w13")
+    module = gm.get_submodule(owner)
+    w13, w2 = module.w13, module.w2
+    E, I2, H = w13.shape
+    for name, shape in (("lora_a13", (S, E, 2 * R, H)), ("lora_b13", (S, E, I2, R)),
+                        ("lora_a2", (S, E, R, I2 // 2)), ("lora_b2", (S, E, H, R))):
+        _buffer(module, name, shape, w13.dtype, w13.device)
+    _buffer(module, "lora_scale", (S, 3), torch.float32, w13.device)
+    graph = gm.graph
+    with graph.inserting_before(node):
+        bufs = [graph.get_attr(f"{owner}.{n}") for n in ("lora_a13", "lora_b13", "lora_a2", "lora_b2", "lora_scale")]
+        fused = graph.call_function(torch.ops.compiled.fused_moe_lora.default,
+                                    (x, topk_weights, topk_ids, w13_node, w2_node, *bufs, slot))
+    fused.meta = node.meta.copy()
+    node.replace_all_uses_with(fused)
+    graph.erase_node(node)
+
+
+PASS = lora_delta_pass(DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK)

@@ -1,0 +1,354 @@
+"""compiled::fused_moe_lora: the torch reference against a naive per-pair loop and against the base
+fused MoE, the Triton path against the reference, validation and tracing.
+
+CPU: the Triton kernels run under TRITON_INTERPRET=1 in one subprocess (this file run as a script;
+see tests/moe/test_moe_kernels.py), each case one test. GPU (`-m gpu`): the Qwen3-30B-A3B layer
+(H 2048, I 768, E 128, top-8) with R = 16, S = 8 in bf16, with no host sync and replayed from a
+CUDA graph."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from compiled.moe import expert_lora as el  # noqa: E402  (no triton kernels are defined by this import)
+from compiled.moe import fused_moe as fm  # noqa: E402
+from compiled.moe.routing import topk_route_ref  # noqa: E402
+
+MARK = "@@EXPERT_LORA_CASES@@"
+SLOTS_7 = [0, -1, 2, 1, 0, -1, 2]
+
+
+def problem(T, E, k, H, I, R, S, dtype=torch.float32, seed=0, slots=None, device="cpu"):
+    """(x, topk_weights, topk_ids, w13, w2, a13, b13, a2, b2, scale, slot): fresh non-zero inputs,
+    deltas of the base's size; slots drawn from -1..S-1 unless given."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    w13 = torch.randn(E, 2 * I, H, generator=g) / H ** 0.5
+    w2 = torch.randn(E, H, I, generator=g) / I ** 0.5
+    w, ids = topk_route_ref(torch.randn(T, E, generator=g), k, True)
+    a13 = torch.randn(S, E, 2 * R, H, generator=g) / H ** 0.5
+    b13 = torch.randn(S, E, 2 * I, R, generator=g) / R ** 0.5
+    a2 = torch.randn(S, E, R, I, generator=g) / I ** 0.5
+    b2 = torch.randn(S, E, H, R, generator=g) / R ** 0.5
+    scale = torch.rand(S, 3, generator=g) + 0.5
+    slot = (torch.randint(-1, S, (T,), generator=g) if slots is None else torch.tensor(slots)).to(torch.int32)
+    cast = dict(dtype=dtype, device=device)
+    return (x.to(**cast), w.to(device), ids.to(device), w13.to(**cast), w2.to(**cast), a13.to(**cast),
+            b13.to(**cast), a2.to(**cast), b2.to(**cast), scale.to(device), slot.to(device))
+
+
+def naive(x, w, ids, w13, w2, a13, b13, a2, b2, scale, slot):
+    """Pair by pair in float64, straight from the op's definition."""
+    T, k = ids.shape
+    S, I, R = a13.shape[0], w2.shape[2], a2.shape[2]
+    d = lambda t: t.double()  # noqa: E731
+    out = torch.zeros(T, x.shape[1], dtype=torch.float64)
+    for t in range(T):
+        s = int(slot[t])
+        for j in range(k):
+            e = int(ids[t, j])
+            h = d(x[t])
+            gate, up = d(w13[e, :I]) @ h, d(w13[e, I:]) @ h
+            if 0 <= s < S:
+                gate = gate + float(scale[s, 0]) * d(b13[s, e, :I]) @ (d(a13[s, e, :R]) @ h)
+                up = up + float(scale[s, 1]) * d(b13[s, e, I:]) @ (d(a13[s, e, R:]) @ h)
+            act = F.silu(gate) * up
+            o = d(w2[e]) @ act
+            if 0 <= s < S:
+                o = o + float(scale[s, 2]) * d(b2[s, e]) @ (d(a2[s, e]) @ act)
+            out[t] += float(w[t, j]) * o
+    return out
+
+
+def _cfg(bm, bn, bk, group=1, **down):
+    cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=group, num_warps=4, num_stages=2)
+    return dict(cfg, down=down) if down else cfg
+
+
+def _check_triton(args, cfg, dtype, slack=8.0):
+    """The Triton path against the reference: fp32 tightly; bf16 / fp16 judged by the rounding
+    error the reference itself makes in that dtype (the interpreter truncates where the GPU
+    rounds, hence the slack, as for the base MoE)."""
+    out = el.fused_moe_lora_triton(*args, config=cfg)
+    assert out.shape == args[0].shape and out.dtype == args[0].dtype
+    exact = el.fused_moe_lora_ref(*[t.float() if t.is_floating_point() else t for t in args])
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, exact, atol=2e-5, rtol=1e-5)
+        return
+    ref_err = (el.fused_moe_lora_ref(*args).float() - exact).abs().max().item()
+    err = (out.float() - exact).abs().max().item()
+    assert err <= slack * ref_err + 1e-3, (err, ref_err)
+
+
+# ----------------------------------------------------------------------------- interpreter cases
+
+def case_t7_h45_i19_fp32_mixed_slots():
+    args = problem(7, 6, 3, 45, 19, 8, 3, slots=SLOTS_7, seed=1)
+    _check_triton(args, _cfg(16, 16, 16), torch.float32)
+    _check_triton(args, _cfg(16, 32, 32, BLOCK_SIZE_N=16, BLOCK_SIZE_K=16), torch.float32)   # the down override
+
+
+def case_t7_h45_i19_bf16_and_fp16():
+    for dtype in (torch.bfloat16, torch.float16):
+        _check_triton(problem(7, 6, 3, 45, 19, 8, 3, dtype, slots=SLOTS_7, seed=2), _cfg(16, 16, 32), dtype)
+
+
+def case_t40_e8_k2_blocks_groups_and_out_of_range_slots():
+    # 32-row blocks of many slots each, GROUP_M = 4; slots S and -5 act as no adapter
+    args = problem(40, 8, 2, 32, 24, 16, 4, seed=3)
+    args[-1][3], args[-1][17] = 4, -5
+    _check_triton(args, _cfg(32, 16, 16, group=4), torch.float32)
+
+
+def case_one_token_top1_and_rank5():
+    # one token (the base MoE's GEMV case runs the grouped tiles here), top-1 (no sum kernel),
+    # a rank of 5 padded to a 16-wide tile
+    _check_triton(problem(1, 8, 2, 48, 32, 8, 2, slots=[1], seed=4), _cfg(16, 32, 16), torch.float32)
+    _check_triton(problem(9, 8, 1, 48, 32, 5, 2, seed=5), _cfg(16, 32, 16), torch.float32)
+
+
+def case_no_adapter_is_the_base_moe():
+    # every slot -1: the base fused MoE's result (the same sums in the same order but pointer loads)
+    args = list(problem(23, 8, 2, 32, 48, 8, 3, seed=6))
+    args[-1] = torch.full_like(args[-1], -1)
+    out = el.fused_moe_lora_triton(*args, config=_cfg(16, 64, 32))
+    base = fm.fused_moe_triton(*args[:5], config=_cfg(16, 64, 32))
+    torch.testing.assert_close(out, base, atol=1e-6, rtol=1e-6)
+
+
+def case_op_forced_triton_and_workspace_reuse():
+    args = problem(9, 8, 2, 32, 48, 8, 3, seed=7)
+    before = fm.BACKEND.name
+    fm.BACKEND.set("triton")
+    try:
+        out = torch.ops.compiled.fused_moe_lora(*args)
+    finally:
+        fm.BACKEND.set(before)
+    torch.testing.assert_close(out, el.fused_moe_lora_ref(*args), atol=2e-5, rtol=1e-5)
+    ws = el.reserve_workspace(fm.MoEWorkspace(), 40, 8, 32, 48, 2, 8, torch.float32, torch.device("cpu"), 16)
+    ptrs = {n: b.data_ptr() for n, b in ws.buffers.items()}
+    for T, seed in ((40, 8), (3, 9), (17, 10)):
+        args = problem(T, 8, 2, 32, 48, 8, 3, seed=seed)
+        out = el.fused_moe_lora_triton(*args, config=_cfg(16, 64, 32), workspace=ws)
+        torch.testing.assert_close(out, el.fused_moe_lora_ref(*args), atol=2e-5, rtol=1e-5)
+    assert {n: b.data_ptr() for n, b in ws.buffers.items()} == ptrs, "workspace reallocated"
+
+
+CASES = [case_t7_h45_i19_fp32_mixed_slots, case_t7_h45_i19_bf16_and_fp16,
+         case_t40_e8_k2_blocks_groups_and_out_of_range_slots, case_one_token_top1_and_rank5,
+         case_no_adapter_is_the_base_moe, case_op_forced_triton_and_workspace_reuse]
+
+
+@pytest.fixture(scope="module")
+def interpreter_results():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env.pop("COMPILED_MOE_BACKEND", None)
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, cwd=str(REPO),
+                          timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
+    if not lines:
+        return {fn.__name__: f"crashed (rc {proc.returncode}):\n{proc.stderr[-4000:]}" for fn in CASES}
+    return json.loads(lines[-1][len(MARK):])
+
+
+@pytest.mark.parametrize("case", [fn.__name__ for fn in CASES])
+def test_triton_interpreter(interpreter_results, case):
+    result = interpreter_results.get(case, "missing")
+    assert result == "ok", result
+
+
+# ----------------------------------------------------------------------------- the reference (in-process)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_matches_a_naive_pair_loop(dtype):
+    args = problem(7, 6, 3, 45, 19, 8, 3, dtype, slots=SLOTS_7, seed=11)
+    got = el.fused_moe_lora_ref(*args)
+    assert got.dtype == dtype and got.shape == (7, 45)
+    want = naive(*args)
+    base = fm.fused_moe_ref(*args[:5]).double()
+    assert (want - base).abs().max() > 0.1                                  # the deltas are not small
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=2e-2)
+
+
+def test_reference_without_adapters_is_the_base_moe_bit_for_bit():
+    for dtype in (torch.float32, torch.bfloat16):
+        args = list(problem(23, 8, 2, 32, 48, 8, 3, dtype, seed=12))
+        base = fm.fused_moe_ref(*args[:5])
+        none = list(args)
+        none[-1] = torch.full_like(args[-1], -1)
+        assert torch.equal(el.fused_moe_lora_ref(*none), base)
+        zero = list(args)                                                  # adapters of zeros: no change
+        for i in (5, 6, 7, 8):
+            zero[i] = torch.zeros_like(args[i])
+        assert torch.equal(el.fused_moe_lora_ref(*zero), base)
+        assert not torch.equal(el.fused_moe_lora_ref(*args), base)
+
+
+def test_each_delta_uses_its_own_slices_and_scale():
+    """Only slot 1's down B of expert e is non-zero: the output moves by weight * scale[1, 2] *
+    b2 @ (a2 @ act) for the pairs (t, e) of slot-1 tokens, nowhere else."""
+    args = list(problem(6, 4, 2, 16, 8, 4, 2, slots=[1, 1, 0, -1, 1, 0], seed=13))
+    x, w, ids, w13, w2 = args[:5]
+    for i in (6, 8):
+        args[i] = torch.zeros_like(args[i])
+    e = int(ids[0, 0])
+    args[8][1, e] = torch.randn(16, 4)
+    args[9][1, 2] = 2.5
+    delta = el.fused_moe_lora_ref(*args) - fm.fused_moe_ref(x, w, ids, w13, w2)
+    I = 8
+    for t in range(6):
+        want = torch.zeros(16)
+        for j in range(2):
+            if int(ids[t, j]) == e and t in (0, 1, 4):
+                gate, up = (w13[e] @ x[t]).split(I)
+                act = F.silu(gate) * up
+                want += w[t, j] * 2.5 * args[8][1, e] @ (args[7][1, e] @ act)
+        torch.testing.assert_close(delta[t], want, atol=1e-5, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- the op
+
+def test_op_on_cpu_is_the_reference_fake_and_trace():
+    before = fm.BACKEND.name
+    fm.BACKEND.set("auto")
+    try:
+        args = problem(7, 6, 3, 45, 19, 8, 3, slots=SLOTS_7, seed=14)
+        assert torch.equal(torch.ops.compiled.fused_moe_lora(*args), el.fused_moe_lora_ref(*args))
+    finally:
+        fm.BACKEND.set(before)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    real = problem(7, 6, 3, 45, 19, 8, 3, torch.bfloat16, slots=SLOTS_7, seed=15)
+    with FakeTensorMode() as mode:
+        out = torch.ops.compiled.fused_moe_lora(*[mode.from_tensor(t) for t in real])
+    assert out.shape == (7, 45) and out.dtype == torch.bfloat16
+    gm = make_fx(lambda *a: torch.ops.compiled.fused_moe_lora(*a) * 2, tracing_mode="fake")(*real)
+    assert [str(n.target) for n in gm.graph.nodes if n.op == "call_function"] == [
+        "compiled.fused_moe_lora.default", "aten.mul.Tensor"]
+    assert el.fused_moe_lora_ref(*[t[:0] if i in (0, 1, 2, 10) else t for i, t in enumerate(real)]).shape == (0, 45)
+
+
+@pytest.mark.parametrize("index,bad,match", [
+    (0, lambda t: t[:, :44], r"w13 \(6, 38, 45\), w2 \(6, 45, 19\): expected \[E, 2I, 44\] and \[E, 44, I\]"),
+    (2, lambda t: t[:, :2], r"topk_weights \(7, 3\), topk_ids \(7, 2\)"),
+    (5, lambda t: t[:, :, :15], r"a13 \(3, 6, 15, 45\), expected \(3, 6, 16, 45\)"),
+    (6, lambda t: t[:, :5], r"b13 \(3, 5, 38, 8\), expected \(3, 6, 38, 8\)"),
+    (8, lambda t: t.bfloat16(), "b2 is torch.bfloat16, x is torch.float32"),
+    (9, lambda t: t[:, :2], r"scale \(3, 2\) torch.float32, expected \(3, 3\) torch.float32 \(gate, up, down\)"),
+    (10, lambda t: t.long(), r"slot \(7,\) torch.int64, expected \(7,\) torch.int32"),
+])
+def test_bad_shapes_are_one_line_errors(index, bad, match):
+    args = list(problem(7, 6, 3, 45, 19, 8, 3, slots=SLOTS_7, seed=16))
+    args[index] = bad(args[index])
+    with pytest.raises(ValueError, match=r"compiled::fused_moe_lora: " + match) as e:
+        torch.ops.compiled.fused_moe_lora(*args)
+    assert "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- GPU (real shapes)
+
+E_REAL, H_REAL, I_REAL, K_REAL, R_REAL, S_REAL = 128, 2048, 768, 8, 16, 8
+
+
+@pytest.fixture(scope="module")
+def real_layer():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    kw = dict(device="cuda", generator=g)
+    E, H, I, R, S = E_REAL, H_REAL, I_REAL, R_REAL, S_REAL
+    w13 = (torch.randn(E, 2 * I, H, **kw) / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, **kw) / I ** 0.5).bfloat16()
+    a13 = (torch.randn(S, E, 2 * R, H, **kw) / H ** 0.5).bfloat16()
+    b13 = (torch.randn(S, E, 2 * I, R, **kw) / R ** 0.5).bfloat16()
+    a2 = (torch.randn(S, E, R, I, **kw) / I ** 0.5).bfloat16()
+    b2 = (torch.randn(S, E, H, R, **kw) / R ** 0.5).bfloat16()
+    scale = torch.rand(S, 3, **kw) + 0.5
+    return w13, w2, a13, b13, a2, b2, scale
+
+
+def _real_inputs(T, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, H_REAL, device="cuda", generator=g).bfloat16()
+    logits = torch.randn(T, E_REAL, device="cuda", generator=g)
+    w, ids = torch.ops.compiled.topk_route(logits, K_REAL, True)
+    slot = torch.randint(-1, S_REAL, (T,), device="cuda", generator=g, dtype=torch.int32)
+    return x, w, ids, slot
+
+
+def _check_real(out, x, w, ids, slot, layer):
+    w13, w2, a13, b13, a2, b2, scale = layer
+    args = (x, w, ids, w13, w2, a13, b13, a2, b2, scale, slot)
+    ref = el.fused_moe_lora_ref(*args)
+    exact = el.fused_moe_lora_ref(*[t.float() if t.is_floating_point() else t for t in args])
+    err = (out.float() - exact).abs().max().item()
+    ref_err = (ref.float() - exact).abs().max().item()
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert err <= 2 * ref_err + 1e-3, (err, ref_err)
+    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 64, 512])
+def test_gpu_real_shape_no_host_sync_and_cuda_graph(real_layer, T):
+    x, w, ids, slot = _real_inputs(T, seed=T)
+    w13, w2, a13, b13, a2, b2, scale = real_layer
+    ws = el.reserve_workspace(fm.MoEWorkspace(), T, E_REAL, H_REAL, I_REAL, K_REAL, R_REAL, torch.bfloat16, x.device)
+
+    def run():
+        return el.fused_moe_lora_triton(x, w, ids, w13, w2, a13, b13, a2, b2, scale, slot, workspace=ws)
+
+    _check_real(torch.ops.compiled.fused_moe_lora(x, w, ids, w13, w2, a13, b13, a2, b2, scale, slot),
+                x, w, ids, slot, real_layer)
+    run()                                                 # compiles outside the checks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for seed in range(2):
+        for dst, src in zip((x, w, ids, slot), _real_inputs(T, seed=100 + 10 * T + seed)):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_real(out, x, w, ids, slot, real_layer)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64])
+def test_gpu_without_adapters_matches_the_base_moe(real_layer, T):
+    x, w, ids, slot = _real_inputs(T, seed=50 + T)
+    w13, w2, a13, b13, a2, b2, scale = real_layer
+    out = torch.ops.compiled.fused_moe_lora(x, w, ids, w13, w2, a13, b13, a2, b2, scale, torch.full_like(slot, -1))
+    torch.testing.assert_close(out.float(), fm.fused_moe_ref(x, w, ids, w13, w2).float(), atol=3e-2, rtol=3e-2)
+
+
+if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    results = {}
+    for fn in CASES:
+        try:
+            fn()
+            results[fn.__name__] = "ok"
+        except Exception:  # reported per case by the parent
+            results[fn.__name__] = traceback.format_exc()
+    print(MARK + json.dumps(results))
