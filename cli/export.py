@@ -15,7 +15,7 @@ from cli.errors import fail_cleanly
 
 
 def export(
-    model: str = typer.Argument(..., help="HF model folder."),
+    model: Optional[str] = typer.Argument(None, help="HF model folder; default: the shipped demo MoE model."),
     out: Path = typer.Option(..., "--out", help="Folder to write the artifact to."),
     buckets: Optional[str] = typer.Option(None, help="Decode CUDA-graph batch buckets, e.g. 1,2,4,8 (recorded)."),
     device: Optional[str] = engine_option("device"),
@@ -26,7 +26,7 @@ def export(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     with fail_cleanly(debug):
-        bucket_list = [int(b) for b in buckets.split(",")] if buckets else None
+        bucket_list = parse_buckets(buckets) if buckets else None
         pass_list = [p.strip() for p in passes.split(",") if p.strip()] if passes else None
         start = time.perf_counter()
         config = engine_config(dict(model=model, device=device, dtype=dtype, load_format=load_format), compile=True,
@@ -34,7 +34,7 @@ def export(
                                max_num_seqs=max(bucket_list) if bucket_list else DEFAULTS.max_num_seqs)
         llm = build_llm(config)
         llm.export_artifact(str(out))
-        table = Table(title=f"exported {model} -> {out}")
+        table = Table(title=f"exported {llm.model_path} -> {out}")
         table.add_column("stage")
         table.add_column("seconds", justify="right")
         for stage, seconds in llm.startup_seconds.items():
@@ -43,3 +43,14 @@ def export(
         Console().print(table)
         report = llm.build_report
         Console().print(f"{report.pieces} pieces, {report.unique_pieces} unique, compiled {report.compiled_now}")
+
+
+def parse_buckets(text: str) -> list[int]:
+    """`--buckets 1,2,4,8` as ints, each >= 1 (the largest also sets max_num_seqs)."""
+    try:
+        buckets = [int(b) for b in text.split(",")]
+    except ValueError:
+        buckets = []
+    if not buckets or min(buckets) < 1:
+        raise ValueError(f"--buckets {text!r}: expected comma-separated ints >= 1, e.g. 1,2,4,8")
+    return buckets

@@ -24,7 +24,12 @@ err = Console(stderr=True)
 
 
 def read_prompts_file(path: Path) -> list[str | list[int]]:
-    return [prompt for _, prompt, _ in read_jsonl_prompts(path)]
+    prompts = [prompt for _, prompt, _ in read_jsonl_prompts(path)]
+    if not prompts:
+        # An empty file is a mistake (a wrong path, a failed export), not a request for the demo prompts.
+        raise ValueError(f"{path}: no prompts in the file (expected one JSON string, list of token ids, "
+                         "or object with 'prompt' or 'prompt_token_ids' per line)")
+    return prompts
 
 
 def run(
@@ -92,7 +97,7 @@ def run(
         if not as_json:
             n = sum(len(o.token_ids) for o in outs)
             err.print(f"[dim]{llm.model_path} on {llm.config.device} ({str(llm.config.dtype).replace('torch.', '')}):"
-                      f" load {loaded - start:.1f}s, {n} tokens in {done - loaded:.2f}s[/dim]")
+                      f" load {loaded - start:.1f}s, {n} tokens in {done - loaded:.2f}s[/dim]", soft_wrap=True)
 
 
 def _print_output(prompt, out) -> None:

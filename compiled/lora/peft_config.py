@@ -312,6 +312,7 @@ def _check_targets(cfg: PeftLoraConfig, model: ModelConfig, bad) -> None:
                           "projections can be adapted")
             hits += 1
     if not hits:
-        which = cfg.target_modules if cfg.target_modules is not None else cfg.target_parameters
-        which = which if isinstance(which, str) else sorted(which)
-        raise bad("target_modules", f"targets nothing in the base model ({which!r})")
+        field = "target_modules" if cfg.target_modules or not cfg.target_parameters else "target_parameters"
+        which = cfg.target_modules if field == "target_modules" else cfg.target_parameters
+        which = which if isinstance(which, str) else sorted(which or ())
+        raise bad(field, f"targets nothing in the base model ({which!r})")

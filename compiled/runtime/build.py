@@ -9,12 +9,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from torch import nn
+import torch
+from torch import fx, nn
 
+from compiled.errors import ConfigError
 from compiled.graphs.config import ModelConfig
 from compiled.graphs.trace import materialize, meta_model, trace
-from compiled.passes.base import PassRecord
-from compiled.passes.manager import DEFAULT_PASSES, run_passes
+from compiled.passes.base import GraphPass, PassRecord
+from compiled.passes.lora_delta import lora_delta_pass
+from compiled.passes.manager import DEFAULT_PASSES, run_passes, with_lora
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.loader import fill_dummy, load_checkpoint
 
@@ -36,10 +39,34 @@ def pass_names(config: EngineConfig) -> list[str]:
     return list(DEFAULT_PASSES if config.passes is None else config.passes)
 
 
+@dataclass
+class Models:
+    """What an engine runs: the model, and with LoRA on, the same weights through a graph that
+    adds the adapters' deltas (run only by batches in which some request uses an adapter, so a
+    batch without adapters costs what it costs without LoRA)."""
+    base: nn.Module
+    lora: nn.Module | None
+    report: BuildReport
+
+
 def build_model(cfg: ModelConfig, path: str, config: EngineConfig) -> tuple[nn.Module, BuildReport]:
     """The model of the checkpoint at `path` as `config` (resolved) asks for it."""
+    models = build_models(cfg, path, config)
+    return models.base, models.report
+
+
+def uses_graph(config: EngineConfig) -> bool:
+    """Whether the model runs as the traced graph: LoRA's deltas exist only in the graph, so
+    with LoRA on, `enforce_eager` runs the graph uncompiled rather than the plain module."""
+    return config.use_graph and (config.lora or not config.enforce_eager)
+
+
+def build_models(cfg: ModelConfig, path: str, config: EngineConfig) -> Models:
+    """The models of the checkpoint at `path` as `config` (resolved) asks for them."""
     device, dtype = config.device, config.dtype
-    use_graph = config.use_graph and not config.enforce_eager
+    use_graph = uses_graph(config)
+    if config.lora and not use_graph:
+        raise ConfigError("LoRA adapters run in the traced graph: use_graph=False cannot serve them")
     report = BuildReport()
     clock = time.perf_counter()
 
@@ -64,6 +91,9 @@ def build_model(cfg: ModelConfig, path: str, config: EngineConfig) -> tuple[nn.M
     else:
         load_checkpoint(module, weights, path, tied_head=cfg.tie_word_embeddings)
     lap("load")
+    lora = _lora_graph(module, cfg, config) if config.lora else None
+    if lora is not None:
+        lap("lora_graph")
     if use_graph and (config.use_compile or config.artifact):
         module = _compile(module, cfg, config, report)
         lap("compile")
@@ -71,7 +101,37 @@ def build_model(cfg: ModelConfig, path: str, config: EngineConfig) -> tuple[nn.M
         # "compile" keeps the rest (Inductor, when any piece was compiled), so the stages add up.
         report.seconds["compile"] -= sum(report.seconds.get(k, 0.0) for k in ("inductor_import", "artifact_load")) \
             + report.seconds["split"]
-    return module, report
+        if lora is not None:
+            from compiled.compilation.inductor import compile_model
+            lora, _, _ = compile_model(lora, config.device, None, config.splitting_ops)
+            lap("compile_lora")
+    return Models(module, lora, report)
+
+
+def lora_pass(config: EngineConfig) -> GraphPass:
+    return lora_delta_pass(config.max_loras_per_batch, config.max_lora_rank)
+
+
+def _lora_graph(base: fx.GraphModule, cfg: ModelConfig, config: EngineConfig) -> fx.GraphModule:
+    """The graph with the LoRA deltas, over `base`'s weights (nothing is copied): traced and
+    passed on `meta`, then every parameter and buffer taken from `base` by name, and only the
+    LoRA buffers allocated."""
+    module = meta_model(cfg, config.dtype)
+    gm = trace(module)
+    run_passes(gm, module.checkpoint_map(), with_lora(pass_names(config), lora_pass(config)), check="none")
+    shared = dict(base.named_parameters()) | dict(base.named_buffers())
+    for name, tensor in list(gm.named_parameters()) + list(gm.named_buffers()):
+        owner_name, _, leaf = name.rpartition(".")
+        owner = gm.get_submodule(owner_name)
+        if leaf.startswith("lora_"):
+            owner.register_buffer(leaf, torch.zeros(tensor.shape, dtype=tensor.dtype, device=config.device),
+                                  persistent=False)
+        elif isinstance(tensor, nn.Parameter):
+            setattr(owner, leaf, shared[name])
+        else:
+            owner.register_buffer(leaf, shared[name], persistent=False)
+    gm.lm_head = base.lm_head
+    return gm.eval().requires_grad_(False)
 
 
 def _compile(module: nn.Module, cfg: ModelConfig, config: EngineConfig, report: BuildReport) -> nn.Module:

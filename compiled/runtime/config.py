@@ -73,6 +73,14 @@ class EngineConfig:
     linear_backend: str = "auto"
     moe_backend: str = "auto"
     routing_backend: str = "auto"
+    # Multi-LoRA: adapters to load at start (name -> PEFT folder); enable_lora=None turns LoRA on
+    # exactly when some are given. `max_loras_per_batch` GPU slots of rank up to `max_lora_rank`;
+    # at most `max_loaded_loras` adapters in the CPU tier (None: no limit).
+    lora_modules: dict[str, str] | None = None
+    enable_lora: bool | None = None
+    max_lora_rank: int = 64
+    max_loras_per_batch: int = 8
+    max_loaded_loras: int | None = None
     # Without a GPU there is no "memory left" to measure; this many bytes go to the KV cache.
     cpu_kv_cache_bytes: int = 2 << 30
     # Prompt-logprob rows are pushed through the LM head this many at a time to bound memory.
@@ -128,6 +136,14 @@ class EngineConfig:
                 raise _bad(name, getattr(self, name), "True or False")
         if self.compile is not None and not isinstance(self.compile, bool):
             raise _bad("compile", self.compile, "None, True or False")
+        if self.enable_lora is not None and not isinstance(self.enable_lora, bool):
+            raise _bad("enable_lora", self.enable_lora, "None, True or False")
+        if self.lora_modules is not None and not (
+                isinstance(self.lora_modules, dict)
+                and all(isinstance(k, str) and isinstance(v, str) for k, v in self.lora_modules.items())):
+            raise _bad("lora_modules", self.lora_modules, "None or a dict of adapter name -> PEFT folder")
+        if self.enable_lora is False and self.lora_modules:
+            raise _bad("enable_lora", False, "True (or None) when lora_modules are given")
         for name in ("model", "tokenizer", "artifact"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise _bad(name, getattr(self, name), "None or a folder path")
@@ -151,6 +167,11 @@ class EngineConfig:
                 raise _bad(name, value, "None or a list of ints >= 1")
 
     @property
+    def lora(self) -> bool:
+        """Whether the engine serves LoRA adapters."""
+        return bool(self.lora_modules) if self.enable_lora is None else self.enable_lora
+
+    @property
     def use_compile(self) -> bool:
         if self.enforce_eager:
             return False
@@ -169,8 +190,8 @@ class EngineConfig:
 # Lower bounds of the integer settings. A context of one token could hold a prompt but not the
 # token it generates, so max_model_len starts at 2.
 _INT_AT_LEAST = dict(max_num_seqs=1, max_num_batched_tokens=1, max_cuda_graph_batch=1, max_piecewise_tokens=1,
-                     cpu_kv_cache_bytes=1, logits_chunk=1)
-_OPTIONAL_INT_AT_LEAST = dict(max_model_len=2, kv_cache_tokens=1)
+                     cpu_kv_cache_bytes=1, logits_chunk=1, max_lora_rank=1, max_loras_per_batch=1)
+_OPTIONAL_INT_AT_LEAST = dict(max_model_len=2, kv_cache_tokens=1, max_loaded_loras=1)
 _SEQUENCES = ("passes", "splitting_ops", "cuda_graph_buckets", "piecewise_buckets")
 
 

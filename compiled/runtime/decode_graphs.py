@@ -13,6 +13,7 @@ from torch import nn
 
 from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
 from compiled.compilation.decode_graphs import BucketGraphs
+from compiled.linear.lora_slots import token_slots
 from compiled.linear.ops import SkinnyLinear
 from compiled.runtime.argmax import ArgmaxWorkspace, argmax_triton
 from compiled.runtime.static_inputs import StaticInputs, write_request_table
@@ -59,7 +60,8 @@ class DecodeGraphs(BucketGraphs):
         inp.begin()
         inp.pad_decode(0, size, self.req_pool.padding_row)
         inp.upload()
-        with forward_context(ForwardContext(self._meta(size), self.kv, self.req_pool.table)):
+        with forward_context(ForwardContext(self._meta(size), self.kv, self.req_pool.table)), \
+                token_slots(inp.lora_slots):
             yield
 
     def step(self, size: int) -> torch.Tensor:

@@ -33,11 +33,11 @@ from compiled.attention.kv_cache import KVPool, ReqToTokenPool
 from compiled.compilation.buckets import decode_buckets, token_buckets
 from compiled.errors import RequestError
 from compiled.graphs.config import ModelConfig
+from compiled.lora.pool import LoRAPool
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.detokenizer import IncrementalDetokenizer, find_stop
 from compiled.runtime.inflight import InFlight, TokenReadback
-from compiled.runtime.model_runner import ModelRunner
-from compiled.runtime.model_runner import StepOutput
+from compiled.runtime.model_runner import ModelRunner, StepOutput
 from compiled.runtime.request import Logprobs, Request
 from compiled.runtime.sampler import Sampler, SamplingBatch, batch_top_logprobs
 from compiled.runtime.sampling_params import SamplingParams
@@ -47,7 +47,7 @@ from compiled.runtime.tokenizer import Tokenizer
 
 class Engine:
     def __init__(self, model: nn.Module, mcfg: ModelConfig, cfg: EngineConfig, num_kv_slots: int,
-                 tokenizer: Tokenizer | None, eos_token_ids: set[int]) -> None:
+                 tokenizer: Tokenizer | None, eos_token_ids: set[int], lora_model: nn.Module | None = None) -> None:
         self.model, self.model_config, self.cfg = model, mcfg, cfg
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
         self._eos_sorted = sorted(eos_token_ids)
@@ -55,7 +55,10 @@ class Engine:
                          cfg.dtype, cfg.device)
         self.req_pool = ReqToTokenPool(cfg.max_num_seqs, cfg.max_model_len, cfg.device)
         self.scheduler = Scheduler(self.kv, self.req_pool, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.runner = ModelRunner(model, cfg, self.kv, self.req_pool)
+        self.runner = ModelRunner(model, cfg, self.kv, self.req_pool, lora_model)
+        self.loras = None if lora_model is None else LoRAPool(lora_model, mcfg, cfg.max_lora_rank, cfg.max_loaded_loras)
+        if self.loras is not None:
+            self.scheduler.admit = self._acquire_adapter
         self.sampler = Sampler()
         # A request can never outgrow the context nor the whole KV cache.
         self.max_context = min(cfg.max_model_len, num_kv_slots)
@@ -66,6 +69,39 @@ class Engine:
         self._finished: list[Request] = []  # finished since the last `step` returned
         self.num_overlapped = 0  # steps launched before the previous step's tokens were read
         self.overlap_schedule = cfg.overlap_schedule  # may be switched between steps
+
+    # ---- adapters ------------------------------------------------------------------------------
+
+    def live_requests(self) -> list[Request]:
+        """The requests added and not finished (queued or running)."""
+        return list(self._live.values())
+
+    def adapters_in_use(self) -> set[str]:
+        """The adapters of the requests that are running or queued."""
+        return {r.lora for r in self._live.values() if r.lora is not None}
+
+    def _acquire_adapter(self, request: Request) -> bool:
+        """Give `request` its adapter's slot, copying the adapter in if needed; False when every
+        slot holds an adapter that a running request uses."""
+        if request.lora is None:
+            request.lora_slot = -1
+            return True
+        running = {r.lora for r in self.scheduler.running if r.lora is not None}
+        slot = self.loras.acquire(request.lora, running)
+        if slot is None:
+            return False
+        request.lora_slot = slot
+        return True
+
+    def _check_adapter(self, index: int, lora: str | None) -> None:
+        if lora is None:
+            return
+        if self.loras is None:
+            raise RequestError(f"prompt {index} asks for adapter {lora!r} but LoRA is off (enable_lora=True or "
+                               "lora_modules turn it on)")
+        if lora not in self.loras:
+            raise RequestError(f"prompt {index} asks for unknown adapter {lora!r} "
+                               f"(loaded: {', '.join(self.loras.adapters) or 'none'})")
 
     def graph_buckets(self) -> list[int]:
         # A bucket is a batch of one-token requests: it must fit both the request and token limits.
@@ -92,8 +128,11 @@ class Engine:
 
     # ---- admission -------------------------------------------------------------------------
 
-    def make_request(self, index: int, prompt: str | list[int], params: SamplingParams) -> Request:
-        """Validate and tokenize one prompt (`index` names it in errors); nothing is queued yet."""
+    def make_request(self, index: int, prompt: str | list[int], params: SamplingParams,
+                     lora: str | None = None) -> Request:
+        """Validate and tokenize one prompt (`index` names it in errors), to run with adapter
+        `lora` (None: the base model); nothing is queued yet."""
+        self._check_adapter(index, lora)
         if not isinstance(params, SamplingParams):
             shown = repr(params).replace("\n", " ")
             shown = shown if len(shown) <= 60 else shown[:57] + "..."
@@ -122,7 +161,8 @@ class Engine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.cfg.device).manual_seed(params.seed)
-        request = Request(id=next(self._ids), prompt=text, prompt_token_ids=ids, params=params, generator=generator)
+        request = Request(id=next(self._ids), prompt=text, prompt_token_ids=ids, params=params, generator=generator,
+                          lora=lora)
         if params.logprobs is not None:
             request.logprobs = []
         if params.prompt_logprobs is not None:

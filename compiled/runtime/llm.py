@@ -16,7 +16,7 @@ from compiled import envs
 from compiled.errors import ConfigError
 from compiled.graphs.config import ModelConfig
 from compiled.runtime.backends import configure_backends
-from compiled.runtime.build import artifact_manifest, build_model
+from compiled.runtime.build import artifact_manifest, build_models
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.engine import Engine
 from compiled.runtime.memory import num_kv_slots
@@ -86,11 +86,14 @@ class LLM:
         tok_path = self.config.tokenizer or self.model_path
         self.tokenizer: Tokenizer | None = load_tokenizer(tok_path) if has_tokenizer(tok_path) else None
         eos_token_ids = self._eos_token_ids()  # before the (slow) build: a bad file fails fast
-        self.model, self.build_report = build_model(self.model_config, self.model_path, self.config)
+        models = build_models(self.model_config, self.model_path, self.config)
+        self.model, self.build_report = models.base, models.report
         start = time.perf_counter()
         self.engine = Engine(self.model, self.model_config, self.config, num_kv_slots(self.model_config, self.config),
-                             self.tokenizer, eos_token_ids)
+                             self.tokenizer, eos_token_ids, models.lora)
         self.build_report.seconds["kv_cache"] = time.perf_counter() - start
+        for name, path in (self.config.lora_modules or {}).items():
+            self.load_lora(name, path)
         if self.config.use_cuda_graphs:
             self.build_report.seconds.update(self.engine.capture_graphs())
         start = time.perf_counter()
@@ -119,8 +122,10 @@ class LLM:
         return ids
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in prompt order."""
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs come back in prompt order.
+        `lora`: the adapter every prompt runs with, or one name (or None: the base model) per prompt."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -129,8 +134,10 @@ class LLM:
             params = [params] * len(prompts)
         elif len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        adapters = _per_prompt(lora, len(prompts))
         # Validate everything before queueing anything.
-        requests = [self.engine.make_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        requests = [self.engine.make_request(i, p, sp, a)
+                    for i, (p, sp, a) in enumerate(zip(prompts, params, adapters))]
         try:
             for request in requests:
                 self.engine.add(request)
@@ -173,3 +180,41 @@ class LLM:
         if self.config.use_cuda_graphs:
             buckets = {"decode": self.engine.graph_buckets(), "piecewise": self.engine.piecewise_buckets()}
         save_artifact(folder, manifest, self.build_report.compiled, buckets)
+
+    # ---- adapters ------------------------------------------------------------------------------
+
+    def load_lora(self, name: str, path: str, pinned: bool = False) -> None:
+        """Load the PEFT adapter at `path` under `name` into the CPU tier; requests name it in
+        `generate(..., lora=)`. A pinned adapter is never evicted from the CPU tier."""
+        if self.engine.loras is None:
+            raise ConfigError("LoRA is off: start the LLM with enable_lora=True (or lora_modules) to load adapters")
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"adapter name {name!r}: expected a non-empty string")
+        from compiled.lora.adapter import load_adapter
+        adapter = load_adapter(name, path, self.model_config, self.config.max_lora_rank)
+        self.engine.loras.add(adapter, pinned, busy=frozenset(self.engine.adapters_in_use()))
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter `name`. Refused while a queued or running request uses it: those
+        requests would otherwise run without it."""
+        if self.engine.loras is None:
+            raise ConfigError("LoRA is off: there is no adapter to unload")
+        users = sum(r.lora == name for r in self.engine.live_requests())
+        if users:
+            raise ConfigError(f"adapter {name!r} is used by {users} queued or running requests: abort or finish "
+                              "them first")
+        self.engine.loras.remove(name)
+
+    @property
+    def loras(self) -> list[str]:
+        """The names of the loaded adapters."""
+        return [] if self.engine.loras is None else list(self.engine.loras.adapters)
+
+
+def _per_prompt(lora: str | Sequence[str | None] | None, n: int) -> list[str | None]:
+    if lora is None or isinstance(lora, str):
+        return [lora] * n
+    lora = list(lora)
+    if len(lora) != n:
+        raise ValueError(f"got {len(lora)} adapter names in lora= for {n} prompts")
+    return lora

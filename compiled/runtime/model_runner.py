@@ -20,6 +20,7 @@ from compiled.attention.context import AttentionMetadata, ForwardContext, forwar
 from compiled.attention.kv_cache import KVPool, ReqToTokenPool
 from compiled.compilation.buckets import smallest_bucket
 from compiled.compilation.piecewise_graphs import PiecewiseGraphs, current_mode, piecewise_mode
+from compiled.linear.lora_slots import token_slots
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.decode_graphs import DecodeGraphs, compute_logits
 from compiled.runtime.scheduler import Batch
@@ -43,12 +44,19 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, cfg: EngineConfig, kv: KVPool, req_pool: ReqToTokenPool) -> None:
+    """Runs `model`, or `lora_model` (the same weights with the adapters' deltas) for a batch in
+    which some request uses an adapter; each has graphs of its own."""
+
+    def __init__(self, model: nn.Module, cfg: EngineConfig, kv: KVPool, req_pool: ReqToTokenPool,
+                 lora_model: nn.Module | None = None) -> None:
         self.model, self.cfg, self.kv, self.req_pool = model, cfg, kv, req_pool
+        self.lora_model = lora_model
         # One request more than the scheduler admits: the padding request of a piecewise bucket.
         self.inputs = StaticInputs(cfg.max_num_batched_tokens, cfg.max_num_seqs + 1, cfg.device)
         self.graphs = None          # DecodeGraphs once captured
         self.piecewise = None       # PiecewiseGraphs once captured
+        self.lora_graphs = None     # the same for lora_model
+        self.lora_piecewise = None
         # Token buckets non-decode batches are padded to (with or without captured graphs).
         self.prefill_buckets: list[int] = []
         self._pool = None           # one CUDA-graph memory pool for every graph
@@ -65,29 +73,41 @@ class ModelRunner:
         return isinstance(self.model, CompiledModel)
 
     def capture_graphs(self, buckets: list[int]) -> float:
-        """Capture the decode CUDA graphs; returns the seconds it took."""
-        graphs = DecodeGraphs(self.model, self.kv, self.req_pool, buckets, self._graph_pool(), self.cfg.device)
-        graphs.capture()
-        self.graphs = graphs
-        return graphs.capture_seconds
+        """Capture the decode CUDA graphs (of both models); returns the seconds it took."""
+        seconds = 0.0
+        for lora in (False, True) if self.lora_model is not None else (False,):
+            graphs = DecodeGraphs(self._model(lora), self.kv, self.req_pool, buckets, self._graph_pool(),
+                                  self.cfg.device)
+            graphs.capture()
+            setattr(self, "lora_graphs" if lora else "graphs", graphs)
+            seconds += graphs.capture_seconds
+        return seconds
 
     def capture_piecewise(self, buckets: list[int]) -> float:
-        """Capture every compiled piece's graph per token bucket; returns the seconds it took."""
-        graphs = PiecewiseGraphs(buckets, self._graph_pool(), [self.inputs.input_ids, self.inputs.positions])
-        graphs.attach(self.model.pieces)
-        self.prefill_buckets = graphs.buckets
-        self.piecewise = graphs  # the capture's forwards write attention into its slab too
-        try:
-            graphs.capture(self._padding_only)
-        except BaseException:
-            self.piecewise = None
-            raise
-        return graphs.capture_seconds
+        """Capture every compiled piece's graph per token bucket (of both models); returns the
+        seconds it took."""
+        seconds = 0.0
+        for lora in (False, True) if self.lora_model is not None else (False,):
+            name = "lora_piecewise" if lora else "piecewise"
+            graphs = PiecewiseGraphs(buckets, self._graph_pool(), [self.inputs.input_ids, self.inputs.positions])
+            graphs.attach(self._model(lora).pieces)
+            self.prefill_buckets = graphs.buckets
+            setattr(self, name, graphs)  # the capture's forwards write attention into its slab too
+            try:
+                graphs.capture(lambda tokens: self._padding_only(tokens, lora))
+            except BaseException:
+                setattr(self, name, None)
+                raise
+            seconds += graphs.capture_seconds
+        return seconds
+
+    def _model(self, lora: bool) -> nn.Module:
+        return self.lora_model if lora else self.model
 
     @torch.inference_mode()
-    def _padding_only(self, tokens: int) -> None:
+    def _padding_only(self, tokens: int, lora: bool) -> None:
         """A batch of nothing but the padding request, `tokens` long (for capture)."""
-        self._run_model(self._stage([], tokens), tokens)
+        self._run_model(self._stage([], tokens), tokens, lora)
 
     def _stage(self, chunks: list, tokens: int, is_decode: bool = False,
                inputs: StaticInputs | None = None) -> AttentionMetadata:
@@ -95,7 +115,7 @@ class ModelRunner:
         and upload it. A decode batch pads with one request per token (its graph has one row per
         request), anything else with one padding request."""
         inp = inputs or self.inputs
-        ids, positions, token_rows, starts = [], [], [], []
+        ids, positions, token_rows, lora_slots, starts = [], [], [], [], []
         rows, seq_lens, ext_lens = [], [], []
         t = 0
         for c in chunks:
@@ -103,6 +123,7 @@ class ModelRunner:
             ids += request.token_ids(c.start, end)
             positions += range(c.start, end)
             token_rows += [request.row] * c.length
+            lora_slots += [request.lora_slot] * c.length
             starts.append(t)
             rows.append(request.row)
             seq_lens.append(end)
@@ -114,6 +135,7 @@ class ModelRunner:
         h["input_ids"][:t] = ids
         h["positions"][:t] = positions
         h["token_rows"][:t] = token_rows
+        h["lora_slots"][:t] = lora_slots
         if chunks:
             h["out_cache_loc"][:t] = np.concatenate([c.slots for c in chunks])
         h["extend_start_loc"][:b] = starts
@@ -134,22 +156,26 @@ class ModelRunner:
             req_pool_indices_cpu=rows, seq_lens_cpu=seq_lens, extend_lens_cpu=ext_lens,
             is_decode=is_decode, extend_start_loc=inp.extend_start_loc[:b])
 
-    def _run_model(self, meta: AttentionMetadata, tokens: int) -> torch.Tensor:
+    def _run_model(self, meta: AttentionMetadata, tokens: int, lora: bool = False) -> torch.Tensor:
         write_request_table(self.req_pool.table, self.inputs, tokens)
-        pw = self.piecewise
+        pw = self.lora_piecewise if lora else self.piecewise
         graphed = pw is not None and tokens in pw.buckets
         ctx = ForwardContext(meta=meta, kv=self.kv, req_to_token=self.req_pool.table,
                              attention_out=pw.attention_out if graphed else None)
         replay = graphed and current_mode() is None  # else PiecewiseGraphs.capture is running this forward
         if replay:
             pw.replays += 1
-        with forward_context(ctx), piecewise_mode(tokens) if replay else contextlib.nullcontext():
-            return self.model(self.inputs.input_ids[:tokens], self.inputs.positions[:tokens])
+        with forward_context(ctx), token_slots(self.inputs.lora_slots), \
+                piecewise_mode(tokens) if replay else contextlib.nullcontext():
+            return self._model(lora)(self.inputs.input_ids[:tokens], self.inputs.positions[:tokens])
 
-    def _decode_bucket(self, batch: Batch) -> int | None:
-        if self.graphs is None or not batch.is_decode:
+    def _uses_lora(self, batch: Batch) -> bool:
+        return self.lora_model is not None and any(c.request.lora_slot >= 0 for c in batch.chunks)
+
+    def _decode_bucket(self, batch: Batch, graphs: DecodeGraphs | None) -> int | None:
+        if graphs is None or not batch.is_decode:
             return None
-        return self.graphs.bucket_for(len(batch.chunks))
+        return graphs.bucket_for(len(batch.chunks))
 
     def _prefill_bucket(self, tokens: int) -> int:
         """Padded size of a non-decode batch: its bucket, or itself past the largest."""
@@ -161,16 +187,18 @@ class ModelRunner:
         the input ids of a one-token-per-request batch, on the device (overlap scheduling; the
         host does not know them yet)."""
         t = batch.num_tokens
-        bucket = self._decode_bucket(batch)
+        lora = self._uses_lora(batch)
+        graphs = self.lora_graphs if lora else self.graphs
+        bucket = self._decode_bucket(batch, graphs)
         if bucket is not None:   # the graphs read their own small buffer: a short upload
-            self._stage(batch.chunks, bucket, is_decode=True, inputs=self.graphs.inputs)
-            self._feed(feed, t, self.graphs.inputs)
-            hidden, logits, argmax = self.graphs.replay(bucket)
+            self._stage(batch.chunks, bucket, is_decode=True, inputs=graphs.inputs)
+            self._feed(feed, t, graphs.inputs)
+            hidden, logits, argmax = graphs.replay(bucket)
             return StepOutput(hidden[:t], _rows(logits, t, sample_rows), _rows(argmax, t, sample_rows))
         tokens = self._prefill_bucket(t)
         meta = self._stage(batch.chunks, tokens, is_decode=batch.is_decode and tokens == t)
         self._feed(feed, t, self.inputs)
-        hidden = self._run_model(meta, tokens)[:t]
+        hidden = self._run_model(meta, tokens, lora)[:t]
         rows = _rows(hidden, t, sample_rows)
         return StepOutput(hidden, None if rows is None else self.logits(rows))
 

@@ -34,6 +34,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0               # tokens whose K/V are in the cache
     row: int | None = None              # row of the request->token table while admitted
+    lora: str | None = None             # the adapter it runs with (None: the base model)
+    lora_slot: int = -1                 # that adapter's GPU slot while admitted
     slots: list = field(default_factory=list)  # numpy arrays of the KV slots owned, freed on finish
     text: str = ""
     finish_reason: str | None = None

@@ -7,6 +7,7 @@ everything. When KV slots run out, the newest running request is retracted and r
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +47,9 @@ class Scheduler:
         self.kv, self.req_pool = kv, req_pool
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Request] = deque()
+        # Whether the head of the queue may be admitted now, besides KV and rows (the engine's
+        # adapter slots); it may prepare the request for running when it says yes.
+        self.admit: Callable[[Request], bool] = lambda request: True
         self.running: list[Request] = []
         self.num_retractions = 0
 
@@ -74,6 +78,8 @@ class Scheduler:
             n = min(request.num_tokens, budget)
             # Keep one free slot per running request so the next decode step does not retract.
             if self.kv.num_free - n < len(self.running) or self.req_pool.num_free == 0:
+                break
+            if not self.admit(request):  # e.g. its adapter has no free slot: FCFS, later ones wait too
                 break
             self.waiting.popleft()
             request.row = self.req_pool.alloc()
@@ -111,7 +117,7 @@ class Scheduler:
         if request.row is not None:
             self.req_pool.free(request.row)
             request.row = None
-        self.running.remove(request)
+        _discard(self.running, request)
 
     def retract(self, request: Request) -> None:
         """Give back the request's KV; it recomputes its tokens when readmitted."""
@@ -147,17 +153,7 @@ class Scheduler:
         """Forget `request` wherever it is: dropped from the waiting queue, or from the running
         batch with its KV slots and row returned to the pools."""
         _discard(self.waiting, request)
-        _discard(self.running, request)
-        self._free(request)
-
-    def _free(self, request: Request) -> None:
-        if request.slots:
-            self.kv.free(np.concatenate(request.slots))
-            request.slots = []
-        if request.row is not None:
-            self.req_pool.free(request.row)
-            request.row = None
-        request.num_computed = 0
+        self._release(request)
 
 
 def _discard(queue: deque[Request] | list[Request], request: Request) -> None:

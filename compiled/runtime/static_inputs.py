@@ -10,7 +10,8 @@ import torch
 from compiled.attention.kv_cache import PADDING_SLOT
 
 # One entry per token / per request of the step, in this order in the packed buffers.
-TOKEN_FIELDS = ("input_ids", "positions", "out_cache_loc", "token_rows")
+# lora_slots: each token's adapter slot (-1: none), read by the LoRA graph's deltas.
+TOKEN_FIELDS = ("input_ids", "positions", "out_cache_loc", "token_rows", "lora_slots")
 SEQ_FIELDS = ("req_pool_indices", "seq_lens", "extend_lens", "extend_start_loc")
 
 
@@ -69,6 +70,7 @@ class StaticInputs:
         h["positions"][start:end] = 0
         h["out_cache_loc"][start:end] = PADDING_SLOT
         h["token_rows"][start:end] = padding_row
+        h["lora_slots"][start:end] = -1
 
 
 def write_request_table(table: torch.Tensor, inputs: StaticInputs, tokens: int) -> None:

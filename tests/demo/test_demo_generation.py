@@ -70,7 +70,7 @@ def test_batch_equals_under_pressure(demo, batched):
     path, _ = demo
     longest = max(len(o.prompt_token_ids) + len(o.token_ids) for o in batched)
     tight = LLM(path, device="cpu", dtype="float32", max_num_seqs=3, max_num_batched_tokens=16,
-                kv_cache_tokens=longest + 24)
+                kv_cache_tokens=longest + 24, max_model_len=longest + 24)
     outs = tight.generate(EXAMPLE_PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in batched]
     assert tight.engine.scheduler.num_retractions > 0

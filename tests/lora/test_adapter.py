@@ -498,6 +498,21 @@ def test_rank_above_max_and_wrong_base(bases, good_dense):
     assert "self_attn" in msg and "expected [8, 128]" in msg
 
 
+def test_fan_in_fan_out_on_linear_modules_is_ignored_as_peft_does(bases, good_dense, tmp_path):
+    """PEFT resets fan_in_fan_out to False for nn.Linear targets (the weights keep the usual
+    layout), so such an adapter loads the same; with target_parameters both refuse it."""
+    path = str(tmp_path / "f")
+    shutil.copytree(good_dense, path)
+    config = dict(_config(path), fan_in_fan_out=True)
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    cfg = _cfg(bases["dense"])
+    adapter = load_adapter("f", path, cfg, 8)
+    assert_same_weights(adapter, load_adapter("g", good_dense, cfg, 8))
+    ids = _ids(6)
+    _close(merged_logits(bases["dense"], adapter, ids), peft_logits(bases["dense"], path, ids))
+
+
 def _raw_config(base: str) -> dict:
     with open(os.path.join(base, "config.json")) as f:
         return json.load(f)

@@ -96,7 +96,7 @@ def test_stop_token_drops_the_token_computed_ahead(engines):
 def test_under_pressure_equals_synchronous():
     """Queueing (more prompts than max_num_seqs), chunked prefill and retraction: steps that
     admit or retract run synchronously, the rest overlap; the tokens are the same."""
-    kw = dict(max_num_seqs=3, max_num_batched_tokens=16, kv_cache_tokens=100)
+    kw = dict(max_num_seqs=3, max_num_batched_tokens=16, kv_cache_tokens=100, max_model_len=100)
     params = SamplingParams(max_new_tokens=48, temperature=0.0)
     on, off = _llm(True, **kw), _llm(False, **kw)
     overlapped = on.generate(EXAMPLE_PROMPTS, params)

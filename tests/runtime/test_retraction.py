@@ -5,7 +5,7 @@ position."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
 
 import pytest
 
@@ -73,23 +73,31 @@ def _mid_prompt(seen: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
 
 
 def test_kv_pressure_retracts_and_results_equal_alone(alone, monkeypatch):
-    llm = _llm(kv_cache_tokens=56, **TIGHT)
+    llm = _llm(kv_cache_tokens=56, max_model_len=56, **TIGHT)
     seen = _record_retractions(llm.engine.scheduler, monkeypatch)
     _same_as_alone(llm.generate(PROMPTS, _params()), alone)
     assert seen, "the small KV cache retracted nothing"
     assert llm.engine.kv.num_used == 0
 
 
-def _retract_every(scheduler: Scheduler, period: int, limit: int, pick: Callable[[int], int]) -> None:
-    """Before every `period`-th scheduling, retract running request `pick(k)` (mod the running
-    count), `limit` times in all: retractions at points KV pressure alone may not reach."""
-    schedule, calls, done = scheduler.schedule, [0], [0]
+def _retract_every(scheduler: Scheduler, period: int, limit: int) -> None:
+    """Before every `period`-th scheduling, retract a running request, `limit` times in all:
+    alternately one part-way through its prompt and one decoding, the least retracted of its
+    kind first. These are points KV pressure alone may not reach."""
+    schedule, calls, times = scheduler.schedule, [0], Counter()
+
+    def mid_prompt(r: Request) -> bool:
+        return 0 < r.num_computed < len(r.prompt_token_ids)
 
     def retracting_schedule() -> Batch | None:
         calls[0] += 1
-        if calls[0] % period == 0 and done[0] < limit and scheduler.running:
-            scheduler.retract(scheduler.running[pick(done[0]) % len(scheduler.running)])
-            done[0] += 1
+        if calls[0] % period == 0 and sum(times.values()) < limit:
+            kind = mid_prompt if sum(times.values()) % 2 == 0 else (lambda r: bool(r.output_token_ids))
+            candidates = [r for r in scheduler.running if kind(r)]
+            if candidates:
+                victim = min(candidates, key=lambda r: times[r.id])
+                times[victim.id] += 1
+                scheduler.retract(victim)
         return schedule()
     scheduler.schedule = retracting_schedule
 
@@ -99,7 +107,7 @@ def test_forced_retractions_mid_prompt_and_mid_decode_equal_alone(overlap, alone
     llm = _llm(overlap_schedule=overlap, **TIGHT)
     scheduler = llm.engine.scheduler
     seen = _record_retractions(scheduler, monkeypatch)
-    _retract_every(scheduler, period=2, limit=12, pick=lambda k: 3 * k + 1)
+    _retract_every(scheduler, period=2, limit=10)
     _same_as_alone(llm.generate(PROMPTS, _params()), alone)
     mid_prompt = _mid_prompt(seen)
     assert mid_prompt, f"no retraction part-way through a prompt: {seen}"

@@ -1,0 +1,163 @@
+"""The adapters an engine serves: a CPU tier of loaded adapters and the GPU slots a batch reads.
+
+The `lora_delta` pass gives every LoRA-targetable projection buffers of `S` slots (ranks
+zero-padded to the pool's `R`); a slot holds one adapter for every projection at once. An
+adapter in the CPU tier is copied into a slot when a request that uses it is admitted; slots of
+adapters that no running request uses are reused, least recently used first. The CPU tier holds
+up to `max_loaded` adapters (None: no limit): loading one more evicts the least recently used
+adapter that is neither pinned nor in a slot in use."""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from compiled.graphs.config import ModelConfig
+from compiled.lora.weights import Adapter, LoRAError
+from compiled.passes.lora_delta import dense_target, projection_width
+
+_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp$")
+
+
+@dataclass
+class DenseTarget:
+    layer: int
+    projs: tuple[str, ...]
+    widths: list[int]      # output width of each projection (slice)
+    a: torch.Tensor        # [S, N*R, in]
+    b: torch.Tensor        # [S, out, R]
+    scale: torch.Tensor    # [S, N]
+
+
+@dataclass
+class ExpertTarget:
+    layer: int
+    a13: torch.Tensor      # [S, E, 2R, H]: gate's A rows, then up's
+    b13: torch.Tensor      # [S, E, 2I, R]: gate's B rows, then up's
+    a2: torch.Tensor       # [S, E, R, I]
+    b2: torch.Tensor       # [S, E, H, R]
+    scale: torch.Tensor    # [S, 3]: gate, up, down
+
+
+def find_targets(model: nn.Module, cfg: ModelConfig) -> tuple[list[DenseTarget], list[ExpertTarget]]:
+    """The LoRA buffers the `lora_delta` pass registered on `model`'s modules."""
+    dense, experts = [], []
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_a") and (target := dense_target(name)) is not None:
+            layer, projs = target
+            widths = [projection_width(cfg, p) for p in projs]
+            dense.append(DenseTarget(layer, projs, widths, module.lora_a, module.lora_b, module.lora_scale))
+        elif hasattr(module, "lora_a13") and (m := _EXPERTS.match(name)) is not None:
+            experts.append(ExpertTarget(int(m.group(1)), module.lora_a13, module.lora_b13, module.lora_a2,
+                                        module.lora_b2, module.lora_scale))
+    return dense, experts
+
+
+class LoRAPool:
+    def __init__(self, model: nn.Module, cfg: ModelConfig, max_rank: int, max_loaded: int | None) -> None:
+        self.dense, self.experts = find_targets(model, cfg)
+        if not self.dense and not self.experts:
+            raise LoRAError("the model has no LoRA buffers: build it with the lora_delta pass")
+        first = self.dense[0].a if self.dense else self.experts[0].a13
+        self.num_slots, self.max_rank, self.max_loaded = first.shape[0], max_rank, max_loaded
+        for buffers in self._buffers():
+            buffers.zero_()
+        self.adapters: OrderedDict[str, Adapter] = OrderedDict()   # least recently used first
+        self.pinned: set[str] = set()
+        self.slot_of: dict[str, int] = {}
+        self.in_slot: list[str | None] = [None] * self.num_slots
+        self.slot_order: list[int] = list(range(self.num_slots))    # least recently used first
+
+    def _buffers(self):
+        for t in self.dense:
+            yield from (t.a, t.b, t.scale)
+        for t in self.experts:
+            yield from (t.a13, t.b13, t.a2, t.b2, t.scale)
+
+    # ---- the CPU tier ------------------------------------------------------------------------
+
+    def add(self, adapter: Adapter, pinned: bool = False, busy: frozenset[str] = frozenset()) -> None:
+        """Keep `adapter` in the CPU tier; `busy`: names that running or queued requests use."""
+        if adapter.name in self.adapters:
+            raise LoRAError(f"adapter {adapter.name!r} is already loaded (unload it first)")
+        if adapter.rank > self.max_rank:
+            raise LoRAError(f"adapter {adapter.name!r} ({adapter.path}): rank {adapter.rank} exceeds "
+                            f"max_lora_rank={self.max_rank}")
+        if self.max_loaded is not None and len(self.adapters) >= self.max_loaded:
+            self._evict_one(busy)
+        self.adapters[adapter.name] = adapter
+        if pinned:
+            self.pinned.add(adapter.name)
+
+    def _evict_one(self, busy: frozenset[str]) -> None:
+        for name in self.adapters:
+            if name not in self.pinned and name not in busy:
+                self.remove(name)
+                return
+        raise LoRAError(f"cannot load another adapter: max_loaded_loras={self.max_loaded} are loaded and each "
+                        "is pinned or in use")
+
+    def remove(self, name: str) -> None:
+        if name not in self.adapters:
+            raise LoRAError(f"adapter {name!r} is not loaded (loaded: {', '.join(self.adapters) or 'none'})")
+        del self.adapters[name]
+        self.pinned.discard(name)
+        slot = self.slot_of.pop(name, None)
+        if slot is not None:
+            self.in_slot[slot] = None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.adapters
+
+    # ---- the GPU slots -----------------------------------------------------------------------
+
+    def acquire(self, name: str, in_use: set[str]) -> int | None:
+        """The slot holding adapter `name`, copying it into one first if needed; None when every
+        slot holds an adapter of `in_use` (the names running requests use)."""
+        self.adapters.move_to_end(name)
+        slot = self.slot_of.get(name)
+        if slot is None:
+            slot = next((s for s in self.slot_order if self.in_slot[s] not in in_use), None)
+            if slot is None:
+                return None
+            if self.in_slot[slot] is not None:
+                del self.slot_of[self.in_slot[slot]]
+            self._write(slot, self.adapters[name])
+            self.in_slot[slot], self.slot_of[name] = name, slot
+        self.slot_order.remove(slot)
+        self.slot_order.append(slot)
+        return slot
+
+    @torch.no_grad()
+    def _write(self, slot: int, adapter: Adapter) -> None:
+        for t in self.dense:
+            t.a[slot].zero_(), t.b[slot].zero_(), t.scale[slot].zero_()
+            R, row = t.a.shape[1] // len(t.projs), 0
+            for i, (proj, width) in enumerate(zip(t.projs, t.widths)):
+                w = adapter.dense.get((t.layer, proj))
+                if w is not None:
+                    r = w.a.shape[0]
+                    t.a[slot, i * R:i * R + r].copy_(w.a)
+                    t.b[slot, row:row + width, :r].copy_(w.b)
+                    t.scale[slot, i] = w.scaling
+                row += width
+        for t in self.experts:
+            t.a13[slot].zero_(), t.b13[slot].zero_(), t.a2[slot].zero_(), t.b2[slot].zero_(), t.scale[slot].zero_()
+            R, I = t.a2.shape[2], t.a2.shape[3]
+            for i, proj in enumerate(("gate_proj", "up_proj")):
+                w = adapter.experts.get((t.layer, proj))
+                if w is not None:
+                    r = w.a.shape[1]
+                    t.a13[slot, :, i * R:i * R + r].copy_(w.a)
+                    t.b13[slot, :, i * I:(i + 1) * I, :r].copy_(w.b)
+                    t.scale[slot, i] = w.scaling
+            w = adapter.experts.get((t.layer, "down_proj"))
+            if w is not None:
+                r = w.a.shape[1]
+                t.a2[slot, :, :r].copy_(w.a)
+                t.b2[slot, :, :, :r].copy_(w.b)
+                t.scale[slot, 2] = w.scaling
