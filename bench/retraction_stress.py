@@ -3,7 +3,8 @@ the scheduler's retractions (recomputation of a retracted request's tokens) cost
 
 The workload (fixed by `--seed`, default 0): `--num-requests` (default 1,000) requests of random
 token ids, all queued at once, greedy with EOS ignored so every request runs to its length:
-  - prompt: 75% short, uniform in [4, 16] tokens; 25% long, uniform in [40, 100] tokens;
+  - prompt: 85% short, uniform in [4, 16] tokens; 15% long, uniform in [64, 192] tokens (one to
+    four chunks of the 48-token step budget);
   - max_new_tokens: uniform in [1, 16].
 A `random.Random(seed)` draws, per request in order, the kind (short/long), the prompt length, the
 output length, then the prompt's ids (uniform over the vocabulary). Engine (the demo MoE model by
@@ -35,7 +36,7 @@ ENGINE = dict(device="cpu", dtype="float32", kv_cache_tokens=320, max_model_len=
 
 
 def stress_workload(n: int, vocab: int, seed: int = 0, short: tuple[int, int] = (4, 16),
-                    long: tuple[int, int] = (40, 100), long_fraction: float = 0.25,
+                    long: tuple[int, int] = (64, 192), long_fraction: float = 0.15,
                     output: tuple[int, int] = (1, 16)) -> list[tuple[list[int], int]]:
     """`n` (prompt token ids, max_new_tokens) pairs, as the module docstring describes."""
     rng = random.Random(seed)

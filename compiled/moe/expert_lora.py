@@ -41,6 +41,7 @@ from compiled.moe.fused_moe import BACKEND, MoEWorkspace, get_config, moe_align_
 from compiled.triton_utils import interpreting, launch_kwargs
 
 OP = "compiled::fused_moe_lora"
+DELTA_K_STEP = 128  # the GEMMs' delta dots: slots x rank stacked along K, this many a dot
 
 
 def backend(x: torch.Tensor) -> str:
@@ -194,6 +195,8 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     flags = _dot_flags(x.dtype)
     shrink_flags = dict(PRECISION=flags["PRECISION"], DOT_FP32=flags["DOT_FP32"])
     block_r = max(16, triton.next_power_of_2(R))
+    slots_pad = triton.next_power_of_2(max(S, 1))
+    delta = dict(BLOCK_R=block_r, SLOTS_PAD=slots_pad, KC=min(DELTA_K_STEP, slots_pad * block_r))
     pdl = launch_kwargs(x.device)
     common = (blocks.sorted_ids, blocks.expert_ids, blocks.num_post, numel)
 
@@ -210,7 +213,8 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     LK.moe_lora_gemm1_kernel[(n_blocks * triton.cdiv(I, up["BLOCK_SIZE_N"]),)](
         x, w13, inter, s13, b13, scale, slot, *common, I, H, S if R else 0, R, x.stride(0), w13.stride(0),
         w13.stride(1), inter.stride(0), s13.stride(0), b13.stride(0), b13.stride(1), b13.stride(2),
-        TOP_K=top_k, **flags, BLOCK_M=bm, BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"], BLOCK_R=block_r,
+        TOP_K=top_k, **flags, BLOCK_M=bm, BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"],
+        **delta,
         GROUP_M=up["GROUP_SIZE_M"], EVEN_K=H % up["BLOCK_SIZE_K"] == 0, num_warps=up["num_warps"],
         num_stages=up["num_stages"], **pdl)
     if S and R:
@@ -219,7 +223,7 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         inter, w2, y, weights, s2, b2, scale, slot, *common, H, I, S if R else 0, R, inter.stride(0), w2.stride(0),
         w2.stride(1), y.stride(0), s2.stride(0), b2.stride(0), b2.stride(1), b2.stride(2),
         TOP_K=top_k, **flags, BLOCK_M=bm, BLOCK_N=down["BLOCK_SIZE_N"], BLOCK_K=down["BLOCK_SIZE_K"],
-        BLOCK_R=block_r, GROUP_M=down["GROUP_SIZE_M"], EVEN_K=I % down["BLOCK_SIZE_K"] == 0,
+        **delta, GROUP_M=down["GROUP_SIZE_M"], EVEN_K=I % down["BLOCK_SIZE_K"] == 0,
         num_warps=down["num_warps"], num_stages=down["num_stages"], **pdl)
     if top_k > 1:
         bh = min(1024, triton.next_power_of_2(H))

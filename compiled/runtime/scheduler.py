@@ -2,7 +2,9 @@
 
 Every request is "all its tokens minus those already in the KV cache": a decoding request needs
 one, a prefilling one needs the rest of its prompt (in chunks), a retracted one recomputes
-everything. When KV slots run out, the newest running request is retracted and resumes later."""
+everything. Retraction (see `_victim`): a prefilling request never retracts another, it takes the
+free slots or waits; only a decoding request without a slot retracts, and it retracts the running
+request whose recomputation costs least. A retracted request resumes once all its tokens fit."""
 
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ class Scheduler:
         self.admit: Callable[[Request], bool] = lambda request: True
         self.running: list[Request] = []
         self.num_retractions = 0
+        self._retracted: set[int] = set()   # ids of waiting requests that were retracted
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -62,30 +65,38 @@ class Scheduler:
 
     def schedule(self) -> Batch | None:
         budget = self.max_num_batched_tokens
+        self._retract_for_decode(budget)
         chunks: list[Chunk] = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed, budget)
-            slots = self._alloc_or_retract(request, n)
+            slots = self._alloc_or_retract(i, n)
             if slots is None:
-                break  # `request` itself was retracted: it was the newest
-            chunks.append(self._chunk(request, n, slots))
-            budget -= n
+                if i < len(self.running) and self.running[i] is request:
+                    i += 1  # a prefill waiting for free slots, keeping its KV
+                continue    # else `request` itself was retracted
+            chunks.append(self._chunk(request, len(slots), slots))
+            budget -= len(slots)
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             n = min(request.num_tokens, budget)
-            # Keep one free slot per running request so the next decode step does not retract.
-            if self.kv.num_free - n < len(self.running) or self.req_pool.num_free == 0:
+            if not self._fits(request, n) or self.req_pool.num_free == 0:
                 break
             if not self.admit(request):  # e.g. its adapter has no free slot: FCFS, later ones wait too
                 break
             self.waiting.popleft()
+            self._retracted.discard(request.id)
             request.row = self.req_pool.alloc()
             self.running.append(request)
             chunks.append(self._chunk(request, n, self.kv.alloc(n)))
             budget -= n
+        if not chunks and self.running:
+            # Every running request is a prefill waiting for slots the others hold: the cheapest
+            # gives way, and the rest go on.
+            self.retract(self._victim(self.running))
+            return self.schedule()
         return Batch(chunks) if chunks else None
 
     def schedule_decode(self) -> Batch | None:
@@ -96,13 +107,58 @@ class Scheduler:
             return None
         return Batch([self._chunk(r, 1, self.kv.alloc(1)) for r in self.running])
 
-    def _alloc_or_retract(self, request: Request, n: int) -> np.ndarray | None:
+    # ---- retraction: when, and whom --------------------------------------------------------
+
+    @staticmethod
+    def _decoding(request: Request) -> bool:
+        """It needs one token computed to sample its next: it cannot progress in smaller pieces."""
+        return request.num_tokens - request.num_computed == 1
+
+    def _victim(self, candidates: list[Request]) -> Request:
+        """The request to retract: the one whose recomputation costs least, i.e. with the fewest
+        tokens in the KV cache (the newest among equals). A request still prefilling, or one
+        admitted a few steps ago, goes before one that has decoded long; the newest-first rule
+        of vLLM retracted long prompts mid-prefill over and over. SGLang retracts the one with
+        the fewest output tokens (the longest prompt among equals), which recomputes more here."""
+        return min(reversed(candidates), key=lambda r: r.num_computed)
+
+    def _retract_for_decode(self, budget: int) -> None:
+        """Before the step is built: while the KV cache cannot give each decoding request that
+        runs this step (at most `budget` of them) its one slot, retract the cheapest victim among
+        all running requests. This is the only retraction a step makes besides the deadlock one
+        in `schedule` (every running request a prefill waiting for slots)."""
+        while True:
+            need = min(budget, sum(1 for r in self.running if self._decoding(r)))
+            if self.kv.num_free >= need or not self.running:
+                return
+            self.retract(self._victim(self.running))
+
+    def _alloc_or_retract(self, i: int, n: int) -> np.ndarray | None:
+        """Slots for up to `n` tokens of `running[i]`. A prefill never retracts: it takes what is
+        free beyond one slot for each decoding request after it, possibly nothing (None; it keeps
+        its KV and waits). A decoding request was given room by `_retract_for_decode`; should it
+        still lack its slot, the cheapest of it and the requests after it is retracted (None when
+        that is itself)."""
+        request = self.running[i]
+        if not self._decoding(request):
+            n = min(n, self.kv.num_free - sum(1 for r in self.running[i + 1:] if self._decoding(r)))
+            return self.kv.alloc(n) if n > 0 else None
         while (slots := self.kv.alloc(n)) is None:
-            victim = self.running[-1]
+            victim = self._victim(self.running[i:])
             self.retract(victim)
             if victim is request:
                 return None
         return slots
+
+    def _fits(self, request: Request, n: int) -> bool:
+        """Whether the head of the queue may start with `n` tokens, keeping one free slot per
+        running request so the next decode step does not retract. A retracted request comes
+        back only when all its tokens fit beside what the running requests still need, so that
+        its recomputation is not retracted in turn (a retract-readmit loop otherwise)."""
+        free = self.kv.num_free - len(self.running)
+        if request.id in self._retracted:
+            return free - sum(r.num_tokens - r.num_computed for r in self.running) >= request.num_tokens
+        return free >= n
 
     def _chunk(self, request: Request, n: int, slots: np.ndarray) -> Chunk:
         chunk = Chunk(request, request.num_computed, n, slots)
@@ -124,6 +180,7 @@ class Scheduler:
         self._release(request)
         request.num_computed = 0
         self.waiting.appendleft(request)
+        self._retracted.add(request.id)
         self.num_retractions += 1
 
     def finish(self, request: Request) -> None:
