@@ -27,6 +27,9 @@ ENGINE_OPTIONS: dict[str, tuple[object, str, tuple[str, ...]]] = {
     "artifact": (Optional[str], "Load compiled pieces from this `compiled export` folder.", ()),
     "recompile_on_mismatch": (bool, "Recompile instead of failing on a mismatched artifact.",
                               ("--recompile-on-mismatch",)),
+    "max_lora_rank": (int, "Largest adapter rank the LoRA slots hold.", ()),
+    "max_loras_per_batch": (int, "Adapters one step may use (GPU slots).", ()),
+    "max_loaded_loras": (Optional[int], "Adapters kept in the CPU tier (default: no limit).", ()),
     "overlap_schedule": (bool, "Launch each decode step before the previous one's tokens are read back.",
                          ("--overlap-schedule/--no-overlap-schedule",)),
 }

@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from cli.engine_options import DEFAULTS
 from cli.errors import fail_cleanly
 
 
@@ -22,6 +23,8 @@ def graph(
     passes: Optional[str] = typer.Option(None, help="Comma-separated pass list, 'none' for none; default: all."),
     dump: Optional[Path] = typer.Option(None, help="Write the graph's Python code before and after each pass here."),
     dtype: str = typer.Option("bfloat16", help="Parameter dtype, for the byte counts."),
+    lora: Optional[str] = typer.Option(None, "--lora", help="A PEFT adapter folder: run the graph with the "
+                                       "lora_delta pass and show what the adapter targets."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     with fail_cleanly(debug):
@@ -45,6 +48,12 @@ def graph(
 
         meta = meta_model(cfg, resolve_dtype(dtype, None))
         gm = trace(meta)
+        if lora is not None:
+            from compiled.lora.adapter import load_adapter
+            from compiled.passes.lora_delta import lora_delta_pass
+            from compiled.passes.manager import with_lora
+            adapter = load_adapter(os.path.basename(os.path.normpath(lora)), lora, cfg, DEFAULTS.max_lora_rank)
+            names = with_lora(names, lora_delta_pass(DEFAULTS.max_loras_per_batch, DEFAULTS.max_lora_rank))
         result = run_passes(gm, meta.checkpoint_map(), names, on_pass=on_pass)
         console = Console()
         table = Table(title=f"passes over {os.path.basename(os.path.normpath(path))} "
@@ -56,6 +65,8 @@ def graph(
                           f"+{len(r.params_created)} / -{len(r.params_removed)}",
                           f"+{_mb(r.bytes_created)} / -{_mb(r.bytes_removed)}", f"{1e3 * r.seconds:.0f}")
         console.print(table)
+        if lora is not None:
+            console.print(f"  [dim]{adapter!r}[/dim]", highlight=False)
         fused = [t for t in result.weights.pieces if len(result.weights.pieces[t]) > 1]
         layer0 = [t for t in fused if ".layers.0." in t] or fused[:3]
         for target in layer0:

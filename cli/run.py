@@ -23,13 +23,31 @@ from cli.prompts import read_jsonl_prompts
 err = Console(stderr=True)
 
 
-def read_prompts_file(path: Path) -> list[str | list[int]]:
-    prompts = [prompt for _, prompt, _ in read_jsonl_prompts(path)]
+def read_prompts_file(path: Path) -> list[tuple[str | list[int], dict]]:
+    """(prompt, the line's fields) per line."""
+    prompts = [(prompt, fields) for _, prompt, fields in read_jsonl_prompts(path)]
     if not prompts:
         # An empty file is a mistake (a wrong path, a failed export), not a request for the demo prompts.
         raise ValueError(f"{path}: no prompts in the file (expected one JSON string, list of token ids, "
                          "or object with 'prompt' or 'prompt_token_ids' per line)")
     return prompts
+
+
+def lora_modules(specs: list[str], model: str | None) -> dict[str, str]:
+    """`--lora` values as name -> folder: NAME=PATH, or a demo adapter's NAME with the demo model."""
+    from compiled.demo import MOE_ADAPTERS
+    modules = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep:
+            if model is not None or name not in MOE_ADAPTERS:
+                raise ValueError(f"--lora {spec!r}: expected NAME=PATH (a name alone only for the demo model's "
+                                 f"adapters: {', '.join(MOE_ADAPTERS)})")
+            path = MOE_ADAPTERS[name]
+        if not name or not path:
+            raise ValueError(f"--lora {spec!r}: expected NAME=PATH")
+        modules[name] = path
+    return modules
 
 
 def run(
@@ -50,6 +68,13 @@ def run(
     logprobs: Optional[int] = typer.Option(SAMPLING.logprobs,
                                            help="Return this many top logprobs per token (JSON output)."),
     chat: bool = typer.Option(False, "--chat", help="Wrap each prompt in the model's chat template."),
+    lora: list[str] = typer.Option([], "--lora", help="Load adapter NAME=PATH (a PEFT folder; repeatable); with "
+                                   "the demo model, a shipped adapter by NAME alone (upper, first)."),
+    adapter: Optional[str] = typer.Option(None, "--adapter", help="The adapter the --prompt prompts run with "
+                                          "(a prompts-file line names its own with \"lora\")."),
+    max_lora_rank: int = engine_option("max_lora_rank"),
+    max_loras_per_batch: int = engine_option("max_loras_per_batch"),
+    max_loaded_loras: Optional[int] = engine_option("max_loaded_loras"),
     device: Optional[str] = engine_option("device"),
     dtype: Optional[str] = engine_option("dtype"),
     load_format: str = engine_option("load_format"),
@@ -64,13 +89,17 @@ def run(
     with fail_cleanly(debug):
 
         prompts: list[str | list[int]] = list(prompt)
+        adapters: list[str | None] = [adapter] * len(prompts)
         if prompts_file is not None:
-            prompts += read_prompts_file(prompts_file)
+            for text, fields in read_prompts_file(prompts_file):
+                prompts.append(text)
+                adapters.append(fields.get("lora"))
         if not prompts:
             if model is not None:
                 raise ValueError("no prompts: pass --prompt TEXT or --prompts-file FILE.jsonl")
             from compiled.demo import EXAMPLE_PROMPTS
             prompts = list(EXAMPLE_PROMPTS[:4])
+            adapters = [adapter] * len(prompts)
         params = SamplingParams(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
@@ -80,10 +109,12 @@ def run(
         config = engine_config(dict(model=model, device=device, dtype=dtype, load_format=load_format,
                                     max_model_len=max_model_len, enforce_eager=enforce_eager,
                                     overlap_schedule=overlap_schedule, artifact=artifact,
-                                    recompile_on_mismatch=recompile_on_mismatch))
+                                    recompile_on_mismatch=recompile_on_mismatch, max_lora_rank=max_lora_rank,
+                                    max_loras_per_batch=max_loras_per_batch, max_loaded_loras=max_loaded_loras,
+                                    lora_modules=lora_modules(lora, model) or None))
         llm = build_llm(config)
         loaded = time.perf_counter()
-        outs = llm.chat(prompts, params) if chat else llm.generate(prompts, params)
+        outs = llm.chat(prompts, params, adapters) if chat else llm.generate(prompts, params, adapters)
         done = time.perf_counter()
         for p, out in zip(prompts, outs):
             if as_json:

@@ -157,12 +157,13 @@ class LLM:
                 pending.discard(request.id)
 
     def chat(self, messages: str | Sequence[str],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
         """Like `generate`, with each prompt wrapped as one user turn by the chat template."""
         if self.tokenizer is None:
             raise ConfigError(f"{self.model_path}: no tokenizer, so no chat template")
         messages = [messages] if isinstance(messages, str) else list(messages)
-        return self.generate([self.tokenizer.apply_chat_template(m) for m in messages], sampling_params)
+        return self.generate([self.tokenizer.apply_chat_template(m) for m in messages], sampling_params, lora)
 
     @property
     def startup_seconds(self) -> dict[str, float]:
@@ -191,7 +192,12 @@ class LLM:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"adapter name {name!r}: expected a non-empty string")
         from compiled.lora.adapter import load_adapter
-        adapter = load_adapter(name, path, self.model_config, self.config.max_lora_rank)
+        self.add_lora(load_adapter(name, path, self.model_config, self.config.max_lora_rank), pinned)
+
+    def add_lora(self, adapter, pinned: bool = False) -> None:
+        """Serve an adapter already in memory (`compiled.lora.Adapter`, e.g. `lora.random_adapter`)."""
+        if self.engine.loras is None:
+            raise ConfigError("LoRA is off: start the LLM with enable_lora=True (or lora_modules) to load adapters")
         self.engine.loras.add(adapter, pinned, busy=frozenset(self.engine.adapters_in_use()))
 
     def unload_lora(self, name: str) -> None:

@@ -1,0 +1,41 @@
+"""Random adapters in a model's real shapes, made in memory (benchmarks and GPU tests: no files)."""
+
+from __future__ import annotations
+
+import torch
+
+from compiled.graphs.config import ModelConfig
+from compiled.lora.weights import Adapter, ExpertLoRAWeight, LoRAWeight
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+TARGETS = {"all": ATTENTION + MLP, "attn": ATTENTION, "mlp": MLP}
+
+
+def _dims(cfg: ModelConfig, proj: str, expert: bool) -> tuple[int, int]:
+    """(in, out) of a projection."""
+    inter = cfg.moe_intermediate_size if expert else cfg.intermediate_size
+    return {"q_proj": (cfg.hidden_size, cfg.q_size), "k_proj": (cfg.hidden_size, cfg.kv_size),
+            "v_proj": (cfg.hidden_size, cfg.kv_size), "o_proj": (cfg.q_size, cfg.hidden_size),
+            "gate_proj": (cfg.hidden_size, inter), "up_proj": (cfg.hidden_size, inter),
+            "down_proj": (inter, cfg.hidden_size)}[proj]
+
+
+def random_adapter(name: str, cfg: ModelConfig, rank: int, targets: str = "all", seed: int = 0,
+                   std: float = 0.02, scaling: float = 2.0) -> Adapter:
+    """An adapter of `rank` on `targets` ("all", "attn" or "mlp"; MLP includes MoE experts) with
+    non-zero normal A and B of `std`."""
+    gen = torch.Generator().manual_seed(seed)
+    adapter = Adapter(name, f"<random {name}>", rank)
+    for layer in range(cfg.num_hidden_layers):
+        for proj in TARGETS[targets]:
+            expert = proj in MLP and cfg.is_moe_layer(layer)
+            n_in, n_out = _dims(cfg, proj, expert)
+            lead = (cfg.num_experts,) if expert else ()
+            a = torch.randn(*lead, rank, n_in, generator=gen) * std
+            b = torch.randn(*lead, n_out, rank, generator=gen) * std
+            if expert:
+                adapter.experts[(layer, proj)] = ExpertLoRAWeight(a, b, scaling)
+            else:
+                adapter.dense[(layer, proj)] = LoRAWeight(a, b, scaling)
+    return adapter
