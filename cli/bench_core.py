@@ -168,7 +168,8 @@ class LatencyRun:
     retractions: int
 
 
-def latency_once(llm, prompts: list[Prompt], output_len: int, on_step: StepHook = None) -> LatencyRun:
+def latency_once(llm, prompts: list[Prompt], output_len: int, on_step: StepHook = None,
+                 loras: list[str | None] | None = None) -> LatencyRun:
     """One batch: prefill every prompt (TTFT: until each has its first token), then time each
     decode step until all reach `output_len` tokens.
 
@@ -179,7 +180,8 @@ def latency_once(llm, prompts: list[Prompt], output_len: int, on_step: StepHook 
     engine = llm.engine
     check_idle(engine)
     retractions = engine.scheduler.num_retractions
-    requests = [engine.make_request(i, p, greedy(output_len)) for i, p in enumerate(prompts)]
+    loras = loras or [None] * len(prompts)
+    requests = [engine.make_request(i, p, greedy(output_len), a) for i, (p, a) in enumerate(zip(prompts, loras))]
     sync(llm.config.device)
     t0 = time.perf_counter()
     for r in requests:
@@ -205,11 +207,12 @@ def latency_once(llm, prompts: list[Prompt], output_len: int, on_step: StepHook 
 
 
 def latency(llm, batch: int, input_len: int, output_len: int, iters: int, warmup: int, seed: int,
-            on_step: StepHook = None) -> tuple[dict, list[list[int]]]:
+            on_step: StepHook = None, loras: list[str | None] | None = None) -> tuple[dict, list[list[int]]]:
+    """`loras`: the adapter of each of the `batch` requests (None: the base model)."""
     prompts = random_ids(batch, input_len, llm.model_config.vocab_size, seed)
     for _ in range(warmup):
-        latency_once(llm, prompts, output_len)
-    runs = [latency_once(llm, prompts, output_len, on_step) for _ in range(iters)]
+        latency_once(llm, prompts, output_len, loras=loras)
+    runs = [latency_once(llm, prompts, output_len, on_step, loras) for _ in range(iters)]
     steps = [s for r in runs for s in r.step_s]
     elapsed = sum(r.elapsed_s for r in runs)
     out_tokens = iters * batch * output_len

@@ -22,18 +22,19 @@ def _dims(cfg: ModelConfig, proj: str, expert: bool) -> tuple[int, int]:
 
 
 def random_adapter(name: str, cfg: ModelConfig, rank: int, targets: str = "all", seed: int = 0,
-                   std: float = 0.02, scaling: float = 2.0) -> Adapter:
+                   std: float = 0.02, scaling: float = 2.0, device: str | torch.device = "cpu") -> Adapter:
     """An adapter of `rank` on `targets` ("all", "attn" or "mlp"; MLP includes MoE experts) with
-    non-zero normal A and B of `std`."""
-    gen = torch.Generator().manual_seed(seed)
+    non-zero normal A and B of `std`, drawn on `device` (a GPU draws a 30B-sized one in
+    milliseconds) and kept on the CPU, as loaded adapters are."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     adapter = Adapter(name, f"<random {name}>", rank)
     for layer in range(cfg.num_hidden_layers):
         for proj in TARGETS[targets]:
             expert = proj in MLP and cfg.is_moe_layer(layer)
             n_in, n_out = _dims(cfg, proj, expert)
             lead = (cfg.num_experts,) if expert else ()
-            a = torch.randn(*lead, rank, n_in, generator=gen) * std
-            b = torch.randn(*lead, n_out, rank, generator=gen) * std
+            a = (torch.randn(*lead, rank, n_in, generator=gen, device=device) * std).cpu()
+            b = (torch.randn(*lead, n_out, rank, generator=gen, device=device) * std).cpu()
             if expert:
                 adapter.experts[(layer, proj)] = ExpertLoRAWeight(a, b, scaling)
             else:
