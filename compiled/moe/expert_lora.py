@@ -42,6 +42,7 @@ from compiled.triton_utils import interpreting, launch_kwargs
 
 OP = "compiled::fused_moe_lora"
 DELTA_K_STEP = 128  # the GEMMs' delta dots: slots x rank stacked along K, this many a dot
+DELTA_IN_16BIT = True  # the GEMMs' delta dots on 16-bit operands (the shrink outputs rounded), else fp32 / TF32
 
 
 def backend(x: torch.Tensor) -> str:
@@ -146,7 +147,7 @@ def _dot_flags(dtype: torch.dtype) -> dict:
     interp = interpreting()
     fp32 = dtype == torch.float32 or interp
     return dict(PRECISION="ieee" if fp32 else "tf32", DOT_FP32=interp and dtype != torch.float32,
-                DELTA_PRECISION="ieee" if fp32 else "tf32")
+                DELTA_PRECISION="ieee" if fp32 else "tf32", DELTA_16BIT=DELTA_IN_16BIT and not fp32)
 
 
 def reserve_workspace(ws: MoEWorkspace, max_tokens: int, E: int, H: int, I: int, top_k: int, R: int,

@@ -51,7 +51,8 @@ def _pair_slots(SLOT, pair, num_valid, S, TOP_K: tl.constexpr):
 @triton.jit
 def _lora_delta(acc, S_IN, B, SCALE, slots, pos, expert, offs_n, n_ok, col0, R,
                 stride_sm, stride_bs, stride_be, stride_bn, scale_col,
-                SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr, DELTA_PRECISION: tl.constexpr):
+                SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr, DELTA_PRECISION: tl.constexpr,
+                DELTA_16BIT: tl.constexpr):
     """acc + each row's delta scale[s, scale_col] * S_IN[pos, col0:col0+R] @ B[s, e, offs_n, :R].T,
     s the row's slot (-1: none), as dots over the slots stacked along K: k = s * BLOCK_R + r. The
     rows' shrink outputs go into a `[rows, KC]` tile that is zero outside each row's own slot
@@ -70,7 +71,10 @@ def _lora_delta(acc, S_IN, B, SCALE, slots, pos, expert, offs_n, n_ok, col0, R,
         sc = tl.load(SCALE + slot_k * 3 + scale_col, mask=present, other=0.0)
         b = tl.load(B + slot_k.to(tl.int64)[:, None] * stride_bs + expert * stride_be + offs_n64[None, :] * stride_bn
                     + r[:, None], mask=(present & r_ok)[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(sr * sc[None, :], b.to(tl.float32), acc, input_precision=DELTA_PRECISION)
+        if DELTA_16BIT:
+            acc = tl.dot((sr * sc[None, :]).to(b.dtype), b, acc)
+        else:
+            acc = tl.dot(sr * sc[None, :], b.to(tl.float32), acc, input_precision=DELTA_PRECISION)
     return acc
 
 
@@ -125,7 +129,7 @@ def moe_lora_gemm1_kernel(x_ptr, w_ptr, out_ptr, S13, B13, SCALE, SLOT, sorted_p
                           num_valid, N, K, S, R, stride_xm, stride_we, stride_wn, stride_om, stride_sm,
                           stride_bs, stride_be, stride_bn,
                           TOP_K: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-                          DELTA_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SLOTS_PAD: tl.constexpr,
                           KC: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """out[pos, n] = silu(gate) * up with gate = x[token] . w[e, n] + its LoRA delta, up likewise
@@ -166,9 +170,11 @@ def moe_lora_gemm1_kernel(x_ptr, w_ptr, out_ptr, S13, B13, SCALE, SLOT, sorted_p
             u_ptrs += BLOCK_K
         if tl.sum((slots >= 0).to(tl.int32), axis=0) > 0:
             acc_g = _lora_delta(acc_g, S13, B13, SCALE, slots, pos, expert, offs_n, n_ok, 0, R, stride_sm,
-                                stride_bs, stride_be, stride_bn, 0, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION)
+                                stride_bs, stride_be, stride_bn, 0, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION,
+                                DELTA_16BIT)
             acc_u = _lora_delta(acc_u, S13, B13, SCALE, slots, pos, expert, offs_n + N, n_ok, R, R, stride_sm,
-                                stride_bs, stride_be, stride_bn, 1, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION)
+                                stride_bs, stride_be, stride_bn, 1, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION,
+                                DELTA_16BIT)
         # round like the base kernel: gate/up in the activation dtype, silu, product
         dt = out_ptr.dtype.element_ty
         gate = acc_g.to(dt).to(tl.float32)
@@ -183,7 +189,7 @@ def moe_lora_gemm2_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, S2, B2, SCALE, SLO
                           num_post_ptr, num_valid, N, K, S, R, stride_am, stride_we, stride_wn, stride_om,
                           stride_sm, stride_bs, stride_be, stride_bn,
                           TOP_K: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-                          DELTA_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SLOTS_PAD: tl.constexpr,
                           KC: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """out[pair, n] = weight[pair] * (a[pos] . w[e, n] + its LoRA delta); a the intermediate in
@@ -217,7 +223,8 @@ def moe_lora_gemm2_kernel(a_ptr, w_ptr, out_ptr, weights_ptr, S2, B2, SCALE, SLO
             b_ptrs += BLOCK_K
         if tl.sum((slots >= 0).to(tl.int32), axis=0) > 0:
             acc = _lora_delta(acc, S2, B2, SCALE, slots, pos, expert, offs_n, n_ok, 0, R, stride_sm,
-                              stride_bs, stride_be, stride_bn, 2, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION)
+                              stride_bs, stride_be, stride_bn, 2, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION,
+                              DELTA_16BIT)
         dt = out_ptr.dtype.element_ty
         row = tl.where(row_ok, pair, 0).to(tl.int64)
         w = tl.load(weights_ptr + row, mask=row_ok, other=0.0).to(dt).to(tl.float32)
