@@ -7,7 +7,9 @@
 #   BENCH_FLAGS (more `bench latency` options)
 #   COMPARE=1: each latency run with --compare hf (HF transformers on the same workload, same
 #   process), then again with --enforce-eager (the engine uncompiled), and a 2,048-token prefill
-#   (time to first token, batch 1) of each model the same ways.
+#   (time to first token, batch 1) of each model the same ways. `bench latency` runs the batch 5
+#   times untimed, then 10 times measured (its defaults); the eager engine 1 + 3 times (a decode
+#   step of the 30B shape takes ~0.1-0.9 s eager).
 set -uo pipefail
 out=${OUT:-out}
 mkdir -p "$out"
@@ -23,13 +25,14 @@ latency() {  # tag, model, options
     --json "$out/latency_$tag.json" > "$out/latency_$tag.txt" 2>&1
   tail -20 "$out/latency_$tag.txt"
 }
+eager_iters=(--num-iters-warmup 1 --num-iters 3)
 for model in ${BENCH_MODELS:-bench/configs/qwen3-30b-a3b}; do
   name=$(basename "$model")
   common=(--input-len 512 --output-len 32 --max-model-len 4096 --max-num-seqs 64)
   for b in ${BATCHES:-1 8 64}; do
     if [ -n "${COMPARE:-}" ]; then
       latency "${name}_b$b" "$model" "${common[@]}" --batch-size "$b" --compare hf
-      latency "${name}_b${b}_eager" "$model" "${common[@]}" --batch-size "$b" --enforce-eager
+      latency "${name}_b${b}_eager" "$model" "${common[@]}" --batch-size "$b" --enforce-eager "${eager_iters[@]}"
     else
       latency "${name}_b$b" "$model" "${common[@]}" --batch-size "$b"
     fi
@@ -37,7 +40,7 @@ for model in ${BENCH_MODELS:-bench/configs/qwen3-30b-a3b}; do
   if [ -n "${COMPARE:-}" ]; then
     prefill=(--input-len 2048 --output-len 2 --batch-size 1 --max-model-len 4096 --max-num-seqs 1)
     latency "${name}_prefill2048" "$model" "${prefill[@]}" --compare hf
-    latency "${name}_prefill2048_eager" "$model" "${prefill[@]}" --enforce-eager
+    latency "${name}_prefill2048_eager" "$model" "${prefill[@]}" --enforce-eager "${eager_iters[@]}"
   fi
 done
 echo "== summary =="

@@ -18,6 +18,12 @@ steps (`engine.step()` calls), retractions, and the wall time.
 
     python bench/retraction_stress.py [MODEL] [--num-requests 1000] [--json out.json]
     python bench/retraction_stress.py --num-requests 40 --check-solo   # outputs == solo runs
+    python bench/retraction_stress.py --scheduling-only --victim newest
+
+`--scheduling-only` replaces the forward pass by zeros (every request samples token 0, EOS
+ignored): the scheduler makes the same decisions, since they depend on lengths only, so the counts
+are those of the model, in a second. `--victim` swaps the scheduler's choice of the request to
+retract (`Scheduler._victim`) for another rule, to compare them.
 """
 
 from __future__ import annotations
@@ -31,6 +37,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+VICTIMS = {
+    "fewest-computed": None,   # the scheduler's own rule
+    "newest": lambda candidates: candidates[-1],
+    # SGLang's order: fewest output tokens, the longest prompt among equals.
+    "fewest-outputs": lambda candidates: min(reversed(candidates),
+                                             key=lambda r: (len(r.output_token_ids), -len(r.prompt_token_ids))),
+}
 ENGINE = dict(device="cpu", dtype="float32", kv_cache_tokens=320, max_model_len=320, max_num_seqs=16,
               max_num_batched_tokens=48)
 
@@ -53,7 +66,7 @@ def run_workload(llm, items) -> tuple[dict, list]:
     from compiled.runtime.sampling_params import SamplingParams
     engine = llm.engine
     computed = [0]
-    forward = engine.runner.forward
+    forward, own = engine.runner.forward, engine.runner.__dict__.get("forward")
 
     def counting(batch, *args, **kwargs):
         computed[0] += batch.num_tokens
@@ -73,7 +86,10 @@ def run_workload(llm, items) -> tuple[dict, list]:
             steps += 1
         elapsed = time.perf_counter() - t0
     finally:
-        del engine.runner.forward
+        if own is None:
+            del engine.runner.forward
+        else:
+            engine.runner.forward = own
     needed = sum(len(r.prompt_token_ids) + len(r.output_token_ids) - 1 for r in requests)
     return {"requests": len(requests), "tokens_computed": computed[0], "tokens_needed": needed,
             "recompute_ratio": computed[0] / needed, "steps": steps,
@@ -87,12 +103,25 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-overlap-schedule", action="store_true")
     ap.add_argument("--check-solo", action="store_true", help="also run every request alone and compare tokens")
+    ap.add_argument("--scheduling-only", action="store_true", help="no model: zeros for every forward pass")
+    ap.add_argument("--victim", choices=list(VICTIMS), default="fewest-computed", help="whom to retract")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     from compiled import LLM
     from compiled.demo import MOE_MODEL
     model = args.model or MOE_MODEL
     llm = LLM(model, **ENGINE, overlap_schedule=not args.no_overlap_schedule)
+    if VICTIMS[args.victim] is not None:
+        llm.engine.scheduler._victim = VICTIMS[args.victim]
+    if args.scheduling_only:
+        import torch
+        from compiled.runtime.model_runner import StepOutput
+        vocab = llm.model_config.vocab_size
+
+        def zeros(batch, sample_rows=(), feed=None):
+            rows = len(sample_rows)
+            return StepOutput(torch.zeros(batch.num_tokens, 1), torch.zeros(rows, vocab) if rows else None)
+        llm.engine.runner.forward = zeros
     items = stress_workload(args.num_requests, llm.model_config.vocab_size, args.seed)
     res, requests = run_workload(llm, items)
     if args.check_solo:

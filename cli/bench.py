@@ -238,8 +238,9 @@ def latency(
     batch_size: Annotated[int, typer.Option(help="Requests in the batch.")] = 8,
     input_len: Annotated[int, typer.Option(help="Prompt tokens per request (random ids).")] = 32,
     output_len: Annotated[int, typer.Option(help="Tokens generated per request (EOS ignored).")] = 128,
-    num_iters: Annotated[int, typer.Option(help="Measured runs of the whole batch.")] = 1,
-    num_iters_warmup: Annotated[int, typer.Option(help="Untimed runs first.")] = 1,
+    num_iters: Annotated[int, typer.Option(
+        help="Measured runs of the whole batch (time to first token: their median).")] = 10,
+    num_iters_warmup: Annotated[int, typer.Option(help="Untimed runs of the whole batch first.")] = 5,
     bandwidth: Annotated[Optional[float], typer.Option(
         help="Device bandwidth in GB/s for the floor (default: measured once, cached in ~/.cache/compiled).")] = None,
 ) -> None:
@@ -254,6 +255,7 @@ def latency(
     context = run.llm.engine.max_context
     _check(o.input_len + o.output_len <= context, f"--input-len {o.input_len} + --output-len {o.output_len} exceed "
                                                   f"the context of {context} tokens (raise --max-model-len)")
+    core.check_batch_fits(run.llm.engine, o.batch_size, o.input_len, o.output_len)
     with _progress("latency") as bar:
         task = bar.add_task("steps", total=o.num_iters * o.output_len)
         res, prompts = core.latency(run.llm, o.batch_size, o.input_len, o.output_len, o.num_iters,
@@ -286,6 +288,8 @@ def latency(
             (f"floor at context {rf['context']} (ms)", _ms(rf["floor_ms"]), "", ""),
             ("% of roofline (floor / median)",
              "-" if rf["fraction_of_roofline"] is None else f"{100 * rf['fraction_of_roofline']:.1f}%", "", "")]
+    if res["decode_steps_not_full"]:
+        rows.append(("steps below the batch (not timed)", str(res["decode_steps_not_full"]), "", ""))
     if res["retractions"]:
         rows.append(("retractions (KV full)", str(res["retractions"]), "", ""))
     run.finish(f"batch {o.batch_size}, input {o.input_len}, output {o.output_len}", _metric_table(rows, bool(hf)))

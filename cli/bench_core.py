@@ -163,9 +163,22 @@ def token_counts(requests) -> tuple[int, int]:
 class LatencyRun:
     ttft_s: float
     prefill_steps: int
-    step_s: list[float]
+    step_s: list[float]      # decode steps that ran the whole batch
     elapsed_s: float
     retractions: int
+    steps_not_full: int = 0  # decode steps (calls) that ran part of the batch: not timed
+
+
+def check_batch_fits(engine, batch: int, input_len: int, output_len: int) -> None:
+    """A one-line ValueError unless `batch` requests of `input_len` + `output_len` tokens fit the
+    KV cache together to their last token: otherwise the engine retracts some of them, re-prefills
+    them and decodes the rest at smaller batches, and per-step times stop describing the batch."""
+    slots, per_request = engine.kv.num_slots, input_len + output_len
+    if batch * per_request > slots:
+        raise ValueError(
+            f"the batch does not fit the KV cache: {batch} x ({input_len} + {output_len}) tokens = "
+            f"{batch * per_request:,} > {slots:,} slots; {slots // per_request} requests fit (lower "
+            f"--batch-size or the lengths, or raise --kv-cache-tokens / --mem-fraction)")
 
 
 def latency_once(llm, prompts: list[Prompt], output_len: int, on_step: StepHook = None,
@@ -176,7 +189,10 @@ def latency_once(llm, prompts: list[Prompt], output_len: int, on_step: StepHook 
     No device sync between steps: `step()` returns once it has read a step's tokens back, and a
     sync would also wait for the step that overlap scheduling queued behind it. A call that reads
     back two steps' tokens (the last one, under overlap) counts as two steps of half its time;
-    prefill steps do not count the decode step launched ahead while the first tokens were read."""
+    prefill steps do not count the decode step launched ahead while the first tokens were read.
+    Only calls in which every request of the batch got the same number of tokens are timed: a
+    step that ran part of the batch (requests that started decoding earlier finishing earlier,
+    after a chunked prefill; a retraction) is counted in `steps_not_full` instead."""
     engine = llm.engine
     check_idle(engine)
     retractions = engine.scheduler.num_retractions
@@ -194,21 +210,29 @@ def latency_once(llm, prompts: list[Prompt], output_len: int, on_step: StepHook 
             on_step()
     t1 = time.perf_counter()
     prefill_steps = calls - (engine.num_overlapped - ahead)
-    steps, first = [], requests[0]
+    steps, not_full = [], 0
     while engine.has_work:
-        s, before = time.perf_counter(), len(first.output_token_ids)
+        before = [len(r.output_token_ids) for r in requests]
+        s = time.perf_counter()
         engine.step()
-        dt, k = time.perf_counter() - s, len(first.output_token_ids) - before
-        steps += [dt / k] * k if k else [dt]
+        dt = time.perf_counter() - s
+        got = {len(r.output_token_ids) - n for r, n in zip(requests, before)}
+        k = got.pop() if len(got) == 1 else 0
+        if k:
+            steps += [dt / k] * k
+        else:
+            not_full += 1
         if on_step:
             on_step()
     return LatencyRun(t1 - t0, prefill_steps, steps, time.perf_counter() - t0,
-                      engine.scheduler.num_retractions - retractions)
+                      engine.scheduler.num_retractions - retractions, not_full)
 
 
 def latency(llm, batch: int, input_len: int, output_len: int, iters: int, warmup: int, seed: int,
             on_step: StepHook = None, loras: list[str | None] | None = None) -> tuple[dict, list[list[int]]]:
-    """`loras`: the adapter of each of the `batch` requests (None: the base model)."""
+    """`loras`: the adapter of each of the `batch` requests (None: the base model). A batch that
+    does not fit the KV cache is an error before anything runs (`check_batch_fits`)."""
+    check_batch_fits(llm.engine, batch, input_len, output_len)
     prompts = random_ids(batch, input_len, llm.model_config.vocab_size, seed)
     for _ in range(warmup):
         latency_once(llm, prompts, output_len, loras=loras)
@@ -224,6 +248,7 @@ def latency(llm, batch: int, input_len: int, output_len: int, iters: int, warmup
         "prefill_steps": runs[0].prefill_steps,
         "prefill_tokens_per_s": batch * input_len / (sum(ttft) / len(ttft)),
         "decode_steps": len(steps),
+        "decode_steps_not_full": sum(r.steps_not_full for r in runs),
         "decode_step_ms": decode,
         "decode_tokens_per_s": batch / (decode["p50"] / 1e3) if decode else None,
         "elapsed_s": elapsed,

@@ -1,35 +1,44 @@
 """Multi-LoRA shrink and expand (Triton): one launch each serves a batch whose tokens use different adapters.
 
 The adapters live in a slot pool: `a [S, N*R, in]`, `b [S, out, R]`, one slot per adapter, ranks
-zero-padded to the pool's R. Each token names its slot (`slot [T]`, -1: no adapter). The ops and
-their torch references are in `lora.py`.
+zero-padded to the pool's R. Each token names its slot (`slot [T]`, -1: no adapter; a slot
+outside [0, S) counts as none). The ops and their torch references are in `lora.py`. Neither
+kernel needs segment metadata: they read `slot` as the runtime uploads it, with no sort, no host
+sync and no allocation besides the output (safe to capture in a CUDA graph).
 
-Design: a grid over (token blocks, column blocks, S + 1 slots). Program (t, n, s) takes the rows
-of token block t whose slot is s and computes their columns of block n with slot s's weights as a
-tensor-core tile (`tl.dot`, fp32 accumulation); program s = -1 (grid index 0) takes the rows
-without an adapter (or with a slot outside [0, S)): zeros for the shrink, y copied for the
-expand. So every output row is written by exactly one program, the result is deterministic, and
-no segment metadata is needed: the kernels read `slot` as the runtime uploads it, with no sort,
-no host sync and no allocation besides the output (safe to capture in a CUDA graph).
+`_lora_shrink_kernel`, s[t, n] = sum_k x[t, k] a[slot_t, n, k] (fp32): a grid over (token
+blocks, column blocks of N*R, (S + 1) slots x SPLIT_K). Program (t, n, s, k) takes the rows of
+token block t whose slot is s and runs a tensor-core dot over its K range with slot s's weights
+(fp32 accumulation); grid slot -1 writes the zeros of the rows without an adapter. A program
+whose slot is absent from its block exits after loading the block's slot ids. Why this rather
+than SGMV segments (an argsort by slot and CSR offsets): at decode (T <= 256, one token a
+request) a block holds a few slots and each present slot reads its weight slice once a token
+block, `N*R x in` (qkv at R = 16: 48 x 2048 bf16 = 192 KiB, mostly from L2), which costs less
+than the sort and the metadata launches; at prefill a request's tokens are contiguous, a block
+holds one or two slots, and the grid behaves as SGMV's does. x's loads are masked to the
+program's rows, so each row is read once per column block. A decode batch has few blocks, so
+the K range is split (SPLIT_K, `shrink_config`) so that enough programs stream the weights: each
+split writes fp32 partials to a workspace and bumps its group's semaphore, and the last to
+arrive sums them in split order (deterministic), stores the rows and puts the semaphore back to
+0 (the skinny GEMM's scheme; the workspace is allocated once per device, before any capture).
 
-Why this rather than SGMV segments (tokens grouped by slot with an argsort and CSR offsets):
-at decode (T <= 256, one token a request) a token block holds a few slots and a program whose
-slot is absent from its block exits after loading T slot ids; present slots read their weight
-slice once per token block, `N*R x in` (qkv at R = 16: 48 x 2048 bf16 = 192 KiB) from L2, which
-at these sizes costs less than the argsort and the metadata launches it would save. At prefill
-a request's tokens are contiguous, so a block holds one or two slots: the grid behaves as SGMV's
-does, with no sort. The loads of x / y / s are masked to the program's rows, so each row is read
-once in all; the rows of other slots cost only wasted MMA lanes.
+`_lora_expand_kernel`, out[t, c] = y[t, c] + scale[slot_t, i] * sum_r s[t, i*R + r] b[slot_t, c, r]
+for column c in slice i: a grid over (token blocks, column blocks). A program loads its y tile
+once and adds every row's delta with the slots stacked along K (k = slot * R + r): the rows' s
+go into a `[rows, KC]` tile that is zero outside each row's own slot block (times that slot's
+scale), every slot's B rows into a `[KC, columns]` tile (slots absent from the block masked, so
+never read), one dot per KC of K; all slots' loads go out together. A column block crossing
+slices does this per slice it meets (B masked to the slice's columns); the slice boundaries are
+scalar arguments (at most MAX_SLICES slices: q, k, v). Rows without an adapter are y's bits.
 
-* `_lora_shrink_kernel`: s[t, n] = sum_k x[t, k] a[slot, n, k] (fp32 out), K in BLOCK_K steps.
-* `_lora_expand_kernel`: out[t, c] = y[t, c] + scale[slot, i] * sum_r s[t, i*R + r] b[slot, c, r]
-  for column c in slice i; a column block crossing slices runs one dot per slice it meets (the
-  b tile masked to the slice's columns), a block outside a slice skips it. Slice boundaries are
-  scalar arguments (at most MAX_SLICES slices: q/k/v).
+Measured on an H100 (bf16, R = 16, S = 8, slots drawn from -1..7, CUDA graphs), shrink + expand
+against the base linear (cuBLAS): Qwen3-30B-A3B's qkv (2048 -> 4096 + 512 + 512) at 1 / 64 /
+512 tokens 6.3 / 13.9 / 31.8 µs against 6.9 / 6.5 / 17.4; o_proj (4096 -> 2048) 6.7 / 12.1 /
+26.3 against 7.5 / 8.5 / 17.0.
 
-16-bit x and a run their dot in that dtype; fp32 in IEEE fp32. The expand multiplies its fp32 s
-by the scale and dots it with b upcast to fp32 (TF32 on the GPU for 16-bit b, whose values TF32
-holds exactly; IEEE for fp32), then adds y in fp32 and rounds once to y's dtype."""
+16-bit x and a run the shrink's dot in that dtype, fp32 in IEEE fp32. The expand's dot takes s
+times the scale rounded to b's dtype when b is 16-bit (fp32 in IEEE fp32 for fp32 b and under
+the interpreter), adds y in fp32 and rounds once to y's dtype."""
 
 from __future__ import annotations
 
@@ -43,12 +52,20 @@ from compiled.linear import LORA_MAX_SLICES as MAX_SLICES
 from compiled.triton_utils import interpreter_upcast, interpreting, launch_kwargs, pdl_wait
 
 MIN_BLOCK = 16   # tl.dot's smallest tile side
+MAX_SPLIT_K = 16
+MIN_K_PER_SPLIT = 256
+SPLIT_MAX_T = 64          # the shrink splits K up to this many tokens (one token block)
+SPLIT_PROGRAMS = 64       # ... until token blocks x column blocks x splits reach this many
+DELTA_K_STEP = 128        # the expand's stacked-slot dots: this many of K (slots x rank) a dot
+WORKSPACE_FLOATS = MAX_SPLIT_K * SPLIT_MAX_T * 1024   # split partials SPLIT_K x T x N*R, fp32 (N*R <= 1024)
+SEMAPHORES = 1 << 14      # one per (token block, column block, slot) of a split launch
 
 
 class LoRAConfig(NamedTuple):
     block_t: int
     block_n: int
-    block_k: int       # the shrink's K step (the expand's rank tile is R rounded up: unused there)
+    block_k: int       # the shrink's K step (the expand's: DELTA_K_STEP)
+    split_k: int = 1   # the shrink's K splits
     num_warps: int = 4
     num_stages: int = 3
 
@@ -58,16 +75,28 @@ def _pow2(n: int, lo: int, hi: int) -> int:
 
 
 def shrink_config(T: int, NR: int, K: int) -> LoRAConfig:
-    """Token blocks of up to 64 rows (fewer blocks: each slot's weights read fewer times); at
-    16 tokens or fewer, 16-column blocks to spread the weight over more programs."""
+    """Token blocks of up to 64 rows (fewer blocks: each slot's weights read fewer times); up to
+    SPLIT_MAX_T tokens, 16-column blocks and K split in powers of two while each split keeps
+    MIN_K_PER_SPLIT and the blocks x splits stay within SPLIT_PROGRAMS (a slot's weights streamed
+    by that many programs). An H100 sweep of splits and column blocks at 8 and 64 tokens (qkv,
+    o, gate/up at R = 16, S = 8) put this within ~1 µs of the best (o at one token: 9.3 µs
+    unsplit, 3.6 split 16 ways)."""
     block_t = _pow2(T, MIN_BLOCK, 64)
-    block_n = MIN_BLOCK if T <= 16 else _pow2(NR, MIN_BLOCK, 64)
-    return LoRAConfig(block_t, block_n, _pow2(K, MIN_BLOCK, 128))
+    block_n = MIN_BLOCK if T <= SPLIT_MAX_T else _pow2(NR, MIN_BLOCK, 64)
+    block_k = _pow2(K, MIN_BLOCK, 128)
+    split = 1
+    if T <= SPLIT_MAX_T:
+        blocks = triton.cdiv(T, block_t) * triton.cdiv(NR, block_n)
+        while (2 * split <= MAX_SPLIT_K and K // (2 * split) >= MIN_K_PER_SPLIT
+               and blocks * 2 * split <= SPLIT_PROGRAMS):
+            split *= 2
+    return LoRAConfig(block_t, block_n, block_k, split)
 
 
 def expand_config(T: int, OUT: int) -> LoRAConfig:
-    """Token blocks of up to 64 rows, 64 columns a program."""
-    return LoRAConfig(_pow2(T, MIN_BLOCK, 64), _pow2(OUT, MIN_BLOCK, 64), MIN_BLOCK)
+    """Token blocks of up to 64 rows, 64 columns a program: the best or within ~1 µs of it in an
+    H100 sweep of 16-64 rows x 32-128 columns at 8-512 tokens (qkv, o, gate/up; R = 16, S = 8)."""
+    return LoRAConfig(_pow2(T, MIN_BLOCK, 64), _pow2(OUT, MIN_BLOCK, 64), DELTA_K_STEP)
 
 
 def _check_config(config: LoRAConfig) -> None:
@@ -75,46 +104,77 @@ def _check_config(config: LoRAConfig) -> None:
         v = getattr(config, name)
         if v < MIN_BLOCK or v & (v - 1):
             raise ValueError(f"lora kernels: {name}={v} must be a power of two >= {MIN_BLOCK}")
+    if not 1 <= config.split_k <= MAX_SPLIT_K:
+        raise ValueError(f"lora kernels: split_k={config.split_k} must be in 1..{MAX_SPLIT_K}")
+
+
+class SplitWorkspace(NamedTuple):
+    partials: torch.Tensor    # fp32 [WORKSPACE_FLOATS]
+    semaphores: torch.Tensor  # int32 [SEMAPHORES], all zero between launches
+
+
+_WORKSPACES: dict[torch.device, SplitWorkspace] = {}
+
+
+def split_workspace(device: torch.device) -> SplitWorkspace | None:
+    """One per device, allocated at the first split launch and never again; None when that
+    launch is inside a CUDA graph capture (the shrink then runs unsplit: correct, slower; the
+    runtime's warm-up runs every shape before capturing). Split launches on one device must be
+    stream-ordered: they share the semaphores."""
+    ws = _WORKSPACES.get(device)
+    if ws is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        ws = _WORKSPACES[device] = SplitWorkspace(
+            torch.empty(WORKSPACE_FLOATS, dtype=torch.float32, device=device),
+            torch.zeros(SEMAPHORES, dtype=torch.int32, device=device))
+    return ws
 
 
 @triton.jit
-def _slot_rows(SLOT, pid_t, T, S, BLOCK_T: tl.constexpr):
-    """This program's slot s (-1 for grid index 0), its token offsets, and which of them are its rows."""
-    s = tl.program_id(2) - 1
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_t = offs_t < T
+def _token_slots(SLOT, offs_t, in_t, S):
+    """The tokens' slots, -1 for no adapter, slots outside [0, S) and tokens past T."""
     slots = tl.load(SLOT + offs_t, mask=in_t, other=-1).to(tl.int32)
-    slots = tl.where((slots >= 0) & (slots < S), slots, -1)
-    return s, offs_t, in_t & (slots == s)
+    return tl.where(in_t & (slots >= 0) & (slots < S), slots, -1)
 
 
 @triton.jit
-def _lora_shrink_kernel(X, A, OUT, SLOT, T, NR, K, S, stride_xt, stride_as, stride_an, stride_ot,
-                        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _lora_shrink_kernel(X, A, OUT, SLOT, Partials, Semaphores, T, NR, K, S, K_PER_SPLIT,
+                        stride_xt, stride_as, stride_an, stride_ot,
+                        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                         EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """OUT `[T, NR]` fp32; X `[T, K]`, A `[S, NR, K]` (last dims contiguous)."""
+    """OUT `[T, NR]` fp32; X `[T, K]`, A `[S, NR, K]` (last dims contiguous). Grid axis 2 is
+    (slot + 1) * SPLIT_K + split. EVEN_K: K and K_PER_SPLIT are whole BLOCK_K steps."""
     pdl_wait(PDL)
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
-    s, offs_t, rows = _slot_rows(SLOT, pid_t, T, S, BLOCK_T)
+    s = tl.program_id(2) // SPLIT_K - 1
+    pid_k = tl.program_id(2) % SPLIT_K
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_t = offs_t < T
+    rows = in_t & (_token_slots(SLOT, offs_t, in_t, S) == s)
     if tl.sum(rows.to(tl.int32), axis=0) > 0:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         in_n = offs_n < NR
         o_ptrs = OUT + offs_t.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
         o_mask = rows[:, None] & in_n[None, :]
         if s < 0:
-            tl.store(o_ptrs, tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32), mask=o_mask)
+            if pid_k == 0:
+                tl.store(o_ptrs, tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32), mask=o_mask)
         else:
             offs_k = tl.arange(0, BLOCK_K)
-            x_ptrs = X + offs_t.to(tl.int64)[:, None] * stride_xt + offs_k[None, :]
-            a_ptrs = A + s.to(tl.int64) * stride_as + offs_n.to(tl.int64)[:, None] * stride_an + offs_k[None, :]
+            k_start = pid_k * K_PER_SPLIT
+            k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+            x_ptrs = X + offs_t.to(tl.int64)[:, None] * stride_xt + (k_start + offs_k)[None, :]
+            a_ptrs = (A + s.to(tl.int64) * stride_as + offs_n.to(tl.int64)[:, None] * stride_an
+                      + (k_start + offs_k)[None, :])
             acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in range(k_start, k_end, BLOCK_K):
                 if EVEN_K:
                     x = tl.load(x_ptrs, mask=rows[:, None], other=0.0)
                     a = tl.load(a_ptrs, mask=in_n[:, None], other=0.0)
                 else:
-                    k_ok = (k0 + offs_k) < K
+                    k_ok = (k0 + offs_k) < k_end
                     x = tl.load(x_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
                     a = tl.load(a_ptrs, mask=in_n[:, None] & k_ok[None, :], other=0.0)
                 if UPCAST:
@@ -123,7 +183,22 @@ def _lora_shrink_kernel(X, A, OUT, SLOT, T, NR, K, S, stride_xt, stride_as, stri
                 acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)
                 x_ptrs += BLOCK_K
                 a_ptrs += BLOCK_K
-            tl.store(o_ptrs, acc, mask=o_mask)
+            if SPLIT_K == 1:
+                tl.store(o_ptrs, acc, mask=o_mask)
+            else:
+                # partials [SPLIT_K, T, NR]; rows of other slots are other programs' (disjoint)
+                part_ptrs = Partials + offs_t.to(tl.int64)[:, None] * NR + offs_n[None, :]
+                tl.store(part_ptrs + pid_k * T * NR, acc, mask=o_mask)
+                # every thread's partial store must precede the release below
+                tl.debug_barrier()
+                sem = Semaphores + (pid_t * tl.num_programs(1) + pid_n) * S + s
+                arrived = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
+                if arrived == SPLIT_K - 1:
+                    total = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+                    for sp in tl.static_range(SPLIT_K):   # .cg: from L2, never a stale L1 line
+                        total += tl.load(part_ptrs + sp * T * NR, mask=o_mask, other=0.0, cache_modifier=".cg")
+                    tl.store(o_ptrs, total, mask=o_mask)
+                    tl.atomic_xchg(sem, 0)
 
 
 @triton.jit
@@ -145,39 +220,45 @@ def _bound(i: tl.constexpr, O1, O2, O3, OUT, N: tl.constexpr):
 def _lora_expand_kernel(Y, SIN, B, SCALE, SLOT, OUT_PTR, T, OUT, R, S, O1, O2, O3,
                         stride_yt, stride_st, stride_bs, stride_bo, stride_ss, stride_ot,
                         N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
-                        PRECISION: tl.constexpr, PDL: tl.constexpr):
+                        SLOTS_PAD: tl.constexpr, KC: tl.constexpr, FP32_DOT: tl.constexpr, PDL: tl.constexpr):
     """OUT_PTR `[T, OUT]` = Y + the LoRA delta of each row's slot; SIN `[T, N*R]` fp32, B
     `[S, OUT, R]`, SCALE `[S, N]` fp32; slice i is columns [bound(i), bound(i + 1))."""
     pdl_wait(PDL)
     pid_t = tl.program_id(0)
     pid_o = tl.program_id(1)
-    s, offs_t, rows = _slot_rows(SLOT, pid_t, T, S, BLOCK_T)
-    if tl.sum(rows.to(tl.int32), axis=0) > 0:
-        offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
-        in_o = offs_o < OUT
-        mask = rows[:, None] & in_o[None, :]
-        t64 = offs_t.to(tl.int64)
-        y = tl.load(Y + t64[:, None] * stride_yt + offs_o[None, :], mask=mask, other=0.0)
-        if s < 0:
-            out = y
-        else:
-            acc = y.to(tl.float32)
-            offs_r = tl.arange(0, BLOCK_R)
-            in_r = offs_r < R
-            block_lo = pid_o * BLOCK_O
-            for i in tl.static_range(N):
-                lo = _bound(i, O1, O2, O3, OUT, N)
-                hi = _bound(i + 1, O1, O2, O3, OUT, N)
-                if (lo < block_lo + BLOCK_O) & (hi > block_lo):
-                    sr = tl.load(SIN + t64[:, None] * stride_st + (i * R + offs_r)[None, :],
-                                 mask=rows[:, None] & in_r[None, :], other=0.0)
-                    sr = sr * tl.load(SCALE + s * stride_ss + i)
-                    cols = in_o & (offs_o >= lo) & (offs_o < hi)
-                    b = tl.load(B + s.to(tl.int64) * stride_bs + offs_o.to(tl.int64)[None, :] * stride_bo
-                                + offs_r[:, None], mask=in_r[:, None] & cols[None, :], other=0.0)
-                    acc = tl.dot(sr, b.to(tl.float32), acc, input_precision=PRECISION)
-            out = acc.to(y.dtype)
-        tl.store(OUT_PTR + t64[:, None] * stride_ot + offs_o[None, :], out, mask=mask)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    in_t = offs_t < T
+    t64 = offs_t.to(tl.int64)
+    slots = _token_slots(SLOT, offs_t, in_t, S)
+    offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
+    in_o = offs_o < OUT
+    mask = in_t[:, None] & in_o[None, :]
+    y = tl.load(Y + t64[:, None] * stride_yt + offs_o[None, :], mask=mask, other=0.0)
+    acc = y.to(tl.float32)
+    if tl.sum((slots >= 0).to(tl.int32), axis=0) > 0:
+        block_lo = pid_o * BLOCK_O
+        for i in tl.static_range(N):
+            lo = _bound(i, O1, O2, O3, OUT, N)
+            hi = _bound(i + 1, O1, O2, O3, OUT, N)
+            if (lo < block_lo + BLOCK_O) & (hi > block_lo):
+                cols = in_o & (offs_o >= lo) & (offs_o < hi)
+                for c in tl.static_range(SLOTS_PAD * BLOCK_R // KC):
+                    k = c * KC + tl.arange(0, KC)
+                    slot_k = k // BLOCK_R
+                    r = k % BLOCK_R
+                    r_ok = r < R
+                    hit = slots[:, None] == slot_k[None, :]
+                    present = tl.sum(hit.to(tl.int32), axis=0) > 0
+                    sr = tl.load(SIN + t64[:, None] * stride_st + (i * R + r)[None, :], mask=hit & r_ok[None, :],
+                                 other=0.0)
+                    sr = sr * tl.load(SCALE + slot_k * stride_ss + i, mask=present, other=0.0)[None, :]
+                    b = tl.load(B + slot_k.to(tl.int64)[:, None] * stride_bs + offs_o.to(tl.int64)[None, :] * stride_bo
+                                + r[:, None], mask=(present & r_ok)[:, None] & cols[None, :], other=0.0)
+                    if FP32_DOT:
+                        acc = tl.dot(sr, b.to(tl.float32), acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(sr.to(b.dtype), b, acc)
+    tl.store(OUT_PTR + t64[:, None] * stride_ot + offs_o[None, :], acc.to(y.dtype), mask=mask)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -186,7 +267,8 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot: torch.Tensor,
                        config: LoRAConfig | None = None) -> torch.Tensor:
-    """x `[T, in]`, a `[S, N*R, in]`, slot `[T]` -> `[T, N*R]` fp32 (shapes checked by the op)."""
+    """x `[T, in]`, a `[S, N*R, in]`, slot `[T]` -> `[T, N*R]` fp32 (shapes checked by the op).
+    `config` overrides `shrink_config` (tests)."""
     T, K = x.shape
     S, NR, _ = a.shape
     out = torch.empty((T, NR), dtype=torch.float32, device=x.device)
@@ -197,21 +279,30 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot: torch.Tensor,
     x, a = _last_dim_contiguous(x), _last_dim_contiguous(a)
     cfg = config or shrink_config(T, NR, K)
     _check_config(cfg)
+    grid_tn = (triton.cdiv(T, cfg.block_t), triton.cdiv(NR, cfg.block_n))
+    split = cfg.split_k
+    ws = None
+    if split > 1 and split * T * NR <= WORKSPACE_FLOATS and grid_tn[0] * grid_tn[1] * S <= SEMAPHORES:
+        ws = split_workspace(x.device)
+    if ws is None:
+        split = 1
+    partials, semaphores = ws if ws is not None else (out, out)   # never read unsplit
+    k_per_split = triton.cdiv(triton.cdiv(K, split), cfg.block_k) * cfg.block_k
     upcast = interpreter_upcast(x.dtype)
-    precision = "ieee" if upcast or x.dtype == torch.float32 else "tf32"
-    grid = (triton.cdiv(T, cfg.block_t), triton.cdiv(NR, cfg.block_n), S + 1)
-    _lora_shrink_kernel[grid](
-        x, a, out, slot, T, NR, K, S, x.stride(0), a.stride(0), a.stride(1), out.stride(0),
-        BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=K % cfg.block_k == 0,
-        UPCAST=upcast, PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch_kwargs(x.device))
+    _lora_shrink_kernel[(*grid_tn, (S + 1) * split)](
+        x, a, out, slot, partials, semaphores, T, NR, K, S, k_per_split,
+        x.stride(0), a.stride(0), a.stride(1), out.stride(0),
+        BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, EVEN_K=K % cfg.block_k == 0,
+        UPCAST=upcast, PRECISION="ieee" if upcast or x.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(x.device))
     return out
 
 
 def lora_expand_triton(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slot: torch.Tensor,
                        slices: list[int], config: LoRAConfig | None = None) -> torch.Tensor:
     """y `[T, out]`, s `[T, N*R]` fp32, b `[S, out, R]`, scale `[S, N]` fp32, slot `[T]` ->
-    y + delta, a new `[T, out]` tensor in y's dtype (shapes checked by the op)."""
+    y + delta, a new `[T, out]` tensor in y's dtype (shapes checked by the op). `config`
+    overrides `expand_config` (its block_k: the stacked-slot K step)."""
     T, OUT = y.shape
     S, _, R = b.shape
     N = len(slices)
@@ -226,12 +317,12 @@ def lora_expand_triton(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, scale:
     cfg = config or expand_config(T, OUT)
     _check_config(cfg)
     bounds = [sum(slices[:i]) for i in range(1, MAX_SLICES)]
-    fp32 = y.dtype == torch.float32 or b.dtype == torch.float32 or interpreting()
-    grid = (triton.cdiv(T, cfg.block_t), triton.cdiv(OUT, cfg.block_n), S + 1)
-    _lora_expand_kernel[grid](
+    block_r = _pow2(R, MIN_BLOCK, 1 << 30)
+    slots_pad = triton.next_power_of_2(S)
+    _lora_expand_kernel[(triton.cdiv(T, cfg.block_t), triton.cdiv(OUT, cfg.block_n))](
         y, s, b, scale, slot, out, T, OUT, R, S, *bounds,
         y.stride(0), s.stride(0), b.stride(0), b.stride(1), scale.stride(0), out.stride(0),
-        N=N, BLOCK_T=cfg.block_t, BLOCK_O=cfg.block_n, BLOCK_R=_pow2(R, MIN_BLOCK, 1 << 30),
-        PRECISION="ieee" if fp32 else "tf32", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch_kwargs(y.device))
+        N=N, BLOCK_T=cfg.block_t, BLOCK_O=cfg.block_n, BLOCK_R=block_r, SLOTS_PAD=slots_pad,
+        KC=min(cfg.block_k, slots_pad * block_r), FP32_DOT=b.dtype == torch.float32 or interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(y.device))
     return out

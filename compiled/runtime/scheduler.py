@@ -93,10 +93,14 @@ class Scheduler:
             chunks.append(self._chunk(request, n, self.kv.alloc(n)))
             budget -= n
         if not chunks and self.running:
-            # Every running request is a prefill waiting for slots the others hold: the cheapest
-            # gives way, and the rest go on.
+            # Every running request is a prefill waiting for room: the oldest takes what is free,
+            # and with nothing free the cheapest gives way to the others.
+            request = self.running[0]
+            n = min(request.num_tokens - request.num_computed, budget, self.kv.num_free)
+            if n > 0:
+                return Batch([self._chunk(request, n, self.kv.alloc(n))])
             self.retract(self._victim(self.running))
-            return self.schedule()
+            return type(self).schedule(self)
         return Batch(chunks) if chunks else None
 
     def schedule_decode(self) -> Batch | None:
@@ -116,10 +120,10 @@ class Scheduler:
 
     def _victim(self, candidates: list[Request]) -> Request:
         """The request to retract: the one whose recomputation costs least, i.e. with the fewest
-        tokens in the KV cache (the newest among equals). A request still prefilling, or one
-        admitted a few steps ago, goes before one that has decoded long; the newest-first rule
-        of vLLM retracted long prompts mid-prefill over and over. SGLang retracts the one with
-        the fewest output tokens (the longest prompt among equals), which recomputes more here."""
+        tokens in the KV cache (the newest among equals): a request admitted a few steps ago goes
+        before one that has decoded long. Newest first (vLLM's rule) retracts a long prompt part-way
+        through its prefill again and again; fewest output tokens first, the longest prompt among
+        equals (SGLang's), recomputes more on bench/retraction_stress.py (bench/RESULTS.md)."""
         return min(reversed(candidates), key=lambda r: r.num_computed)
 
     def _retract_for_decode(self, budget: int) -> None:
@@ -135,13 +139,15 @@ class Scheduler:
 
     def _alloc_or_retract(self, i: int, n: int) -> np.ndarray | None:
         """Slots for up to `n` tokens of `running[i]`. A prefill never retracts: it takes what is
-        free beyond one slot for each decoding request after it, possibly nothing (None; it keeps
-        its KV and waits). A decoding request was given room by `_retract_for_decode`; should it
-        still lack its slot, the cheapest of it and the requests after it is retracted (None when
-        that is itself)."""
+        free beyond one slot for each decoding request after it in this step and one for each
+        running request in the next (as admission keeps), possibly nothing (None: it keeps its KV
+        and waits). A decoding request was given room by `_retract_for_decode`; should it still
+        lack its slot, the cheapest of it and the requests after it is retracted (None when that
+        is itself)."""
         request = self.running[i]
         if not self._decoding(request):
-            n = min(n, self.kv.num_free - sum(1 for r in self.running[i + 1:] if self._decoding(r)))
+            later = sum(1 for r in self.running[i + 1:] if self._decoding(r))
+            n = min(n, self.kv.num_free - later - len(self.running))
             return self.kv.alloc(n) if n > 0 else None
         while (slots := self.kv.alloc(n)) is None:
             victim = self._victim(self.running[i:])
@@ -210,6 +216,7 @@ class Scheduler:
         """Forget `request` wherever it is: dropped from the waiting queue, or from the running
         batch with its KV slots and row returned to the pools."""
         _discard(self.waiting, request)
+        self._retracted.discard(request.id)
         self._release(request)
 
 

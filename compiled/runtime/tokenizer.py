@@ -55,23 +55,20 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"tokenizer folder {str(folder)!r} does not exist or is not a directory")
-    if _has_fast_files(folder):
-        load, main_file = lambda: AutoTokenizer.from_pretrained(str(folder), local_files_only=True), folder
-    elif (folder / _SPM_FILE).is_file():
-        load, main_file = lambda: _load_sentencepiece(folder), folder / _SPM_FILE
-    else:
+    fast = _has_fast_files(folder)
+    if not fast and not (folder / _SPM_FILE).is_file():
         raise ValueError(
             f"no tokenizer files in {str(folder)!r} "
             "(expected tokenizer.json, tokenizer.model, or vocab.json + merges.txt)"
         )
     try:
-        hf = load()
+        hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True) if fast else _load_sentencepiece(folder)
     except ConfigError:
         raise
     except Exception as e:
         # transformers reports a broken file as a bare JSONDecodeError, KeyError or TypeError that
         # names no file; find the file at fault so the one-line error can name it.
-        raise _culprit(folder, main_file, e) from e
+        raise _culprit(folder, folder if fast else folder / _SPM_FILE, e) from e
     return Tokenizer(hf)
 
 

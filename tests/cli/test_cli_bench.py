@@ -176,11 +176,13 @@ def _common_fields(record: dict, command: str) -> None:
 def test_latency(model_args, tmp_path):
     out = tmp_path / "latency.json"
     rec = _bench("latency", *model_args, *SMALL, "--batch-size", "2", "--input-len", "16", "--output-len", "8",
-                 "--json", str(out))
+                 "--num-iters", "2", "--num-iters-warmup", "1", "--json", str(out))
     _common_fields(rec, "latency")
     r = rec["results"]
     assert rec["options"]["batch_size"] == 2 and rec["compare"] is None
-    assert r["output_tokens"] == 2 * 8 and r["decode_steps"] == 7 and r["decode_step_ms"]["n"] == 7
+    assert r["num_iters"] == 2 and r["ttft_ms"]["n"] == 2
+    assert r["output_tokens"] == 2 * 2 * 8 and r["decode_steps"] == 2 * 7 and r["decode_step_ms"]["n"] == 2 * 7
+    assert r["decode_steps_not_full"] == 0 and r["retractions"] == 0
     assert r["output_tokens_per_s"] * r["elapsed_s"] == pytest.approx(r["output_tokens"])
     assert _ordered(r["decode_step_ms"]) and r["ttft_ms"]["p50"] > 0 and r["prefill_steps"] == 1
     assert r["ttft_ms"]["p50"] / 1e3 <= r["elapsed_s"]
@@ -195,7 +197,7 @@ def test_latency(model_args, tmp_path):
 def test_latency_compare_hf(model_args, tmp_path):
     out = tmp_path / "latency_hf.json"
     result_args = ("latency", *model_args, *SMALL, "--batch-size", "2", "--input-len", "16", "--output-len", "8",
-                   "--num-iters-warmup", "0", "--compare", "hf", "--json", str(out))
+                   "--num-iters", "1", "--num-iters-warmup", "0", "--compare", "hf", "--json", str(out))
     rec = _bench(*result_args)
     ours, hf = rec["results"], rec["compare"]["hf"]
     assert "AutoModelForCausalLM" in hf["implementation"]
@@ -204,6 +206,31 @@ def test_latency_compare_hf(model_args, tmp_path):
     assert _ordered(hf["decode_step_ms"])
     speedup = rec["compare"]["speedup"]
     assert speedup["decode_step"] == pytest.approx(hf["decode_step_ms"]["p50"] / ours["decode_step_ms"]["p50"])
+
+
+def test_latency_times_only_steps_of_the_whole_batch(model_args, tmp_path):
+    """A 16-token step budget prefills the second request after the first has begun decoding, so
+    the first finishes steps earlier: those last steps ran one request and are not timed."""
+    out = tmp_path / "latency_chunked.json"
+    rec = _bench("latency", *model_args, *SMALL, "--batch-size", "2", "--input-len", "16", "--output-len", "8",
+                 "--max-num-batched-tokens", "16", "--num-iters", "1", "--num-iters-warmup", "0", "--json", str(out))
+    r = rec["results"]
+    assert r["prefill_steps"] > 1 and r["decode_steps_not_full"] > 0 and r["retractions"] == 0
+    # Every output token after each request's first comes from a timed step or an untimed one.
+    assert r["decode_steps"] == r["decode_step_ms"]["n"] < 7
+    assert r["roofline"]["fraction_of_roofline"] == pytest.approx(r["roofline"]["floor_ms"] / r["decode_step_ms"]["p50"])
+
+
+def test_latency_batch_larger_than_the_kv_cache_fails_up_front(model_args, tmp_path):
+    result = runner.invoke(app, ["bench", "latency", *model_args, *SMALL, "--batch-size", "4", "--input-len", "16",
+                                 "--output-len", "8", "--kv-cache-tokens", "64", "--max-model-len", "64",
+                                 "--json", str(tmp_path / "never.json")])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
+    assert "does not fit the KV cache" in lines[0] and "4 x (16 + 8) tokens = 96 > 64 slots" in lines[0]
+    assert "2 requests fit" in lines[0]
+    assert not (tmp_path / "never.json").exists()
 
 
 def test_throughput_with_profile(model_args, tmp_path):

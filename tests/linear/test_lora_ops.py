@@ -84,14 +84,20 @@ CASES = [
     # one token, one slice (o / down), rank 5 padded to a 16-wide tile, one slot
     ("t1_in33_o_rank5", 1, 33, [20], 5, 1, "float32", [0], None, None),
     ("t3_all_without_adapter", 3, 45, [17, 9, 9], 8, 3, "bfloat16", [-1, -1, -1], None, None),
+    # split K: forced (ragged last split, 4 slots of one block reduced by their own semaphores),
+    # and the heuristic's at two tokens (4 splits of 256); the expand stacks 4 slots in 16-wide K steps
+    ("t7_in300_split4", 7, 300, [17, 9, 9], 8, 3, "float32", SLOTS_7, (16, 16, 32, 4), (16, 16, 16)),
+    ("t2_in1024_default_split_bf16", 2, 1024, [17, 9, 9], 8, 3, "bfloat16", [1, -1], None, None),
     ("t0_empty", 0, 45, [17, 9, 9], 8, 3, "float32", [], None, None),
 ]
 
 
 def kernel_case(T, IN, slices, R, S, dtype, slots, shrink_cfg, expand_cfg) -> dict:
-    """The kernels against the references: the shrink, then the expand of the reference's s (so
-    each kernel is judged alone). Where a test draws slots, two of them are out of range (S and
-    -7) and must act as no adapter. Rows without an adapter: s zero, y copied bit for bit."""
+    """The kernels against the references: the shrink (twice, on fresh x: the second call proves
+    the split semaphores were put back to 0, and they must be all zero afterwards), then the
+    expand of the reference's s (so each kernel is judged alone). Where a test draws slots, two
+    of them are out of range (S and -7) and must act as no adapter. Rows without an adapter: s
+    zero, y copied bit for bit."""
     from compiled.linear import lora_kernels as lk
     dt = getattr(torch, dtype)
     x, a, b, scale, slot, y = problem(T, IN, slices, R, S, dt, seed=T + IN + R, slots=slots)
@@ -99,16 +105,20 @@ def kernel_case(T, IN, slices, R, S, dtype, slots, shrink_cfg, expand_cfg) -> di
         slot[3], slot[11] = S, -7
     scfg = None if shrink_cfg is None else lk.LoRAConfig(*shrink_cfg)
     ecfg = None if expand_cfg is None else lk.LoRAConfig(*expand_cfg)
+    first = problem(T, IN, slices, R, S, dt, seed=T + IN + R + 1, slots=slots)[0]
+    first_err = max_err(lk.lora_shrink_triton(first, a, slot, scfg), lora_shrink_ref(first, a, slot)) if T else 0.0
     s = lk.lora_shrink_triton(x, a, slot, scfg)
     s_ref = lora_shrink_ref(x, a, slot)
+    ws = lk._WORKSPACES.get(torch.device("cpu"))
+    clean = ws is None or not ws.semaphores.any().item()
     out = lk.lora_expand_triton(y, s_ref, b, scale, slot, slices, ecfg)
     out_ref = lora_expand_ref(y, s_ref, b, scale, slot, slices)
     none = (slot < 0) | (slot >= S)
-    ok = (s.dtype == torch.float32 and s.shape == (T, len(slices) * R) and out.dtype == dt and out.shape == y.shape
-          and bool((s[none] == 0).all()) and torch.equal(out[none], y[none]))
+    ok = (clean and s.dtype == torch.float32 and s.shape == (T, len(slices) * R) and out.dtype == dt
+          and out.shape == y.shape and bool((s[none] == 0).all()) and torch.equal(out[none], y[none]))
     if T == 0:
         return dict(err=0.0, tol=0.0, clean=ok)
-    err = max(max_err(s, s_ref), max_err(out, out_ref))
+    err = max(first_err, max_err(s, s_ref), max_err(out, out_ref))
     return dict(err=err, tol=TOL[dt], clean=ok)
 
 
@@ -252,6 +262,24 @@ def test_inductor_compiles_the_ops_as_opaque_calls(backend):
         return torch.ops.compiled.lora_expand(y * 2, s, b, scale, slot, [17, 9, 9]) + 1
     compiled_fn = torch.compile(fn, fullgraph=True, dynamic=False)
     torch.testing.assert_close(compiled_fn(x, a, b, scale, slot, y), fn(x, a, b, scale, slot, y))
+
+
+@pytest.mark.parametrize("T,NR,K", [(1, 48, 2048), (1, 16, 4096), (8, 32, 2048), (64, 48, 2048), (256, 48, 2048),
+                                    (1, 48, 200)])
+def test_shrink_heuristic_splits_decode_within_the_workspace(T, NR, K):
+    """Decode (up to SPLIT_MAX_T tokens) splits K so that at least ~SPLIT_PROGRAMS / 2 programs
+    stream a slot's weights, each split at least MIN_K_PER_SPLIT long; larger batches do not split."""
+    from compiled.linear import lora_kernels as lk
+    cfg = lk.shrink_config(T, NR, K)
+    lk._check_config(cfg)
+    blocks = -(-T // cfg.block_t) * -(-NR // cfg.block_n)
+    assert cfg.split_k * T * NR <= lk.WORKSPACE_FLOATS
+    if T > lk.SPLIT_MAX_T or K < 2 * lk.MIN_K_PER_SPLIT:
+        assert cfg.split_k == 1
+    else:
+        assert K // cfg.split_k >= lk.MIN_K_PER_SPLIT and blocks * cfg.split_k <= lk.SPLIT_PROGRAMS
+        assert cfg.split_k == lk.MAX_SPLIT_K or blocks * cfg.split_k * 2 > lk.SPLIT_PROGRAMS \
+            or K // (2 * cfg.split_k) < lk.MIN_K_PER_SPLIT
 
 
 # ----------------------------------------------------------------------------------------------

@@ -80,26 +80,32 @@ def test_kv_pressure_retracts_and_results_equal_alone(alone, monkeypatch):
     assert llm.engine.kv.num_used == 0
 
 
-def _retract_every(scheduler: Scheduler, period: int, limit: int) -> None:
+def _part_way_through_prompt(request: Request) -> bool:
+    return 0 < request.num_computed < len(request.prompt_token_ids)
+
+
+def _decoding(request: Request) -> bool:
+    return bool(request.output_token_ids)
+
+
+def _retract_every(scheduler: Scheduler, monkeypatch: pytest.MonkeyPatch, period: int, limit: int) -> None:
     """Before every `period`-th scheduling, retract a running request, `limit` times in all:
     alternately one part-way through its prompt and one decoding, the least retracted of its
     kind first. These are points KV pressure alone may not reach."""
     schedule, calls, times = scheduler.schedule, [0], Counter()
 
-    def mid_prompt(r: Request) -> bool:
-        return 0 < r.num_computed < len(r.prompt_token_ids)
-
     def retracting_schedule() -> Batch | None:
         calls[0] += 1
-        if calls[0] % period == 0 and sum(times.values()) < limit:
-            kind = mid_prompt if sum(times.values()) % 2 == 0 else (lambda r: bool(r.output_token_ids))
+        done = sum(times.values())
+        if calls[0] % period == 0 and done < limit:
+            kind = _part_way_through_prompt if done % 2 == 0 else _decoding
             candidates = [r for r in scheduler.running if kind(r)]
             if candidates:
                 victim = min(candidates, key=lambda r: times[r.id])
                 times[victim.id] += 1
                 scheduler.retract(victim)
         return schedule()
-    scheduler.schedule = retracting_schedule
+    monkeypatch.setattr(scheduler, "schedule", retracting_schedule)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
@@ -107,7 +113,7 @@ def test_forced_retractions_mid_prompt_and_mid_decode_equal_alone(overlap, alone
     llm = _llm(overlap_schedule=overlap, **TIGHT)
     scheduler = llm.engine.scheduler
     seen = _record_retractions(scheduler, monkeypatch)
-    _retract_every(scheduler, period=2, limit=10)
+    _retract_every(scheduler, monkeypatch, period=2, limit=10)
     _same_as_alone(llm.generate(PROMPTS, _params()), alone)
     mid_prompt = _mid_prompt(seen)
     assert mid_prompt, f"no retraction part-way through a prompt: {seen}"
