@@ -47,6 +47,9 @@ class Models:
     base: nn.Module
     lora: nn.Module | None
     report: BuildReport
+    # The LoRA graph's module before compilation: it owns the LoRA buffers by name (a compiled
+    # model holds the same tensors, unnamed), which the adapter pool writes.
+    lora_buffers: nn.Module | None = None
 
 
 def build_model(cfg: ModelConfig, path: str, config: EngineConfig) -> tuple[nn.Module, BuildReport]:
@@ -91,7 +94,7 @@ def build_models(cfg: ModelConfig, path: str, config: EngineConfig) -> Models:
     else:
         load_checkpoint(module, weights, path, tied_head=cfg.tie_word_embeddings)
     lap("load")
-    lora = _lora_graph(module, cfg, config) if config.lora else None
+    lora = lora_buffers = _lora_graph(module, cfg, config) if config.lora else None
     if lora is not None:
         lap("lora_graph")
     if use_graph and (config.use_compile or config.artifact):
@@ -105,7 +108,7 @@ def build_models(cfg: ModelConfig, path: str, config: EngineConfig) -> Models:
             from compiled.compilation.inductor import compile_model
             lora, _, _ = compile_model(lora, config.device, None, config.splitting_ops)
             lap("compile_lora")
-    return Models(module, lora, report)
+    return Models(module, lora, report, lora_buffers)
 
 
 def lora_pass(config: EngineConfig) -> GraphPass:

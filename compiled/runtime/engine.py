@@ -47,7 +47,8 @@ from compiled.runtime.tokenizer import Tokenizer
 
 class Engine:
     def __init__(self, model: nn.Module, mcfg: ModelConfig, cfg: EngineConfig, num_kv_slots: int,
-                 tokenizer: Tokenizer | None, eos_token_ids: set[int], lora_model: nn.Module | None = None) -> None:
+                 tokenizer: Tokenizer | None, eos_token_ids: set[int], lora_model: nn.Module | None = None,
+                 lora_buffers: nn.Module | None = None) -> None:
         self.model, self.model_config, self.cfg = model, mcfg, cfg
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
         self._eos_sorted = sorted(eos_token_ids)
@@ -56,7 +57,9 @@ class Engine:
         self.req_pool = ReqToTokenPool(cfg.max_num_seqs, cfg.max_model_len, cfg.device)
         self.scheduler = Scheduler(self.kv, self.req_pool, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.runner = ModelRunner(model, cfg, self.kv, self.req_pool, lora_model)
-        self.loras = None if lora_model is None else LoRAPool(lora_model, mcfg, cfg.max_lora_rank, cfg.max_loaded_loras)
+        # lora_buffers: the module that names the LoRA buffers (the LoRA graph before compilation).
+        self.loras = None if lora_model is None else LoRAPool(lora_buffers or lora_model, mcfg, cfg.max_lora_rank,
+                                                              cfg.max_loaded_loras)
         if self.loras is not None:
             self.scheduler.admit = self._acquire_adapter
         self.sampler = Sampler()

@@ -90,7 +90,7 @@ class LLM:
         self.model, self.build_report = models.base, models.report
         start = time.perf_counter()
         self.engine = Engine(self.model, self.model_config, self.config, num_kv_slots(self.model_config, self.config),
-                             self.tokenizer, eos_token_ids, models.lora)
+                             self.tokenizer, eos_token_ids, models.lora, models.lora_buffers)
         self.build_report.seconds["kv_cache"] = time.perf_counter() - start
         for name, path in (self.config.lora_modules or {}).items():
             self.load_lora(name, path)
@@ -132,6 +132,9 @@ class LLM:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        elif not isinstance(params, (list, tuple)):
+            raise TypeError(f"sampling_params: expected a SamplingParams or a list of them (one per prompt), "
+                            f"got {type(params).__name__}")
         elif len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         adapters = _per_prompt(lora, len(prompts))
