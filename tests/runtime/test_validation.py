@@ -110,8 +110,7 @@ def test_params_changed_after_construction_are_checked_at_generate(llm):
 def test_sampling_params_of_another_type_are_refused(llm):
     with pytest.raises(TypeError) as e:
         llm.generate(["copy hi:"], {"temperature": 0.0})
-    assert str(e.value) == ("sampling params of prompt 0: expected a SamplingParams (or a list of them, one per "
-                            "prompt), got str 'temperature'")
+    assert str(e.value) == "sampling_params: expected a SamplingParams or a list of them (one per prompt), got dict"
     assert not llm.engine.has_work
 
 
