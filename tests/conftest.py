@@ -29,6 +29,19 @@ def make_checkpoint(path, moe: bool = False, seed: int = 0, dtype=torch.float32,
     return str(path)
 
 
+def reduced_real_config(folder, name: str = "qwen3-30b-a3b", layers: int = 4) -> str:
+    """A folder with only the config.json of bench/configs/`name`, cut to `layers` layers (every
+    layer shape of the real model, for load_format="dummy")."""
+    import json
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "bench", "configs", name, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_hidden_layers"] = layers
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(folder)
+
+
 def hf_model(path: str, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()

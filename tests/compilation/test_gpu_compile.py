@@ -4,31 +4,23 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
 
 import pytest
 
 from compiled import LLM, SamplingParams
 from compiled.compilation.inductor import COMPILES
+from tests.conftest import reduced_real_config
 
 pytestmark = pytest.mark.gpu
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUCKETS = [1, 2, 4, 8, 16, 32]
 
 
 @pytest.fixture(scope="module")
 def reduced_30b(tmp_path_factory):
     """The Qwen3-30B-A3B shape with 4 layers (every layer shape of the real model)."""
-    with open(os.path.join(ROOT, "bench", "configs", "qwen3-30b-a3b", "config.json")) as f:
-        cfg = json.load(f)
-    cfg["num_hidden_layers"] = 4
-    folder = tmp_path_factory.mktemp("qwen3-30b-a3b-4l")
-    with open(folder / "config.json", "w") as f:
-        json.dump(cfg, f)
-    return str(folder)
+    return reduced_real_config(tmp_path_factory.mktemp("qwen3-30b-a3b-4l"))
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ and no recompilation over 200 random batch / adapter mixes after warm-up."""
 
 from __future__ import annotations
 
-import json
-import os
 import random
 
 import pytest
@@ -14,9 +12,9 @@ from compiled import LLM, SamplingParams
 from compiled.compilation.inductor import COMPILES
 from compiled.lora.random import random_adapter
 from tests.compilation.test_gpu_compile import _bf16_ulp
+from tests.conftest import reduced_real_config
 
 pytestmark = pytest.mark.gpu
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ADAPTERS = 5          # more than the slots: the pool swaps them in and out
 SLOTS = 4
 
@@ -24,17 +22,12 @@ SLOTS = 4
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """The Qwen3-30B-A3B shape with 4 layers, LoRA on, compiled + graphs and uncompiled."""
-    with open(os.path.join(ROOT, "bench", "configs", "qwen3-30b-a3b", "config.json")) as f:
-        cfg = json.load(f)
-    cfg["num_hidden_layers"] = 4
-    folder = tmp_path_factory.mktemp("qwen3-30b-a3b-4l-lora")
-    with open(folder / "config.json", "w") as f:
-        json.dump(cfg, f)
+    folder = reduced_real_config(tmp_path_factory.mktemp("qwen3-30b-a3b-4l-lora"))
     common = dict(device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=1024, max_num_seqs=32,
                   max_num_batched_tokens=2048, kv_cache_tokens=16384, seed=3, enable_lora=True,
                   max_lora_rank=16, max_loras_per_batch=SLOTS)
-    fast = LLM(str(folder), compile=True, cuda_graph_buckets=[1, 2, 4, 8, 16, 32], **common)
-    plain = LLM(str(folder), compile=False, cuda_graph_buckets=[], **common)
+    fast = LLM(folder, compile=True, cuda_graph_buckets=[1, 2, 4, 8, 16, 32], **common)
+    plain = LLM(folder, compile=False, cuda_graph_buckets=[], **common)
     for llm in (fast, plain):
         for i in range(ADAPTERS):
             llm.add_lora(random_adapter(f"a{i}", llm.model_config, 16, seed=i))
