@@ -1,5 +1,5 @@
 """Multi-LoRA serving: PEFT adapter loading and normalisation (adapter.py; merge.py folds one into
-base weights for oracles), and, later, the GPU slot pool."""
+base weights for oracles), and the adapter slot pool with its CPU tier (pool.py)."""
 
 from compiled.lora.adapter import load_adapter
 from compiled.lora.weights import Adapter, ExpertLoRAWeight, LoRAError, LoRAWeight
