@@ -166,3 +166,27 @@ def add_rms_norm_row(x, d, NW, H, NORMED, cols, mask, K, eps):
     rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / K + eps)
     nw = tl.load(NW + cols, mask=mask, other=0.0)
     tl.store(NORMED + cols, rms_normed(h, rstd, nw).to(x.dtype), mask=mask)
+
+
+@triton.jit
+def masked_dot_t(acc, x_ptrs, a_ptrs, rows, cols, k_start, k_end, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """`acc + x[rows, k_start:k_end] @ a[cols, k_start:k_end].T` in BLOCK_K steps, `x_ptrs` /
+    `a_ptrs` pointing at the first K element of each row; masked rows and columns read zeros
+    (the LoRA shrinks of the linear and the MoE share it). EVEN_K: the range is whole blocks."""
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=rows[:, None], other=0.0)
+            a = tl.load(a_ptrs, mask=cols[:, None], other=0.0)
+        else:
+            k_ok = (k0 + offs_k) < k_end
+            x = tl.load(x_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=cols[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:
+            x = x.to(tl.float32)
+            a = a.to(tl.float32)
+        acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    return acc

@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from compiled.linear import LORA_MAX_SLICES as MAX_SLICES
-from compiled.triton_utils import interpreter_upcast, interpreting, launch_kwargs, pdl_wait
+from compiled.triton_utils import interpreter_upcast, interpreting, launch_kwargs, masked_dot_t, pdl_wait
 
 MIN_BLOCK = 16   # tl.dot's smallest tile side
 MAX_SPLIT_K = 16
@@ -168,21 +168,8 @@ def _lora_shrink_kernel(X, A, OUT, SLOT, Partials, Semaphores, T, NR, K, S, K_PE
             x_ptrs = X + offs_t.to(tl.int64)[:, None] * stride_xt + (k_start + offs_k)[None, :]
             a_ptrs = (A + s.to(tl.int64) * stride_as + offs_n.to(tl.int64)[:, None] * stride_an
                       + (k_start + offs_k)[None, :])
-            acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-            for k0 in range(k_start, k_end, BLOCK_K):
-                if EVEN_K:
-                    x = tl.load(x_ptrs, mask=rows[:, None], other=0.0)
-                    a = tl.load(a_ptrs, mask=in_n[:, None], other=0.0)
-                else:
-                    k_ok = (k0 + offs_k) < k_end
-                    x = tl.load(x_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
-                    a = tl.load(a_ptrs, mask=in_n[:, None] & k_ok[None, :], other=0.0)
-                if UPCAST:
-                    x = x.to(tl.float32)
-                    a = a.to(tl.float32)
-                acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)
-                x_ptrs += BLOCK_K
-                a_ptrs += BLOCK_K
+            acc = masked_dot_t(tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32), x_ptrs, a_ptrs, rows, in_n,
+                               k_start, k_end, BLOCK_K, EVEN_K, UPCAST, PRECISION)
             if SPLIT_K == 1:
                 tl.store(o_ptrs, acc, mask=o_mask)
             else:

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from compiled.moe.fused_moe_kernels import _block
-from compiled.triton_utils import pdl_wait
+from compiled.triton_utils import masked_dot_t, pdl_wait
 
 
 @triton.jit
@@ -108,21 +108,8 @@ def moe_lora_shrink_kernel(X, A, OUT, SLOT, sorted_ptr, expert_ids_ptr, num_post
             else:
                 x_ptrs = X + pos[:, None] * stride_xm + offs_k[None, :]
             a_ptrs = A + s.to(tl.int64) * stride_as + expert * stride_ae + offs_n[:, None] * stride_an + offs_k[None, :]
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                if EVEN_K:
-                    x = tl.load(x_ptrs, mask=rows[:, None], other=0.0)
-                    a = tl.load(a_ptrs, mask=n_ok[:, None], other=0.0)
-                else:
-                    k_ok = (k0 + offs_k) < K
-                    x = tl.load(x_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
-                    a = tl.load(a_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-                if DOT_FP32:
-                    x = x.to(tl.float32)
-                    a = a.to(tl.float32)
-                acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)
-                x_ptrs += BLOCK_K
-                a_ptrs += BLOCK_K
+            acc = masked_dot_t(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptrs, a_ptrs, rows, n_ok, 0, K,
+                               BLOCK_K, EVEN_K, DOT_FP32, PRECISION)
             tl.store(OUT + pos[:, None] * stride_om + offs_n[None, :], acc, mask=rows[:, None] & n_ok[None, :])
 
 
