@@ -17,7 +17,7 @@ import torch
 
 from cli import bench_core as core
 from compiled import LLM
-from compiled.lora.random import TARGETS, random_adapter
+from compiled.lora.random import TARGETS
 
 
 def main() -> None:
@@ -36,17 +36,15 @@ def main() -> None:
     start = time.perf_counter()
     llm = LLM(a.model, load_format="dummy", enable_lora=True, max_lora_rank=a.rank, max_loras_per_batch=a.num_loras,
               max_num_seqs=max(batches), max_model_len=a.input_len + a.output_len + 16)
-    for i in range(a.num_loras):
-        llm.add_lora(random_adapter(f"r{i}", llm.model_config, a.rank, a.targets, seed=i,
-                                    device=llm.config.device))
+    names = core.add_random_loras(llm, a.num_loras, a.rank, a.targets, seed=0)
     record = {"model": a.model, "environment": core.environment(llm.config.device), "num_loras": a.num_loras,
               "rank": a.rank, "targets": a.targets, "startup_s": time.perf_counter() - start,
               "startup_stages_s": llm.startup_seconds, "decode": {}}
     print(f"started in {record['startup_s']:.1f} s", flush=True)
     for b in batches:
-        names = [f"r{i % a.num_loras}" for i in range(b)]
+        loras = [names[i % a.num_loras] for i in range(b)]
         base, _ = core.latency(llm, b, a.input_len, a.output_len, a.iters, 1, 0)
-        lora, _ = core.latency(llm, b, a.input_len, a.output_len, a.iters, 1, 0, loras=names)
+        lora, _ = core.latency(llm, b, a.input_len, a.output_len, a.iters, 1, 0, loras=loras)
         p50 = base["decode_step_ms"]["p50"], lora["decode_step_ms"]["p50"]
         record["decode"][b] = {"base": base, "lora": lora}
         print(f"batch {b}: decode p50 base {p50[0]:.3f} ms, {min(b, a.num_loras)} adapters {p50[1]:.3f} ms "

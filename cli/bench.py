@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from cli.bench_core import LORA_DISTS
 from cli.engine_options import DEFAULTS, build_llm, engine_config, engine_parameter
 from cli.errors import fail_cleanly
 
@@ -46,6 +47,11 @@ COMMON = [
                                           "max_num_batched_tokens", "kv_cache_tokens", "mem_fraction",
                                           "enforce_eager", "compile", "artifact", "overlap_schedule")),
     _opt("seed", int, DEFAULTS.seed, "Seed for weights (dummy), prompts and arrival times."),
+    _opt("num_loras", int, 0, "Random adapters in the model's real shapes (no files); 0: no LoRA."),
+    _opt("lora_rank", int, 16, "Rank of the random adapters."),
+    _opt("lora_targets", str, "all", "Projections the adapters change: all (attention, MLP, experts), attn, mlp."),
+    _opt("lora_dist", str, "uniform", "How requests pick adapters: uniform, zipf or one (all the first)."),
+    engine_parameter("max_loras_per_batch"),
     _opt("json_path", Optional[Path], None, "Write machine-readable results here.", "--json"),
     _opt("profile", Optional[Path], None, "Profile a few steps: Chrome trace into this folder + top-15 ops table."),
     _opt("profile_steps", int, 5, "Steps to profile with --profile."),
@@ -83,14 +89,26 @@ def _at_least(o: SimpleNamespace, name: str, low: int) -> None:
 def _check_common(o: SimpleNamespace) -> None:
     _check(o.compare is None or o.compare in COMPARE,
            f"--compare {o.compare!r} is not supported (choose from: {', '.join(COMPARE)})")
-    for name, low in (("max_num_seqs", 1), ("max_num_batched_tokens", 1), ("max_model_len", 2),
+    _check(o.lora_dist in LORA_DISTS, f"--lora-dist {o.lora_dist!r}: choose from {', '.join(LORA_DISTS)}")
+    _check(o.lora_targets in ("all", "attn", "mlp"), f"--lora-targets {o.lora_targets!r}: choose from all, attn, mlp")
+    for name, low in (("num_loras", 0), ("lora_rank", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
+                      ("max_model_len", 2),
                       ("kv_cache_tokens", 1), ("profile_steps", 1)):
         _at_least(o, name, low)
     _check(0 < o.mem_fraction <= 1, f"--mem-fraction must be in (0, 1], got {o.mem_fraction}")
 
 
 def _engine_args(o: SimpleNamespace):
-    return engine_config(vars(o))
+    lora = dict(enable_lora=True, max_lora_rank=o.lora_rank) if o.num_loras else {}
+    return engine_config(vars(o), **lora)
+
+
+def _build(command: str, o: SimpleNamespace) -> "Run":
+    """The engine for `command`, with `--num-loras` random adapters added."""
+    from cli import bench_core as core
+    run = Run(command, o, build_llm(_engine_args(o)))
+    run.loras = core.add_random_loras(run.llm, o.num_loras, o.lora_rank, o.lora_targets, o.seed)
+    return run
 
 
 # ---- formatting -------------------------------------------------------------------------------
@@ -186,6 +204,8 @@ class Run:
         self.results: dict = {}
         self.compare: dict | None = None
         self.profile: dict | None = None
+        self.loras: list[str] = []                 # the random adapters served (--num-loras)
+        self.lora_requests: dict[str, int] = {}    # requests per adapter ("base": none)
         self.console = Console(highlight=False)
 
     def title(self, workload: str) -> str:
@@ -224,7 +244,7 @@ class Run:
             write_json(self.o.json_path, {
                 "command": self.command, "model": self.info["model"], "model_info": self.info,
                 "env": environment(self.device), "options": options, "results": self.results,
-                "compare": self.compare, "profile": self.profile})
+                "compare": self.compare, "profile": self.profile, "lora_requests": self.lora_requests})
             Console(stderr=True).print(f"[dim]wrote {self.o.json_path}[/dim]")
 
 
@@ -251,15 +271,17 @@ def latency(
     _check(o.batch_size <= o.max_num_seqs, f"--batch-size {o.batch_size} exceeds --max-num-seqs {o.max_num_seqs}")
     _check(o.bandwidth is None or o.bandwidth > 0, f"--bandwidth must be positive, got {o.bandwidth}")
     bw = core.bandwidth(resolve_device(o.device), o.bandwidth)   # before the model takes the memory
-    run = Run("latency", o, build_llm(_engine_args(o)))
+    run = _build("latency", o)
     context = run.llm.engine.max_context
     _check(o.input_len + o.output_len <= context, f"--input-len {o.input_len} + --output-len {o.output_len} exceed "
                                                   f"the context of {context} tokens (raise --max-model-len)")
     core.check_batch_fits(run.llm.engine, o.batch_size, o.input_len, o.output_len)
     with _progress("latency") as bar:
         task = bar.add_task("steps", total=o.num_iters * o.output_len)
+        loras = core.assign_loras(o.batch_size, run.loras, o.lora_dist, o.seed)
         res, prompts = core.latency(run.llm, o.batch_size, o.input_len, o.output_len, o.num_iters,
-                                    o.num_iters_warmup, o.seed, on_step=lambda: bar.advance(task))
+                                    o.num_iters_warmup, o.seed, on_step=lambda: bar.advance(task), loras=loras)
+        run.lora_requests = _lora_counts(loras)
     res["roofline"] = core.roofline(run.llm, o.batch_size, o.input_len, o.output_len,
                                     _p(res["decode_step_ms"]), bw)
     run.results = res
@@ -317,6 +339,14 @@ def _check_workload(o: SimpleNamespace) -> None:
     _check(o.dataset is None or o.dataset.is_file(), f"--dataset {o.dataset}: file not found")
 
 
+def _lora_counts(loras: list[str | None]) -> dict[str, int]:
+    """Requests per adapter ("base": none), for the JSON."""
+    counts: dict[str, int] = {}
+    for name in loras:
+        counts[name or "base"] = counts.get(name or "base", 0) + 1
+    return counts
+
+
 def _workload(run: Run) -> tuple[list, str]:
     """The requests (validated, so a bad one fails before anything is timed) and a description."""
     from cli import bench_core as core
@@ -329,6 +359,10 @@ def _workload(run: Run) -> tuple[list, str]:
                                      o.output_len_max, run.llm.model_config.vocab_size, o.seed)
         what = (f"input {o.input_len}" + (f"-{o.input_len_max}" if o.input_len_max else "")
                 + f", output {o.output_len}" + (f"-{o.output_len_max}" if o.output_len_max else ""))
+    loras = core.assign_loras(len(items), run.loras, o.lora_dist, o.seed)
+    for item, lora in zip(items, loras):
+        item.lora = lora
+    run.lora_requests = _lora_counts(loras)
     core.make_requests(run.llm.engine, items)
     if o.warmup:
         core.warm_up(run.llm, items)
@@ -361,7 +395,7 @@ def throughput(
 ) -> None:
     from cli import bench_core as core
     _check_workload(o)
-    run = Run("throughput", o, build_llm(_engine_args(o)))
+    run = _build("throughput", o)
     items, workload = _workload(run)
     with _progress("throughput") as bar:
         task = bar.add_task("requests", total=len(items))
@@ -408,7 +442,7 @@ def serving(
     _check(o.request_rate > 0, f"--request-rate must be positive (or inf), got {o.request_rate}")
     _at_least(o, "max_concurrency", 1)
     _check_workload(o)
-    run = Run("serving", o, build_llm(_engine_args(o)))
+    run = _build("serving", o)
     items, workload = _workload(run)
     with _progress("serving") as bar:
         task = bar.add_task("requests", total=len(items))

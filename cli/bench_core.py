@@ -102,6 +102,31 @@ class KVPeak:
 class Item:
     prompt: Prompt
     output_len: int
+    lora: str | None = None      # the adapter the request runs with
+
+
+LORA_DISTS = ("uniform", "zipf", "one")
+
+
+def add_random_loras(llm, num: int, rank: int, targets: str, seed: int) -> list[str]:
+    """`num` random adapters of `rank` on `targets` in the model's real shapes; their names."""
+    from compiled.lora.random import random_adapter
+    names = [f"lora{i}" for i in range(num)]
+    for i, name in enumerate(names):
+        llm.add_lora(random_adapter(name, llm.model_config, rank, targets, seed=seed + i, device=llm.config.device))
+    return names
+
+
+def assign_loras(n: int, names: list[str], dist: str, seed: int) -> list[str | None]:
+    """Each of `n` requests' adapter: uniform over `names`, Zipf (the i-th twice as likely as the
+    2i-th), or the first for all; every request runs the base model when `names` is empty."""
+    if not names:
+        return [None] * n
+    if dist == "one":
+        return [names[0]] * n
+    rng = random.Random(seed)
+    weights = [1.0 / (i + 1) for i in range(len(names))] if dist == "zipf" else None
+    return rng.choices(names, weights=weights, k=n)
 
 
 def random_ids(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -144,7 +169,7 @@ def read_dataset(path: Path, output_len: int, output_len_max: int | None, seed: 
 
 def make_requests(engine, items: Sequence[Item]) -> list:
     """Validate and tokenize every item (a bad one fails before anything is queued)."""
-    requests = [engine.make_request(i, it.prompt, greedy(it.output_len)) for i, it in enumerate(items)]
+    requests = [engine.make_request(i, it.prompt, greedy(it.output_len), it.lora) for i, it in enumerate(items)]
     for i, (r, it) in enumerate(zip(requests, items)):
         if len(r.prompt_token_ids) + it.output_len > engine.max_context:
             raise ValueError(f"request {i}: input {len(r.prompt_token_ids)} + output {it.output_len} tokens "

@@ -194,6 +194,21 @@ def test_latency(model_args, tmp_path):
     assert rf["fraction_of_roofline"] == pytest.approx(rf["floor_ms"] / r["decode_step_ms"]["p50"])
 
 
+def test_latency_and_throughput_with_random_adapters(model_args, tmp_path):
+    """--num-loras random adapters in the real shapes; requests spread over them as --lora-dist says."""
+    out = tmp_path / "lora.json"
+    rec = _bench("latency", *model_args, *SMALL, "--batch-size", "4", "--input-len", "8", "--output-len", "4",
+                 "--num-iters", "1", "--num-iters-warmup", "0", "--num-loras", "2", "--lora-rank", "4",
+                 "--lora-dist", "one", "--json", str(out))
+    assert rec["options"]["num_loras"] == 2 and rec["lora_requests"] == {"lora0": 4}
+    assert rec["results"]["decode_steps"] == 3 and rec["results"]["decode_steps_not_full"] == 0
+    rec = _bench("throughput", *model_args, *SMALL, "--num-prompts", "12", "--input-len", "8", "--output-len", "3",
+                 "--num-loras", "3", "--lora-rank", "4", "--lora-targets", "attn", "--max-loras-per-batch", "2",
+                 "--json", str(out))
+    assert sum(rec["lora_requests"].values()) == 12 and set(rec["lora_requests"]) <= {"lora0", "lora1", "lora2"}
+    assert rec["results"]["output_tokens"] == 12 * 3
+
+
 def test_latency_compare_hf(model_args, tmp_path):
     out = tmp_path / "latency_hf.json"
     result_args = ("latency", *model_args, *SMALL, "--batch-size", "2", "--input-len", "16", "--output-len", "8",
