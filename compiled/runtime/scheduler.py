@@ -24,6 +24,7 @@ class Chunk:
     start: int              # first token position computed in this step
     length: int             # tokens computed in this step
     slots: np.ndarray       # their KV slots (host int64)
+    readmitted: bool = False  # admitted by this step after a retraction (rollback restores the mark)
 
     @property
     def samples(self) -> bool:
@@ -87,10 +88,12 @@ class Scheduler:
             if not self.admit(request):  # e.g. its adapter has no free slot: FCFS, later ones wait too
                 break
             self.waiting.popleft()
+            readmitted = request.id in self._retracted
             self._retracted.discard(request.id)
             request.row = self.req_pool.alloc()
             self.running.append(request)
             chunks.append(self._chunk(request, n, self.kv.alloc(n)))
+            chunks[-1].readmitted = readmitted
             budget -= n
         if not chunks and self.running:
             # Every running request is a prefill waiting for room: the oldest takes what is free,
@@ -208,6 +211,8 @@ class Scheduler:
             request.num_computed = chunk.start
             if chunk.start == 0:  # its first chunk: admitted by this batch
                 admitted.append(request)
+                if chunk.readmitted:  # waits again under the whole-fit rule of a retracted request
+                    self._retracted.add(request.id)
         for request in admitted:  # newest first, so the oldest ends up in front
             self._release(request)
             self.waiting.appendleft(request)

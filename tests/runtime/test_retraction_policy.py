@@ -127,3 +127,26 @@ def test_retracted_request_returns_only_when_it_fits_whole():
     assert _step(s) == [(0, 8, 1)]           # a finishes
     assert _step(s) == [(1, 0, 4)]
     assert s.num_retractions == 1
+
+
+def test_rollback_keeps_a_readmitted_request_marked_as_retracted():
+    """A step that fails after readmitting a retracted request puts it back under the rule for
+    retracted requests (it returns only when it fits whole), not the looser rule of new ones."""
+    s = _scheduler(slots=12, budget=4)
+    a, b = _request(0, 4, out=6), _request(1, 4, out=8)
+    s.add(a)
+    s.add(b)
+    for _ in range(5):
+        _step(s)
+    assert s.waiting[0] is b and b.id in s._retracted
+    for _ in range(2):                       # a finishes; b is readmitted
+        batch = s.schedule()
+        if any(c.request is b for c in batch.chunks):
+            break
+        for c in batch.chunks:
+            c.request.output_token_ids.append(3)
+            if len(c.request.output_token_ids) == c.request.params.max_new_tokens:
+                s.finish(c.request)
+    assert any(c.request is b and c.readmitted for c in batch.chunks) and b.id not in s._retracted
+    s.rollback(batch)
+    assert s.waiting[0] is b and b.id in s._retracted and b.num_computed == 0
