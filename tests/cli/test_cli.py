@@ -74,3 +74,22 @@ def test_bad_prompts_file_names_the_line(ckpt, tmp_path):
 def test_debug_shows_traceback():
     result = _run("/nonexistent/model", "-p", "x", "--debug")
     assert result.exit_code != 0 and result.exception is not None
+
+
+def test_demo_adapters_by_name_and_per_line_adapters(tmp_path):
+    """With the demo model a shipped adapter loads by name alone; --adapter picks one for the
+    --prompt prompts and a prompts-file line names its own."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "copy Bird wax:", "lora": "first"}\n{"prompt": "copy Bird wax:"}\n')
+    result = _run("--lora", "upper", "--lora", "first", "--adapter", "upper", "--prompt", "copy Bird wax:",
+                  "--prompts-file", str(prompts), "--json", "--max-new-tokens", "8", "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    texts = [json.loads(line)["text"] for line in result.stdout.splitlines() if line.startswith("{")]
+    assert texts == [" BIRD WA", " Bird", " Bird wa"]   # upper, first (then EOS), base
+
+
+def test_lora_without_a_path_outside_the_demo_model_is_one_line(ckpt):
+    result = _run(ckpt, "--lora", "mine", "--prompt", "x", "--device", "cpu")
+    assert result.exit_code == 1
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "--lora 'mine': expected NAME=PATH" in lines[0]
