@@ -190,3 +190,34 @@ def masked_dot_t(acc, x_ptrs, a_ptrs, rows, cols, k_start, k_end, BLOCK_K: tl.co
         x_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
     return acc
+
+
+@triton.jit
+def slot_stacked_delta(acc, S_IN, B, SCALE, slots, rows, cols, cols_ok, expert, col0, R,
+                       stride_s, stride_bs, stride_be, stride_bc, stride_scale, scale_col,
+                       SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
+                       PRECISION: tl.constexpr, LOW_PRECISION: tl.constexpr):
+    """acc + each row's LoRA expand: scale[s, scale_col] * S_IN[rows, col0:col0+R] @
+    B[s, expert, cols, :R].T, s the row's slot (-1: none), as dots over the slots stacked along
+    K (k = s * BLOCK_R + r). The rows' shrink outputs go into a `[rows, KC]` tile that is zero
+    outside each row's own slot block, every slot's B rows into a `[KC, cols]` tile (slots absent
+    from the block masked, so not read): the loads of all slots go out at once. LOW_PRECISION:
+    the dot in B's 16-bit dtype, else in fp32 at PRECISION (the linear and the MoE expands share it)."""
+    rows64 = rows.to(tl.int64)
+    cols64 = cols.to(tl.int64)
+    for c in tl.static_range(SLOTS_PAD * BLOCK_R // KC):
+        k = c * KC + tl.arange(0, KC)
+        slot_k = k // BLOCK_R
+        r = k % BLOCK_R
+        r_ok = r < R
+        hit = slots[:, None] == slot_k[None, :]
+        present = tl.sum(hit.to(tl.int32), axis=0) > 0
+        sr = tl.load(S_IN + rows64[:, None] * stride_s + (col0 + r)[None, :], mask=hit & r_ok[None, :], other=0.0)
+        sc = tl.load(SCALE + slot_k * stride_scale + scale_col, mask=present, other=0.0)
+        b = tl.load(B + slot_k.to(tl.int64)[:, None] * stride_bs + expert * stride_be + cols64[None, :] * stride_bc
+                    + r[:, None], mask=(present & r_ok)[:, None] & cols_ok[None, :], other=0.0)
+        if LOW_PRECISION:
+            acc = tl.dot((sr * sc[None, :]).to(b.dtype), b, acc)
+        else:
+            acc = tl.dot(sr * sc[None, :], b.to(tl.float32), acc, input_precision=PRECISION)
+    return acc

@@ -49,7 +49,8 @@ import triton
 import triton.language as tl
 
 from compiled.linear import LORA_MAX_SLICES as MAX_SLICES
-from compiled.triton_utils import interpreter_upcast, interpreting, launch_kwargs, masked_dot_t, pdl_wait
+from compiled.triton_utils import (interpreter_upcast, interpreting, launch_kwargs, masked_dot_t, pdl_wait,
+                                   slot_stacked_delta)
 
 MIN_BLOCK = 16   # tl.dot's smallest tile side
 MAX_SPLIT_K = 16
@@ -229,22 +230,9 @@ def _lora_expand_kernel(Y, SIN, B, SCALE, SLOT, OUT_PTR, T, OUT, R, S, O1, O2, O
             hi = _bound(i + 1, O1, O2, O3, OUT, N)
             if (lo < block_lo + BLOCK_O) & (hi > block_lo):
                 cols = in_o & (offs_o >= lo) & (offs_o < hi)
-                for c in tl.static_range(SLOTS_PAD * BLOCK_R // KC):
-                    k = c * KC + tl.arange(0, KC)
-                    slot_k = k // BLOCK_R
-                    r = k % BLOCK_R
-                    r_ok = r < R
-                    hit = slots[:, None] == slot_k[None, :]
-                    present = tl.sum(hit.to(tl.int32), axis=0) > 0
-                    sr = tl.load(SIN + t64[:, None] * stride_st + (i * R + r)[None, :], mask=hit & r_ok[None, :],
-                                 other=0.0)
-                    sr = sr * tl.load(SCALE + slot_k * stride_ss + i, mask=present, other=0.0)[None, :]
-                    b = tl.load(B + slot_k.to(tl.int64)[:, None] * stride_bs + offs_o.to(tl.int64)[None, :] * stride_bo
-                                + r[:, None], mask=(present & r_ok)[:, None] & cols[None, :], other=0.0)
-                    if FP32_DOT:
-                        acc = tl.dot(sr, b.to(tl.float32), acc, input_precision="ieee")
-                    else:
-                        acc = tl.dot(sr.to(b.dtype), b, acc)
+                acc = slot_stacked_delta(acc, SIN, B, SCALE, slots, t64, offs_o, cols, 0, i * R, R, stride_st,
+                                         stride_bs, 0, stride_bo, stride_ss, i, SLOTS_PAD, BLOCK_R, KC, "ieee",
+                                         not FP32_DOT)
     tl.store(OUT_PTR + t64[:, None] * stride_ot + offs_o[None, :], acc.to(y.dtype), mask=mask)
 
 

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from compiled.moe.fused_moe_kernels import _block
-from compiled.triton_utils import masked_dot_t, pdl_wait
+from compiled.triton_utils import masked_dot_t, pdl_wait, slot_stacked_delta
 
 
 @triton.jit
@@ -55,29 +55,11 @@ def _lora_delta(acc, S_IN, B, SCALE, slots, pos, expert, offs_n, n_ok, col0, R,
                 stride_sm, stride_bs, stride_be, stride_bn, scale_col,
                 SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr, DELTA_PRECISION: tl.constexpr,
                 DELTA_16BIT: tl.constexpr):
-    """acc + each row's delta scale[s, scale_col] * S_IN[pos, col0:col0+R] @ B[s, e, offs_n, :R].T,
-    s the row's slot (-1: none), as dots over the slots stacked along K: k = s * BLOCK_R + r. The
-    rows' shrink outputs go into a `[rows, KC]` tile that is zero outside each row's own slot
-    block, every slot's B rows into a `[KC, columns]` tile (slots absent from the block masked,
-    so not read), KC columns of K a dot: the loads of all slots go out at once."""
-    pos64 = pos.to(tl.int64)
-    offs_n64 = offs_n.to(tl.int64)
-    for c in tl.static_range(SLOTS_PAD * BLOCK_R // KC):
-        k = c * KC + tl.arange(0, KC)
-        slot_k = k // BLOCK_R
-        r = k % BLOCK_R
-        r_ok = r < R
-        hit = slots[:, None] == slot_k[None, :]
-        present = tl.sum(hit.to(tl.int32), axis=0) > 0
-        sr = tl.load(S_IN + pos64[:, None] * stride_sm + (col0 + r)[None, :], mask=hit & r_ok[None, :], other=0.0)
-        sc = tl.load(SCALE + slot_k * 3 + scale_col, mask=present, other=0.0)
-        b = tl.load(B + slot_k.to(tl.int64)[:, None] * stride_bs + expert * stride_be + offs_n64[None, :] * stride_bn
-                    + r[:, None], mask=(present & r_ok)[:, None] & n_ok[None, :], other=0.0)
-        if DELTA_16BIT:
-            acc = tl.dot((sr * sc[None, :]).to(b.dtype), b, acc)
-        else:
-            acc = tl.dot(sr * sc[None, :], b.to(tl.float32), acc, input_precision=DELTA_PRECISION)
-    return acc
+    """acc + each pair's delta scale[s, scale_col] * S_IN[pos, col0:col0+R] @ B[s, e, offs_n, :R].T
+    (`slot_stacked_delta`; SCALE `[S, 3]`)."""
+    return slot_stacked_delta(acc, S_IN, B, SCALE, slots, pos, offs_n, n_ok, expert, col0, R, stride_sm, stride_bs,
+                              stride_be, stride_bn, 3, scale_col, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION,
+                              DELTA_16BIT)
 
 
 @triton.jit(do_not_specialize=["num_valid"])
