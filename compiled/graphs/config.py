@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
 from compiled.errors import ConfigError
+from compiled.json_file import read_json_object
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # model_type -> architecture, for a config.json without "architectures" (what a bare
@@ -69,14 +69,7 @@ class ModelConfig:
         file = os.path.join(path, "config.json") if os.path.isdir(path) else path
         if not os.path.exists(file):
             raise ConfigError(f"{file}: config.json not found")
-        try:
-            with open(file) as f:
-                raw = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{file}: malformed JSON ({e})") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{file}: expected a JSON object, got {type(raw).__name__}")
-        return cls.from_dict(raw, source=file)
+        return cls.from_dict(read_json_object(file), source=file)
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":

@@ -8,12 +8,12 @@ the adapter, its folder and the file, field or tensor at fault."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
 
 from compiled.graphs.config import ModelConfig
+from compiled.json_file import read_json_object
 from compiled.lora import layouts
 from compiled.lora.peft_config import PeftLoraConfig, read_config
 from compiled.lora.weights import Adapter, ExpertLoRAWeight, LoRAError, LoRAWeight
@@ -90,12 +90,8 @@ def _check_added_tokens(path: str, model_config: ModelConfig, fail) -> None:
     file = os.path.join(path, "added_tokens.json")
     if not os.path.exists(file):
         return
-    try:
-        with open(file) as f:
-            added = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise fail(f"{file}: malformed JSON ({e})") from None
-    if not isinstance(added, dict) or not all(isinstance(v, int) for v in added.values()):
+    added = read_json_object(file, fail)
+    if not all(isinstance(v, int) for v in added.values()):
         raise fail(f"{file}: expected an object of token -> id")
     new = sorted((i, t) for t, i in added.items() if i >= model_config.vocab_size)
     if new:

@@ -11,7 +11,6 @@ its parameter targeting (`target_parameters`: the name or a suffix after a dot) 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from compiled.graphs.config import ModelConfig
+from compiled.json_file import read_json_object
 
 ALL_LINEAR = "all-linear"
 
@@ -176,13 +176,7 @@ def read_config(file: str, model: ModelConfig, fail: Callable[[str], Exception])
     """Parse and check `file`; `fail(msg)` builds the error to raise (it names the adapter)."""
     if not os.path.isfile(file):
         raise fail(f"{file} not found")
-    try:
-        with open(file) as f:
-            raw = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise fail(f"{file}: malformed JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise fail(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    raw = read_json_object(file, fail)
 
     def bad(field: str, why: str) -> Exception:
         return fail(f"{file}: field {field!r} {why}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import functools
 import gc
-import json
 import os
 import time
 from typing import Sequence
@@ -14,6 +13,7 @@ import torch
 
 from compiled import envs
 from compiled.errors import ConfigError
+from compiled.json_file import read_json_object
 from compiled.graphs.config import ModelConfig
 from compiled.runtime.backends import configure_backends
 from compiled.runtime.build import artifact_manifest, build_models
@@ -104,13 +104,7 @@ class LLM:
         ids = set(self.model_config.eos_token_ids)
         gen_file = os.path.join(self.model_path, "generation_config.json")
         if os.path.exists(gen_file):
-            try:
-                with open(gen_file, encoding="utf-8") as f:
-                    gen = json.load(f)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ConfigError(f"{gen_file}: malformed JSON ({e})") from None
-            if not isinstance(gen, dict):
-                raise ConfigError(f"{gen_file}: expected a JSON object, got {type(gen).__name__}")
+            gen = read_json_object(gen_file)
             eos = gen.get("eos_token_id")
             eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
             if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t for t in eos):

@@ -17,7 +17,6 @@ Two on-disk formats are supported, both fully offline:
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -28,6 +27,7 @@ from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
 from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
 
 from compiled.errors import ConfigError
+from compiled.json_file import read_json_object
 
 __all__ = ["SentencePieceTokenizer", "Tokenizer", "has_tokenizer", "load_tokenizer"]
 
@@ -72,24 +72,13 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     return Tokenizer(hf)
 
 
-def _read_json(file: Path) -> dict:
-    """The JSON object in `file`; anything else is a ConfigError naming the file."""
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{file}: malformed JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{file}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
 def _culprit(folder: Path, main_file: Path, error: Exception) -> ConfigError:
     """The error naming the tokenizer file that made loading fail: the first malformed JSON file,
     else `main_file` (the folder, or the sentencepiece model) with the loader's own message."""
     for name in _JSON_FILES:
         if (folder / name).is_file():
             try:
-                _read_json(folder / name)
+                read_json_object(folder / name)
             except ConfigError as e:
                 return e
     first = str(error).splitlines()[0] if str(error) else ""
@@ -100,7 +89,7 @@ def _configured_class(folder: Path) -> type | None:
     config_file = folder / "tokenizer_config.json"
     if not config_file.is_file():
         return None
-    name = _read_json(config_file).get("tokenizer_class")
+    name = read_json_object(config_file).get("tokenizer_class")
     return tokenizer_class_from_name(name) if isinstance(name, str) else None
 
 
