@@ -59,6 +59,13 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    def projection_shape(self, proj: str, expert: bool = False) -> tuple[int, int]:
+        """(in, out) of a projection of a layer (`expert`: of one MoE expert)."""
+        h, inter = self.hidden_size, self.moe_intermediate_size if expert else self.intermediate_size
+        return {"q_proj": (h, self.q_size), "k_proj": (h, self.kv_size), "v_proj": (h, self.kv_size),
+                "o_proj": (self.q_size, h), "gate_proj": (h, inter), "up_proj": (h, inter),
+                "down_proj": (inter, h)}[proj]
+
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V for every layer, per element size 1 (multiply by the dtype's size)."""

@@ -45,14 +45,6 @@ Fail = Callable[[str], Exception]
 Tensors = dict[str, torch.Tensor]  # file key -> tensor
 
 
-def dims(cfg: ModelConfig, proj: str, expert: bool) -> tuple[int, int]:
-    """(in, out) of a projection of the base model."""
-    h, inter = cfg.hidden_size, cfg.moe_intermediate_size if expert else cfg.intermediate_size
-    return {"q_proj": (h, cfg.q_size), "k_proj": (h, cfg.kv_size), "v_proj": (h, cfg.kv_size),
-            "o_proj": (cfg.q_size, h), "gate_proj": (h, inter), "up_proj": (h, inter),
-            "down_proj": (inter, h)}[proj]
-
-
 class Groups:
     """The file's tensors sorted by layout: each leaf is {"A": key, "B": key}."""
 
@@ -143,7 +135,7 @@ def dense(g: Groups, tensors: Tensors, cfg: PeftLoraConfig, model: ModelConfig, 
         ka, kb = _pair(leaf, fail)
         where = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
         target = _target(cfg, f"model.layers.{layer}.{where}.{proj}", ka, fail)
-        i, o = dims(model, proj, expert=False)
+        i, o = model.projection_shape(proj)
         why = f"r={target.r} from {target.r_source}, base model {proj} {i} -> {o}"
         _shape(tensors[ka], ka, (target.r, i), why, fail)
         _shape(tensors[kb], kb, (o, target.r), why, fail)
@@ -178,7 +170,7 @@ def _any_key(leaf) -> str:
 def _modules(layer, proj, per: dict[int, dict[str, str]], shared: dict[str, str], tensors, cfg, model, fail):
     """Per-expert and shared-outer layouts: each factor per expert (2-D keys) or shared (one key)."""
     num = model.num_experts
-    i, o = dims(model, proj, expert=True)
+    i, o = model.projection_shape(proj, expert=True)
     base = f"model.layers.{layer}.mlp.experts"
     targets = []
     for e in range(num):

@@ -18,7 +18,7 @@ from torch import nn
 
 from compiled.graphs.config import ModelConfig
 from compiled.lora.weights import Adapter, LoRAError
-from compiled.passes.lora_delta import dense_target, projection_width
+from compiled.passes.lora_delta import dense_target
 
 _EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp$")
 
@@ -49,7 +49,7 @@ def find_targets(model: nn.Module, cfg: ModelConfig) -> tuple[list[DenseTarget],
     for name, module in model.named_modules():
         if hasattr(module, "lora_a") and (target := dense_target(name)) is not None:
             layer, projs = target
-            widths = [projection_width(cfg, p) for p in projs]
+            widths = [cfg.projection_shape(p)[1] for p in projs]
             dense.append(DenseTarget(layer, projs, widths, module.lora_a, module.lora_b, module.lora_scale))
         elif hasattr(module, "lora_a13") and (m := _EXPERTS.match(name)) is not None:
             experts.append(ExpertTarget(int(m.group(1)), module.lora_a13, module.lora_b13, module.lora_a2,
@@ -64,19 +64,11 @@ class LoRAPool:
             raise LoRAError("the model has no LoRA buffers: build it with the lora_delta pass")
         first = self.dense[0].a if self.dense else self.experts[0].a13
         self.num_slots, self.max_rank, self.max_loaded = first.shape[0], max_rank, max_loaded
-        for buffers in self._buffers():
-            buffers.zero_()
         self.adapters: OrderedDict[str, Adapter] = OrderedDict()   # least recently used first
         self.pinned: set[str] = set()
         self.slot_of: dict[str, int] = {}
         self.in_slot: list[str | None] = [None] * self.num_slots
         self.slot_order: list[int] = list(range(self.num_slots))    # least recently used first
-
-    def _buffers(self):
-        for t in self.dense:
-            yield from (t.a, t.b, t.scale)
-        for t in self.experts:
-            yield from (t.a13, t.b13, t.a2, t.b2, t.scale)
 
     # ---- the CPU tier ------------------------------------------------------------------------
 

@@ -12,15 +12,6 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 TARGETS = {"all": ATTENTION + MLP, "attn": ATTENTION, "mlp": MLP}
 
 
-def _dims(cfg: ModelConfig, proj: str, expert: bool) -> tuple[int, int]:
-    """(in, out) of a projection."""
-    inter = cfg.moe_intermediate_size if expert else cfg.intermediate_size
-    return {"q_proj": (cfg.hidden_size, cfg.q_size), "k_proj": (cfg.hidden_size, cfg.kv_size),
-            "v_proj": (cfg.hidden_size, cfg.kv_size), "o_proj": (cfg.q_size, cfg.hidden_size),
-            "gate_proj": (cfg.hidden_size, inter), "up_proj": (cfg.hidden_size, inter),
-            "down_proj": (inter, cfg.hidden_size)}[proj]
-
-
 def random_adapter(name: str, cfg: ModelConfig, rank: int, targets: str = "all", seed: int = 0,
                    std: float = 0.02, scaling: float = 2.0, device: str | torch.device = "cpu") -> Adapter:
     """An adapter of `rank` on `targets` ("all", "attn" or "mlp"; MLP includes MoE experts) with
@@ -31,7 +22,7 @@ def random_adapter(name: str, cfg: ModelConfig, rank: int, targets: str = "all",
     for layer in range(cfg.num_hidden_layers):
         for proj in TARGETS[targets]:
             expert = proj in MLP and cfg.is_moe_layer(layer)
-            n_in, n_out = _dims(cfg, proj, expert)
+            n_in, n_out = cfg.projection_shape(proj, expert)
             lead = (cfg.num_experts,) if expert else ()
             a = (torch.randn(*lead, rank, n_in, generator=gen, device=device) * std).cpu()
             b = (torch.randn(*lead, n_out, rank, generator=gen, device=device) * std).cpu()

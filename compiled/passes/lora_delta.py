@@ -25,7 +25,6 @@ from torch import fx, nn
 import compiled.linear.lora  # noqa: F401  (registers compiled::lora_shrink / lora_expand)
 import compiled.linear.lora_slots  # noqa: F401  (registers compiled::lora_token_slots)
 import compiled.moe.expert_lora  # noqa: F401  (registers compiled::fused_moe_lora)
-from compiled.graphs.config import ModelConfig
 from compiled.graphs.weights import WeightMap
 from compiled.passes.base import GraphPass, PassRecord, is_module, is_op
 
@@ -38,14 +37,6 @@ DENSE_TARGETS: dict[str, tuple[str, ...]] = {
     "mlp.down_proj": ("down_proj",),
 }
 _OWNER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK = 8, 64   # the sizes `compiled graph` shows the pass with
-
-
-def projection_width(cfg: ModelConfig, proj: str) -> int:
-    """Output width of a checkpoint projection of a dense layer."""
-    return {"q_proj": cfg.q_size, "k_proj": cfg.kv_size, "v_proj": cfg.kv_size, "o_proj": cfg.hidden_size,
-            "gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size,
-            "down_proj": cfg.hidden_size}[proj]
 
 
 def dense_target(owner: str) -> tuple[int, tuple[str, ...]] | None:
@@ -96,7 +87,7 @@ def _dense_delta(gm: fx.GraphModule, node: fx.Node, found: tuple[fx.Node, str], 
     _, projs = dense_target(owner)
     module = gm.get_submodule(owner)
     weight = module.weight
-    slices = [projection_width(gm.config, p) for p in projs]
+    slices = [gm.config.projection_shape(p)[1] for p in projs]
     assert sum(slices) == weight.shape[0], f"{owner}: slices {slices} do not add up to {tuple(weight.shape)}"
     _buffer(module, "lora_a", (S, len(projs) * R, weight.shape[1]), weight.dtype, weight.device)
     _buffer(module, "lora_b", (S, weight.shape[0], R), weight.dtype, weight.device)
@@ -129,4 +120,5 @@ def _expert_delta(gm: fx.GraphModule, node: fx.Node, slot: fx.Node, S: int, R: i
     graph.erase_node(node)
 
 
-PASS = lora_delta_pass(DEFAULT_MAX_LORAS, DEFAULT_MAX_RANK)
+# The pass by name, for pass lists (one slot of rank 1): the engine builds its own from its config.
+PASS = lora_delta_pass(max_loras=1, max_rank=1)
