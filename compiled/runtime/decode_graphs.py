@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
-from compiled.compilation.decode_graphs import BucketGraphs
+from compiled.compilation.bucket_graphs import BucketGraphs
 from compiled.linear.lora_slots import token_slots
 from compiled.linear.ops import SkinnyLinear
 from compiled.runtime.argmax import ArgmaxWorkspace, argmax_triton
