@@ -123,7 +123,8 @@ class ModelRunner:
             ids += request.token_ids(c.start, end)
             positions += range(c.start, end)
             token_rows += [request.row] * c.length
-            lora_slots += [request.lora_slot] * c.length
+            if self.lora_model is not None:   # only the LoRA graph reads them
+                lora_slots += [request.lora_slot] * c.length
             starts.append(t)
             rows.append(request.row)
             seq_lens.append(end)
@@ -135,7 +136,8 @@ class ModelRunner:
         h["input_ids"][:t] = ids
         h["positions"][:t] = positions
         h["token_rows"][:t] = token_rows
-        h["lora_slots"][:t] = lora_slots
+        if self.lora_model is not None:
+            h["lora_slots"][:t] = lora_slots
         if chunks:
             h["out_cache_loc"][:t] = np.concatenate([c.slots for c in chunks])
         h["extend_start_loc"][:b] = starts
@@ -165,7 +167,7 @@ class ModelRunner:
         replay = graphed and current_mode() is None  # else PiecewiseGraphs.capture is running this forward
         if replay:
             pw.replays += 1
-        with forward_context(ctx), token_slots(self.inputs.lora_slots), \
+        with forward_context(ctx), token_slots(self.inputs.lora_slots) if lora else contextlib.nullcontext(), \
                 piecewise_mode(tokens) if replay else contextlib.nullcontext():
             return self._model(lora)(self.inputs.input_ids[:tokens], self.inputs.positions[:tokens])
 
