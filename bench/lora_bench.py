@@ -1,17 +1,23 @@
-"""Decode step with and without LoRA: the same engine serves batches whose requests use no
-adapter and batches spread over N random adapters of rank R (real shapes, no files).
+"""Decode step and prefill with and without LoRA. One process measures one engine:
 
-    python bench/lora_bench.py bench/configs/qwen3-30b-a3b --num-loras 8 --rank 16 --batches 1,8,64
+    python bench/lora_bench.py bench/configs/qwen3-30b-a3b --base --out base.json
+    python bench/lora_bench.py bench/configs/qwen3-30b-a3b --num-loras 8 --rank 16 --out lora.json
 
-Prints one line per batch (decode step p50 in ms: base, LoRA, and their ratio) and writes JSON
-with --out. The adapters go round-robin over the batch's requests; `--targets` picks the
-projections (all: attention, MLP and MoE experts)."""
+`--base`: an engine without LoRA (the reference). Otherwise an engine with N random adapters of
+rank R in the model's real shapes (no files) is measured twice per batch: with no request using an
+adapter (LoRA enabled but idle) and with the adapters round-robin over the batch's requests. Each
+run also times a prefill of `--prefill-len` tokens (with the first adapter, and idle) and counts
+the GPU kernels of one decode step at `--profile-batch`. Prints one line per measurement and writes
+JSON with --out; `bench/lora_compare.py` puts a base and a LoRA file side by side."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -20,9 +26,44 @@ from compiled import LLM
 from compiled.lora.random import TARGETS
 
 
+def prefill_ms(llm, length: int, reps: int, lora: str | None) -> list[float]:
+    prompt = core.random_ids(1, length, llm.model_config.vocab_size, 1)[0]
+    core.first_token(llm, prompt, lora)    # warm-up
+    return [1e3 * core.first_token(llm, prompt, lora) for _ in range(reps)]
+
+
+def kernels_per_step(llm, batch: int, input_len: int, loras: list[str | None]) -> float | None:
+    if llm.config.device.type != "cuda":
+        return None
+    prompts = core.random_ids(batch, input_len, llm.model_config.vocab_size, 2)
+    items = [core.Item(p, 8, a) for p, a in zip(prompts, loras)]
+    with tempfile.TemporaryDirectory() as d:
+        return core.profile_steps(llm, items, 3, Path(d), "decode", skip_prefill=True)["kernels_per_step"]
+
+
+def measure(llm, name: str, batches: list[int], a, adapters: list[str]) -> dict:
+    """Decode per batch, prefill and the kernel count, every request on `adapters` round-robin
+    (empty: the base model)."""
+    pick = (lambda i: adapters[i % len(adapters)]) if adapters else (lambda i: None)
+    out: dict = {"decode": {}}
+    for b in batches:
+        loras = [pick(i) for i in range(b)]
+        res, _ = core.latency(llm, b, a.input_len, a.output_len, a.iters, 1, 0, loras=loras)
+        out["decode"][b] = res
+        print(f"{name} batch {b}: decode p50 {res['decode_step_ms']['p50']:.3f} ms", flush=True)
+    ms = prefill_ms(llm, a.prefill_len, a.prefill_reps, pick(0))
+    out["prefill_ms"] = ms
+    print(f"{name} prefill {a.prefill_len}: median {statistics.median(ms):.2f} ms {[round(x, 2) for x in ms]}", flush=True)
+    out["kernels_per_step"] = kernels_per_step(llm, a.profile_batch, a.input_len,
+                                               [pick(i) for i in range(a.profile_batch)])
+    print(f"{name} decode batch {a.profile_batch}: {out['kernels_per_step']} kernels per step", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
+    ap.add_argument("--base", action="store_true", help="an engine without LoRA")
     ap.add_argument("--num-loras", type=int, default=8)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--targets", choices=sorted(TARGETS), default="all")
@@ -30,30 +71,31 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--prefill-len", type=int, default=2048)
+    ap.add_argument("--prefill-reps", type=int, default=5)
+    ap.add_argument("--profile-batch", type=int, default=8)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     start = time.perf_counter()
-    llm = LLM(a.model, load_format="dummy", enable_lora=True, max_lora_rank=a.rank, max_loras_per_batch=a.num_loras,
-              max_num_seqs=max(batches), max_model_len=a.input_len + a.output_len + 16)
-    names = core.add_random_loras(llm, a.num_loras, a.rank, a.targets, seed=0)
-    record = {"model": a.model, "environment": core.environment(llm.config.device), "num_loras": a.num_loras,
-              "rank": a.rank, "targets": a.targets, "startup_s": time.perf_counter() - start,
-              "startup_stages_s": llm.startup_seconds, "decode": {}}
+    lora = {} if a.base else dict(enable_lora=True, max_lora_rank=a.rank, max_loras_per_batch=a.num_loras)
+    llm = LLM(a.model, load_format="dummy", max_num_seqs=max(batches),
+              max_model_len=max(a.input_len + a.output_len, a.prefill_len) + 16, **lora)
+    names = [] if a.base else core.add_random_loras(llm, a.num_loras, a.rank, a.targets, seed=0)
+    record = {"model": a.model, "environment": core.environment(llm.config.device),
+              "adapters": None if a.base else {"num_loras": a.num_loras, "rank": a.rank, "targets": a.targets},
+              "startup_s": time.perf_counter() - start, "startup_stages_s": llm.startup_seconds}
     print(f"started in {record['startup_s']:.1f} s", flush=True)
-    for b in batches:
-        loras = [names[i % a.num_loras] for i in range(b)]
-        base, _ = core.latency(llm, b, a.input_len, a.output_len, a.iters, 1, 0)
-        lora, _ = core.latency(llm, b, a.input_len, a.output_len, a.iters, 1, 0, loras=loras)
-        p50 = base["decode_step_ms"]["p50"], lora["decode_step_ms"]["p50"]
-        record["decode"][b] = {"base": base, "lora": lora}
-        print(f"batch {b}: decode p50 base {p50[0]:.3f} ms, {min(b, a.num_loras)} adapters {p50[1]:.3f} ms "
-              f"({p50[0] / p50[1]:.1%} of base throughput)", flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(record, f, indent=1, default=str)
+    if a.base:
+        record["base"] = measure(llm, "base", batches, a, [])
+    else:
+        record["idle"] = measure(llm, "idle", batches, a, [])
+        record["lora"] = measure(llm, f"{a.num_loras} adapters", batches, a, names)
     if torch.cuda.is_available():
-        print(f"peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+        record["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        print(f"peak GPU memory {record['peak_gpu_gib']:.1f} GiB")
+    if a.out:
+        Path(a.out).write_text(json.dumps(record, indent=1, default=str))
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ COMMON = [
     _opt("num_loras", int, 0, "Random adapters in the model's real shapes (no files); 0: no LoRA."),
     _opt("lora_rank", int, 16, "Rank of the random adapters."),
     _opt("lora_targets", str, "all", "Projections the adapters change: all (attention, MLP, experts), attn, mlp."),
-    _opt("lora_dist", str, "uniform", "How requests pick adapters: uniform, zipf or one (all the first)."),
+    _opt("lora_dist", str, "uniform", "How requests pick adapters: uniform, zipf, one (all the first) or none (loaded, unused)."),
     engine_parameter("max_loras_per_batch"),
     _opt("json_path", Optional[Path], None, "Write machine-readable results here.", "--json"),
     _opt("profile", Optional[Path], None, "Profile a few steps: Chrome trace into this folder + top-15 ops table."),

@@ -105,7 +105,7 @@ class Item:
     lora: str | None = None      # the adapter the request runs with
 
 
-LORA_DISTS = ("uniform", "zipf", "one")
+LORA_DISTS = ("uniform", "zipf", "one", "none")
 
 
 def add_random_loras(llm, num: int, rank: int, targets: str, seed: int) -> list[str]:
@@ -119,8 +119,9 @@ def add_random_loras(llm, num: int, rank: int, targets: str, seed: int) -> list[
 
 def assign_loras(n: int, names: list[str], dist: str, seed: int) -> list[str | None]:
     """Each of `n` requests' adapter: uniform over `names`, Zipf (the i-th twice as likely as the
-    2i-th), or the first for all; every request runs the base model when `names` is empty."""
-    if not names:
+    2i-th), or the first for all; every request runs the base model when `names` is empty or
+    `dist` is "none" (adapters loaded, none used: the cost of LoRA enabled but idle)."""
+    if not names or dist == "none":
         return [None] * n
     if dist == "one":
         return [names[0]] * n
@@ -539,10 +540,10 @@ def startup(args: EngineConfig, input_len: int) -> tuple[object, dict]:
     }
 
 
-def first_token(llm, prompt: Prompt) -> float:
+def first_token(llm, prompt: Prompt, lora: str | None = None) -> float:
     engine = llm.engine
     check_idle(engine)
-    request = engine.make_request(0, prompt, greedy(1))
+    request = engine.make_request(0, prompt, greedy(1), lora)
     sync(llm.config.device)
     t0 = time.perf_counter()
     engine.add(request)
@@ -599,6 +600,7 @@ def profile_steps(llm, items: Sequence[Item], steps: int, out_dir: Path, name: s
         result["exposed"] = exposed_kernel_time(events, top)
         result["idle_gaps"] = idle_gaps(events)
         result["runtime_calls"] = runtime_calls(events)
+        result["kernels_per_step"] = sum(1 for e in events if e.get("cat") == "kernel") / max(done, 1)
     return result
 
 
