@@ -3,12 +3,13 @@
     python bench/lora_bench.py bench/configs/qwen3-30b-a3b --base --out base.json
     python bench/lora_bench.py bench/configs/qwen3-30b-a3b --num-loras 8 --rank 16 --out lora.json
 
-`--base`: an engine without LoRA (the reference). Otherwise an engine with N random adapters of
-rank R in the model's real shapes (no files) is measured twice per batch: with no request using an
+`--base`: an engine without LoRA (the reference). Otherwise an engine with N random adapters of rank
+R in the model's real shapes (no files) is measured twice per batch: with no request using an
 adapter (LoRA enabled but idle) and with the adapters round-robin over the batch's requests. Each
-run also times a prefill of `--prefill-len` tokens (with the first adapter, and idle) and counts
-the GPU kernels of one decode step at `--profile-batch`. Prints one line per measurement and writes
-JSON with --out; `bench/lora_compare.py` puts a base and a LoRA file side by side."""
+run also times a prefill of `--prefill-len` tokens (with the first adapter, and idle) and
+profiles one decode step at each `--profile-batches` and the prefill. Prints one line per
+measurement and writes JSON with --out; `bench/lora_compare.py` puts a base and a LoRA file side by
+side."""
 
 from __future__ import annotations
 
@@ -32,13 +33,23 @@ def prefill_ms(llm, length: int, reps: int, lora: str | None) -> list[float]:
     return [1e3 * core.first_token(llm, prompt, lora) for _ in range(reps)]
 
 
-def kernels_per_step(llm, batch: int, input_len: int, loras: list[str | None]) -> float | None:
+def profile(llm, batch: int, input_len: int, loras: list[str | None], decode: bool) -> dict | None:
+    """Kernels per step and the top kernels by GPU time of three decode steps at `batch`, or of
+    the prefill of `batch` prompts of `input_len` tokens."""
     if llm.config.device.type != "cuda":
         return None
     prompts = core.random_ids(batch, input_len, llm.model_config.vocab_size, 2)
-    items = [core.Item(p, 8, a) for p, a in zip(prompts, loras)]
+    items = [core.Item(p, 8 if decode else 1, a) for p, a in zip(prompts, loras)]
     with tempfile.TemporaryDirectory() as d:
-        return core.profile_steps(llm, items, 3, Path(d), "decode", skip_prefill=True)["kernels_per_step"]
+        prof = core.profile_steps(llm, items, 3 if decode else 1, Path(d), "step", skip_prefill=decode, top=12)
+    return {"kernels_per_step": prof["kernels_per_step"], "top": prof["top"]}
+
+
+def print_top(name: str, prof: dict | None) -> None:
+    if prof:
+        print(f"{name}: {prof['kernels_per_step']} kernels per step; top kernels (ms over the profiled steps):")
+        for row in prof["top"]:
+            print(f"    {row['self_ms']:8.3f} {row['calls']:6d}  {row['name'][:110]}")
 
 
 def measure(llm, name: str, batches: list[int], a, adapters: list[str]) -> dict:
@@ -54,9 +65,13 @@ def measure(llm, name: str, batches: list[int], a, adapters: list[str]) -> dict:
     ms = prefill_ms(llm, a.prefill_len, a.prefill_reps, pick(0))
     out["prefill_ms"] = ms
     print(f"{name} prefill {a.prefill_len}: median {statistics.median(ms):.2f} ms {[round(x, 2) for x in ms]}", flush=True)
-    out["kernels_per_step"] = kernels_per_step(llm, a.profile_batch, a.input_len,
-                                               [pick(i) for i in range(a.profile_batch)])
-    print(f"{name} decode batch {a.profile_batch}: {out['kernels_per_step']} kernels per step", flush=True)
+    out["profile"] = {}
+    for b in a.profile_batches:
+        out["profile"][b] = profile(llm, b, a.input_len, [pick(i) for i in range(b)], True)
+        print_top(f"{name} decode batch {b}", out["profile"][b])
+    out["profile"]["prefill"] = profile(llm, 1, a.prefill_len, [pick(0)], False)
+    print_top(f"{name} prefill {a.prefill_len}", out["profile"]["prefill"])
+    out["kernels_per_step"] = (out["profile"].get(8) or {}).get("kernels_per_step")
     return out
 
 
@@ -73,10 +88,12 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--prefill-len", type=int, default=2048)
     ap.add_argument("--prefill-reps", type=int, default=5)
-    ap.add_argument("--profile-batch", type=int, default=8)
+    ap.add_argument("--profile-batches", default="8", help="decode batches profiled (kernels per step, top kernels)")
+    ap.add_argument("--skip-idle", action="store_true", help="with adapters: skip the idle measurement")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
+    a.profile_batches = [int(b) for b in a.profile_batches.split(",") if b]
     start = time.perf_counter()
     lora = {} if a.base else dict(enable_lora=True, max_lora_rank=a.rank, max_loras_per_batch=a.num_loras)
     llm = LLM(a.model, load_format="dummy", max_num_seqs=max(batches),
@@ -89,7 +106,8 @@ def main() -> None:
     if a.base:
         record["base"] = measure(llm, "base", batches, a, [])
     else:
-        record["idle"] = measure(llm, "idle", batches, a, [])
+        if not a.skip_idle:
+            record["idle"] = measure(llm, "idle", batches, a, [])
         record["lora"] = measure(llm, f"{a.num_loras} adapters", batches, a, names)
     if torch.cuda.is_available():
         record["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
