@@ -236,7 +236,7 @@ def sweep_align(tokens: list[int], layers: int, reps: int) -> dict[int, list[dic
     the tuned BLOCK_SIZE_M; every variant's segments checked against the default's."""
     out = {}
     for T in tokens:
-        bm = fm._split_config(fm.get_config(T, E, I, torch.bfloat16))[0]["BLOCK_SIZE_M"]
+        bm = fm.split_config(fm.get_config(T, E, I, torch.bfloat16))[0]["BLOCK_SIZE_M"]
         ids = [torch.ops.compiled.topk_route(torch.randn(T, E, device="cuda"), TOP_K, True)[1] for _ in range(layers)]
         want = [_segments(*fm.moe_align_block_size(i, E, bm), bm) for i in ids]
         default = fm.align_launch(T * TOP_K, E, bm)

@@ -197,10 +197,10 @@ class Problem:
         out = []
         for layer, blocks in enumerate(self.align(cfg["BLOCK_SIZE_M"])):
             if down:
-                out.append(lambda l=layer, b=blocks: fm._launch_gemm2(
-                    self.inter, self.w2[l], self.y, self.weights[l], b, cfg))
+                out.append(lambda l=layer, b=blocks: fm.launch_gemm2(
+                    self.inter, self.w2[l], self.y, self.weights[l], b, cfg, self.top_k))
             else:
-                out.append(lambda l=layer, b=blocks: fm._launch_gemm1(
+                out.append(lambda l=layer, b=blocks: fm.launch_gemm1(
                     self.x, self.w13[l], self.inter, b, self.top_k, cfg))
         return out
 

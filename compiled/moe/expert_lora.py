@@ -23,17 +23,19 @@ expert sorted by slot: each delta in fp32, added to the base projection's output
 rounded to x's dtype. One host sync (the counts), like the base reference.
 
 The Triton path (`fused_moe_lora_triton`, CUDA, or anywhere under the 'triton' backend) sorts
-the pairs by expert with the base MoE's `moe_align_block_size` and runs `expert_lora_kernels`:
-the gate/up LoRA shrink, the up GEMM with the gate/up deltas added before silu * up, the down
-LoRA shrink over the intermediate, the down GEMM with its delta, and the base top-k sum kernel:
-two launches more than the base's grouped path, no host sync, scratch from the `MoEWorkspace`
-(`reserve_workspace` before a CUDA graph capture). Its GEMMs take the tuned config's tiles but
-not its TMA / part-height options, and one token runs the grouped tiles, not the base's GEMVs.
-Qwen3-30B-A3B's layer on an H100 (R = 16, S = 8, slots drawn from -1..7, CUDA graphs), base ->
-with LoRA (every slot -1): 1 token 30 -> 81 (47) µs, 8: 167 -> 224 (172), 64: 405 -> 528
-(412), 512: 445 -> 678 (469). The per-expert A and B of 8 adapters are 276 MB a layer, about a
-quarter of the experts' own bytes, so a batch that touches most (slot, expert) pairs reads
-that much more. Backend: the MoE's (`fused_moe.BACKEND`, `COMPILED_MOE_BACKEND`)."""
+the pairs by expert with the base MoE's `moe_align_block_size`, runs the gate/up LoRA shrink
+(`expert_lora_kernels`), the base up GEMM with the gate/up deltas added before silu * up, the down
+LoRA shrink over the intermediate, the base down GEMM with its delta, and the top-k sum: two
+launches more than the base's grouped path, no host sync, scratch from the `MoEWorkspace`
+(`reserve_workspace` before a CUDA graph capture). The GEMMs are the base kernels compiled with
+LORA=True, so they take the tuned config whole (tiles, TMA, part-height tiles). Their deltas
+(`fused_moe_kernels._pair_delta`, `triton_utils.slot_stacked_delta`) stack the slots along K: the
+rows' shrink outputs as a tile that is zero outside each row's own slot block, times every present
+slot's B rows, one dot per 128 of K, the shrink outputs times the scale rounded to the weights'
+16-bit dtype (DELTA_16BIT). One token runs the grouped tiles, not the base's GEMVs. The per-expert
+A and B of 8 rank-16 adapters are 276 MB a Qwen3-30B-A3B layer, about a quarter of the experts'
+own bytes, so a batch that touches most (slot, expert) pairs reads that much more. Backend: the
+MoE's (`fused_moe.BACKEND`, `COMPILED_MOE_BACKEND`)."""
 
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from compiled.moe.fused_moe import BACKEND, MoEWorkspace, get_config, moe_align_block_size
+from compiled.moe.fused_moe import (BACKEND, GemmDelta, MoEWorkspace, get_config, launch_gemm1, launch_gemm2,
+                                    moe_align_block_size, split_config)
 from compiled.triton_utils import interpreting, launch_kwargs
 
 OP = "compiled::fused_moe_lora"
@@ -165,13 +168,22 @@ def reserve_workspace(ws: MoEWorkspace, max_tokens: int, E: int, H: int, I: int,
     return ws
 
 
+def delta_consts(dtype: torch.dtype, S: int, R: int) -> dict:
+    """The grouped kernels' delta constants for S slots of rank R."""
+    flags = _dot_flags(dtype)
+    block_r = max(16, triton.next_power_of_2(R))
+    slots_pad = triton.next_power_of_2(max(S, 1))
+    return dict(SLOTS_PAD=slots_pad, BLOCK_R=block_r, KC=min(DELTA_K_STEP, slots_pad * block_r),
+                DELTA_PRECISION=flags["DELTA_PRECISION"], DELTA_16BIT=flags["DELTA_16BIT"])
+
+
 def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                           w2: torch.Tensor, a13: torch.Tensor, b13: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor,
                           scale: torch.Tensor, slot: torch.Tensor, config: dict | None = None,
                           workspace: MoEWorkspace | None = None) -> torch.Tensor:
     """The op's Triton path (shapes as `check_shapes`); `config` as `fused_moe_triton`'s (its
-    BLOCK_SIZE_*, GROUP_SIZE_M, num_warps, num_stages and "down" overrides; TMA and HALF_M are
-    ignored)."""
+    tiles, TMA and part-height options and "down" overrides): the base grouped GEMMs with the
+    deltas in their epilogues, after the shrinks."""
     from compiled.moe import expert_lora_kernels as LK
     from compiled.moe import fused_moe_kernels as K
     T, H = x.shape
@@ -183,10 +195,7 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         return out
     x, w13, w2, a13, b13, a2, b2 = (t.contiguous() for t in (x, w13, w2, a13, b13, a2, b2))
     weights, ids, scale = topk_weights.contiguous().reshape(-1), topk_ids.contiguous(), scale.contiguous()
-    cfg = config if config is not None else get_config(T, E, I, x.dtype, x.device)
-    up = {k: int(cfg[k]) for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps",
-                                   "num_stages")}
-    down = dict(up, **{k: int(v) for k, v in (cfg.get("down") or {}).items() if k in up and k != "BLOCK_SIZE_M"})
+    up, down = split_config(config if config is not None else get_config(T, E, I, x.dtype, x.device))
     bm = up["BLOCK_SIZE_M"]
     ws = workspace or MoEWorkspace()
     numel = ids.numel()
@@ -194,42 +203,32 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     n_blocks = blocks.expert_ids.numel()
     rows = n_blocks * bm
     inter = ws.get("inter", rows * I, x.dtype, x.device).view(rows, I)
-    s13 = ws.get("lora_s13", rows * 2 * R, torch.float32, x.device).view(rows, 2 * R)
-    s2 = ws.get("lora_s2", rows * R, torch.float32, x.device).view(rows, R)
     y = out if top_k == 1 else ws.get("y", numel * H, x.dtype, x.device).view(numel, H)
     flags = _dot_flags(x.dtype)
-    shrink_flags = dict(PRECISION=flags["PRECISION"], DOT_FP32=flags["DOT_FP32"])
-    block_r = max(16, triton.next_power_of_2(R))
-    slots_pad = triton.next_power_of_2(max(S, 1))
-    delta = dict(BLOCK_R=block_r, SLOTS_PAD=slots_pad, KC=min(DELTA_K_STEP, slots_pad * block_r))
     pdl = launch_kwargs(x.device)
-    common = (blocks.sorted_ids, blocks.expert_ids, blocks.num_post, numel)
+    has_delta = bool(S and R)
 
     def shrink(src, a, dst, K, gather):
         bk = max(16, min(128, triton.next_power_of_2(K)))
         LK.moe_lora_shrink_kernel[(n_blocks, S)](
-            src, a, dst, slot, *common, S, a.shape[2], K, src.stride(0), a.stride(0), a.stride(1), a.stride(2),
-            dst.stride(0), TOP_K=top_k, GATHER=gather, **shrink_flags, BLOCK_M=bm,
+            src, a, dst, slot, blocks.sorted_ids, blocks.expert_ids, blocks.num_post, numel, S, a.shape[2], K,
+            src.stride(0), a.stride(0), a.stride(1), a.stride(2), dst.stride(0), TOP_K=top_k, GATHER=gather,
+            PRECISION=flags["PRECISION"], DOT_FP32=flags["DOT_FP32"], BLOCK_M=bm,
             BLOCK_N=max(16, triton.next_power_of_2(a.shape[2])), BLOCK_K=bk, EVEN_K=K % bk == 0, num_warps=4,
             num_stages=2, **pdl)
 
-    if S and R:
+    consts = delta_consts(x.dtype, S, R)
+    delta13 = delta2 = None
+    if has_delta:
+        s13 = ws.get("lora_s13", rows * 2 * R, torch.float32, x.device).view(rows, 2 * R)
         shrink(x, a13, s13, H, True)
-    LK.moe_lora_gemm1_kernel[(n_blocks * triton.cdiv(I, up["BLOCK_SIZE_N"]),)](
-        x, w13, inter, s13, b13, scale, slot, *common, I, H, S if R else 0, R, x.stride(0), w13.stride(0),
-        w13.stride(1), inter.stride(0), s13.stride(0), b13.stride(0), b13.stride(1), b13.stride(2),
-        TOP_K=top_k, **flags, BLOCK_M=bm, BLOCK_N=up["BLOCK_SIZE_N"], BLOCK_K=up["BLOCK_SIZE_K"],
-        **delta,
-        GROUP_M=up["GROUP_SIZE_M"], EVEN_K=H % up["BLOCK_SIZE_K"] == 0, num_warps=up["num_warps"],
-        num_stages=up["num_stages"], **pdl)
-    if S and R:
+        delta13 = GemmDelta(s13, b13, scale, slot, consts)
+    launch_gemm1(x, w13, inter, blocks, top_k, up, delta13)
+    if has_delta:
+        s2 = ws.get("lora_s2", rows * R, torch.float32, x.device).view(rows, R)
         shrink(inter, a2, s2, I, False)
-    LK.moe_lora_gemm2_kernel[(n_blocks * triton.cdiv(H, down["BLOCK_SIZE_N"]),)](
-        inter, w2, y, weights, s2, b2, scale, slot, *common, H, I, S if R else 0, R, inter.stride(0), w2.stride(0),
-        w2.stride(1), y.stride(0), s2.stride(0), b2.stride(0), b2.stride(1), b2.stride(2),
-        TOP_K=top_k, **flags, BLOCK_M=bm, BLOCK_N=down["BLOCK_SIZE_N"], BLOCK_K=down["BLOCK_SIZE_K"],
-        **delta, GROUP_M=down["GROUP_SIZE_M"], EVEN_K=I % down["BLOCK_SIZE_K"] == 0,
-        num_warps=down["num_warps"], num_stages=down["num_stages"], **pdl)
+        delta2 = GemmDelta(s2, b2, scale, slot, consts)
+    launch_gemm2(inter, w2, y, weights, blocks, down, top_k, delta2)
     if top_k > 1:
         bh = min(1024, triton.next_power_of_2(H))
         K.moe_sum_kernel[(T, triton.cdiv(H, bh))](y, out, H, TOP_K=top_k, BLOCK_H=bh, num_warps=4, **pdl)

@@ -137,7 +137,7 @@ def get_config(M: int, E: int, N: int, dtype: torch.dtype, device: torch.device 
     return dict(table[min(table, key=lambda m: abs(m - M))])
 
 
-def _split_config(cfg: dict) -> tuple[dict, dict]:
+def split_config(cfg: dict) -> tuple[dict, dict]:
     """(up GEMM config, down GEMM config); HALF_M and TMA default to 0, and HALF_M is capped so
     that no tile is shorter than 16 rows."""
     up = {k: int(cfg[k]) for k in CONFIG_KEYS}
@@ -272,26 +272,53 @@ def weight_desc(w: torch.Tensor, block_n: int, block_k: int):
     return tma_descriptor(w.view(-1, w.shape[-1]), [block_n, block_k]) if w.is_contiguous() else None
 
 
-def _launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks: Blocks, top_k: int,
-                  cfg: dict) -> None:
-    """inter (block order) <- silu(gate) * up for every pair of `blocks`; x `[T, H]`."""
+@dataclass(frozen=True)
+class GemmDelta:
+    """A grouped GEMM's per-pair LoRA delta (`expert_lora.py`): the shrink outputs `s` (rows in
+    block order), the slots' B `[S, E, out, R]` and scales `[S, 3]`, each token's slot `[T]`, and
+    the kernels' delta constants (SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)."""
+    s: torch.Tensor
+    b: torch.Tensor
+    scale: torch.Tensor
+    slot: torch.Tensor
+    consts: dict
+
+
+def _delta_args(delta: GemmDelta | None, like: torch.Tensor) -> tuple[tuple, dict]:
+    """The grouped kernels' LoRA arguments and constants; without a delta, placeholders the
+    kernel compiled with LORA=False never reads."""
+    if delta is None:
+        return ((like,) * 4 + (0,) * 6,
+                dict(LORA=False, SLOTS_PAD=1, BLOCK_R=16, KC=16, DELTA_PRECISION="ieee", DELTA_16BIT=False))
+    s, b = delta.s, delta.b
+    return ((s, b, delta.scale, delta.slot, b.shape[0], b.shape[3], s.stride(0), b.stride(0), b.stride(1),
+             b.stride(2)), dict(LORA=True, **delta.consts))
+
+
+def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks: Blocks, top_k: int,
+                  cfg: dict, delta: GemmDelta | None = None) -> None:
+    """inter (block order) <- silu(gate) * up for every pair of `blocks`; x `[T, H]`; with
+    `delta`, each pair's gate and up LoRA deltas added before silu."""
     from compiled.moe import fused_moe_kernels as K
     I, H = w13.shape[1] // 2, w13.shape[2]
     bn, bk = cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
     grid = (blocks.expert_ids.numel() * triton.cdiv(I, bn),)
     desc = weight_desc(w13, bn, bk) if cfg.get("TMA") else None
+    lora_args, lora_consts = _delta_args(delta, w13)
     K.moe_gemm1_kernel[grid](
         x, w13, desc, inter, blocks.sorted_ids, blocks.expert_ids, blocks.num_post, x.shape[0] * top_k, I, H,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         TOP_K=top_k, **_dot_flags(x.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
-        EVEN_K=H % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(x.device))
+        EVEN_K=H % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None, **lora_consts,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(x.device),
+        **dict(zip(_LORA_ARGS, lora_args)))
 
 
-def _launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, blocks: Blocks,
-                  cfg: dict) -> None:
-    """y `[T*k, H]` <- each pair's routing weight (`weights`, `[T*k]`) times its row of inter . w2."""
+def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, blocks: Blocks,
+                  cfg: dict, top_k: int = 1, delta: GemmDelta | None = None) -> None:
+    """y `[T*k, H]` <- each pair's routing weight (`weights`, `[T*k]`) times its row of inter . w2
+    (plus, with `delta`, its down LoRA delta; `top_k` maps the pairs to their tokens' slots)."""
     from compiled.moe import fused_moe_kernels as K
     H, I = w2.shape[1], w2.shape[2]
     bn, bk = cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
@@ -299,13 +326,20 @@ def _launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weight
     desc = weight_desc(w2, bn, bk) if cfg.get("TMA") else None
     # The intermediate's full-height tiles through TMA wherever the weights' go.
     a_desc = tma_descriptor(inter, [cfg["BLOCK_SIZE_M"], bk]) if cfg.get("TMA") else None
+    lora_args, lora_consts = _delta_args(delta, w2)
     K.moe_gemm2_kernel[grid](
         inter, a_desc, w2, desc, y, weights, blocks.sorted_ids, blocks.expert_ids, blocks.num_post, weights.numel(),
         H, I, inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         **_dot_flags(inter.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=I % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None, A_TMA=a_desc is not None,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(inter.device))
+        TOP_K=top_k, **lora_consts,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(inter.device),
+        **dict(zip(_LORA_ARGS, lora_args)))
+
+
+# The grouped kernels' LoRA operands, by name (`_delta_args` gives them in this order).
+_LORA_ARGS = ("L_S", "L_B", "L_SCALE", "L_SLOT", "L_NS", "L_R", "stride_ls", "stride_lbs", "stride_lbe", "stride_lbn")
 
 
 # Buffers the kernels keep at zero between launches (they restore them): the alignment's
@@ -391,12 +425,12 @@ def _launch_gemv(call: MoECall, tiles: dict) -> None:
 def _launch_grouped(call: MoECall, config: dict) -> None:
     """Two tokens or more: the pairs sorted by expert into BLOCK_M blocks, gemm1 into the
     intermediate (each block's rows at its offset: `intermediate_rows`), gemm2 into y."""
-    up, down = _split_config(config)
+    up, down = split_config(config)
     block_m = up["BLOCK_SIZE_M"]
     blocks = moe_align_block_size(call.ids, call.w13.shape[0], block_m, call.ws)
     inter = call.inter(blocks.expert_ids.numel() * block_m)
-    _launch_gemm1(call.x, call.w13, inter, blocks, call.top_k, up)
-    _launch_gemm2(inter, call.w2, call.y, call.weights, blocks, down)
+    launch_gemm1(call.x, call.w13, inter, blocks, call.top_k, up)
+    launch_gemm2(inter, call.w2, call.y, call.weights, blocks, down, call.top_k)
 
 
 def _launch_sum(y, out, top_k):

@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.triton_utils import add_rms_norm_row, pdl_wait
+from compiled.triton_utils import add_rms_norm_row, pdl_wait, slot_stacked_delta
 
 
 @triton.jit
@@ -138,14 +138,37 @@ def _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _pair_delta(acc, pair, pos, expert, cols, cols_ok, col0, scale_col, num_valid,
+                L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                TOP_K: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
+                DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr):
+    """acc + each row's expert-LoRA expand (`expert_lora.py`): scale[s, scale_col] *
+    L_S[pos, col0:col0+R] @ L_B[s, expert, cols, :R].T with s the slot of the row's token (rows
+    without an adapter, padding rows and slots outside [0, L_NS) get none; a tile without any
+    skips it)."""
+    row_ok = pair < num_valid
+    token = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
+    slots = tl.load(L_SLOT + token, mask=row_ok, other=-1).to(tl.int32)
+    slots = tl.where(row_ok & (slots >= 0) & (slots < L_NS), slots, -1)
+    if tl.sum((slots >= 0).to(tl.int32), axis=0) > 0:
+        acc = slot_stacked_delta(acc, L_S, L_B, L_SCALE, slots, pos, cols, cols_ok, expert, col0, L_R, stride_ls,
+                                 stride_lbs, stride_lbe, stride_lbn, 3, scale_col, SLOTS_PAD, BLOCK_R, KC,
+                                 DELTA_PRECISION, DELTA_16BIT)
+    return acc
+
+
+@triton.jit
 def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid, N, K,
              stride_xm, stride_we, stride_wn, stride_om,
              TOP_K: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
              TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-             TMA: tl.constexpr):
+             TMA: tl.constexpr, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+             LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
+             DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr):
     """silu(gate) * up for the TILE_M rows `pair` (a power of two >= 16) and one N tile. TMA: the
     weight tiles come through `w_desc` (w as `[E * 2N, K]`, block `[BLOCK_N, BLOCK_K]`); rows past
-    the tile's N read the neighbouring rows (or zeros past the end), whose columns are not stored."""
+    the tile's N read the neighbouring rows (or zeros past the end), whose columns are not stored.
+    LORA: the gate and up deltas (`_pair_delta`, shrink outputs `[rows, 2R]`) added before silu."""
     row_ok = pair < num_valid
     token = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -181,6 +204,12 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if LORA:
+        n_ok = offs_n < N
+        acc_g = _pair_delta(acc_g, pair, pos, expert, offs_n, n_ok, 0, 0, num_valid, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                            TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+        acc_u = _pair_delta(acc_u, pair, pos, expert, offs_n + N, n_ok, L_R, 1, num_valid, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                            TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
     # round like the unfused model: gate/up in the activation dtype, silu, product
     dt = out_ptr.dtype.element_ty
     gate = acc_g.to(dt).to(tl.float32)
@@ -196,11 +225,14 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
                pid_n, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
                PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
                TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-               TMA: tl.constexpr, A_TMA: tl.constexpr):
+               TMA: tl.constexpr, A_TMA: tl.constexpr, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K: tl.constexpr,
+               LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
+               DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr):
     """weight * (a . w2[e]) for the TILE_M rows `pair` and one N tile. TMA as in _up_tile
     (w as `[E * N, K]`). a holds the rows in block order: this tile's are the TILE_M from
     `first_pos` (padding rows hold anything; their outputs are not stored), through `a_desc`
-    (block `[TILE_M, BLOCK_K]`) with A_TMA."""
+    (block `[TILE_M, BLOCK_K]`) with A_TMA. LORA: the down delta (`_pair_delta`, shrink outputs
+    `[rows, R]` in block order) added before the routing weight."""
     row_ok = pair < num_valid
     row = tl.where(row_ok, pair, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -229,6 +261,10 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if LORA:
+        pos = first_pos + tl.arange(0, TILE_M)
+        acc = _pair_delta(acc, pair, pos, expert, offs_n, offs_n < N, 0, 2, num_valid, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                          TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
     dt = out_ptr.dtype.element_ty
     w = tl.load(weights_ptr + row, mask=row_ok, other=0.0).to(dt).to(tl.float32)
     out = (acc.to(dt).to(tl.float32) * w[:, None]).to(dt)
@@ -261,14 +297,16 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      TOP_K: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr, TMA: tl.constexpr,
-                     PDL: tl.constexpr):
+                     L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                     LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
+                     DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, PDL: tl.constexpr):
     """out[row, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs,
     row = the pair's position in the sorted order (block b's rows are b * BLOCK_M onwards, padding
     rows left unwritten), so that gemm2 reads each block's rows as one tile.
 
     w is `[E, 2N, K]` (`[gate; up]`), out `[blocks * BLOCK_M, N]`; N = I, K = H. HALF_M (0, 1 or
     2): a block whose real rows fit in half (a quarter) of BLOCK_M runs a tile of that height
-    (_tile_rows)."""
+    (_tile_rows). LORA: each pair's gate and up LoRA deltas added (`_up_tile`)."""
     pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
@@ -280,17 +318,20 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
         if height == BLOCK_M:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, first + tl.arange(0, BLOCK_M), expert, pid_n, num_valid,
                      N, K, stride_xm, stride_we, stride_wn, stride_om,
-                     TOP_K, PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA)
+                     TOP_K, PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
         elif height == BLOCK_M // 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2),
                      first + tl.arange(0, BLOCK_M // 2), expert,
                      pid_n, num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
-                     TOP_K, PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA)
+                     TOP_K, PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
         elif HALF_M >= 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4),
                      first + tl.arange(0, BLOCK_M // 4), expert,
                      pid_n, num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
-                     TOP_K, PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA)
+                     TOP_K, PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
 
 
 @triton.jit(do_not_specialize=["num_valid"])
@@ -299,10 +340,12 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
                      PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr, TMA: tl.constexpr,
-                     A_TMA: tl.constexpr, PDL: tl.constexpr):
+                     A_TMA: tl.constexpr, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K: tl.constexpr,
+                     LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
+                     DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, PDL: tl.constexpr):
     """out[pair, n] = weight[pair] * (a[row] . w[e, n]), the block's rows of a in block order (as
     moe_gemm1_kernel writes them); w is `[E, N, K]` (N = H, K = I). A_TMA: full-height tiles of a
-    come through `a_desc`. HALF_M as in moe_gemm1_kernel."""
+    come through `a_desc`. HALF_M as in moe_gemm1_kernel; LORA: each pair's down delta (`_down_tile`)."""
     pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
@@ -314,17 +357,20 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
         if height == BLOCK_M:
             _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first, expert,
                        pid_n, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
-                       PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, A_TMA)
+                       PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, A_TMA, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
         elif height == BLOCK_M // 2:
             _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr,
                        _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2), first, expert, pid_n,
                        num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
-                       PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA, False)
+                       PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA, False, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
         elif HALF_M >= 2:
             _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr,
                        _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4), first, expert, pid_n,
                        num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
-                       PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA, False)
+                       PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA, False, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
 
 
 @triton.jit

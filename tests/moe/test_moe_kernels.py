@@ -98,7 +98,7 @@ def case_t300_e8_k2_two_k_steps_grouped_half_and_quarter_tiles():
     cfg = dict(_cfg(64, 32, 16, group=4), HALF_M=1, down=dict(BLOCK_SIZE_N=32, HALF_M=2))
     _check_fused(300, 8, 2, 32, 48, cfg, seed=1)
     _check_fused(300, 8, 2, 32, 48, dict(cfg, HALF_M=2), seed=1)
-    assert fm._split_config(dict(_cfg(32, 32, 16), HALF_M=2))[0]["HALF_M"] == 1  # no tile under 16 rows
+    assert fm.split_config(dict(_cfg(32, 32, 16), HALF_M=2))[0]["HALF_M"] == 1  # no tile under 16 rows
 
 
 def case_t150_e8_k2_half_tiles_up_only():
@@ -391,7 +391,7 @@ def test_config_lookup(tmp_path, monkeypatch):
         assert fm.get_config(1, 16, 48, torch.float32)["BLOCK_SIZE_M"] == 16
         assert fm.get_config(40, 16, 48, torch.float32)["BLOCK_SIZE_M"] == 32
         cfg = fm.get_config(5000, 16, 48, torch.float32)
-        up, down = fm._split_config(cfg)
+        up, down = fm.split_config(cfg)
         assert up["BLOCK_SIZE_N"] == 128 and down["BLOCK_SIZE_N"] == 64 and down["BLOCK_SIZE_M"] == 64
         assert fm.get_config(8, 99, 48, torch.float32) == fm.default_config(8, 99)  # no file: default
     finally:
@@ -408,7 +408,7 @@ def test_checked_in_configs_are_complete():
         assert {int(k) for k in table} >= {1, 8, 64, 512, 4096}, path.name
         assert set(raw) - set(table) <= {"_meta"}, path.name
         for cfg in table.values():
-            up, down = fm._split_config(cfg)
+            up, down = fm.split_config(cfg)
             for c in (up, down):
                 assert c["BLOCK_SIZE_M"] in (16, 32, 64, 128, 256)
                 assert c["BLOCK_SIZE_N"] >= 16 and c["BLOCK_SIZE_K"] >= 16 and c["num_warps"] in (1, 2, 4, 8, 16)
@@ -496,7 +496,7 @@ def test_gpu_quarter_height_tiles(real_layer, T, bm):
     for tma in (0, 1):
         cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=3,
                    HALF_M=2, TMA=tma, down=dict(BLOCK_SIZE_N=128, HALF_M=2, TMA=tma))
-        assert fm._split_config(cfg)[1]["HALF_M"] == 2
+        assert fm.split_config(cfg)[1]["HALF_M"] == 2
         out = fm.fused_moe_triton(x, w, ids, w13, w2, config=cfg)
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
