@@ -1,0 +1,79 @@
+"""One Qwen3-30B-A3B MoE layer with expert LoRA against the base fused MoE, in CUDA graphs:
+E = 128, H = 2,048, I = 768, top-8, bf16, S slots of rank R, each token's slot drawn from
+`--slots` (uniform over all S, or one adapter for every token: prefill of one request).
+
+    python bench/expert_lora_bench.py [--tokens 1 8 64 2048] [--slots all|one] [--small-tile N ...]
+
+Prints µs per layer (the median of `--reps` replays of a graph of `--layers` calls, weights
+cycled past L2) for the base MoE and the LoRA MoE, the latter once per `--small-tile` value
+(`expert_lora.SMALL_TILE`: the largest GEMM tile that stacks the slots in one delta dot)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from compiled.moe import expert_lora as el
+from compiled.moe import fused_moe as fm
+
+E, H, I, TOP_K = 128, 2048, 768, 8
+
+
+def graph_us(fn, layers: int, reps: int) -> float:
+    for i in range(layers):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(layers):
+            fn(i)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / layers)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="*", default=[1, 8, 64, 2048])
+    ap.add_argument("--slots", choices=("all", "one"), default="all")
+    ap.add_argument("--num-slots", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=4, help="weight copies cycled (past L2)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--small-tile", type=int, nargs="*", default=[el.SMALL_TILE])
+    a = ap.parse_args()
+    S, R, dev = a.num_slots, a.rank, torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rand(*shape, fan_in):
+        return (torch.randn(*shape, device=dev, generator=g) / fan_in ** 0.5).bfloat16()
+
+    layers = [(rand(E, 2 * I, H, fan_in=H), rand(E, H, I, fan_in=I), rand(S, E, 2 * R, H, fan_in=H),
+               rand(S, E, 2 * I, R, fan_in=R), rand(S, E, R, I, fan_in=I), rand(S, E, H, R, fan_in=R),
+               torch.rand(S, 3, device=dev) + 0.5) for _ in range(a.layers)]
+    for T in a.tokens:
+        x = torch.randn(T, H, device=dev, generator=g).bfloat16()
+        w, ids = torch.ops.compiled.topk_route(torch.randn(T, E, device=dev, generator=g), TOP_K, True)
+        slot = (torch.randint(0, S, (T,), device=dev, generator=g, dtype=torch.int32) if a.slots == "all"
+                else torch.zeros(T, dtype=torch.int32, device=dev))
+        ws = el.reserve_workspace(fm.MoEWorkspace(), T, E, H, I, TOP_K, R, torch.bfloat16, dev)
+        base = graph_us(lambda i: fm.fused_moe_triton(x, w, ids, *layers[i][:2], workspace=ws), a.layers, a.reps)
+        print(f"{T:5d} tokens: base {base:8.1f} µs", flush=True)
+        for tile in a.small_tile:
+            el.SMALL_TILE = tile
+            lora = graph_us(lambda i: el.fused_moe_lora_triton(x, w, ids, *layers[i], slot, workspace=ws),
+                            a.layers, a.reps)
+            print(f"      LoRA ({a.slots} of {S} slots, small tile {tile}) {lora:8.1f} µs (+{lora - base:.1f})",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
