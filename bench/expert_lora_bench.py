@@ -2,11 +2,10 @@
 E = 128, H = 2,048, I = 768, top-8, bf16, S slots of rank R, each token's slot drawn from
 `--slots` (uniform over all S, or one adapter for every token: prefill of one request).
 
-    python bench/expert_lora_bench.py [--tokens 1 8 64 2048] [--slots all|one] [--small-tile N ...]
+    python bench/expert_lora_bench.py [--tokens 1 8 64 2048] [--slots all|one]
 
 Prints µs per layer (the median of `--reps` replays of a graph of `--layers` calls, weights
-cycled past L2) for the base MoE and the LoRA MoE, the latter once per `--small-tile` value
-(`expert_lora.SMALL_TILE`: the largest GEMM tile that stacks the slots in one delta dot)."""
+cycled past L2) for the base MoE and the LoRA MoE."""
 
 from __future__ import annotations
 
@@ -48,7 +47,6 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--layers", type=int, default=4, help="weight copies cycled (past L2)")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--small-tile", type=int, nargs="*", default=[el.SMALL_TILE])
     a = ap.parse_args()
     S, R, dev = a.num_slots, a.rank, torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -66,13 +64,10 @@ def main() -> None:
                 else torch.zeros(T, dtype=torch.int32, device=dev))
         ws = el.reserve_workspace(fm.MoEWorkspace(), T, E, H, I, TOP_K, R, torch.bfloat16, dev)
         base = graph_us(lambda i: fm.fused_moe_triton(x, w, ids, *layers[i][:2], workspace=ws), a.layers, a.reps)
-        print(f"{T:5d} tokens: base {base:8.1f} µs", flush=True)
-        for tile in a.small_tile:
-            el.SMALL_TILE = tile
-            lora = graph_us(lambda i: el.fused_moe_lora_triton(x, w, ids, *layers[i], slot, workspace=ws),
-                            a.layers, a.reps)
-            print(f"      LoRA ({a.slots} of {S} slots, small tile {tile}) {lora:8.1f} µs (+{lora - base:.1f})",
-                  flush=True)
+        lora = graph_us(lambda i: el.fused_moe_lora_triton(x, w, ids, *layers[i], slot, workspace=ws),
+                        a.layers, a.reps)
+        print(f"{T:5d} tokens: base {base:8.1f} µs, LoRA ({a.slots} of {S} slots) {lora:8.1f} µs "
+              f"(+{lora - base:.1f})", flush=True)
 
 
 if __name__ == "__main__":

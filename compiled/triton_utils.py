@@ -201,8 +201,7 @@ def slot_stacked_delta(acc, S_IN, B, SCALE, slots, rows, cols, cols_ok, expert, 
     B[s, expert, cols, :R].T, s the row's slot (-1: none), as dots over the slots stacked along
     K (k = s * BLOCK_R + r). The rows' shrink outputs go into a `[rows, KC]` tile that is zero
     outside each row's own slot block, every slot's B rows into a `[KC, cols]` tile (slots absent
-    from the block masked, so not read): the loads of all slots go out at once; a KC chunk without
-    any of the tile's slots is skipped (KC = BLOCK_R: one slot a chunk). LOW_PRECISION:
+    from the block masked, so not read): the loads of all slots go out at once. LOW_PRECISION:
     the dot in B's 16-bit dtype, else in fp32 at PRECISION (the linear and the MoE expands share it)."""
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
@@ -213,15 +212,12 @@ def slot_stacked_delta(acc, S_IN, B, SCALE, slots, rows, cols, cols_ok, expert, 
         r_ok = r < R
         hit = slots[:, None] == slot_k[None, :]
         present = tl.sum(hit.to(tl.int32), axis=0) > 0
-        if tl.sum(present.to(tl.int32), axis=0) > 0:   # a chunk of absent slots costs no dot
-            sr = tl.load(S_IN + rows64[:, None] * stride_s + (col0 + r)[None, :], mask=hit & r_ok[None, :],
-                         other=0.0)
-            sc = tl.load(SCALE + slot_k * stride_scale + scale_col, mask=present, other=0.0)
-            b = tl.load(B + slot_k.to(tl.int64)[:, None] * stride_bs + expert * stride_be
-                        + cols64[None, :] * stride_bc + r[:, None], mask=(present & r_ok)[:, None] & cols_ok[None, :],
-                        other=0.0)
-            if LOW_PRECISION:
-                acc = tl.dot((sr * sc[None, :]).to(b.dtype), b, acc)
-            else:
-                acc = tl.dot(sr * sc[None, :], b.to(tl.float32), acc, input_precision=PRECISION)
+        sr = tl.load(S_IN + rows64[:, None] * stride_s + (col0 + r)[None, :], mask=hit & r_ok[None, :], other=0.0)
+        sc = tl.load(SCALE + slot_k * stride_scale + scale_col, mask=present, other=0.0)
+        b = tl.load(B + slot_k.to(tl.int64)[:, None] * stride_bs + expert * stride_be + cols64[None, :] * stride_bc
+                    + r[:, None], mask=(present & r_ok)[:, None] & cols_ok[None, :], other=0.0)
+        if LOW_PRECISION:
+            acc = tl.dot((sr * sc[None, :]).to(b.dtype), b, acc)
+        else:
+            acc = tl.dot(sr * sc[None, :], b.to(tl.float32), acc, input_precision=PRECISION)
     return acc

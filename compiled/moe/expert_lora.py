@@ -48,8 +48,7 @@ from compiled.moe.fused_moe import (BACKEND, GemmDelta, MoEWorkspace, get_config
 from compiled.triton_utils import interpreting, launch_kwargs
 
 OP = "compiled::fused_moe_lora"
-DELTA_K_STEP = 128  # the GEMMs' delta dots: slots x rank stacked along K, this many a dot ...
-SMALL_TILE = 64 * 64  # ... in tiles of at most this many elements (larger: one slot a dot)
+DELTA_K_STEP = 128  # the GEMMs' delta dots: slots x rank stacked along K, this many a dot
 DELTA_IN_16BIT = True  # the GEMMs' delta dots on 16-bit operands (the shrink outputs rounded), else fp32 / TF32
 
 
@@ -169,17 +168,13 @@ def reserve_workspace(ws: MoEWorkspace, max_tokens: int, E: int, H: int, I: int,
     return ws
 
 
-def delta_consts(dtype: torch.dtype, S: int, R: int, cfg: dict) -> dict:
-    """The grouped kernels' delta constants for S slots of rank R and the GEMM config `cfg`: tiles
-    of at most SMALL_TILE elements stack the slots DELTA_K_STEP of K a dot; larger ones take one
-    slot a dot (the stacked tiles beside their accumulators spill registers)."""
+def delta_consts(dtype: torch.dtype, S: int, R: int) -> dict:
+    """The grouped kernels' delta constants for S slots of rank R."""
     flags = _dot_flags(dtype)
     block_r = max(16, triton.next_power_of_2(R))
     slots_pad = triton.next_power_of_2(max(S, 1))
-    small = cfg["BLOCK_SIZE_M"] * cfg["BLOCK_SIZE_N"] <= SMALL_TILE
-    kc = min(DELTA_K_STEP if small else block_r, slots_pad * block_r)
-    return dict(SLOTS_PAD=slots_pad, BLOCK_R=block_r, KC=kc, DELTA_PRECISION=flags["DELTA_PRECISION"],
-                DELTA_16BIT=flags["DELTA_16BIT"])
+    return dict(SLOTS_PAD=slots_pad, BLOCK_R=block_r, KC=min(DELTA_K_STEP, slots_pad * block_r),
+                DELTA_PRECISION=flags["DELTA_PRECISION"], DELTA_16BIT=flags["DELTA_16BIT"])
 
 
 def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
@@ -222,16 +217,17 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
             BLOCK_N=max(16, triton.next_power_of_2(a.shape[2])), BLOCK_K=bk, EVEN_K=K % bk == 0, num_warps=4,
             num_stages=2, **pdl)
 
+    consts = delta_consts(x.dtype, S, R)
     delta13 = delta2 = None
     if has_delta:
         s13 = ws.get("lora_s13", rows * 2 * R, torch.float32, x.device).view(rows, 2 * R)
         shrink(x, a13, s13, H, True)
-        delta13 = GemmDelta(s13, b13, scale, slot, delta_consts(x.dtype, S, R, up))
+        delta13 = GemmDelta(s13, b13, scale, slot, consts)
     launch_gemm1(x, w13, inter, blocks, top_k, up, delta13)
     if has_delta:
         s2 = ws.get("lora_s2", rows * R, torch.float32, x.device).view(rows, R)
         shrink(inter, a2, s2, I, False)
-        delta2 = GemmDelta(s2, b2, scale, slot, delta_consts(x.dtype, S, R, down))
+        delta2 = GemmDelta(s2, b2, scale, slot, consts)
     launch_gemm2(inter, w2, y, weights, blocks, down, top_k, delta2)
     if top_k > 1:
         bh = min(1024, triton.next_power_of_2(H))

@@ -113,13 +113,6 @@ def case_t40_e8_k2_blocks_groups_and_out_of_range_slots():
     _check_triton(args, _cfg(32, 16, 16, group=4), torch.float32)
 
 
-def case_large_tiles_one_slot_a_dot():
-    # tiles above SMALL_TILE take the deltas one slot a dot, skipping the slots a tile lacks
-    args = problem(40, 8, 2, 32, 24, 16, 4, seed=11)
-    assert 64 * 128 > el.SMALL_TILE
-    _check_triton(args, _cfg(64, 128, 16), torch.float32)
-
-
 def case_one_token_top1_and_rank5():
     # one token (the base MoE's GEMV case runs the grouped tiles here), top-1 (no sum kernel),
     # a rank of 5 padded to a 16-wide tile
@@ -155,8 +148,7 @@ def case_op_forced_triton_and_workspace_reuse():
 
 
 CASES = [case_t7_h45_i19_fp32_mixed_slots, case_t7_h45_i19_bf16_and_fp16,
-         case_t40_e8_k2_blocks_groups_and_out_of_range_slots, case_large_tiles_one_slot_a_dot,
-         case_one_token_top1_and_rank5,
+         case_t40_e8_k2_blocks_groups_and_out_of_range_slots, case_one_token_top1_and_rank5,
          case_no_adapter_is_the_base_moe, case_op_forced_triton_and_workspace_reuse]
 
 
