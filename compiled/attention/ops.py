@@ -16,6 +16,7 @@ from compiled.attention.context import AttentionMetadata, ForwardContext, get_fo
 from compiled.attention.reference import (NormRope, decode_attention_ref, extend_attention_ref, norm_rope_ref,
                                          store_kv)
 from compiled.backend import BackendChoice
+from compiled.parallel.context import CPStep, current_cp_step
 
 BACKEND = BackendChoice("COMPILED_ATTENTION_BACKEND")
 
@@ -35,14 +36,22 @@ def backend_for(q: torch.Tensor) -> str:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
               q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
               positions: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None,
-              eps: float = 0.0) -> torch.Tensor:
+              eps: float = 0.0, k_full: torch.Tensor | None = None,
+              v_full: torch.Tensor | None = None) -> torch.Tensor:
     """q `[T, Hq, D]`, k/v `[T, Hkv, D]` for the step's new tokens -> `[T, Hq, D]`.
 
     With `q_norm` (set by the fuse_qk_norm_rope pass, together with `k_norm`, `positions`,
     `cos_sin` and `eps`), q and k are the raw projection output: the per-head RMSNorm and RoPE
-    (`reference.norm_rope_ref`) are applied here, inside the kernels' launches on Triton."""
+    (`reference.norm_rope_ref`) are applied here, inside the kernels' launches on Triton.
+
+    `k_full` / `v_full` (set by the cp_allgather pass): every rank's K/V of the step in batch
+    order. In a context-parallel step this rank's q/k/v are its own tokens only: all of the
+    step's K/V is stored, and this rank's queries attend (`_attention_cp`)."""
     rope = _norm_rope(q, q_norm, k_norm, positions, cos_sin, eps)
     ctx = get_forward_context()
+    step = current_cp_step()
+    if step is not None and k_full is not None:
+        return _attention_cp(ctx, step, q, k, v, k_full, v_full, layer, scale, rope)
     if backend_for(q) == "triton":
         return _attention_triton(ctx, q, k, v, layer, scale, rope)
     if rope is not None:
@@ -57,8 +66,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sca
 
 
 @attention.register_fake
-def _(q, k, v, layer, scale, q_norm=None, k_norm=None, positions=None, cos_sin=None, eps=0.0):
+def _(q, k, v, layer, scale, q_norm=None, k_norm=None, positions=None, cos_sin=None, eps=0.0, k_full=None,
+      v_full=None):
     return torch.empty_like(q)
+
+
+def _attention_cp(ctx: ForwardContext, step: CPStep, q, k, v, k_full, v_full, layer: int, scale: float,
+                  rope: NormRope | None) -> torch.Tensor:
+    """A context-parallel step: store every token's K/V (`k_full`, `v_full`, at the step's slots),
+    then this rank's queries attend as `ctx.meta` lays them out: each of the rank's segments as a
+    request whose cached prefix is everything before it (`parallel/zigzag.py`), its own new K/V
+    being this rank's k/v. Norm and RoPE run in torch here: long prefills only, once a layer."""
+    if rope is not None:
+        q, k = norm_rope_ref(q, k, rope)
+        full = NormRope(rope.k_weight, rope.k_weight, step.positions, rope.cos_sin, rope.eps)
+        k_full = norm_rope_ref(k_full, k_full, full)[1]
+    meta, k_cache, v_cache = ctx.meta, ctx.kv.k[layer], ctx.kv.v[layer]
+    if backend_for(q) == "triton":
+        from compiled.attention.triton_extend import extend_attention_triton
+        from compiled.attention.triton_store import store_kv_triton
+        q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+        store_kv_triton(k_cache, v_cache, step.out_cache_loc, _last_dim_contiguous(k_full),
+                        _last_dim_contiguous(v_full))
+        return extend_attention_triton(q, k, v, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
+                                       meta.seq_lens, meta.extend_lens, extend_start_loc(meta), meta.max_extend_len,
+                                       scale, max_prefix_len=meta.max_prefix_len)
+    store_kv(k_cache, v_cache, step.out_cache_loc, k_full, v_full)
+    return extend_attention_ref(q, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices_cpu,
+                                meta.seq_lens_cpu, meta.extend_lens_cpu, scale)
 
 
 def _norm_rope(q, q_norm, k_norm, positions, cos_sin, eps) -> NormRope | None:

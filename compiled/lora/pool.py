@@ -124,6 +124,18 @@ class LoRAPool:
         self.slot_order.append(slot)
         return slot
 
+    def place(self, name: str, slot: int) -> None:
+        """Make `slot` hold adapter `name` (a context-parallel worker follows rank 0's slots)."""
+        if self.in_slot[slot] == name:
+            return
+        old = self.slot_of.pop(name, None)
+        if old is not None:
+            self.in_slot[old] = None
+        if self.in_slot[slot] is not None:
+            del self.slot_of[self.in_slot[slot]]
+        self._write(slot, self.adapters[name])
+        self.in_slot[slot], self.slot_of[name] = name, slot
+
     @torch.no_grad()
     def _write(self, slot: int, adapter: Adapter) -> None:
         for t in self.dense:

@@ -11,16 +11,18 @@ from torch import fx
 from compiled.errors import CompiledError
 from compiled.graphs.trace import example_inputs
 from compiled.passes.base import GraphPass, PassRecord, sweep_dead_nodes
-from compiled.passes import (fuse_moe_norm, fuse_norm_linear, fuse_qk_norm_rope, fuse_qkv, fuse_silu_linear,
-                             fuse_w13, lora_delta, silu_and_mul, skinny_linear)
+from compiled.passes import (cp_allgather, fuse_moe_norm, fuse_norm_linear, fuse_qk_norm_rope, fuse_qkv,
+                             fuse_silu_linear, fuse_w13, lora_delta, silu_and_mul, skinny_linear)
 from compiled.graphs.weights import WeightMap
 
 # Every pass, in an order that satisfies each pass's `after`.
 REGISTRY: dict[str, GraphPass] = {m.PASS.name: m.PASS for m in (
     fuse_qkv, fuse_w13, silu_and_mul, skinny_linear, lora_delta, fuse_qk_norm_rope, fuse_norm_linear,
-    fuse_silu_linear, fuse_moe_norm)}
-# What a model without LoRA runs; `with_lora` adds the LoRA deltas.
-DEFAULT_PASSES: tuple[str, ...] = tuple(name for name in REGISTRY if name != "lora_delta")
+    fuse_silu_linear, fuse_moe_norm, cp_allgather)}
+# What a model without LoRA or context parallelism runs; `with_lora` adds the LoRA deltas and
+# `with_cp` the context-parallel gathers.
+OPTIONAL_PASSES = ("lora_delta", "cp_allgather")
+DEFAULT_PASSES: tuple[str, ...] = tuple(name for name in REGISTRY if name not in OPTIONAL_PASSES)
 PassList = list[str | GraphPass] | tuple[str | GraphPass, ...]
 CHECKS = ("each", "end", "none")
 
@@ -43,6 +45,13 @@ def with_lora(names: PassList | None, lora: GraphPass) -> list[str | GraphPass]:
     names = [n for n in names if (n.name if isinstance(n, GraphPass) else n) != lora.name]
     last = max((i for i, n in enumerate(names) if n in lora.after), default=-1)
     return names[:last + 1] + [lora] + names[last + 1:]
+
+
+def with_cp(names: PassList | None) -> list[str | GraphPass]:
+    """`names` with the context-parallel gathers last (they extend the final attention calls)."""
+    names = [n for n in (DEFAULT_PASSES if names is None else names)
+             if (n.name if isinstance(n, GraphPass) else n) != "cp_allgather"]
+    return names + ["cp_allgather"]
 
 
 class PassOrderError(CompiledError, ValueError):

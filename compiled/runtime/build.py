@@ -17,7 +17,7 @@ from compiled.graphs.config import ModelConfig
 from compiled.graphs.trace import materialize, meta_model, trace
 from compiled.passes.base import GraphPass, PassRecord
 from compiled.passes.lora_delta import lora_delta_pass
-from compiled.passes.manager import DEFAULT_PASSES, run_passes, with_lora
+from compiled.passes.manager import DEFAULT_PASSES, run_passes, with_cp, with_lora
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.loader import fill_dummy, load_checkpoint
 
@@ -50,6 +50,9 @@ class Models:
     # The LoRA graph's module before compilation: it owns the LoRA buffers by name (a compiled
     # model holds the same tensors, unnamed), which the adapter pool writes.
     lora_buffers: nn.Module | None = None
+    # With context parallelism: the graph of a context-parallel step (`passes/cp_allgather.py`),
+    # over the same weights (and LoRA buffers, whose deltas it adds).
+    cp: nn.Module | None = None
 
 
 def build_model(cfg: ModelConfig, path: str, config: EngineConfig) -> tuple[nn.Module, BuildReport]:
@@ -94,9 +97,13 @@ def build_models(cfg: ModelConfig, path: str, config: EngineConfig) -> Models:
     else:
         load_checkpoint(module, weights, path, tied_head=cfg.tie_word_embeddings)
     lap("load")
-    lora = lora_buffers = _lora_graph(module, cfg, config) if config.lora else None
+    lora = lora_buffers = _variant_graph(module, cfg, config, with_lora(pass_names(config), lora_pass(config))) \
+        if config.lora else None
     if lora is not None:
         lap("lora_graph")
+    cp = _variant_graph(module, cfg, config, cp_passes(config), lora_buffers) if config.cp else None
+    if cp is not None:
+        lap("cp_graph")
     if use_graph and (config.use_compile or config.artifact):
         module = _compile(module, cfg, config, report)
         lap("compile")
@@ -108,25 +115,40 @@ def build_models(cfg: ModelConfig, path: str, config: EngineConfig) -> Models:
             from compiled.compilation.inductor import compile_model
             lora, _, _ = compile_model(lora, config.device, None, config.splitting_ops)
             lap("compile_lora")
-    return Models(module, lora, report, lora_buffers)
+        if cp is not None:
+            from compiled.compilation.inductor import compile_model
+            from compiled.parallel.ops import CP_SPLITTING_OPS
+            cp, _, _ = compile_model(cp, config.device, None, config.splitting_ops + CP_SPLITTING_OPS)
+            lap("compile_cp")
+    return Models(module, lora, report, lora_buffers, cp)
 
 
 def lora_pass(config: EngineConfig) -> GraphPass:
     return lora_delta_pass(config.max_loras_per_batch, config.max_lora_rank)
 
 
-def _lora_graph(base: fx.GraphModule, cfg: ModelConfig, config: EngineConfig) -> fx.GraphModule:
-    """The graph with the LoRA deltas, over `base`'s weights (nothing is copied): traced and
-    passed on `meta`, then every parameter and buffer taken from `base` by name, and only the
-    LoRA buffers allocated."""
+def cp_passes(config: EngineConfig) -> list:
+    """The passes of the context-parallel graph: the engine's (with the LoRA deltas when it serves
+    adapters), then the gathers."""
+    names = with_lora(pass_names(config), lora_pass(config)) if config.lora else pass_names(config)
+    return with_cp(names)
+
+
+def _variant_graph(base: fx.GraphModule, cfg: ModelConfig, config: EngineConfig, passes: list,
+                   lora_source: nn.Module | None = None) -> fx.GraphModule:
+    """The graph of `passes` over `base`'s weights (nothing is copied): traced and passed on
+    `meta`, then every parameter and buffer taken from `base` by name; its LoRA buffers are
+    `lora_source`'s, or allocated here (zeros) when there is none."""
     module = meta_model(cfg, config.dtype)
     gm = trace(module)
-    run_passes(gm, module.checkpoint_map(), with_lora(pass_names(config), lora_pass(config)), check="none")
+    run_passes(gm, module.checkpoint_map(), passes, check="none")
     shared = dict(base.named_parameters()) | dict(base.named_buffers())
+    if lora_source is not None:
+        shared |= {n: b for n, b in lora_source.named_buffers() if n.rpartition(".")[2].startswith("lora_")}
     for name, tensor in list(gm.named_parameters()) + list(gm.named_buffers()):
         owner_name, _, leaf = name.rpartition(".")
         owner = gm.get_submodule(owner_name)
-        if leaf.startswith("lora_"):
+        if leaf.startswith("lora_") and name not in shared:
             owner.register_buffer(leaf, torch.zeros(tensor.shape, dtype=tensor.dtype, device=config.device),
                                   persistent=False)
         elif isinstance(tensor, nn.Parameter):

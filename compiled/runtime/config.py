@@ -81,6 +81,13 @@ class EngineConfig:
     max_lora_rank: int = 64
     max_loras_per_batch: int = 8
     max_loaded_loras: int | None = None
+    # Context parallelism: this many processes (one GPU each) hold the whole model, and a step with
+    # a prefill chunk of at least `cp_min_tokens` tokens (and 2 per process) splits that chunk's
+    # tokens over them; 1: off. `cp_timeout`: seconds a rank may take to answer before the group
+    # counts as dead.
+    context_parallel_size: int = 1
+    cp_min_tokens: int = 2048
+    cp_timeout: float = 60.0
     # Without a GPU there is no "memory left" to measure; this many bytes go to the KV cache.
     cpu_kv_cache_bytes: int = 2 << 30
     # Prompt-logprob rows are pushed through the LM head this many at a time to bound memory.
@@ -105,6 +112,9 @@ class EngineConfig:
         self.validate()
         device = resolve_device(self.device)
         max_len = max_position_embeddings if self.max_model_len is None else self.max_model_len
+        if device.type == "cuda" and self.context_parallel_size > torch.cuda.device_count():
+            raise ConfigError(f"context_parallel_size={self.context_parallel_size}: only "
+                              f"{torch.cuda.device_count()} GPU(s) are visible, one per process is needed")
         if max_len > max_position_embeddings:
             raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
                               f"{max_position_embeddings}")
@@ -129,6 +139,8 @@ class EngineConfig:
                 raise _bad(name, value, f"None or an int >= {low}")
         if not _is_real(self.mem_fraction) or not 0 < self.mem_fraction <= 1:  # NaN fails both
             raise _bad("mem_fraction", self.mem_fraction, "a float in (0, 1]")
+        if not _is_real(self.cp_timeout) or not self.cp_timeout > 0:
+            raise _bad("cp_timeout", self.cp_timeout, "seconds > 0")
         if not _is_int(self.seed):
             raise _bad("seed", self.seed, "an int")
         for name in ("use_graph", "enforce_eager", "overlap_schedule", "recompile_on_mismatch"):
@@ -172,6 +184,11 @@ class EngineConfig:
         return bool(self.lora_modules) if self.enable_lora is None else self.enable_lora
 
     @property
+    def cp(self) -> bool:
+        """Whether prefill runs context-parallel."""
+        return self.context_parallel_size > 1
+
+    @property
     def use_compile(self) -> bool:
         if self.enforce_eager:
             return False
@@ -190,7 +207,8 @@ class EngineConfig:
 # Lower bounds of the integer settings. A context of one token could hold a prompt but not the
 # token it generates, so max_model_len starts at 2.
 _INT_AT_LEAST = dict(max_num_seqs=1, max_num_batched_tokens=1, max_cuda_graph_batch=1, max_piecewise_tokens=1,
-                     cpu_kv_cache_bytes=1, logits_chunk=1, max_lora_rank=1, max_loras_per_batch=1)
+                     cpu_kv_cache_bytes=1, logits_chunk=1, max_lora_rank=1, max_loras_per_batch=1,
+                     context_parallel_size=1, cp_min_tokens=1)
 _OPTIONAL_INT_AT_LEAST = dict(max_model_len=2, kv_cache_tokens=1, max_loaded_loras=1)
 _SEQUENCES = ("passes", "splitting_ops", "cuda_graph_buckets", "piecewise_buckets")
 

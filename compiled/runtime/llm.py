@@ -86,12 +86,21 @@ class LLM:
         tok_path = self.config.tokenizer or self.model_path
         self.tokenizer: Tokenizer | None = load_tokenizer(tok_path) if has_tokenizer(tok_path) else None
         eos_token_ids = self._eos_token_ids()  # before the (slow) build: a bad file fails fast
-        models = build_models(self.model_config, self.model_path, self.config)
-        self.model, self.build_report = models.base, models.report
-        start = time.perf_counter()
-        self.engine = Engine(self.model, self.model_config, self.config, num_kv_slots(self.model_config, self.config),
-                             self.tokenizer, eos_token_ids, models.lora, models.lora_buffers)
-        self.build_report.seconds["kv_cache"] = time.perf_counter() - start
+        self._cp = self._join_cp_group(model, kwargs) if self.config.cp else None   # the group, while it runs
+        try:
+            models = build_models(self.model_config, self.model_path, self.config)
+            self.model, self.build_report = models.base, models.report
+            start = time.perf_counter()
+            self.engine = Engine(self.model, self.model_config, self.config,
+                                 num_kv_slots(self.model_config, self.config), self.tokenizer, eos_token_ids,
+                                 models.lora, models.lora_buffers)
+            self.build_report.seconds["kv_cache"] = time.perf_counter() - start
+            if self._cp is not None:
+                self._cp.send(("kv_slots", self.engine.kv.num_slots))
+                self.engine.runner.enable_cp(self._cp, models.cp)
+        except BaseException:
+            self.shutdown()
+            raise
         for name, path in (self.config.lora_modules or {}).items():
             self.load_lora(name, path)
         if self.config.use_cuda_graphs:
@@ -99,6 +108,55 @@ class LLM:
         start = time.perf_counter()
         freeze_startup_heap()
         self.build_report.seconds["gc_freeze"] = time.perf_counter() - start
+
+    def _join_cp_group(self, model: str | None, kwargs: dict):
+        """Rank 0 of the context-parallel group: its workers spawned here, or, under torchrun, the
+        ranks torchrun started (on whose ranks above 0 this serves as a worker, then exits)."""
+        from compiled.parallel.group import init_group, spawn_workers, torchrun_rank
+        from compiled.runtime import cp_worker
+        world, device = self.config.context_parallel_size, self.config.device
+        backend = cp_worker.backend_for(device)
+        launched = torchrun_rank()
+        if launched is not None:
+            rank, size = launched
+            if size != world:
+                raise ConfigError(f"context_parallel_size={world} but torchrun started {size} processes")
+            if rank > 0:
+                dev = cp_worker.worker_device(device, rank)
+                if dev.type == "cuda":
+                    torch.cuda.set_device(dev)
+                cp_worker.serve(init_group(rank, world, backend, self.config.cp_timeout), self.model_path,
+                                dict(kwargs, device=str(dev)))
+                raise SystemExit(0)
+            processes = []
+        else:
+            processes = spawn_workers(world, cp_worker.spawned_worker,
+                                      (self.model_path, kwargs, str(device), self.config.cp_timeout))
+        group = init_group(0, world, backend, self.config.cp_timeout, processes)
+        atexit.register(self.shutdown)
+        return group
+
+    def shutdown(self) -> None:
+        """Stop the context-parallel workers (nothing to do without them); the LLM then prefills
+        on this process alone."""
+        group, self._cp = self._cp, None
+        if group is None:
+            return
+        from compiled.runtime.cp_worker import STOP
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.runner.cp = None
+        group.shutdown(STOP)
+
+    @property
+    def context_parallel(self) -> int:
+        """The processes prefill is split over now: context_parallel_size, or 1 once the group
+        stopped (`shutdown`, or a rank that failed)."""
+        return 1 if self.engine.runner.cp is None else self.engine.runner.cp.group.world
+
+    def _tell_workers(self, message) -> None:
+        if self.engine.runner.cp is not None:
+            self.engine.runner.cp.group.send(message)
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -196,6 +254,7 @@ class LLM:
         if self.engine.loras is None:
             raise ConfigError("LoRA is off: start the LLM with enable_lora=True (or lora_modules) to load adapters")
         self.engine.loras.add(adapter, pinned, busy=frozenset(self.engine.adapters_in_use()))
+        self._tell_workers(("add_lora", adapter, pinned))
 
     def unload_lora(self, name: str) -> None:
         """Forget adapter `name`. Refused while a queued or running request uses it: those
@@ -207,6 +266,7 @@ class LLM:
             raise ConfigError(f"adapter {name!r} is used by {users} queued or running requests: abort or finish "
                               "them first")
         self.engine.loras.remove(name)
+        self._tell_workers(("remove_lora", name))
 
     @property
     def loras(self) -> list[str]:

@@ -21,7 +21,9 @@ from compiled.attention.kv_cache import KVPool, ReqToTokenPool
 from compiled.compilation.buckets import smallest_bucket
 from compiled.compilation.piecewise_graphs import PiecewiseGraphs, current_mode, piecewise_mode
 from compiled.linear.lora_slots import token_slots
+from compiled.parallel.group import CPError
 from compiled.runtime.config import EngineConfig
+from compiled.runtime.context_parallel import ContextParallelRunner, StepMessage, note_step, split_chunks
 from compiled.runtime.decode_graphs import DecodeGraphs, compute_logits
 from compiled.runtime.scheduler import Batch
 from compiled.runtime.static_inputs import StaticInputs, write_request_table
@@ -60,6 +62,12 @@ class ModelRunner:
         # Token buckets non-decode batches are padded to (with or without captured graphs).
         self.prefill_buckets: list[int] = []
         self._pool = None           # one CUDA-graph memory pool for every graph
+        self.cp: ContextParallelRunner | None = None   # with a context-parallel group (`enable_cp`)
+
+    def enable_cp(self, group, cp_model: nn.Module) -> None:
+        """Run the steps that split (`context_parallel.split_chunks`) over `group` with `cp_model`."""
+        self.cp = ContextParallelRunner(group, cp_model, self.kv, self.req_pool, self.inputs,
+                                        uses_lora=self.lora_model is not None)
 
     def _graph_pool(self):
         if self._pool is None:
@@ -188,6 +196,11 @@ class ModelRunner:
         """Run `batch`; logits only for `sample_rows` (indices into the batch's tokens). `feed`:
         the input ids of a one-token-per-request batch, on the device (overlap scheduling; the
         host does not know them yet)."""
+        if self.cp is not None:
+            out = self._forward_cp(batch, sample_rows)
+            note_step(batch, on_all_ranks=out is not None)
+            if out is not None:
+                return out
         t = batch.num_tokens
         lora = self._uses_lora(batch)
         graphs = self.lora_graphs if lora else self.graphs
@@ -202,6 +215,24 @@ class ModelRunner:
         self._feed(feed, t, self.inputs)
         hidden = self._run_model(meta, tokens, lora)[:t]
         rows = _rows(hidden, t, sample_rows)
+        return StepOutput(hidden, None if rows is None else self.logits(rows))
+
+    def _forward_cp(self, batch: Batch, sample_rows: Sequence[int]) -> StepOutput | None:
+        """Rank 0: the batch as a context-parallel step, the workers told first; None when no
+        chunk of it splits (it then runs here alone)."""
+        chunks = split_chunks(batch, self.cp.group.world, self.cfg.cp_min_tokens)
+        if chunks is None:
+            return None
+        adapters = {c.request.lora_slot: c.request.lora for c in batch.chunks if c.request.lora_slot >= 0}
+        try:
+            self.cp.group.send(("step", StepMessage(chunks, adapters)))
+            hidden = self.cp.run(chunks)
+        except CPError:
+            # A rank died or hangs: stop them all; later steps run on this process alone.
+            group, self.cp = self.cp.group, None
+            group.shutdown()
+            raise
+        rows = _rows(hidden, batch.num_tokens, sample_rows)
         return StepOutput(hidden, None if rows is None else self.logits(rows))
 
     @staticmethod

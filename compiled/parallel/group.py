@@ -1,0 +1,128 @@
+"""The context-parallel process group: rank 0 (the user's process) and its workers, each holding
+the whole model on its own device.
+
+Rank 0 starts the workers itself (`spawn_workers`, torch.multiprocessing with the spawn method)
+or, under `torchrun` (WORLD_SIZE set), every rank is started for it. Tensors travel on the data
+group (NCCL on GPUs, gloo on CPU); rank 0's messages (a step to run, an adapter to load) on a
+gloo control group. A collective that fails or outlasts `timeout` (a rank died or hangs) is a
+`CPError`; rank 0 then shuts the group down, terminating every worker it started."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from compiled.errors import CompiledError
+
+
+class CPError(CompiledError, RuntimeError):
+    """A context-parallel rank died, hung or failed."""
+
+
+def torchrun_rank() -> tuple[int, int] | None:
+    """(rank, world size) when `torchrun` started this process, else None."""
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_workers(world: int, target, args: tuple) -> list:
+    """Start ranks 1..world-1 as `target(rank, world, *args)` in fresh processes, with the
+    rendezvous address in the environment they inherit (and this process's)."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(_free_port())
+    ctx = mp.get_context("spawn")
+    processes = []
+    for rank in range(1, world):
+        p = ctx.Process(target=target, args=(rank, world, *args), daemon=True, name=f"compiled-cp-rank{rank}")
+        p.start()
+        processes.append(p)
+    return processes
+
+
+@dataclass
+class CPGroup:
+    rank: int
+    world: int
+    data: dist.ProcessGroup
+    control: dist.ProcessGroup
+    processes: list = field(default_factory=list)   # the workers rank 0 started
+
+    def send(self, message) -> None:
+        """Rank 0: hand `message` to every worker."""
+        self._call(dist.broadcast_object_list, [message], src=0, group=self.control)
+
+    def receive(self):
+        """A worker: the next message of rank 0."""
+        box = [None]
+        self._call(dist.broadcast_object_list, box, src=0, group=self.control)
+        return box[0]
+
+    def _call(self, fn, *args, **kwargs):
+        with self.collectives():
+            return fn(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def collectives(self) -> Iterator[None]:
+        """Collectives inside fail as one-line CPErrors: gloo and NCCL report a dead or stuck peer
+        as errors of their own (a closed connection, a timeout)."""
+        try:
+            yield
+        except CPError:
+            raise
+        except RuntimeError as e:
+            if not (isinstance(e, dist.DistError) or self.dead_workers() or _from_backend(e)):
+                raise
+            raise CPError(f"context-parallel group of {self.world}: {self.describe_failure(e)}") from None
+
+    def dead_workers(self) -> list[str]:
+        return [f"rank {i + 1} exited with code {p.exitcode}" for i, p in enumerate(self.processes)
+                if p.exitcode is not None]
+
+    def describe_failure(self, error: BaseException) -> str:
+        dead = self.dead_workers()
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return ", ".join(dead) if dead else f"a collective failed or timed out ({first[:160]})"
+
+    def shutdown(self, stop_message=None) -> None:
+        """Rank 0: ask the workers to stop (when they can still hear it), then make sure every
+        one of them exits; leave the process group."""
+        if stop_message is not None and all(p.exitcode is None for p in self.processes):
+            try:
+                self.send(stop_message)
+            except CPError:
+                pass
+        for p in self.processes:
+            p.join(timeout=5)
+        for p in self.processes:
+            if p.exitcode is None:
+                p.kill()
+                p.join(timeout=5)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _from_backend(error: BaseException) -> bool:
+    text = str(error).lower()
+    return any(word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
+
+
+def init_group(rank: int, world: int, backend: str, timeout: float, processes: list | None = None) -> CPGroup:
+    """Join the group (MASTER_ADDR / MASTER_PORT from the environment)."""
+    delta = datetime.timedelta(seconds=timeout)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=delta)
+    control = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=delta)
+    return CPGroup(rank, world, dist.group.WORLD, control, list(processes or []))

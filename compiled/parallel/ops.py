@@ -1,0 +1,32 @@
+"""The collective op of context parallelism, opaque so it traces as a single node and the compile
+backend splits the graph at it (`CP_SPLITTING_OPS`):
+
+    x_full = compiled::cp_allgather(x)     # [T_local, ...] -> [T, ...]
+
+It returns every rank's rows of the step in batch order (`context.gather_rows`); the cp_allgather
+pass puts it on each attention's K and V and on the final hidden states. Outside a
+context-parallel step (and at world size 1) it returns a copy of x: the reference, and the
+CP=1 path."""
+
+from __future__ import annotations
+
+import torch
+
+from compiled.parallel.context import current_cp_step, gather_rows
+
+CP_SPLITTING_OPS: tuple[str, ...] = ("compiled::cp_allgather",)
+
+
+@torch.library.custom_op("compiled::cp_allgather", mutates_args=())
+def cp_allgather(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows of x, in the step's batch order."""
+    step = current_cp_step()
+    if step is None:
+        return x.clone()
+    return gather_rows(x, step)
+
+
+@cp_allgather.register_fake
+def _(x):
+    # The step's token count: a size of its own, as it differs from x's.
+    return x.new_empty((torch.library.get_ctx().new_dynamic_size(), *x.shape[1:]))

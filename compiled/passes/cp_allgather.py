@@ -1,0 +1,44 @@
+"""cp_allgather: the graph of a context-parallel prefill, where each rank computes its own share
+of the step's tokens (`compiled/parallel/zigzag.py`) through every layer.
+
+    attention(q, k, v, ...)  ->  attention(q, k, v, ..., k_full=cp_allgather(k), v_full=cp_allgather(v))
+    return hidden            ->  return cp_allgather(hidden)
+
+Every attention stores the K/V of all the step's tokens (every rank keeps the whole KV cache) and
+attends with this rank's queries; the final hidden states come back in batch order for the LM
+head and the sampler. `compiled::cp_allgather` is a splitting op of the compiled graph
+(`parallel.ops.CP_SPLITTING_OPS`). Runs after fuse_qk_norm_rope, whose attention calls it
+extends (the gathered K is then the raw projection, normalised and rotated in the attention op)."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+import compiled.attention.ops  # noqa: F401  (registers compiled::attention)
+import compiled.parallel.ops  # noqa: F401  (registers compiled::cp_allgather)
+from compiled.graphs.weights import WeightMap
+from compiled.passes.base import GraphPass, PassRecord, is_op
+
+
+def cp_allgather(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
+    graph = gm.graph
+    gather = torch.ops.compiled.cp_allgather.default
+    for node in list(graph.nodes):
+        if not is_op(node, torch.ops.compiled.attention) or "k_full" in node.kwargs:
+            continue
+        k, v = node.args[1], node.args[2]
+        with graph.inserting_before(node):
+            k_full = graph.call_function(gather, (k,))
+            v_full = graph.call_function(gather, (v,))
+        node.kwargs = {**node.kwargs, "k_full": k_full, "v_full": v_full}
+        record.rewrites += 1
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    with graph.inserting_before(output):
+        hidden = graph.call_function(gather, (output.args[0],))
+    output.args = (hidden,)
+    record.rewrites += 1
+
+
+PASS = GraphPass("cp_allgather", cp_allgather, after=("fuse_qk_norm_rope", "lora_delta", "fuse_norm_linear",
+                                                       "fuse_moe_norm"))

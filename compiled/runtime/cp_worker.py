@@ -1,0 +1,84 @@
+"""A context-parallel worker: ranks 1..N-1 build the same model and KV cache as rank 0 and run
+the steps rank 0 sends them (`context_parallel.py`), until it says stop or the group fails.
+
+Started by `LLM` (spawned) or by `torchrun` (every rank runs the user's script; on ranks above 0
+`LLM(...)` serves here and exits the process when rank 0 stops)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import torch
+
+from compiled.parallel.group import CPError, CPGroup, init_group
+
+log = logging.getLogger(__name__)
+
+STOP = ("stop",)
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def worker_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r's device: the r-th GPU after rank 0's (one GPU a rank), or the CPU."""
+    if device.type != "cuda":
+        return device
+    first = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.device("cuda", (first + rank) % torch.cuda.device_count())
+
+
+def spawned_worker(rank: int, world: int, model: str, kwargs: dict, device: str, timeout: float) -> None:
+    """The entry point of a worker process rank 0 spawned."""
+    dev = worker_device(torch.device(device), rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    code = 0
+    try:
+        group = init_group(rank, world, backend_for(dev), timeout)
+        serve(group, model, dict(kwargs, device=str(dev)))
+    except (CPError, KeyboardInterrupt):
+        code = 1   # rank 0 is gone or stopping: nothing to report here
+    except Exception:
+        log.exception("context-parallel rank %d failed", rank)
+        code = 1
+    sys.stdout.flush()
+    os._exit(code)   # skip the interpreter's teardown of a half-closed process group
+
+
+def serve(group: CPGroup, model: str, kwargs: dict) -> None:
+    """Build the engine as rank 0 does, then run its messages until "stop"."""
+    from compiled.runtime.build import build_models
+    from compiled.runtime.config import EngineConfig
+    from compiled.runtime.engine import Engine
+    from compiled.graphs.config import ModelConfig
+    from compiled.runtime.backends import configure_backends
+    requested = EngineConfig.from_kwargs(model=model, **kwargs)
+    mcfg = ModelConfig.from_pretrained(model)
+    config = requested.resolve(mcfg.max_position_embeddings)
+    configure_backends(config)
+    torch.manual_seed(config.seed)
+    models = build_models(mcfg, model, config)
+    kind, slots = group.receive()
+    assert kind == "kv_slots", kind
+    engine = Engine(models.base, mcfg, config, slots, None, set(), models.lora, models.lora_buffers)
+    engine.runner.enable_cp(group, models.cp)
+    while True:
+        message = group.receive()
+        kind = message[0]
+        if kind == "step":
+            step = message[1]
+            for slot, name in step.adapters.items():
+                engine.loras.place(name, slot)
+            engine.runner.cp.run(step.chunks)
+        elif kind == "add_lora":
+            engine.loras.add(message[1], message[2])
+        elif kind == "remove_lora":
+            engine.loras.remove(message[1])
+        elif kind == "stop":
+            return
+        else:
+            raise CPError(f"context-parallel worker {group.rank}: unknown message {kind!r}")
