@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
 import torch
 
@@ -36,17 +35,16 @@ def spawned_worker(rank: int, world: int, model: str, kwargs: dict, device: str,
     dev = worker_device(torch.device(device), rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    code = 0
     try:
         group = init_group(rank, world, backend_for(dev), timeout)
         serve(group, model, dict(kwargs, device=str(dev)))
     except (CPError, KeyboardInterrupt):
-        code = 1   # rank 0 is gone or stopping: nothing to report here
+        os._exit(1)   # rank 0 is gone or stopping: skip the teardown of a half-closed group
     except Exception:
         log.exception("context-parallel rank %d failed", rank)
-        code = 1
-    sys.stdout.flush()
-    os._exit(code)   # skip the interpreter's teardown of a half-closed process group
+        os._exit(1)
+    import torch.distributed as dist
+    dist.destroy_process_group()
 
 
 def serve(group: CPGroup, model: str, kwargs: dict) -> None:

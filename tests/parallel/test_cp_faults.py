@@ -1,0 +1,71 @@
+"""A context-parallel rank that dies or hangs mid-prefill: rank 0 raises a one-line error within
+the group's timeout, every worker process is gone, and the LLM goes on without the group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from compiled import LLM, SamplingParams
+from compiled.parallel.group import CPError
+from compiled.runtime.context_parallel import ContextParallelRunner
+
+ENGINE = dict(max_num_batched_tokens=32, cp_min_tokens=8, kv_cache_tokens=2048, max_model_len=512)
+PROMPT = [(5 * i) % 200 + 1 for i in range(300)]     # ten 32-token chunks, each split
+PARAMS = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("fault", ["dies", "hangs"])
+def test_a_failed_rank_stops_the_group(monkeypatch, fault):
+    llm = LLM(None, context_parallel_size=2, cp_timeout=5.0, **ENGINE)
+    worker = llm.engine.runner.cp.group.processes[0]
+    run = ContextParallelRunner.run
+
+    def fail_after_first(self, chunks):
+        out = run(self, chunks)
+        if self.steps == 2:   # mid-prefill: the prompt's second chunk done, eight to go
+            os.kill(worker.pid, signal.SIGKILL if fault == "dies" else signal.SIGSTOP)
+            if fault == "dies":
+                worker.join(10)
+        return out
+
+    monkeypatch.setattr(ContextParallelRunner, "run", fail_after_first)
+    start = time.monotonic()
+    try:
+        with pytest.raises(CPError) as e:
+            llm.generate([PROMPT], PARAMS)
+        assert time.monotonic() - start < 60
+        assert "\n" not in str(e.value) and "context-parallel group of 2" in str(e.value)
+        if fault == "dies":
+            assert "rank 1 exited" in str(e.value)
+        assert worker.exitcode is not None            # killed by the shutdown, if it was only stopped
+        assert llm.context_parallel == 1
+        assert llm.engine.kv.num_used == 0 and not llm.engine.has_work   # the failed call left nothing
+        monkeypatch.setattr(ContextParallelRunner, "run", run)
+        alone = llm.generate([PROMPT], PARAMS)[0]     # on rank 0 alone now
+        assert len(alone.token_ids) == 3
+    finally:
+        llm.shutdown()
+        if worker.exitcode is None:
+            worker.kill()
+
+
+def test_bad_context_parallel_settings_are_one_line_errors():
+    from compiled.errors import ConfigError
+    for kwargs, match in ((dict(context_parallel_size=0), "context_parallel_size=0: expected an int >= 1"),
+                          (dict(cp_min_tokens=0), "cp_min_tokens=0: expected an int >= 1"),
+                          (dict(cp_timeout=-1), "cp_timeout=-1: expected seconds > 0")):
+        with pytest.raises(ConfigError, match=match):
+            LLM(None, **kwargs)
+
+
+@pytest.mark.gpu
+def test_more_ranks_than_gpus_is_a_one_line_error():
+    import torch
+    from compiled.errors import ConfigError
+    n = torch.cuda.device_count() + 1
+    with pytest.raises(ConfigError, match=f"context_parallel_size={n}: only {n - 1} GPU"):
+        LLM(None, device="cuda", context_parallel_size=n)
