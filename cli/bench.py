@@ -45,7 +45,8 @@ def _opt(name: str, annotation, default, help: str, *decls: str) -> inspect.Para
 COMMON = [
     *(engine_parameter(name) for name in ("device", "dtype", "load_format", "max_model_len", "max_num_seqs",
                                           "max_num_batched_tokens", "kv_cache_tokens", "mem_fraction",
-                                          "enforce_eager", "compile", "artifact", "overlap_schedule")),
+                                          "enforce_eager", "compile", "artifact", "overlap_schedule",
+                                          "context_parallel_size", "cp_min_tokens")),
     _opt("seed", int, DEFAULTS.seed, "Seed for weights (dummy), prompts and arrival times."),
     _opt("num_loras", int, 0, "Random adapters in the model's real shapes (no files); 0: no LoRA."),
     _opt("lora_rank", int, 16, "Rank of the random adapters."),
@@ -226,6 +227,7 @@ class Run:
         from cli.bench_core import free_memory
         llm, self.llm = self.llm, None
         kept = llm.model_path, llm.config.dtype, llm.tokenizer
+        llm.shutdown()
         del llm
         free_memory(self.device)
         return kept
@@ -284,6 +286,8 @@ def latency(
         run.lora_requests = _lora_counts(loras)
     res["roofline"] = core.roofline(run.llm, o.batch_size, o.input_len, o.output_len,
                                     _p(res["decode_step_ms"]), bw)
+    if run.llm.context_parallel > 1:
+        res["context_parallel"] = core.ttft_beside_cp1(run.llm, prompts, o.num_iters)
     run.results = res
     run.run_profile([core.Item(p, o.output_len) for p in prompts], skip_prefill=o.output_len > 1)
     hf: dict = {}
@@ -310,6 +314,10 @@ def latency(
             (f"floor at context {rf['context']} (ms)", _ms(rf["floor_ms"]), "", ""),
             ("% of roofline (floor / median)",
              "-" if rf["fraction_of_roofline"] is None else f"{100 * rf['fraction_of_roofline']:.1f}%", "", "")]
+    if "context_parallel" in res:
+        cp = res["context_parallel"]
+        rows.append((f"time to first token, CP={cp['context_parallel_size']} / CP=1 (ms)",
+                     f"{_ms(_p(cp['ttft_ms']))} / {_ms(_p(cp['ttft_cp1_ms']))}", "", ""))
     if res["decode_steps_not_full"]:
         rows.append(("steps below the batch (not timed)", str(res["decode_steps_not_full"]), "", ""))
     if res["retractions"]:

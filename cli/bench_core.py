@@ -285,6 +285,24 @@ def latency(llm, batch: int, input_len: int, output_len: int, iters: int, warmup
     return results, prompts
 
 
+def ttft_beside_cp1(llm, prompts: list[Prompt], iters: int) -> dict:
+    """Time to first token of the batch `prompts` through the context-parallel group and on rank
+    0 alone (the same engine with the group set aside), one warm-up run each."""
+    runner = llm.engine.runner
+
+    def measure() -> dict | None:
+        latency_once(llm, prompts, 1)
+        return summary_ms([latency_once(llm, prompts, 1).ttft_s for _ in range(iters)])
+
+    with_cp = measure()
+    cp, runner.cp = runner.cp, None
+    try:
+        alone = measure()
+    finally:
+        runner.cp = cp
+    return {"context_parallel_size": cp.group.world, "ttft_ms": with_cp, "ttft_cp1_ms": alone}
+
+
 def bandwidth(device: torch.device, gbps: float | None = None):
     """The device's copy bandwidth: `gbps` when given, else measured once and cached."""
     from cli.roofline import Bandwidth, device_bandwidth, device_name

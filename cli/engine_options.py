@@ -30,6 +30,8 @@ ENGINE_OPTIONS: dict[str, tuple[object, str, tuple[str, ...]]] = {
     "max_lora_rank": (int, "Largest adapter rank the LoRA slots hold.", ()),
     "max_loras_per_batch": (int, "Adapters one step may use (GPU slots).", ()),
     "max_loaded_loras": (Optional[int], "Adapters kept in the CPU tier (default: no limit).", ()),
+    "context_parallel_size": (int, "Processes (one GPU each) a long prefill is split over; 1: off.", ("--cp",)),
+    "cp_min_tokens": (int, "Shortest prefill chunk that is split over the --cp processes.", ()),
     "overlap_schedule": (bool, "Launch each decode step before the previous one's tokens are read back.",
                          ("--overlap-schedule/--no-overlap-schedule",)),
 }

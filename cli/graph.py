@@ -25,6 +25,8 @@ def graph(
     dtype: str = typer.Option("bfloat16", help="Parameter dtype, for the byte counts."),
     lora: Optional[str] = typer.Option(None, "--lora", help="A PEFT adapter folder: run the graph with the "
                                        "lora_delta pass and show what the adapter targets."),
+    cp: int = typer.Option(1, "--cp", help="Context-parallel processes: above 1, run the graph with the "
+                           "cp_allgather pass and show the gathers it inserts."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     with fail_cleanly(debug):
@@ -54,6 +56,11 @@ def graph(
             from compiled.passes.manager import with_lora
             adapter = load_adapter(os.path.basename(os.path.normpath(lora)), lora, cfg, DEFAULTS.max_lora_rank)
             names = with_lora(names, lora_delta_pass(DEFAULTS.max_loras_per_batch, DEFAULTS.max_lora_rank))
+        if cp < 1:
+            raise ValueError(f"--cp {cp}: expected an int >= 1")
+        if cp > 1:
+            from compiled.passes.manager import with_cp
+            names = with_cp(names)
         result = run_passes(gm, meta.checkpoint_map(), names, on_pass=on_pass)
         console = Console()
         table = Table(title=f"passes over {os.path.basename(os.path.normpath(path))} "
@@ -67,6 +74,11 @@ def graph(
         console.print(table)
         if lora is not None:
             console.print(f"  [dim]{adapter!r}[/dim]", highlight=False)
+        if cp > 1:
+            gathers = [n for n in gm.graph.nodes if n.op == "call_function" and "cp_allgather" in str(n.target)]
+            shown = ", ".join(f"{n.name}({n.args[0].name})" for n in gathers[:3])
+            console.print(f"  [dim]{len(gathers)} compiled::cp_allgather nodes over {cp} processes: {shown}, ..., "
+                          f"{gathers[-1].name}({gathers[-1].args[0].name}) -> output[/dim]", highlight=False)
         fused = [t for t in result.weights.pieces if len(result.weights.pieces[t]) > 1]
         layer0 = [t for t in fused if ".layers.0." in t] or fused[:3]
         for target in layer0:

@@ -83,6 +83,8 @@ def run(
     overlap_schedule: bool = engine_option("overlap_schedule"),
     artifact: Optional[str] = engine_option("artifact"),
     recompile_on_mismatch: bool = engine_option("recompile_on_mismatch"),
+    context_parallel_size: int = engine_option("context_parallel_size"),
+    cp_min_tokens: int = engine_option("cp_min_tokens"),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per output line."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -111,7 +113,8 @@ def run(
                                     overlap_schedule=overlap_schedule, artifact=artifact,
                                     recompile_on_mismatch=recompile_on_mismatch, max_lora_rank=max_lora_rank,
                                     max_loras_per_batch=max_loras_per_batch, max_loaded_loras=max_loaded_loras,
-                                    lora_modules=lora_modules(lora, model) or None))
+                                    lora_modules=lora_modules(lora, model) or None,
+                                    context_parallel_size=context_parallel_size, cp_min_tokens=cp_min_tokens))
         llm = build_llm(config)
         loaded = time.perf_counter()
         outs = llm.chat(prompts, params, adapters) if chat else llm.generate(prompts, params, adapters)
@@ -125,6 +128,7 @@ def run(
                 sys.stdout.write(json.dumps(record) + "\n")
             else:
                 _print_output(p, out)
+        llm.shutdown()
         if not as_json:
             n = sum(len(o.token_ids) for o in outs)
             err.print(f"[dim]{llm.model_path} on {llm.config.device} ({str(llm.config.dtype).replace('torch.', '')}):"
