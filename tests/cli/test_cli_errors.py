@@ -103,3 +103,13 @@ def test_interrupted_process_prints_no_leak_report():
     lines = result.stderr.strip().splitlines()
     assert lines and lines[-1] == "KeyboardInterrupt", result.stderr
     assert "nanobind" not in result.stderr, result.stderr
+
+
+def test_run_with_cp_matches_without_and_keeps_the_terminal_clean():
+    args = ("run", "-p", "count 7: 8 9 10 11 12 13 14 15 16", "--max-new-tokens", "5", "--device", "cpu",
+            "--temperature", "0", "--json")
+    alone = _cli(*args)
+    split = _cli(*args, "--cp", "2", "--cp-min-tokens", "4")
+    assert alone.returncode == 0 and split.returncode == 0, split.stderr
+    assert split.stdout == alone.stdout
+    assert split.stderr == "", split.stderr

@@ -43,3 +43,17 @@ def test_graph_unknown_pass_is_one_line_error():
 def test_graph_without_passes():
     result = runner.invoke(app, ["graph", "--passes", "none"], env={"COLUMNS": "160"})
     assert result.exit_code == 0, result.output
+
+
+def test_graph_cp_shows_the_gathers():
+    result = runner.invoke(app, ["graph", "--cp", "2"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "cp_allgather" in result.output
+    # the demo MoE model has 4 layers: K and V of each attention, and the final hidden states
+    assert "9 compiled::cp_allgather nodes over 2 processes" in result.output
+    assert "-> output" in result.output
+
+
+def test_graph_cp_below_one_is_a_one_line_error():
+    result = runner.invoke(app, ["graph", "--cp", "0"])
+    assert result.exit_code == 1 and "--cp 0: expected an int >= 1" in result.output
