@@ -69,3 +69,28 @@ def test_more_ranks_than_gpus_is_a_one_line_error():
     n = torch.cuda.device_count() + 1
     with pytest.raises(ConfigError, match=f"context_parallel_size={n}: only {n - 1} GPU"):
         LLM(None, device="cuda", context_parallel_size=n)
+
+
+def test_ctrl_c_stops_every_rank(tmp_path):
+    import subprocess
+    import sys
+    code = ("import os, signal\nfrom compiled import LLM\n"
+            "llm = LLM(None, context_parallel_size=2, kv_cache_tokens=2048, max_model_len=256)\n"
+            "print('WORKER', llm.engine.runner.cp.group.processes[0].pid, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGINT)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in proc.stderr
+    pid = int(next(line for line in proc.stdout.splitlines() if line.startswith("WORKER")).split()[1])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(pid):
+        time.sleep(0.1)
+    assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:   # a zombie has exited: only its parent has not reaped it
+        return f.read().split()[2] != "Z"
