@@ -45,6 +45,13 @@ def _text(text: str) -> str:
     return text
 
 
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError
+    return value
+
+
 VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("COMPILED_PDL", _flag, "0 or 1",
            "1 (default): Triton kernels use programmatic dependent launch on Hopper and newer GPUs"),
@@ -60,6 +67,16 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "the multi-LoRA shrink / expand ops: their Triton kernels or the torch reference"),
     EnvVar("COMPILED_MOE_CONFIG_DIR", _text, "a folder",
            "a folder of tuned fused-MoE configs, searched before the package's own"),
+    EnvVar("WORLD_SIZE", _count, "an int >= 0",
+           "set by torchrun (with RANK): the processes of the context-parallel group, which `LLM` joins"),
+    EnvVar("RANK", _count, "an int >= 0", "set by torchrun: this process's rank in the context-parallel group"),
+    EnvVar("MASTER_ADDR", _text, "a host", "the context-parallel group's rendezvous host (set for spawned workers)"),
+    EnvVar("MASTER_PORT", _count, "a port", "the context-parallel group's rendezvous port (set for spawned workers)"),
+    EnvVar("NCCL_NVLS_ENABLE", _flag, "0 or 1", "set to 0 for a context-parallel group on GPUs unless set: no "
+           "NVLink multicast"),
+    EnvVar("TORCH_SYMM_MEM_DISABLE_MULTICAST", _flag, "0 or 1", "set to 1 for a context-parallel group on GPUs "
+           "unless set"),
+    EnvVar("NVSHMEM_DISABLE_NVLS", _flag, "0 or 1", "set to 1 for a context-parallel group on GPUs unless set"),
     EnvVar("XDG_CACHE_HOME", _text, "a folder",
            "where `compiled bench` caches the measured copy bandwidth (default ~/.cache)"),
     EnvVar("OMP_WAIT_POLICY", _text, "PASSIVE|ACTIVE",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import socket
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -19,6 +18,7 @@ from typing import Iterator
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from compiled import envs
 from compiled.errors import CompiledError
 
 
@@ -26,11 +26,14 @@ class CPError(CompiledError, RuntimeError):
     """A context-parallel rank died, hung or failed."""
 
 
+# NVLink multicast stays off for the group's NCCL collectives (the machines it runs on forbid it).
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
 def torchrun_rank() -> tuple[int, int] | None:
     """(rank, world size) when `torchrun` started this process, else None."""
-    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
-        return None
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world = envs.read("RANK"), envs.read("WORLD_SIZE")
+    return None if rank is None or world is None else (rank, world)
 
 
 def _free_port() -> int:
@@ -42,8 +45,8 @@ def _free_port() -> int:
 def spawn_workers(world: int, target, args: tuple) -> list:
     """Start ranks 1..world-1 as `target(rank, world, *args)` in fresh processes, with the
     rendezvous address in the environment they inherit (and this process's)."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(_free_port())
+    envs.set_for_children("MASTER_ADDR", "127.0.0.1")
+    envs.set_for_children("MASTER_PORT", str(_free_port()))
     ctx = mp.get_context("spawn")
     processes = []
     for rank in range(1, world):
@@ -123,6 +126,10 @@ def _from_backend(error: BaseException) -> bool:
 def init_group(rank: int, world: int, backend: str, timeout: float, processes: list | None = None) -> CPGroup:
     """Join the group (MASTER_ADDR / MASTER_PORT from the environment)."""
     delta = datetime.timedelta(seconds=timeout)
+    if backend == "nccl":
+        for name, value in MULTICAST_OFF.items():
+            if not envs.is_set(name):
+                envs.set_for_children(name, value)
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=delta)
     control = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=delta)
     return CPGroup(rank, world, dist.group.WORLD, control, list(processes or []))
