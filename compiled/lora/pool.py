@@ -2,8 +2,9 @@
 
 The `lora_delta` pass gives every LoRA-targetable projection buffers of `S` slots (ranks
 zero-padded to the pool's `R`); a slot holds one adapter for every projection at once. An
-adapter in the CPU tier is copied into a slot when a request that uses it is admitted; slots of
-adapters that no running request uses are reused, least recently used first. The CPU tier holds
+adapter in the CPU tier is copied into a slot (`loader.py`: on a stream of its own) when a queued
+request needs it; slots of adapters that no running request uses are reused, least recently used
+first. The CPU tier holds
 up to `max_loaded` adapters (None: no limit): loading one more evicts the least recently used
 adapter that is neither pinned nor in a slot in use."""
 
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from compiled.graphs.config import ModelConfig
+from compiled.lora.loader import SlotLoader
 from compiled.lora.weights import Adapter, LoRAError
 from compiled.passes.lora_delta import dense_target
 
@@ -69,6 +71,7 @@ class LoRAPool:
         self.slot_of: dict[str, int] = {}
         self.in_slot: list[str | None] = [None] * self.num_slots
         self.slot_order: list[int] = list(range(self.num_slots))    # least recently used first
+        self.loader = SlotLoader(first.device)
 
     # ---- the CPU tier ------------------------------------------------------------------------
 
@@ -108,8 +111,9 @@ class LoRAPool:
     # ---- the GPU slots -----------------------------------------------------------------------
 
     def acquire(self, name: str, in_use: set[str]) -> int | None:
-        """The slot holding adapter `name`, copying it into one first if needed; None when every
-        slot holds an adapter of `in_use` (the names running requests use)."""
+        """The slot holding adapter `name`, starting its copy into one first if needed (`ready`
+        says when it landed); None when every slot holds an adapter of `in_use` (the names that
+        running requests use, and that must stay)."""
         self.adapters.move_to_end(name)
         slot = self.slot_of.get(name)
         if slot is None:
@@ -118,11 +122,20 @@ class LoRAPool:
                 return None
             if self.in_slot[slot] is not None:
                 del self.slot_of[self.in_slot[slot]]
-            self._write(slot, self.adapters[name])
+            adapter = self.adapters[name]
+            self.loader.load(slot, lambda: self._write(slot, adapter))
             self.in_slot[slot], self.slot_of[name] = name, slot
         self.slot_order.remove(slot)
         self.slot_order.append(slot)
         return slot
+
+    def ready(self, slot: int) -> bool:
+        """Whether the adapter copied into `slot` has landed (a request may then run with it)."""
+        return self.loader.ready(slot)
+
+    def wait(self, slot: int) -> None:
+        """Block until the adapter copied into `slot` has landed."""
+        self.loader.wait(slot)
 
     def place(self, name: str, slot: int) -> None:
         """Make `slot` hold adapter `name` (a context-parallel worker follows rank 0's slots)."""

@@ -84,8 +84,9 @@ class Engine:
         return {r.lora for r in self._live.values() if r.lora is not None}
 
     def _acquire_adapter(self, request: Request) -> bool:
-        """Give `request` its adapter's slot, copying the adapter in if needed; False when every
-        slot holds an adapter that a running request uses."""
+        """Give `request` its adapter's slot, starting the copy of the adapter if needed; False
+        while the copy has not landed, or when every slot holds an adapter that a running request
+        uses (the request waits; the step goes on without it)."""
         if request.lora is None:
             request.lora_slot = -1
             return True
@@ -94,7 +95,32 @@ class Engine:
         if slot is None:
             return False
         request.lora_slot = slot
+        return self.loras.ready(slot)
+
+    def _wait_for_adapter(self) -> bool:
+        """Nothing can run but the head of the queue, whose adapter is still being copied: wait
+        for that copy (the one load a step then needs). False when that is not the case."""
+        head = self.scheduler.waiting[0] if self.scheduler.waiting else None
+        if self.loras is None or head is None or head.lora is None or head.lora not in self.loras.slot_of:
+            return False
+        slot = self.loras.slot_of[head.lora]
+        if self.loras.ready(slot):
+            return False
+        self.loras.wait(slot)
         return True
+
+    def _prefetch_adapters(self) -> None:
+        """Start copying the adapters of the queued requests, in queue order, into slots that no
+        running or earlier-queued request needs, so that each is in place by its admission."""
+        keep = {r.lora for r in self.scheduler.running if r.lora is not None}
+        for request in self.scheduler.waiting:
+            if len(keep) >= self.loras.num_slots:
+                return
+            if request.lora is None or request.lora in keep:
+                continue
+            if self.loras.acquire(request.lora, keep) is None:
+                return
+            keep.add(request.lora)
 
     def _check_adapter(self, index: int, lora: str | None) -> None:
         if lora is None:
@@ -228,7 +254,11 @@ class Engine:
                 self._read_oldest()
             if not self.scheduler.has_work:
                 return self._take_finished()
+            if self.loras is not None and self.scheduler.waiting:
+                self._prefetch_adapters()
             batch = self.scheduler.schedule()
+            if batch is None and self._wait_for_adapter():
+                batch = self.scheduler.schedule()
             if batch is None:
                 raise RuntimeError("scheduler found nothing to run although requests are waiting")
         launched = self._launch(batch, None if ahead is None else ahead.token_ids)

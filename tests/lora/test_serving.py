@@ -189,3 +189,39 @@ def test_bad_input(bases, adapters, tmp_path):
     with pytest.raises(ConfigError) as e:
         plain.load_lora("a", paths["attn_r8"])
     assert "LoRA is off" in _one_line(e)
+
+
+def test_queued_adapters_are_prefetched_and_a_step_never_waits_for_a_load(bases, adapters, monkeypatch):
+    """Two slots: while a request with adapter A decodes, the next queued adapter (B) is copied
+    into the free slot before its request is admitted, and not C (no slot left without evicting
+    B). A request whose copy has not landed waits while the running one keeps decoding; once it
+    lands, it is admitted and every output equals its run alone."""
+    base, paths = bases["dense"], adapters["dense"]
+    a, b, c = list(paths)[:3]
+    llm = LLM(base, device="cpu", dtype="float32", enable_lora=True, max_loras_per_batch=2, max_num_seqs=1)
+    for name in (a, b, c):
+        llm.load_lora(name, paths[name])
+    prompts = random_prompts(ModelConfig.from_pretrained(base).vocab_size, [9, 12, 7], seed=5)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    alone = [llm.generate([p], greedy, lora=n)[0].token_ids for p, n in zip(prompts, (a, b, c))]
+    pool, engine = llm.engine.loras, llm.engine
+    for name in (b, c):       # start from slots holding neither B nor C
+        if name in pool.slot_of:
+            pool.in_slot[pool.slot_of.pop(name)] = None
+    requests = [engine.make_request(i, p, greedy, n) for i, (p, n) in enumerate(zip(prompts, (a, b, c)))]
+    for r in requests:
+        engine.add(r)
+    landed = {"b": False}
+    monkeypatch.setattr(pool, "ready", lambda slot: pool.in_slot[slot] != b or landed["b"])
+    monkeypatch.setattr(pool, "wait", lambda slot: landed.update(b=True))
+    engine.step()                                   # A admitted; B's copy started behind it
+    assert requests[0].row is not None and b in pool.slot_of and c not in pool.slot_of
+    while not requests[0].finished:                 # A decodes while B's copy is in flight
+        engine.step()
+        assert not landed["b"]
+    assert requests[1].row is None
+    engine.step()                                   # nothing else can run: the step waits for B's copy
+    assert landed["b"] and requests[1].row is not None
+    while engine.has_work:
+        engine.step()
+    assert [r.output_token_ids for r in requests] == alone
