@@ -1,4 +1,4 @@
-"""`compiled` CLI entry point: `run`, `graph`, `export` and `bench`."""
+"""`compiled` CLI entry point: `run`, `serve`, `graph`, `export` and `bench`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from cli.errors import OneLineUsageErrors
 from cli.export import export
 from cli.graph import graph
 from cli.run import run
+from cli.serve import serve
 
 app = typer.Typer(cls=OneLineUsageErrors, add_completion=False, no_args_is_help=True,
                   help="compiled: a compiled-graph inference runtime for Qwen3 / Qwen3-MoE.")
@@ -20,6 +21,7 @@ def _root() -> None:
 
 
 app.command(help="Offline generation; with no MODEL it runs the shipped demo MoE model.")(run)
+app.command(help="OpenAI-compatible HTTP server; with no MODEL it serves the shipped demo MoE model.")(serve)
 app.command(help="Trace a model, run the graph passes and show what each changed.")(graph)
 app.command(help="Compile every piece once and write a loadable artifact.")(export)
 app.add_typer(bench_app, name="bench", help="Benchmarks: latency, throughput, serving, startup.")

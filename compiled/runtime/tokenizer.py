@@ -149,8 +149,9 @@ class Tokenizer:
         validating user-supplied token ids, not the logits width."""
         return len(self.hf)
 
-    def apply_chat_template(self, text: str, **template_kwargs: Any) -> str:
-        """Renders ``text`` as a single user turn followed by the assistant prompt.
+    def apply_chat_template(self, text: str | list[dict], **template_kwargs: Any) -> str:
+        """Renders ``text`` as a single user turn (or a list of ``{"role", "content"}`` messages as
+        the conversation) followed by the assistant prompt.
 
         ``template_kwargs`` reach the template as variables (e.g. ``enable_thinking=False``)."""
         if not getattr(self.hf, "chat_template", None):
@@ -158,7 +159,7 @@ class Tokenizer:
                 f"tokenizer from {self.hf.name_or_path!r} has no chat template; pass a raw prompt instead"
             )
         rendered = self.hf.apply_chat_template(
-            [{"role": "user", "content": text}],
+            [{"role": "user", "content": text}] if isinstance(text, str) else text,
             add_generation_prompt=True,
             tokenize=False,
             **template_kwargs,

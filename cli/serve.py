@@ -1,0 +1,62 @@
+"""`compiled serve`: the OpenAI-compatible HTTP server (`compiled/server/`) on uvicorn."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import typer
+
+from cli.engine_options import build_llm, engine_config, engine_option
+from cli.errors import fail_cleanly
+from cli.run import lora_modules
+
+
+def serve(
+    model: Optional[str] = typer.Argument(None, help="HF model folder; default: the demo MoE model."),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8000, help="Port to listen on."),
+    served_model_name: Optional[str] = typer.Option(None, help="The base model's id in the API (default: its "
+                                                    "folder name)."),
+    max_queued_requests: Optional[int] = typer.Option(None, help="Requests that may wait; more answer 503 "
+                                                      "(default: no limit)."),
+    lora: list[str] = typer.Option([], "--lora", help="NAME=PATH of a PEFT adapter, served as model NAME "
+                                   "(repeatable; the demo model's adapters by name alone)."),
+    enable_lora: bool = typer.Option(False, "--enable-lora", help="Serve adapters loaded later over HTTP."),
+    max_lora_rank: int = engine_option("max_lora_rank"),
+    max_loras_per_batch: int = engine_option("max_loras_per_batch"),
+    max_loaded_loras: Optional[int] = engine_option("max_loaded_loras"),
+    device: Optional[str] = engine_option("device"),
+    dtype: Optional[str] = engine_option("dtype"),
+    load_format: str = engine_option("load_format"),
+    max_model_len: Optional[int] = engine_option("max_model_len"),
+    max_num_seqs: int = engine_option("max_num_seqs"),
+    max_num_batched_tokens: int = engine_option("max_num_batched_tokens"),
+    kv_cache_tokens: Optional[int] = engine_option("kv_cache_tokens"),
+    enforce_eager: bool = engine_option("enforce_eager"),
+    artifact: Optional[str] = engine_option("artifact"),
+    context_parallel_size: int = engine_option("context_parallel_size"),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    with fail_cleanly(debug):
+        from compiled.server.app import Server, create_app
+        from compiled.server.engine_thread import EngineThread
+        from compiled.server.listen import listen
+        if max_queued_requests is not None and max_queued_requests < 1:
+            raise ValueError(f"--max-queued-requests {max_queued_requests}: expected an int >= 1")
+        modules = lora_modules(lora, model) or None
+        config = engine_config(dict(
+            model=model, device=device, dtype=dtype, load_format=load_format, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, kv_cache_tokens=kv_cache_tokens,
+            enforce_eager=enforce_eager, artifact=artifact, max_lora_rank=max_lora_rank,
+            max_loras_per_batch=max_loras_per_batch, max_loaded_loras=max_loaded_loras, lora_modules=modules,
+            enable_lora=True if enable_lora or modules else None, context_parallel_size=context_parallel_size))
+        llm = build_llm(config)
+        name = served_model_name or os.path.basename(os.path.normpath(llm.model_path))
+        engine = EngineThread(llm)
+        engine.start()
+        try:
+            listen(create_app(Server(engine, name, max_queued_requests)), host, port)
+        finally:
+            engine.stop()
+            llm.shutdown()

@@ -1,0 +1,322 @@
+"""The OpenAI-compatible HTTP API (FastAPI): `/v1/completions`, `/v1/chat/completions` (streamed
+over server-sent events or not), `/v1/models`, `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`,
+`/health` and `/metrics` (Prometheus text).
+
+A request's `model` names the base model (its folder name, or `--served-model-name`) or a loaded
+adapter, as in vLLM. Prompts are tokenized on the event loop's thread, not the engine's; `n`
+choices are `n` engine requests (seed + i each when seeded). A client that goes away aborts its
+requests, which frees their KV at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from compiled.errors import CompiledError, RequestError
+from compiled.server.engine_thread import EngineThread, Progress
+from compiled.server.protocol import APIError, Sampling, bad, sampling
+
+
+class Server:
+    def __init__(self, engine: EngineThread, served_name: str, max_queued: int | None) -> None:
+        self.engine, self.llm = engine, engine.llm
+        self.served_name, self.max_queued = served_name, max_queued
+        self.created = int(time.time())
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def adapter_of(self, body: dict) -> str | None:
+        name = body.get("model") or self.served_name
+        if name == self.served_name:
+            return None
+        if name in self.llm.loras:
+            return name
+        raise APIError(404, f"model: {name!r} is neither the served model ({self.served_name!r}) nor a loaded "
+                       "adapter", "model")
+
+    def prompts_of(self, body: dict) -> list[list[int]]:
+        prompt = body.get("prompt")
+        tok = self.llm.tokenizer
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return [prompt]
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) and p for p in prompt):
+            raise bad("prompt", "expected a non-empty string, a list of strings or a list of token ids")
+        if tok is None:
+            raise bad("prompt", "the model has no tokenizer: send token ids")
+        return [tok.encode(p) for p in prompt]
+
+    def chat_prompt(self, body: dict) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise bad("messages", "expected a non-empty list of {\"role\", \"content\"} objects with string values")
+        if self.llm.tokenizer is None:
+            raise bad("messages", "the model has no tokenizer, so no chat template")
+        try:
+            text = self.llm.tokenizer.apply_chat_template(messages)
+        except ValueError as e:
+            raise bad("messages", str(e)) from None
+        return self.llm.tokenizer.encode(text)
+
+    def start(self, prompts: list[list[int]], s: Sampling, adapter: str | None) -> tuple[list, list]:
+        """Engine requests for every (prompt, choice); their progress queues."""
+        if self.max_queued is not None and self.engine.counts()[1] >= self.max_queued:
+            raise APIError(503, f"the queue is full ({self.max_queued} requests wait: --max-queued-requests)")
+        requests = []
+        with self.engine.lock:
+            try:
+                for i, ids in enumerate(prompts):
+                    for params in s.params:
+                        requests.append(self.llm.engine.make_request(i, ids, params, adapter))
+            except RequestError as e:
+                raise APIError(400, str(e), "prompt") from None
+        return requests, self.engine.submit(requests)
+
+    def token_text(self, token: int) -> str:
+        tok = self.llm.tokenizer
+        return tok.decode([token], skip_special_tokens=False) if tok is not None else str(token)
+
+    def usage(self, requests, n: int, completion_tokens: int) -> dict:
+        """OpenAI's usage: each prompt counted once, however many choices it has (`n`)."""
+        prompt = sum(len(r.prompt_token_ids) for r in requests[::n])
+        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                "total_tokens": prompt + completion_tokens}
+
+    def logprobs_entry(self, tokens: list[int], logprobs: list[dict[int, float]], k: int, chat: bool):
+        entries = []
+        for t, lp in zip(tokens, logprobs):
+            top = sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+            if chat:
+                entries.append({"token": self.token_text(t), "logprob": lp[t], "bytes": None,
+                                "top_logprobs": [{"token": self.token_text(i), "logprob": v, "bytes": None}
+                                                 for i, v in top]})
+            else:
+                entries.append((self.token_text(t), lp[t], {self.token_text(i): v for i, v in top}))
+        return entries
+
+
+def _sse(data) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+async def _next(queue: asyncio.Queue, http: HTTPRequest):
+    """The queue's next item; None when the client went away first."""
+    while True:
+        try:
+            item = await asyncio.wait_for(queue.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if await http.is_disconnected():
+                return None
+            continue
+        if isinstance(item, Exception):
+            raise APIError(500, f"the engine failed this request: {item}")
+        return item
+
+
+def create_app(server: Server) -> FastAPI:
+    app = FastAPI(title="compiled")
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    async def body_of(http: HTTPRequest) -> dict:
+        try:
+            body = await http.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise APIError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        return body
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.get("/v1/models")
+    async def models():
+        data = [{"id": server.served_name, "object": "model", "created": server.created, "owned_by": "compiled",
+                 "root": server.llm.model_path, "parent": None,
+                 "max_model_len": server.llm.engine.max_context}]
+        data += [{"id": name, "object": "model", "created": server.created, "owned_by": "compiled", "root": name,
+                  "parent": server.served_name} for name in server.llm.loras]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora(http: HTTPRequest):
+        body = await body_of(http)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name:
+            raise bad("lora_name", "expected a non-empty string")
+        if not isinstance(path, str) or not path:
+            raise bad("lora_path", "expected a folder path")
+        if name in server.llm.loras:
+            raise APIError(409, f"lora_name: adapter {name!r} is already loaded", "lora_name")
+        try:
+            with server.engine.lock:
+                server.llm.load_lora(name, path)
+        except CompiledError as e:
+            raise APIError(400, str(e), "lora_path") from None
+        return PlainTextResponse(f"adapter {name!r} loaded")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora(http: HTTPRequest):
+        body = await body_of(http)
+        name = body.get("lora_name")
+        if name not in server.llm.loras:
+            raise APIError(404, f"lora_name: no adapter {name!r} is loaded", "lora_name")
+        try:
+            with server.engine.lock:
+                server.llm.unload_lora(name)
+        except CompiledError as e:
+            raise APIError(400, str(e), "lora_name") from None
+        return PlainTextResponse(f"adapter {name!r} unloaded")
+
+    @app.get("/metrics")
+    async def metrics():
+        running, waiting = server.engine.counts()
+        kv = server.llm.engine.kv
+        st = server.engine.stats
+        elapsed = max(time.monotonic() - st.started, 1e-9)
+        lines = [
+            "# TYPE compiled_requests_running gauge", f"compiled_requests_running {running}",
+            "# TYPE compiled_requests_waiting gauge", f"compiled_requests_waiting {waiting}",
+            "# TYPE compiled_kv_cache_usage gauge", f"compiled_kv_cache_usage {kv.num_used / kv.num_slots:.6f}",
+            "# TYPE compiled_requests_finished_total counter", f"compiled_requests_finished_total {st.requests_finished}",
+            "# TYPE compiled_prompt_tokens_total counter", f"compiled_prompt_tokens_total {st.prompt_tokens}",
+            "# TYPE compiled_generation_tokens_total counter",
+            f"compiled_generation_tokens_total {st.generation_tokens}",
+            "# TYPE compiled_generation_tokens_per_second gauge",
+            f"compiled_generation_tokens_per_second {st.generation_tokens / elapsed:.3f}",
+        ]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest):
+        body = await body_of(http)
+        return await _generate(http, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HTTPRequest):
+        body = await body_of(http)
+        return await _generate(http, body, chat=True)
+
+    async def _generate(http: HTTPRequest, body: dict, chat: bool):
+        adapter = server.adapter_of(body)
+        prompts = [server.chat_prompt(body)] if chat else server.prompts_of(body)
+        context = server.llm.engine.max_context
+        s = sampling(body, max(len(p) for p in prompts), context, chat)
+        requests, queues = server.start(prompts, s, adapter)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        model = body.get("model") or server.served_name
+        if s.stream:
+            return StreamingResponse(_stream(http, rid, model, requests, queues, s, chat),
+                                     media_type="text/event-stream")
+        return await _complete(http, rid, model, requests, queues, s, chat)
+
+    async def _complete(http, rid, model, requests, queues, s: Sampling, chat: bool):
+        choices, completion = [], 0
+        try:
+            for index, (r, q) in enumerate(zip(requests, queues)):
+                tokens, logprobs = [], []
+                while True:
+                    p: Progress | None = await _next(q, http)
+                    if p is None:
+                        raise asyncio.CancelledError
+                    tokens += p.token_ids
+                    logprobs += p.logprobs or []
+                    if p.finished:
+                        break
+                completion += len(tokens)
+                choices.append(_choice(server, index, p, tokens, logprobs, s, chat))
+        except BaseException:
+            for r in requests:
+                server.engine.abort(r.id)
+            raise
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": model, "choices": choices, "usage": server.usage(requests, len(s.params), completion)}
+
+    async def _stream(http, rid, model, requests, queues, s: Sampling, chat: bool) -> AsyncIterator[str]:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+        completion = 0
+        pending = {asyncio.ensure_future(q.get()): i for i, q in enumerate(queues)}
+        sent_text = [0] * len(requests)
+        longest_stop = max((len(x) for x in (s.params[0].stop or [])), default=0)
+
+        def chunk(choices: list, usage: dict | None = None) -> str:
+            data = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
+            if usage is not None:
+                data["usage"] = usage
+            return _sse(data)
+
+        try:
+            if chat:
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for i in range(len(requests))])
+            while pending:
+                done, _ = await asyncio.wait(pending, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    if await http.is_disconnected():
+                        raise asyncio.CancelledError
+                    continue
+                for fut in done:
+                    i = pending.pop(fut)
+                    p = fut.result()
+                    if isinstance(p, Exception):
+                        raise APIError(500, f"the engine failed this request: {p}")
+                    completion += len(p.token_ids)
+                    # text held back while it might still end in a stop string
+                    upto = len(p.text) if p.finished else max(sent_text[i], len(p.text) - max(longest_stop - 1, 0))
+                    delta, sent_text[i] = p.text[sent_text[i]:upto], max(sent_text[i], upto)
+                    choice = {"index": i, "finish_reason": p.finish_reason if p.finished else None}
+                    lp = None
+                    if s.top_logprobs is not None and p.logprobs:
+                        entries = server.logprobs_entry(p.token_ids, p.logprobs, s.top_logprobs, chat)
+                        lp = {"content": entries} if chat else _completion_logprobs(entries)
+                    if chat:
+                        choice.update(delta={"content": delta} if delta or not p.finished else {}, logprobs=lp)
+                    else:
+                        choice.update(text=delta, logprobs=lp)
+                    if p.finished and p.stop_reason is not None:
+                        choice["stop_reason"] = p.stop_reason
+                    yield chunk([choice])
+                    if not p.finished:
+                        pending[asyncio.ensure_future(queues[i].get())] = i
+            if s.include_usage:
+                yield chunk([], server.usage(requests, len(s.params), completion))
+            yield "data: [DONE]\n\n"
+        finally:
+            for fut in pending:
+                fut.cancel()
+            for r in requests:
+                server.engine.abort(r.id)   # a no-op for finished requests
+
+    return app
+
+
+def _completion_logprobs(entries) -> dict:
+    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [v for _, v, _ in entries],
+            "top_logprobs": [top for _, _, top in entries], "text_offset": None}
+
+
+def _choice(server: Server, index: int, p: Progress, tokens, logprobs, s: Sampling, chat: bool) -> dict:
+    lp = None
+    if s.top_logprobs is not None:
+        entries = server.logprobs_entry(tokens, logprobs, s.top_logprobs, chat)
+        lp = {"content": entries} if chat else _completion_logprobs(entries)
+    choice = {"index": index, "finish_reason": p.finish_reason, "stop_reason": p.stop_reason, "logprobs": lp}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": p.text}
+    else:
+        choice["text"] = p.text
+    return choice

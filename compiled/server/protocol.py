@@ -1,0 +1,145 @@
+"""OpenAI's request fields, checked and turned into the engine's `SamplingParams`, and OpenAI's
+error body. Fields outside OpenAI's schema that vLLM accepts at the top level (`top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, ...) are read the same way. An invalid value is a 400 whose
+message names the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from compiled.runtime.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError",
+                             503: "ServiceUnavailableError"}.get(status, "InternalServerError")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+
+
+def bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param)
+
+
+# field -> (type check, SamplingParams field)
+_NUMBERS = {"temperature": "temperature", "top_p": "top_p", "min_p": "min_p", "presence_penalty": "presence_penalty",
+            "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty"}
+_INTS = {"top_k": "top_k", "seed": "seed", "min_tokens": "min_new_tokens"}
+
+
+@dataclass
+class Sampling:
+    """The request's choices: `n` sampling params (seed + i per choice when seeded), whether it
+    streams, and how many top logprobs each token reports (None: no logprobs)."""
+    params: list[SamplingParams]
+    stream: bool
+    include_usage: bool
+    top_logprobs: int | None
+
+
+def _number(body: dict, name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(name, f"expected a number, got {value!r}")
+    return float(value)
+
+
+def _int(body: dict, name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(name, f"expected an integer, got {value!r}")
+    return value
+
+
+def sampling(body: dict, prompt_len: int, context: int, chat: bool) -> Sampling:
+    """The request's sampling, checked against the context: a prompt plus `max_tokens` beyond it
+    is a 400 naming max_tokens (not a silent cut); no `max_tokens`: up to the context."""
+    room = context - prompt_len
+    if room <= 0:
+        raise bad("prompt" if not chat else "messages", f"{prompt_len} tokens leave no room in the context of "
+                  f"{context} tokens")
+    max_tokens = _int(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens")
+    if max_tokens is None:
+        max_tokens = room
+    elif max_tokens < 1:
+        raise bad("max_tokens", f"expected an integer >= 1, got {max_tokens}")
+    elif max_tokens > room:
+        raise bad("max_tokens", f"{max_tokens} tokens after a prompt of {prompt_len} exceed the context of "
+                  f"{context} tokens (at most {room})")
+    n = _int(body, "n")
+    n = 1 if n is None else n
+    if n < 1:
+        raise bad("n", f"expected an integer >= 1, got {n}")
+    kwargs: dict = {"max_new_tokens": max_tokens}
+    for name, field_name in _NUMBERS.items():
+        if (v := _number(body, name)) is not None:
+            kwargs[field_name] = v
+    for name, field_name in _INTS.items():
+        if (v := _int(body, name)) is not None:
+            kwargs[field_name] = v
+    stop = body.get("stop")
+    if stop is not None:
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise bad("stop", f"expected a string or a list of strings, got {body.get('stop')!r}")
+        kwargs["stop"] = stop
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+            raise bad("stop_token_ids", f"expected a list of integers, got {stop_ids!r}")
+        kwargs["stop_token_ids"] = stop_ids
+    for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        value = body.get(flag)
+        if value is not None:
+            if not isinstance(value, bool):
+                raise bad(flag, f"expected true or false, got {value!r}")
+            kwargs[flag] = value
+    top_logprobs = _logprobs(body, chat)
+    if top_logprobs is not None:
+        kwargs["logprobs"] = top_logprobs
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("stream", f"expected true or false, got {stream!r}")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad("stream_options", f"expected an object, got {options!r}")
+    params = []
+    for i in range(n):
+        choice = dict(kwargs)
+        if "seed" in choice:
+            choice["seed"] = kwargs["seed"] + i
+        try:
+            params.append(SamplingParams(**choice))
+        except (ValueError, TypeError) as e:
+            message = str(e)
+            param = next((name for name in list(_NUMBERS) + list(_INTS) + ["stop", "max_tokens"]
+                          if name in message or _NUMBERS.get(name, _INTS.get(name, name)) in message), None)
+            raise APIError(400, message, param) from None
+    return Sampling(params, stream, bool(options.get("include_usage")), top_logprobs)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Completions: `logprobs` is the count; chat: `logprobs: true` with `top_logprobs`."""
+    if chat:
+        wanted = body.get("logprobs")
+        if wanted is None or wanted is False:
+            return None
+        if wanted is not True:
+            raise bad("logprobs", f"expected true or false, got {wanted!r}")
+        top = _int(body, "top_logprobs")
+        top = 0 if top is None else top
+        if not 0 <= top <= 20:
+            raise bad("top_logprobs", f"expected an integer in [0, 20], got {top}")
+        return top
+    count = _int(body, "logprobs")
+    if count is not None and not 0 <= count <= 20:
+        raise bad("logprobs", f"expected an integer in [0, 20], got {count}")
+    return count

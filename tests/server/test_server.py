@@ -1,0 +1,202 @@
+"""A real `compiled serve` on the demo MoE model (CPU), driven by real clients: the `openai`
+package and plain HTTP. Its outputs equal the offline `LLM.generate` ones."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from compiled import LLM, SamplingParams
+from compiled.demo import EXAMPLE_PROMPTS, MOE_ADAPTERS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROMPTS = list(EXAMPLE_PROMPTS[:4])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*args: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPILED_")}
+    proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--port", str(port), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = start_server("--lora", "upper", "--enable-lora")
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(None, lora_modules={"upper": MOE_ADAPTERS["upper"]})
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none")
+
+
+def test_models_lists_the_base_model_and_adapters(server):
+    ids = [m.id for m in client(server).models.list().data]
+    assert ids == ["qwen3-moe", "upper"]
+
+
+def test_completions_equal_offline(server, offline):
+    c = client(server)
+    for prompt in PROMPTS:
+        out = c.completions.create(model="qwen3-moe", prompt=prompt, max_tokens=8, temperature=0)
+        ref = offline.generate([prompt], SamplingParams(max_new_tokens=8, temperature=0.0))[0]
+        assert out.choices[0].text == ref.text and out.choices[0].finish_reason == ref.finish_reason
+        assert out.usage.completion_tokens == len(ref.token_ids)
+        assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_adapter_by_model_name_and_stop_strings(server, offline):
+    c = client(server)
+    out = c.completions.create(model="upper", prompt="copy Bird wax:", max_tokens=8, temperature=0)
+    ref = offline.generate(["copy Bird wax:"], SamplingParams(max_new_tokens=8, temperature=0.0), lora="upper")[0]
+    assert out.choices[0].text == ref.text
+    stop = ref.text[3:5]
+    out = c.completions.create(model="upper", prompt="copy Bird wax:", max_tokens=8, temperature=0, stop=[stop])
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].text == ref.text[:ref.text.index(stop)]
+
+
+def test_n_seeded_choices_and_logprobs(server, offline):
+    c = client(server)
+    out = c.completions.create(model="qwen3-moe", prompt=PROMPTS[0], max_tokens=6, temperature=1.0, n=2, seed=7,
+                               logprobs=2)
+    for i, choice in enumerate(out.choices):
+        ref = offline.generate([PROMPTS[0]], SamplingParams(max_new_tokens=6, temperature=1.0, seed=7 + i))[0]
+        assert choice.text == ref.text
+        assert "".join(choice.logprobs.tokens) == choice.text     # the token strings join to the text
+        assert all(len(top) >= 1 for top in choice.logprobs.top_logprobs)
+    assert out.usage.prompt_tokens == len(offline.engine.tokenizer.encode(PROMPTS[0]))
+
+
+def test_chat_streaming_and_not(server, offline):
+    c = client(server)
+    messages = [{"role": "user", "content": "copy hi:"}]
+    full = c.chat.completions.create(model="upper", messages=messages, max_tokens=6, temperature=0)
+    ref = offline.chat(["copy hi:"], SamplingParams(max_new_tokens=6, temperature=0.0), lora="upper")[0]
+    assert full.choices[0].message.content == ref.text and full.choices[0].message.role == "assistant"
+    chunks = list(c.chat.completions.create(model="upper", messages=messages, max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ref.text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
+def test_32_concurrent_streams_equal_offline(server, offline):
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(32)]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0)
+    refs = offline.generate(prompts, params)
+
+    async def one(c, prompt):
+        stream = await c.completions.create(model="qwen3-moe", prompt=prompt, max_tokens=12, temperature=0,
+                                            stream=True)
+        return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+    async def run_all():
+        c = openai.AsyncOpenAI(base_url=server + "/v1", api_key="none")
+        return await asyncio.gather(*(one(c, p) for p in prompts))
+
+    texts = asyncio.run(run_all())
+    assert texts == [r.text for r in refs]
+
+
+def _metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line and line[0] != "#"}
+
+
+def test_a_disconnected_stream_frees_its_kv_and_bad_requests_are_400s(server):
+    body = {"model": "qwen3-moe", "prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=30) as h:
+        with h.stream("POST", server + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)
+            # malformed requests while the stream runs: 400 naming the field, the stream goes on
+            for bad, param in (({"prompt": "x", "temperature": "hot"}, "temperature"),
+                               ({"prompt": "x", "max_tokens": 10 ** 6}, "max_tokens"),
+                               ({"prompt": 5}, "prompt"), ({"prompt": "x", "n": 0}, "n")):
+                resp = httpx.post(server + "/v1/completions", json=bad)
+                assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+            resp = httpx.post(server + "/v1/completions", content=b"{not json")
+            assert resp.status_code == 400 and "not valid JSON" in resp.json()["error"]["message"]
+            resp = httpx.post(server + "/v1/completions", json={"model": "nope", "prompt": "x"})
+            assert resp.status_code == 404 and resp.json()["error"]["param"] == "model"
+            assert _metrics(server)["compiled_requests_running"] == 1
+            next(lines)
+        # the client went away: the request is aborted and its KV freed
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _metrics(server)["compiled_requests_running"]:
+        time.sleep(0.1)
+    m = _metrics(server)
+    assert m["compiled_requests_running"] == 0 and m["compiled_kv_cache_usage"] == 0
+
+
+def test_load_and_unload_an_adapter_over_http(server, offline):
+    r = httpx.post(server + "/v1/load_lora_adapter", json={"lora_name": "first", "lora_path": MOE_ADAPTERS["first"]})
+    assert r.status_code == 200, r.text
+    r = httpx.post(server + "/v1/load_lora_adapter", json={"lora_name": "first", "lora_path": MOE_ADAPTERS["first"]})
+    assert r.status_code == 409
+    assert "first" in [m.id for m in client(server).models.list().data]
+    out = client(server).completions.create(model="first", prompt="copy Bird wax:", max_tokens=6, temperature=0)
+    offline.load_lora("first", MOE_ADAPTERS["first"])
+    ref = offline.generate(["copy Bird wax:"], SamplingParams(max_new_tokens=6, temperature=0.0), lora="first")[0]
+    assert out.choices[0].text == ref.text
+    assert httpx.post(server + "/v1/unload_lora_adapter", json={"lora_name": "first"}).status_code == 200
+    r = httpx.post(server + "/v1/completions", json={"model": "first", "prompt": "x"})
+    assert r.status_code == 404
+    assert httpx.post(server + "/v1/unload_lora_adapter", json={"lora_name": "first"}).status_code == 404
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_0():
+    proc, url = start_server()
+    body = {"prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    result = {}
+
+    def request():
+        result["response"] = httpx.post(url + "/v1/completions", json=body, timeout=60)
+
+    import threading
+    t = threading.Thread(target=request)
+    t.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not _metrics(url).get("compiled_requests_running"):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    assert proc.wait(timeout=60) == 0
+    r = result["response"]
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 60
