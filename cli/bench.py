@@ -444,12 +444,17 @@ def serving(
     output_len_max: OutputLenMax = None,
     dataset: Dataset = None,
     warmup: Warmup = True,
+    url: Annotated[Optional[str], typer.Option(
+        help="Send the workload to this OpenAI-compatible server (ours or another engine) instead of an "
+             "engine in this process; MODEL then only gives the vocabulary of the random prompts.")] = None,
 ) -> None:
     from cli import bench_core as core
     _check(o.compare is None, "--compare hf is available for latency, throughput and startup, not serving")
     _check(o.request_rate > 0, f"--request-rate must be positive (or inf), got {o.request_rate}")
     _at_least(o, "max_concurrency", 1)
     _check_workload(o)
+    if o.url is not None:
+        return _serving_http(o)
     run = _build("serving", o)
     items, workload = _workload(run)
     with _progress("serving") as bar:
@@ -458,18 +463,50 @@ def serving(
                                          on_finish=lambda n: bar.advance(task, n))
     run.run_profile(items[:o.max_num_seqs], skip_prefill=False)
     rate = "inf" if math.isinf(o.request_rate) else f"{o.request_rate:g}/s"
-    rows = [("request rate / max concurrency", f"{rate} / {o.max_concurrency or '-'}"),
+    run.finish(f"{workload} at {rate}", *_serving_table(res, rate, _kv_cell(res)))
+
+
+def _serving_table(res: dict, rate: str, kv: str | None) -> tuple[Table, Table]:
+    rows = [("request rate / max concurrency", f"{rate} / {res['max_concurrency'] or '-'}"),
             ("input / output tokens", f"{res['input_tokens']:,} / {res['output_tokens']:,}"),
             ("duration (s)", f"{res['duration_s']:.2f}"),
             ("requests/s", _rate(res["requests_per_s"])), ("output tokens/s", _rate(res["output_tokens_per_s"])),
-            ("total tokens/s", _rate(res["total_tokens_per_s"])), ("peak KV", _kv_cell(res))]
+            ("total tokens/s", _rate(res["total_tokens_per_s"]))] + ([("peak KV", kv)] if kv else [])
     percentiles = Table(title="latency percentiles (ms)", title_justify="left")
     for col in ("metric", "mean", "p50", "p90", "p99"):
         percentiles.add_column(col, justify="left" if col == "metric" else "right")
     for label, key in (("time to first token", "ttft_ms"), ("time per output token", "tpot_ms"),
                        ("inter-token latency", "itl_ms"), ("end-to-end", "e2e_ms")):
         percentiles.add_row(label, *(_ms(_p(res[key], k)) for k in ("mean", "p50", "p90", "p99")))
-    run.finish(f"{workload} at {rate}", _metric_table(rows, False), percentiles)
+    return _metric_table(rows, False), percentiles
+
+
+def _serving_http(o: SimpleNamespace) -> None:
+    """The serving workload sent to `--url` (no engine here): random prompts over MODEL's vocabulary."""
+    from cli import bench_core as core
+    from cli.bench_http import serving_http
+    from compiled.graphs.config import ModelConfig
+    from compiled.runtime.llm import default_model
+    if o.dataset is not None:
+        items = core.read_dataset(o.dataset, o.output_len, o.output_len_max, o.seed, o.num_prompts)
+    else:
+        vocab = ModelConfig.from_pretrained(o.model or default_model()).vocab_size
+        items = core.random_workload(o.num_prompts or 100, o.input_len, o.input_len_max, o.output_len,
+                                     o.output_len_max, vocab, o.seed)
+    with _progress("serving") as bar:
+        task = bar.add_task("requests", total=len(items))
+        res = serving_http(o.url, items, o.request_rate, o.max_concurrency, o.seed,
+                           on_finish=lambda n: bar.advance(task, n))
+    rate = "inf" if math.isinf(o.request_rate) else f"{o.request_rate:g}/s"
+    console = Console()
+    console.print(f"compiled bench serving: {res['model']} at {res['url']}; {len(items)} requests at {rate}",
+                  style="bold")
+    for table in _serving_table(res, rate, None):
+        console.print(table)
+    if o.json_path is not None:
+        from cli.bench_core import write_json
+        write_json(o.json_path, {"command": "serving", "url": o.url, "results": res})
+        console.print(f"wrote {o.json_path}")
 
 
 # ---- startup ----------------------------------------------------------------------------------

@@ -200,3 +200,12 @@ def test_sigterm_drains_in_flight_requests_then_exits_0():
     assert proc.wait(timeout=60) == 0
     r = result["response"]
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 60
+
+
+def test_bench_serving_drives_the_server_over_http(server):
+    from cli.bench_core import random_workload
+    from cli.bench_http import serving_http
+    items = random_workload(6, 12, None, 5, None, 200, seed=1)
+    res = serving_http(server, items, float("inf"), 3, seed=1)
+    assert res["model"] == "qwen3-moe" and res["output_tokens"] == 6 * 5
+    assert res["ttft_ms"]["n"] == 6 and res["ttft_ms"]["p50"] > 0 and res["tpot_ms"]["n"] == 6

@@ -1,0 +1,77 @@
+"""`compiled bench serving --url`: the serving workload sent to any OpenAI-compatible server
+(ours or another engine) over HTTP, streamed, with the same metrics as the in-process run: each
+token's time is when its chunk arrived; TTFT counts from the request's Poisson arrival (or, under
+--max-concurrency, from when a slot freed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Sequence
+
+import httpx
+
+from cli.bench_core import Item, Trace, arrival_times, summary_ms
+
+
+def served_model(url: str) -> str:
+    """The first model the server lists (its base model)."""
+    data = httpx.get(url.rstrip("/") + "/v1/models", timeout=30).json()["data"]
+    return data[0]["id"]
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, item: Item, trace: Trace, start: float) -> int:
+    body = {"model": item.lora or model, "prompt": item.prompt, "max_tokens": item.output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    tokens = 0
+    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            now = time.perf_counter() - start
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                trace.token_times.append(now)
+    trace.done = time.perf_counter() - start
+    return tokens
+
+
+def serving_http(url: str, items: Sequence[Item], rate: float, max_concurrency: int | None, seed: int,
+                 on_finish: Callable[[int], None] | None = None) -> dict:
+    url = url.rstrip("/")
+    model = served_model(url)
+    arrivals = arrival_times(len(items), rate, seed)
+    traces = [Trace(0.0, len(item.prompt)) for item in items]
+    outputs = [0] * len(items)
+
+    async def run() -> float:
+        limit = asyncio.Semaphore(max_concurrency or len(items))
+        start = time.perf_counter()
+        async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
+            async def send(i: int) -> None:
+                await asyncio.sleep(max(0.0, arrivals[i] - (time.perf_counter() - start)))
+                async with limit:
+                    traces[i].sent = max(arrivals[i], time.perf_counter() - start)
+                    outputs[i] = await _one(client, url, model, items[i], traces[i], start)
+                if on_finish:
+                    on_finish(1)
+            await asyncio.gather(*(send(i) for i in range(len(items))))
+        return max(t.done for t in traces)
+
+    duration = asyncio.run(run())
+    inp, out = sum(len(i.prompt) for i in items), sum(outputs)
+    itl = [x for tr in traces for x in tr.itl]
+    return {
+        "url": url, "model": model, "num_requests": len(items), "request_rate": rate,
+        "max_concurrency": max_concurrency, "duration_s": duration, "input_tokens": inp, "output_tokens": out,
+        "total_tokens": inp + out, "requests_per_s": len(items) / duration, "output_tokens_per_s": out / duration,
+        "total_tokens_per_s": (inp + out) / duration,
+        "ttft_ms": summary_ms([tr.ttft for tr in traces if tr.token_times]),
+        "tpot_ms": summary_ms([tr.tpot for tr in traces if tr.token_times and tr.tpot is not None]),
+        "itl_ms": summary_ms(itl), "e2e_ms": summary_ms([tr.e2e for tr in traces]),
+    }
