@@ -23,6 +23,8 @@ def serve(
     lora: list[str] = typer.Option([], "--lora", help="NAME=PATH of a PEFT adapter, served as model NAME "
                                    "(repeatable; the demo model's adapters by name alone)."),
     enable_lora: bool = typer.Option(False, "--enable-lora", help="Serve adapters loaded later over HTTP."),
+    no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Recompute every prompt instead of "
+                                         "starting from the longest cached prefix."),
     max_lora_rank: int = engine_option("max_lora_rank"),
     max_loras_per_batch: int = engine_option("max_loras_per_batch"),
     max_loaded_loras: Optional[int] = engine_option("max_loaded_loras"),
@@ -50,7 +52,8 @@ def serve(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, kv_cache_tokens=kv_cache_tokens,
             enforce_eager=enforce_eager, artifact=artifact, max_lora_rank=max_lora_rank,
             max_loras_per_batch=max_loras_per_batch, max_loaded_loras=max_loaded_loras, lora_modules=modules,
-            enable_lora=True if enable_lora or modules else None, context_parallel_size=context_parallel_size))
+            enable_lora=True if enable_lora or modules else None, context_parallel_size=context_parallel_size,
+            enable_prefix_caching=not no_prefix_cache))
         llm = build_llm(config)
         name = served_model_name or os.path.basename(os.path.normpath(llm.model_path))
         engine = EngineThread(llm)

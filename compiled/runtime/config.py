@@ -63,6 +63,9 @@ class EngineConfig:
     max_piecewise_tokens: int = 2048
     # Launch a decode step before the previous step's tokens are read back (see engine.py).
     overlap_schedule: bool = True
+    # Keep finished requests' K/V indexed by (adapter, tokens) and start new requests from their
+    # longest cached prefix (runtime/prefix_cache.py); `compiled serve` turns it on.
+    enable_prefix_caching: bool = False
     # Load compiled pieces from this `compiled export` folder instead of compiling.
     artifact: str | None = None
     # A mismatched artifact is logged and recompiled instead of being an error.
@@ -143,7 +146,8 @@ class EngineConfig:
             raise _bad("cp_timeout", self.cp_timeout, "seconds > 0")
         if not _is_int(self.seed):
             raise _bad("seed", self.seed, "an int")
-        for name in ("use_graph", "enforce_eager", "overlap_schedule", "recompile_on_mismatch"):
+        for name in ("use_graph", "enforce_eager", "overlap_schedule", "recompile_on_mismatch",
+                     "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "True or False")
         if self.compile is not None and not isinstance(self.compile, bool):

@@ -266,6 +266,8 @@ class LLM:
             raise ConfigError(f"adapter {name!r} is used by {users} queued or running requests: abort or finish "
                               "them first")
         self.engine.loras.remove(name)
+        if self.engine.scheduler.cache is not None:   # its cached prefixes were computed with the old weights
+            self.engine.scheduler.cache.drop(name)
         self._tell_workers(("remove_lora", name))
 
     @property

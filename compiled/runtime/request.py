@@ -36,6 +36,7 @@ class Request:
     row: int | None = None              # row of the request->token table while admitted
     lora: str | None = None             # the adapter it runs with (None: the base model)
     lora_slot: int = -1                 # that adapter's GPU slot while admitted
+    prefix: object | None = None        # its cached prefix (prefix_cache.Prefix) while admitted
     cp_synced: int = 0                  # positions [0, cp_synced) have their K/V on every context-parallel rank
     slots: list = field(default_factory=list)  # numpy arrays of the KV slots owned, freed on finish
     text: str = ""

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import torch
+
 from compiled.attention.kv_cache import KVPool, ReqToTokenPool
+from compiled.runtime.prefix_cache import PrefixCache
 from compiled.runtime.request import Request
 
 
@@ -25,6 +28,7 @@ class Chunk:
     length: int             # tokens computed in this step
     slots: np.ndarray       # their KV slots (host int64)
     readmitted: bool = False  # admitted by this step after a retraction (rollback restores the mark)
+    admitted: bool = False    # its request was admitted by this step (possibly after a cached prefix)
 
     @property
     def samples(self) -> bool:
@@ -46,8 +50,11 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVPool, req_pool: ReqToTokenPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVPool, req_pool: ReqToTokenPool, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefix_cache: bool = False) -> None:
         self.kv, self.req_pool = kv, req_pool
+        # Finished requests' K/V, reused by requests that start with the same tokens (None: off).
+        self.cache = PrefixCache(kv) if prefix_cache else None
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         # Whether the head of the queue may be admitted now, besides KV and rows (the engine's
@@ -82,26 +89,32 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            n = min(request.num_tokens, budget)
-            if not self._fits(request, n) or self.req_pool.num_free == 0:
-                break
-            if not self.admit(request):  # e.g. its adapter has no free slot: FCFS, later ones wait too
+            prefix = self._cached_prefix(request)
+            n = min(request.num_tokens - (len(prefix) if prefix else 0), budget)
+            if not self._fits(request, n) or self.req_pool.num_free == 0 or not self.admit(request):
+                # (admit: e.g. its adapter has no free slot: FCFS, later ones wait too)
+                if self.cache is not None:
+                    self.cache.release(prefix)
                 break
             self.waiting.popleft()
             readmitted = request.id in self._retracted
             self._retracted.discard(request.id)
             request.row = self.req_pool.alloc()
+            if prefix is not None:
+                request.prefix, request.num_computed = prefix, len(prefix)
+                self.req_pool.table[request.row, :len(prefix)] = torch.from_numpy(prefix.slots).to(
+                    self.req_pool.table.device, self.req_pool.table.dtype)
             self.running.append(request)
-            chunks.append(self._chunk(request, n, self.kv.alloc(n)))
-            chunks[-1].readmitted = readmitted
+            chunks.append(self._chunk(request, n, self._alloc(n)))
+            chunks[-1].readmitted, chunks[-1].admitted = readmitted, True
             budget -= n
         if not chunks and self.running:
             # Every running request is a prefill waiting for room: the oldest takes what is free,
             # and with nothing free the cheapest gives way to the others.
             request = self.running[0]
-            n = min(request.num_tokens - request.num_computed, budget, self.kv.num_free)
+            n = min(request.num_tokens - request.num_computed, budget, self._num_free())
             if n > 0:
-                return Batch([self._chunk(request, n, self.kv.alloc(n))])
+                return Batch([self._chunk(request, n, self._alloc(n))])
             self.retract(self._victim(self.running))
             return type(self).schedule(self)
         return Batch(chunks) if chunks else None
@@ -110,9 +123,9 @@ class Scheduler:
         """One token for every running request, nothing admitted and nothing retracted: the step
         that overlap scheduling launches before the previous one's tokens are known. None when the
         KV cache cannot give each request its slot (the regular schedule then decides)."""
-        if not self.running or self.kv.num_free < len(self.running):
+        if not self.running or self._num_free() < len(self.running):
             return None
-        return Batch([self._chunk(r, 1, self.kv.alloc(1)) for r in self.running])
+        return Batch([self._chunk(r, 1, self._alloc(1)) for r in self.running])
 
     # ---- retraction: when, and whom --------------------------------------------------------
 
@@ -136,7 +149,7 @@ class Scheduler:
         in `schedule` (every running request a prefill waiting for slots)."""
         while True:
             need = min(budget, sum(1 for r in self.running if self._decoding(r)))
-            if self.kv.num_free >= need or not self.running:
+            if self._num_free() >= need or not self.running:
                 return
             self.retract(self._victim(self.running))
 
@@ -150,9 +163,9 @@ class Scheduler:
         request = self.running[i]
         if not self._decoding(request):
             later = sum(1 for r in self.running[i + 1:] if self._decoding(r))
-            n = min(n, self.kv.num_free - later - len(self.running))
-            return self.kv.alloc(n) if n > 0 else None
-        while (slots := self.kv.alloc(n)) is None:
+            n = min(n, self._num_free() - later - len(self.running))
+            return self._alloc(n) if n > 0 else None
+        while (slots := self._alloc(n)) is None:
             victim = self._victim(self.running[i:])
             self.retract(victim)
             if victim is request:
@@ -164,10 +177,27 @@ class Scheduler:
         running request so the next decode step does not retract. A retracted request comes
         back only when all its tokens fit beside what the running requests still need, so that
         its recomputation is not retracted in turn (a retract-readmit loop otherwise)."""
-        free = self.kv.num_free - len(self.running)
+        free = self._num_free() - len(self.running)
         if request.id in self._retracted:
             return free - sum(r.num_tokens - r.num_computed for r in self.running) >= request.num_tokens
         return free >= n
+
+    # ---- KV slots, counting the prefix cache's unlocked slots as free ------------------------
+
+    def _num_free(self) -> int:
+        return self.kv.num_free + (self.cache.num_evictable if self.cache is not None else 0)
+
+    def _alloc(self, n: int) -> np.ndarray | None:
+        if self.cache is not None and self.kv.num_free < n:
+            self.cache.evict(n - self.kv.num_free)
+        return self.kv.alloc(n)
+
+    def _cached_prefix(self, request: Request):
+        """The request's longest cached prefix, locked; at least its last token is left to compute
+        (its logits sample), and a request asking for prompt logprobs computes every position."""
+        if self.cache is None or request.params.prompt_logprobs is not None or request.num_tokens < 2:
+            return None
+        return self.cache.match(request.lora, request.token_ids(0, request.num_tokens - 1))
 
     def _chunk(self, request: Request, n: int, slots: np.ndarray) -> Chunk:
         chunk = Chunk(request, request.num_computed, n, slots)
@@ -175,10 +205,22 @@ class Scheduler:
         request.num_computed += n
         return chunk
 
-    def _release(self, request: Request) -> None:
-        if request.slots:
-            self.kv.free(np.concatenate(request.slots))
-            request.slots = []
+    def _release(self, request: Request, keep: bool = False) -> None:
+        """Give back the request's row and KV slots; `keep`: index its K/V in the prefix cache."""
+        owned = np.concatenate(request.slots) if request.slots else np.empty(0, np.int64)
+        if self.cache is not None and keep and request.num_computed:
+            prefix = request.prefix
+            start = len(prefix) if prefix is not None else 0
+            known = min(request.num_computed, request.num_resolved)   # positions whose token is known
+            slots = np.concatenate([prefix.slots, owned]) if prefix is not None else owned
+            owned = np.concatenate([self.cache.insert(request.lora, request.token_ids(0, known), slots[:known], prefix),
+                                    slots[max(known, start):]])
+        elif self.cache is not None:
+            self.cache.release(request.prefix)
+        request.prefix = None
+        if len(owned):
+            self.kv.free(owned)
+        request.slots = []
         if request.row is not None:
             self.req_pool.free(request.row)
             request.row = None
@@ -193,7 +235,7 @@ class Scheduler:
         self.num_retractions += 1
 
     def finish(self, request: Request) -> None:
-        self._release(request)
+        self._release(request, keep=True)
 
     def rollback(self, batch: Batch) -> None:
         """Undo the scheduling of `batch`, whose step failed before it completed: each chunk's
@@ -209,7 +251,8 @@ class Scheduler:
             request.slots.pop()
             self.kv.free(chunk.slots)
             request.num_computed = chunk.start
-            if chunk.start == 0:  # its first chunk: admitted by this batch
+            if chunk.admitted:  # admitted by this batch (after its cached prefix, if any)
+                request.num_computed = 0
                 admitted.append(request)
                 if chunk.readmitted:  # waits again under the whole-fit rule of a retracted request
                     self._retracted.add(request.id)

@@ -184,13 +184,19 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         running, waiting = server.engine.counts()
-        kv = server.llm.engine.kv
+        kv, cache = server.llm.engine.kv, server.llm.engine.scheduler.cache
         st = server.engine.stats
         elapsed = max(time.monotonic() - st.started, 1e-9)
+        in_use = kv.num_used - (cache.num_evictable if cache is not None else 0)
+        hit_rate = cache.hit / cache.queried if cache is not None and cache.queried else 0.0
         lines = [
             "# TYPE compiled_requests_running gauge", f"compiled_requests_running {running}",
             "# TYPE compiled_requests_waiting gauge", f"compiled_requests_waiting {waiting}",
-            "# TYPE compiled_kv_cache_usage gauge", f"compiled_kv_cache_usage {kv.num_used / kv.num_slots:.6f}",
+            "# HELP compiled_kv_cache_usage share of KV slots held by requests (cached prefixes excluded)",
+            "# TYPE compiled_kv_cache_usage gauge", f"compiled_kv_cache_usage {in_use / kv.num_slots:.6f}",
+            "# TYPE compiled_prefix_cache_tokens gauge",
+            f"compiled_prefix_cache_tokens {cache.num_cached if cache is not None else 0}",
+            "# TYPE compiled_prefix_cache_hit_rate gauge", f"compiled_prefix_cache_hit_rate {hit_rate:.6f}",
             "# TYPE compiled_requests_finished_total counter", f"compiled_requests_finished_total {st.requests_finished}",
             "# TYPE compiled_prompt_tokens_total counter", f"compiled_prompt_tokens_total {st.prompt_tokens}",
             "# TYPE compiled_generation_tokens_total counter",

@@ -209,3 +209,11 @@ def test_bench_serving_drives_the_server_over_http(server):
     res = serving_http(server, items, float("inf"), 3, seed=1)
     assert res["model"] == "qwen3-moe" and res["output_tokens"] == 6 * 5
     assert res["ttft_ms"]["n"] == 6 and res["ttft_ms"]["p50"] > 0 and res["tpot_ms"]["n"] == 6
+
+
+def test_metrics_report_the_prefix_cache(server):
+    prompt = PROMPTS[2] + " and then some more words to share"
+    for _ in range(2):
+        client(server).completions.create(model="qwen3-moe", prompt=prompt, max_tokens=3, temperature=0)
+    m = _metrics(server)
+    assert m["compiled_prefix_cache_tokens"] > 0 and 0 < m["compiled_prefix_cache_hit_rate"] <= 1

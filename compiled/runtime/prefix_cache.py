@@ -1,0 +1,170 @@
+"""A radix prefix cache over the KV pool: finished requests' K/V stays indexed by (adapter, token
+ids), and a new request starts from its longest cached prefix (extend attention reads a cached
+prefix like an earlier chunk of the same prompt).
+
+Each adapter (None: the base model) has a tree of its own, so a prompt under two adapters never
+shares K/V. A node holds a run of tokens and their KV slots; requests running on a prefix lock its
+path (reference counts), and the slots of unlocked nodes count as free: the scheduler evicts them,
+least recently used leaves first, when the pool needs room."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from compiled.attention.kv_cache import KVPool
+
+
+@dataclass(eq=False)
+class Node:
+    tokens: tuple[int, ...]
+    slots: np.ndarray
+    parent: Node | None = None
+    children: dict[int, Node] = field(default_factory=dict)
+    refs: int = 0
+    last_used: int = 0
+
+
+@dataclass
+class Prefix:
+    """A request's cached prefix: its slots (positions 0..len-1) and the node that ends it, locked."""
+    slots: np.ndarray
+    node: Node
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+class PrefixCache:
+    def __init__(self, kv: KVPool) -> None:
+        self.kv = kv
+        self.roots: dict[str | None, Node] = {}
+        self.num_cached = 0          # slots the tree holds
+        self.num_locked = 0          # of which in nodes some request locks
+        self.queried = 0             # prompt tokens looked up, and found
+        self.hit = 0
+        self._clock = itertools.count(1)
+
+    @property
+    def num_evictable(self) -> int:
+        return self.num_cached - self.num_locked
+
+    # ---- lookups -------------------------------------------------------------------------------
+
+    def match(self, adapter: str | None, tokens: list[int]) -> Prefix | None:
+        """The longest cached prefix of `tokens` under `adapter`, locked (`release` unlocks it);
+        None when nothing matches."""
+        self.queried += len(tokens)
+        node, i, parts = self.roots.get(adapter), 0, []
+        while node is not None and i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            k = _common(child.tokens, tokens, i)
+            if k < len(child.tokens):
+                child = self._split(child, k)
+            parts.append(child.slots)
+            node, i = child, i + k
+        if not parts:
+            return None
+        self.hit += i
+        self._lock(node, +1)
+        return Prefix(np.concatenate(parts), node)
+
+    def release(self, prefix: Prefix | None) -> None:
+        if prefix is not None:
+            self._lock(prefix.node, -1)
+
+    def insert(self, adapter: str | None, tokens: list[int], slots: np.ndarray, prefix: Prefix | None) -> np.ndarray:
+        """Index `slots` (of `tokens`, from position 0) under `adapter`; the request's own slots
+        that duplicate what the tree already holds come back, for the pool. Positions below
+        `prefix` are the tree's already; `prefix` is released."""
+        owned_from = len(prefix) if prefix is not None else 0
+        root = self.roots.setdefault(adapter, Node((), np.empty(0, np.int64)))
+        node, i, duplicates = root, 0, []
+        now = next(self._clock)
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                leaf = Node(tuple(tokens[i:]), slots[i:].copy(), parent=node, last_used=now)
+                node.children[tokens[i]] = leaf
+                self.num_cached += len(leaf.slots)
+                i = len(tokens)
+                break
+            k = _common(child.tokens, tokens, i)
+            if k < len(child.tokens):
+                child = self._split(child, k)
+            if i + k > owned_from:
+                duplicates.append(slots[max(i, owned_from):i + k])
+            child.last_used = now
+            node, i = child, i + k
+        self.release(prefix)
+        return np.concatenate(duplicates) if duplicates else np.empty(0, np.int64)
+
+    # ---- room ----------------------------------------------------------------------------------
+
+    def evict(self, n: int) -> None:
+        """Free at least `n` slots (as many as there are unlocked) from least recently used leaves."""
+        leaves = [(x.last_used, id(x), x) for x in self._nodes() if not x.children and x.refs == 0]
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < n and leaves:
+            _, _, leaf = heapq.heappop(leaves)
+            parent = leaf.parent
+            del parent.children[leaf.tokens[0]]
+            self.kv.free(leaf.slots)
+            self.num_cached -= len(leaf.slots)
+            freed += len(leaf.slots)
+            if parent.parent is not None and not parent.children and parent.refs == 0:
+                heapq.heappush(leaves, (parent.last_used, id(parent), parent))
+
+    def drop(self, adapter: str | None) -> None:
+        """Forget every prefix of `adapter` (its weights changed or are gone); none may be locked."""
+        root = self.roots.pop(adapter, None)
+        if root is None:
+            return
+        stack = list(root.children.values())
+        while stack:
+            node = stack.pop()
+            assert node.refs == 0, "a prefix of an adapter being dropped is in use"
+            self.kv.free(node.slots)
+            self.num_cached -= len(node.slots)
+            stack += node.children.values()
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _nodes(self):
+        stack = [c for root in self.roots.values() for c in root.children.values()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack += node.children.values()
+
+    def _split(self, node: Node, k: int) -> Node:
+        """Cut `node` after its first k tokens; the upper part (returned) takes its place."""
+        upper = Node(node.tokens[:k], node.slots[:k], parent=node.parent, refs=node.refs, last_used=node.last_used)
+        node.parent.children[node.tokens[0]] = upper
+        node.tokens, node.slots, node.parent = node.tokens[k:], node.slots[k:], upper
+        upper.children[node.tokens[0]] = node
+        return upper
+
+    def _lock(self, node: Node, delta: int) -> None:
+        now = next(self._clock)
+        while node is not None and node.parent is not None:
+            if node.refs == 0 and delta > 0:
+                self.num_locked += len(node.slots)
+            node.refs += delta
+            if node.refs == 0 and delta < 0:
+                self.num_locked -= len(node.slots)
+            node.last_used = now
+            node = node.parent
+
+
+def _common(edge: tuple[int, ...], tokens: list[int], start: int) -> int:
+    k, n = 0, min(len(edge), len(tokens) - start)
+    while k < n and edge[k] == tokens[start + k]:
+        k += 1
+    return k
