@@ -10,33 +10,14 @@ cycled past L2) for the base MoE and the LoRA MoE."""
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+from tune_moe import time_graph   # bench/ is the script's folder, so on sys.path
 
 from compiled.moe import expert_lora as el
 from compiled.moe import fused_moe as fm
 
 E, H, I, TOP_K = 128, 2048, 768, 8
-
-
-def graph_us(fn, layers: int, reps: int) -> float:
-    for i in range(layers):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(layers):
-            fn(i)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / layers)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -63,9 +44,10 @@ def main() -> None:
         slot = (torch.randint(0, S, (T,), device=dev, generator=g, dtype=torch.int32) if a.slots == "all"
                 else torch.zeros(T, dtype=torch.int32, device=dev))
         ws = el.reserve_workspace(fm.MoEWorkspace(), T, E, H, I, TOP_K, R, torch.bfloat16, dev)
-        base = graph_us(lambda i: fm.fused_moe_triton(x, w, ids, *layers[i][:2], workspace=ws), a.layers, a.reps)
-        lora = graph_us(lambda i: el.fused_moe_lora_triton(x, w, ids, *layers[i], slot, workspace=ws),
-                        a.layers, a.reps)
+        base = time_graph([lambda i=i: fm.fused_moe_triton(x, w, ids, *layers[i][:2], workspace=ws)
+                           for i in range(a.layers)], a.reps) / a.layers
+        lora = time_graph([lambda i=i: el.fused_moe_lora_triton(x, w, ids, *layers[i], slot, workspace=ws)
+                           for i in range(a.layers)], a.reps) / a.layers
         print(f"{T:5d} tokens: base {base:8.1f} µs, LoRA ({a.slots} of {S} slots) {lora:8.1f} µs "
               f"(+{lora - base:.1f})", flush=True)
 

@@ -50,6 +50,21 @@ def engine_parameter(name: str, help: str | None = None) -> inspect.Parameter:
                              annotation=Annotated[annotation, typer.Option(*decls, help=help or default_help)])
 
 
+def with_engine_options(*names: str):
+    """A command decorator: `fn(engine: dict, **own)` gets the engine options `names` (declared
+    here, defaults from DEFAULTS) in `engine`, and its own parameters as it declares them."""
+    def wrap(fn):
+        own = [p for p in inspect.signature(fn, eval_str=True).parameters.values() if p.name != "engine"]
+
+        def command(**kwargs):
+            return fn(engine={n: kwargs.pop(n) for n in names}, **kwargs)
+
+        command.__signature__ = inspect.Signature(own + [engine_parameter(n) for n in names])
+        command.__name__, command.__doc__ = fn.__name__, fn.__doc__
+        return command
+    return wrap
+
+
 def engine_config(values: dict, **overrides) -> EngineConfig:
     """The engine config of a command's option values (names that are not fields are ignored)."""
     fields = {f.name for f in dataclasses.fields(EngineConfig)}

@@ -7,12 +7,16 @@ from typing import Optional
 
 import typer
 
-from cli.engine_options import build_llm, engine_config, engine_option
+from cli.engine_options import build_llm, engine_config, with_engine_options
 from cli.errors import fail_cleanly
 from cli.run import lora_modules
 
 
+@with_engine_options("device", "dtype", "load_format", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                    "kv_cache_tokens", "enforce_eager", "artifact", "max_lora_rank", "max_loras_per_batch",
+                    "max_loaded_loras", "context_parallel_size")
 def serve(
+    engine: dict,
     model: Optional[str] = typer.Argument(None, help="HF model folder; default: the demo MoE model."),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8000, help="Port to listen on."),
@@ -25,19 +29,6 @@ def serve(
     enable_lora: bool = typer.Option(False, "--enable-lora", help="Serve adapters loaded later over HTTP."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Recompute every prompt instead of "
                                          "starting from the longest cached prefix."),
-    max_lora_rank: int = engine_option("max_lora_rank"),
-    max_loras_per_batch: int = engine_option("max_loras_per_batch"),
-    max_loaded_loras: Optional[int] = engine_option("max_loaded_loras"),
-    device: Optional[str] = engine_option("device"),
-    dtype: Optional[str] = engine_option("dtype"),
-    load_format: str = engine_option("load_format"),
-    max_model_len: Optional[int] = engine_option("max_model_len"),
-    max_num_seqs: int = engine_option("max_num_seqs"),
-    max_num_batched_tokens: int = engine_option("max_num_batched_tokens"),
-    kv_cache_tokens: Optional[int] = engine_option("kv_cache_tokens"),
-    enforce_eager: bool = engine_option("enforce_eager"),
-    artifact: Optional[str] = engine_option("artifact"),
-    context_parallel_size: int = engine_option("context_parallel_size"),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     with fail_cleanly(debug):
@@ -47,13 +38,9 @@ def serve(
         if max_queued_requests is not None and max_queued_requests < 1:
             raise ValueError(f"--max-queued-requests {max_queued_requests}: expected an int >= 1")
         modules = lora_modules(lora, model) or None
-        config = engine_config(dict(
-            model=model, device=device, dtype=dtype, load_format=load_format, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, kv_cache_tokens=kv_cache_tokens,
-            enforce_eager=enforce_eager, artifact=artifact, max_lora_rank=max_lora_rank,
-            max_loras_per_batch=max_loras_per_batch, max_loaded_loras=max_loaded_loras, lora_modules=modules,
-            enable_lora=True if enable_lora or modules else None, context_parallel_size=context_parallel_size,
-            enable_prefix_caching=not no_prefix_cache))
+        config = engine_config(dict(engine, model=model, lora_modules=modules,
+                                    enable_lora=True if enable_lora or modules else None,
+                                    enable_prefix_caching=not no_prefix_cache))
         llm = build_llm(config)
         name = served_model_name or os.path.basename(os.path.normpath(llm.model_path))
         engine = EngineThread(llm)
