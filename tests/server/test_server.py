@@ -4,7 +4,6 @@ package and plain HTTP. Its outputs equal the offline `LLM.generate` ones."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
