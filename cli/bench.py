@@ -46,7 +46,7 @@ COMMON = [
     *(engine_parameter(name) for name in ("device", "dtype", "load_format", "max_model_len", "max_num_seqs",
                                           "max_num_batched_tokens", "kv_cache_tokens", "mem_fraction",
                                           "enforce_eager", "compile", "artifact", "overlap_schedule",
-                                          "context_parallel_size", "cp_min_tokens")),
+                                          "context_parallel_size", "cp_min_tokens", "enable_prefix_caching")),
     _opt("seed", int, DEFAULTS.seed, "Seed for weights (dummy), prompts and arrival times."),
     _opt("num_loras", int, 0, "Random adapters in the model's real shapes (no files); 0: no LoRA."),
     _opt("lora_rank", int, 16, "Rank of the random adapters."),
@@ -335,10 +335,12 @@ OutputLenMax = Annotated[Optional[int], typer.Option(help="Draw output lengths u
 Dataset = Annotated[Optional[Path], typer.Option(
     help="JSONL of requests: a string, a list of token ids, or {\"prompt\" | \"prompt_token_ids\", \"output_len\"}.")]
 Warmup = Annotated[bool, typer.Option(help="Run a few short requests first (untimed).")]
+SharedPrefixLen = Annotated[int, typer.Option(
+    help="Random prompts start with the same this many tokens (a common system prompt).")]
 
 
 def _check_workload(o: SimpleNamespace) -> None:
-    for name, low in (("num_prompts", 1), ("input_len", 1), ("output_len", 1)):
+    for name, low in (("num_prompts", 1), ("input_len", 1), ("output_len", 1), ("shared_prefix_len", 0)):
         _at_least(o, name, low)
     _check(o.input_len_max is None or o.input_len_max >= o.input_len,
            f"--input-len-max {o.input_len_max} is below --input-len {o.input_len}")
@@ -364,7 +366,8 @@ def _workload(run: Run) -> tuple[list, str]:
         what = f"dataset {o.dataset.name}"
     else:
         items = core.random_workload(o.num_prompts or 100, o.input_len, o.input_len_max, o.output_len,
-                                     o.output_len_max, run.llm.model_config.vocab_size, o.seed)
+                                     o.output_len_max, run.llm.model_config.vocab_size, o.seed,
+                                     o.shared_prefix_len)
         what = (f"input {o.input_len}" + (f"-{o.input_len_max}" if o.input_len_max else "")
                 + f", output {o.output_len}" + (f"-{o.output_len_max}" if o.output_len_max else ""))
     loras = core.assign_loras(len(items), run.loras, o.lora_dist, o.seed)
@@ -400,6 +403,7 @@ def throughput(
     output_len_max: OutputLenMax = None,
     dataset: Dataset = None,
     warmup: Warmup = True,
+    shared_prefix_len: SharedPrefixLen = 0,
 ) -> None:
     from cli import bench_core as core
     _check_workload(o)
@@ -444,6 +448,7 @@ def serving(
     output_len_max: OutputLenMax = None,
     dataset: Dataset = None,
     warmup: Warmup = True,
+    shared_prefix_len: SharedPrefixLen = 0,
     url: Annotated[Optional[str], typer.Option(
         help="Send the workload to this OpenAI-compatible server (ours or another engine) instead of an "
              "engine in this process; MODEL then only gives the vocabulary of the random prompts.")] = None,
@@ -484,7 +489,7 @@ def _serving_table(res: dict, rate: str, kv: str | None) -> tuple[Table, Table]:
 def _serving_http(o: SimpleNamespace) -> None:
     """The serving workload sent to `--url` (no engine here): random prompts over MODEL's vocabulary."""
     from cli import bench_core as core
-    from cli.bench_http import serving_http
+    from cli.bench_http import served_adapters, serving_http
     from compiled.graphs.config import ModelConfig
     from compiled.runtime.llm import default_model
     if o.dataset is not None:
@@ -492,7 +497,11 @@ def _serving_http(o: SimpleNamespace) -> None:
     else:
         vocab = ModelConfig.from_pretrained(o.model or default_model()).vocab_size
         items = core.random_workload(o.num_prompts or 100, o.input_len, o.input_len_max, o.output_len,
-                                     o.output_len_max, vocab, o.seed)
+                                     o.output_len_max, vocab, o.seed, o.shared_prefix_len)
+    adapters = served_adapters(o.url)[:o.num_loras]
+    _check(len(adapters) == o.num_loras, f"--num-loras {o.num_loras}: the server serves {len(adapters)} adapters")
+    for item, lora in zip(items, core.assign_loras(len(items), adapters, o.lora_dist, o.seed)):
+        item.lora = lora
     with _progress("serving") as bar:
         task = bar.add_task("requests", total=len(items))
         res = serving_http(o.url, items, o.request_rate, o.max_concurrency, o.seed,

@@ -136,15 +136,18 @@ def random_ids(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def random_workload(n: int, input_len: int, input_len_max: int | None, output_len: int,
-                    output_len_max: int | None, vocab: int, seed: int) -> list[Item]:
-    """`n` requests of random token ids; lengths fixed, or uniform in [len, len_max]."""
+                    output_len_max: int | None, vocab: int, seed: int, shared_prefix_len: int = 0) -> list[Item]:
+    """`n` requests of random token ids; lengths fixed, or uniform in [len, len_max]; with
+    `shared_prefix_len`, every prompt starts with the same that many tokens (a system prompt)
+    before its own `input_len`."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, vocab, (shared_prefix_len,), generator=g).tolist()
     items = []
     for _ in range(n):
         i = rng.randint(input_len, input_len_max) if input_len_max else input_len
         o = rng.randint(output_len, output_len_max) if output_len_max else output_len
-        items.append(Item(torch.randint(0, vocab, (i,), generator=g).tolist(), o))
+        items.append(Item(shared + torch.randint(0, vocab, (i,), generator=g).tolist(), o))
     return items
 
 

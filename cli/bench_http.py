@@ -15,10 +15,18 @@ import httpx
 from cli.bench_core import Item, Trace, arrival_times, summary_ms
 
 
+def _models(url: str) -> list[dict]:
+    return httpx.get(url.rstrip("/") + "/v1/models", timeout=30).json()["data"]
+
+
 def served_model(url: str) -> str:
     """The first model the server lists (its base model)."""
-    data = httpx.get(url.rstrip("/") + "/v1/models", timeout=30).json()["data"]
-    return data[0]["id"]
+    return _models(url)[0]["id"]
+
+
+def served_adapters(url: str) -> list[str]:
+    """The adapters the server lists (models with a parent), in its order."""
+    return [m["id"] for m in _models(url) if m.get("parent")]
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, item: Item, trace: Trace, start: float) -> int:

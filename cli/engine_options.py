@@ -32,6 +32,8 @@ ENGINE_OPTIONS: dict[str, tuple[object, str, tuple[str, ...]]] = {
     "max_loaded_loras": (Optional[int], "Adapters kept in the CPU tier (default: no limit).", ()),
     "context_parallel_size": (int, "Processes (one GPU each) a long prefill is split over; 1: off.", ("--cp",)),
     "cp_min_tokens": (int, "Shortest prefill chunk that is split over the --cp processes.", ()),
+    "enable_prefix_caching": (bool, "Start requests from their longest cached prefix (radix prefix cache).",
+                              ("--prefix-cache/--no-prefix-cache",)),
     "overlap_schedule": (bool, "Launch each decode step before the previous one's tokens are read back.",
                          ("--overlap-schedule/--no-overlap-schedule",)),
 }

@@ -324,3 +324,11 @@ def test_bad_dataset_line_names_it(model_args, tmp_path):
     path.write_text('[1, 2]\n{oops\n')
     result = runner.invoke(app, ["bench", "throughput", *model_args, *SMALL, "--dataset", str(path)])
     assert result.exit_code == 1 and f"{path}:2" in result.output
+
+
+def test_shared_prefix_workload():
+    from cli.bench_core import random_workload
+    items = random_workload(5, 4, 7, 3, None, 100, seed=2, shared_prefix_len=20)
+    assert all(item.prompt[:20] == items[0].prompt[:20] for item in items)
+    assert all(24 <= len(item.prompt) <= 27 for item in items)
+    assert len({tuple(item.prompt[20:]) for item in items}) == 5
