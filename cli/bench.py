@@ -526,10 +526,18 @@ def _serving_http(o: SimpleNamespace) -> None:
 def startup(
     o: SimpleNamespace,
     input_len: Annotated[int, typer.Option(help="Prompt tokens of the first request (random ids).")] = 32,
+    fresh_caches: Annotated[bool, typer.Option(
+        "--fresh-caches", help="Start with empty Triton and Inductor caches, as a fresh machine does.")] = False,
 ) -> None:
     from cli import bench_core as core
     _at_least(o, "input_len", 1)
+    if o.fresh_caches:
+        import tempfile
+        from compiled import envs
+        for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+            envs.set_for_children(name, tempfile.mkdtemp(prefix=f"compiled-{name.lower()}-"))
     llm, res = core.startup(_engine_args(o), o.input_len)
+    res["fresh_caches"] = o.fresh_caches
     run = Run("startup", o, llm)
     del llm
     run.results = res

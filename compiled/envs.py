@@ -77,6 +77,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("TORCH_SYMM_MEM_DISABLE_MULTICAST", _flag, "0 or 1", "set to 1 for a context-parallel group on GPUs "
            "unless set"),
     EnvVar("NVSHMEM_DISABLE_NVLS", _flag, "0 or 1", "set to 1 for a context-parallel group on GPUs unless set"),
+    EnvVar("TRITON_CACHE_DIR", _text, "a folder", "Triton's kernel cache (`compiled bench startup --fresh-caches` "
+           "points it at an empty folder)"),
+    EnvVar("TORCHINDUCTOR_CACHE_DIR", _text, "a folder", "Inductor's cache (`compiled bench startup "
+           "--fresh-caches` points it at an empty folder)"),
     EnvVar("XDG_CACHE_HOME", _text, "a folder",
            "where `compiled bench` caches the measured copy bandwidth (default ~/.cache)"),
     EnvVar("OMP_WAIT_POLICY", _text, "PASSIVE|ACTIVE",

@@ -332,3 +332,13 @@ def test_shared_prefix_workload():
     assert all(item.prompt[:20] == items[0].prompt[:20] for item in items)
     assert all(24 <= len(item.prompt) <= 27 for item in items)
     assert len({tuple(item.prompt[20:]) for item in items}) == 5
+
+
+def test_startup_with_fresh_caches(model_args, tmp_path, monkeypatch):
+    import os
+    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "warm"))      # restored after the test
+    rec = _bench("startup", *model_args, *SMALL, "--fresh-caches", "--json", str(tmp_path / "s.json"))
+    assert rec["results"]["fresh_caches"] is True
+    for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+        assert os.environ[name] != str(tmp_path / "warm") and os.path.isdir(os.environ[name])
