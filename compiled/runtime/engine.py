@@ -289,6 +289,7 @@ class Engine:
         except BaseException:
             self.scheduler.rollback(batch)
             raise
+        self.scheduler.share_prompts(batch)
         for request, entries in prompt_logprobs:
             request.prompt_logprobs += entries
         for request in launched.requests if launched is not None else ():

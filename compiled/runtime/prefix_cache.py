@@ -1,6 +1,7 @@
-"""A radix prefix cache over the KV pool: finished requests' K/V stays indexed by (adapter, token
-ids), and a new request starts from its longest cached prefix (extend attention reads a cached
-prefix like an earlier chunk of the same prompt).
+"""A radix prefix cache over the KV pool: requests' K/V stays indexed by (adapter, token ids), a
+running request's prompt as soon as it is prefilled (`adopt`) and the rest when it finishes
+(`insert`), and a new request starts from its longest cached prefix (extend attention reads a
+cached prefix like an earlier chunk of the same prompt).
 
 Each adapter (None: the base model) has a tree of its own, so a prompt under two adapters never
 shares K/V. A node holds a run of tokens and their KV slots; requests running on a prefix lock its
@@ -103,6 +104,42 @@ class PrefixCache:
             node, i = child, i + k
         self.release(prefix)
         return np.concatenate(duplicates) if duplicates else np.empty(0, np.int64)
+
+    def adopt(self, adapter: str | None, tokens: list[int], slots: np.ndarray,
+              prefix: Prefix | None) -> tuple[Prefix, np.ndarray, list[tuple[int, np.ndarray]]]:
+        """A running request's computed `tokens` (its prompt) go into the tree now, so that requests
+        admitted after it start from them. Returns its new prefix (all of `tokens`, locked; the old
+        `prefix` released), its slots the tree already held K/V for (to free), and where its
+        request->token row must point at the tree's slots instead: (position, slots) runs."""
+        owned_from = len(prefix) if prefix is not None else 0
+        root = self.roots.setdefault(adapter, Node((), np.empty(0, np.int64)))
+        node, i, freed, repoint = root, 0, [], []
+        now = next(self._clock)
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                child = Node(tuple(tokens[i:]), slots[i:].copy(), parent=node, last_used=now)
+                node.children[tokens[i]] = child
+                self.num_cached += len(child.slots)
+                node, i = child, len(tokens)
+                break
+            k = _common(child.tokens, tokens, i)
+            if k < len(child.tokens):
+                child = self._split(child, k)
+            if i + k > owned_from:   # the tree computed these positions too: the request uses its slots
+                lo = max(i, owned_from)
+                freed.append(slots[lo:i + k])
+                repoint.append((lo, child.slots[lo - i:]))
+            child.last_used = now
+            node, i = child, i + k
+        self._lock(node, +1)
+        self.release(prefix)
+        path, n = [], node
+        while n.parent is not None:
+            path.append(n.slots)
+            n = n.parent
+        shared = Prefix(np.concatenate(path[::-1]), node)
+        return shared, (np.concatenate(freed) if freed else np.empty(0, np.int64)), repoint
 
     # ---- room ----------------------------------------------------------------------------------
 

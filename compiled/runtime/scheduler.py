@@ -89,6 +89,8 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if self._waits_for_prompt(request):
+                break
             prefix = self._cached_prefix(request)
             n = min(request.num_tokens - (len(prefix) if prefix else 0), budget)
             if not self._fits(request, n) or self.req_pool.num_free == 0 or not self.admit(request):
@@ -198,6 +200,38 @@ class Scheduler:
         if self.cache is None or request.params.prompt_logprobs is not None or request.num_tokens < 2:
             return None
         return self.cache.match(request.lora, request.token_ids(0, request.num_tokens - 1))
+
+    def share_prompts(self, batch: Batch) -> None:
+        """After `batch` ran: the requests whose prompt it completed put their prompt's K/V into
+        the prefix cache, so requests admitted later (the other choices of an `n > 1` request, or
+        any with the same start) reuse it while they still run."""
+        if self.cache is None:
+            return
+        for chunk in batch.chunks:
+            r = chunk.request
+            p = len(r.prompt_token_ids)
+            if r.row is None or chunk.start >= p or chunk.start + chunk.length < p or r.num_computed < p \
+                    or (r.prefix is not None and len(r.prefix) >= p):
+                continue
+            owned = np.concatenate(r.slots) if r.slots else np.empty(0, np.int64)
+            start = len(r.prefix) if r.prefix is not None else 0
+            slots = np.concatenate([r.prefix.slots, owned]) if r.prefix is not None else owned
+            r.prefix, freed, repoint = self.cache.adopt(r.lora, r.prompt_token_ids, slots[:p], r.prefix)
+            for position, tree_slots in repoint:
+                self.req_pool.table[r.row, position:position + len(tree_slots)] = torch.from_numpy(
+                    tree_slots).to(self.req_pool.table.device, self.req_pool.table.dtype)
+            if len(freed):
+                self.kv.free(freed)
+            r.slots = [owned[p - start:]] if r.num_computed > p else []
+
+    def _waits_for_prompt(self, request: Request) -> bool:
+        """With the prefix cache, a request whose prompt (and adapter) a running request has not put
+        into the cache yet (still prefilling it, or admitted in this step) waits, then starts from
+        its K/V."""
+        if self.cache is None or request.params.prompt_logprobs is not None:
+            return False
+        return any(r.lora == request.lora and (r.prefix is None or len(r.prefix) < len(r.prompt_token_ids))
+                   and r.prompt_token_ids == request.prompt_token_ids for r in self.running)
 
     def _chunk(self, request: Request, n: int, slots: np.ndarray) -> Chunk:
         chunk = Chunk(request, request.num_computed, n, slots)

@@ -81,7 +81,7 @@ def test_outputs_equal_without_the_cache_and_prefixes_are_reused():
 
 def test_outputs_equal_under_retraction_and_eviction():
     prompts = _workload(200, n=16)
-    small = dict(kv_cache_tokens=260, max_model_len=128, max_num_batched_tokens=48)
+    small = dict(kv_cache_tokens=180, max_model_len=128, max_num_batched_tokens=48)
     ref, _ = _run(prompts, **small)
     outs, llm = _run(prompts, enable_prefix_caching=True, **small)
     assert outs == ref
@@ -103,3 +103,17 @@ def test_a_prompt_under_two_adapters_shares_nothing():
     assert first == [o.token_ids for o in ref.generate(prompts[:1], greedy, lora="first")]
     llm.unload_lora("upper")                         # its cached prefixes go with it
     assert "upper" not in cache.roots and np.all(llm.engine.kv.num_used == cache.num_cached)
+
+
+def test_running_requests_share_their_prompt():
+    """The n choices of one prompt (and any request with the same start) reuse the prompt's K/V
+    while the first is still decoding: it is prefilled once."""
+    prompt = _workload(200, n=1)[0] * 2
+    params = [SamplingParams(max_new_tokens=12, temperature=0.8, seed=s, ignore_eos=True) for s in range(4)]
+    ref = LLM(None).generate([prompt] * 4, params)
+    llm = LLM(None, enable_prefix_caching=True)
+    out = llm.generate([prompt] * 4, params)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    cache = llm.engine.scheduler.cache
+    assert cache.hit == 3 * (len(prompt) - 1)      # choices 2-4 found all but the last prompt token cached
+    assert llm.engine.kv.num_used == cache.num_cached and cache.num_locked == 0
