@@ -83,27 +83,9 @@ class PrefixCache:
         """Index `slots` (of `tokens`, from position 0) under `adapter`; the request's own slots
         that duplicate what the tree already holds come back, for the pool. Positions below
         `prefix` are the tree's already; `prefix` is released."""
-        owned_from = len(prefix) if prefix is not None else 0
-        root = self.roots.setdefault(adapter, Node((), np.empty(0, np.int64)))
-        node, i, duplicates = root, 0, []
-        now = next(self._clock)
-        while i < len(tokens):
-            child = node.children.get(tokens[i])
-            if child is None:
-                leaf = Node(tuple(tokens[i:]), slots[i:].copy(), parent=node, last_used=now)
-                node.children[tokens[i]] = leaf
-                self.num_cached += len(leaf.slots)
-                i = len(tokens)
-                break
-            k = _common(child.tokens, tokens, i)
-            if k < len(child.tokens):
-                child = self._split(child, k)
-            if i + k > owned_from:
-                duplicates.append(slots[max(i, owned_from):i + k])
-            child.last_used = now
-            node, i = child, i + k
+        _, held = self._place(adapter, tokens, slots, prefix)
         self.release(prefix)
-        return np.concatenate(duplicates) if duplicates else np.empty(0, np.int64)
+        return _joined([slots[lo:hi] for lo, hi, _, _ in held])
 
     def adopt(self, adapter: str | None, tokens: list[int], slots: np.ndarray,
               prefix: Prefix | None) -> tuple[Prefix, np.ndarray, list[tuple[int, np.ndarray]]]:
@@ -111,9 +93,23 @@ class PrefixCache:
         admitted after it start from them. Returns its new prefix (all of `tokens`, locked; the old
         `prefix` released), its slots the tree already held K/V for (to free), and where its
         request->token row must point at the tree's slots instead: (position, slots) runs."""
+        node, held = self._place(adapter, tokens, slots, prefix)
+        self._lock(node, +1)
+        self.release(prefix)
+        path, n = [], node
+        while n.parent is not None:
+            path.append(n.slots)
+            n = n.parent
+        repoint = [(lo, child.slots[lo - start:hi - start]) for lo, hi, start, child in held]
+        return Prefix(np.concatenate(path[::-1]), node), _joined([slots[lo:hi] for lo, hi, _, _ in held]), repoint
+
+    def _place(self, adapter: str | None, tokens: list[int], slots: np.ndarray,
+               prefix: Prefix | None) -> tuple[Node, list[tuple[int, int, int, Node]]]:
+        """Walk `tokens` down `adapter`'s tree (splitting where they part) and hang what it lacks,
+        with `slots`, as a new leaf. Returns the node of the last token and the runs [lo, hi) at or
+        past `prefix` that the tree already held: (lo, hi, the node's first position, the node)."""
         owned_from = len(prefix) if prefix is not None else 0
-        root = self.roots.setdefault(adapter, Node((), np.empty(0, np.int64)))
-        node, i, freed, repoint = root, 0, [], []
+        node, i, held = self.roots.setdefault(adapter, Node((), np.empty(0, np.int64))), 0, []
         now = next(self._clock)
         while i < len(tokens):
             child = node.children.get(tokens[i])
@@ -121,25 +117,15 @@ class PrefixCache:
                 child = Node(tuple(tokens[i:]), slots[i:].copy(), parent=node, last_used=now)
                 node.children[tokens[i]] = child
                 self.num_cached += len(child.slots)
-                node, i = child, len(tokens)
-                break
+                return child, held
             k = _common(child.tokens, tokens, i)
             if k < len(child.tokens):
                 child = self._split(child, k)
-            if i + k > owned_from:   # the tree computed these positions too: the request uses its slots
-                lo = max(i, owned_from)
-                freed.append(slots[lo:i + k])
-                repoint.append((lo, child.slots[lo - i:]))
+            if i + k > owned_from:
+                held.append((max(i, owned_from), i + k, i, child))
             child.last_used = now
             node, i = child, i + k
-        self._lock(node, +1)
-        self.release(prefix)
-        path, n = [], node
-        while n.parent is not None:
-            path.append(n.slots)
-            n = n.parent
-        shared = Prefix(np.concatenate(path[::-1]), node)
-        return shared, (np.concatenate(freed) if freed else np.empty(0, np.int64)), repoint
+        return node, held
 
     # ---- room ----------------------------------------------------------------------------------
 
@@ -198,6 +184,10 @@ class PrefixCache:
                 self.num_locked -= len(node.slots)
             node.last_used = now
             node = node.parent
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
 
 def _common(edge: tuple[int, ...], tokens: list[int], start: int) -> int:
