@@ -64,7 +64,8 @@ def measure(llm, name: str, batches: list[int], a, adapters: list[str]) -> dict:
         print(f"{name} batch {b}: decode p50 {res['decode_step_ms']['p50']:.3f} ms", flush=True)
     ms = prefill_ms(llm, a.prefill_len, a.prefill_reps, pick(0))
     out["prefill_ms"] = ms
-    print(f"{name} prefill {a.prefill_len}: median {statistics.median(ms):.2f} ms {[round(x, 2) for x in ms]}", flush=True)
+    print(f"{name} prefill {a.prefill_len}: median {statistics.median(ms):.2f} ms {[round(x, 2) for x in ms]}",
+          flush=True)
     out["profile"] = {}
     for b in a.profile_batches:
         out["profile"][b] = profile(llm, b, a.input_len, [pick(i) for i in range(b)], True)

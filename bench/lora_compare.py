@@ -14,7 +14,8 @@ import sys
 def main(base_path: str, lora_path: str) -> None:
     base = json.load(open(base_path))["base"]
     run = json.load(open(lora_path))
-    rows = [("base", base), ("LoRA enabled, idle", run.get("idle")), (f"{run['adapters']['num_loras']} adapters", run["lora"])]
+    rows = [("base", base), ("LoRA enabled, idle", run.get("idle")),
+            (f"{run['adapters']['num_loras']} adapters", run["lora"])]
     rows = [(name, r) for name, r in rows if r]
     print("| engine | " + " | ".join(f"decode b{b} (ms)" for b in base["decode"]) + " | prefill (ms) | kernels/step |")
     print("|---|" + "---:|" * (len(base["decode"]) + 2))
