@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The serving workloads through a real `compiled serve` (HTTP), each beside what it is compared
+# with, on one machine; results in ${OUT:-out}/.
+#   1. random 2,048 in / 1,024 out at concurrency 10: over HTTP and in-process (same engine settings);
+#   2. 256-1,024 in / 600-1,200 out at concurrency 96 (inter-token latency p50 / p99);
+#   3. a 1,000-token shared prefix, 32 concurrent: the server with and without its prefix cache.
+# MODEL (default bench/configs/qwen3-30b-a3b, dummy weights); SCALE divides the request counts and
+# lengths (e.g. SCALE=32 MODEL= for the demo model on a CPU); SERVE_FLAGS go to `compiled serve`.
+set -uo pipefail
+out=${OUT:-out}; mkdir -p "$out"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
+model=${MODEL-bench/configs/qwen3-30b-a3b}
+load=(); [ -n "$model" ] && load=(--load-format dummy)
+s=${SCALE:-1}
+port=${PORT:-8400}
+url=http://127.0.0.1:$port
+
+serve() {   # serve NAME [flags...]: start a server, wait until it answers
+  local name=$1; shift
+  python -m cli.main serve $model "${load[@]}" --port "$port" ${SERVE_FLAGS:-} "$@" > "$out/serve_$name.log" 2>&1 &
+  server=$!
+  for _ in $(seq 600); do curl -sf "$url/health" > /dev/null && return 0; sleep 1; done
+  echo "server $name did not start"; tail -5 "$out/serve_$name.log"; return 1
+}
+stop() { kill -TERM "$server"; wait "$server"; echo "server exited with $?"; }
+bench() {   # bench NAME [flags...]
+  local name=$1; shift
+  python -m cli.main bench serving $model "${load[@]}" --json "$out/$name.json" "$@" > "$out/$name.txt" 2>&1
+  echo "== $name"; grep -E "output tokens/s|time to first|time per output|inter-token|Error|error" "$out/$name.txt"
+}
+random_10=(--num-prompts $((100 / s)) --input-len $((2048 / s)) --output-len $((1024 / s)) --max-concurrency 10)
+mixed_96=(--num-prompts $((400 / s)) --input-len $((256 / s)) --input-len-max $((1024 / s))
+          --output-len $((600 / s)) --output-len-max $((1200 / s)) --max-concurrency 96)
+shared_32=(--num-prompts $((128 / s)) --shared-prefix-len $((1000 / s)) --input-len $((64 / s))
+           --output-len $((128 / s)) --max-concurrency 32)
+nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | tee "$out/device.txt"
+
+serve cache || exit 1
+bench http_random_10 --url "$url" "${random_10[@]}"
+bench http_mixed_96 --url "$url" "${mixed_96[@]}"
+bench http_shared_32 --url "$url" "${shared_32[@]}"
+stop
+serve no_cache --no-prefix-cache || exit 1
+bench http_shared_32_no_cache --url "$url" "${shared_32[@]}"
+stop
+bench inproc_random_10 "${random_10[@]}"
