@@ -159,9 +159,11 @@ class Engine:
     # ---- admission -------------------------------------------------------------------------
 
     def make_request(self, index: int, prompt: str | list[int], params: SamplingParams,
-                     lora: str | None = None) -> Request:
+                     lora: str | None = None, detokenize: bool = True) -> Request:
         """Validate and tokenize one prompt (`index` names it in errors), to run with adapter
-        `lora` (None: the base model); nothing is queued yet."""
+        `lora` (None: the base model); nothing is queued yet. `detokenize=False`: the engine
+        keeps no text for it (a server detokenizing on a thread of its own), unless its stop
+        strings need the text."""
         self._check_adapter(index, lora)
         if not isinstance(params, SamplingParams):
             shown = repr(params).replace("\n", " ")
@@ -197,7 +199,7 @@ class Engine:
             request.logprobs = []
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and (detokenize or params.stop):
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         return request
 

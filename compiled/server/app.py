@@ -3,7 +3,8 @@ over server-sent events or not), `/v1/models`, `/v1/load_lora_adapter`, `/v1/unl
 `/health` and `/metrics` (Prometheus text).
 
 A request's `model` names the base model (its folder name, or `--served-model-name`) or a loaded
-adapter, as in vLLM. Prompts are tokenized on the event loop's thread, not the engine's; `n`
+adapter, as in vLLM. Prompts are tokenized and outputs detokenized on the event loop's thread, not
+the engine's (the engine keeps the text only of requests with stop strings, which need it); `n`
 choices are `n` engine requests (seed + i each when seeded). A client that goes away aborts its
 requests, which frees their KV at once."""
 
@@ -19,6 +20,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from compiled.errors import CompiledError, RequestError
+from compiled.runtime.detokenizer import IncrementalDetokenizer
 from compiled.server.engine_thread import EngineThread, Progress
 from compiled.server.protocol import APIError, Sampling, bad, sampling
 
@@ -45,7 +47,7 @@ class Server:
         tok = self.llm.tokenizer
         if isinstance(prompt, str):
             prompt = [prompt]
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):   # bools are not ids
             return [prompt]
         if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) and p for p in prompt):
             raise bad("prompt", "expected a non-empty string, a list of strings or a list of token ids")
@@ -76,10 +78,18 @@ class Server:
             try:
                 for i, ids in enumerate(prompts):
                     for params in s.params:
-                        requests.append(self.llm.engine.make_request(i, ids, params, adapter))
+                        requests.append(self.llm.engine.make_request(i, ids, params, adapter, detokenize=False))
             except RequestError as e:
                 raise APIError(400, str(e), "prompt") from None
         return requests, self.engine.submit(requests)
+
+    def texts(self, requests) -> list[TextSoFar]:
+        """Each request's text, built here from its tokens (off the engine's thread) unless the
+        engine keeps it (requests with stop strings)."""
+        tok = self.llm.tokenizer
+        return [TextSoFar(None if r.detokenizer is not None or tok is None else
+                          IncrementalDetokenizer(tok, r.prompt_token_ids, r.params.skip_special_tokens))
+                for r in requests]
 
     def token_text(self, token: int) -> str:
         tok = self.llm.tokenizer
@@ -102,6 +112,20 @@ class Server:
             else:
                 entries.append((self.token_text(t), lp[t], {self.token_text(i): v for i, v in top}))
         return entries
+
+
+class TextSoFar:
+    """A request's text: decoded here token by token, or the engine's (`detokenizer` None)."""
+
+    def __init__(self, detokenizer: IncrementalDetokenizer | None) -> None:
+        self.detokenizer, self.text = detokenizer, ""
+
+    def update(self, p: Progress) -> str:
+        if self.detokenizer is None:
+            self.text = p.text
+        else:
+            self.text += "".join(self.detokenizer.step(t) for t in p.token_ids)
+        return self.text
 
 
 def _sse(data) -> str:
@@ -197,7 +221,8 @@ def create_app(server: Server) -> FastAPI:
             "# TYPE compiled_prefix_cache_tokens gauge",
             f"compiled_prefix_cache_tokens {cache.num_cached if cache is not None else 0}",
             "# TYPE compiled_prefix_cache_hit_rate gauge", f"compiled_prefix_cache_hit_rate {hit_rate:.6f}",
-            "# TYPE compiled_requests_finished_total counter", f"compiled_requests_finished_total {st.requests_finished}",
+            "# TYPE compiled_requests_finished_total counter",
+            f"compiled_requests_finished_total {st.requests_finished}",
             "# TYPE compiled_prompt_tokens_total counter", f"compiled_prompt_tokens_total {st.prompt_tokens}",
             "# TYPE compiled_generation_tokens_total counter",
             f"compiled_generation_tokens_total {st.generation_tokens}",
@@ -231,8 +256,9 @@ def create_app(server: Server) -> FastAPI:
 
     async def _complete(http, rid, model, requests, queues, s: Sampling, chat: bool):
         choices, completion = [], 0
+        texts = server.texts(requests)
         try:
-            for index, (r, q) in enumerate(zip(requests, queues)):
+            for index, (q, text) in enumerate(zip(queues, texts)):
                 tokens, logprobs = [], []
                 while True:
                     p: Progress | None = await _next(q, http)
@@ -240,10 +266,11 @@ def create_app(server: Server) -> FastAPI:
                         raise asyncio.CancelledError
                     tokens += p.token_ids
                     logprobs += p.logprobs or []
+                    text.update(p)
                     if p.finished:
                         break
                 completion += len(tokens)
-                choices.append(_choice(server, index, p, tokens, logprobs, s, chat))
+                choices.append(_choice(server, index, p, text.text, tokens, logprobs, s, chat))
         except BaseException:
             for r in requests:
                 server.engine.abort(r.id)
@@ -257,6 +284,7 @@ def create_app(server: Server) -> FastAPI:
         completion = 0
         pending = {asyncio.ensure_future(q.get()): i for i, q in enumerate(queues)}
         sent_text = [0] * len(requests)
+        texts = server.texts(requests)
         longest_stop = max((len(x) for x in (s.params[0].stop or [])), default=0)
 
         def chunk(choices: list, usage: dict | None = None) -> str:
@@ -281,9 +309,10 @@ def create_app(server: Server) -> FastAPI:
                     if isinstance(p, Exception):
                         raise APIError(500, f"the engine failed this request: {p}")
                     completion += len(p.token_ids)
+                    text = texts[i].update(p)
                     # text held back while it might still end in a stop string
-                    upto = len(p.text) if p.finished else max(sent_text[i], len(p.text) - max(longest_stop - 1, 0))
-                    delta, sent_text[i] = p.text[sent_text[i]:upto], max(sent_text[i], upto)
+                    upto = len(text) if p.finished else max(sent_text[i], len(text) - max(longest_stop - 1, 0))
+                    delta, sent_text[i] = text[sent_text[i]:upto], max(sent_text[i], upto)
                     choice = {"index": i, "finish_reason": p.finish_reason if p.finished else None}
                     lp = None
                     if s.top_logprobs is not None and p.logprobs:
@@ -315,14 +344,14 @@ def _completion_logprobs(entries) -> dict:
             "top_logprobs": [top for _, _, top in entries], "text_offset": None}
 
 
-def _choice(server: Server, index: int, p: Progress, tokens, logprobs, s: Sampling, chat: bool) -> dict:
+def _choice(server: Server, index: int, p: Progress, text: str, tokens, logprobs, s: Sampling, chat: bool) -> dict:
     lp = None
     if s.top_logprobs is not None:
         entries = server.logprobs_entry(tokens, logprobs, s.top_logprobs, chat)
         lp = {"content": entries} if chat else _completion_logprobs(entries)
     choice = {"index": index, "finish_reason": p.finish_reason, "stop_reason": p.stop_reason, "logprobs": lp}
     if chat:
-        choice["message"] = {"role": "assistant", "content": p.text}
+        choice["message"] = {"role": "assistant", "content": text}
     else:
-        choice["text"] = p.text
+        choice["text"] = text
     return choice
