@@ -1,6 +1,6 @@
 """`compiled bench serving --url`: the serving workload sent to any OpenAI-compatible server
 (ours or another engine) over HTTP, streamed, with the same metrics as the in-process run: each
-token's time is when its chunk arrived; TTFT counts from the request's Poisson arrival (or, under
+token's time is when its chunk arrived (every chunk with a choice counts, text or not); TTFT counts from the request's Poisson arrival (or, under
 --max-concurrency, from when a slot freed)."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, item: Item, trac
             now = time.perf_counter() - start
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
+            if chunk.get("choices"):   # a chunk a step: its text may be empty (a special token, a held-back byte)
                 trace.token_times.append(now)
     trace.done = time.perf_counter() - start
     return tokens

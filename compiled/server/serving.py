@@ -1,0 +1,135 @@
+"""What the HTTP routes share: the served model and its engine thread, the checks that turn a
+request body into engine requests, and the pieces of OpenAI's response bodies (choices, text
+decoded off the engine's thread, logprobs, usage)."""
+
+from __future__ import annotations
+
+import time
+
+from compiled.errors import RequestError
+from compiled.runtime.detokenizer import IncrementalDetokenizer
+from compiled.server.engine_thread import EngineThread, Progress
+from compiled.server.protocol import APIError, Sampling, bad
+
+
+class Server:
+    def __init__(self, engine: EngineThread, served_name: str, max_queued: int | None) -> None:
+        self.engine, self.llm = engine, engine.llm
+        self.served_name, self.max_queued = served_name, max_queued
+        self.created = int(time.time())
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def adapter_of(self, body: dict) -> str | None:
+        name = body.get("model") or self.served_name
+        if name == self.served_name:
+            return None
+        if name in self.llm.loras:
+            return name
+        raise APIError(404, f"model: {name!r} is neither the served model ({self.served_name!r}) nor a loaded "
+                       "adapter", "model")
+
+    def prompts_of(self, body: dict) -> list[list[int]]:
+        prompt = body.get("prompt")
+        tok = self.llm.tokenizer
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):   # bools are not ids
+            return [prompt]
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) and p for p in prompt):
+            raise bad("prompt", "expected a non-empty string, a list of strings or a list of token ids")
+        if tok is None:
+            raise bad("prompt", "the model has no tokenizer: send token ids")
+        return [tok.encode(p) for p in prompt]
+
+    def chat_prompt(self, body: dict) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages):
+            raise bad("messages", "expected a non-empty list of {\"role\", \"content\"} objects with string values")
+        if self.llm.tokenizer is None:
+            raise bad("messages", "the model has no tokenizer, so no chat template")
+        try:
+            text = self.llm.tokenizer.apply_chat_template(messages)
+        except ValueError as e:
+            raise bad("messages", str(e)) from None
+        return self.llm.tokenizer.encode(text)
+
+    def start(self, prompts: list[list[int]], s: Sampling, adapter: str | None) -> tuple[list, list]:
+        """Engine requests for every (prompt, choice); their progress queues."""
+        if self.max_queued is not None and self.engine.counts()[1] >= self.max_queued:
+            raise APIError(503, f"the queue is full ({self.max_queued} requests wait: --max-queued-requests)")
+        requests = []
+        with self.engine.lock:
+            try:
+                for i, ids in enumerate(prompts):
+                    for params in s.params:
+                        requests.append(self.llm.engine.make_request(i, ids, params, adapter, detokenize=False))
+            except RequestError as e:
+                raise APIError(400, str(e), "prompt") from None
+        return requests, self.engine.submit(requests)
+
+    def texts(self, requests) -> list[TextSoFar]:
+        """Each request's text, built here from its tokens (off the engine's thread) unless the
+        engine keeps it (requests with stop strings)."""
+        tok = self.llm.tokenizer
+        return [TextSoFar(None if r.detokenizer is not None or tok is None else
+                          IncrementalDetokenizer(tok, r.prompt_token_ids, r.params.skip_special_tokens))
+                for r in requests]
+
+    def token_text(self, token: int) -> str:
+        tok = self.llm.tokenizer
+        return tok.decode([token], skip_special_tokens=False) if tok is not None else str(token)
+
+    def usage(self, requests, n: int, completion_tokens: int) -> dict:
+        """OpenAI's usage: each prompt counted once, however many choices it has (`n`)."""
+        prompt = sum(len(r.prompt_token_ids) for r in requests[::n])
+        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                "total_tokens": prompt + completion_tokens}
+
+    def logprobs_entry(self, tokens: list[int], logprobs: list[dict[int, float]], k: int, chat: bool):
+        entries = []
+        for t, lp in zip(tokens, logprobs):
+            top = sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+            if chat:
+                entries.append({"token": self.token_text(t), "logprob": lp[t], "bytes": None,
+                                "top_logprobs": [{"token": self.token_text(i), "logprob": v, "bytes": None}
+                                                 for i, v in top]})
+            else:
+                entries.append((self.token_text(t), lp[t], {self.token_text(i): v for i, v in top}))
+        return entries
+
+
+class TextSoFar:
+    """A request's text: decoded here token by token, or the engine's (`detokenizer` None)."""
+
+    def __init__(self, detokenizer: IncrementalDetokenizer | None) -> None:
+        self.detokenizer, self.text = detokenizer, ""
+
+    def update(self, p: Progress) -> str:
+        if self.detokenizer is None:
+            self.text = p.text
+        else:
+            self.text += "".join(self.detokenizer.step(t) for t in p.token_ids)
+        return self.text
+
+
+
+def completion_logprobs(entries) -> dict:
+    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [v for _, v, _ in entries],
+            "top_logprobs": [top for _, _, top in entries], "text_offset": None}
+
+
+def choice_body(server: Server, index: int, p: Progress, text: str, tokens, logprobs, s: Sampling,
+                chat: bool) -> dict:
+    lp = None
+    if s.top_logprobs is not None:
+        entries = server.logprobs_entry(tokens, logprobs, s.top_logprobs, chat)
+        lp = {"content": entries} if chat else completion_logprobs(entries)
+    choice = {"index": index, "finish_reason": p.finish_reason, "stop_reason": p.stop_reason, "logprobs": lp}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return choice
