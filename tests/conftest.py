@@ -47,6 +47,48 @@ def hf_model(path: str, dtype=torch.float32):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
+@pytest.fixture(scope="module")
+def one_intra_op_thread():
+    """One intra-op thread for a module of tiny models: as fast, and it does not collapse (spinning
+    OpenMP workers) when the CPU is shared with other processes."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def one_line_error(output: str) -> str:
+    """The only line of a command's failure output (no traceback), asserted to start with error:."""
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert "Traceback" not in output and len(lines) == 1 and lines[0].startswith("error:"), output
+    return lines[0]
+
+
+def capture_without_host_sync(run):
+    """After a first call of `run` (which compiles): one more with any host sync an error, then
+    one captured in a CUDA graph; returns the graph and what the captured call returned."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    return graph, out
+
+
+def assert_bf16_within_reference(out: torch.Tensor, ref: torch.Tensor, exact: torch.Tensor, shape) -> None:
+    """A bf16 kernel result against the bf16 torch reference and the fp32 result: at most twice
+    the reference's own error from fp32 (plus 1e-3), and close to the reference."""
+    err = (out.float() - exact).abs().max().item()
+    ref_err = (ref.float() - exact).abs().max().item()
+    assert out.dtype == torch.bfloat16 and out.shape == shape
+    assert err <= 2 * ref_err + 1e-3, (err, ref_err)
+    torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` are skipped, visibly, on machines without CUDA."""
     if torch.cuda.is_available():

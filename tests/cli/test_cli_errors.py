@@ -14,15 +14,10 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
+from tests.conftest import one_line_error
 
 ROOT = Path(__file__).resolve().parents[2]
 runner = CliRunner()
-
-
-def _error_line(result) -> str:
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in result.output, result.output
-    return lines[0]
 
 
 @pytest.mark.parametrize("args, start", [
@@ -36,7 +31,7 @@ def _error_line(result) -> str:
 def test_usage_error_is_one_line_with_exit_code_2(args, start):
     result = runner.invoke(app, args)
     assert result.exit_code == 2
-    assert _error_line(result).startswith(start), result.output
+    assert one_line_error(result.output).startswith(start), result.output
 
 
 @pytest.mark.parametrize("args, line", [
@@ -53,7 +48,7 @@ def test_usage_error_is_one_line_with_exit_code_2(args, start):
 def test_bad_value_is_one_line_with_exit_code_1(args, line):
     result = runner.invoke(app, [*args, "--device", "cpu"])
     assert result.exit_code == 1
-    assert _error_line(result) == line
+    assert one_line_error(result.output) == line
 
 
 def test_empty_prompts_file_is_an_error_naming_it(tmp_path):
@@ -61,7 +56,7 @@ def test_empty_prompts_file_is_an_error_naming_it(tmp_path):
     empty.write_text("\n\n")
     result = runner.invoke(app, ["run", "--prompts-file", str(empty), "--device", "cpu"])
     assert result.exit_code == 1
-    assert _error_line(result) == (f"error: {empty}: no prompts in the file (expected one JSON string, list of token "
+    assert one_line_error(result.output) == (f"error: {empty}: no prompts in the file (expected one JSON string, list of token "
                                    "ids, or object with 'prompt' or 'prompt_token_ids' per line)")
 
 
@@ -70,7 +65,7 @@ def test_export_defaults_to_the_demo_model(tmp_path):
     the pass list, before compiling)."""
     result = runner.invoke(app, ["export", "--out", str(tmp_path / "a"), "--passes", "bogus", "--device", "cpu"])
     assert result.exit_code == 1
-    assert _error_line(result).startswith("error: unknown pass 'bogus' (available: ")
+    assert one_line_error(result.output).startswith("error: unknown pass 'bogus' (available: ")
 
 
 # ---- the terminal shows the program's own output only ---------------------------------------

@@ -28,14 +28,7 @@ ASCII = string.printable + "  double  space, trailing space "
 ASCII_SP = ASCII.translate({ord(c): None for c in "\r\x0b\x0c"})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # the models are tiny: one intra-op thread is as fast, and does not collapse
-    # (spinning OpenMP workers) when the CPU is shared with other processes
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _load(which):

@@ -23,6 +23,7 @@ if ROOT not in sys.path:
 import compiled.linear.lora as lora  # noqa: E402
 from compiled.linear.lora import lora_expand_ref, lora_shrink_ref  # noqa: E402
 from tests.linear.test_linear_kernel import max_err, run_interpreted  # noqa: E402
+from tests.conftest import capture_without_host_sync  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 SLOTS_7 = [0, -1, 2, 1, 0, -1, 2]
@@ -325,15 +326,7 @@ def test_gpu_real_sizes_no_host_sync_and_cuda_graph(backend, T, name, IN, slices
         assert torch.equal(out[none], y[none]) and not s[none].any()
 
     check(*run())                                      # compiles outside the checks
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        run()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        s, out = run()
+    graph, (s, out) = capture_without_host_sync(run)
     for seed in range(2):
         fresh = _gpu_problem(T, IN, slices, seed=1000 + 10 * T + seed)
         for dst, src in zip((x, a, b, scale, slot, y), fresh):

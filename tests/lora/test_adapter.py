@@ -27,12 +27,7 @@ MLP = ["gate_proj", "up_proj", "down_proj"]
 PREFIX = "base_model.model."
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.fixture(scope="module")
