@@ -64,6 +64,20 @@ def one_line_error(output: str) -> str:
     return lines[0]
 
 
+def run_cases(cases) -> dict[str, str]:
+    """Each case function's outcome by name: "ok" or its traceback (the interpreter subprocesses
+    of the kernel tests report every case to the parent this way)."""
+    import traceback
+    results = {}
+    for fn in cases:
+        try:
+            fn()
+            results[fn.__name__] = "ok"
+        except Exception:  # reported per case by the parent
+            results[fn.__name__] = traceback.format_exc()
+    return results
+
+
 def capture_without_host_sync(run):
     """After a first call of `run` (which compiles): one more with any host sync an error, then
     one captured in a CUDA graph; returns the graph and what the captured call returned."""

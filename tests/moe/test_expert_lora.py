@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ if str(REPO) not in sys.path:
 from compiled.moe import expert_lora as el  # noqa: E402  (no triton kernels are defined by this import)
 from compiled.moe import fused_moe as fm  # noqa: E402
 from compiled.moe.routing import topk_route_ref  # noqa: E402
-from tests.conftest import assert_bf16_within_reference, capture_without_host_sync  # noqa: E402
+from tests.conftest import assert_bf16_within_reference, capture_without_host_sync, run_cases  # noqa: E402
 
 MARK = "@@EXPERT_LORA_CASES@@"
 SLOTS_7 = [0, -1, 2, 1, 0, -1, 2]
@@ -333,11 +332,4 @@ def test_gpu_without_adapters_matches_the_base_moe(real_layer, T):
 
 if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    results = {}
-    for fn in CASES:
-        try:
-            fn()
-            results[fn.__name__] = "ok"
-        except Exception:  # reported per case by the parent
-            results[fn.__name__] = traceback.format_exc()
-    print(MARK + json.dumps(results))
+    print(MARK + json.dumps(run_cases(CASES)))

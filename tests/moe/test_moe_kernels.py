@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ if str(REPO) not in sys.path:
 
 from compiled.moe import fused_moe as fm  # noqa: E402  (no triton kernels are defined by this import)
 from compiled.moe.routing import topk_route_ref  # noqa: E402
-from tests.conftest import assert_bf16_within_reference, capture_without_host_sync  # noqa: E402
+from tests.conftest import assert_bf16_within_reference, capture_without_host_sync, run_cases  # noqa: E402
 
 MARK = "@@MOE_CASES@@"
 
@@ -280,14 +279,7 @@ def _run_group(group: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     from compiled.moe import fused_moe_kernels
     assert type(fused_moe_kernels.moe_gemm1_kernel).__name__ == "InterpretedFunction"
-    results = {}
-    for fn in GROUPS[group]:
-        try:
-            fn()
-            results[fn.__name__] = "ok"
-        except Exception:  # reported per case by the parent
-            results[fn.__name__] = traceback.format_exc()
-    print(MARK + json.dumps(results))
+    print(MARK + json.dumps(run_cases(GROUPS[group])))
 
 
 @pytest.fixture(scope="module")
@@ -526,6 +518,7 @@ def test_gpu_no_host_sync_and_cuda_graph(real_layer, T):
     w13, w2 = real_layer
     x, w, ids = _real_inputs(T, seed=200 + T)
     ws = fm.MoEWorkspace().reserve(T, E_REAL, H_REAL, I_REAL, K_REAL, torch.bfloat16, x.device)
+
     def run():
         return fm.fused_moe_triton(x, w, ids, w13, w2, workspace=ws)
 
