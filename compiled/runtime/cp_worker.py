@@ -50,16 +50,10 @@ def spawned_worker(rank: int, world: int, model: str, kwargs: dict, device: str,
 def serve(group: CPGroup, model: str, kwargs: dict) -> None:
     """Build the engine as rank 0 does, then run its messages until "stop"."""
     from compiled.runtime.build import build_models
-    from compiled.runtime.config import EngineConfig
     from compiled.runtime.engine import Engine
-    from compiled.graphs.config import ModelConfig
-    from compiled.runtime.backends import configure_backends
-    requested = EngineConfig.from_kwargs(model=model, **kwargs)
-    mcfg = ModelConfig.from_pretrained(model)
-    config = requested.resolve(mcfg.max_position_embeddings)
-    configure_backends(config)
-    torch.manual_seed(config.seed)
-    models = build_models(mcfg, model, config)
+    from compiled.runtime.llm import engine_settings
+    path, mcfg, config = engine_settings(model, kwargs)
+    models = build_models(mcfg, path, config)
     kind, slots = group.receive()
     assert kind == "kv_slots", kind
     engine = Engine(models.base, mcfg, config, slots, None, set(), models.lora, models.lora_buffers)

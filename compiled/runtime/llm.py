@@ -60,6 +60,20 @@ def release_frozen_heap() -> None:
     gc.collect()
 
 
+def engine_settings(model: str | None, kwargs: dict) -> tuple[str, ModelConfig, EngineConfig]:
+    """The model folder, its config and the resolved engine config of `LLM(model, **kwargs)`, with
+    the op backends configured and torch seeded (a context-parallel worker starts the same way)."""
+    requested = EngineConfig.from_kwargs(model=model, **kwargs)
+    path = requested.model or default_model()
+    if not os.path.isdir(path):
+        raise ConfigError(f"{path}: model folder not found")
+    model_config = ModelConfig.from_pretrained(path)
+    config = requested.resolve(model_config.max_position_embeddings)
+    configure_backends(config)
+    torch.manual_seed(config.seed)
+    return path, model_config, config
+
+
 class LLM:
     """Loads a Qwen3 / Qwen3-MoE folder (or the shipped demo model when `model` is None).
 
@@ -75,14 +89,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
         envs.check_all()
-        requested = EngineConfig.from_kwargs(model=model, **kwargs)
-        self.model_path = requested.model or default_model()
-        if not os.path.isdir(self.model_path):
-            raise ConfigError(f"{self.model_path}: model folder not found")
-        self.model_config = ModelConfig.from_pretrained(self.model_path)
-        self.config = requested.resolve(self.model_config.max_position_embeddings)
-        configure_backends(self.config)
-        torch.manual_seed(self.config.seed)
+        self.model_path, self.model_config, self.config = engine_settings(model, kwargs)
         tok_path = self.config.tokenizer or self.model_path
         self.tokenizer: Tokenizer | None = load_tokenizer(tok_path) if has_tokenizer(tok_path) else None
         eos_token_ids = self._eos_token_ids()  # before the (slow) build: a bad file fails fast
