@@ -5,6 +5,7 @@ message names the field."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from compiled.runtime.sampling_params import SamplingParams
@@ -29,6 +30,8 @@ def bad(param: str, message: str) -> APIError:
 _NUMBERS = {"temperature": "temperature", "top_p": "top_p", "min_p": "min_p", "presence_penalty": "presence_penalty",
             "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty"}
 _INTS = {"top_k": "top_k", "seed": "seed", "min_tokens": "min_new_tokens"}
+# SamplingParams field -> the request field that sets it, where the names differ
+_REQUEST_FIELD = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
 
 @dataclass
@@ -118,11 +121,9 @@ def sampling(body: dict, prompt_len: int, context: int, chat: bool) -> Sampling:
             choice["seed"] = kwargs["seed"] + i
         try:
             params.append(SamplingParams(**choice))
-        except (ValueError, TypeError) as e:
-            message = str(e)
-            param = next((name for name in list(_NUMBERS) + list(_INTS) + ["stop", "max_tokens"]
-                          if name in message or _NUMBERS.get(name, _INTS.get(name, name)) in message), None)
-            raise APIError(400, message, param) from None
+        except (ValueError, TypeError) as e:   # SamplingParams names its own field: give the request's
+            field = re.match(r"SamplingParams\.(\w+)", str(e))
+            raise APIError(400, str(e), _REQUEST_FIELD.get(field[1], field[1]) if field else None) from None
     return Sampling(params, stream, bool(options.get("include_usage")), top_logprobs)
 
 
