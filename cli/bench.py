@@ -492,7 +492,7 @@ def _serving_http(o: SimpleNamespace) -> None:
     from cli import bench_core as core
     from cli.bench_http import served_adapters, serving_http
     from compiled.graphs.config import ModelConfig
-    from compiled.runtime.llm import default_model
+    from compiled.runtime.settings import default_model
     if o.dataset is not None:
         items = core.read_dataset(o.dataset, o.output_len, o.output_len_max, o.seed, o.num_prompts)
     else:

@@ -34,7 +34,7 @@ def graph(
         from compiled.graphs.trace import meta_model, trace
         from compiled.passes.manager import run_passes
         from compiled.runtime.config import resolve_dtype
-        from compiled.runtime.llm import default_model
+        from compiled.runtime.settings import default_model
 
         path = model or default_model()
         cfg = ModelConfig.from_pretrained(path)

@@ -51,7 +51,7 @@ def serve(group: CPGroup, model: str, kwargs: dict) -> None:
     """Build the engine as rank 0 does, then run its messages until "stop"."""
     from compiled.runtime.build import build_models
     from compiled.runtime.engine import Engine
-    from compiled.runtime.llm import engine_settings
+    from compiled.runtime.settings import engine_settings
     path, mcfg, config = engine_settings(model, kwargs)
     models = build_models(mcfg, path, config)
     kind, slots = group.receive()

@@ -14,22 +14,15 @@ import torch
 from compiled import envs
 from compiled.errors import ConfigError
 from compiled.json_file import read_json_object
-from compiled.graphs.config import ModelConfig
-from compiled.runtime.backends import configure_backends
 from compiled.runtime.build import artifact_manifest, build_models
-from compiled.runtime.config import EngineConfig
 from compiled.runtime.engine import Engine
 from compiled.runtime.memory import num_kv_slots
 from compiled.runtime.request import Request, RequestOutput
+from compiled.runtime.settings import engine_settings
 from compiled.runtime.sampling_params import SamplingParams
 from compiled.runtime.tokenizer import Tokenizer, has_tokenizer, load_tokenizer
 
 Prompt = str | list[int]
-
-
-def default_model() -> str:
-    from compiled.demo import MOE_MODEL
-    return MOE_MODEL
 
 
 def freeze_startup_heap() -> None:
@@ -58,20 +51,6 @@ def release_frozen_heap() -> None:
     was dropped (its model and engine sit in reference cycles, which only the collector breaks)."""
     gc.unfreeze()
     gc.collect()
-
-
-def engine_settings(model: str | None, kwargs: dict) -> tuple[str, ModelConfig, EngineConfig]:
-    """The model folder, its config and the resolved engine config of `LLM(model, **kwargs)`, with
-    the op backends configured and torch seeded (a context-parallel worker starts the same way)."""
-    requested = EngineConfig.from_kwargs(model=model, **kwargs)
-    path = requested.model or default_model()
-    if not os.path.isdir(path):
-        raise ConfigError(f"{path}: model folder not found")
-    model_config = ModelConfig.from_pretrained(path)
-    config = requested.resolve(model_config.max_position_embeddings)
-    configure_backends(config)
-    torch.manual_seed(config.seed)
-    return path, model_config, config
 
 
 class LLM:
