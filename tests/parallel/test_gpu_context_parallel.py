@@ -1,5 +1,5 @@
 """Context parallelism on GPUs (NCCL, bf16): CP=2 prompt logprobs against CP=1 within bf16
-tolerance and greedy tokens equal, on the demo MoE model and on the 30B shape cut to 2 layers
+tolerance and greedy tokens equal, on both demo models and on the 30B shape cut to 2 layers
 with dummy weights; needs 2 GPUs (skipped with fewer)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from compiled import LLM, SamplingParams
+from compiled.demo import DENSE_MODEL, MOE_MODEL
 from tests.conftest import reduced_real_config
 
 pytestmark = pytest.mark.gpu
@@ -39,10 +40,11 @@ def _compare(model, prompts, **extra):
     return out, ref, worst
 
 
-def test_demo_moe_cp2_equals_cp1():
+@pytest.mark.parametrize("model", [MOE_MODEL, DENSE_MODEL], ids=["moe", "dense"])
+def test_demo_cp2_equals_cp1(model):
     _needs_two_gpus()
     prompts = [[(5 * i) % 250 + 1 for i in range(n)] for n in (700, 3, 1500)]
-    out, ref, worst = _compare(None, prompts)
+    out, ref, worst = _compare(model, prompts)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
     assert worst < 0.1
 
