@@ -12,6 +12,7 @@ import argparse
 import json
 import random
 import time
+from pathlib import Path
 
 from cli import bench_core as core
 from compiled import LLM, SamplingParams
@@ -51,6 +52,19 @@ def check(llm: LLM, length: int, vocab: int, new_tokens: int) -> dict:
             "greedy_cp": split.token_ids, "greedy_cp1": alone.token_ids}
 
 
+def profile(llm: LLM, length: int, vocab: int, out_dir: str) -> dict:
+    """torch.profiler over the prefill step of one prompt on rank 0, with the group and without:
+    top kernels, the GPU's idle gaps and the host's CUDA calls (where rank 0 waits for a rank)."""
+    item = [core.Item(_prompt(length, vocab, seed=length), 1)]
+
+    def one() -> dict:
+        name = f"cp{llm.context_parallel if llm.engine.runner.cp else 1}_{length}"
+        return core.profile_steps(llm, item, 1, Path(out_dir), name, skip_prefill=False)
+
+    split, alone = _with_and_without_cp(llm, one)
+    return {"length": length, "cp": split, "cp1": alone}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
@@ -60,9 +74,11 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--profile", metavar="DIR", help="Also profile rank 0's prefill step (Chrome traces here).")
+    ap.add_argument("--profile-length", type=int, default=2048)
     ap.add_argument("--out")
     a = ap.parse_args()
-    longest = max(a.lengths + a.check)
+    longest = max(a.lengths + a.check + ([a.profile_length] if a.profile else []))
     t0 = time.perf_counter()
     llm = LLM(a.model, load_format=a.load_format, context_parallel_size=a.cp, cp_min_tokens=2 * a.cp,
               max_num_batched_tokens=longest, max_model_len=longest + a.new_tokens + 16,
@@ -81,6 +97,17 @@ def main() -> None:
             res["check"].append(row)
             print(f"check {length:6d}  cp steps {row['cp_steps']}  max |dlogprob| {row['max_abs_logprob_diff']:.4f}"
                   f"  mean {row['mean_abs_logprob_diff']:.5f}  greedy equal {row['greedy_equal']}", flush=True)
+        if a.profile:
+            res["profile"] = profile(llm, a.profile_length, vocab, a.profile)
+            for side in ("cp", "cp1"):
+                p = res["profile"][side]
+                print(f"profile {side}, {p['sort_by']}, total {p['total_self_ms']:.1f} ms:")
+                for row in p["top"][:12]:
+                    print(f"  {row['self_ms']:8.2f} ms {row['calls']:5d}x  {row['name'][:90]}")
+                for row in p.get("runtime_calls") or []:
+                    print(f"  host {row['ms']:8.2f} ms {row['calls']:5d}x  {row['name']}")
+                for gap in (p.get("idle_gaps") or [])[:5]:
+                    print(f"  idle {gap['idle_us'] / 1e3:8.2f} ms before {gap['before']}; host: {gap['host']}")
     finally:
         llm.shutdown()
     if a.out:

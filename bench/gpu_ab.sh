@@ -5,7 +5,7 @@
 # first. Results in ${OUT:-out}/.
 #   PASSES_B=fuse_qkv,fuse_w13,silu_and_mul,skinny_linear | B_ENV="COMPILED_PDL=0"
 #   B_TREE=out/base (another checkout: mkdir -p out/base && git archive BASE | tar -x -C out/base)
-#   [MODELS="qwen3-30b-a3b:1,8 qwen3-0.6b:1"]
+#   [MODELS="qwen3-30b-a3b:1,8 qwen3-0.6b:1"] [ROUNDS=2]
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
@@ -16,7 +16,7 @@ if [ -n "${GPU_TESTS:-}" ]; then
 fi
 for entry in ${MODELS:-qwen3-30b-a3b:1,8 qwen3-0.6b:1}; do
   name=${entry%%:*}; batches=${entry#*:}
-  for round in 1 2; do
+  for round in $(seq "${ROUNDS:-2}"); do
     for side in A B; do
       passes=(); envs=(); tree=$PWD
       if [ "$side" = B ]; then
