@@ -76,21 +76,26 @@ def _attention_cp(ctx: ForwardContext, step: CPStep, q, k, v, k_full, v_full, la
     """A context-parallel step: store every token's K/V (`k_full`, `v_full`, at the step's slots),
     then this rank's queries attend as `ctx.meta` lays them out: each of the rank's segments as a
     request whose cached prefix is everything before it (`parallel/zigzag.py`), its own new K/V
-    being this rank's k/v. Norm and RoPE run in torch here: long prefills only, once a layer."""
-    if rope is not None:
-        q, k = norm_rope_ref(q, k, rope)
-        full = NormRope(rope.k_weight, rope.k_weight, step.positions, rope.cos_sin, rope.eps)
-        k_full = norm_rope_ref(k_full, k_full, full)[1]
+    being this rank's k/v."""
     meta, k_cache, v_cache = ctx.meta, ctx.kv.k[layer], ctx.kv.v[layer]
+    full = None if rope is None else NormRope(rope.q_weight, rope.k_weight, step.positions, rope.cos_sin, rope.eps)
     if backend_for(q) == "triton":
         from compiled.attention.triton_extend import extend_attention_triton
+        from compiled.attention.triton_norm_rope import norm_rope_store_triton
         from compiled.attention.triton_store import store_kv_triton
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-        store_kv_triton(k_cache, v_cache, step.out_cache_loc, _last_dim_contiguous(k_full),
-                        _last_dim_contiguous(v_full))
+        k_full, v_full = _last_dim_contiguous(k_full), _last_dim_contiguous(v_full)
+        if rope is None:
+            store_kv_triton(k_cache, v_cache, step.out_cache_loc, k_full, v_full)
+        else:   # every rank's K/V normalised, rotated and stored; then this rank's q and k rotated
+            norm_rope_store_triton(None, k_full, v_full, k_cache, v_cache, step.out_cache_loc, full)
+            q, k = norm_rope_store_triton(q, k, v, k_cache, v_cache, meta.out_cache_loc, rope)
         return extend_attention_triton(q, k, v, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
                                        meta.seq_lens, meta.extend_lens, extend_start_loc(meta), meta.max_extend_len,
                                        scale, max_prefix_len=meta.max_prefix_len)
+    if rope is not None:
+        q = norm_rope_ref(q, q, rope)[0]
+        k_full = norm_rope_ref(k_full, k_full, full)[1]
     store_kv(k_cache, v_cache, step.out_cache_loc, k_full, v_full)
     return extend_attention_ref(q, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices_cpu,
                                 meta.seq_lens_cpu, meta.extend_lens_cpu, scale)

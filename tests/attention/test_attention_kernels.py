@@ -153,10 +153,11 @@ def decode_padding_case(splits, device="cpu"):
     return out[1].abs().max().item() + float(torch.isnan(out).any()), 0.0
 
 
-def norm_rope_store_case(t, hq, hkv, d, dtype, device="cpu", seed=0):
+def norm_rope_store_case(t, hq, hkv, d, dtype, device="cpu", seed=0, store_only=False):
     """The extend path's prologue: normalised and rotated q/k against the model's own layers
     (exact: the kernel rounds where they do, up to the order of the sum of squares), and K/V
-    stored into the pools, from views of one fused projection output."""
+    stored into the pools, from views of one fused projection output. `store_only`: no q, only
+    the pools written (a context-parallel step's every-rank K/V)."""
     from compiled.attention.triton_norm_rope import norm_rope_store_triton
     k_cache, v_cache, _, _ = paged_batch([t], hkv, d, dtype, device, seed)
     loc = torch.randperm(k_cache.shape[0] - 1)[:t].add(1).to(device)
@@ -166,8 +167,12 @@ def norm_rope_store_case(t, hq, hkv, d, dtype, device="cpu", seed=0):
     kr, vr = k_cache.clone(), v_cache.clone()
     q_ref, k_ref = norm_rope_ref(q, k, rope)
     store_kv(kr, vr, loc, k_ref, v)
-    q_out, k_out = norm_rope_store_triton(q, k, v, k_cache, v_cache, loc, rope)
-    errs = [scaled_err(q_out, q_ref), scaled_err(k_out, k_ref), scaled_err(k_cache, kr), max_err(v_cache, vr)]
+    if store_only:
+        assert norm_rope_store_triton(None, k, v, k_cache, v_cache, loc, rope) is None
+        errs = [scaled_err(k_cache, kr), max_err(v_cache, vr)]
+    else:
+        q_out, k_out = norm_rope_store_triton(q, k, v, k_cache, v_cache, loc, rope)
+        errs = [scaled_err(q_out, q_ref), scaled_err(k_out, k_ref), scaled_err(k_cache, kr), max_err(v_cache, vr)]
     # Rounding steps of the largest values: products and sums round where the model's do, and
     # their sum may cancel.
     return max(errs), {torch.float32: 2e-6, torch.bfloat16: 2 ** -6, torch.float16: 2 ** -9}[dtype] * truncation(dtype)
@@ -291,6 +296,8 @@ CPU_GROUPS = {
         ("norm_rope_store_f32_T37_gqa4_d64", lambda: norm_rope_store_case(37, 8, 2, 64, F32)),
         ("norm_rope_store_bf16_T19_gqa8_d128", lambda: norm_rope_store_case(19, 8, 1, 128, BF16)),
         ("norm_rope_store_f32_T5_mha_d24", lambda: norm_rope_store_case(5, 3, 3, 24, F32)),
+        ("norm_rope_store_only_f32_T23_gqa4_d64", lambda: norm_rope_store_case(23, 8, 2, 64, F32, store_only=True)),
+        ("norm_rope_store_only_bf16_T7_gqa8_d128", lambda: norm_rope_store_case(7, 8, 1, 128, BF16, store_only=True)),
     ],
     "extend": [
         # empty and long prefixes, batches mixing extend lengths 1..300
@@ -417,8 +424,9 @@ def test_gpu_decode_norm_rope(batch, splits, graph):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t,hq,hkv,d", [(2048, 32, 4, 128), (77, 16, 8, 128), (5, 8, 1, 64), (9, 3, 3, 24)])
-def test_gpu_norm_rope_store(t, hq, hkv, d):
-    err, tol = norm_rope_store_case(t, hq, hkv, d, BF16, device="cuda")
+@pytest.mark.parametrize("store_only", [False, True])
+def test_gpu_norm_rope_store(t, hq, hkv, d, store_only):
+    err, tol = norm_rope_store_case(t, hq, hkv, d, BF16, device="cuda", store_only=store_only)
     assert err <= tol, err
 
 
