@@ -80,7 +80,7 @@ def _attention_cp(ctx: ForwardContext, step: CPStep, q, k, v, k_full, v_full, la
     meta, k_cache, v_cache = ctx.meta, ctx.kv.k[layer], ctx.kv.v[layer]
     full = None if rope is None else NormRope(rope.q_weight, rope.k_weight, step.positions, rope.cos_sin, rope.eps)
     if backend_for(q) == "triton":
-        from compiled.attention.triton_extend import extend_attention_triton
+        from compiled.attention.triton_extend import PrefixRows, extend_attention_triton
         from compiled.attention.triton_norm_rope import norm_rope_store_triton
         from compiled.attention.triton_store import store_kv_triton
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
@@ -88,11 +88,13 @@ def _attention_cp(ctx: ForwardContext, step: CPStep, q, k, v, k_full, v_full, la
         if rope is None:
             store_kv_triton(k_cache, v_cache, step.out_cache_loc, k_full, v_full)
         else:   # every rank's K/V normalised, rotated and stored; then this rank's q and k rotated
-            norm_rope_store_triton(None, k_full, v_full, k_cache, v_cache, step.out_cache_loc, full)
+            k_full = norm_rope_store_triton(None, k_full, v_full, k_cache, v_cache, step.out_cache_loc, full)[1]
             q, k = norm_rope_store_triton(q, k, v, k_cache, v_cache, meta.out_cache_loc, rope)
+        # The step's part of each segment's prefix is read from the gathered rows, not the pools.
+        rows = PrefixRows(k_full, v_full, step.rows_prefix, step.rows_start)
         return extend_attention_triton(q, k, v, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
                                        meta.seq_lens, meta.extend_lens, extend_start_loc(meta), meta.max_extend_len,
-                                       scale, max_prefix_len=meta.max_prefix_len)
+                                       scale, max_prefix_len=meta.max_prefix_len, rows=rows)
     if rope is not None:
         q = norm_rope_ref(q, q, rope)[0]
         k_full = norm_rope_ref(k_full, k_full, full)[1]

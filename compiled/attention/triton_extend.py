@@ -11,12 +11,24 @@ graphs."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from compiled.attention.triton_decode import LOG2E
 from compiled.triton_utils import interpreter_upcast, tma_descriptor
+
+
+@dataclass
+class PrefixRows:
+    """The last `prefix[b]` tokens of request b's prefix as contiguous rows `start[b]`.. of k / v
+    `[rows, Hkv, D]` (a context-parallel step's gathered K/V, already normalised and rotated)."""
+    k: torch.Tensor
+    v: torch.Tensor
+    prefix: torch.Tensor   # [batch] int
+    start: torch.Tensor    # [batch] int
 
 
 @triton.jit
@@ -39,9 +51,11 @@ def _extend_kernel(
     K_desc, V_desc, sm_scale_log2,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kcs, stride_kch, stride_vcs, stride_vch, stride_r2t,
+    K_rows, V_rows, Rows_prefix, Rows_start, K_rows_desc, V_rows_desc, stride_krt, stride_krh, stride_vrt, stride_vrh,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
+    ROWS: tl.constexpr, ROWS_TMA: tl.constexpr,
 ):
     h = tl.program_id(0)
     b = tl.program_id(1)
@@ -66,7 +80,12 @@ def _extend_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-        # Phase 1: the cached prefix, gathered from the pools in tiles of BLOCK_NP tokens.
+        # Phase 1: the cached prefix, gathered from the pools in tiles of BLOCK_NP tokens (with
+        # ROWS, only the part before the prefix's last `Rows_prefix` tokens).
+        in_rows = 0
+        if ROWS:
+            in_rows = tl.load(Rows_prefix + b).to(tl.int32)
+            prefix -= in_rows
         offs_p0 = tl.arange(0, BLOCK_NP)
         r2t = Req_to_token + row * stride_r2t
         kc = K_cache + kvh * stride_kch + offs_d[None, :]
@@ -90,6 +109,28 @@ def _extend_kernel(
             v = tl.load(vc + slots[:, None] * stride_vcs, mask=kv_mask, other=0.0)
             acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, mask_n[None, :], sm_scale_log2, True,
                                           DOT_PRECISION)
+
+        # Phase 1b (ROWS): the prefix's last tokens, contiguous rows of K_rows / V_rows from Rows_start.
+        if ROWS:
+            r0 = tl.load(Rows_start + b).to(tl.int64)
+            kr = K_rows + (r0 + offs_n0)[:, None] * stride_krt + kvh * stride_krh + offs_d[None, :]
+            vr = V_rows + (r0 + offs_n0)[:, None] * stride_vrt + kvh * stride_vrh + offs_d[None, :]
+            rows_full = (in_rows // BLOCK_N) * BLOCK_N
+            for n0 in range(0, rows_full, BLOCK_N):
+                if ROWS_TMA:
+                    k = K_rows_desc.load([(r0 + n0).to(tl.int32), kvh * D])
+                    v = V_rows_desc.load([(r0 + n0).to(tl.int32), kvh * D])
+                else:
+                    k = tl.load(kr + n0 * stride_krt, mask=mask_d[None, :], other=0.0)
+                    v = tl.load(vr + n0 * stride_vrt, mask=mask_d[None, :], other=0.0)
+                acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, None, sm_scale_log2, False, DOT_PRECISION)
+            if rows_full < in_rows:
+                mask_n = (rows_full + offs_n0) < in_rows
+                kv_mask = mask_n[:, None] & mask_d[None, :]
+                k = tl.load(kr + rows_full * stride_krt, mask=kv_mask, other=0.0)
+                v = tl.load(vr + rows_full * stride_vrt, mask=kv_mask, other=0.0)
+                acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, mask_n[None, :], sm_scale_log2, True,
+                                              DOT_PRECISION)
 
         # Phase 2: the new tokens, causal; tiles wholly below the diagonal need no mask.
         kn = K_new + (q_start + offs_n0)[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
@@ -155,10 +196,11 @@ def extend_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
                             extend_start_loc: torch.Tensor, max_extend_len: int, scale: float,
                             out: torch.Tensor | None = None, max_prefix_len: int | None = None,
-                            **config) -> torch.Tensor:
+                            rows: PrefixRows | None = None, **config) -> torch.Tensor:
     """q `[T, Hq, D]`, k/v `[T, Hkv, D]` (new tokens, packed request after request; they need not be
     stored yet) with each request's prefix `seq_lens - extend_lens` read from the pools -> `[T, Hq, D]`.
-    `max_prefix_len` (None: unknown, taken as long) picks the tiles with `max_extend_len`."""
+    `max_prefix_len` (None: unknown, taken as long) picks the tiles with `max_extend_len`. `rows`:
+    the prefixes' last tokens are also contiguous rows elsewhere, read there (no gather)."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     if out is None:
@@ -176,15 +218,24 @@ def extend_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k_desc, v_desc = _new_token_desc(k, cfg["block_n"]), _new_token_desc(v, cfg["block_n"])
         if k_desc is None or v_desc is None:
             k_desc = v_desc = None
+    kr, vr = (rows.k, rows.v) if rows is not None else (k, v)
+    kr_desc = vr_desc = None
+    if rows is not None and cfg["tma"]:
+        kr_desc, vr_desc = _new_token_desc(kr, cfg["block_n"]), _new_token_desc(vr, cfg["block_n"])
+        if kr_desc is None or vr_desc is None:
+            kr_desc = vr_desc = None
     _extend_kernel[grid](
         q, k, v, out, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_lens, extend_start_loc,
         k_desc, v_desc, scale * LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
+        kr, vr, rows.prefix if rows is not None else seq_lens, rows.start if rows is not None else seq_lens,
+        kr_desc, vr_desc, kr.stride(0), kr.stride(1), vr.stride(0), vr.stride(1),
         GROUP=hq // hkv, D=d, BLOCK_D=block_d, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
         BLOCK_NP=cfg["block_np"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=interpreter_upcast(q.dtype), TMA=k_desc is not None,
+        ROWS=rows is not None, ROWS_TMA=kr_desc is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -54,7 +54,7 @@ def _norm_rope_store_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_kcs, stride_kch, stride_vcs, stride_vch,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr, ROTATED_OUT: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr, HAS_Q: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Pos + t).to(tl.int64)
@@ -63,7 +63,7 @@ def _norm_rope_store_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     dtype = K.dtype.element_ty
-    if ROTATED_OUT:
+    if HAS_Q:
         hq = tl.arange(0, BLOCK_HQ)
         q = norm_rope_tile(Q + t * stride_qt, hq * stride_qh, hq < HQ, offs_d, Qw, row, eps, D, dtype)
         tl.store(Q_out + t * HQ * D + hq[:, None] * D + offs_d[None, :], q.to(dtype),
@@ -71,8 +71,7 @@ def _norm_rope_store_kernel(
     hk = tl.arange(0, BLOCK_HKV)
     mask_k = (hk[:, None] < HKV) & mask_d[None, :]
     k = norm_rope_tile(K + t * stride_kt, hk * stride_kh, hk < HKV, offs_d, Kw, row, eps, D, dtype)
-    if ROTATED_OUT:
-        tl.store(K_out + t * HKV * D + hk[:, None] * D + offs_d[None, :], k.to(dtype), mask=mask_k)
+    tl.store(K_out + t * HKV * D + hk[:, None] * D + offs_d[None, :], k.to(dtype), mask=mask_k)
     tl.store(K_cache + slot * stride_kcs + hk[:, None] * stride_kch + offs_d[None, :],
              k.to(K_cache.dtype.element_ty), mask=mask_k)
     v = tl.load(V + t * stride_vt + hk[:, None] * stride_vh + offs_d[None, :], mask=mask_k)
@@ -82,27 +81,26 @@ def _norm_rope_store_kernel(
 
 def norm_rope_store_triton(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                            v_cache: torch.Tensor, loc: torch.Tensor,
-                           rope: NormRope) -> tuple[torch.Tensor, torch.Tensor] | None:
+                           rope: NormRope) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Raw q `[T, Hq, D]`, k/v `[T, Hkv, D]` (last dim contiguous) -> normalised and rotated q and
-    k (new contiguous tensors), with k and v stored into the pools at `loc` `[T]`. Without q the
-    kernel only stores (a context-parallel step stores every rank's K/V) and returns None."""
+    k (new contiguous tensors), with k and v stored into the pools at `loc` `[T]`. q may be None
+    (a context-parallel step's every-rank K/V): k alone, and None for q."""
     t, hkv, d = k.shape
     hq = 1 if q is None else q.shape[1]
-    rotated = q is not None
-    q_out = torch.empty((t, hq, d), dtype=k.dtype, device=k.device) if rotated else k
-    k_out = torch.empty((t, hkv, d), dtype=k.dtype, device=k.device) if rotated else k
+    q_out = None if q is None else torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((t, hkv, d), dtype=k.dtype, device=k.device)
     if t == 0:
-        return (q_out, k_out) if rotated else None
-    for x in (q if rotated else k, k, v, k_cache, v_cache, rope.cos_sin):
+        return q_out, k_out
+    q_in = k if q is None else q
+    for x in (q_in, k, v, k_cache, v_cache, rope.cos_sin):
         assert x.stride(-1) == 1
-    q_in = q if rotated else k
     block_d = triton.next_power_of_2(d)
     _norm_rope_store_kernel[(t,)](
-        q_in, k, v, q_out, k_out, k_cache, v_cache, loc, rope.q_weight, rope.k_weight, rope.positions,
-        rope.cos_sin, rope.eps,
+        q_in, k, v, k_out if q_out is None else q_out, k_out, k_cache, v_cache, loc, rope.q_weight, rope.k_weight,
+        rope.positions, rope.cos_sin, rope.eps,
         q_in.stride(0), q_in.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), rope.cos_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HQ=hq, HKV=hkv, D=d, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
-        BLOCK_D=block_d, ROTATED_OUT=rotated, num_warps=4 if hq * block_d >= 2048 else 2,
+        BLOCK_D=block_d, HAS_Q=q is not None, num_warps=4 if hq * block_d >= 2048 else 2,
     )
-    return (q_out, k_out) if rotated else None
+    return q_out, k_out

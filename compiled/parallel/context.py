@@ -22,6 +22,10 @@ class CPStep:
     gather_index: torch.Tensor    # [T] the batch token's row in the gathered [world * max_local] rows
     positions: torch.Tensor       # [T] every token's position, batch order
     out_cache_loc: torch.Tensor   # [T] every token's KV slot, batch order
+    # per segment of this rank: how many tokens of its chunk come before it, and the chunk's first
+    # row in batch order (attention reads that part of the prefix from the gathered K/V)
+    rows_prefix: torch.Tensor
+    rows_start: torch.Tensor
 
 
 _current: CPStep | None = None

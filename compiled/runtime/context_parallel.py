@@ -106,7 +106,9 @@ class ContextParallelRunner:
                                  seq_lens_cpu=seq_lens, extend_lens_cpu=ext_lens, is_decode=False,
                                  extend_start_loc=dev(starts))
         step = CPStep(self.group.data, self.group.world, self.group.rank, p.max_local, dev(p.gather_index),
-                      self.inputs.positions[:t], self.inputs.out_cache_loc[:t])
+                      self.inputs.positions[:t], self.inputs.out_cache_loc[:t],
+                      rows_prefix=dev([s.position - shapes[s.chunk].position for s in segments]),
+                      rows_start=dev([shapes[s.chunk].offset for s in segments]))
         ctx = ForwardContext(meta=meta, kv=self.kv, req_to_token=self.req_pool.table)
         slots = token_slots(self.inputs.lora_slots[:t][local]) if self.uses_lora else contextlib.nullcontext()
         with forward_context(ctx), cp_step(step), slots, self.group.collectives():

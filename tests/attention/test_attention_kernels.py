@@ -156,8 +156,8 @@ def decode_padding_case(splits, device="cpu"):
 def norm_rope_store_case(t, hq, hkv, d, dtype, device="cpu", seed=0, store_only=False):
     """The extend path's prologue: normalised and rotated q/k against the model's own layers
     (exact: the kernel rounds where they do, up to the order of the sum of squares), and K/V
-    stored into the pools, from views of one fused projection output. `store_only`: no q, only
-    the pools written (a context-parallel step's every-rank K/V)."""
+    stored into the pools, from views of one fused projection output. `store_only`: no q (a
+    context-parallel step's every-rank K/V)."""
     from compiled.attention.triton_norm_rope import norm_rope_store_triton
     k_cache, v_cache, _, _ = paged_batch([t], hkv, d, dtype, device, seed)
     loc = torch.randperm(k_cache.shape[0] - 1)[:t].add(1).to(device)
@@ -168,8 +168,9 @@ def norm_rope_store_case(t, hq, hkv, d, dtype, device="cpu", seed=0, store_only=
     q_ref, k_ref = norm_rope_ref(q, k, rope)
     store_kv(kr, vr, loc, k_ref, v)
     if store_only:
-        assert norm_rope_store_triton(None, k, v, k_cache, v_cache, loc, rope) is None
-        errs = [scaled_err(k_cache, kr), max_err(v_cache, vr)]
+        q_out, k_out = norm_rope_store_triton(None, k, v, k_cache, v_cache, loc, rope)
+        assert q_out is None
+        errs = [scaled_err(k_out, k_ref), scaled_err(k_cache, kr), max_err(v_cache, vr)]
     else:
         q_out, k_out = norm_rope_store_triton(q, k, v, k_cache, v_cache, loc, rope)
         errs = [scaled_err(q_out, q_ref), scaled_err(k_out, k_ref), scaled_err(k_cache, kr), max_err(v_cache, vr)]
@@ -191,8 +192,28 @@ def scaled_err(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-def extend_case(prefix_lens, ext_lens, hq, hkv, d, dtype, device="cpu", seed=0, packed=False, **config):
-    """`packed`: q, k and v are views of one `[T, Hq + 2 Hkv, D]` projection output, as in the model."""
+def prefix_rows(k_cache, v_cache, table, rows, prefix_lens, seed):
+    """`PrefixRows` holding the last two thirds (+1) of each prefix, copied out of the pools, with
+    a random row between requests (the kernel must start where `start` says)."""
+    from compiled.attention.triton_extend import PrefixRows
+    ks, vs, counts, starts, at = [], [], [], [], 0
+    for i, (r, p) in enumerate(zip(rows.tolist(), prefix_lens)):
+        n = min(p, 2 * p // 3 + 1)
+        slots = table[r, p - n:p].long()
+        junk = randn((1, *k_cache.shape[1:]), k_cache.dtype, k_cache.device, seed + i)
+        ks += [junk, k_cache[slots]]
+        vs += [junk, v_cache[slots]]
+        counts.append(n)
+        starts.append(at + 1)
+        at += n + 1
+    dev = k_cache.device
+    return PrefixRows(torch.cat(ks), torch.cat(vs), torch.tensor(counts, device=dev), torch.tensor(starts, device=dev))
+
+
+def extend_case(prefix_lens, ext_lens, hq, hkv, d, dtype, device="cpu", seed=0, packed=False, in_rows=False,
+                **config):
+    """`packed`: q, k and v are views of one `[T, Hq + 2 Hkv, D]` projection output, as in the model.
+    `in_rows`: most of each prefix read from contiguous rows (`prefix_rows`) instead of the pools."""
     from compiled.attention.triton_extend import _new_token_desc, default_config, extend_attention_triton
     seq_lens = [p + e for p, e in zip(prefix_lens, ext_lens)]
     k_cache, v_cache, table, rows = paged_batch(seq_lens, hkv, d, dtype, device, seed)
@@ -210,15 +231,18 @@ def extend_case(prefix_lens, ext_lens, hq, hkv, d, dtype, device="cpu", seed=0, 
     scale = d ** -0.5
     ref = extend_attention_ref(q, k_cache, v_cache, table, rows.tolist(), seq_lens, ext_lens, scale)
     starts = torch.tensor([sum(ext_lens[:i]) for i in range(len(ext_lens))], device=device)
+    extra = dict(rows=prefix_rows(k_cache, v_cache, table, rows, prefix_lens, seed + 4)) if in_rows else {}
     out = extend_attention_triton(q, k, v, k_cache, v_cache, table, rows, torch.tensor(seq_lens, device=device),
-                                  torch.tensor(ext_lens, device=device), starts, max(ext_lens), scale, **config)
+                                  torch.tensor(ext_lens, device=device), starts, max(ext_lens), scale, **extra,
+                                  **config)
     return max_err(out, ref), TOL[dtype]
 
 
-def op_case(decode: bool, device="cpu", norm_rope=False):
+def op_case(decode: bool, device="cpu", norm_rope=False, cp=False):
     """The `compiled::attention` op on the Triton backend vs the torch backend (store included),
     with metadata built without `extend_start_loc` (computed on the device); with `norm_rope`,
-    q/k raw and the per-head norm and RoPE arguments given (the fuse_qk_norm_rope form)."""
+    q/k raw and the per-head norm and RoPE arguments given (the fuse_qk_norm_rope form). With `cp`
+    the Triton side runs as a one-rank context-parallel step (`cp_step_case`)."""
     import compiled.attention.ops as ops
     from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
     from compiled.attention.kv_cache import KVPool
@@ -247,15 +271,49 @@ def op_case(decode: bool, device="cpu", norm_rope=False):
             randn((t, hkv, d), torch.float32, device, 3)
         ops.set_backend(backend)
         try:
-            with forward_context(ForwardContext(meta=meta, kv=kv, req_to_token=table)):
-                rope = random_norm_rope(t, d, torch.float32, device, 4) if norm_rope else ()
-                outs.append(torch.ops.compiled.attention(q, k, v, layer, d ** -0.5, *rope))
+            rope = random_norm_rope(t, d, torch.float32, device, 4) if norm_rope else ()
+            if cp and backend == "triton":
+                outs.append(cp_step_case(meta, kv, table, q, k, v, layer, rope, prefix, ext))
+            else:
+                with forward_context(ForwardContext(meta=meta, kv=kv, req_to_token=table)):
+                    outs.append(torch.ops.compiled.attention(q, k, v, layer, d ** -0.5, *rope))
         finally:
             ops.set_backend("auto")
         pools.append(kv)
     err = max(max_err(outs[0], outs[1]), max_err(pools[0].k[layer], pools[1].k[layer]),
               max_err(pools[0].v[layer], pools[1].v[layer]))
     return err, TOL[torch.float32]
+
+
+def cp_step_case(meta, kv, table, q, k, v, layer, rope, prefix, ext):
+    """The op in a context-parallel step of one rank: every request a split chunk cut into its
+    two zigzag segments (each attending as a request of its own, the part of its prefix inside
+    the step read from the gathered rows), k_full / v_full being the step's own k / v."""
+    from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
+    from compiled.parallel.context import CPStep, cp_step
+    from compiled.parallel.zigzag import ChunkShape, plan
+    device, t, d = q.device, q.shape[0], q.shape[-1]
+    shapes, offset = [], 0
+    for p, e in zip(prefix, ext):
+        shapes.append(ChunkShape(offset, p, e, e >= 2))
+        offset += e
+    segments = plan(shapes, 1).segments[0]
+    rows = [meta.req_pool_indices_cpu[s.chunk] for s in segments]
+    seq = [s.position + s.length for s in segments]
+    lens = [s.length for s in segments]
+
+    def dev(x):
+        return torch.tensor(x, device=device)
+
+    seg_meta = AttentionMetadata(out_cache_loc=meta.out_cache_loc, req_pool_indices=dev(rows), seq_lens=dev(seq),
+                                 extend_lens=dev(lens), req_pool_indices_cpu=rows, seq_lens_cpu=seq,
+                                 extend_lens_cpu=lens, is_decode=False)
+    positions = rope[2] if rope else dev(list(range(t)))
+    step = CPStep(None, 1, 0, t, dev(list(range(t))), positions, meta.out_cache_loc,
+                  rows_prefix=dev([s.position - shapes[s.chunk].position for s in segments]),
+                  rows_start=dev([shapes[s.chunk].offset for s in segments]))
+    with forward_context(ForwardContext(meta=seg_meta, kv=kv, req_to_token=table)), cp_step(step):
+        return torch.ops.compiled.attention(q, k, v, layer, d ** -0.5, *rope, k_full=k, v_full=v)
 
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -310,6 +368,10 @@ CPU_GROUPS = {
         ("extend_gqa4_d24_f16", lambda: extend_case([5, 64], [70, 2], 4, 1, 24, F16, block_m=32, block_n=32,
                                                     block_np=32)),
         ("extend_gqa4_d64_bf16", lambda: extend_case([100], [33], 4, 1, 64, BF16)),
+        ("extend_prefix_rows_gqa2_d64", lambda: extend_case([0, 50, 211, 3], [37, 1, 64, 20], 4, 2, 64, F32, in_rows=True,
+                                                            block_m=32, block_n=16, block_np=16)),
+        ("extend_prefix_rows_gqa4_d24_bf16", lambda: extend_case([70, 130], [33, 5], 4, 1, 24, BF16, in_rows=True,
+                                                                 block_m=32, block_n=32, block_np=32)),
         # the new tokens' whole tiles through TMA descriptors, k/v contiguous and as views of qkv
         ("extend_gqa4_d64_bf16_tma", lambda: extend_case([0, 40, 7], [150, 70, 33], 4, 2, 64, BF16, block_m=64,
                                                          block_n=16, block_np=16, tma=True)),
@@ -321,6 +383,8 @@ CPU_GROUPS = {
         ("op_extend_triton_vs_torch", lambda: op_case(False)),
         ("op_decode_norm_rope_triton_vs_torch", lambda: op_case(True, norm_rope=True)),
         ("op_extend_norm_rope_triton_vs_torch", lambda: op_case(False, norm_rope=True)),
+        ("op_cp_step_triton_vs_torch", lambda: op_case(False, cp=True)),
+        ("op_cp_step_norm_rope_triton_vs_torch", lambda: op_case(False, norm_rope=True, cp=True)),
     ],
 }
 
@@ -435,6 +499,14 @@ def test_gpu_norm_rope_store(t, hq, hkv, d, store_only):
 @pytest.mark.parametrize("tma", [False, True])
 def test_gpu_extend_real_size(prefix, ext, tma):
     err, tol = extend_case(prefix, ext, 32, 4, 128, BF16, device="cuda", packed=tma, tma=tma)
+    assert err <= tol, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefix,ext", [([8192, 0], [4096, 4096]), ([0, 8000, 5000, 17], [2048, 300, 1, 999])])
+@pytest.mark.parametrize("tma", [False, True])
+def test_gpu_extend_prefix_rows(prefix, ext, tma):
+    err, tol = extend_case(prefix, ext, 32, 4, 128, BF16, device="cuda", packed=tma, tma=tma, in_rows=True)
     assert err <= tol, err
 
 
