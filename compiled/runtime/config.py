@@ -86,10 +86,11 @@ class EngineConfig:
     max_loaded_loras: int | None = None
     # Context parallelism: this many processes (one GPU each) hold the whole model, and a step with
     # a prefill chunk of at least `cp_min_tokens` tokens (and 2 per process) splits that chunk's
-    # tokens over them; 1: off. `cp_timeout`: seconds a rank may take to answer before the group
-    # counts as dead.
+    # tokens over them; 1: off. Two H100s win from about 8k-16k tokens a chunk (8,192: 0.86-1.07x,
+    # 16,384: 1.63-1.74x; bench/RESULTS.md), so long prompts also need a `max_num_batched_tokens` at
+    # least this large. `cp_timeout`: seconds a rank may take to answer before the group counts as dead.
     context_parallel_size: int = 1
-    cp_min_tokens: int = 2048
+    cp_min_tokens: int = 12288
     cp_timeout: float = 60.0
     # Without a GPU there is no "memory left" to measure; this many bytes go to the KV cache.
     cpu_kv_cache_bytes: int = 2 << 30
@@ -118,6 +119,10 @@ class EngineConfig:
         if device.type == "cuda" and self.context_parallel_size > torch.cuda.device_count():
             raise ConfigError(f"context_parallel_size={self.context_parallel_size}: only "
                               f"{torch.cuda.device_count()} GPU(s) are visible, one per process is needed")
+        if self.context_parallel_size > 1 and self.max_num_batched_tokens < self.cp_min_tokens:
+            raise ConfigError(f"context_parallel_size={self.context_parallel_size} would never split a prefill: "
+                              f"max_num_batched_tokens={self.max_num_batched_tokens} is below cp_min_tokens="
+                              f"{self.cp_min_tokens}; raise max_num_batched_tokens or lower cp_min_tokens")
         if max_len > max_position_embeddings:
             raise ConfigError(f"max_model_len={max_len} exceeds the model's max_position_embeddings="
                               f"{max_position_embeddings}")

@@ -62,6 +62,13 @@ def test_bad_context_parallel_settings_are_one_line_errors():
             LLM(None, **kwargs)
 
 
+def test_context_parallelism_that_never_splits_is_a_one_line_error():
+    from compiled.errors import ConfigError
+    with pytest.raises(ConfigError, match="context_parallel_size=2 would never split a prefill: "
+                                          "max_num_batched_tokens=4096 is below cp_min_tokens=12288"):
+        LLM(None, context_parallel_size=2, max_num_batched_tokens=4096)
+
+
 @pytest.mark.gpu
 def test_more_ranks_than_gpus_is_a_one_line_error():
     import torch
@@ -75,7 +82,7 @@ def test_ctrl_c_stops_every_rank(tmp_path):
     import subprocess
     import sys
     code = ("import os, signal\nfrom compiled import LLM\n"
-            "llm = LLM(None, context_parallel_size=2, kv_cache_tokens=2048, max_model_len=256)\n"
+            "llm = LLM(None, context_parallel_size=2, cp_min_tokens=64, kv_cache_tokens=2048, max_model_len=256)\n"
             "print('WORKER', llm.engine.runner.cp.group.processes[0].pid, flush=True)\n"
             "os.kill(os.getpid(), signal.SIGINT)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
