@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
+import torch
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from cli.engine_options import DEFAULTS, build_llm, engine_config, engine_option
 from cli.errors import fail_cleanly
+from compiled.runtime.config import resolve_device
 
 
 def export(
@@ -32,8 +36,10 @@ def export(
         config = engine_config(dict(model=model, device=device, dtype=dtype, load_format=load_format), compile=True,
                                cuda_graph_buckets=bucket_list, passes=pass_list,
                                max_num_seqs=max(bucket_list) if bucket_list else DEFAULTS.max_num_seqs)
-        llm = build_llm(config)
-        llm.export_artifact(str(out))
+        with empty_triton_cache(resolve_device(config.device)):
+            llm = build_llm(config)
+            run_mixed_lengths(llm)
+            llm.export_artifact(str(out))
         table = Table(title=f"exported {llm.model_path} -> {out}")
         table.add_column("stage")
         table.add_column("seconds", justify="right")
@@ -43,6 +49,35 @@ def export(
         Console().print(table)
         report = llm.build_report
         Console().print(f"{report.pieces} pieces, {report.unique_pieces} unique, compiled {report.compiled_now}")
+
+
+EXPORT_PROMPT_LENGTHS = (1, 17, 100)
+
+
+@contextlib.contextmanager
+def empty_triton_cache(device: torch.device) -> Iterator[None]:
+    """On a GPU, compile into an empty Triton cache folder (removed after), so that the artifact
+    holds exactly the kernels the engine launches, those other runs had cached included."""
+    if device.type != "cuda":
+        yield
+        return
+    from compiled import envs
+    previous = envs.read("TRITON_CACHE_DIR")
+    with tempfile.TemporaryDirectory(prefix="compiled-export-triton-") as folder:
+        envs.set_for_children("TRITON_CACHE_DIR", folder)
+        try:
+            yield
+        finally:
+            envs.restore("TRITON_CACHE_DIR", previous)
+
+
+def run_mixed_lengths(llm) -> None:
+    """A few requests of odd and even lengths, prompt and decode: Triton specialises kernels on
+    their integer arguments (1, multiples of 16), so these put the variants serving launches, and
+    capture may not, into the cache the artifact copies."""
+    from compiled.runtime.sampling_params import SamplingParams
+    prompts = [[1 + i % 7 for i in range(n)] for n in EXPORT_PROMPT_LENGTHS]
+    llm.generate(prompts, SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
 
 
 def parse_buckets(text: str) -> list[int]:

@@ -132,7 +132,16 @@ def run(
         if not as_json:
             n = sum(len(o.token_ids) for o in outs)
             err.print(f"[dim]{llm.model_path} on {llm.config.device} ({str(llm.config.dtype).replace('torch.', '')}):"
-                      f" load {loaded - start:.1f}s, {n} tokens in {done - loaded:.2f}s[/dim]", soft_wrap=True)
+                      f" load {loaded - start:.1f}s{_compiled_note(llm)}, {n} tokens in {done - loaded:.2f}s[/dim]",
+                      soft_wrap=True)
+
+
+def _compiled_note(llm) -> str:
+    """How many compiled pieces this start compiled itself (none when an artifact held them)."""
+    report = llm.build_report
+    if not report.unique_pieces:
+        return ""
+    return f" ({report.unique_pieces} compiled pieces, {report.compiled_now} compiled now)"
 
 
 def _print_output(prompt, out) -> None:

@@ -78,7 +78,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "unless set"),
     EnvVar("NVSHMEM_DISABLE_NVLS", _flag, "0 or 1", "set to 1 for a context-parallel group on GPUs unless set"),
     EnvVar("TRITON_CACHE_DIR", _text, "a folder", "Triton's kernel cache (`compiled bench startup --fresh-caches` "
-           "points it at an empty folder)"),
+           "and `compiled export` point it at an empty folder; a start from an artifact copies the artifact's "
+           "kernels into it, setting it to Triton's own folder when unset)"),
     EnvVar("TORCHINDUCTOR_CACHE_DIR", _text, "a folder", "Inductor's cache (`compiled bench startup "
            "--fresh-caches` points it at an empty folder)"),
     EnvVar("XDG_CACHE_HOME", _text, "a folder",
@@ -108,6 +109,14 @@ def set_for_children(name: str, value: str) -> None:
     """Put `name` into the environment that child processes inherit (validated like a read)."""
     os.environ[name] = value
     read(name)
+
+
+def restore(name: str, previous: str | None) -> None:
+    """Put `name` back as it was before a `set_for_children` (None: unset)."""
+    if previous is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = previous
 
 
 def check_all() -> None:

@@ -1,4 +1,5 @@
-"""Compiled artifacts: the unique pieces' Inductor outputs plus a manifest of what they fit.
+"""Compiled artifacts: the unique pieces' Inductor outputs, the Triton kernels' binaries and a
+manifest of what they fit.
 
 A later start loads them instead of running Inductor. The manifest names everything the
 compiled code depends on; loading checks each field and names the first that differs."""
@@ -56,15 +57,19 @@ def manifest_for(cfg: ModelConfig, passes: list[str] | tuple[str, ...], splittin
     }
 
 
-def save_artifact(folder: str, manifest: dict, compiled: dict, buckets: dict[str, list[int]] | None) -> None:
+def save_artifact(folder: str, manifest: dict, compiled: dict, buckets: dict[str, list[int]] | None,
+                  device: torch.device) -> None:
+    """The pieces, the Triton kernels this process has cached (`triton_cache.py`) and the manifest."""
+    from compiled.compilation.triton_cache import save_kernels
     os.makedirs(folder, exist_ok=True)
     pieces = {}
     for key, artifact in compiled.items():
         name = f"piece-{key}.bin"
         artifact.save(path=os.path.join(folder, name), format="binary")
         pieces[key] = name
+    kernels = save_kernels(folder, device)
     with open(os.path.join(folder, MANIFEST), "w") as f:
-        json.dump(dict(manifest, pieces=pieces, buckets=buckets), f, indent=1)
+        json.dump(dict(manifest, pieces=pieces, buckets=buckets, triton_kernels=kernels), f, indent=1)
 
 
 def read_manifest(folder: str) -> dict:
@@ -87,11 +92,14 @@ def mismatch(found: dict, expected: dict) -> str | None:
 
 
 def load_artifact(folder: str, expected: dict) -> dict[str, Callable]:
-    """key -> loaded compiled piece. Raises ArtifactError naming the mismatched field."""
+    """key -> loaded compiled piece, with the artifact's Triton kernels put where Triton looks.
+    Raises ArtifactError naming the mismatched field."""
+    from compiled.compilation.triton_cache import install_kernels
     manifest = read_manifest(folder)
     problem = mismatch(manifest, expected)
     if problem:
         raise ArtifactError(f"{folder}: artifact does not fit: {problem}")
+    install_kernels(folder)
     loaded = {}
     for key, name in manifest.get("pieces", {}).items():
         path = os.path.join(folder, name)

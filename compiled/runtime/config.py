@@ -201,7 +201,9 @@ class EngineConfig:
     def use_compile(self) -> bool:
         if self.enforce_eager:
             return False
-        return self.device.type == "cuda" if self.compile is None else self.compile
+        if self.compile is None:   # by default on GPUs, and wherever an artifact is given
+            return self.device.type == "cuda" or self.artifact is not None
+        return self.compile
 
     @property
     def use_cuda_graphs(self) -> bool:

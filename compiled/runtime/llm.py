@@ -213,7 +213,9 @@ class LLM:
         return dict(self.build_report.seconds)
 
     def export_artifact(self, folder: str) -> None:
-        """Write the compiled pieces and their manifest to `folder` (needs a compiled model)."""
+        """Write the compiled pieces, every Triton kernel in this process's cache folders and the
+        manifest to `folder` (needs a compiled model). `compiled export` compiles into an empty
+        Triton cache, so its artifact holds exactly the engine's kernels."""
         from compiled.compilation.artifact import save_artifact
         if not self.build_report.compiled:
             raise ConfigError("nothing to export: this LLM was not compiled (compile=True, not enforce_eager)")
@@ -221,7 +223,7 @@ class LLM:
         buckets = None
         if self.config.use_cuda_graphs:
             buckets = {"decode": self.engine.graph_buckets(), "piecewise": self.engine.piecewise_buckets()}
-        save_artifact(folder, manifest, self.build_report.compiled, buckets)
+        save_artifact(folder, manifest, self.build_report.compiled, buckets, self.config.device)
 
     # ---- adapters ------------------------------------------------------------------------------
 
