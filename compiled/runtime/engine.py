@@ -162,8 +162,8 @@ class Engine:
                      lora: str | None = None, detokenize: bool = True) -> Request:
         """Validate and tokenize one prompt (`index` names it in errors), to run with adapter
         `lora` (None: the base model); nothing is queued yet. `detokenize=False`: the engine
-        keeps no text for it (a server detokenizing on a thread of its own), unless its stop
-        strings need the text."""
+        keeps no text for it and checks no stop strings; the caller does both (a server, off
+        the engine's thread, aborting the request at a stop string)."""
         self._check_adapter(index, lora)
         if not isinstance(params, SamplingParams):
             shown = repr(params).replace("\n", " ")
@@ -199,7 +199,7 @@ class Engine:
             request.logprobs = []
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
-        if self.tokenizer is not None and (detokenize or params.stop):
+        if self.tokenizer is not None and detokenize:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         return request
 

@@ -3,10 +3,10 @@ over server-sent events or not), `/v1/models`, `/v1/load_lora_adapter`, `/v1/unl
 `/health` and `/metrics` (Prometheus text).
 
 A request's `model` names the base model (its folder name, or `--served-model-name`) or a loaded
-adapter, as in vLLM. Prompts are tokenized and outputs detokenized on the event loop's thread, not
-the engine's (the engine keeps the text only of requests with stop strings, which need it); `n`
-choices are `n` engine requests (seed + i each when seeded). A client that goes away aborts its
-requests, which frees their KV at once."""
+adapter, as in vLLM. Prompts are tokenized, outputs detokenized and stop strings found on the
+event loop's thread, not the engine's (a stop string aborts its engine request, as vLLM's front end
+does); `n` choices are `n` engine requests (seed + i each when seeded). A client that goes away
+aborts its requests, which frees their KV at once."""
 
 from __future__ import annotations
 
@@ -161,9 +161,9 @@ def create_app(server: Server) -> FastAPI:
                     p: Progress | None = await _next(q, http)
                     if p is None:
                         raise asyncio.CancelledError
+                    p = server.advance(requests[index], text, p)
                     tokens += p.token_ids
                     logprobs += p.logprobs or []
-                    text.update(p)
                     if p.finished:
                         break
                 completion += len(tokens)
@@ -205,8 +205,9 @@ def create_app(server: Server) -> FastAPI:
                     p = fut.result()
                     if isinstance(p, Exception):
                         raise APIError(500, f"the engine failed this request: {p}")
+                    p = server.advance(requests[i], texts[i], p)
                     completion += len(p.token_ids)
-                    text = texts[i].update(p)
+                    text = texts[i].text
                     # text held back while it might still end in a stop string
                     upto = len(text) if p.finished else max(sent_text[i], len(text) - max(longest_stop - 1, 0))
                     delta, sent_text[i] = text[sent_text[i]:upto], max(sent_text[i], upto)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import time
 
 from compiled.errors import RequestError
-from compiled.runtime.detokenizer import IncrementalDetokenizer
+from compiled.runtime.detokenizer import IncrementalDetokenizer, find_stop
+from compiled.runtime.sampling_params import SamplingParams
 from compiled.server.engine_thread import EngineThread, Progress
 from compiled.server.protocol import APIError, Sampling, bad
 
@@ -71,12 +72,22 @@ class Server:
         return requests, self.engine.submit(requests)
 
     def texts(self, requests) -> list[TextSoFar]:
-        """Each request's text, built here from its tokens (off the engine's thread) unless the
-        engine keeps it (requests with stop strings)."""
+        """Each request's text, built here from its tokens (off the engine's thread)."""
         tok = self.llm.tokenizer
-        return [TextSoFar(None if r.detokenizer is not None or tok is None else
-                          IncrementalDetokenizer(tok, r.prompt_token_ids, r.params.skip_special_tokens))
+        return [TextSoFar(None if tok is None else IncrementalDetokenizer(tok, r.prompt_token_ids,
+                                                                          r.params.skip_special_tokens), r.params)
                 for r in requests]
+
+    def advance(self, request, text: TextSoFar, p: Progress) -> Progress:
+        """Fold `p` into the request's text. A stop string completed here ends the request as the
+        engine would have: the engine drops it, and the progress ends after the token that
+        completed the string (tokens the engine made past it are not sent)."""
+        kept = text.update(p)
+        if text.stop_reason is None:
+            return p
+        self.engine.abort(request.id)
+        return Progress(p.token_ids[:kept], None if p.logprobs is None else p.logprobs[:kept], text.text, True,
+                        "stop", text.stop_reason)
 
     def token_text(self, token: int) -> str:
         tok = self.llm.tokenizer
@@ -102,17 +113,32 @@ class Server:
 
 
 class TextSoFar:
-    """A request's text: decoded here token by token, or the engine's (`detokenizer` None)."""
+    """A request's text decoded here token by token, checked for its stop strings in the order
+    the engine's own check has (`Engine._append`): from `min_new_tokens` on, on tokens the
+    engine did not itself end the request at (its end of sequence and stop token ids come
+    first). Without a tokenizer there is no text."""
 
-    def __init__(self, detokenizer: IncrementalDetokenizer | None) -> None:
-        self.detokenizer, self.text = detokenizer, ""
+    def __init__(self, detokenizer: IncrementalDetokenizer | None, params: SamplingParams) -> None:
+        self.detokenizer, self.params, self.text = detokenizer, params, ""
+        self.tokens = 0
+        self.stop_reason: str | None = None   # the stop string that ended the text
 
-    def update(self, p: Progress) -> str:
+    def update(self, p: Progress) -> int:
+        """Fold in p's tokens; how many of them the request keeps (all but those past a stop string)."""
         if self.detokenizer is None:
-            self.text = p.text
-        else:
-            self.text += "".join(self.detokenizer.step(t) for t in p.token_ids)
-        return self.text
+            return len(p.token_ids)
+        params = self.params
+        for j, token in enumerate(p.token_ids):
+            delta = self.detokenizer.step(token)
+            self.text += delta
+            self.tokens += 1
+            ended_by_engine = p.finished and j == len(p.token_ids) - 1 and p.finish_reason == "stop"
+            if params.stop and delta and self.tokens >= params.min_new_tokens and not ended_by_engine:
+                hit = find_stop(self.text, params.stop, params.include_stop_str_in_output, len(delta))
+                if hit is not None:
+                    self.text, self.stop_reason = hit
+                    return j + 1
+        return len(p.token_ids)
 
 
 

@@ -89,6 +89,35 @@ def test_adapter_by_model_name_and_stop_strings(server, offline):
     assert out.choices[0].finish_reason == "stop" and out.choices[0].text == ref.text[:ref.text.index(stop)]
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_found_off_the_engine_equal_offline(server, offline, include):
+    """The server finds stop strings itself and aborts the engine's request: text, reasons, token
+    count and logprobs equal the offline engine's own check, streamed and not."""
+    c = client(server)
+    for prompt in ("count 7:", "count 95:", "copy Mad brave fish:"):
+        full = offline.generate([prompt], SamplingParams(max_new_tokens=16, temperature=0.0))[0]
+        mid = len(full.text) // 2
+        assert mid >= 2, full.text
+        stops = [full.text[mid:mid + 2], "\u2603never"]
+        params = SamplingParams(max_new_tokens=16, temperature=0.0, stop=stops, logprobs=1,
+                                include_stop_str_in_output=include)
+        ref = offline.generate([prompt], params)[0]
+        assert ref.stop_reason == stops[0]
+        extra = {"include_stop_str_in_output": include}
+        out = c.completions.create(model="qwen3-moe", prompt=prompt, max_tokens=16, temperature=0, stop=stops,
+                                   logprobs=1, extra_body=extra)
+        choice = out.choices[0]
+        assert (choice.text, choice.finish_reason) == (ref.text, ref.finish_reason)
+        assert out.usage.completion_tokens == len(ref.token_ids) == len(choice.logprobs.tokens)
+        assert getattr(choice, "stop_reason", None) == ref.stop_reason
+        chunks = list(c.completions.create(model="qwen3-moe", prompt=prompt, max_tokens=16, temperature=0,
+                                           stop=stops, stream=True, stream_options={"include_usage": True},
+                                           extra_body=extra))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref.text
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == ref.finish_reason
+        assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+
 def test_n_seeded_choices_and_logprobs(server, offline):
     c = client(server)
     out = c.completions.create(model="qwen3-moe", prompt=PROMPTS[0], max_tokens=6, temperature=1.0, n=2, seed=7,
