@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class ChunkShape:
@@ -38,7 +40,7 @@ class Segment:
 class CPPlan:
     world: int
     segments: list[list[Segment]]   # per rank, in batch order
-    gather_index: list[int]         # per batch token: its row in the gathered [world * max_local] buffer
+    gather_index: np.ndarray        # [T] int64, per batch token: its row in the gathered [world * max_local] buffer
 
     @property
     def local_counts(self) -> list[int]:
@@ -48,9 +50,17 @@ class CPPlan:
     def max_local(self) -> int:
         return max(self.local_counts)
 
-    def local_index(self, rank: int) -> list[int]:
-        """The batch rows rank `rank` computes, in its local order."""
-        return [i for s in self.segments[rank] for i in range(s.offset, s.offset + s.length)]
+    def local_index(self, rank: int) -> np.ndarray:
+        """The batch rows rank `rank` computes, in its local order (int64)."""
+        return _rows(self.segments[rank])
+
+
+def _rows(segments: list[Segment]) -> np.ndarray:
+    # Built a segment at a time (numpy), not a token at a time: a long prompt has tens of
+    # thousands of tokens and this runs on the step's critical path.
+    if not segments:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(s.offset, s.offset + s.length, dtype=np.int64) for s in segments])
 
 
 def split_lengths(length: int, world: int) -> list[int]:
@@ -76,11 +86,8 @@ def plan(chunks: list[ChunkShape], world: int) -> CPPlan:
         segs.sort(key=lambda s: s.offset)
     total = sum(c.length for c in chunks)
     max_local = max(sum(s.length for s in segs) for segs in segments)
-    gather_index = [0] * total
+    gather_index = np.zeros(total, dtype=np.int64)
     for rank, segs in enumerate(segments):
-        row = rank * max_local
-        for s in segs:
-            for i in range(s.offset, s.offset + s.length):
-                gather_index[i] = row
-                row += 1
+        rows = _rows(segs)
+        gather_index[rows] = rank * max_local + np.arange(len(rows), dtype=np.int64)
     return CPPlan(world, segments, gather_index)

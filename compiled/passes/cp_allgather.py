@@ -1,7 +1,8 @@
 """cp_allgather: the graph of a context-parallel prefill, where each rank computes its own share
 of the step's tokens (`compiled/parallel/zigzag.py`) through every layer.
 
-    attention(q, k, v, ...)  ->  attention(q, k, v, ..., k_full=cp_allgather(k), v_full=cp_allgather(v))
+    attention(q, k, v, ...)  ->  k_full, v_full = cp_allgather(cat([k, v], 1)).chunk(2, 1)   # one collective
+                                 attention(q, k, v, ..., k_full=k_full, v_full=v_full)
     return hidden            ->  return cp_allgather(hidden)
 
 Every attention stores the K/V of all the step's tokens (every rank keeps the whole KV cache) and
@@ -11,6 +12,8 @@ head and the sampler. `compiled::cp_allgather` is a splitting op of the compiled
 extends (the gathered K is then the raw projection, normalised and rotated in the attention op)."""
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch import fx
@@ -29,8 +32,10 @@ def cp_allgather(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> 
             continue
         k, v = node.args[1], node.args[2]
         with graph.inserting_before(node):
-            k_full = graph.call_function(gather, (k,))
-            v_full = graph.call_function(gather, (v,))
+            kv = graph.call_function(torch.ops.aten.cat.default, ([k, v], 1))
+            halves = graph.call_function(torch.ops.aten.chunk.default, (graph.call_function(gather, (kv,)), 2, 1))
+            k_full = graph.call_function(operator.getitem, (halves, 0))   # K and V have the same heads
+            v_full = graph.call_function(operator.getitem, (halves, 1))
         node.kwargs = {**node.kwargs, "k_full": k_full, "v_full": v_full}
         record.rewrites += 1
     output = next(n for n in reversed(graph.nodes) if n.op == "output")

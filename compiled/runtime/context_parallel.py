@@ -92,7 +92,7 @@ class ContextParallelRunner:
         self.steps += 1
         self.split_tokens += sum(c.length for c in chunks if c.split)
         segments = p.segments[self.group.rank]
-        local = torch.tensor(p.local_index(self.group.rank), dtype=torch.long, device=device)
+        local = torch.from_numpy(p.local_index(self.group.rank)).to(device)
         starts = np.cumsum([0] + [s.length for s in segments])[:-1].tolist()
         rows = [chunks[s.chunk].row for s in segments]
         seq_lens = [s.position + s.length for s in segments]
@@ -105,7 +105,8 @@ class ContextParallelRunner:
                                  seq_lens=dev(seq_lens), extend_lens=dev(ext_lens), req_pool_indices_cpu=rows,
                                  seq_lens_cpu=seq_lens, extend_lens_cpu=ext_lens, is_decode=False,
                                  extend_start_loc=dev(starts))
-        step = CPStep(self.group.data, self.group.world, self.group.rank, p.max_local, dev(p.gather_index),
+        step = CPStep(self.group.data, self.group.world, self.group.rank, p.max_local,
+                      torch.from_numpy(p.gather_index).to(device),
                       self.inputs.positions[:t], self.inputs.out_cache_loc[:t],
                       rows_prefix=dev([s.position - shapes[s.chunk].position for s in segments]),
                       rows_start=dev([shapes[s.chunk].offset for s in segments]))

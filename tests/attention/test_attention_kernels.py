@@ -312,8 +312,9 @@ def cp_step_case(meta, kv, table, q, k, v, layer, rope, prefix, ext):
     step = CPStep(None, 1, 0, t, dev(list(range(t))), positions, meta.out_cache_loc,
                   rows_prefix=dev([s.position - shapes[s.chunk].position for s in segments]),
                   rows_start=dev([shapes[s.chunk].offset for s in segments]))
+    k_full, v_full = torch.cat([k, v], 1).chunk(2, 1)   # views of one gathered tensor, as the cp_allgather pass makes
     with forward_context(ForwardContext(meta=seg_meta, kv=kv, req_to_token=table)), cp_step(step):
-        return torch.ops.compiled.attention(q, k, v, layer, d ** -0.5, *rope, k_full=k, v_full=v)
+        return torch.ops.compiled.attention(q, k, v, layer, d ** -0.5, *rope, k_full=k_full, v_full=v_full)
 
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
