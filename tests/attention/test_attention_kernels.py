@@ -369,8 +369,8 @@ CPU_GROUPS = {
         ("extend_gqa4_d24_f16", lambda: extend_case([5, 64], [70, 2], 4, 1, 24, F16, block_m=32, block_n=32,
                                                     block_np=32)),
         ("extend_gqa4_d64_bf16", lambda: extend_case([100], [33], 4, 1, 64, BF16)),
-        ("extend_prefix_rows_gqa2_d64", lambda: extend_case([0, 50, 211, 3], [37, 1, 64, 20], 4, 2, 64, F32, in_rows=True,
-                                                            block_m=32, block_n=16, block_np=16)),
+        ("extend_prefix_rows_gqa2_d64", lambda: extend_case([0, 50, 211, 3], [37, 1, 64, 20], 4, 2, 64, F32,
+                                                            in_rows=True, block_m=32, block_n=16, block_np=16)),
         ("extend_prefix_rows_gqa4_d24_bf16", lambda: extend_case([70, 130], [33, 5], 4, 1, 24, BF16, in_rows=True,
                                                                  block_m=32, block_n=32, block_np=32)),
         # the new tokens' whole tiles through TMA descriptors, k/v contiguous and as views of qkv
