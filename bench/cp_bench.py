@@ -27,23 +27,12 @@ def _prompt(length: int, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(1, vocab) for _ in range(length)]
 
 
-def _with_and_without_cp(llm: LLM, fn):
-    runner = llm.engine.runner
-    with_cp = fn()
-    cp, runner.cp = runner.cp, None
-    try:
-        alone = fn()
-    finally:
-        runner.cp = cp
-    return with_cp, alone
-
-
 def check(llm: LLM, length: int, vocab: int, new_tokens: int) -> dict:
     """Prompt logprobs (the prompt token and the top one) and greedy tokens, CP against rank 0."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
     prompt = _prompt(length, vocab, seed=length)
     steps_before = llm.engine.runner.cp.steps
-    split, alone = _with_and_without_cp(llm, lambda: llm.generate([prompt], params)[0])
+    split, alone = core.with_and_without_cp(llm, lambda: llm.generate([prompt], params)[0])
     diffs = [abs(a[k] - b[k]) for a, b in zip(split.prompt_logprobs[1:], alone.prompt_logprobs[1:])
              for k in a.keys() & b.keys()]
     return {"length": length, "cp_steps": llm.engine.runner.cp.steps - steps_before,
@@ -61,7 +50,7 @@ def profile(llm: LLM, length: int, vocab: int, out_dir: str) -> dict:
         name = f"cp{llm.context_parallel if llm.engine.runner.cp else 1}_{length}"
         return core.profile_steps(llm, item, 1, Path(out_dir), name, skip_prefill=False)
 
-    split, alone = _with_and_without_cp(llm, one)
+    split, alone = core.with_and_without_cp(llm, one)
     return {"length": length, "cp": split, "cp1": alone}
 
 

@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -30,6 +30,7 @@ from compiled.runtime.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 StepHook = Callable[[], None] | None
+T = TypeVar("T")
 
 
 # ---- statistics ------------------------------------------------------------------------------
@@ -288,22 +289,29 @@ def latency(llm, batch: int, input_len: int, output_len: int, iters: int, warmup
     return results, prompts
 
 
-def ttft_beside_cp1(llm, prompts: list[Prompt], iters: int) -> dict:
-    """Time to first token of the batch `prompts` through the context-parallel group and on rank
-    0 alone (the same engine with the group set aside), one warm-up run each."""
+def with_and_without_cp(llm, fn: Callable[[], T]) -> tuple[T, T]:
+    """`fn()` through the context-parallel group, then on rank 0 alone (the same engine, so the
+    same weights and compiled code, with the group set aside)."""
     runner = llm.engine.runner
+    with_cp = fn()
+    cp, runner.cp = runner.cp, None
+    try:
+        alone = fn()
+    finally:
+        runner.cp = cp
+    return with_cp, alone
+
+
+def ttft_beside_cp1(llm, prompts: list[Prompt], iters: int) -> dict:
+    """Time to first token of the batch `prompts` with the context-parallel group and without,
+    one warm-up run each."""
 
     def measure() -> dict | None:
         latency_once(llm, prompts, 1)
         return summary_ms([latency_once(llm, prompts, 1).ttft_s for _ in range(iters)])
 
-    with_cp = measure()
-    cp, runner.cp = runner.cp, None
-    try:
-        alone = measure()
-    finally:
-        runner.cp = cp
-    return {"context_parallel_size": cp.group.world, "ttft_ms": with_cp, "ttft_cp1_ms": alone}
+    with_cp, alone = with_and_without_cp(llm, measure)
+    return {"context_parallel_size": llm.context_parallel, "ttft_ms": with_cp, "ttft_cp1_ms": alone}
 
 
 def bandwidth(device: torch.device, gbps: float | None = None):
