@@ -125,6 +125,9 @@ def create_app(server: Server) -> FastAPI:
             f"compiled_generation_tokens_total {st.generation_tokens}",
             "# TYPE compiled_generation_tokens_per_second gauge",
             f"compiled_generation_tokens_per_second {st.generation_tokens / elapsed:.3f}",
+            "# HELP compiled_engine_step_seconds wall time of the engine's steps",
+            "# TYPE compiled_engine_step_seconds summary",
+            f"compiled_engine_step_seconds_sum {st.step_seconds:.6f}", f"compiled_engine_step_seconds_count {st.steps}",
         ]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 

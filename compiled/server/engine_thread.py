@@ -42,6 +42,8 @@ class Stats:
     requests_finished: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    steps: int = 0
+    step_seconds: float = 0.0   # engine.step wall time, summed (with the front end's load on the GIL)
 
 
 class EngineThread:
@@ -97,15 +99,19 @@ class EngineThread:
                     self._wake.wait()
                 if self._stopping and not self.engine.has_work:
                     return
+                start = time.perf_counter()
                 try:
                     finished = self.engine.step()
                 except Exception as e:   # the step was rolled back: fail its requests, keep serving
                     self._fail_all(e)
                     continue
+                self.stats.steps += 1
+                self.stats.step_seconds += time.perf_counter() - start
                 self._report(finished)
 
     def _report(self, finished: list[Request]) -> None:
         done = {r.id for r in finished}
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for rid, t in list(self._tracked.items()):
             r = t.request
             new = len(r.output_token_ids) - t.sent
@@ -120,10 +126,25 @@ class EngineThread:
                 del self._tracked[rid]
                 self.stats.requests_finished += 1
                 self.stats.prompt_tokens += len(r.prompt_token_ids)
-            t.loop.call_soon_threadsafe(t.queue.put_nowait, progress)
+            batches.setdefault(t.loop, []).append((t.queue, progress))
+        _deliver(batches)
 
     def _fail_all(self, error: Exception) -> None:
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for rid, t in list(self._tracked.items()):
             self.engine.abort(rid)
-            t.loop.call_soon_threadsafe(t.queue.put_nowait, error)
+            batches.setdefault(t.loop, []).append((t.queue, error))
         self._tracked.clear()
+        _deliver(batches)
+
+
+def _deliver(batches: dict[asyncio.AbstractEventLoop, list]) -> None:
+    """One wake-up of each event loop a step (a thread-safe call costs ~1 µs of the engine's
+    thread; one a request was ~100 µs a step at 96 requests)."""
+    for loop, items in batches.items():
+        loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

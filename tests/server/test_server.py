@@ -191,6 +191,7 @@ def test_a_disconnected_stream_frees_its_kv_and_bad_requests_are_400s(server):
         time.sleep(0.1)
     m = _metrics(server)
     assert m["compiled_requests_running"] == 0 and m["compiled_kv_cache_usage"] == 0
+    assert m["compiled_engine_step_seconds_count"] > 0 and m["compiled_engine_step_seconds_sum"] > 0
 
 
 def test_load_and_unload_an_adapter_over_http(server, offline):
