@@ -4,6 +4,8 @@
 #   1. random 2,048 in / 1,024 out at concurrency 10: over HTTP and in-process (same engine settings);
 #   2. 256-1,024 in / 600-1,200 out at concurrency 96 (inter-token latency p50 / p99);
 #   3. a 1,000-token shared prefix, 32 concurrent: the server with and without its prefix cache.
+# Each run also prints the engine's mean step time during it (HTTP: from the server's /metrics),
+# whose difference from the in-process run's is what the front end costs the engine.
 # MODEL (default bench/configs/qwen3-30b-a3b, dummy weights); SCALE divides the request counts and
 # lengths (e.g. SCALE=32 MODEL= for the demo model on a CPU); SERVE_FLAGS go to `compiled serve`.
 set -uo pipefail
@@ -23,10 +25,22 @@ serve() {   # serve NAME [flags...]: start a server, wait until it answers
   echo "server $name did not start"; tail -5 "$out/serve_$name.log"; return 1
 }
 stop() { kill -TERM "$server"; wait "$server"; echo "server exited with $?"; }
-bench() {   # bench NAME [flags...]
+bench() {   # bench NAME [flags...]; then the engine's mean step time during it
   local name=$1; shift
+  local http=0; [[ " $* " == *" --url "* ]] && http=1
+  [ $http = 1 ] && curl -s "$url/metrics" | grep "^compiled_engine_step_seconds" > "$out/${name}_steps_before.txt"
   python -m cli.main bench serving $model "${load[@]}" --json "$out/$name.json" "$@" > "$out/$name.txt" 2>&1
   echo "== $name"; grep -E "output tokens/s|time to first|time per output|inter-token|Error|error" "$out/$name.txt"
+  if [ $http = 1 ]; then   # the server's /metrics counts every step since it started: the difference
+    curl -s "$url/metrics" | grep "^compiled_engine_step_seconds" > "$out/${name}_steps_after.txt"
+    awk 'FNR == NR && /_sum/ {s0 = $2} FNR == NR && /_count/ {n0 = $2}
+         FNR != NR && /_sum/ {s1 = $2} FNR != NR && /_count/ {n1 = $2}
+         END {if (n1 > n0) printf "engine step mean (ms): %.3f\n", 1e3 * (s1 - s0) / (n1 - n0)}' \
+      "$out/${name}_steps_before.txt" "$out/${name}_steps_after.txt"
+  else
+    python -c "import json, sys; print('engine step mean (ms): %.3f' % json.load(open(sys.argv[1]))['results']['step_ms_mean'])" \
+      "$out/$name.json"
+  fi
 }
 random_10=(--num-prompts $((100 / s)) --input-len $((2048 / s)) --output-len $((1024 / s)) --max-concurrency 10)
 mixed_96=(--num-prompts $((400 / s)) --input-len $((256 / s)) --input-len-max $((1024 / s))

@@ -440,7 +440,7 @@ def serving(llm, items: Sequence[Item], rate: float, max_concurrency: int | None
     kv = KVPeak(engine)
     sync(device)
     start = time.perf_counter()
-    nxt, slot_free_at, steps = 0, 0.0, 0
+    nxt, slot_free_at, steps, step_s = 0, 0.0, 0, 0.0
     while nxt < len(requests) or active:
         now = time.perf_counter() - start
         while nxt < len(requests) and arrivals[nxt] <= now and (max_concurrency is None or len(active) < max_concurrency):
@@ -453,9 +453,11 @@ def serving(llm, items: Sequence[Item], rate: float, max_concurrency: int | None
             time.sleep(max(0.0, arrivals[nxt] - (time.perf_counter() - start)))
             continue
         full = max_concurrency is not None and len(active) >= max_concurrency
+        before = time.perf_counter()
         finished = engine.step()
         t = time.perf_counter() - start
         steps += 1
+        step_s += time.perf_counter() - before
         kv.update(finished)
         for rid, i in list(active.items()):
             r, tr = requests[i], traces[i]
@@ -482,6 +484,7 @@ def serving(llm, items: Sequence[Item], rate: float, max_concurrency: int | None
     return {
         "num_requests": len(requests), "request_rate": rate, "max_concurrency": max_concurrency,
         "duration_s": duration, "elapsed_s": duration, "steps": steps,
+        "step_ms_mean": 1e3 * step_s / max(steps, 1),   # the server's /metrics has the same under HTTP
         "input_tokens": inp, "output_tokens": out, "total_tokens": inp + out,
         "requests_per_s": len(requests) / duration, "output_tokens_per_s": out / duration,
         "total_tokens_per_s": (inp + out) / duration,
