@@ -104,8 +104,7 @@ class Scheduler:
             request.row = self.req_pool.alloc()
             if prefix is not None:
                 request.prefix, request.num_computed = prefix, len(prefix)
-                self.req_pool.table[request.row, :len(prefix)] = torch.from_numpy(prefix.slots).to(
-                    self.req_pool.table.device, self.req_pool.table.dtype)
+                self._point_row(request.row, 0, prefix.slots)
             self.running.append(request)
             chunks.append(self._chunk(request, n, self._alloc(n)))
             chunks[-1].readmitted, chunks[-1].admitted = readmitted, True
@@ -213,13 +212,10 @@ class Scheduler:
             if r.row is None or chunk.start >= p or chunk.start + chunk.length < p or r.num_computed < p \
                     or (r.prefix is not None and len(r.prefix) >= p):
                 continue
-            owned = np.concatenate(r.slots) if r.slots else np.empty(0, np.int64)
-            start = len(r.prefix) if r.prefix is not None else 0
-            slots = np.concatenate([r.prefix.slots, owned]) if r.prefix is not None else owned
+            owned, start, slots = _slots(r)
             r.prefix, freed, repoint = self.cache.adopt(r.lora, r.prompt_token_ids, slots[:p], r.prefix)
             for position, tree_slots in repoint:
-                self.req_pool.table[r.row, position:position + len(tree_slots)] = torch.from_numpy(
-                    tree_slots).to(self.req_pool.table.device, self.req_pool.table.dtype)
+                self._point_row(r.row, position, tree_slots)
             if len(freed):
                 self.kv.free(freed)
             r.slots = [owned[p - start:]] if r.num_computed > p else []
@@ -233,6 +229,11 @@ class Scheduler:
         return any(r.lora == request.lora and (r.prefix is None or len(r.prefix) < len(r.prompt_token_ids))
                    and r.prompt_token_ids == request.prompt_token_ids for r in self.running)
 
+    def _point_row(self, row: int, start: int, slots: np.ndarray) -> None:
+        """Positions start.. of the request->token table's `row` read the KV slots `slots`."""
+        table = self.req_pool.table
+        table[row, start:start + len(slots)] = torch.from_numpy(slots).to(table.device, table.dtype)
+
     def _chunk(self, request: Request, n: int, slots: np.ndarray) -> Chunk:
         chunk = Chunk(request, request.num_computed, n, slots)
         request.slots.append(slots)
@@ -241,13 +242,11 @@ class Scheduler:
 
     def _release(self, request: Request, keep: bool = False) -> None:
         """Give back the request's row and KV slots; `keep`: index its K/V in the prefix cache."""
-        owned = np.concatenate(request.slots) if request.slots else np.empty(0, np.int64)
+        owned, start, slots = _slots(request)
         if self.cache is not None and keep and request.num_computed:
-            prefix = request.prefix
-            start = len(prefix) if prefix is not None else 0
             known = min(request.num_computed, request.num_resolved)   # positions whose token is known
-            slots = np.concatenate([prefix.slots, owned]) if prefix is not None else owned
-            owned = np.concatenate([self.cache.insert(request.lora, request.token_ids(0, known), slots[:known], prefix),
+            owned = np.concatenate([self.cache.insert(request.lora, request.token_ids(0, known), slots[:known],
+                                                      request.prefix),
                                     slots[max(known, start):]])
         elif self.cache is not None:
             self.cache.release(request.prefix)
@@ -300,6 +299,15 @@ class Scheduler:
         _discard(self.waiting, request)
         self._retracted.discard(request.id)
         self._release(request)
+
+
+def _slots(request: Request) -> tuple[np.ndarray, int, np.ndarray]:
+    """(the KV slots the request owns, the position they start at, the slots of every position
+    from 0: its cached prefix's, then its own)."""
+    owned = np.concatenate(request.slots) if request.slots else np.empty(0, np.int64)
+    if request.prefix is None:
+        return owned, 0, owned
+    return owned, len(request.prefix), np.concatenate([request.prefix.slots, owned])
 
 
 def _discard(queue: deque[Request] | list[Request], request: Request) -> None:
