@@ -201,9 +201,7 @@ class EngineConfig:
     def use_compile(self) -> bool:
         if self.enforce_eager:
             return False
-        if self.compile is None:   # by default on GPUs, and wherever an artifact is given
-            return self.device.type == "cuda" or self.artifact is not None
-        return self.compile
+        return self.device.type == "cuda" if self.compile is None else self.compile
 
     @property
     def use_cuda_graphs(self) -> bool:
