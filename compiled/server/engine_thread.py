@@ -2,7 +2,7 @@
 
 Handlers submit requests (already tokenized, off the engine's thread) and read each one's
 progress from an asyncio queue; the thread steps the engine while any request is live and, after
-each step, hands every request its new tokens (and its text so far). The engine is not
+each step, hands every request its new tokens (the handlers make the text). The engine is not
 thread-safe: everything that touches it (adding, aborting, loading adapters, stepping) runs under
 one lock. A request whose client went away is aborted at once, which frees its KV slots."""
 
@@ -22,7 +22,6 @@ class Progress:
     """What a request has produced since its last report."""
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
-    text: str                   # all of the text so far
     finished: bool
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -118,8 +117,8 @@ class EngineThread:
             if not new and rid not in done:
                 continue
             logprobs = None if r.logprobs is None else list(r.logprobs[t.sent:])
-            progress = Progress(list(r.output_token_ids[t.sent:]), logprobs, r.text, rid in done,
-                                r.finish_reason, r.stop_reason)
+            progress = Progress(list(r.output_token_ids[t.sent:]), logprobs, rid in done, r.finish_reason,
+                                r.stop_reason)
             t.sent += new
             self.stats.generation_tokens += new
             if rid in done:

@@ -86,8 +86,8 @@ class Server:
         if text.stop_reason is None:
             return p
         self.engine.abort(request.id)
-        return Progress(p.token_ids[:kept], None if p.logprobs is None else p.logprobs[:kept], text.text, True,
-                        "stop", text.stop_reason)
+        return Progress(p.token_ids[:kept], None if p.logprobs is None else p.logprobs[:kept], True, "stop",
+                        text.stop_reason)
 
     def token_text(self, token: int) -> str:
         tok = self.llm.tokenizer
@@ -139,7 +139,6 @@ class TextSoFar:
                     self.text, self.stop_reason = hit
                     return j + 1
         return len(p.token_ids)
-
 
 
 def completion_logprobs(entries) -> dict:
