@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from pathlib import Path
 
@@ -22,15 +21,14 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def _prompt(length: int, vocab: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, vocab) for _ in range(length)]
+def _prompt(length: int, vocab: int) -> list[int]:
+    return core.random_ids(1, length, vocab, seed=length)[0]
 
 
 def check(llm: LLM, length: int, vocab: int, new_tokens: int) -> dict:
     """Prompt logprobs (the prompt token and the top one) and greedy tokens, CP against rank 0."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
-    prompt = _prompt(length, vocab, seed=length)
+    prompt = _prompt(length, vocab)
     steps_before = llm.engine.runner.cp.steps
     split, alone = core.with_and_without_cp(llm, lambda: llm.generate([prompt], params)[0])
     diffs = [abs(a[k] - b[k]) for a, b in zip(split.prompt_logprobs[1:], alone.prompt_logprobs[1:])
@@ -44,7 +42,7 @@ def check(llm: LLM, length: int, vocab: int, new_tokens: int) -> dict:
 def profile(llm: LLM, length: int, vocab: int, out_dir: str) -> dict:
     """torch.profiler over the prefill step of one prompt on rank 0, with the group and without:
     top kernels, the GPU's idle gaps and the host's CUDA calls (where rank 0 waits for a rank)."""
-    item = [core.Item(_prompt(length, vocab, seed=length), 1)]
+    item = [core.Item(_prompt(length, vocab), 1)]
 
     def one() -> dict:
         name = f"cp{llm.context_parallel if llm.engine.runner.cp else 1}_{length}"
@@ -76,7 +74,7 @@ def main() -> None:
     vocab = llm.engine.model_config.vocab_size
     try:
         for length in a.lengths:
-            row = core.ttft_beside_cp1(llm, [_prompt(length, vocab, seed=length)], a.iters)
+            row = core.ttft_beside_cp1(llm, [_prompt(length, vocab)], a.iters)
             cp, alone = row["ttft_ms"]["p50"], row["ttft_cp1_ms"]["p50"]
             res["ttft"].append({"length": length, "ttft_cp_ms": cp, "ttft_cp1_ms": alone, "speedup": alone / cp})
             print(f"len {length:6d}  CP={a.cp} {cp:9.2f} ms  CP=1 {alone:9.2f} ms  speedup {alone / cp:5.2f}x",
