@@ -42,8 +42,8 @@ bench() {   # bench NAME [flags...]; then the engine's mean step time during it
       "$out/$name.json"
   fi
 }
-random_10=(--num-prompts $((100 / s)) --input-len $((2048 / s)) --output-len $((1024 / s)) --max-concurrency 10)
-mixed_96=(--num-prompts $((400 / s)) --input-len $((256 / s)) --input-len-max $((1024 / s))
+random_10=(--num-prompts $((60 / s)) --input-len $((2048 / s)) --output-len $((1024 / s)) --max-concurrency 10)
+mixed_96=(--num-prompts $((300 / s)) --input-len $((256 / s)) --input-len-max $((1024 / s))
           --output-len $((600 / s)) --output-len-max $((1200 / s)) --max-concurrency 96)
 shared_32=(--num-prompts $((128 / s)) --shared-prefix-len $((1000 / s)) --input-len $((64 / s))
            --output-len $((128 / s)) --max-concurrency 32)

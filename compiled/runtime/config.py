@@ -39,6 +39,10 @@ class EngineConfig:
     max_num_seqs: int = 256
     # Token budget of one step; longer prompts are prefilled in chunks of at most this many.
     max_num_batched_tokens: int = 8192
+    # A step that also decodes prefills at most this many prompt tokens, so that one long prompt
+    # (or several admitted at once) does not stall every running request for a whole 8k chunk
+    # (SGLang's chunked-prefill size, vLLM's long_prefill_token_threshold); None: no cap.
+    max_mixed_prefill_tokens: int | None = 2048
     # Explicit KV budget in tokens; when None it is sized from memory (see runtime/memory.py).
     kv_cache_tokens: int | None = None
     # Fraction of the GPU's memory the engine may use in all (weights + KV + activations).
@@ -218,7 +222,7 @@ class EngineConfig:
 _INT_AT_LEAST = dict(max_num_seqs=1, max_num_batched_tokens=1, max_cuda_graph_batch=1, max_piecewise_tokens=1,
                      cpu_kv_cache_bytes=1, logits_chunk=1, max_lora_rank=1, max_loras_per_batch=1,
                      context_parallel_size=1, cp_min_tokens=1)
-_OPTIONAL_INT_AT_LEAST = dict(max_model_len=2, kv_cache_tokens=1, max_loaded_loras=1)
+_OPTIONAL_INT_AT_LEAST = dict(max_model_len=2, kv_cache_tokens=1, max_loaded_loras=1, max_mixed_prefill_tokens=1)
 _SEQUENCES = ("passes", "splitting_ops", "cuda_graph_buckets", "piecewise_buckets")
 
 

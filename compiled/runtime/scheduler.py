@@ -51,11 +51,13 @@ class Batch:
 
 class Scheduler:
     def __init__(self, kv: KVPool, req_pool: ReqToTokenPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefix_cache: bool = False) -> None:
+                 prefix_cache: bool = False, max_mixed_prefill_tokens: int | None = None) -> None:
         self.kv, self.req_pool = kv, req_pool
         # Finished requests' K/V, reused by requests that start with the same tokens (None: off).
         self.cache = PrefixCache(kv) if prefix_cache else None
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        # Prompt tokens a step that also decodes may compute (None: the whole budget).
+        self.max_mixed_prefill_tokens = max_mixed_prefill_tokens
         self.waiting: deque[Request] = deque()
         # Whether the head of the queue may be admitted now, besides KV and rows (the engine's
         # adapter slots); it may prepare the request for running when it says yes.
@@ -74,25 +76,28 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         budget = self.max_num_batched_tokens
         self._retract_for_decode(budget)
+        prefill_budget = self._prefill_budget(budget)
         chunks: list[Chunk] = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed, budget)
-            slots = self._alloc_or_retract(i, n)
+            decoding = self._decoding(request)
+            n = min(request.num_tokens - request.num_computed, budget if decoding else min(budget, prefill_budget))
+            slots = self._alloc_or_retract(i, n) if n > 0 else None
             if slots is None:
                 if i < len(self.running) and self.running[i] is request:
-                    i += 1  # a prefill waiting for free slots, keeping its KV
+                    i += 1  # a prefill waiting for free slots or for a step with prefill budget left
                 continue    # else `request` itself was retracted
             chunks.append(self._chunk(request, len(slots), slots))
             budget -= len(slots)
+            prefill_budget -= 0 if decoding else len(slots)
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if self._waits_for_prompt(request):
                 break
             prefix = self._cached_prefix(request)
-            n = min(request.num_tokens - (len(prefix) if prefix else 0), budget)
+            n = min(request.num_tokens - (len(prefix) if prefix else 0), budget, prefill_budget)
             if not self._fits(request, n) or self.req_pool.num_free == 0 or not self.admit(request):
                 # (admit: e.g. its adapter has no free slot: FCFS, later ones wait too)
                 if self.cache is not None:
@@ -109,6 +114,7 @@ class Scheduler:
             chunks.append(self._chunk(request, n, self._alloc(n)))
             chunks[-1].readmitted, chunks[-1].admitted = readmitted, True
             budget -= n
+            prefill_budget -= n
         if not chunks and self.running:
             # Every running request is a prefill waiting for room: the oldest takes what is free,
             # and with nothing free the cheapest gives way to the others.
@@ -119,6 +125,15 @@ class Scheduler:
             self.retract(self._victim(self.running))
             return type(self).schedule(self)
         return Batch(chunks) if chunks else None
+
+    def _prefill_budget(self, budget: int) -> int:
+        """Prompt tokens this step may compute: all of `budget`, or the mixed-step cap when some
+        running request decodes (a long prefill beside decodes lengthens every one of their
+        inter-token gaps; alone, it may take the whole budget)."""
+        cap = self.max_mixed_prefill_tokens
+        if cap is None or not any(self._decoding(r) for r in self.running):
+            return budget
+        return min(cap, budget)
 
     def schedule_decode(self) -> Batch | None:
         """One token for every running request, nothing admitted and nothing retracted: the step
