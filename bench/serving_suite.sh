@@ -21,7 +21,11 @@ serve() {   # serve NAME [flags...]: start a server, wait until it answers
   local name=$1; shift
   python -m cli.main serve $model "${load[@]}" --port "$port" ${SERVE_FLAGS:-} "$@" > "$out/serve_$name.log" 2>&1 &
   server=$!
-  for _ in $(seq 600); do curl -sf "$url/health" > /dev/null && return 0; sleep 1; done
+  for _ in $(seq 600); do
+    curl -sf "$url/health" > /dev/null && return 0
+    kill -0 "$server" 2> /dev/null || break   # it exited: no point waiting
+    sleep 1
+  done
   echo "server $name did not start"; tail -5 "$out/serve_$name.log"; return 1
 }
 stop() { kill -TERM "$server"; wait "$server"; echo "server exited with $?"; }
