@@ -46,7 +46,7 @@ bench() {   # bench NAME [flags...]; then the engine's mean step time during it
       "$out/$name.json"
   fi
 }
-random_10=(--num-prompts $((60 / s)) --input-len $((2048 / s)) --output-len $((1024 / s)) --max-concurrency 10)
+random_10=(--num-prompts $((40 / s)) --input-len $((2048 / s)) --output-len $((1024 / s)) --max-concurrency 10)
 mixed_96=(--num-prompts $((300 / s)) --input-len $((256 / s)) --input-len-max $((1024 / s))
           --output-len $((600 / s)) --output-len-max $((1200 / s)) --max-concurrency 96)
 shared_32=(--num-prompts $((128 / s)) --shared-prefix-len $((1000 / s)) --input-len $((64 / s))

@@ -230,12 +230,17 @@ class LLM:
     def load_lora(self, name: str, path: str, pinned: bool = False) -> None:
         """Load the PEFT adapter at `path` under `name` into the CPU tier; requests name it in
         `generate(..., lora=)`. A pinned adapter is never evicted from the CPU tier."""
+        self.add_lora(self.read_lora(name, path), pinned)
+
+    def read_lora(self, name: str, path: str):
+        """The PEFT adapter at `path`, read and checked against the model but not yet served
+        (`add_lora` serves it); touches no engine state, so it may run beside a step."""
         if self.engine.loras is None:
             raise ConfigError("LoRA is off: start the LLM with enable_lora=True (or lora_modules) to load adapters")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"adapter name {name!r}: expected a non-empty string")
         from compiled.lora.adapter import load_adapter
-        self.add_lora(load_adapter(name, path, self.model_config, self.config.max_lora_rank), pinned)
+        return load_adapter(name, path, self.model_config, self.config.max_lora_rank)
 
     def add_lora(self, adapter, pinned: bool = False) -> None:
         """Serve an adapter already in memory (`compiled.lora.Adapter`, e.g. `lora.random_adapter`)."""

@@ -27,6 +27,7 @@ class Node:
     children: dict[int, Node] = field(default_factory=dict)
     refs: int = 0
     last_used: int = 0
+    queued: bool = False      # has an entry in the eviction heap (maybe stale; see `evict`)
 
 
 @dataclass
@@ -48,6 +49,10 @@ class PrefixCache:
         self.queried = 0             # prompt tokens looked up, and found
         self.hit = 0
         self._clock = itertools.count(1)
+        # Unlocked leaves by (last_used, id): every one has an entry, so evicting needs no tree walk.
+        # Entries are left to go stale (the leaf gets a child, is locked or used again) rather than
+        # searched for and removed; `evict` skips or re-keys them when they surface.
+        self._leaves: list[tuple[int, int, Node]] = []
 
     @property
     def num_evictable(self) -> int:
@@ -117,6 +122,7 @@ class PrefixCache:
                 child = Node(tuple(tokens[i:]), slots[i:].copy(), parent=node, last_used=now)
                 node.children[tokens[i]] = child
                 self.num_cached += len(child.slots)
+                self._offer(child)
                 return child, held
             k = _common(child.tokens, tokens, i)
             if k < len(child.tokens):
@@ -131,18 +137,23 @@ class PrefixCache:
 
     def evict(self, n: int) -> None:
         """Free at least `n` slots (as many as there are unlocked) from least recently used leaves."""
-        leaves = [(x.last_used, id(x), x) for x in self._nodes() if not x.children and x.refs == 0]
-        heapq.heapify(leaves)
         freed = 0
-        while freed < n and leaves:
-            _, _, leaf = heapq.heappop(leaves)
+        while freed < n and self._leaves:
+            used, _, leaf = heapq.heappop(self._leaves)
+            leaf.queued = False
+            if leaf.children or leaf.refs:
+                continue            # not evictable now; `_offer` queues it again once it is
+            if used != leaf.last_used:
+                # Used since it was queued. Times only grow, so every key is at most its node's
+                # time, and the first up-to-date entry popped is the least recently used leaf.
+                self._offer(leaf)
+                continue
             parent = leaf.parent
             del parent.children[leaf.tokens[0]]
             self.kv.free(leaf.slots)
             self.num_cached -= len(leaf.slots)
             freed += len(leaf.slots)
-            if parent.parent is not None and not parent.children and parent.refs == 0:
-                heapq.heappush(leaves, (parent.last_used, id(parent), parent))
+            self._offer(parent)
 
     def drop(self, adapter: str | None) -> None:
         """Forget every prefix of `adapter` (its weights changed or are gone); none may be locked."""
@@ -156,15 +167,12 @@ class PrefixCache:
             self.kv.free(node.slots)
             self.num_cached -= len(node.slots)
             stack += node.children.values()
+            node.parent = None      # marks it gone, for the filter below
+        # Their slots are free already, so their entries must never surface in `evict`.
+        self._leaves = [e for e in self._leaves if e[2].parent is not None]
+        heapq.heapify(self._leaves)
 
     # ---- internals -----------------------------------------------------------------------------
-
-    def _nodes(self):
-        stack = [c for root in self.roots.values() for c in root.children.values()]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack += node.children.values()
 
     def _split(self, node: Node, k: int) -> Node:
         """Cut `node` after its first k tokens; the upper part (returned) takes its place."""
@@ -177,13 +185,22 @@ class PrefixCache:
     def _lock(self, node: Node, delta: int) -> None:
         now = next(self._clock)
         while node is not None and node.parent is not None:
+            node.last_used = now  # first, so that `_offer` queues it under its new time
             if node.refs == 0 and delta > 0:
                 self.num_locked += len(node.slots)
             node.refs += delta
             if node.refs == 0 and delta < 0:
                 self.num_locked -= len(node.slots)
-            node.last_used = now
+                self._offer(node)
             node = node.parent
+
+    def _offer(self, node: Node) -> None:
+        """Queue `node` for eviction if it is an unlocked leaf (a root never is). At most one entry
+        per node keeps the heap no bigger than the tree; an entry whose node was used since is
+        re-keyed by `evict` when it surfaces."""
+        if not node.queued and node.parent is not None and not node.children and node.refs == 0:
+            node.queued = True
+            heapq.heappush(self._leaves, (node.last_used, id(node), node))
 
 
 def _joined(parts: list[np.ndarray]) -> np.ndarray:

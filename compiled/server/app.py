@@ -82,9 +82,9 @@ def create_app(server: Server) -> FastAPI:
             raise bad("lora_path", "expected a folder path")
         if name in server.llm.loras:
             raise APIError(409, f"lora_name: adapter {name!r} is already loaded", "lora_name")
-        try:
-            with server.engine.lock:
-                server.llm.load_lora(name, path)
+        try:   # the files are read off both the event loop and the engine's thread
+            adapter = await asyncio.to_thread(server.llm.read_lora, name, path)
+            await asyncio.wrap_future(server.engine.call(lambda: server.llm.add_lora(adapter)))
         except CompiledError as e:
             raise APIError(400, str(e), "lora_path") from None
         return PlainTextResponse(f"adapter {name!r} loaded")
@@ -96,8 +96,7 @@ def create_app(server: Server) -> FastAPI:
         if name not in server.llm.loras:
             raise APIError(404, f"lora_name: no adapter {name!r} is loaded", "lora_name")
         try:
-            with server.engine.lock:
-                server.llm.unload_lora(name)
+            await asyncio.wrap_future(server.engine.call(lambda: server.llm.unload_lora(name)))
         except CompiledError as e:
             raise APIError(400, str(e), "lora_name") from None
         return PlainTextResponse(f"adapter {name!r} unloaded")

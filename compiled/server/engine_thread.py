@@ -1,20 +1,28 @@
 """The engine on a thread of its own, fed by the HTTP handlers.
 
-Handlers submit requests (already tokenized, off the engine's thread) and read each one's
-progress from an asyncio queue; the thread steps the engine while any request is live and, after
-each step, hands every request its new tokens (the handlers make the text). The engine is not
-thread-safe: everything that touches it (adding, aborting, loading adapters, stepping) runs under
-one lock. A request whose client went away is aborted at once, which frees its KV slots."""
+Handlers never wait for the engine: they post work (a new request, an abort, an adapter to add)
+to an inbox that the engine's thread empties between steps, and read each request's progress from
+an asyncio queue. A lock around the engine instead would stall the whole event loop for as long
+as a step runs, and a thread that re-takes it at once can hold it for many steps in a row (locks
+are not fair), so streams would stall for seconds. The engine is not thread-safe: only its thread
+touches it. A request whose client went away is aborted at once, which frees its KV slots."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from compiled.errors import RequestError
 from compiled.runtime.llm import LLM
 from compiled.runtime.request import Request
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,9 +56,9 @@ class Stats:
 class EngineThread:
     def __init__(self, llm: LLM) -> None:
         self.llm, self.engine = llm, llm.engine
-        self.lock = threading.Lock()
-        self._wake = threading.Condition(self.lock)
-        self._tracked: dict[int, _Tracked] = {}
+        self._inbox: deque[Callable[[], None]] = deque()   # run by the engine's thread, in order
+        self._work = threading.Event()                      # set when the inbox gets something
+        self._tracked: dict[int, _Tracked] = {}             # the engine's thread's only
         self._stopping = False
         self.stats = Stats()
         self._thread = threading.Thread(target=self._run, name="compiled-engine", daemon=True)
@@ -59,54 +67,89 @@ class EngineThread:
         self._thread.start()
 
     def stop(self) -> None:
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
+        """Finish every request already submitted, then end the thread."""
+        self._stopping = True
+        self._work.set()
         self._thread.join(timeout=30)
 
-    # ---- called by the handlers (event loop thread) -------------------------------------------
+    # ---- called by the handlers (event loop thread); none of these waits for a step -----------
+
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run `fn()` on the engine's thread between two steps; its result (or error) in the future."""
+        future: Future = Future()
+
+        def run() -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:
+                    future.set_exception(e)
+        self._post(run)
+        return future
 
     def submit(self, requests: list[Request]) -> list[asyncio.Queue]:
         """Queue `requests` (made by `engine.make_request`); one asyncio queue of Progress each."""
         loop = asyncio.get_running_loop()
-        queues = []
-        with self._wake:
-            for r in requests:
-                q: asyncio.Queue = asyncio.Queue()
-                self._tracked[r.id] = _Tracked(r, q, loop)
-                self.engine.add(r)
-                queues.append(q)
-            self._wake.notify()
-        return queues
+        tracked = [_Tracked(r, asyncio.Queue(), loop) for r in requests]
+        self._post(lambda: self._add(tracked))
+        return [t.queue for t in tracked]
 
     def abort(self, request_id: int) -> None:
-        with self._wake:
-            if self._tracked.pop(request_id, None) is not None:
-                self.engine.abort(request_id)
+        self._post(lambda: self._abort(request_id))
 
     def counts(self) -> tuple[int, int]:
-        """(running, waiting) requests."""
-        with self.lock:
-            return len(self.engine.scheduler.running), len(self.engine.scheduler.waiting)
+        """(running, waiting) requests, as the engine's thread last left them (reading a length
+        needs no lock)."""
+        scheduler = self.engine.scheduler
+        return len(scheduler.running), len(scheduler.waiting)
+
+    def _post(self, work: Callable[[], None]) -> None:
+        self._inbox.append(work)
+        self._work.set()
 
     # ---- the engine's thread -------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
-            with self._wake:
-                while not self._stopping and not self.engine.has_work:
-                    self._wake.wait()
-                if self._stopping and not self.engine.has_work:
+            self._work.clear()   # before emptying the inbox: a post after this sets it again
+            self._empty_inbox()
+            if not self.engine.has_work:
+                if self._stopping:
                     return
-                start = time.perf_counter()
-                try:
-                    finished = self.engine.step()
-                except Exception as e:   # the step was rolled back: fail its requests, keep serving
-                    self._fail_all(e)
-                    continue
-                self.stats.steps += 1
-                self.stats.step_seconds += time.perf_counter() - start
-                self._report(finished)
+                self._work.wait()
+                continue
+            start = time.perf_counter()
+            try:
+                finished = self.engine.step()
+            except Exception as e:   # the step was rolled back: fail its requests, keep serving
+                self._fail_all(e)
+                continue
+            self.stats.steps += 1
+            self.stats.step_seconds += time.perf_counter() - start
+            self._report(finished)
+
+    def _empty_inbox(self) -> None:
+        while self._inbox:
+            work = self._inbox.popleft()
+            try:
+                work()
+            except Exception:   # one bad item must not end the thread every request depends on
+                log.exception("engine thread: a posted call failed")
+
+    def _add(self, tracked: list[_Tracked]) -> None:
+        loras = self.engine.loras
+        for t in tracked:
+            r = t.request
+            if r.lora is not None and (loras is None or r.lora not in loras):
+                # unloaded between the handler's check and now
+                _deliver({t.loop: [(t.queue, RequestError(f"adapter {r.lora!r} was unloaded"))]})
+                continue
+            self._tracked[r.id] = t
+            self.engine.add(r)
+
+    def _abort(self, request_id: int) -> None:
+        if self._tracked.pop(request_id, None) is not None:
+            self.engine.abort(request_id)
 
     def _report(self, finished: list[Request]) -> None:
         done = {r.id for r in finished}

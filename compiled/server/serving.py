@@ -62,13 +62,12 @@ class Server:
         if self.max_queued is not None and self.engine.counts()[1] >= self.max_queued:
             raise APIError(503, f"the queue is full ({self.max_queued} requests wait: --max-queued-requests)")
         requests = []
-        with self.engine.lock:
-            try:
-                for i, ids in enumerate(prompts):
-                    for params in s.params:
-                        requests.append(self.llm.engine.make_request(i, ids, params, adapter, detokenize=False))
-            except RequestError as e:
-                raise APIError(400, str(e), "prompt") from None
+        try:   # make_request only validates and reads settings: safe beside a running step
+            for i, ids in enumerate(prompts):
+                for params in s.params:
+                    requests.append(self.llm.engine.make_request(i, ids, params, adapter, detokenize=False))
+        except RequestError as e:
+            raise APIError(400, str(e), "prompt") from None
         return requests, self.engine.submit(requests)
 
     def texts(self, requests) -> list[TextSoFar]:

@@ -4,15 +4,17 @@ under retraction and eviction, and with adapters (a prompt under two adapters sh
 
 from __future__ import annotations
 
+import heapq
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from compiled import LLM, SamplingParams
 from compiled.attention.kv_cache import KVPool
 from compiled.demo import MOE_ADAPTERS
-from compiled.runtime.prefix_cache import PrefixCache
+from compiled.runtime.prefix_cache import Node, PrefixCache
 
 
 def _pool(n: int = 64) -> KVPool:
@@ -48,6 +50,116 @@ def test_eviction_takes_least_recently_used_leaves_first():
     cache.release(cache.match(None, [10, 1, 2]))                  # 10 used last
     cache.evict(3)
     assert cache.match(None, [20, 1]) is None and cache.match(None, [10, 1]) is not None
+
+
+class _ScanEvictCache(PrefixCache):
+    """The oracle: eviction as it was before the cache kept its leaves in a heap, a scan of the
+    whole tree for unlocked leaves on every call."""
+
+    def evict(self, n: int) -> None:
+        leaves = [(x.last_used, id(x), x) for x in _tree(self) if not x.children and x.refs == 0]
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < n and leaves:
+            _, _, leaf = heapq.heappop(leaves)
+            parent = leaf.parent
+            del parent.children[leaf.tokens[0]]
+            self.kv.free(leaf.slots)
+            self.num_cached -= len(leaf.slots)
+            freed += len(leaf.slots)
+            if parent.parent is not None and not parent.children and parent.refs == 0:
+                heapq.heappush(leaves, (parent.last_used, id(parent), parent))
+
+
+def _tree(cache: PrefixCache) -> list[Node]:
+    stack = [c for root in cache.roots.values() for c in root.children.values()]
+    nodes = []
+    while stack:
+        nodes.append(stack.pop())
+        stack += nodes[-1].children.values()
+    return nodes
+
+
+def _snapshot(node: Node) -> tuple:
+    return (node.tokens, tuple(node.slots), node.refs, node.last_used,
+            tuple(_snapshot(node.children[t]) for t in sorted(node.children)))
+
+
+def _drive(cache: PrefixCache, seed: int, steps: int = 1500) -> list:
+    """Random requests against `cache` as the scheduler makes them (match, adopt, insert or
+    abort, touch, evict for room, drop an idle adapter); the log of every step: the slots freed,
+    in order, how many of them evicted, and the tree. The draws depend on the cache's state, so
+    two caches give the same log only while they behave the same."""
+    rng, kv, log = random.Random(seed), cache.kv, []
+    running: list[list] = []    # each request's [adapter, tokens, slots, prefix]
+    freed: list[int] = []
+    free = kv.free
+    kv.free = lambda slots: (freed.extend(slots.tolist()), free(slots))
+    evicted = 0
+
+    def evict(n: int) -> None:
+        nonlocal evicted
+        before = cache.num_cached
+        cache.evict(n)
+        evicted += before - cache.num_cached
+
+    def alloc(n: int) -> np.ndarray | None:
+        if kv.num_free < n:
+            evict(n - kv.num_free)
+        return kv.alloc(n)
+
+    for _ in range(steps):
+        op = rng.choices("raftde", weights=[6, 2, 9, 6, 0.2, 1])[0]
+        adapter = rng.choice([None, None, "x", "y"])
+        tokens = [rng.randrange(3) for _ in range(rng.randint(1, 12))]
+        if op == "r":                                   # a request starts from its cached prefix
+            prefix = cache.match(adapter, tokens[:-1])
+            own = alloc(len(tokens) - (len(prefix) if prefix else 0))
+            if own is None:
+                cache.release(prefix)
+            else:
+                slots = np.concatenate([prefix.slots, own]) if prefix else own
+                running.append([adapter, tokens, slots, prefix])
+        elif op == "a" and running:                     # ... shares its prompt while running
+            r = rng.choice(running)
+            r[3], dup, _ = cache.adopt(r[0], r[1], r[2], r[3])
+            kv.free(dup)
+            r[2] = r[3].slots
+        elif op == "f" and running:                     # ... finishes (kept, with decoded tokens) or aborts
+            r = running.pop(rng.randrange(len(running)))
+            start = len(r[3]) if r[3] else 0
+            extra = [rng.randrange(3) for _ in range(rng.randint(0, 4))]
+            more = alloc(len(extra)) if extra else np.empty(0, np.int64)
+            if rng.random() < 0.8 and more is not None:
+                kv.free(cache.insert(r[0], r[1] + extra, np.concatenate([r[2], more]), r[3]))
+            else:
+                cache.release(r[3])
+                kv.free(r[2][start:])
+                if more is not None:
+                    kv.free(more)
+        elif op == "t":                                 # a lookup refreshes a path
+            cache.release(cache.match(adapter, tokens))
+        elif op == "e":
+            evict(rng.randint(1, 24))
+        elif op == "d" and all(r[0] != adapter for r in running):
+            cache.drop(adapter)
+        nodes = _tree(cache)
+        owned = sum(len(r[2]) - (len(r[3]) if r[3] else 0) for r in running)
+        assert kv.num_free + cache.num_cached + owned == kv.num_slots       # no slot lost or freed twice
+        assert cache.num_cached == sum(len(x.slots) for x in nodes)
+        assert cache.num_evictable == sum(len(x.slots) for x in nodes if x.refs == 0)
+        log.append((op, tuple(freed), evicted, {a: _snapshot(root) for a, root in cache.roots.items()}))
+        freed.clear()
+        evicted = 0
+    return log
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_eviction_order_matches_a_full_scan_over_random_requests(seed):
+    ours, oracle = _drive(PrefixCache(_pool(128)), seed), _drive(_ScanEvictCache(_pool(128)), seed)
+    assert sum(evicted for _, _, evicted, _ in ours) > 1000          # the pool is tight: eviction is frequent
+    for step, (a, b) in enumerate(zip(ours, oracle)):
+        assert a == b, f"step {step}"
 
 
 PARAMS = [SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True),
