@@ -10,7 +10,7 @@
 # lengths (e.g. SCALE=32 MODEL= for the demo model on a CPU); SERVE_FLAGS go to `compiled serve`.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
 model=${MODEL-bench/configs/qwen3-30b-a3b}
 load=(); [ -n "$model" ] && load=(--load-format dummy)
 s=${SCALE:-1}
