@@ -39,10 +39,12 @@ class EngineConfig:
     max_num_seqs: int = 256
     # Token budget of one step; longer prompts are prefilled in chunks of at most this many.
     max_num_batched_tokens: int = 8192
-    # A step that also decodes prefills at most this many prompt tokens, so that one long prompt
-    # (or several admitted at once) does not stall every running request for a whole 8k chunk
-    # (SGLang's chunked-prefill size, vLLM's long_prefill_token_threshold); None: no cap.
-    max_mixed_prefill_tokens: int | None = 2048
+    # A step that also decodes carries at most this many tokens in all (its decodes and prompt
+    # chunks), so that admitted prompts do not stall every running request for a whole
+    # `max_num_batched_tokens` chunk (SGLang's chunked-prefill size, vLLM's
+    # long_prefill_token_threshold). None: `max_piecewise_tokens`, so that such a step replays the
+    # piecewise CUDA graphs. With as many requests decoding as this, new prompts wait for some to end.
+    max_mixed_step_tokens: int | None = None
     # Explicit KV budget in tokens; when None it is sized from memory (see runtime/memory.py).
     kv_cache_tokens: int | None = None
     # Fraction of the GPU's memory the engine may use in all (weights + KV + activations).
@@ -134,8 +136,9 @@ class EngineConfig:
             # Checked here too (runtime/memory.py checks every size) so it fails before loading.
             raise kv_cache_too_small(self.kv_cache_tokens, max_len, f"kv_cache_tokens={self.kv_cache_tokens}",
                                      f"raise kv_cache_tokens to at least {max_len}")
+        mixed = self.max_piecewise_tokens if self.max_mixed_step_tokens is None else self.max_mixed_step_tokens
         return dataclasses.replace(self, device=device, dtype=resolve_dtype(self.dtype, device),
-                                   max_model_len=max_len)
+                                   max_model_len=max_len, max_mixed_step_tokens=mixed)
 
     def validate(self) -> None:
         """Every field's type and range; the first bad one is a ConfigError naming it, its value and
@@ -222,7 +225,7 @@ class EngineConfig:
 _INT_AT_LEAST = dict(max_num_seqs=1, max_num_batched_tokens=1, max_cuda_graph_batch=1, max_piecewise_tokens=1,
                      cpu_kv_cache_bytes=1, logits_chunk=1, max_lora_rank=1, max_loras_per_batch=1,
                      context_parallel_size=1, cp_min_tokens=1)
-_OPTIONAL_INT_AT_LEAST = dict(max_model_len=2, kv_cache_tokens=1, max_loaded_loras=1, max_mixed_prefill_tokens=1)
+_OPTIONAL_INT_AT_LEAST = dict(max_model_len=2, kv_cache_tokens=1, max_loaded_loras=1, max_mixed_step_tokens=1)
 _SEQUENCES = ("passes", "splitting_ops", "cuda_graph_buckets", "piecewise_buckets")
 
 

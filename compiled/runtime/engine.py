@@ -56,7 +56,7 @@ class Engine:
                          cfg.dtype, cfg.device)
         self.req_pool = ReqToTokenPool(cfg.max_num_seqs, cfg.max_model_len, cfg.device)
         self.scheduler = Scheduler(self.kv, self.req_pool, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   cfg.enable_prefix_caching, cfg.max_mixed_prefill_tokens)
+                                   cfg.enable_prefix_caching, cfg.max_mixed_step_tokens)
         self.runner = ModelRunner(model, cfg, self.kv, self.req_pool, lora_model)
         # lora_buffers: the module that names the LoRA buffers (the LoRA graph before compilation).
         self.loras = None if lora_model is None else LoRAPool(lora_buffers or lora_model, mcfg, cfg.max_lora_rank,
@@ -148,7 +148,17 @@ class Engine:
             seconds["capture"] = self.runner.capture_graphs(self.graph_buckets())
         if self.runner.is_compiled and self.piecewise_buckets():
             seconds["capture_piecewise"] = self.runner.capture_piecewise(self.piecewise_buckets())
+            if self.unbucketed_sizes():
+                seconds["warm_up_long"] = self.runner.warm_up(self.unbucketed_sizes())
         return seconds
+
+    def unbucketed_sizes(self) -> list[int]:
+        """Step sizes to run once at start, beyond the largest piecewise bucket, where steps run
+        unpadded without graphs: each kind of kernel specialisation they meet (a token count that
+        is or is not a multiple of 16, near the bucket and at the budget, which pick different
+        tuned MoE tiles), so that no kernel is compiled while requests wait."""
+        largest, budget = self.piecewise_buckets()[-1], self.cfg.max_num_batched_tokens
+        return sorted(n for n in {largest + 1, largest + 16, budget - 1, budget} if largest < n <= budget)
 
     def piecewise_buckets(self) -> list[int]:
         limit = self.cfg.max_num_batched_tokens

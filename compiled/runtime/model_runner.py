@@ -9,6 +9,7 @@ token count has a bucket."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -108,6 +109,17 @@ class ModelRunner:
                 raise
             seconds += graphs.capture_seconds
         return seconds
+
+    def warm_up(self, sizes: list[int]) -> float:
+        """A padding-only batch of each of `sizes` tokens through each model (the compiles and
+        tuned-config loads those step sizes need); returns the seconds it took."""
+        start = time.perf_counter()
+        for lora in (False, True) if self.lora_model is not None else (False,):
+            for tokens in sizes:
+                self._padding_only(tokens, lora)
+        if self.cfg.device.type == "cuda":
+            torch.cuda.synchronize(self.cfg.device)
+        return time.perf_counter() - start
 
     def _model(self, lora: bool) -> nn.Module:
         return self.lora_model if lora else self.model

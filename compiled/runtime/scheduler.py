@@ -51,13 +51,13 @@ class Batch:
 
 class Scheduler:
     def __init__(self, kv: KVPool, req_pool: ReqToTokenPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefix_cache: bool = False, max_mixed_prefill_tokens: int | None = None) -> None:
+                 prefix_cache: bool = False, max_mixed_step_tokens: int | None = None) -> None:
         self.kv, self.req_pool = kv, req_pool
         # Finished requests' K/V, reused by requests that start with the same tokens (None: off).
         self.cache = PrefixCache(kv) if prefix_cache else None
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        # Prompt tokens a step that also decodes may compute (None: the whole budget).
-        self.max_mixed_prefill_tokens = max_mixed_prefill_tokens
+        # Tokens in all of a step that also decodes (None: the whole budget).
+        self.max_mixed_step_tokens = max_mixed_step_tokens
         self.waiting: deque[Request] = deque()
         # Whether the head of the queue may be admitted now, besides KV and rows (the engine's
         # adapter slots); it may prepare the request for running when it says yes.
@@ -127,13 +127,14 @@ class Scheduler:
         return Batch(chunks) if chunks else None
 
     def _prefill_budget(self, budget: int) -> int:
-        """Prompt tokens this step may compute: all of `budget`, or the mixed-step cap when some
-        running request decodes (a long prefill beside decodes lengthens every one of their
-        inter-token gaps; alone, it may take the whole budget)."""
-        cap = self.max_mixed_prefill_tokens
-        if cap is None or not any(self._decoding(r) for r in self.running):
+        """Prompt tokens this step may compute: all of `budget`, or, when some running requests
+        decode, what the mixed-step cap leaves beside their tokens (a long prefill beside decodes
+        lengthens every one of their inter-token gaps; alone, it may take the whole budget)."""
+        cap = self.max_mixed_step_tokens
+        decoding = sum(1 for r in self.running if self._decoding(r))
+        if cap is None or not decoding:
             return budget
-        return min(cap, budget)
+        return max(min(cap, budget) - decoding, 0)
 
     def schedule_decode(self) -> Batch | None:
         """One token for every running request, nothing admitted and nothing retracted: the step

@@ -1,6 +1,6 @@
-"""The mixed-step prefill cap: while some request decodes, a step prefills at most
-`max_mixed_prefill_tokens` prompt tokens; with nothing decoding a prompt takes the whole budget.
-Outputs do not depend on the cap."""
+"""The mixed-step cap: while some requests decode, a step carries at most `max_mixed_step_tokens`
+tokens in all, their decodes first; with nothing decoding a prompt takes the whole budget, and
+with as many decoding as the cap, prompts wait. Outputs do not depend on the cap."""
 
 from __future__ import annotations
 
@@ -32,22 +32,22 @@ def _step(s: Scheduler) -> list[tuple[int, int, int]]:
 
 def test_prefill_beside_decodes_is_capped():
     kv = KVPool(1, 64, 1, 4, torch.float32, torch.device("cpu"))
-    s = Scheduler(kv, ReqToTokenPool(8, 64, torch.device("cpu")), 8, 16, max_mixed_prefill_tokens=5)
+    s = Scheduler(kv, ReqToTokenPool(8, 64, torch.device("cpu")), 8, 16, max_mixed_step_tokens=6)
     s.add(Request(id=0, prompt=None, prompt_token_ids=[1] * 3, params=_greedy(3)))
     assert _step(s) == [(0, 0, 3)]
     s.add(Request(id=1, prompt=None, prompt_token_ids=[1] * 20, params=_greedy(2)))
     s.add(Request(id=2, prompt=None, prompt_token_ids=[1] * 4, params=_greedy(2)))
-    assert _step(s) == [(0, 3, 1), (1, 0, 5)]                 # 5 prompt tokens, not 15
+    assert _step(s) == [(0, 3, 1), (1, 0, 5)]                 # 1 + 5 tokens, not 1 + 15
     assert _step(s) == [(0, 4, 1), (1, 5, 5)]                 # request 0 finishes
     assert _step(s) == [(1, 10, 10), (2, 0, 4)]               # nothing decodes: the whole budget
     assert _step(s) == [(1, 20, 1), (2, 4, 1)]
 
 
-@pytest.mark.parametrize("cap", [1, 7])
+@pytest.mark.parametrize("cap", [1, 7])   # 1: no prompt runs beside a decode
 def test_outputs_do_not_depend_on_the_cap(cap):
     prompts = [[5, 9, 2], list(range(3, 40)), [11] * 17, list(range(60, 85))]
     params = [_greedy(n) for n in (12, 4, 9, 6)]
     engine = dict(device="cpu", dtype="float32", max_model_len=64, max_num_batched_tokens=32)
-    capped = LLM(MOE_MODEL, max_mixed_prefill_tokens=cap, **engine).generate(prompts, params)
-    free = LLM(MOE_MODEL, max_mixed_prefill_tokens=None, **engine).generate(prompts, params)
+    capped = LLM(MOE_MODEL, max_mixed_step_tokens=cap, **engine).generate(prompts, params)
+    free = LLM(MOE_MODEL, max_mixed_step_tokens=None, **engine).generate(prompts, params)
     assert [o.token_ids for o in capped] == [o.token_ids for o in free]
