@@ -38,9 +38,22 @@ async def _next(queue: asyncio.Queue, http: HTTPRequest):
             if await http.is_disconnected():
                 return None
             continue
+        item = _with_queued(item, queue)
         if isinstance(item, Exception):
             raise APIError(500, f"the engine failed this request: {item}")
         return item
+
+
+def _with_queued(item, queue: asyncio.Queue):
+    """`item` merged with the reports already waiting behind it: a front end that has fallen behind
+    the engine handles (and streams) several steps' tokens as one event instead of one event each,
+    so it catches up instead of lagging further."""
+    while isinstance(item, Progress) and not item.finished and not queue.empty():
+        later = queue.get_nowait()
+        if isinstance(later, Exception):
+            return later
+        item = item.followed_by(later)
+    return item
 
 
 def create_app(server: Server) -> FastAPI:
@@ -204,7 +217,7 @@ def create_app(server: Server) -> FastAPI:
                     continue
                 for fut in done:
                     i = pending.pop(fut)
-                    p = fut.result()
+                    p = _with_queued(fut.result(), queues[i])
                     if isinstance(p, Exception):
                         raise APIError(500, f"the engine failed this request: {p}")
                     p = server.advance(requests[i], texts[i], p)

@@ -34,6 +34,12 @@ class Progress:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
+    def followed_by(self, later: Progress) -> Progress:
+        """This report and the next one of the same request as one."""
+        logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
+        return Progress(self.token_ids + later.token_ids, logprobs, later.finished, later.finish_reason,
+                        later.stop_reason)
+
 
 @dataclass
 class _Tracked:
