@@ -29,31 +29,32 @@ def _sse(data) -> str:
     return f"data: {json.dumps(data)}\n\n"
 
 
-async def _next(queue: asyncio.Queue, http: HTTPRequest):
-    """The queue's next item; None when the client went away first."""
-    while True:
-        try:
-            item = await asyncio.wait_for(queue.get(), timeout=0.5)
-        except asyncio.TimeoutError:
-            if await http.is_disconnected():
-                return None
+async def _next_reports(queue: asyncio.Queue, done: set[int]) -> list[tuple[int, Progress]]:
+    """The next reports of an HTTP request's engine requests: waits for one, then takes every one
+    already queued with it, merged per request, so that a front end behind the engine handles
+    (and streams) several steps' tokens as one event instead of one event each. Requests in
+    `done` are skipped (the engine's reports past a stop string found here)."""
+    batch = [await queue.get()]
+    while not queue.empty():
+        batch.append(queue.get_nowait())
+    merged: dict[int, Progress] = {}
+    for index, item in batch:
+        if index is None:
+            raise asyncio.CancelledError   # the client went away (`_watch_disconnect`)
+        if index in done:
             continue
-        item = _with_queued(item, queue)
         if isinstance(item, Exception):
             raise APIError(500, f"the engine failed this request: {item}")
-        return item
+        merged[index] = merged[index].followed_by(item) if index in merged else item
+    return list(merged.items())
 
 
-def _with_queued(item, queue: asyncio.Queue):
-    """`item` merged with the reports already waiting behind it: a front end that has fallen behind
-    the engine handles (and streams) several steps' tokens as one event instead of one event each,
-    so it catches up instead of lagging further."""
-    while isinstance(item, Progress) and not item.finished and not queue.empty():
-        later = queue.get_nowait()
-        if isinstance(later, Exception):
-            return later
-        item = item.followed_by(later)
-    return item
+async def _watch_disconnect(http: HTTPRequest, queue: asyncio.Queue) -> None:
+    """Wake the handler with (None, None) when its client goes away (one task a request, rather
+    than a timeout on every wait for a token)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+    queue.put_nowait((None, None))
 
 
 def create_app(server: Server) -> FastAPI:
@@ -158,43 +159,42 @@ def create_app(server: Server) -> FastAPI:
         prompts = [server.chat_prompt(body)] if chat else server.prompts_of(body)
         context = server.llm.engine.max_context
         s = sampling(body, max(len(p) for p in prompts), context, chat)
-        requests, queues = server.start(prompts, s, adapter)
+        requests, queue = server.start(prompts, s, adapter)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         model = body.get("model") or server.served_name
         if s.stream:
-            return StreamingResponse(_stream(http, rid, model, requests, queues, s, chat),
+            return StreamingResponse(_stream(http, rid, model, requests, queue, s, chat),
                                      media_type="text/event-stream")
-        return await _complete(http, rid, model, requests, queues, s, chat)
+        return await _complete(http, rid, model, requests, queue, s, chat)
 
-    async def _complete(http, rid, model, requests, queues, s: Sampling, chat: bool):
-        choices, completion = [], 0
+    async def _complete(http, rid, model, requests, queue, s: Sampling, chat: bool):
         texts = server.texts(requests)
+        tokens, logprobs = [[] for _ in requests], [[] for _ in requests]
+        last: dict[int, Progress] = {}
+        watch = asyncio.ensure_future(_watch_disconnect(http, queue))
         try:
-            for index, (q, text) in enumerate(zip(queues, texts)):
-                tokens, logprobs = [], []
-                while True:
-                    p: Progress | None = await _next(q, http)
-                    if p is None:
-                        raise asyncio.CancelledError
-                    p = server.advance(requests[index], text, p)
-                    tokens += p.token_ids
-                    logprobs += p.logprobs or []
+            while len(last) < len(requests):
+                for i, p in await _next_reports(queue, set(last)):
+                    p = server.advance(requests[i], texts[i], p)
+                    tokens[i] += p.token_ids
+                    logprobs[i] += p.logprobs or []
                     if p.finished:
-                        break
-                completion += len(tokens)
-                choices.append(choice_body(server, index, p, text.text, tokens, logprobs, s, chat))
-        except BaseException:
+                        last[i] = p
+        finally:
+            watch.cancel()
             for r in requests:
-                server.engine.abort(r.id)
-            raise
+                server.engine.abort(r.id)   # a no-op for finished requests
+        choices = [choice_body(server, i, last[i], texts[i].text, tokens[i], logprobs[i], s, chat)
+                   for i in range(len(requests))]
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": model, "choices": choices, "usage": server.usage(requests, len(s.params), completion)}
+                "model": model, "choices": choices,
+                "usage": server.usage(requests, len(s.params), sum(map(len, tokens)))}
 
-    async def _stream(http, rid, model, requests, queues, s: Sampling, chat: bool) -> AsyncIterator[str]:
+    async def _stream(http, rid, model, requests, queue, s: Sampling, chat: bool) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         completion = 0
-        pending = {asyncio.ensure_future(q.get()): i for i, q in enumerate(queues)}
+        done: set[int] = set()
         sent_text = [0] * len(requests)
         texts = server.texts(requests)
         longest_stop = max((len(x) for x in (s.params[0].stop or [])), default=0)
@@ -205,21 +205,13 @@ def create_app(server: Server) -> FastAPI:
                 data["usage"] = usage
             return _sse(data)
 
+        watch = asyncio.ensure_future(_watch_disconnect(http, queue))
         try:
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for i in range(len(requests))])
-            while pending:
-                done, _ = await asyncio.wait(pending, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
-                if not done:
-                    if await http.is_disconnected():
-                        raise asyncio.CancelledError
-                    continue
-                for fut in done:
-                    i = pending.pop(fut)
-                    p = _with_queued(fut.result(), queues[i])
-                    if isinstance(p, Exception):
-                        raise APIError(500, f"the engine failed this request: {p}")
+            while len(done) < len(requests):
+                for i, p in await _next_reports(queue, done):
                     p = server.advance(requests[i], texts[i], p)
                     completion += len(p.token_ids)
                     text = texts[i].text
@@ -235,17 +227,16 @@ def create_app(server: Server) -> FastAPI:
                         choice.update(delta={"content": delta} if delta or not p.finished else {}, logprobs=lp)
                     else:
                         choice.update(text=delta, logprobs=lp)
-                    if p.finished and p.stop_reason is not None:
-                        choice["stop_reason"] = p.stop_reason
+                    if p.finished:
+                        done.add(i)
+                        if p.stop_reason is not None:
+                            choice["stop_reason"] = p.stop_reason
                     yield chunk([choice])
-                    if not p.finished:
-                        pending[asyncio.ensure_future(queues[i].get())] = i
             if s.include_usage:
                 yield chunk([], server.usage(requests, len(s.params), completion))
             yield "data: [DONE]\n\n"
         finally:
-            for fut in pending:
-                fut.cancel()
+            watch.cancel()
             for r in requests:
                 server.engine.abort(r.id)   # a no-op for finished requests
 

@@ -2,7 +2,7 @@
 
 Handlers never wait for the engine: they post work (a new request, an abort, an adapter to add)
 to an inbox that the engine's thread empties between steps, and read each request's progress from
-an asyncio queue. A lock around the engine instead would stall the whole event loop for as long
+one asyncio queue per HTTP request. A lock around the engine instead would stall the whole event loop for as long
 as a step runs, and a thread that re-takes it at once can hold it for many steps in a row (locks
 are not fair), so streams would stall for seconds. The engine is not thread-safe: only its thread
 touches it. A request whose client went away is aborted at once, which frees its KV slots."""
@@ -44,7 +44,8 @@ class Progress:
 @dataclass
 class _Tracked:
     request: Request
-    queue: asyncio.Queue
+    queue: asyncio.Queue          # shared by the requests of one submit
+    index: int                    # the request's place in that submit: reports are (index, Progress)
     loop: asyncio.AbstractEventLoop
     sent: int = 0
 
@@ -93,12 +94,13 @@ class EngineThread:
         self._post(run)
         return future
 
-    def submit(self, requests: list[Request]) -> list[asyncio.Queue]:
-        """Queue `requests` (made by `engine.make_request`); one asyncio queue of Progress each."""
-        loop = asyncio.get_running_loop()
-        tracked = [_Tracked(r, asyncio.Queue(), loop) for r in requests]
+    def submit(self, requests: list[Request]) -> asyncio.Queue:
+        """Queue `requests` (made by `engine.make_request`); the queue of their reports, each
+        `(index in requests, Progress or the Exception that failed it)`."""
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        tracked = [_Tracked(r, queue, i, loop) for i, r in enumerate(requests)]
         self._post(lambda: self._add(tracked))
-        return [t.queue for t in tracked]
+        return queue
 
     def abort(self, request_id: int) -> None:
         self._post(lambda: self._abort(request_id))
@@ -148,7 +150,7 @@ class EngineThread:
             r = t.request
             if r.lora is not None and (loras is None or r.lora not in loras):
                 # unloaded between the handler's check and now
-                _deliver({t.loop: [(t.queue, RequestError(f"adapter {r.lora!r} was unloaded"))]})
+                _deliver({t.loop: [(t.queue, (t.index, RequestError(f"adapter {r.lora!r} was unloaded")))]})
                 continue
             self._tracked[r.id] = t
             self.engine.add(r)
@@ -174,14 +176,14 @@ class EngineThread:
                 del self._tracked[rid]
                 self.stats.requests_finished += 1
                 self.stats.prompt_tokens += len(r.prompt_token_ids)
-            batches.setdefault(t.loop, []).append((t.queue, progress))
+            batches.setdefault(t.loop, []).append((t.queue, (t.index, progress)))
         _deliver(batches)
 
     def _fail_all(self, error: Exception) -> None:
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for rid, t in list(self._tracked.items()):
             self.engine.abort(rid)
-            batches.setdefault(t.loop, []).append((t.queue, error))
+            batches.setdefault(t.loop, []).append((t.queue, (t.index, error)))
         self._tracked.clear()
         _deliver(batches)
 

@@ -4,6 +4,7 @@ decoded off the engine's thread, logprobs, usage)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from compiled.errors import RequestError
@@ -57,8 +58,8 @@ class Server:
             raise bad("messages", str(e)) from None
         return self.llm.tokenizer.encode(text)
 
-    def start(self, prompts: list[list[int]], s: Sampling, adapter: str | None) -> tuple[list, list]:
-        """Engine requests for every (prompt, choice); their progress queues."""
+    def start(self, prompts: list[list[int]], s: Sampling, adapter: str | None) -> tuple[list, asyncio.Queue]:
+        """Engine requests for every (prompt, choice); the queue of their reports."""
         if self.max_queued is not None and self.engine.counts()[1] >= self.max_queued:
             raise APIError(503, f"the queue is full ({self.max_queued} requests wait: --max-queued-requests)")
         requests = []
