@@ -258,13 +258,18 @@ class Engine:
 
     def step(self) -> list[Request]:
         """Launch one forward pass and read back the tokens of the step before it (or of this
-        one, when the next cannot overlap); return the requests that finished."""
+        one, when the next cannot overlap); or, when the next step cannot overlap the one in
+        flight, only read that one back. Returns the requests that finished."""
         ahead = self._unread[-1] if self._unread else None
         batch = self.scheduler.schedule_decode() if ahead is not None and self._can_overlap(ahead) else None
         if batch is None:
+            if self._unread:
+                # The step in flight is read and its tokens handed back now: scheduled behind it,
+                # a step that cannot overlap (a prefill, say) would hold them for its whole run.
+                while self._unread:
+                    self._read_oldest()
+                return self._take_finished()
             ahead = None
-            while self._unread:
-                self._read_oldest()
             if not self.scheduler.has_work:
                 return self._take_finished()
             if self.loras is not None and self.scheduler.waiting:

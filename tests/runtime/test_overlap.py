@@ -110,3 +110,26 @@ def test_pending_tokens_read_as_zero_until_resolved():
     r.pending = 1
     assert r.num_tokens == 5 and r.num_resolved == 4
     assert r.token_ids(2, 5) == [7, 8, 0] and r.token_ids(4, 5) == [0] and r.token_ids(0, 4) == [5, 6, 7, 8]
+
+
+def test_tokens_in_flight_come_back_before_a_step_that_cannot_overlap(engines):
+    """A request arriving while a decode step is in flight: the next call hands back that step's
+    tokens without running the new prompt's prefill, which would otherwise hold them back for
+    its whole run; the call after runs it."""
+    engine = engines[0].engine
+    greedy = SamplingParams(max_new_tokens=30, temperature=0.0)
+    running = engine.make_request(0, [5, 6, 7, 8], greedy)
+    engine.add(running)
+    overlapped = engine.num_overlapped
+    while engine.num_overlapped < overlapped + 2:   # steady decoding, a step launched ahead
+        engine.step()
+    arriving = engine.make_request(1, list(range(3, 40)), greedy)
+    engine.add(arriving)
+    n = len(running.output_token_ids)
+    engine.step()
+    assert len(running.output_token_ids) == n + 1 and arriving.num_computed == 0
+    engine.step()
+    assert arriving.num_computed > 0
+    while engine.has_work:
+        engine.step()
+    assert engine.kv.num_used == 0
