@@ -2,12 +2,13 @@
 # The serving workloads through a real `compiled serve` (HTTP), each beside what it is compared
 # with, on one machine; results in ${OUT:-out}/.
 #   1. random 2,048 in / 1,024 out at concurrency 10: over HTTP and in-process (same engine settings);
-#   2. 256-1,024 in / 600-1,200 out at concurrency 96 (inter-token latency p50 / p99);
+#   2. 256-1,024 in / 600-1,200 out at concurrency 96 (inter-token latency p50 / p99), also in-process;
 #   3. a 1,000-token shared prefix, 32 concurrent: the server with and without its prefix cache.
 # Each run also prints the engine's mean step time during it (HTTP: from the server's /metrics),
 # whose difference from the in-process run's is what the front end costs the engine.
 # MODEL (default bench/configs/qwen3-30b-a3b, dummy weights); SCALE divides the request counts and
-# lengths (e.g. SCALE=32 MODEL= for the demo model on a CPU); SERVE_FLAGS go to `compiled serve`.
+# lengths (e.g. SCALE=32 MODEL= for the demo model on a CPU); SERVE_FLAGS go to `compiled serve`,
+# ENGINE_FLAGS (engine options, e.g. "--max-mixed-step-tokens 1024") to it and to the in-process run.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
@@ -19,7 +20,8 @@ url=http://127.0.0.1:$port
 
 serve() {   # serve NAME [flags...]: start a server, wait until it answers
   local name=$1; shift
-  python -m cli.main serve $model "${load[@]}" --port "$port" ${SERVE_FLAGS:-} "$@" > "$out/serve_$name.log" 2>&1 &
+  python -m cli.main serve $model "${load[@]}" --port "$port" ${ENGINE_FLAGS:-} ${SERVE_FLAGS:-} "$@" \
+    > "$out/serve_$name.log" 2>&1 &
   server=$!
   for _ in $(seq 600); do
     curl -sf "$url/health" > /dev/null && return 0
@@ -61,4 +63,5 @@ stop
 serve no_cache --no-prefix-cache || exit 1
 bench http_shared_32_no_cache --url "$url" "${shared_32[@]}"
 stop
-bench inproc_random_10 "${random_10[@]}"
+bench inproc_random_10 ${ENGINE_FLAGS:-} "${random_10[@]}"
+bench inproc_mixed_96 ${ENGINE_FLAGS:-} --prefix-cache "${mixed_96[@]}"
