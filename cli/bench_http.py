@@ -61,10 +61,10 @@ def serving_http(url: str, items: Sequence[Item], rate: float, max_concurrency: 
     async def run() -> float:
         limit = asyncio.Semaphore(max_concurrency or len(items))
         # A client (one connection) per request in flight, reused: one client shared by all of
-        # them scans every pooled connection on each chunk it reads, which made the client, not
+        # them scans every pooled connection on each chunk it reads, which makes the client, not
         # the server, the bottleneck at 96 streams.
         idle: list[httpx.AsyncClient] = []
-        tls = ssl.create_default_context()   # loading the CA bundle per client took ~20 ms each
+        tls = ssl.create_default_context()   # loading the CA bundle takes ~20 ms a client
         start = time.perf_counter()
 
         async def send(i: int) -> None:

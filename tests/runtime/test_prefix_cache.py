@@ -53,8 +53,7 @@ def test_eviction_takes_least_recently_used_leaves_first():
 
 
 class _ScanEvictCache(PrefixCache):
-    """The oracle: eviction as it was before the cache kept its leaves in a heap, a scan of the
-    whole tree for unlocked leaves on every call."""
+    """The oracle: eviction by a scan of the whole tree for unlocked leaves on every call."""
 
     def evict(self, n: int) -> None:
         leaves = [(x.last_used, id(x), x) for x in _tree(self) if not x.children and x.refs == 0]
