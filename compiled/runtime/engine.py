@@ -148,8 +148,8 @@ class Engine:
             seconds["capture"] = self.runner.capture_graphs(self.graph_buckets())
         if self.runner.is_compiled and self.piecewise_buckets():
             seconds["capture_piecewise"] = self.runner.capture_piecewise(self.piecewise_buckets())
-            if self.unbucketed_sizes():
-                seconds["warm_up_long"] = self.runner.warm_up(self.unbucketed_sizes())
+            if long_sizes := self.unbucketed_sizes():
+                seconds["warm_up_long"] = self.runner.warm_up(long_sizes)
         return seconds
 
     def unbucketed_sizes(self) -> list[int]:

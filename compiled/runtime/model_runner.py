@@ -84,7 +84,7 @@ class ModelRunner:
     def capture_graphs(self, buckets: list[int]) -> float:
         """Capture the decode CUDA graphs (of both models); returns the seconds it took."""
         seconds = 0.0
-        for lora in (False, True) if self.lora_model is not None else (False,):
+        for lora in self._variants():
             graphs = DecodeGraphs(self._model(lora), self.kv, self.req_pool, buckets, self._graph_pool(),
                                   self.cfg.device)
             graphs.capture()
@@ -96,7 +96,7 @@ class ModelRunner:
         """Capture every compiled piece's graph per token bucket (of both models); returns the
         seconds it took."""
         seconds = 0.0
-        for lora in (False, True) if self.lora_model is not None else (False,):
+        for lora in self._variants():
             name = "lora_piecewise" if lora else "piecewise"
             graphs = PiecewiseGraphs(buckets, self._graph_pool(), [self.inputs.input_ids, self.inputs.positions])
             graphs.attach(self._model(lora).pieces)
@@ -114,12 +114,16 @@ class ModelRunner:
         """A padding-only batch of each of `sizes` tokens through each model (the compiles and
         tuned-config loads those step sizes need); returns the seconds it took."""
         start = time.perf_counter()
-        for lora in (False, True) if self.lora_model is not None else (False,):
+        for lora in self._variants():
             for tokens in sizes:
                 self._padding_only(tokens, lora)
         if self.cfg.device.type == "cuda":
             torch.cuda.synchronize(self.cfg.device)
         return time.perf_counter() - start
+
+    def _variants(self) -> tuple[bool, ...]:
+        """The models that run (lora: whether it is the LoRA one): both when adapters are served."""
+        return (False, True) if self.lora_model is not None else (False,)
 
     def _model(self, lora: bool) -> nn.Module:
         return self.lora_model if lora else self.model

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from compiled.errors import CompiledError
 from compiled.server.engine_thread import Progress
 from compiled.server.protocol import APIError, Sampling, bad, sampling
-from compiled.server.serving import Server, choice_body, completion_logprobs
+from compiled.server.serving import Server, choice_body, logprobs_body
 
 
 def _sse(data) -> str:
@@ -221,8 +221,7 @@ def create_app(server: Server) -> FastAPI:
                     choice = {"index": i, "finish_reason": p.finish_reason if p.finished else None}
                     lp = None
                     if s.top_logprobs is not None and p.logprobs:
-                        entries = server.logprobs_entry(p.token_ids, p.logprobs, s.top_logprobs, chat)
-                        lp = {"content": entries} if chat else completion_logprobs(entries)
+                        lp = logprobs_body(server, p.token_ids, p.logprobs, s, chat)
                     if chat:
                         choice.update(delta={"content": delta} if delta or not p.finished else {}, logprobs=lp)
                     else:

@@ -141,17 +141,21 @@ class TextSoFar:
         return len(p.token_ids)
 
 
-def completion_logprobs(entries) -> dict:
+def _completion_logprobs(entries) -> dict:
     return {"tokens": [t for t, _, _ in entries], "token_logprobs": [v for _, v, _ in entries],
             "top_logprobs": [top for _, _, top in entries], "text_offset": None}
 
 
+def logprobs_body(server: Server, tokens, logprobs, s: Sampling, chat: bool) -> dict:
+    """A choice's `logprobs` for `tokens` (a whole choice or a streamed chunk's), in chat's or
+    completions' shape."""
+    entries = server.logprobs_entry(tokens, logprobs, s.top_logprobs, chat)
+    return {"content": entries} if chat else _completion_logprobs(entries)
+
+
 def choice_body(server: Server, index: int, p: Progress, text: str, tokens, logprobs, s: Sampling,
                 chat: bool) -> dict:
-    lp = None
-    if s.top_logprobs is not None:
-        entries = server.logprobs_entry(tokens, logprobs, s.top_logprobs, chat)
-        lp = {"content": entries} if chat else completion_logprobs(entries)
+    lp = logprobs_body(server, tokens, logprobs, s, chat) if s.top_logprobs is not None else None
     choice = {"index": index, "finish_reason": p.finish_reason, "stop_reason": p.stop_reason, "logprobs": lp}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
