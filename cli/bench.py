@@ -570,4 +570,8 @@ def startup(
     add("first token (cold)", "ttft_cold_s", res["ttft_cold_s"])
     add("start to first token", "total_s", total, "bold")
     add("first token (warm, not in total)", "ttft_warm_s", res["ttft_warm_s"], "dim")
-    run.finish(f"first request of {o.input_len} tokens", table)
+    caption = f"first request of {o.input_len} tokens"
+    if res.get("triton_kernels"):
+        kernels = res["triton_kernels"]
+        caption += f"; Triton kernels in LLM(...): {kernels['compiled']} compiled, {kernels['cached']} from cache"
+    run.finish(caption, table)

@@ -545,10 +545,14 @@ def startup(args: EngineConfig, input_len: int) -> tuple[object, dict]:
     (`llm.startup_seconds` / `llm.build_report.seconds`: trace, passes, load, and whatever later
     stages such as compile, kv_cache or capture it records), the engine + KV allocation when the
     report has no such stage, and "other" for the rest; then one request's time to first token,
-    cold (the engine's first step) and warm."""
+    cold (the engine's first step) and warm. On a GPU also the Triton kernels the start compiled
+    and those it found cached."""
     import compiled.runtime.llm as llm_module
+    from compiled.compilation.triton_cache import counting_compiles
+    on_gpu = torch.device(args.device).type == "cuda" if args.device else torch.cuda.is_available()
     t0 = time.perf_counter()
-    with timed_calls(llm_module, {"load_tokenizer": "tokenizer", "Engine": "engine"}) as outer:
+    with timed_calls(llm_module, {"load_tokenizer": "tokenizer", "Engine": "engine"}) as outer, \
+            counting_compiles() if on_gpu else contextlib.nullcontext() as triton_kernels:
         llm = build_llm(args)
     sync(llm.config.device)
     total = time.perf_counter() - t0
@@ -569,6 +573,7 @@ def startup(args: EngineConfig, input_len: int) -> tuple[object, dict]:
     return llm, {
         "stages_s": stages, "llm_init_s": total, "ttft_cold_s": cold, "ttft_warm_s": warm,
         "total_s": total + cold, "input_len": input_len, "kv_slots": llm.engine.kv.num_slots,
+        "triton_kernels": triton_kernels,
     }
 
 

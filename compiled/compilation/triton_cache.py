@@ -4,13 +4,18 @@ artifact on a fresh machine compiles no kernel (the project's own and Inductor's
 
 Triton keeps one folder per compiled kernel, named by a hash of everything the binary depends on
 (source, specialisation, options, target GPU, Triton version): a copied folder is only ever found
-by the exact launch it was built for."""
+by the exact launch it was built for. A folder's group file lists its files by absolute path, and
+Triton counts a kernel cached only when every listed file exists: on install the group files are
+rewritten to the folder they land in (as they stand they name the exporting machine's cache)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import uuid
+from typing import Iterator
 
 import torch
 
@@ -52,14 +57,36 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def _copy_entries(source: str, target: str, names: set[str]) -> int:
+GROUP_PREFIX = "__grp__"   # Triton's group files: {"child_paths": {file name: absolute path}}
+
+
+def _point_groups_at(staging: str, final: str) -> None:
+    """Rewrite the group files in `staging` so that they list the files under `final`, the
+    folder `staging` is about to be renamed to. Written anew: the old file may be a hard link."""
+    for name in os.listdir(staging):
+        if not name.startswith(GROUP_PREFIX):
+            continue
+        path = os.path.join(staging, name)
+        with open(path) as f:
+            group = json.load(f)
+        children = {child: os.path.join(final, os.path.basename(old))
+                    for child, old in group.get("child_paths", {}).items()}
+        os.unlink(path)
+        with open(path, "w") as f:
+            json.dump({"child_paths": children}, f)
+
+
+def _copy_entries(source: str, target: str, names: set[str], repoint: bool = False) -> int:
     """Copy the kernel folders `names` of `source` missing from `target`; each lands whole (built
-    under a temporary name, then renamed) so a process compiling beside this one never reads half."""
+    under a temporary name, then renamed) so a process compiling beside this one never reads half.
+    `repoint`: rewrite the group files to the copy (an install)."""
     os.makedirs(target, exist_ok=True)
     copied = 0
     for name in sorted(names - kernel_entries(target)):
         staging = os.path.join(target, f".{name}.{uuid.uuid4().hex}")
         shutil.copytree(os.path.join(source, name), staging, copy_function=_link_or_copy)
+        if repoint:
+            _point_groups_at(staging, os.path.join(target, name))
         try:
             os.rename(staging, os.path.join(target, name))
             copied += 1
@@ -90,4 +117,23 @@ def install_kernels(artifact: str) -> int:
     if target is None:
         target = _triton_default_folder()
         envs.set_for_children("TRITON_CACHE_DIR", target)
-    return _copy_entries(source, target, names)
+    return _copy_entries(source, target, names, repoint=True)
+
+
+@contextlib.contextmanager
+def counting_compiles() -> Iterator[dict]:
+    """Within: {"compiled": n, "cached": m}, the Triton kernels this process compiles and those it
+    finds in its cache (Triton's compilation listener; a cached kernel names no new folder, so a
+    count of folders cannot tell a recompile from a hit)."""
+    from triton import knobs
+    counts = {"compiled": 0, "cached": 0}
+    previous = knobs.compilation.listener
+
+    def listen(*, cache_hit: bool, **_) -> None:
+        counts["cached" if cache_hit else "compiled"] += 1
+
+    knobs.compilation.listener = listen
+    try:
+        yield counts
+    finally:
+        knobs.compilation.listener = previous

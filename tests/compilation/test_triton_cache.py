@@ -4,6 +4,7 @@ process's, never overwriting, leaving no half-copied folder; on a CPU nothing is
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -73,3 +74,22 @@ def test_artifact_without_kernels_installs_nothing(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     assert triton_cache.install_kernels(str(tmp_path)) == 0
     assert "TRITON_CACHE_DIR" not in os.environ
+
+
+def test_installed_kernel_is_a_cache_hit_once_the_exporting_cache_is_gone(tmp_path, monkeypatch):
+    """Triton's group file names each file by absolute path: after install it must name the new
+    folder, or Triton misses (and recompiles) on a machine that never had the exporter's cache."""
+    cache_module = pytest.importorskip("triton.runtime.cache")
+    exporter, fresh, artifact = tmp_path / "exporter", tmp_path / "fresh", tmp_path / "artifact"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(exporter))
+    built = cache_module.FileCacheManager("KEY")
+    group = {name: built.put(f"{name} bytes", name) for name in ("k.cubin", "k.json")}
+    built.put_group("k.json", group)
+    triton_cache.save_kernels(str(artifact), torch.device("cuda"))
+    shutil.rmtree(exporter)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(fresh))
+    assert triton_cache.install_kernels(str(artifact)) == 1
+    found = cache_module.FileCacheManager("KEY").get_group("k.json")
+    assert found == {name: str(fresh / "KEY" / name) for name in ("k.cubin", "k.json")}
+    with open(artifact / triton_cache.KERNELS / "KEY" / "__grp__k.json") as f:   # the artifact keeps its own
+        assert str(exporter) in f.read()
