@@ -8,7 +8,7 @@
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
-# Python's bytecode, written by the first run and read by the rest, as an installed torch ships it
+# Python's bytecode: written by the cold start, read by the starts after it (an installed torch ships it)
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-$(mktemp -d)}; unset PYTHONDONTWRITEBYTECODE
 model=${MODEL-bench/configs/qwen3-30b-a3b}
 load=(); [ -n "$model" ] && load=(--load-format dummy)
