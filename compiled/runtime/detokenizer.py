@@ -144,3 +144,11 @@ def find_stop(
     index, s = best
     end = index + len(s) if include_stop_str_in_output else index
     return text[:end], s
+
+
+def stop_hit(text: str, delta: str, params) -> tuple[str, str] | None:
+    """After `delta` (the newest decoded text) was added to `text`: the request's stop string it
+    completes, as `find_stop` gives it (text cut there, the string), or None."""
+    if not (params.stop and delta):
+        return None
+    return find_stop(text, params.stop, params.include_stop_str_in_output, len(delta))

@@ -35,7 +35,7 @@ from compiled.errors import RequestError
 from compiled.graphs.config import ModelConfig
 from compiled.lora.pool import LoRAPool
 from compiled.runtime.config import EngineConfig
-from compiled.runtime.detokenizer import IncrementalDetokenizer, find_stop
+from compiled.runtime.detokenizer import IncrementalDetokenizer, stop_hit
 from compiled.runtime.inflight import InFlight, TokenReadback
 from compiled.runtime.model_runner import ModelRunner, StepOutput
 from compiled.runtime.request import Logprobs, Request
@@ -405,12 +405,11 @@ class Engine:
             if token in params.stop_token_ids:
                 request.finish_reason, request.stop_reason = "stop", token
                 return
-            if params.stop and delta:
-                hit = find_stop(request.text, params.stop, params.include_stop_str_in_output, len(delta))
-                if hit is not None:
-                    request.text, request.stop_reason = hit
-                    request.finish_reason = "stop"
-                    return
+            hit = stop_hit(request.text, delta, params)
+            if hit is not None:
+                request.text, request.stop_reason = hit
+                request.finish_reason = "stop"
+                return
         if n_out >= params.max_new_tokens or request.num_resolved >= self.max_context:
             request.finish_reason = "length"
 

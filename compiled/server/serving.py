@@ -8,7 +8,7 @@ import asyncio
 import time
 
 from compiled.errors import RequestError
-from compiled.runtime.detokenizer import IncrementalDetokenizer, find_stop
+from compiled.runtime.detokenizer import IncrementalDetokenizer, stop_hit
 from compiled.runtime.sampling_params import SamplingParams
 from compiled.server.engine_thread import EngineThread, Progress
 from compiled.server.protocol import APIError, Sampling, bad
@@ -133,11 +133,11 @@ class TextSoFar:
             self.text += delta
             self.tokens += 1
             ended_by_engine = p.finished and j == len(p.token_ids) - 1 and p.finish_reason == "stop"
-            if params.stop and delta and self.tokens >= params.min_new_tokens and not ended_by_engine:
-                hit = find_stop(self.text, params.stop, params.include_stop_str_in_output, len(delta))
-                if hit is not None:
-                    self.text, self.stop_reason = hit
-                    return j + 1
+            hit = stop_hit(self.text, delta, params) \
+                if self.tokens >= params.min_new_tokens and not ended_by_engine else None
+            if hit is not None:
+                self.text, self.stop_reason = hit
+                return j + 1
         return len(p.token_ids)
 
 
