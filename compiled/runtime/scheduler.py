@@ -20,6 +20,11 @@ from compiled.attention.kv_cache import KVPool, ReqToTokenPool
 from compiled.runtime.prefix_cache import PrefixCache
 from compiled.runtime.request import Request
 
+# A waiting request whose uncached tokens begin with at least this many of a prompt the step being
+# built completes waits for that prompt's K/V rather than computing them beside it (SGLang's
+# in-batch prefix check uses the same 32).
+SHARED_PREFIX_WAIT_TOKENS = 32
+
 
 @dataclass
 class Chunk:
@@ -92,18 +97,25 @@ class Scheduler:
             budget -= len(slots)
             prefill_budget -= 0 if decoding else len(slots)
             i += 1
-        while self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        deferred = 0   # waiting requests left for the next step, which starts them from this one's K/V
+        while len(self.waiting) > deferred and min(budget, prefill_budget) > 0 \
+                and len(self.running) < self.max_num_seqs:
+            request = self.waiting[deferred]
             if self._waits_for_prompt(request):
                 break
             prefix = self._cached_prefix(request)
+            if self._shares_with_step(request, prefix, chunks):
+                if self.cache is not None:
+                    self.cache.release(prefix)
+                deferred += 1
+                continue
             n = min(request.num_tokens - (len(prefix) if prefix else 0), budget, prefill_budget)
             if not self._fits(request, n) or self.req_pool.num_free == 0 or not self.admit(request):
                 # (admit: e.g. its adapter has no free slot: FCFS, later ones wait too)
                 if self.cache is not None:
                     self.cache.release(prefix)
                 break
-            self.waiting.popleft()
+            del self.waiting[deferred]
             readmitted = request.id in self._retracted
             self._retracted.discard(request.id)
             request.row = self.req_pool.alloc()
@@ -245,6 +257,23 @@ class Scheduler:
         return any(r.lora == request.lora and (r.prefix is None or len(r.prefix) < len(r.prompt_token_ids))
                    and r.prompt_token_ids == request.prompt_token_ids for r in self.running)
 
+    def _shares_with_step(self, request: Request, prefix, chunks: list[Chunk]) -> bool:
+        """With the prefix cache: whether a prompt this step completes (so that `share_prompts`
+        caches it once the step is launched) starts with at least SHARED_PREFIX_WAIT_TOKENS of
+        `request`'s tokens beyond its cached `prefix`. Such a request waits one step and then starts
+        from that K/V instead of computing the same tokens beside it (requests behind it go on)."""
+        if self.cache is None or request.params.prompt_logprobs is not None:
+            return False
+        cached = len(prefix) if prefix is not None else 0
+        tokens = request.token_ids(0, request.num_tokens - 1)
+        for c in chunks:
+            r, p = c.request, len(c.request.prompt_token_ids)
+            if r.lora != request.lora or r.params.prompt_logprobs is not None or not c.start < p <= c.start + c.length:
+                continue
+            if common_prefix_len(r.prompt_token_ids, tokens) - cached >= SHARED_PREFIX_WAIT_TOKENS:
+                return True
+        return False
+
     def _point_row(self, row: int, start: int, slots: np.ndarray) -> None:
         """Positions start.. of the request->token table's `row` read the KV slots `slots`."""
         table = self.req_pool.table
@@ -315,6 +344,20 @@ class Scheduler:
         _discard(self.waiting, request)
         self._retracted.discard(request.id)
         self._release(request)
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n   # a[:lo] == b[:lo], a[:hi] != b[:hi]: halve in C-speed slice compares
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _slots(request: Request) -> tuple[np.ndarray, int, np.ndarray]:

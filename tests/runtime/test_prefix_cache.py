@@ -228,3 +228,25 @@ def test_running_requests_share_their_prompt():
     cache = llm.engine.scheduler.cache
     assert cache.hit == 3 * (len(prompt) - 1)      # choices 2-4 found all but the last prompt token cached
     assert llm.engine.kv.num_used == cache.num_cached and cache.num_locked == 0
+
+
+def test_a_start_shared_within_one_step_is_computed_once():
+    """Requests sharing a start with a prompt the step being built completes wait one step and
+    begin from its K/V (requests behind them go on); outputs equal those without the cache."""
+    prompts = _workload(200)
+    llm = LLM(None, enable_prefix_caching=True)
+    outs = [o.token_ids for o in llm.generate(prompts, PARAMS[0])]
+    assert outs == [o.token_ids for o in LLM(None).generate(prompts, PARAMS[0])]
+    cache = llm.engine.scheduler.cache
+    assert cache.hit >= (len(prompts) - 1) * 40      # the 40-token system prompt computed once
+
+    engine = LLM(None, enable_prefix_caching=True).engine   # nothing cached yet
+    other = [7] * 45
+    a, b, c = (engine.make_request(100 + i, p, PARAMS[0], None) for i, p in enumerate([prompts[0], prompts[1], other]))
+    for r in (a, b, c):
+        engine.add(r)
+    first = engine.scheduler.schedule()
+    assert [ch.request for ch in first.chunks] == [a, c]     # b waits for a's prompt, c goes on
+    engine.scheduler.share_prompts(first)
+    second = engine.scheduler.schedule()
+    assert [(ch.request, ch.start) for ch in second.chunks] == [(b, 40)]
