@@ -99,7 +99,7 @@ class Scheduler:
             i += 1
         deferred = 0   # waiting requests left for the next step, which starts them from this one's K/V
         while len(self.waiting) > deferred and min(budget, prefill_budget) > 0 \
-                and len(self.running) < self.max_num_seqs:
+                and len(self.running) + deferred < self.max_num_seqs:
             request = self.waiting[deferred]
             if self._waits_for_prompt(request):
                 break
