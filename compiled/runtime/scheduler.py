@@ -347,6 +347,7 @@ class Scheduler:
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n
