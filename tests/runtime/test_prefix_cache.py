@@ -250,3 +250,13 @@ def test_a_start_shared_within_one_step_is_computed_once():
     engine.scheduler.share_prompts(first)
     second = engine.scheduler.schedule()
     assert [(ch.request, ch.start) for ch in second.chunks] == [(b, 40)]
+
+
+def test_common_prefix_len_against_a_plain_walk():
+    from compiled.runtime.scheduler import common_prefix_len
+    rng = random.Random(1)
+    for _ in range(500):
+        a = [rng.randrange(3) for _ in range(rng.randint(0, 30))]
+        b = a[:rng.randint(0, len(a))] + [rng.randrange(3) for _ in range(rng.randint(0, 30))]
+        walk = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix_len(a, b) == walk
