@@ -5,7 +5,8 @@
 #   2. 256-1,024 in / 600-1,200 out at concurrency 96 (inter-token latency p50 / p99), also in-process;
 #   3. a 1,000-token shared prefix, 32 concurrent: the server with and without its prefix cache.
 # Each run also prints the engine's mean step time during it (HTTP: from the server's /metrics),
-# whose difference from the in-process run's is what the front end costs the engine.
+# whose difference from the in-process run's is what the front end costs the engine, and over HTTP
+# the mean time to first token in phases (the server's inbox, its queue, the prefill step).
 # MODEL (default bench/configs/qwen3-30b-a3b, dummy weights); SCALE divides the request counts and
 # lengths (e.g. SCALE=32 MODEL= for the demo model on a CPU); SERVE_FLAGS go to `compiled serve`,
 # ENGINE_FLAGS (engine options, e.g. "--max-mixed-step-tokens 1024") to it and to the in-process run.
@@ -34,15 +35,18 @@ stop() { kill -TERM "$server"; wait "$server"; echo "server exited with $?"; }
 bench() {   # bench NAME [flags...]; then the engine's mean step time during it
   local name=$1; shift
   local http=0; [[ " $* " == *" --url "* ]] && http=1
-  [ $http = 1 ] && curl -s "$url/metrics" | grep "^compiled_engine_step_seconds" > "$out/${name}_steps_before.txt"
+  local summaries="^compiled_(engine_step|first_token_[a-z]+)_seconds"
+  [ $http = 1 ] && curl -s "$url/metrics" | grep -E "$summaries" > "$out/${name}_steps_before.txt"
   python -m cli.main bench serving $model "${load[@]}" --json "$out/$name.json" "$@" > "$out/$name.txt" 2>&1
   echo "== $name"; grep -E "output tokens/s|time to first|time per output|inter-token|Error|error" "$out/$name.txt"
-  if [ $http = 1 ]; then   # the server's /metrics counts every step since it started: the difference
-    curl -s "$url/metrics" | grep "^compiled_engine_step_seconds" > "$out/${name}_steps_after.txt"
-    awk 'FNR == NR && /_sum/ {s0 = $2} FNR == NR && /_count/ {n0 = $2}
-         FNR != NR && /_sum/ {s1 = $2} FNR != NR && /_count/ {n1 = $2}
-         END {if (n1 > n0) printf "engine step mean (ms): %.3f\n", 1e3 * (s1 - s0) / (n1 - n0)}' \
-      "$out/${name}_steps_before.txt" "$out/${name}_steps_after.txt"
+  if [ $http = 1 ]; then   # /metrics sums since the server started: the difference over this run
+    curl -s "$url/metrics" | grep -E "$summaries" > "$out/${name}_steps_after.txt"
+    awk '{name = $1; sub(/_(sum|count)$/, "", name); key = name ($1 ~ /_sum$/ ? " sum" : " count")}
+         FNR == NR {before[key] = $2; next} {after[key] = $2; names[name] = 1}
+         END {for (n in names) { c = after[n " count"] - before[n " count"]
+                if (c > 0) printf "%s mean (ms): %.3f\n", n, 1e3 * (after[n " sum"] - before[n " sum"]) / c }}' \
+      "$out/${name}_steps_before.txt" "$out/${name}_steps_after.txt" \
+      | sed -e 's/^compiled_engine_step_seconds/engine step/' -e 's/^compiled_first_token_\([a-z]*\)_seconds/first token, \1,/' | sort
   else
     python -c "import json, sys; print('engine step mean (ms): %.3f' % json.load(open(sys.argv[1]))['results']['step_ms_mean'])" \
       "$out/$name.json"

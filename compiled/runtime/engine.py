@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import numbers
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -307,6 +308,10 @@ class Engine:
             self.scheduler.rollback(batch)
             raise
         self.scheduler.share_prompts(batch)
+        now = time.perf_counter()
+        for chunk in batch.chunks:
+            if chunk.request.first_launched is None:
+                chunk.request.first_launched = now
         for request, entries in prompt_logprobs:
             request.prompt_logprobs += entries
         for request in launched.requests if launched is not None else ():

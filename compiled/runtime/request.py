@@ -46,6 +46,7 @@ class Request:
     prompt_logprobs: list[Logprobs | None] | None = None
     detokenizer: object | None = None
     pending: int = 0                    # tokens sampled on the device, not yet read back (overlap)
+    first_launched: float | None = None  # time.perf_counter() when a step first computed its tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without concatenating the whole sequence.

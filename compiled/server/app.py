@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from compiled.errors import CompiledError
-from compiled.server.engine_thread import Progress
+from compiled.server.engine_thread import FIRST_TOKEN_PHASES, Progress
 from compiled.server.protocol import APIError, Sampling, bad, sampling
 from compiled.server.serving import Server, choice_body, logprobs_body
 
@@ -142,6 +142,10 @@ def create_app(server: Server) -> FastAPI:
             "# TYPE compiled_engine_step_seconds summary",
             f"compiled_engine_step_seconds_sum {st.step_seconds:.6f}", f"compiled_engine_step_seconds_count {st.steps}",
         ]
+        for phase, seconds in st.phase_seconds.items():
+            name = f"compiled_first_token_{phase}_seconds"
+            lines += [f"# HELP {name} {FIRST_TOKEN_PHASES[phase]}", f"# TYPE {name} summary",
+                      f"{name}_sum {seconds:.6f}", f"{name}_count {st.first_tokens}"]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")

@@ -48,6 +48,16 @@ class _Tracked:
     index: int                    # the request's place in that submit: reports are (index, Progress)
     loop: asyncio.AbstractEventLoop
     sent: int = 0
+    posted: float = field(default_factory=time.perf_counter)   # when the handler submitted it
+    added: float | None = None                                 # when the engine's thread queued it
+
+
+# A request's time to its first token, in phases, and what each measures.
+FIRST_TOKEN_PHASES = {
+    "inbox": "seconds from a handler's post of a request to the engine's queue",
+    "queue": "seconds from the engine's queue to the first step computing the request",
+    "prefill": "seconds from that step's launch to the first token handed to the handler",
+}
 
 
 @dataclass
@@ -58,6 +68,8 @@ class Stats:
     generation_tokens: int = 0
     steps: int = 0
     step_seconds: float = 0.0   # engine.step wall time, summed (with the front end's load on the GIL)
+    first_tokens: int = 0       # requests whose first token was handed on; their phases summed:
+    phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(FIRST_TOKEN_PHASES, 0.0))
 
 
 class EngineThread:
@@ -153,6 +165,7 @@ class EngineThread:
                 _deliver({t.loop: [(t.queue, (t.index, RequestError(f"adapter {r.lora!r} was unloaded")))]})
                 continue
             self._tracked[r.id] = t
+            t.added = time.perf_counter()
             self.engine.add(r)
 
     def _abort(self, request_id: int) -> None:
@@ -167,6 +180,8 @@ class EngineThread:
             new = len(r.output_token_ids) - t.sent
             if not new and rid not in done:
                 continue
+            if not t.sent and new:
+                self._first_token(t)
             logprobs = None if r.logprobs is None else list(r.logprobs[t.sent:])
             progress = Progress(list(r.output_token_ids[t.sent:]), logprobs, rid in done, r.finish_reason,
                                 r.stop_reason)
@@ -178,6 +193,16 @@ class EngineThread:
                 self.stats.prompt_tokens += len(r.prompt_token_ids)
             batches.setdefault(t.loop, []).append((t.queue, (t.index, progress)))
         _deliver(batches)
+
+    def _first_token(self, t: _Tracked) -> None:
+        launched = t.request.first_launched
+        if t.added is None or launched is None:
+            return
+        phases = self.stats.phase_seconds
+        phases["inbox"] += t.added - t.posted
+        phases["queue"] += launched - t.added
+        phases["prefill"] += time.perf_counter() - launched
+        self.stats.first_tokens += 1
 
     def _fail_all(self, error: Exception) -> None:
         batches: dict[asyncio.AbstractEventLoop, list] = {}

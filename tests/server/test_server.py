@@ -246,3 +246,16 @@ def test_metrics_report_the_prefix_cache(server):
         client(server).completions.create(model="qwen3-moe", prompt=prompt, max_tokens=3, temperature=0)
     m = _metrics(server)
     assert m["compiled_prefix_cache_tokens"] > 0 and 0 < m["compiled_prefix_cache_hit_rate"] <= 1
+
+
+def test_metrics_split_the_time_to_first_token(server):
+    before = _metrics(server)
+    start = time.monotonic()
+    client(server).completions.create(model="qwen3-moe", prompt=PROMPTS[0], max_tokens=2, temperature=0)
+    wall = time.monotonic() - start
+    after = _metrics(server)
+    phases = ("inbox", "queue", "prefill")
+    names = [f"compiled_first_token_{p}_seconds" for p in phases]
+    assert all(after[n + "_count"] == before[n + "_count"] + 1 for n in names)
+    spent = [after[n + "_sum"] - before[n + "_sum"] for n in names]
+    assert all(s >= 0 for s in spent) and 0 < sum(spent) < wall, spent
