@@ -68,7 +68,7 @@ class Stats:
     generation_tokens: int = 0
     steps: int = 0
     step_seconds: float = 0.0   # engine.step wall time, summed (with the front end's load on the GIL)
-    first_tokens: int = 0       # requests whose first token was handed on; their phases summed:
+    first_tokens: int = 0       # requests whose first token was handed on (phase_seconds sums over them)
     phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(FIRST_TOKEN_PHASES, 0.0))
 
 
