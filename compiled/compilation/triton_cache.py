@@ -121,11 +121,16 @@ def install_kernels(artifact: str) -> int:
 
 
 @contextlib.contextmanager
-def counting_compiles() -> Iterator[dict]:
+def counting_compiles() -> Iterator[dict | None]:
     """Within: {"compiled": n, "cached": m}, the Triton kernels this process compiles and those it
     finds in its cache (Triton's compilation listener; a cached kernel names no new folder, so a
-    count of folders cannot tell a recompile from a hit)."""
-    from triton import knobs
+    count of folders cannot tell a recompile from a hit). None with a Triton that has no listener."""
+    try:
+        from triton import knobs
+        knobs.compilation.listener
+    except (ImportError, AttributeError):
+        yield None
+        return
     counts = {"compiled": 0, "cached": 0}
     previous = knobs.compilation.listener
 

@@ -93,3 +93,13 @@ def test_installed_kernel_is_a_cache_hit_once_the_exporting_cache_is_gone(tmp_pa
     assert found == {name: str(fresh / "KEY" / name) for name in ("k.cubin", "k.json")}
     with open(artifact / triton_cache.KERNELS / "KEY" / "__grp__k.json") as f:   # the artifact keeps its own
         assert str(exporter) in f.read()
+
+
+def test_counting_compiles_counts_what_triton_reports_and_puts_the_listener_back():
+    knobs = pytest.importorskip("triton").knobs
+    before = knobs.compilation.listener
+    with triton_cache.counting_compiles() as counts:
+        for hit in (False, True, True):   # as Triton's compile() reports a miss and two hits
+            knobs.compilation.listener(src=None, metadata={}, metadata_group={}, times=None, cache_hit=hit)
+    assert counts == {"compiled": 1, "cached": 2}
+    assert knobs.compilation.listener is before
