@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -69,7 +70,7 @@ class PrefixCache:
             child = node.children.get(tokens[i])
             if child is None:
                 break
-            k = _common(child.tokens, tokens, i)
+            k = common_prefix_len(child.tokens, tokens, i)
             if k < len(child.tokens):
                 child = self._split(child, k)
             parts.append(child.slots)
@@ -124,7 +125,7 @@ class PrefixCache:
                 self.num_cached += len(child.slots)
                 self._offer(child)
                 return child, held
-            k = _common(child.tokens, tokens, i)
+            k = common_prefix_len(child.tokens, tokens, i)
             if k < len(child.tokens):
                 child = self._split(child, k)
             if i + k > owned_from:
@@ -207,7 +208,8 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
 
-def _common(edge: tuple[int, ...], tokens: list[int], start: int) -> int:
+def common_prefix_len(edge: Sequence[int], tokens: Sequence[int], start: int = 0) -> int:
+    """How many leading tokens of `edge` equal those of `tokens` from `start` on."""
     k, n = 0, min(len(edge), len(tokens) - start)
     while k < n and edge[k] == tokens[start + k]:
         k += 1

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from compiled.attention.kv_cache import KVPool, ReqToTokenPool
-from compiled.runtime.prefix_cache import PrefixCache
+from compiled.runtime.prefix_cache import PrefixCache, common_prefix_len
 from compiled.runtime.request import Request
 
 # A waiting request whose uncached tokens begin with at least this many of a prompt the step being
@@ -344,21 +344,6 @@ class Scheduler:
         _discard(self.waiting, request)
         self._retracted.discard(request.id)
         self._release(request)
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """How many leading tokens `a` and `b` share."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n   # a[:lo] == b[:lo], a[:hi] != b[:hi]: halve in C-speed slice compares
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def _slots(request: Request) -> tuple[np.ndarray, int, np.ndarray]:

@@ -253,7 +253,7 @@ def test_a_start_shared_within_one_step_is_computed_once():
 
 
 def test_common_prefix_len_against_a_plain_walk():
-    from compiled.runtime.scheduler import common_prefix_len
+    from compiled.runtime.prefix_cache import common_prefix_len
     rng = random.Random(1)
     for _ in range(500):
         a = [rng.randrange(3) for _ in range(rng.randint(0, 30))]
