@@ -25,7 +25,7 @@ import torch
 
 from cli.prompts import read_jsonl_prompts
 from cli.engine_options import build_llm
-from compiled.runtime.config import EngineConfig
+from compiled.runtime.config import EngineConfig, resolve_device
 from compiled.runtime.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -549,7 +549,7 @@ def startup(args: EngineConfig, input_len: int) -> tuple[object, dict]:
     and those it found cached."""
     import compiled.runtime.llm as llm_module
     from compiled.compilation.triton_cache import counting_compiles
-    on_gpu = torch.device(args.device).type == "cuda" if args.device else torch.cuda.is_available()
+    on_gpu = resolve_device(args.device).type == "cuda"
     t0 = time.perf_counter()
     with timed_calls(llm_module, {"load_tokenizer": "tokenizer", "Engine": "engine"}) as outer, \
             counting_compiles() if on_gpu else contextlib.nullcontext() as triton_kernels:

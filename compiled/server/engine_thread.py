@@ -2,9 +2,9 @@
 
 Handlers never wait for the engine: they post work (a new request, an abort, an adapter to add)
 to an inbox that the engine's thread empties between steps, and read each request's progress from
-one asyncio queue per HTTP request. A lock around the engine instead would stall the whole event loop for as long
-as a step runs, and a thread that re-takes it at once can hold it for many steps in a row (locks
-are not fair), so streams would stall for seconds. The engine is not thread-safe: only its thread
+one asyncio queue per HTTP request. A lock around the engine instead would stall the whole event
+loop for as long as a step runs, and a thread that re-takes it at once can hold it for many steps
+in a row (locks are not fair), so streams would stall for seconds. The engine is not thread-safe: only its thread
 touches it. A request whose client went away is aborted at once, which frees its KV slots."""
 
 from __future__ import annotations
