@@ -574,4 +574,7 @@ def startup(
     if res.get("triton_kernels"):
         kernels = res["triton_kernels"]
         caption += f"; Triton kernels in LLM(...): {kernels['compiled']} compiled, {kernels['cached']} from cache"
+    if res.get("decode_buckets"):
+        buckets = res["decode_buckets"]
+        caption += f"; decode graphs captured: {buckets['captured']} of {buckets['total']} buckets (the rest on first use)"
     run.finish(caption, table)

@@ -383,6 +383,7 @@ def warm_up(llm, items: Sequence[Item], n: int = 4, output_len: int = 4) -> None
         engine.add(r)
     while engine.has_work:
         engine.step()
+    engine.capture_pending_graphs()
     sync(llm.config.device)
 
 
@@ -546,7 +547,7 @@ def startup(args: EngineConfig, input_len: int) -> tuple[object, dict]:
     stages such as compile, kv_cache or capture it records), the engine + KV allocation when the
     report has no such stage, and "other" for the rest; then one request's time to first token,
     cold (the engine's first step) and warm. On a GPU also the Triton kernels the start compiled
-    and those it found cached."""
+    and those it found cached, and how many decode buckets it captured (of how many)."""
     import compiled.runtime.llm as llm_module
     from compiled.compilation.triton_cache import counting_compiles
     on_gpu = resolve_device(args.device).type == "cuda"
@@ -567,13 +568,15 @@ def startup(args: EngineConfig, input_len: int) -> tuple[object, dict]:
     if "engine" in outer and not {"engine", "kv_cache"} & set(reported):
         stages["engine"] = outer["engine"]
     stages["other"] = max(total - sum(stages.values()), 0.0)
+    graphs = llm.engine.runner.graphs
+    buckets = None if graphs is None else {"captured": len(graphs.graphs), "total": len(graphs.buckets)}
     prompt = random_ids(1, input_len, llm.model_config.vocab_size, args.seed)[0]
     cold = first_token(llm, prompt)
     warm = first_token(llm, prompt)
     return llm, {
         "stages_s": stages, "llm_init_s": total, "ttft_cold_s": cold, "ttft_warm_s": warm,
         "total_s": total + cold, "input_len": input_len, "kv_slots": llm.engine.kv.num_slots,
-        "triton_kernels": triton_kernels,
+        "triton_kernels": triton_kernels, "decode_buckets": buckets,
     }
 
 

@@ -39,6 +39,7 @@ def export(
         with empty_triton_cache(resolve_device(config.device)):
             llm = build_llm(config)
             run_mixed_lengths(llm)
+            llm.engine.capture_pending_graphs()   # the kernels of every bucket go into the artifact
             llm.export_artifact(str(out))
         table = Table(title=f"exported {llm.model_path} -> {out}")
         table.add_column("stage")

@@ -2,13 +2,16 @@
 
 What the graphs read and write lives in the runtime's static buffers: a subclass says how to
 stage a padding-only batch of a bucket's size (`prepare`) and what one step runs (`step`).
-Buckets are captured largest first in one shared memory pool, so smaller ones reuse its blocks."""
+Buckets are captured largest first in one shared memory pool, so smaller ones reuse its blocks.
+A bucket may be captured later than the others (`capture([size])`, between two steps): the pool
+then already holds the largest bucket's blocks, and replays run one at a time, so any graph's
+temporaries may share memory with any other's."""
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Iterable
 
 import torch
 
@@ -31,12 +34,20 @@ class BucketGraphs:
     def bucket_for(self, batch: int) -> int | None:
         return smallest_bucket(self.buckets, batch)
 
+    @property
+    def pending(self) -> list[int]:
+        """The buckets not captured yet, smallest first."""
+        return [b for b in self.buckets if b not in self.graphs]
+
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Per bucket, inside `prepare(size)`: `step(size)` once outside the graph (lazy
-        allocations, compiles and autotuning), then once captured."""
+    def capture(self, sizes: Iterable[int] | None = None) -> None:
+        """Capture `sizes` (default: every bucket), largest first; per bucket, inside
+        `prepare(size)`: `step(size)` once outside the graph (lazy allocations, compiles and
+        autotuning), then once captured. Adds its time to `capture_seconds`."""
         start = time.perf_counter()
-        for size in reversed(self.buckets):
+        for size in sorted(self.buckets if sizes is None else sizes, reverse=True):
+            if size not in self.buckets:
+                raise ValueError(f"CUDA graphs: {size} is not one of the buckets {self.buckets}")
             with self.prepare(size):
                 with warm_up_once():
                     self.step(size)
@@ -45,7 +56,7 @@ class BucketGraphs:
                     self.outputs[size] = self.step(size)
             self.graphs[size] = graph
         torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - start
+        self.capture_seconds += time.perf_counter() - start
 
     def prepare(self, size: int) -> ContextManager:
         """Stage a padding-only batch of `size` and enter whatever the step runs under."""

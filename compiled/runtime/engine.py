@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from compiled.attention.kv_cache import KVPool, ReqToTokenPool
-from compiled.compilation.buckets import decode_buckets, token_buckets
+from compiled.compilation.buckets import decode_buckets, eager_buckets, token_buckets
 from compiled.errors import RequestError
 from compiled.graphs.config import ModelConfig
 from compiled.lora.pool import LoRAPool
@@ -145,13 +145,23 @@ class Engine:
         """Capture the decode graphs and, for a compiled model, the pieces' graphs; returns the
         seconds each capture took."""
         seconds = {}
-        if self.graph_buckets():
-            seconds["capture"] = self.runner.capture_graphs(self.graph_buckets())
+        if buckets := self.graph_buckets():
+            seconds["capture"] = self.runner.capture_graphs(buckets, eager_buckets(buckets))
         if self.runner.is_compiled and self.piecewise_buckets():
             seconds["capture_piecewise"] = self.runner.capture_piecewise(self.piecewise_buckets())
             if long_sizes := self.unbucketed_sizes():
                 seconds["warm_up_long"] = self.runner.warm_up(long_sizes)
         return seconds
+
+    def capture_pending_graphs(self, at_most: int | None = None) -> int:
+        """Capture the decode CUDA graphs left for later at start (`buckets.eager_buckets`), at
+        most `at_most` of them; returns how many. none while a step is in flight: call it idle
+        (a server between requests), since a batch needing a bucket not captured otherwise waits
+        for its capture."""
+        done = 0
+        while not self._unread and (at_most is None or done < at_most) and self.runner.capture_pending():
+            done += 1
+        return done
 
     def unbucketed_sizes(self) -> list[int]:
         """Step sizes to run once at start, beyond the largest piecewise bucket, where steps run

@@ -81,16 +81,26 @@ class ModelRunner:
         from compiled.compilation.inductor import CompiledModel
         return isinstance(self.model, CompiledModel)
 
-    def capture_graphs(self, buckets: list[int]) -> float:
-        """Capture the decode CUDA graphs (of both models); returns the seconds it took."""
+    def capture_graphs(self, buckets: list[int], now: list[int]) -> float:
+        """Set up the decode CUDA graphs of `buckets` (of both models) and capture those of `now`
+        (the others on first use, or by `capture_pending`); returns the seconds it took."""
         seconds = 0.0
         for lora in self._variants():
             graphs = DecodeGraphs(self._model(lora), self.kv, self.req_pool, buckets, self._graph_pool(),
                                   self.cfg.device)
-            graphs.capture()
+            graphs.capture(now)
             setattr(self, "lora_graphs" if lora else "graphs", graphs)
             seconds += graphs.capture_seconds
         return seconds
+
+    def capture_pending(self) -> bool:
+        """Capture one decode bucket not captured yet, smallest first (call it between steps with
+        none in flight); False when there is none."""
+        for graphs in (self.graphs, self.lora_graphs):
+            if graphs is not None and graphs.pending:
+                graphs.capture(graphs.pending[:1])
+                return True
+        return False
 
     def capture_piecewise(self, buckets: list[int]) -> float:
         """Capture every compiled piece's graph per token bucket (of both models); returns the
@@ -222,6 +232,12 @@ class ModelRunner:
         graphs = self.lora_graphs if lora else self.graphs
         bucket = self._decode_bucket(batch, graphs)
         if bucket is not None:   # the graphs read their own small buffer: a short upload
+            if bucket not in graphs.graphs:
+                # The capture's own steps write the graphs' staging and output buffers, where
+                # `feed` (the previous step's tokens) may live. (A fed step today repeats the
+                # previous step's requests, so its bucket is captured already.)
+                feed = None if feed is None else feed.clone()
+                graphs.capture([bucket])
             self._stage(batch.chunks, bucket, is_decode=True, inputs=graphs.inputs)
             self._feed(feed, t, graphs.inputs)
             hidden, logits, argmax = graphs.replay(bucket)

@@ -136,7 +136,10 @@ class EngineThread:
             if not self.engine.has_work:
                 if self._stopping:
                     return
-                self._work.wait()
+                # Idle: capture a decode CUDA graph left for later at start, one per pass, so
+                # that a request arriving meanwhile waits for at most one capture.
+                if not self.engine.capture_pending_graphs(at_most=1):
+                    self._work.wait()
                 continue
             start = time.perf_counter()
             try:

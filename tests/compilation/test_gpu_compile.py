@@ -1,6 +1,6 @@
 """GPU: Inductor + decode CUDA graphs + piecewise prefill graphs against the uncompiled graph
 (same passes, same dummy weights), at every bucket and between buckets; and no recompilation over
-200 batch sizes."""
+200 batch sizes; decode buckets captured on first use, part-way through a generation."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from compiled.compilation.inductor import COMPILES
 from tests.conftest import reduced_real_config
 
 pytestmark = pytest.mark.gpu
-BUCKETS = [1, 2, 4, 8, 16, 32]
+BUCKETS = [1, 2, 4, 8, 12, 16, 24, 32]   # 12 and 24 are captured on first use (eager_buckets)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def _step_logprobs(llm: LLM, batch: int, seed: int):
     return outs
 
 
-@pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 13, 16, 31, 32, 40])
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 10, 13, 16, 31, 32, 40])
 def test_compiled_graphs_match_uncompiled(pair, batch):
     fast, plain = pair
     assert fast.engine.runner.graphs is not None and plain.engine.runner.graphs is None
@@ -79,6 +79,27 @@ def test_decode_graphs_argmax_is_torchs(pair, batch):
     _step_logprobs(fast, batch, 100 + batch)   # its last step replays the batch's decode graph
     graphs = fast.engine.runner.graphs
     assert torch.equal(graphs.argmax[:batch], graphs.logits[:batch].argmax(-1))
+
+
+def test_bucket_captured_part_way_through_a_generation(pair):
+    """30 requests of which 10 stop after 2 tokens: the batch drops from 30 (bucket 32) to 20,
+    whose bucket 24 is captured between decode steps, overlapped ones before and after. The
+    tokens equal a second run's, which replays it."""
+    fast, _ = pair
+    graphs = fast.engine.runner.graphs
+    assert 24 in graphs.pending and 32 not in graphs.pending
+    rng = random.Random(7)
+    vocab = fast.model_config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(5, 60))] for _ in range(30)]
+    params = [SamplingParams(max_new_tokens=2 if i < 10 else 12, temperature=0.0, ignore_eos=True)
+              for i in range(30)]
+    before = fast.engine.num_overlapped
+    first = fast.generate(prompts, params)
+    assert 24 not in graphs.pending and fast.engine.num_overlapped > before
+    again = fast.generate(prompts, params)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    pending = len(graphs.pending)
+    assert fast.engine.capture_pending_graphs() == pending and graphs.pending == []
 
 
 def test_piecewise_graphs_read_every_activation_in_place(pair):
@@ -127,3 +148,4 @@ def test_overlap_schedule_same_tokens_as_synchronous(pair, batch):
         engine.overlap_schedule = True
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in plain]
     assert engine.kv.num_used == 0
+
