@@ -39,6 +39,10 @@ class BucketGraphs:
         """The buckets not captured yet, smallest first."""
         return [b for b in self.buckets if b not in self.graphs]
 
+    def is_pending(self, size: int) -> bool:
+        """Whether `size` is a bucket not captured yet."""
+        return size not in self.graphs and size in self.buckets
+
     @torch.inference_mode()
     def capture(self, sizes: Iterable[int] | None = None) -> None:
         """Capture `sizes` (default: every bucket), largest first; per bucket, inside

@@ -19,6 +19,12 @@ def eager_buckets(buckets: list[int]) -> list[int]:
     return [b for b in buckets if b & (b - 1) == 0 or b == buckets[-1]]
 
 
+def eager_token_buckets(buckets: list[int]) -> list[int]:
+    """The piecewise token buckets captured at start: the smallest and the largest (each of the
+    others as `eager_buckets` leaves them: 49 graphs a bucket for Qwen3-30B-A3B)."""
+    return sorted({buckets[0], buckets[-1]})
+
+
 def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
     """Powers of two from `smallest` up to `max_tokens` (piecewise graphs of prefill batches)."""
     sizes, size = [], smallest

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -140,6 +140,7 @@ class PiecewiseGraphs:
         # pieces' outputs): graph inputs found there are used in place.
         self.fixed_ptrs: set[int] = {t.data_ptr() for t in fixed}
         self.warmed: set[tuple[Callable, int]] = set()  # (compiled function, size) already run once
+        self.captured: set[int] = set()
         self.capture_seconds = 0.0
         self.replays = 0  # forwards that replayed these graphs (tests check they are used)
 
@@ -154,18 +155,32 @@ class PiecewiseGraphs:
         self.fixed_ptrs.add(out.data_ptr())
         return out
 
-    def capture(self, run_forward: Callable[[int], None]) -> None:
-        """`run_forward(size)` stages a padding-only batch of `size` tokens and runs the model;
-        buckets go largest first so smaller ones reuse the pool's blocks."""
+    @property
+    def pending(self) -> list[int]:
+        """The buckets not captured yet, smallest first."""
+        return [b for b in self.buckets if b not in self.captured]
+
+    def is_pending(self, size: int) -> bool:
+        """Whether `size` is a bucket not captured yet."""
+        return size not in self.captured and size in self.buckets
+
+    def capture(self, run_forward: Callable[[int], None], sizes: Iterable[int] | None = None) -> None:
+        """Capture `sizes` (default: every bucket), largest first so smaller ones reuse the pool's
+        blocks: `run_forward(size)` stages a padding-only batch of `size` tokens and runs the
+        model. A bucket captured later, between two steps, shares the pool as one captured at
+        start does (replays run one at a time). Adds its time to `capture_seconds`."""
         from compiled.compilation.warm_up import warm_up_once
         start = time.perf_counter()
-        for size in reversed(self.buckets):
+        for size in sorted(self.buckets if sizes is None else sizes, reverse=True):
+            if size not in self.buckets:
+                raise ValueError(f"piecewise CUDA graphs: {size} is not one of the buckets {self.buckets}")
             # Each piece captures; attention, whose outputs only need the right address (its
             # slab), runs once per bucket.
             with piecewise_mode(size, capturing=True), warm_up_once():
                 run_forward(size)
+            self.captured.add(size)
         torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - start
+        self.capture_seconds += time.perf_counter() - start
 
 
 def current_mode() -> _Mode | None:

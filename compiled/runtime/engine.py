@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from compiled.attention.kv_cache import KVPool, ReqToTokenPool
-from compiled.compilation.buckets import decode_buckets, eager_buckets, token_buckets
+from compiled.compilation.buckets import decode_buckets, eager_buckets, eager_token_buckets, token_buckets
 from compiled.errors import RequestError
 from compiled.graphs.config import ModelConfig
 from compiled.lora.pool import LoRAPool
@@ -141,23 +141,24 @@ class Engine:
             return sorted(b for b in self.cfg.cuda_graph_buckets if b <= limit)
         return decode_buckets(min(limit, self.cfg.max_cuda_graph_batch))
 
-    def capture_graphs(self) -> dict[str, float]:
+    def capture_graphs(self, from_artifact: bool = False) -> dict[str, float]:
         """Capture the decode graphs and, for a compiled model, the pieces' graphs; returns the
-        seconds each capture took."""
+        seconds each capture took. `from_artifact`: every piece came from an artifact, whose
+        export ran the long step sizes (`unbucketed_sizes`), so their kernels are cached."""
         seconds = {}
         if buckets := self.graph_buckets():
             seconds["capture"] = self.runner.capture_graphs(buckets, eager_buckets(buckets))
-        if self.runner.is_compiled and self.piecewise_buckets():
-            seconds["capture_piecewise"] = self.runner.capture_piecewise(self.piecewise_buckets())
-            if long_sizes := self.unbucketed_sizes():
+        if self.runner.is_compiled and (tokens := self.piecewise_buckets()):
+            seconds["capture_piecewise"] = self.runner.capture_piecewise(tokens, eager_token_buckets(tokens))
+            if not from_artifact and (long_sizes := self.unbucketed_sizes()):
                 seconds["warm_up_long"] = self.runner.warm_up(long_sizes)
         return seconds
 
     def capture_pending_graphs(self, at_most: int | None = None) -> int:
-        """Capture the decode CUDA graphs left for later at start (`buckets.eager_buckets`), at
-        most `at_most` of them; returns how many. none while a step is in flight: call it idle
-        (a server between requests), since a batch needing a bucket not captured otherwise waits
-        for its capture."""
+        """Capture the buckets of CUDA graphs left for later at start (`buckets.eager_buckets`,
+        `eager_token_buckets`), at most `at_most` of them; returns how many: none while a step is
+        in flight. Call it idle (a server between requests): a step needing a bucket not captured
+        otherwise waits for its capture."""
         done = 0
         while not self._unread and (at_most is None or done < at_most) and self.runner.capture_pending():
             done += 1

@@ -93,18 +93,10 @@ class ModelRunner:
             seconds += graphs.capture_seconds
         return seconds
 
-    def capture_pending(self) -> bool:
-        """Capture one decode bucket not captured yet, smallest first (call it between steps with
-        none in flight); False when there is none."""
-        for graphs in (self.graphs, self.lora_graphs):
-            if graphs is not None and graphs.pending:
-                graphs.capture(graphs.pending[:1])
-                return True
-        return False
-
-    def capture_piecewise(self, buckets: list[int]) -> float:
-        """Capture every compiled piece's graph per token bucket (of both models); returns the
-        seconds it took."""
+    def capture_piecewise(self, buckets: list[int], now: list[int]) -> float:
+        """Set up every compiled piece's graphs per token bucket of `buckets` (of both models) and
+        capture those of `now` (the others as `capture_graphs` leaves them); returns the seconds
+        it took."""
         seconds = 0.0
         for lora in self._variants():
             name = "lora_piecewise" if lora else "piecewise"
@@ -113,12 +105,36 @@ class ModelRunner:
             self.prefill_buckets = graphs.buckets
             setattr(self, name, graphs)  # the capture's forwards write attention into its slab too
             try:
-                graphs.capture(lambda tokens: self._padding_only(tokens, lora))
+                self._capture_pieces(lora, now)
             except BaseException:
                 setattr(self, name, None)
                 raise
             seconds += graphs.capture_seconds
         return seconds
+
+    def _capture_pieces(self, lora: bool, sizes: list[int]) -> None:
+        graphs = self.lora_piecewise if lora else self.piecewise
+        graphs.capture(lambda tokens: self._padding_only(tokens, lora), sizes)
+
+    def _all_graphs(self) -> list[tuple[bool, DecodeGraphs | PiecewiseGraphs]]:
+        """(lora, graphs) of every set of graphs set up, decode first."""
+        found = [(False, self.graphs), (True, self.lora_graphs), (False, self.piecewise), (True, self.lora_piecewise)]
+        return [(lora, g) for lora, g in found if g is not None]
+
+    def capture_pending(self) -> bool:
+        """Capture one bucket not captured yet, decode graphs first, smallest first (call it
+        between steps with none in flight); False when there is none."""
+        for lora, graphs in self._all_graphs():
+            if graphs.pending:
+                self._capture_bucket(lora, graphs, graphs.pending[0])
+                return True
+        return False
+
+    def _capture_bucket(self, lora: bool, graphs: DecodeGraphs | PiecewiseGraphs, size: int) -> None:
+        if isinstance(graphs, PiecewiseGraphs):
+            self._capture_pieces(lora, [size])
+        else:
+            graphs.capture([size])
 
     def warm_up(self, sizes: list[int]) -> float:
         """A padding-only batch of each of `sizes` tokens through each model (the compiles and
@@ -232,17 +248,13 @@ class ModelRunner:
         graphs = self.lora_graphs if lora else self.graphs
         bucket = self._decode_bucket(batch, graphs)
         if bucket is not None:   # the graphs read their own small buffer: a short upload
-            if bucket not in graphs.graphs:
-                # The capture's own steps write the graphs' staging and output buffers, where
-                # `feed` (the previous step's tokens) may live. (A fed step today repeats the
-                # previous step's requests, so its bucket is captured already.)
-                feed = None if feed is None else feed.clone()
-                graphs.capture([bucket])
+            feed = self._capture_first(lora, graphs, bucket, feed)
             self._stage(batch.chunks, bucket, is_decode=True, inputs=graphs.inputs)
             self._feed(feed, t, graphs.inputs)
             hidden, logits, argmax = graphs.replay(bucket)
             return StepOutput(hidden[:t], _rows(logits, t, sample_rows), _rows(argmax, t, sample_rows))
         tokens = self._prefill_bucket(t)
+        feed = self._capture_first(lora, self.lora_piecewise if lora else self.piecewise, tokens, feed)
         meta = self._stage(batch.chunks, tokens, is_decode=batch.is_decode and tokens == t)
         self._feed(feed, t, self.inputs)
         hidden = self._run_model(meta, tokens, lora)[:t]
@@ -266,6 +278,17 @@ class ModelRunner:
             raise
         rows = _rows(hidden, batch.num_tokens, sample_rows)
         return StepOutput(hidden, None if rows is None else self.logits(rows))
+
+    def _capture_first(self, lora: bool, graphs: DecodeGraphs | PiecewiseGraphs | None, bucket: int,
+                       feed: torch.Tensor | None) -> torch.Tensor | None:
+        """Capture `bucket` of `graphs` if it is one left for later, before the step stages its
+        batch: the capture stages and runs padding-only batches through the same buffers, where
+        `feed` (the previous step's tokens, then cloned first) may also live. Returns the feed."""
+        if graphs is None or not graphs.is_pending(bucket):
+            return feed
+        feed = None if feed is None else feed.clone()
+        self._capture_bucket(lora, graphs, bucket)
+        return feed
 
     @staticmethod
     def _feed(feed: torch.Tensor | None, t: int, inputs: StaticInputs) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from compiled.compilation.buckets import decode_buckets, eager_buckets, smallest_bucket, token_buckets
+from compiled.compilation.buckets import (decode_buckets, eager_buckets, eager_token_buckets, smallest_bucket,
+                                         token_buckets)
 
 
 def test_decode_buckets_are_vllms():
@@ -26,3 +27,8 @@ def test_eager_buckets_are_the_powers_of_two_and_the_largest(buckets, eager):
 def test_token_buckets_and_smallest_bucket():
     assert token_buckets(100) == [16, 32, 64]
     assert smallest_bucket([1, 2, 4, 8], 5) == 8 and smallest_bucket([1, 2, 4, 8], 9) is None
+
+
+def test_eager_token_buckets_are_the_smallest_and_the_largest():
+    assert eager_token_buckets(token_buckets(2048)) == [16, 2048]
+    assert eager_token_buckets([16]) == [16]

@@ -10,6 +10,7 @@ import random
 import pytest
 
 from compiled import LLM, SamplingParams
+from compiled.compilation.buckets import smallest_bucket
 from compiled.compilation.inductor import COMPILES
 from tests.conftest import reduced_real_config
 
@@ -83,8 +84,9 @@ def test_decode_graphs_argmax_is_torchs(pair, batch):
 
 def test_bucket_captured_part_way_through_a_generation(pair):
     """30 requests of which 10 stop after 2 tokens: the batch drops from 30 (bucket 32) to 20,
-    whose bucket 24 is captured between decode steps, overlapped ones before and after. The
-    tokens equal a second run's, which replays it."""
+    whose bucket 24 is captured between decode steps, overlapped ones before and after (and the
+    prefill's token bucket, unless an earlier test needed it). The tokens equal those of the same
+    generate again, which replays them."""
     fast, _ = pair
     graphs = fast.engine.runner.graphs
     assert 24 in graphs.pending and 32 not in graphs.pending
@@ -93,9 +95,11 @@ def test_bucket_captured_part_way_through_a_generation(pair):
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(5, 60))] for _ in range(30)]
     params = [SamplingParams(max_new_tokens=2 if i < 10 else 12, temperature=0.0, ignore_eos=True)
               for i in range(30)]
+    prefill = smallest_bucket(fast.engine.runner.prefill_buckets, sum(len(p) for p in prompts))
     before = fast.engine.num_overlapped
     first = fast.generate(prompts, params)
     assert 24 not in graphs.pending and fast.engine.num_overlapped > before
+    assert not fast.engine.runner.piecewise.is_pending(prefill)
     again = fast.generate(prompts, params)
     assert [o.token_ids for o in first] == [o.token_ids for o in again]
     pending = len(graphs.pending)
@@ -106,6 +110,7 @@ def test_piecewise_graphs_read_every_activation_in_place(pair):
     """Attention writes into the slab the next piece's graph reads, and each piece reads the
     previous piece's outputs where its graph left them: no input is copied before a replay."""
     fast, _ = pair
+    fast.engine.capture_pending_graphs()
     entries = [e for piece in fast.engine.runner.model.pieces for e in piece.graphs.entries.values()]
     assert len(entries) == len(fast.engine.runner.model.pieces) * len(fast.engine.runner.prefill_buckets)
     assert all(i is None or i.slab is None for e in entries for i in e.inputs)

@@ -38,6 +38,9 @@ class _HeldEngine:
         self.release.wait(30)
         return []
 
+    def capture_pending_graphs(self, at_most: int | None = None) -> int:
+        return 0
+
 
 def _request(i: int):
     return SimpleNamespace(id=i, lora=None, output_token_ids=[], logprobs=None, prompt_token_ids=[1])
@@ -73,3 +76,40 @@ def test_handlers_never_wait_for_a_running_step():
     assert posted["counts"] == (0, 1)
     engine.scheduler.waiting.clear()
     thread.stop()
+
+
+class _EngineWithPendingGraphs(_HeldEngine):
+    """Graph buckets left for later at start; captures are logged, steps return at once."""
+
+    def __init__(self, pending: int) -> None:
+        super().__init__()
+        self.pending, self.idle = pending, threading.Event()
+        self.release.set()
+
+    def step(self) -> list:
+        self.log.append(("step", len(self.scheduler.waiting)))
+        self.scheduler.waiting.clear()
+        return []
+
+    def capture_pending_graphs(self, at_most: int | None = None) -> int:
+        assert at_most == 1 and not self.has_work, "a capture must wait for the requests"
+        done = min(self.pending, at_most)
+        self.pending -= done
+        self.log += [("capture", self.pending)] * done
+        if not self.pending:
+            self.idle.set()
+        return done
+
+
+def test_idle_engine_captures_the_buckets_left_for_later_one_at_a_time():
+    engine = _EngineWithPendingGraphs(pending=3)
+    thread = EngineThread(SimpleNamespace(engine=engine))
+    thread.start()
+    try:
+        assert engine.idle.wait(10), "the idle engine left graph buckets uncaptured"
+        thread.call(lambda: engine.scheduler.waiting.append(_request(1))).result(10)
+        assert thread.call(lambda: list(engine.log)).result(10)[:3] == [("capture", 2), ("capture", 1),
+                                                                       ("capture", 0)]
+    finally:
+        thread.stop()
+    assert ("step", 1) in engine.log and engine.log.count(("capture", 0)) == 1
