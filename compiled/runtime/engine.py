@@ -73,6 +73,7 @@ class Engine:
         self._live: dict[int, Request] = {}  # added and not finished, by id
         self._finished: list[Request] = []  # finished since the last `step` returned
         self.num_overlapped = 0  # steps launched before the previous step's tokens were read
+        self._draining: str | None = None   # the adapter admitting no requests this step (_acquire_adapter)
         self.overlap_schedule = cfg.overlap_schedule  # may be switched between steps
 
     # ---- adapters ------------------------------------------------------------------------------
@@ -88,16 +89,33 @@ class Engine:
     def _acquire_adapter(self, request: Request) -> bool:
         """Give `request` its adapter's slot, starting the copy of the adapter if needed; False
         while the copy has not landed, or when every slot holds an adapter that a running request
-        uses (the request waits; the step goes on without it)."""
+        uses (the request waits; requests behind it whose adapters have slots go ahead). So that
+        those never keep it waiting, the first such request of a step picks the slot whose
+        running requests end first (`_draining`): no request is admitted to it until it is free,
+        and then it is this request's (the oldest to wait for a slot)."""
         if request.lora is None:
             request.lora_slot = -1
             return True
+        if request.lora == self._draining:
+            return False
         running = {r.lora for r in self.scheduler.running if r.lora is not None}
         slot = self.loras.acquire(request.lora, running)
         if slot is None:
+            if self._draining is None:
+                self._draining = self._first_to_end(running)
             return False
         request.lora_slot = slot
         return self.loras.ready(slot)
+
+    def _first_to_end(self, adapters: set[str]) -> str | None:
+        """Of the adapters running requests use, the one whose requests all end first: by the
+        tokens each has left to compute at most (its prompt's rest and its max_new_tokens)."""
+        left: dict[str, int] = {}
+        for r in self.scheduler.running:
+            if r.lora in adapters:
+                rest = r.num_tokens - r.num_computed + r.params.max_new_tokens - len(r.output_token_ids)
+                left[r.lora] = max(left.get(r.lora, 0), rest)
+        return min(sorted(left), key=left.__getitem__) if left else None
 
     def _wait_for_adapter(self) -> bool:
         """Nothing can run but the head of the queue, whose adapter is still being copied: wait
@@ -286,6 +304,7 @@ class Engine:
                 return self._take_finished()
             if self.loras is not None and self.scheduler.waiting:
                 self._prefetch_adapters()
+            self._draining = None   # chosen afresh by each step's admissions
             batch = self.scheduler.schedule()
             if batch is None and self._wait_for_adapter():
                 batch = self.scheduler.schedule()

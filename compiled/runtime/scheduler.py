@@ -64,8 +64,9 @@ class Scheduler:
         # Tokens in all of a step that also decodes (None: the whole budget).
         self.max_mixed_step_tokens = max_mixed_step_tokens
         self.waiting: deque[Request] = deque()
-        # Whether the head of the queue may be admitted now, besides KV and rows (the engine's
-        # adapter slots); it may prepare the request for running when it says yes.
+        # Whether a queued request may be admitted now, besides KV and rows (the engine's adapter
+        # slots); it may prepare the request for running when it says yes. A request it refuses
+        # keeps its place and those behind it may go ahead (the engine sees that it gets its turn).
         self.admit: Callable[[Request], bool] = lambda request: True
         self.running: list[Request] = []
         self.num_retractions = 0
@@ -97,25 +98,25 @@ class Scheduler:
             budget -= len(slots)
             prefill_budget -= 0 if decoding else len(slots)
             i += 1
-        deferred = 0   # waiting requests left for the next step, which starts them from this one's K/V
-        while len(self.waiting) > deferred and min(budget, prefill_budget) > 0 \
-                and len(self.running) + deferred < self.max_num_seqs:
-            request = self.waiting[deferred]
+        skipped = 0    # waiting requests passed over in this step: the deferred ones and those refused by admit
+        deferred = 0   # of them, those left for the next step, which starts them from this one's K/V
+        while len(self.waiting) > skipped and min(budget, prefill_budget) > 0 \
+                and len(self.running) + deferred < self.max_num_seqs and skipped < self.max_num_seqs:
+            request = self.waiting[skipped]
             if self._waits_for_prompt(request):
                 break
             prefix = self._cached_prefix(request)
-            if self._shares_with_step(request, prefix, chunks):
-                if self.cache is not None:
-                    self.cache.release(prefix)
-                deferred += 1
-                continue
             n = min(request.num_tokens - (len(prefix) if prefix else 0), budget, prefill_budget)
-            if not self._fits(request, n) or self.req_pool.num_free == 0 or not self.admit(request):
-                # (admit: e.g. its adapter has no free slot: FCFS, later ones wait too)
+            held = self._held(request, prefix, n, chunks)
+            if held is not None:
                 if self.cache is not None:
                     self.cache.release(prefix)
-                break
-            del self.waiting[deferred]
+                if held == "no room":
+                    break   # first come, first served for memory: a large request is not overtaken
+                skipped += 1
+                deferred += held == "next step"
+                continue
+            del self.waiting[skipped]
             readmitted = request.id in self._retracted
             self._retracted.discard(request.id)
             request.row = self.req_pool.alloc()
@@ -137,6 +138,17 @@ class Scheduler:
             self.retract(self._victim(self.running))
             return type(self).schedule(self)
         return Batch(chunks) if chunks else None
+
+    def _held(self, request: Request, prefix, n: int, chunks: list[Chunk]) -> str | None:
+        """Why the queued `request` (with its cached `prefix`, `n` tokens to compute now) is not
+        admitted in this step: "next step" (it then starts from K/V this step computes), "no
+        room" (KV slots or request rows), "refused" (by `admit`: its adapter has no slot yet);
+        None: admit it."""
+        if self._shares_with_step(request, prefix, chunks):
+            return "next step"
+        if not self._fits(request, n) or self.req_pool.num_free == 0:
+            return "no room"
+        return None if self.admit(request) else "refused"
 
     def _prefill_budget(self, budget: int) -> int:
         """Prompt tokens this step may compute: all of `budget`, or, when some running requests

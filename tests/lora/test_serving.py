@@ -225,3 +225,37 @@ def test_queued_adapters_are_prefetched_and_a_step_never_waits_for_a_load(bases,
     while engine.has_work:
         engine.step()
     assert [r.output_token_ids for r in requests] == alone
+
+
+def test_a_request_waiting_for_a_slot_is_not_overtaken_for_long(bases, adapters):
+    """Two slots, held by A (a long request) and B (a short one). C's request finds no slot: B's
+    slot, whose requests end first, takes no new request (a later B one waits) and goes to C once
+    B's request ends, long before A's does; meanwhile later requests on A and on the base model go
+    ahead of C. Every output equals its run alone."""
+    base, paths = bases["dense"], adapters["dense"]
+    a, b, c = list(paths)[:3]
+    llm = LLM(base, device="cpu", dtype="float32", enable_lora=True, max_loras_per_batch=2)
+    for name in (a, b, c):
+        llm.load_lora(name, paths[name])
+    vocab = ModelConfig.from_pretrained(base).vocab_size
+    rows = [(a, 24), (b, 3), (c, 3), (b, 3), (a, 3), (None, 3)]
+    prompts = random_prompts(vocab, [9, 12, 7, 5, 8, 6], seed=6)
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for _, n in rows]
+    alone = [llm.generate([p], sp, lora=name)[0].token_ids for p, sp, (name, _) in zip(prompts, params, rows)]
+    engine = llm.engine
+    requests = [engine.make_request(i, p, sp, name) for i, (p, sp, (name, _)) in enumerate(zip(prompts, params, rows))]
+    for r in requests:
+        engine.add(r)
+    admitted_at: dict[int, int] = {}
+    step = 0
+    while engine.has_work:
+        engine.step()
+        step += 1
+        admitted_at.update((i, step) for i, r in enumerate(requests) if r.row is not None and i not in admitted_at)
+        if step == 1:
+            assert set(admitted_at) == {0, 1, 4, 5}, admitted_at   # C waits; B's later request too
+        if not requests[0].finished:
+            finished_a = step + 1
+    assert admitted_at[2] < admitted_at[3] and admitted_at[2] < finished_a
+    assert [r.output_token_ids for r in requests] == alone
+    assert engine.kv.num_used == 0
