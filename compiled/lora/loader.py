@@ -19,21 +19,18 @@ class SlotLoader:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._done: dict[int, torch.cuda.Event] = {}
-        self._source: dict[int, object] = {}   # per slot, what its last load copies from
 
-    def load(self, slot: int, write: Callable[[], None], source: object = None) -> None:
-        """Run `write` (the asynchronous copies into `slot` from `source`) behind the work queued
-        so far; `source` is kept alive until the copies have landed, as they read it then."""
+    def load(self, slot: int, write: Callable[[], None]) -> None:
+        """Run `write` (the copies into `slot`) behind the work queued so far."""
         if self.stream is None:
             write()
             return
-        self.wait(slot)   # the previous load into the slot has long landed: its source may go
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             write()
             done = torch.cuda.Event()
             done.record(self.stream)
-        self._done[slot], self._source[slot] = done, source
+        self._done[slot] = done
 
     def wait(self, slot: int) -> None:
         """Block until the last load into `slot` has landed."""

@@ -2,8 +2,8 @@
 
 The `lora_delta` pass gives every LoRA-targetable projection buffers of `S` slots (ranks
 zero-padded to the pool's `R`); a slot holds one adapter for every projection at once. An
-adapter in the CPU tier (`slot_image.py`: already in the slots' layout, page-locked on a GPU) is
-copied into a slot (`loader.py`: on a stream of its own) when a queued request needs it; slots of adapters that no running request uses are reused, least recently used
+adapter in the CPU tier is copied into a slot (`loader.py`: on a stream of its own) when a queued
+request needs it; slots of adapters that no running request uses are reused, least recently used
 first. The CPU tier holds
 up to `max_loaded` adapters (None: no limit): loading one more evicts the least recently used
 adapter that is neither pinned nor in a slot in use."""
@@ -19,7 +19,6 @@ from torch import nn
 
 from compiled.graphs.config import ModelConfig
 from compiled.lora.loader import SlotLoader
-from compiled.lora.slot_image import SlotImage
 from compiled.lora.weights import Adapter, LoRAError
 from compiled.passes.lora_delta import dense_target
 
@@ -67,8 +66,7 @@ class LoRAPool:
             raise LoRAError("the model has no LoRA buffers: build it with the lora_delta pass")
         first = self.dense[0].a if self.dense else self.experts[0].a13
         self.num_slots, self.max_rank, self.max_loaded = first.shape[0], max_rank, max_loaded
-        # The CPU tier, least recently used first: each adapter as the copy of a slot it loads from.
-        self.adapters: OrderedDict[str, SlotImage] = OrderedDict()
+        self.adapters: OrderedDict[str, Adapter] = OrderedDict()   # least recently used first
         self.pinned: set[str] = set()
         self.slot_of: dict[str, int] = {}
         self.in_slot: list[str | None] = [None] * self.num_slots
@@ -86,7 +84,7 @@ class LoRAPool:
                             f"max_lora_rank={self.max_rank}")
         if self.max_loaded is not None and len(self.adapters) >= self.max_loaded:
             self._evict_one(busy)
-        self.adapters[adapter.name] = self._image(adapter)
+        self.adapters[adapter.name] = adapter
         if pinned:
             self.pinned.add(adapter.name)
 
@@ -124,8 +122,8 @@ class LoRAPool:
                 return None
             if self.in_slot[slot] is not None:
                 del self.slot_of[self.in_slot[slot]]
-            image = self.adapters[name]
-            self.loader.load(slot, lambda: self._write(slot, image), image)
+            adapter = self.adapters[name]
+            self.loader.load(slot, lambda: self._write(slot, adapter))
             self.in_slot[slot], self.slot_of[name] = name, slot
         self.slot_order.remove(slot)
         self.slot_order.append(slot)
@@ -148,55 +146,35 @@ class LoRAPool:
             self.in_slot[old] = None
         if self.in_slot[slot] is not None:
             del self.slot_of[self.in_slot[slot]]
-        image = self.adapters[name]
-        self.loader.load(slot, lambda: self._write(slot, image), image)
-        self.loader.wait(slot)
+        self._write(slot, self.adapters[name])
         self.in_slot[slot], self.slot_of[name] = name, slot
 
-    def _buffers(self) -> list[torch.Tensor]:
-        """Every `[S, ...]` LoRA buffer, in the order of a `SlotImage`'s views."""
-        bufs: list[torch.Tensor] = []
-        for t in self.dense:
-            bufs += [t.a, t.b, t.scale]
-        for t in self.experts:
-            bufs += [t.a13, t.b13, t.a2, t.b2, t.scale]
-        return bufs
-
     @torch.no_grad()
-    def _image(self, adapter: Adapter) -> SlotImage:
-        """`adapter` laid out as one slot of every buffer (ranks padded to the pool's)."""
-        image = SlotImage(self._buffers(), pin=self.loader.stream is not None)
-        views = iter(image.views)
+    def _write(self, slot: int, adapter: Adapter) -> None:
         for t in self.dense:
-            a, b, scale = next(views), next(views), next(views)
+            t.a[slot].zero_(), t.b[slot].zero_(), t.scale[slot].zero_()
             R, row = t.a.shape[1] // len(t.projs), 0
             for i, (proj, width) in enumerate(zip(t.projs, t.widths)):
                 w = adapter.dense.get((t.layer, proj))
                 if w is not None:
                     r = w.a.shape[0]
-                    a[i * R:i * R + r].copy_(w.a)
-                    b[row:row + width, :r].copy_(w.b)
-                    scale[i] = w.scaling
+                    t.a[slot, i * R:i * R + r].copy_(w.a)
+                    t.b[slot, row:row + width, :r].copy_(w.b)
+                    t.scale[slot, i] = w.scaling
                 row += width
         for t in self.experts:
-            a13, b13, a2, b2, scale = (next(views) for _ in range(5))
+            t.a13[slot].zero_(), t.b13[slot].zero_(), t.a2[slot].zero_(), t.b2[slot].zero_(), t.scale[slot].zero_()
             R, I = t.a2.shape[2], t.a2.shape[3]
             for i, proj in enumerate(("gate_proj", "up_proj")):
                 w = adapter.experts.get((t.layer, proj))
                 if w is not None:
                     r = w.a.shape[1]
-                    a13[:, i * R:i * R + r].copy_(w.a)
-                    b13[:, i * I:(i + 1) * I, :r].copy_(w.b)
-                    scale[i] = w.scaling
+                    t.a13[slot, :, i * R:i * R + r].copy_(w.a)
+                    t.b13[slot, :, i * I:(i + 1) * I, :r].copy_(w.b)
+                    t.scale[slot, i] = w.scaling
             w = adapter.experts.get((t.layer, "down_proj"))
             if w is not None:
                 r = w.a.shape[1]
-                a2[:, :r].copy_(w.a)
-                b2[:, :, :r].copy_(w.b)
-                scale[2] = w.scaling
-        return image
-
-    @torch.no_grad()
-    def _write(self, slot: int, image: SlotImage) -> None:
-        for buf, view in zip(self._buffers(), image.views):
-            buf[slot].copy_(view, non_blocking=True)
+                t.a2[slot, :, :r].copy_(w.a)
+                t.b2[slot, :, :, :r].copy_(w.b)
+                t.scale[slot, 2] = w.scaling
