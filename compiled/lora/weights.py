@@ -1,5 +1,6 @@
 """The normalised adapter: every supported PEFT layout becomes dense `LoRAWeight`s and per-expert
-`ExpertLoRAWeight`s, float32, with the delta of a projection `scaling * b @ a`."""
+`ExpertLoRAWeight`s, float32 (the pool keeps them in its slots' dtype), with the delta of a
+projection `scaling * b @ a`."""
 
 from __future__ import annotations
 
@@ -76,6 +77,20 @@ class Adapter:
     rank: int
     dense: dict[tuple[int, str], LoRAWeight] = field(default_factory=dict)
     experts: dict[tuple[int, str], ExpertLoRAWeight] = field(default_factory=dict)
+
+    def to(self, dtype: torch.dtype) -> "Adapter":
+        """The adapter with its factors in `dtype` (itself when they are already); a factor shared
+        by all experts stays one copy behind a broadcast view."""
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() == 3 and t.shape[0] > 1 and t.stride(0) == 0:
+                return t[:1].to(dtype).expand(t.shape)
+            return t.to(dtype)
+        factors = [w.a for w in self.dense.values()] + [w.a for w in self.experts.values()]
+        if all(f.dtype == dtype for f in factors):
+            return self
+        return Adapter(self.name, self.path, self.rank,
+                       {k: LoRAWeight(cast(w.a), cast(w.b), w.scaling) for k, w in self.dense.items()},
+                       {k: ExpertLoRAWeight(cast(w.a), cast(w.b), w.scaling) for k, w in self.experts.items()})
 
     @property
     def projections(self) -> frozenset[str]:

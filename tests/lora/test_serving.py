@@ -259,3 +259,17 @@ def test_a_request_waiting_for_a_slot_is_not_overtaken_for_long(bases, adapters)
     assert admitted_at[2] < admitted_at[3] and admitted_at[2] < finished_a
     assert [r.output_token_ids for r in requests] == alone
     assert engine.kv.num_used == 0
+
+
+def test_cpu_tier_holds_adapters_in_the_slots_dtype(bases, adapters):
+    """A bf16 engine keeps its adapters in bf16 (half the bytes of the loaded float32), and a slot
+    receives them unchanged."""
+    base, paths = bases["dense"], adapters["dense"]
+    llm = LLM(base, device="cpu", dtype="bfloat16", lora_modules={"a": paths["attn_r8"]})
+    pool = llm.engine.loras
+    tier = pool.adapters["a"]
+    assert {w.a.dtype for w in tier.dense.values()} == {w.b.dtype for w in tier.dense.values()} == {torch.bfloat16}
+    assert len(llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2), lora="a")[0].token_ids) == 2
+    target = pool.dense[0]
+    w = tier.dense[(target.layer, target.projs[0])]
+    assert torch.equal(target.a[pool.slot_of["a"], :w.rank], w.a)
