@@ -130,10 +130,13 @@ class PieceGraphs:
 
 
 class PiecewiseGraphs:
-    """All pieces' graphs for a list of token buckets."""
+    """All pieces' graphs for a list of token buckets. `run_forward(size)` stages a padding-only
+    batch of `size` tokens and runs the model (what a capture runs)."""
 
-    def __init__(self, buckets: list[int], pool, fixed: list[torch.Tensor]) -> None:
+    def __init__(self, buckets: list[int], pool, fixed: list[torch.Tensor],
+                 run_forward: Callable[[int], None]) -> None:
         self.buckets = sorted(buckets)
+        self.run_forward = run_forward
         self.pool = pool
         self.slabs = Slabs(self.buckets[-1])
         # Addresses that stay put between steps (the runner's buffers, the attention slab, the
@@ -164,10 +167,9 @@ class PiecewiseGraphs:
         """Whether `size` is a bucket not captured yet."""
         return size not in self.captured and size in self.buckets
 
-    def capture(self, run_forward: Callable[[int], None], sizes: Iterable[int] | None = None) -> None:
+    def capture(self, sizes: Iterable[int] | None = None) -> None:
         """Capture `sizes` (default: every bucket), largest first so smaller ones reuse the pool's
-        blocks: `run_forward(size)` stages a padding-only batch of `size` tokens and runs the
-        model. A bucket captured later, between two steps, shares the pool as one captured at
+        blocks. A bucket captured later, between two steps, shares the pool as one captured at
         start does (replays run one at a time). Adds its time to `capture_seconds`."""
         from compiled.compilation.warm_up import warm_up_once
         start = time.perf_counter()
@@ -177,7 +179,7 @@ class PiecewiseGraphs:
             # Each piece captures; attention, whose outputs only need the right address (its
             # slab), runs once per bucket.
             with piecewise_mode(size, capturing=True), warm_up_once():
-                run_forward(size)
+                self.run_forward(size)
             self.captured.add(size)
         torch.cuda.synchronize()
         self.capture_seconds += time.perf_counter() - start

@@ -102,17 +102,17 @@ class Engine:
         slot = self.loras.acquire(request.lora, running)
         if slot is None:
             if self._draining is None:
-                self._draining = self._first_to_end(running)
+                self._draining = self._first_to_end()
             return False
         request.lora_slot = slot
         return self.loras.ready(slot)
 
-    def _first_to_end(self, adapters: set[str]) -> str | None:
+    def _first_to_end(self) -> str | None:
         """Of the adapters running requests use, the one whose requests all end first: by the
         tokens each has left to compute at most (its prompt's rest and its max_new_tokens)."""
         left: dict[str, int] = {}
         for r in self.scheduler.running:
-            if r.lora in adapters:
+            if r.lora is not None:
                 rest = r.num_tokens - r.num_computed + r.params.max_new_tokens - len(r.output_token_ids)
                 left[r.lora] = max(left.get(r.lora, 0), rest)
         return min(sorted(left), key=left.__getitem__) if left else None

@@ -9,6 +9,7 @@ token count has a bucket."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -100,41 +101,27 @@ class ModelRunner:
         seconds = 0.0
         for lora in self._variants():
             name = "lora_piecewise" if lora else "piecewise"
-            graphs = PiecewiseGraphs(buckets, self._graph_pool(), [self.inputs.input_ids, self.inputs.positions])
+            graphs = PiecewiseGraphs(buckets, self._graph_pool(), [self.inputs.input_ids, self.inputs.positions],
+                                     functools.partial(self._padding_only, lora=lora))
             graphs.attach(self._model(lora).pieces)
             self.prefill_buckets = graphs.buckets
             setattr(self, name, graphs)  # the capture's forwards write attention into its slab too
             try:
-                self._capture_pieces(lora, now)
+                graphs.capture(now)
             except BaseException:
                 setattr(self, name, None)
                 raise
             seconds += graphs.capture_seconds
         return seconds
 
-    def _capture_pieces(self, lora: bool, sizes: list[int]) -> None:
-        graphs = self.lora_piecewise if lora else self.piecewise
-        graphs.capture(lambda tokens: self._padding_only(tokens, lora), sizes)
-
-    def _all_graphs(self) -> list[tuple[bool, DecodeGraphs | PiecewiseGraphs]]:
-        """(lora, graphs) of every set of graphs set up, decode first."""
-        found = [(False, self.graphs), (True, self.lora_graphs), (False, self.piecewise), (True, self.lora_piecewise)]
-        return [(lora, g) for lora, g in found if g is not None]
-
     def capture_pending(self) -> bool:
         """Capture one bucket not captured yet, decode graphs first, smallest first (call it
         between steps with none in flight); False when there is none."""
-        for lora, graphs in self._all_graphs():
-            if graphs.pending:
-                self._capture_bucket(lora, graphs, graphs.pending[0])
+        for graphs in (self.graphs, self.lora_graphs, self.piecewise, self.lora_piecewise):
+            if graphs is not None and graphs.pending:
+                graphs.capture(graphs.pending[:1])
                 return True
         return False
-
-    def _capture_bucket(self, lora: bool, graphs: DecodeGraphs | PiecewiseGraphs, size: int) -> None:
-        if isinstance(graphs, PiecewiseGraphs):
-            self._capture_pieces(lora, [size])
-        else:
-            graphs.capture([size])
 
     def warm_up(self, sizes: list[int]) -> float:
         """A padding-only batch of each of `sizes` tokens through each model (the compiles and
@@ -248,13 +235,13 @@ class ModelRunner:
         graphs = self.lora_graphs if lora else self.graphs
         bucket = self._decode_bucket(batch, graphs)
         if bucket is not None:   # the graphs read their own small buffer: a short upload
-            feed = self._capture_first(lora, graphs, bucket, feed)
+            feed = self._capture_first(graphs, bucket, feed)
             self._stage(batch.chunks, bucket, is_decode=True, inputs=graphs.inputs)
             self._feed(feed, t, graphs.inputs)
             hidden, logits, argmax = graphs.replay(bucket)
             return StepOutput(hidden[:t], _rows(logits, t, sample_rows), _rows(argmax, t, sample_rows))
         tokens = self._prefill_bucket(t)
-        feed = self._capture_first(lora, self.lora_piecewise if lora else self.piecewise, tokens, feed)
+        feed = self._capture_first(self.lora_piecewise if lora else self.piecewise, tokens, feed)
         meta = self._stage(batch.chunks, tokens, is_decode=batch.is_decode and tokens == t)
         self._feed(feed, t, self.inputs)
         hidden = self._run_model(meta, tokens, lora)[:t]
@@ -279,7 +266,8 @@ class ModelRunner:
         rows = _rows(hidden, batch.num_tokens, sample_rows)
         return StepOutput(hidden, None if rows is None else self.logits(rows))
 
-    def _capture_first(self, lora: bool, graphs: DecodeGraphs | PiecewiseGraphs | None, bucket: int,
+    @staticmethod
+    def _capture_first(graphs: DecodeGraphs | PiecewiseGraphs | None, bucket: int,
                        feed: torch.Tensor | None) -> torch.Tensor | None:
         """Capture `bucket` of `graphs` if it is one left for later, before the step stages its
         batch: the capture stages and runs padding-only batches through the same buffers, where
@@ -287,7 +275,7 @@ class ModelRunner:
         if graphs is None or not graphs.is_pending(bucket):
             return feed
         feed = None if feed is None else feed.clone()
-        self._capture_bucket(lora, graphs, bucket)
+        graphs.capture([bucket])
         return feed
 
     @staticmethod

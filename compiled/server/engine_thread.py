@@ -4,8 +4,9 @@ Handlers never wait for the engine: they post work (a new request, an abort, an 
 to an inbox that the engine's thread empties between steps, and read each request's progress from
 one asyncio queue per HTTP request. A lock around the engine instead would stall the whole event
 loop for as long as a step runs, and a thread that re-takes it at once can hold it for many steps
-in a row (locks are not fair), so streams would stall for seconds. The engine is not thread-safe: only its thread
-touches it. A request whose client went away is aborted at once, which frees its KV slots."""
+in a row (locks are not fair), so streams would stall for seconds. The engine is not thread-safe:
+only its thread touches it. A request whose client went away is aborted at once, which frees its
+KV slots."""
 
 from __future__ import annotations
 
@@ -136,7 +137,7 @@ class EngineThread:
             if not self.engine.has_work:
                 if self._stopping:
                     return
-                # Idle: capture a decode CUDA graph left for later at start, one per pass, so
+                # Idle: capture a CUDA-graph bucket left for later at start, one per pass, so
                 # that a request arriving meanwhile waits for at most one capture.
                 if not self.engine.capture_pending_graphs(at_most=1):
                     self._work.wait()
