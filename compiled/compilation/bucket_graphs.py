@@ -19,6 +19,13 @@ from compiled.compilation.buckets import smallest_bucket
 from compiled.compilation.warm_up import warm_up_once
 
 
+def capturing(graph: torch.cuda.CUDAGraph, pool) -> ContextManager:
+    """Capture into `graph`. Only this thread's calls are checked against the capture: another
+    thread (the LoRA slot loader's) may copy, record and wait on its own stream meanwhile, which
+    under the default global check would end the capture with an error."""
+    return torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
+
+
 class BucketGraphs:
     def __init__(self, buckets: list[int], pool) -> None:
         self.buckets = sorted(buckets)
@@ -56,7 +63,7 @@ class BucketGraphs:
                 with warm_up_once():
                     self.step(size)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
+                with capturing(graph, self.pool):
                     self.outputs[size] = self.step(size)
             self.graphs[size] = graph
         torch.cuda.synchronize()

@@ -19,6 +19,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from compiled.compilation.bucket_graphs import capturing
+
 
 @dataclass
 class _Mode:
@@ -120,7 +122,7 @@ class PieceGraphs:
             owner.warmed.add((self.fn, size))
             self.fn(*call_args)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=owner.pool):
+        with capturing(graph, owner.pool):
             out = self.fn(*call_args)
         outs = (out,) if isinstance(out, torch.Tensor) else tuple(out)
         owner.fixed_ptrs.update(o.data_ptr() for o in outs)

@@ -2,7 +2,7 @@
 
 The `lora_delta` pass gives every LoRA-targetable projection buffers of `S` slots (ranks
 zero-padded to the pool's `R`); a slot holds one adapter for every projection at once. An
-adapter in the CPU tier is copied into a slot (`loader.py`: on a stream of its own) when a queued
+adapter in the CPU tier is copied into a slot (`loader.py`: in the background) when a queued
 request needs it; slots of adapters that no running request uses are reused, least recently used
 first. The CPU tier holds
 up to `max_loaded` adapters (None: no limit): loading one more evicts the least recently used
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from compiled.graphs.config import ModelConfig
-from compiled.lora.loader import SlotLoader
+from compiled.lora.loader import SlotLoader, SlotWrite, write_now
 from compiled.lora.weights import Adapter, LoRAError
 from compiled.passes.lora_delta import dense_target
 
@@ -117,17 +117,20 @@ class LoRAPool:
     def acquire(self, name: str, in_use: set[str]) -> int | None:
         """The slot holding adapter `name`, starting its copy into one first if needed (`ready`
         says when it landed); None when every slot holds an adapter of `in_use` (the names that
-        running requests use, and that must stay)."""
+        running requests use, and that must stay) or one still being copied in (for a request
+        queued earlier: taking its slot would waste the copy, and the requests could take the
+        slot from each other for ever)."""
         self.adapters.move_to_end(name)
         slot = self.slot_of.get(name)
         if slot is None:
-            slot = next((s for s in self.slot_order if self.in_slot[s] not in in_use), None)
+            slot = next((s for s in self.slot_order
+                         if self.in_slot[s] not in in_use and not self.loader.in_flight(s)), None)
             if slot is None:
                 return None
             if self.in_slot[slot] is not None:
                 del self.slot_of[self.in_slot[slot]]
             adapter = self.adapters[name]
-            self.loader.load(slot, lambda: self._write(slot, adapter))
+            self.loader.load(slot, self._writes(slot, adapter))
             self.in_slot[slot], self.slot_of[name] = name, slot
         self.slot_order.remove(slot)
         self.slot_order.append(slot)
@@ -150,35 +153,36 @@ class LoRAPool:
             self.in_slot[old] = None
         if self.in_slot[slot] is not None:
             del self.slot_of[self.in_slot[slot]]
-        self._write(slot, self.adapters[name])
+        write_now(self._writes(slot, self.adapters[name]))
         self.in_slot[slot], self.slot_of[name] = name, slot
 
-    @torch.no_grad()
-    def _write(self, slot: int, adapter: Adapter) -> None:
+    def _writes(self, slot: int, adapter: Adapter) -> list[SlotWrite]:
+        """Everything that puts `adapter` into `slot`: the slot's buffers zeroed (ranks below the
+        pool's and projections it leaves alone stay zero), then its factors and scales."""
+        out: list[SlotWrite] = []
         for t in self.dense:
-            t.a[slot].zero_(), t.b[slot].zero_(), t.scale[slot].zero_()
+            out += [SlotWrite(t.a[slot]), SlotWrite(t.b[slot]), SlotWrite(t.scale[slot])]
             R, row = t.a.shape[1] // len(t.projs), 0
             for i, (proj, width) in enumerate(zip(t.projs, t.widths)):
                 w = adapter.dense.get((t.layer, proj))
                 if w is not None:
                     r = w.a.shape[0]
-                    t.a[slot, i * R:i * R + r].copy_(w.a)
-                    t.b[slot, row:row + width, :r].copy_(w.b)
-                    t.scale[slot, i] = w.scaling
+                    out += [SlotWrite(t.a[slot, i * R:i * R + r], w.a), SlotWrite(t.b[slot, row:row + width, :r], w.b),
+                            SlotWrite(t.scale[slot, i], value=w.scaling)]
                 row += width
         for t in self.experts:
-            t.a13[slot].zero_(), t.b13[slot].zero_(), t.a2[slot].zero_(), t.b2[slot].zero_(), t.scale[slot].zero_()
+            out += [SlotWrite(x[slot]) for x in (t.a13, t.b13, t.a2, t.b2, t.scale)]
             R, I = t.a2.shape[2], t.a2.shape[3]
             for i, proj in enumerate(("gate_proj", "up_proj")):
                 w = adapter.experts.get((t.layer, proj))
                 if w is not None:
                     r = w.a.shape[1]
-                    t.a13[slot, :, i * R:i * R + r].copy_(w.a)
-                    t.b13[slot, :, i * I:(i + 1) * I, :r].copy_(w.b)
-                    t.scale[slot, i] = w.scaling
+                    out += [SlotWrite(t.a13[slot, :, i * R:i * R + r], w.a),
+                            SlotWrite(t.b13[slot, :, i * I:(i + 1) * I, :r], w.b),
+                            SlotWrite(t.scale[slot, i], value=w.scaling)]
             w = adapter.experts.get((t.layer, "down_proj"))
             if w is not None:
                 r = w.a.shape[1]
-                t.a2[slot, :, :r].copy_(w.a)
-                t.b2[slot, :, :, :r].copy_(w.b)
-                t.scale[slot, 2] = w.scaling
+                out += [SlotWrite(t.a2[slot, :, :r], w.a), SlotWrite(t.b2[slot, :, :, :r], w.b),
+                        SlotWrite(t.scale[slot, 2], value=w.scaling)]
+        return out
