@@ -29,6 +29,10 @@ class AttentionMetadata:
     # [B] offset of each request's first new token in the packed batch (exclusive cumsum of
     # extend_lens); the Triton extend kernel reads it. None: computed on the device when needed.
     extend_start_loc: torch.Tensor | None = None
+    # In a step that is not all decode: the first `decode_rows` requests have one new token each
+    # (the scheduler puts them first), and the decode kernel attends for them: the extend
+    # kernel's 64-128-row query tiles would hold one live row each over their whole context.
+    decode_rows: int = 0
 
     @property
     def max_seq_len(self) -> int:
@@ -41,6 +45,12 @@ class AttentionMetadata:
     @property
     def max_prefix_len(self) -> int:
         return max((s - e for s, e in zip(self.seq_lens_cpu, self.extend_lens_cpu)), default=0)
+
+    def extend_part(self) -> tuple[int, int]:
+        """(max extend length, max prefix length) of the requests after the `decode_rows`."""
+        n = self.decode_rows
+        seqs, exts = self.seq_lens_cpu[n:], self.extend_lens_cpu[n:]
+        return max(exts, default=0), max((s - e for s, e in zip(seqs, exts)), default=0)
 
 
 @dataclass

@@ -161,6 +161,19 @@ def _attention_triton(ctx: ForwardContext, q, k, v, layer: int, scale: float, ro
         store_kv_triton(k_cache, v_cache, meta.out_cache_loc, k, v)
     else:   # one launch normalises, rotates and stores
         q, k = norm_rope_store_triton(q, k, v, k_cache, v_cache, meta.out_cache_loc, rope)
-    return extend_attention_triton(q, k, v, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
-                                   meta.seq_lens, meta.extend_lens, extend_start_loc(meta),
-                                   meta.max_extend_len, scale, out=out, max_prefix_len=meta.max_prefix_len)
+    n = meta.decode_rows
+    if n == 0:
+        return extend_attention_triton(q, k, v, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
+                                       meta.seq_lens, meta.extend_lens, extend_start_loc(meta),
+                                       meta.max_extend_len, scale, out=out, max_prefix_len=meta.max_prefix_len)
+    # A mixed step: the leading one-token requests through the decode kernel (their K/V stored
+    # above), the others through the extend kernel, which finds their rows by absolute offset.
+    out = torch.empty_like(q) if out is None else out
+    decode_attention_triton(q[:n], k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices[:n],
+                            meta.seq_lens[:n], scale, decode_workspace(ctx, q[:n]), out=out[:n])
+    max_extend, max_prefix = meta.extend_part()
+    if max_extend:
+        extend_attention_triton(q, k, v, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices[n:],
+                                meta.seq_lens[n:], meta.extend_lens[n:], extend_start_loc(meta)[n:], max_extend,
+                                scale, out=out, max_prefix_len=max_prefix)
+    return out

@@ -60,7 +60,8 @@ class EngineConfig:
     compile: bool | None = None
     # Ops the graph is split at for Inductor and the piecewise CUDA graphs.
     splitting_ops: tuple[str, ...] = SPLITTING_OPS
-    # Decode CUDA-graph buckets; None means 1, 2, 4, 8, 16, ... up to max_cuda_graph_batch.
+    # Decode CUDA-graph buckets; None means every size up to 16, then 24, 32, ... up to
+    # max_cuda_graph_batch (compilation/buckets.py).
     cuda_graph_buckets: tuple[int, ...] | None = None
     max_cuda_graph_batch: int = 256
     # Token buckets of the piecewise CUDA graphs for prefill and mixed batches (compiled model

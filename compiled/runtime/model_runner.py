@@ -193,7 +193,8 @@ class ModelRunner:
             out_cache_loc=inp.out_cache_loc[:tokens], req_pool_indices=inp.req_pool_indices[:b],
             seq_lens=inp.seq_lens[:b], extend_lens=inp.extend_lens[:b],
             req_pool_indices_cpu=rows, seq_lens_cpu=seq_lens, extend_lens_cpu=ext_lens,
-            is_decode=is_decode, extend_start_loc=inp.extend_start_loc[:b])
+            is_decode=is_decode, extend_start_loc=inp.extend_start_loc[:b],
+            decode_rows=0 if is_decode else next((i for i, c in enumerate(chunks) if c.length != 1), len(chunks)))
 
     def _run_model(self, meta: AttentionMetadata, tokens: int, lora: bool = False) -> torch.Tensor:
         write_request_table(self.req_pool.table, self.inputs, tokens)

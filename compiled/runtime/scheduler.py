@@ -137,6 +137,9 @@ class Scheduler:
                 return Batch([self._chunk(request, n, self._alloc(n))])
             self.retract(self._victim(self.running))
             return type(self).schedule(self)
+        # One-token chunks first: the attention of a mixed step runs them through the decode
+        # kernel as one block (`AttentionMetadata.decode_rows`).
+        chunks.sort(key=lambda c: c.length != 1)
         return Batch(chunks) if chunks else None
 
     def _held(self, request: Request, prefix, n: int, chunks: list[Chunk]) -> str | None:

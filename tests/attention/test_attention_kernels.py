@@ -238,17 +238,27 @@ def extend_case(prefix_lens, ext_lens, hq, hkv, d, dtype, device="cpu", seed=0, 
     return max_err(out, ref), TOL[dtype]
 
 
-def op_case(decode: bool, device="cpu", norm_rope=False, cp=False):
+# (prefix lengths, new tokens) of the op's layouts; "mixed": one-token requests (a decode, a
+# one-token prompt, a long decode) first, as the scheduler orders a mixed step, then prompts;
+# "decode_rows": every request one token in a step that is not a decode step (padded).
+OP_LAYOUTS = {"decode": ([9, 0, 130], [1, 1, 1]), "extend": ([0, 40, 77], [23, 1, 60]),
+              "mixed": ([9, 0, 130, 0, 40], [1, 1, 1, 23, 60]), "decode_rows": ([9, 0, 130], [1, 1, 1])}
+
+
+def op_case(decode: bool, device="cpu", norm_rope=False, cp=False, layout: str | None = None):
     """The `compiled::attention` op on the Triton backend vs the torch backend (store included),
     with metadata built without `extend_start_loc` (computed on the device); with `norm_rope`,
     q/k raw and the per-head norm and RoPE arguments given (the fuse_qk_norm_rope form). With `cp`
-    the Triton side runs as a one-rank context-parallel step (`cp_step_case`)."""
+    the Triton side runs as a one-rank context-parallel step (`cp_step_case`). `layout` (default
+    "decode" or "extend" as `decode` says): one of OP_LAYOUTS; in "mixed" and "decode_rows" the
+    leading one-token requests are the metadata's `decode_rows` (the decode kernel's)."""
     import compiled.attention.ops as ops
     from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
     from compiled.attention.kv_cache import KVPool
     hq, hkv, d, layer = 4, 2, 32, 1
-    prefix = [9, 0, 130] if decode else [0, 40, 77]
-    ext = [1, 1, 1] if decode else [23, 1, 60]
+    layout = layout or ("decode" if decode else "extend")
+    prefix, ext = OP_LAYOUTS[layout]
+    decode_rows = {"mixed": 3, "decode_rows": 3}.get(layout, 0)
     seq = [p + e for p, e in zip(prefix, ext)]
     outs, pools = [], []
     for backend in ("torch", "triton"):
@@ -257,7 +267,7 @@ def op_case(decode: bool, device="cpu", norm_rope=False, cp=False):
         for pool in kv.k + kv.v:
             pool.copy_(torch.randn(pool.shape, generator=g))
         table = torch.zeros(5, 200, dtype=torch.int32, device=device)
-        rows, loc, nxt = [3, 0, 2], [], 1
+        rows, loc, nxt = [3, 0, 2, 4, 1][:len(seq)], [], 1
         for r, p, s in zip(rows, prefix, seq):
             table[r, :s] = torch.arange(nxt, nxt + s, dtype=torch.int32)
             loc += list(range(nxt + p, nxt + s))
@@ -265,7 +275,8 @@ def op_case(decode: bool, device="cpu", norm_rope=False, cp=False):
         meta = AttentionMetadata(
             out_cache_loc=torch.tensor(loc, device=device), req_pool_indices=torch.tensor(rows, device=device),
             seq_lens=torch.tensor(seq, device=device), extend_lens=torch.tensor(ext, device=device),
-            req_pool_indices_cpu=rows, seq_lens_cpu=seq, extend_lens_cpu=ext, is_decode=decode)
+            req_pool_indices_cpu=rows, seq_lens_cpu=seq, extend_lens_cpu=ext, is_decode=decode,
+            decode_rows=decode_rows)
         t = sum(ext)
         q, k, v = randn((t, hq, d), torch.float32, device, 1), randn((t, hkv, d), torch.float32, device, 2), \
             randn((t, hkv, d), torch.float32, device, 3)
@@ -386,6 +397,9 @@ CPU_GROUPS = {
         ("op_extend_norm_rope_triton_vs_torch", lambda: op_case(False, norm_rope=True)),
         ("op_cp_step_triton_vs_torch", lambda: op_case(False, cp=True)),
         ("op_cp_step_norm_rope_triton_vs_torch", lambda: op_case(False, norm_rope=True, cp=True)),
+        ("op_mixed_decode_rows_triton_vs_torch", lambda: op_case(False, layout="mixed")),
+        ("op_mixed_decode_rows_norm_rope_triton_vs_torch", lambda: op_case(False, norm_rope=True, layout="mixed")),
+        ("op_only_decode_rows_triton_vs_torch", lambda: op_case(False, norm_rope=True, layout="decode_rows")),
     ],
 }
 
@@ -530,6 +544,13 @@ def test_gpu_extend_head_dims(hq, hkv, d):
 @pytest.mark.parametrize("decode", [True, False])
 def test_gpu_op_triton_matches_torch(decode, norm_rope):
     err, tol = op_case(decode, device="cuda", norm_rope=norm_rope)
+    assert err <= tol, err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["mixed", "decode_rows"])
+def test_gpu_op_decode_rows_of_a_mixed_step(layout):
+    err, tol = op_case(False, device="cuda", norm_rope=True, layout=layout)
     assert err <= tol, err
 
 

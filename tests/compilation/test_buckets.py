@@ -8,15 +8,16 @@ from compiled.compilation.buckets import (decode_buckets, eager_buckets, eager_t
                                          token_buckets)
 
 
-def test_decode_buckets_are_vllms():
-    assert decode_buckets(4) == [1, 2, 4]
-    assert decode_buckets(20) == [1, 2, 4, 8, 16, 20]
-    assert decode_buckets(256)[-3:] == [240, 248, 256] and len(decode_buckets(256)) == 35
+def test_decode_buckets_are_every_small_size_then_every_8():
+    assert decode_buckets(4) == [1, 2, 3, 4]
+    assert decode_buckets(20) == list(range(1, 17)) + [20]
+    assert decode_buckets(256)[-3:] == [240, 248, 256] and len(decode_buckets(256)) == 46
 
 
 @pytest.mark.parametrize("buckets, eager", [
     (decode_buckets(256), [1, 2, 4, 8, 16, 32, 64, 128, 256]),
     (decode_buckets(20), [1, 2, 4, 8, 16, 20]),
+    (decode_buckets(12), [1, 2, 4, 8, 12]),
     ([3, 5, 6], [6]),          # no power of two: the largest alone
     ([1, 2, 3, 12, 24, 32], [1, 2, 32]),
 ])

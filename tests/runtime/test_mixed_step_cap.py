@@ -51,3 +51,23 @@ def test_outputs_do_not_depend_on_the_cap(cap):
     capped = LLM(MOE_MODEL, max_mixed_step_tokens=cap, **engine).generate(prompts, params)
     free = LLM(MOE_MODEL, max_mixed_step_tokens=None, **engine).generate(prompts, params)
     assert [o.token_ids for o in capped] == [o.token_ids for o in free]
+
+
+def test_one_token_chunks_lead_the_step():
+    """The attention of a mixed step runs its leading one-token chunks through the decode kernel,
+    so a batch puts them first: here a request admitted with all but its last prompt token cached
+    goes before the prompt still being chunked that was admitted before it."""
+    kv = KVPool(1, 256, 1, 4, torch.float32, torch.device("cpu"))
+    s = Scheduler(kv, ReqToTokenPool(8, 128, torch.device("cpu")), 8, 12, prefix_cache=True,
+                  max_mixed_step_tokens=8)
+    cached = list(range(100, 110))
+    s.add(Request(id=0, prompt=None, prompt_token_ids=cached, params=_greedy(1)))
+    assert _step(s) == [(0, 0, 10)]                           # finishes; its prompt stays cached
+    s.add(Request(id=1, prompt=None, prompt_token_ids=[5], params=_greedy(20)))
+    assert _step(s) == [(1, 0, 1)]
+    s.add(Request(id=2, prompt=None, prompt_token_ids=list(range(200, 216)), params=_greedy(2)))
+    assert _step(s) == [(1, 1, 1), (2, 0, 7)]
+    assert _step(s) == [(1, 2, 1), (2, 7, 7)]
+    s.add(Request(id=3, prompt=None, prompt_token_ids=cached, params=_greedy(2)))
+    assert [r.id for r in s.running] == [1, 2]
+    assert _step(s) == [(1, 3, 1), (3, 9, 1), (2, 14, 2)]     # running order would be 1, 2, 3
