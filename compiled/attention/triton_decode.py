@@ -47,7 +47,7 @@ def _live_splits(seq_len, NUM_SPLITS, BLOCK_N: tl.constexpr):
     return tl.cdiv(seq_len, tl.maximum(end - start, 1))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SPLITS"])
 def _decode_kernel(
     Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Mid_o, Mid_lse, Counters,
     K_new, V_new, Loc, Out, Qw, Kw, Pos, Cos_sin, eps, sm_scale_log2, NUM_SPLITS,

@@ -45,10 +45,10 @@ def _softmax_step(acc, m_i, l_i, q, k, v, mask, sm_scale_log2,
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["First_request"])
 def _extend_kernel(
     Q, K_new, V_new, O, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Extend_lens, Extend_start,
-    K_desc, V_desc, sm_scale_log2,
+    K_desc, V_desc, sm_scale_log2, First_request,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kcs, stride_kch, stride_vcs, stride_vch, stride_r2t,
     K_rows, V_rows, Rows_prefix, Rows_start, K_rows_desc, V_rows_desc, stride_krt, stride_krh, stride_vrt, stride_vrh,
@@ -58,7 +58,7 @@ def _extend_kernel(
     ROWS: tl.constexpr, ROWS_TMA: tl.constexpr,
 ):
     h = tl.program_id(0)
-    b = tl.program_id(1)
+    b = tl.program_id(1) + First_request
     start_m = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M
     EVEN_D: tl.constexpr = BLOCK_D == D
     ext = tl.load(Extend_lens + b).to(tl.int32)
@@ -196,17 +196,19 @@ def extend_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
                             extend_start_loc: torch.Tensor, max_extend_len: int, scale: float,
                             out: torch.Tensor | None = None, max_prefix_len: int | None = None,
-                            rows: PrefixRows | None = None, **config) -> torch.Tensor:
+                            rows: PrefixRows | None = None, first_request: int = 0, **config) -> torch.Tensor:
     """q `[T, Hq, D]`, k/v `[T, Hkv, D]` (new tokens, packed request after request; they need not be
     stored yet) with each request's prefix `seq_lens - extend_lens` read from the pools -> `[T, Hq, D]`.
     `max_prefix_len` (None: unknown, taken as long) picks the tiles with `max_extend_len`. `rows`:
-    the prefixes' last tokens are also contiguous rows elsewhere, read there (no gather)."""
+    the prefixes' last tokens are also contiguous rows elsewhere, read there (no gather).
+    `first_request`: only requests first_request.. attend (their rows of `out`), an offset rather
+    than slices of the per-request arrays, which would start unaligned and compile again."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     if out is None:
         out = torch.empty_like(q)
-    batch = req_pool_indices.shape[0]
-    if t == 0 or batch == 0 or max_extend_len <= 0:
+    batch = req_pool_indices.shape[0] - first_request
+    if t == 0 or batch <= 0 or max_extend_len <= 0:
         return out
     cfg = dict(default_config(d, max_extend_len, max_prefix_len), **config)
     block_d = max(16, triton.next_power_of_2(d))
@@ -226,7 +228,7 @@ def extend_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             kr_desc = vr_desc = None
     _extend_kernel[grid](
         q, k, v, out, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_lens, extend_start_loc,
-        k_desc, v_desc, scale * LOG2E,
+        k_desc, v_desc, scale * LOG2E, first_request,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
         kr, vr, rows.prefix if rows is not None else seq_lens, rows.start if rows is not None else seq_lens,

@@ -48,15 +48,15 @@ def norm_rope_tile(X, row_offs, mask_rows, offs_d, W, Cos_sin_row, eps, D: tl.co
     return _round(_round(n * cos, DTYPE) + tl.where(first[None, :], -rotated, rotated), DTYPE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["First"])
 def _norm_rope_store_kernel(
-    Q, K, V, Q_out, K_out, K_cache, V_cache, Loc, Qw, Kw, Pos, Cos_sin, eps,
+    Q, K, V, Q_out, K_out, K_cache, V_cache, Loc, Qw, Kw, Pos, Cos_sin, eps, First,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_kcs, stride_kch, stride_vcs, stride_vch,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr, HAS_Q: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(0).to(tl.int64) + First
     pos = tl.load(Pos + t).to(tl.int64)
     slot = tl.load(Loc + t).to(tl.int64)
     row = Cos_sin + pos * stride_cs
@@ -80,24 +80,26 @@ def _norm_rope_store_kernel(
 
 
 def norm_rope_store_triton(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                           v_cache: torch.Tensor, loc: torch.Tensor,
-                           rope: NormRope) -> tuple[torch.Tensor | None, torch.Tensor]:
+                           v_cache: torch.Tensor, loc: torch.Tensor, rope: NormRope,
+                           first: int = 0) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Raw q `[T, Hq, D]`, k/v `[T, Hkv, D]` (last dim contiguous) -> normalised and rotated q and
     k (new contiguous tensors), with k and v stored into the pools at `loc` `[T]`. q may be None
-    (a context-parallel step's every-rank K/V): k alone, and None for q."""
+    (a context-parallel step's every-rank K/V): k alone, and None for q. `first`: only rows
+    first.. (the others are left unwritten and unstored); an offset rather than slices, whose
+    int64 arrays would start unaligned and compile the kernel again."""
     t, hkv, d = k.shape
     hq = 1 if q is None else q.shape[1]
     q_out = None if q is None else torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((t, hkv, d), dtype=k.dtype, device=k.device)
-    if t == 0:
+    if t <= first:
         return q_out, k_out
     q_in = k if q is None else q
     for x in (q_in, k, v, k_cache, v_cache, rope.cos_sin):
         assert x.stride(-1) == 1
     block_d = triton.next_power_of_2(d)
-    _norm_rope_store_kernel[(t,)](
+    _norm_rope_store_kernel[(t - first,)](
         q_in, k, v, k_out if q_out is None else q_out, k_out, k_cache, v_cache, loc, rope.q_weight, rope.k_weight,
-        rope.positions, rope.cos_sin, rope.eps,
+        rope.positions, rope.cos_sin, rope.eps, first,
         q_in.stride(0), q_in.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), rope.cos_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HQ=hq, HKV=hkv, D=d, BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),

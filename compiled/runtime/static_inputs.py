@@ -20,7 +20,11 @@ class StaticInputs:
     buffer; the attributes of the same names are the device views the model reads."""
 
     def __init__(self, max_tokens: int, max_seqs: int, device: torch.device) -> None:
-        sizes = [(f, max_tokens) for f in TOKEN_FIELDS] + [(f, max_seqs) for f in SEQ_FIELDS]
+        # Every field starts 16-byte aligned (an even count of int64s before it): Triton compiles
+        # a kernel once per alignment of its pointers, and a decode step's graphs and a mixed
+        # step's decode rows should run the same compiled decode attention.
+        tokens, seqs = max_tokens + max_tokens % 2, max_seqs + max_seqs % 2
+        sizes = [(f, tokens) for f in TOKEN_FIELDS] + [(f, seqs) for f in SEQ_FIELDS]
         total = sum(n for _, n in sizes)
         on_gpu = device.type == "cuda"
         self._host = torch.zeros(total, dtype=torch.int64, pin_memory=on_gpu)
