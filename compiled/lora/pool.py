@@ -144,6 +144,13 @@ class LoRAPool:
         """Block until the adapter copied into `slot` has landed."""
         self.loader.wait(slot)
 
+    def wait_for_loads(self) -> bool:
+        """Block until every copy under way has landed; False when none was."""
+        busy = [s for s in range(self.num_slots) if self.loader.in_flight(s)]
+        for s in busy:
+            self.loader.wait(s)
+        return bool(busy)
+
     def place(self, name: str, slot: int) -> None:
         """Make `slot` hold adapter `name` (a context-parallel worker follows rank 0's slots)."""
         if self.in_slot[slot] == name:

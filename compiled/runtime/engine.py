@@ -118,12 +118,16 @@ class Engine:
         return min(sorted(left), key=left.__getitem__) if left else None
 
     def _wait_for_adapter(self) -> bool:
-        """Nothing can run but the head of the queue, whose adapter is still being copied: wait
-        for that copy (the one load a step then needs). False when that is not the case."""
+        """Nothing can run but the head of the queue, whose adapter is still being copied, or has
+        no slot while other adapters are being copied into every free one (a retracted request
+        back at the head): wait for those copies (the loads a step then needs). False when that
+        is not the case."""
         head = self.scheduler.waiting[0] if self.scheduler.waiting else None
-        if self.loras is None or head is None or head.lora is None or head.lora not in self.loras.slot_of:
+        if self.loras is None or head is None or head.lora is None:
             return False
-        slot = self.loras.slot_of[head.lora]
+        slot = self.loras.slot_of.get(head.lora)
+        if slot is None:
+            return self.loras.wait_for_loads()
         if self.loras.ready(slot):
             return False
         self.loras.wait(slot)
@@ -306,7 +310,7 @@ class Engine:
                 self._prefetch_adapters()
             self._draining = None   # chosen afresh by each step's admissions
             batch = self.scheduler.schedule()
-            if batch is None and self._wait_for_adapter():
+            while batch is None and self._wait_for_adapter():   # each wait lands a copy
                 batch = self.scheduler.schedule()
             if batch is None:
                 raise RuntimeError("scheduler found nothing to run although requests are waiting")

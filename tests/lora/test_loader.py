@@ -100,3 +100,20 @@ def test_an_engine_with_background_loads_gives_the_outputs_of_plain_copies(small
     llm.engine.loras.loader = loader(torch.device("cpu"), background=True)
     assert [o.token_ids for o in llm.generate(prompts, greedy, lora=rows)] == expected
     assert llm.engine.kv.num_used == 0
+
+
+def test_the_head_of_the_queue_waits_for_copies_that_hold_every_free_slot(small_ring):
+    """One slot, being copied into for an adapter no request uses (as when a retracted request
+    comes back to the head of the queue): the head's request waits for that copy, then for its
+    own, instead of finding nothing to run."""
+    names = list(MOE_ADAPTERS)
+    kwargs = dict(device="cpu", dtype="float32", lora_modules=MOE_ADAPTERS, max_loras_per_batch=1)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    expected = LLM(MOE_MODEL, **kwargs).generate([[5, 9, 2]], greedy, lora=names[1])[0].token_ids
+    llm = LLM(MOE_MODEL, **kwargs)
+    pool = llm.engine.loras
+    pool.loader = SlowLoader(torch.device("cpu"), background=True)
+    pool.in_slot, pool.slot_of = [None], {}
+    pool.acquire(names[0], set())
+    assert pool.loader.in_flight(0)
+    assert llm.generate([[5, 9, 2]], greedy, lora=names[1])[0].token_ids == expected
