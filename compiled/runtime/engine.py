@@ -321,7 +321,10 @@ class Engine:
             self._unread.append(launched)
         while len(self._unread) > 1:
             self._read_oldest()
-        if launched is not None and not self._can_overlap(launched):
+        # A step launched behind another is left unread even if what was just read (a request
+        # finished) keeps the next from overlapping it: reading it here would hold back the
+        # tokens just read for its whole run; the next call reads it.
+        if launched is not None and ahead is None and not self._can_overlap(launched):
             self._read_oldest()
         return self._take_finished()
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from compiled.attention.kv_cache import KVPool, ReqToTokenPool
-from compiled.runtime.prefix_cache import PrefixCache, common_prefix_len
+from compiled.runtime.prefix_cache import PrefixCache
 from compiled.runtime.request import Request
 
 # A waiting request whose uncached tokens begin with at least this many of a prompt the step being
@@ -280,12 +280,18 @@ class Scheduler:
         if self.cache is None or request.params.prompt_logprobs is not None:
             return False
         cached = len(prefix) if prefix is not None else 0
-        tokens = request.token_ids(0, request.num_tokens - 1)
+        need = cached + SHARED_PREFIX_WAIT_TOKENS
+        if request.num_tokens - 1 < need:
+            return False
+        tokens = request.token_ids(0, need)
         for c in chunks:
-            r, p = c.request, len(c.request.prompt_token_ids)
-            if r.lora != request.lora or r.params.prompt_logprobs is not None or not c.start < p <= c.start + c.length:
+            prompt = c.request.prompt_token_ids
+            if c.request.lora != request.lora or c.request.params.prompt_logprobs is not None \
+                    or not c.start < len(prompt) <= c.start + c.length:
                 continue
-            if common_prefix_len(r.prompt_token_ids, tokens) - cached >= SHARED_PREFIX_WAIT_TOKENS:
+            # list slices compare in C: a step admitting 31 requests behind a cached 1,000-token
+            # prefix spent 28 ms here walking the prefix token by token in Python
+            if prompt[cached:need] == tokens[cached:] and prompt[:cached] == tokens[:cached]:
                 return True
         return False
 

@@ -133,3 +133,31 @@ def test_tokens_in_flight_come_back_before_a_step_that_cannot_overlap(engines):
     while engine.has_work:
         engine.step()
     assert engine.kv.num_used == 0
+
+
+def test_a_finish_hands_back_its_step_without_waiting_for_the_one_behind(engines):
+    """Two requests decoding with a step launched ahead; one ends at a stop token on the step being
+    read: the call returns with that step's tokens (one more for the other request), leaving the
+    step behind it unread for the next call, which reads it without launching anything."""
+    on, off = engines
+    prompt = [5, 6, 7, 8]
+    ref = off.generate([prompt], SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True))[0].token_ids
+    stop_id = ref[6]
+    engine = on.engine
+    short = engine.make_request(0, prompt, SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True,
+                                                          stop_token_ids=[stop_id]))
+    long = engine.make_request(1, [9, 3, 4], SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True))
+    engine.add(short), engine.add(long)
+    finished = []
+    while not finished:
+        n = len(long.output_token_ids)
+        overlapped = engine.num_overlapped
+        finished = engine.step()
+    assert finished == [short] and short.output_token_ids == ref[:ref.index(stop_id) + 1]
+    assert engine.num_overlapped == overlapped + 1
+    assert len(long.output_token_ids) == n + 1 and len(engine._unread) == 1
+    engine.step()
+    assert len(long.output_token_ids) == n + 2 and not engine._unread
+    while engine.has_work:
+        engine.step()
+    assert engine.kv.num_used == 0
