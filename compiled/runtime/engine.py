@@ -251,6 +251,9 @@ class Engine:
         """The prompt's ids as Python ints; numpy / torch integer ids are accepted as the ints they
         hold, while bools (an int subclass) and anything else are refused."""
         vocab = self.model_config.vocab_size
+        if type(prompt) is list and all(type(t) is int for t in prompt) \
+                and (not prompt or (min(prompt) >= 0 and max(prompt) < vocab)):
+            return list(prompt)   # the common case, checked in C: a server's handler holds the GIL here
         ids = []
         for t in prompt:
             if isinstance(t, (np.ndarray, torch.Tensor)) and t.ndim == 0:
