@@ -93,13 +93,9 @@ class SlotLoader:
     def ready(self, slot: int) -> bool:
         """Whether the last load into `slot` has landed; raises what failed it."""
         job = self._loads.get(slot)
-        if job is None:
-            return True
-        if not job.enqueued.is_set():
-            return False
-        if job.error is not None:
+        if job is not None and job.enqueued.is_set() and job.error is not None:
             raise job.error
-        return job.done is None or job.done.query()
+        return not self.in_flight(slot)
 
     def in_flight(self, slot: int) -> bool:
         """Whether a load into `slot` is still under way (one that failed is not)."""
