@@ -9,13 +9,13 @@ stream when the load was asked for, so a step still reading the slot's previous 
 before it is overwritten.
 
 The CPU tier's factors are in pageable memory, and a copy from pageable memory blocks the thread
-that asks for it for the whole transfer (an expert adapter of Qwen3-30B-A3B, 1.66 GB in bf16, is
-~100 ms of it). So the thread copies each factor, in pieces, into a ring of page-locked buffers
+that asks for it for the whole transfer (an expert adapter of Qwen3-30B-A3B is 1.66 GB in bf16;
+done on the engine's thread, such loads put the serving bench's inter-token p99 at 302 ms,
+bench/RESULTS.md). So the thread copies each factor, in pieces, into a ring of page-locked buffers
 and from there to the GPU asynchronously; a piece lands in a GPU staging buffer and a copy kernel
 writes it into its place in the slot (ranks below the pool's leave strided views; a factor shared
-by all experts is sent once and broadcast on the GPU). Without `background` (on the CPU, and for
-a context-parallel worker following rank 0's slots) a load is plain copies, done when `load`
-returns."""
+by all experts is sent once and broadcast on the GPU). Without `background` (on the CPU) a load
+is plain copies, done when `load` returns; so are a context-parallel worker's (`LoRAPool.place`)."""
 
 from __future__ import annotations
 
