@@ -260,3 +260,32 @@ def test_common_prefix_len_against_a_plain_walk():
         b = a[:rng.randint(0, len(a))] + [rng.randrange(3) for _ in range(rng.randint(0, 30))]
         walk = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         assert common_prefix_len(a, b) == walk
+
+
+def test_in_step_shared_prompt_check_is_the_common_prefix_rule():
+    """`_shares_with_step` (list slices) against its rule written out: a prompt the step completes
+    starts with at least SHARED_PREFIX_WAIT_TOKENS of the request's tokens past its cached prefix,
+    on random prompts sharing random lengths, with and without a cached prefix."""
+    from compiled.attention.kv_cache import ReqToTokenPool
+    from compiled.runtime.prefix_cache import common_prefix_len
+    from compiled.runtime.request import Request
+    from compiled.runtime.scheduler import SHARED_PREFIX_WAIT_TOKENS as WAIT, Chunk, Scheduler
+    s = Scheduler(_pool(8), ReqToTokenPool(4, 256, torch.device("cpu")), 4, 64, prefix_cache=True)
+    rng = random.Random(0)
+    seen = set()
+    for i in range(300):
+        base = [rng.randrange(50) for _ in range(120)]
+        shared = rng.choice([0, 10, WAIT - 1, WAIT, WAIT + 1, 60, 120])
+        prompt = base[:shared] + [rng.randrange(50, 99) for _ in range(rng.randrange(0, 40))]
+        other = Request(id=2 * i, prompt=None, prompt_token_ids=prompt or [1], params=SamplingParams())
+        chunk = Chunk(other, 0, len(other.prompt_token_ids), np.zeros(0, np.int64))
+        request = Request(id=2 * i + 1, prompt=None, prompt_token_ids=base[:rng.randrange(1, 121)],
+                          params=SamplingParams())
+        cached = rng.choice([0, 0, 5, 20, 40])
+        cached = min(cached, request.num_tokens - 1)
+        prefix = [0] * cached if cached else None
+        tokens = request.token_ids(0, request.num_tokens - 1)
+        expected = common_prefix_len(other.prompt_token_ids, tokens) - cached >= WAIT
+        assert s._shares_with_step(request, prefix, [chunk]) == expected, (shared, cached, len(tokens))
+        seen.add(expected)
+    assert seen == {True, False}
