@@ -38,19 +38,16 @@ class AttentionMetadata:
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu, default=0)
 
+    # The longest new part and cached prefix among the requests the extend kernel runs: those
+    # after the `decode_rows`.
     @property
     def max_extend_len(self) -> int:
-        return max(self.extend_lens_cpu, default=0)
+        return max(self.extend_lens_cpu[self.decode_rows:], default=0)
 
     @property
     def max_prefix_len(self) -> int:
-        return max((s - e for s, e in zip(self.seq_lens_cpu, self.extend_lens_cpu)), default=0)
-
-    def extend_part(self) -> tuple[int, int]:
-        """(max extend length, max prefix length) of the requests after the `decode_rows`."""
         n = self.decode_rows
-        seqs, exts = self.seq_lens_cpu[n:], self.extend_lens_cpu[n:]
-        return max(exts, default=0), max((s - e for s, e in zip(seqs, exts)), default=0)
+        return max((s - e for s, e in zip(self.seq_lens_cpu[n:], self.extend_lens_cpu[n:])), default=0)
 
 
 @dataclass

@@ -157,32 +157,22 @@ def _attention_triton(ctx: ForwardContext, q, k, v, layer: int, scale: float, ro
         return decode_attention_triton(q, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
                                        meta.seq_lens, scale, decode_workspace(ctx, q),
                                        new_kv=(k, v, meta.out_cache_loc), norm_rope=rope, out=out)
+    # In a mixed step the leading one-token requests (`decode_rows`) attend through the decode
+    # kernel, which also normalises, rotates and stores their K/V as in a decode step (the same
+    # compiled kernel: whole arrays of which it reads the first n, not slices); the other
+    # requests through the extend kernel, which finds their rows by offset.
     n = meta.decode_rows
-    if n == 0:
-        if rope is None:
-            store_kv_triton(k_cache, v_cache, meta.out_cache_loc, k, v)
-        else:   # one launch normalises, rotates and stores
-            q, k = norm_rope_store_triton(q, k, v, k_cache, v_cache, meta.out_cache_loc, rope)
-        return extend_attention_triton(q, k, v, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
-                                       meta.seq_lens, meta.extend_lens, extend_start_loc(meta),
-                                       meta.max_extend_len, scale, out=out, max_prefix_len=meta.max_prefix_len)
-    # A mixed step: its leading one-token requests attend through the decode kernel, which also
-    # normalises, rotates and stores their K/V, as in a decode step (the same compiled kernel:
-    # whole arrays of which it reads the first n, not slices); the other requests' rows through
-    # the extend kernel, which finds them by offset.
     out = torch.empty_like(q) if out is None else out
     if rope is None:
         store_kv_triton(k_cache, v_cache, meta.out_cache_loc, k, v)
-        new_kv = None
-    else:
-        new_kv = (k, v, meta.out_cache_loc)
-    decode_attention_triton(q[:n], k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices, meta.seq_lens,
-                            scale, decode_workspace(ctx, q[:n]), new_kv=new_kv, norm_rope=rope, out=out[:n])
-    max_extend, max_prefix = meta.extend_part()
-    if max_extend:
-        if rope is not None:
+    if n:
+        new_kv = None if rope is None else (k, v, meta.out_cache_loc)
+        decode_attention_triton(q[:n], k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices, meta.seq_lens,
+                                scale, decode_workspace(ctx, q[:n]), new_kv=new_kv, norm_rope=rope, out=out[:n])
+    if meta.max_extend_len:
+        if rope is not None:   # one launch normalises, rotates and stores
             q, k = norm_rope_store_triton(q, k, v, k_cache, v_cache, meta.out_cache_loc, rope, first=n)
         extend_attention_triton(q, k, v, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
-                                meta.seq_lens, meta.extend_lens, extend_start_loc(meta), max_extend, scale,
-                                out=out, max_prefix_len=max_prefix, first_request=n)
+                                meta.seq_lens, meta.extend_lens, extend_start_loc(meta), meta.max_extend_len,
+                                scale, out=out, max_prefix_len=meta.max_prefix_len, first_request=n)
     return out
