@@ -209,8 +209,18 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
 
 
 def common_prefix_len(edge: Sequence[int], tokens: Sequence[int], start: int = 0) -> int:
-    """How many leading tokens of `edge` equal those of `tokens` from `start` on."""
-    k, n = 0, min(len(edge), len(tokens) - start)
-    while k < n and edge[k] == tokens[start + k]:
-        k += 1
-    return k
+    """How many leading tokens of `edge` equal those of `tokens` from `start` on. Slices compared
+    in C, halving where they differ: a step admitting 31 requests behind a cached 1,000-token
+    prefix spent 28 ms walking such prefixes token by token in Python (bench/RESULTS.md)."""
+    n = max(min(len(edge), len(tokens) - start), 0)
+    a, b = list(edge[:n]), list(tokens[start:start + n])
+    if a == b:
+        return n
+    lo, hi = 0, n   # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

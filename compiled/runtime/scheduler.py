@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from compiled.attention.kv_cache import KVPool, ReqToTokenPool
-from compiled.runtime.prefix_cache import PrefixCache
+from compiled.runtime.prefix_cache import PrefixCache, common_prefix_len
 from compiled.runtime.request import Request
 
 # A waiting request whose uncached tokens begin with at least this many of a prompt the step being
@@ -289,9 +289,7 @@ class Scheduler:
             if c.request.lora != request.lora or c.request.params.prompt_logprobs is not None \
                     or not c.start < len(prompt) <= c.start + c.length:
                 continue
-            # list slices compare in C: a step admitting 31 requests behind a cached 1,000-token
-            # prefix spent 28 ms here walking the prefix token by token in Python
-            if prompt[cached:need] == tokens[cached:] and prompt[:cached] == tokens[:cached]:
+            if common_prefix_len(prompt, tokens) >= need:
                 return True
         return False
 

@@ -260,14 +260,16 @@ def test_common_prefix_len_against_a_plain_walk():
         b = a[:rng.randint(0, len(a))] + [rng.randrange(3) for _ in range(rng.randint(0, 30))]
         walk = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         assert common_prefix_len(a, b) == walk
+        start = rng.randint(0, len(b))   # a tree edge (a tuple) against tokens from an offset
+        walk = next((i for i, (x, y) in enumerate(zip(a, b[start:])) if x != y), min(len(a), len(b) - start))
+        assert common_prefix_len(tuple(a), b, start) == walk
 
 
 def test_in_step_shared_prompt_check_is_the_common_prefix_rule():
-    """`_shares_with_step` (list slices) against its rule written out: a prompt the step completes
+    """`_shares_with_step` against its rule written out with a plain walk: a prompt the step completes
     starts with at least SHARED_PREFIX_WAIT_TOKENS of the request's tokens past its cached prefix,
     on random prompts sharing random lengths, with and without a cached prefix."""
     from compiled.attention.kv_cache import ReqToTokenPool
-    from compiled.runtime.prefix_cache import common_prefix_len
     from compiled.runtime.request import Request
     from compiled.runtime.scheduler import SHARED_PREFIX_WAIT_TOKENS as WAIT, Chunk, Scheduler
     s = Scheduler(_pool(8), ReqToTokenPool(4, 256, torch.device("cpu")), 4, 64, prefix_cache=True)
@@ -285,7 +287,9 @@ def test_in_step_shared_prompt_check_is_the_common_prefix_rule():
         cached = min(cached, request.num_tokens - 1)
         prefix = [0] * cached if cached else None
         tokens = request.token_ids(0, request.num_tokens - 1)
-        expected = common_prefix_len(other.prompt_token_ids, tokens) - cached >= WAIT
+        walk = next((i for i, (x, y) in enumerate(zip(other.prompt_token_ids, tokens)) if x != y),
+                    min(len(other.prompt_token_ids), len(tokens)))
+        expected = walk - cached >= WAIT
         assert s._shares_with_step(request, prefix, [chunk]) == expected, (shared, cached, len(tokens))
         seen.add(expected)
     assert seen == {True, False}
