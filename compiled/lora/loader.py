@@ -8,14 +8,17 @@ once `ready` says the copy landed. The load stream first waits for the work queu
 stream when the load was asked for, so a step still reading the slot's previous adapter finishes
 before it is overwritten.
 
-The CPU tier's factors are in pageable memory, and a copy from pageable memory blocks the thread
-that asks for it for the whole transfer (an expert adapter of Qwen3-30B-A3B is 1.66 GB in bf16;
-done on the engine's thread, such loads put the serving bench's inter-token p99 at 302 ms,
-bench/RESULTS.md). So the thread copies each factor, in pieces, into a ring of page-locked buffers
-and from there to the GPU asynchronously; a piece lands in a GPU staging buffer and a copy kernel
-writes it into its place in the slot (ranks below the pool's leave strided views; a factor shared
-by all experts is sent once and broadcast on the GPU). Without `background` (on the CPU) a load
-is plain copies, done when `load` returns; so are a context-parallel worker's (`LoRAPool.place`)."""
+A load from page-locked memory (the CPU tier's blocks on a GPU machine, host.py) is a list of
+asynchronous copies the thread queues at once: straight into the slot where its view is
+contiguous, else into a GPU staging buffer that a copy kernel writes into its place (ranks below
+the pool's leave strided views; a factor shared by all experts is sent once and broadcast on the
+GPU). The job holds the adapter's block, so its lock outlives the copies. Factors in pageable
+memory (a block the driver would not lock) go, in pieces, through a ring of page-locked buffers
+first: a copy from pageable memory would block the thread for the whole transfer (an expert
+adapter of Qwen3-30B-A3B is 1.66 GB in bf16; done on the engine's thread, such loads put the
+serving bench's inter-token p99 at 302 ms, bench/RESULTS.md). Without `background` (on the CPU)
+a load is plain copies, done when `load` returns; so are a context-parallel worker's
+(`LoRAPool.place`)."""
 
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
+
+from compiled.lora.host import HostBlock
 
 # The ring: this many page-locked buffers of this many bytes each (and as many on the GPU), so
 # that copying one piece into the ring overlaps the transfer of the pieces before it.
@@ -55,6 +60,7 @@ class _Load:
     slot: int
     writes: list[SlotWrite]
     after: torch.cuda.Event | None          # the compute stream's work when the load was asked for
+    source: HostBlock | None                # the factors' block: page-locked ones are sent directly
     enqueued: threading.Event = field(default_factory=threading.Event)   # every copy is queued
     done: torch.cuda.Event | None = None    # recorded on the load stream after the last copy
     error: BaseException | None = None
@@ -70,12 +76,13 @@ class SlotLoader:
         self._cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self._cuda else None
         self._host: list[torch.Tensor] = []    # the page-locked ring (ordinary memory on a CPU)
-        self._staged: list[torch.Tensor] = []  # a GPU buffer per ring buffer
+        self._staged: list[torch.Tensor] = []  # a device buffer per ring buffer
         self._freed: list[torch.cuda.Event | None] = []   # when each ring buffer's transfer has read it
 
-    def load(self, slot: int, writes: list[SlotWrite]) -> None:
-        """Carry out `writes` (everything that puts one adapter into `slot`) behind the work
-        queued so far: in the background, or here and now without `background`."""
+    def load(self, slot: int, writes: list[SlotWrite], source: HostBlock | None = None) -> None:
+        """Carry out `writes` (everything that puts one adapter into `slot`, its factors in
+        `source` if given) behind the work queued so far: in the background, or here and now
+        without `background`."""
         if not self.background:
             write_now(writes)
             return
@@ -83,7 +90,7 @@ class SlotLoader:
         if self._cuda:
             after = torch.cuda.Event()
             after.record(torch.cuda.current_stream(self.device))
-        job = _Load(slot, writes, after)
+        job = _Load(slot, writes, after, source)
         self._loads[slot] = job
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="compiled-lora-loader", daemon=True)
@@ -126,18 +133,18 @@ class SlotLoader:
                 if self._cuda:
                     with torch.cuda.stream(self.stream), torch.no_grad():
                         self.stream.wait_event(job.after)
-                        self._carry_out(job.writes)
+                        self._carry_out(job.writes, job.source is not None and job.source.locked)
                         job.done = torch.cuda.Event()
                         job.done.record(self.stream)
                 else:
                     with torch.no_grad():
-                        self._carry_out(job.writes)
+                        self._carry_out(job.writes, False)
             except BaseException as e:   # reported to whoever asks about the slot
                 job.error = e
             finally:
                 job.enqueued.set()
 
-    def _carry_out(self, writes: list[SlotWrite]) -> None:
+    def _carry_out(self, writes: list[SlotWrite], locked: bool) -> None:
         turn = 0
         for w in writes:
             if w.src is None:
@@ -146,23 +153,31 @@ class SlotLoader:
             src = w.src
             if src.dim() > 0 and src.shape[0] > 1 and src.stride(0) == 0:
                 src = src[:1]   # shared by every expert: sent once, broadcast by the copy kernel
+            if locked and src is w.src and w.dst.is_contiguous():
+                w.dst.copy_(src, non_blocking=True)
+                continue
             for dst_part, src_part in _parts(w.dst, src):
-                dst_part.copy_(self._stage(turn % STAGING_BUFFERS, src_part))
+                dst_part.copy_(self._stage(turn % STAGING_BUFFERS, src_part, locked))
                 turn += 1
 
-    def _stage(self, i: int, part: torch.Tensor) -> torch.Tensor:
-        """`part` copied through ring buffer `i` to the GPU (on the CPU: into the buffer)."""
+    def _stage(self, i: int, part: torch.Tensor, locked: bool) -> torch.Tensor:
+        """`part` sent to GPU staging buffer `i`: directly when `locked`, else through ring
+        buffer `i` (on the CPU: into that buffer)."""
         if not self._host:
             self._make_ring()
         n = part.numel() * part.element_size()
-        if self._freed[i] is not None:
-            self._freed[i].synchronize()   # the transfer that last read this buffer
-        host = self._host[i][:n].view(part.dtype).view(part.shape)
-        host.copy_(part)
-        if not self._cuda:
-            return host
+        if not locked:
+            if self._freed[i] is not None:
+                self._freed[i].synchronize()   # the transfer that last read this buffer
+            host = self._host[i][:n].view(part.dtype).view(part.shape)
+            host.copy_(part)
+            if not self._cuda:
+                return host
+            part = host
         staged = self._staged[i][:n].view(part.dtype).view(part.shape)
-        staged.copy_(host, non_blocking=True)
+        staged.copy_(part, non_blocking=True)
+        if locked:
+            return staged
         if self._freed[i] is None:
             self._freed[i] = torch.cuda.Event()
         self._freed[i].record(self.stream)
@@ -171,9 +186,8 @@ class SlotLoader:
     def _make_ring(self) -> None:
         pin = self._cuda
         self._host = [torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=pin) for _ in range(STAGING_BUFFERS)]
-        if self._cuda:
-            self._staged = [torch.empty(STAGING_BYTES, dtype=torch.uint8, device=self.device)
-                            for _ in range(STAGING_BUFFERS)]
+        self._staged = [torch.empty(STAGING_BYTES, dtype=torch.uint8, device=self.device)
+                        for _ in range(STAGING_BUFFERS)]
         self._freed = [None] * STAGING_BUFFERS
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from compiled.graphs.config import ModelConfig
+from compiled.lora.host import pack
 from compiled.lora.loader import SlotLoader, SlotWrite, write_now
 from compiled.lora.weights import Adapter, LoRAError
 from compiled.passes.lora_delta import dense_target
@@ -85,12 +86,21 @@ class LoRAPool:
                             f"max_lora_rank={self.max_rank}")
         if self.max_loaded is not None and len(self.adapters) >= self.max_loaded:
             self._evict_one(busy)
-        # In the slots' dtype: a bf16 engine's CPU tier then holds half the bytes of float32 (an
-        # expert adapter of Qwen3-30B-A3B at rank 16: 1.66 GB instead of 3.3), and a load copies
-        # those without converting.
-        self.adapters[adapter.name] = adapter.to(self.dtype)
+        self.adapters[adapter.name] = self.prepare(adapter)
         if pinned:
             self.pinned.add(adapter.name)
+
+    def prepare(self, adapter: Adapter) -> Adapter:
+        """`adapter` as the CPU tier keeps it (`add` does this if it was not done before; it
+        touches no pool state, so a thread beside the steps may do it): packed in the slots'
+        dtype (a bf16 engine's tier then holds half the bytes of float32, 1.66 GB instead of 3.3
+        for an expert adapter of Qwen3-30B-A3B at rank 16, and a load copies them without
+        converting), page-locked on a GPU."""
+        if adapter.host is None or next(iter(adapter.factors())).dtype != self.dtype:
+            adapter = pack(adapter, self.dtype)
+        if self.loader.background:
+            adapter.host.lock()
+        return adapter
 
     def _evict_one(self, busy: frozenset[str]) -> None:
         for name in self.adapters:
@@ -130,7 +140,7 @@ class LoRAPool:
             if self.in_slot[slot] is not None:
                 del self.slot_of[self.in_slot[slot]]
             adapter = self.adapters[name]
-            self.loader.load(slot, self._writes(slot, adapter))
+            self.loader.load(slot, self._writes(slot, adapter), adapter.host)
             self.in_slot[slot], self.slot_of[name] = name, slot
         self.slot_order.remove(slot)
         self.slot_order.append(slot)

@@ -5,6 +5,7 @@ projection `scaling * b @ a`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -71,26 +72,20 @@ class Adapter:
     projections of dense layers, keyed (layer, proj) with proj in q_proj k_proj v_proj o_proj
     gate_proj up_proj down_proj; `experts` holds the expert projections of MoE layers, keyed
     (layer, proj) with proj in gate_proj up_proj down_proj (gate and up always separate).
-    `rank` is the largest rank of them all."""
+    `rank` is the largest rank of them all. The pool serves it packed (`host.pack`): in the
+    slots' dtype, in one block of host memory."""
     name: str
     path: str
     rank: int
     dense: dict[tuple[int, str], LoRAWeight] = field(default_factory=dict)
     experts: dict[tuple[int, str], ExpertLoRAWeight] = field(default_factory=dict)
+    host: Any = None   # the `host.HostBlock` its factors live in, once packed for serving
 
-    def to(self, dtype: torch.dtype) -> "Adapter":
-        """The adapter with its factors in `dtype` (itself when they are already); a factor shared
-        by all experts stays one copy behind a broadcast view."""
-        def cast(t: torch.Tensor) -> torch.Tensor:
-            if t.dim() == 3 and t.shape[0] > 1 and t.stride(0) == 0:
-                return t[:1].to(dtype).expand(t.shape)
-            return t.to(dtype)
-        factors = [w.a for w in self.dense.values()] + [w.a for w in self.experts.values()]
-        if all(f.dtype == dtype for f in factors):
-            return self
-        return Adapter(self.name, self.path, self.rank,
-                       {k: LoRAWeight(cast(w.a), cast(w.b), w.scaling) for k, w in self.dense.items()},
-                       {k: ExpertLoRAWeight(cast(w.a), cast(w.b), w.scaling) for k, w in self.experts.items()})
+    def factors(self):
+        """Every factor, A then B of each projection: dense ones, then the experts'."""
+        for w in list(self.dense.values()) + list(self.experts.values()):
+            yield w.a
+            yield w.b
 
     @property
     def projections(self) -> frozenset[str]:

@@ -254,14 +254,15 @@ class LLM:
         self.add_lora(self.read_lora(name, path), pinned)
 
     def read_lora(self, name: str, path: str):
-        """The PEFT adapter at `path`, read and checked against the model but not yet served
-        (`add_lora` serves it); touches no engine state, so it may run beside a step."""
+        """The PEFT adapter at `path`, read, checked against the model and packed for the CPU
+        tier, but not yet served (`add_lora` serves it); touches no engine state, so it may run
+        beside a step."""
         if self.engine.loras is None:
             raise ConfigError("LoRA is off: start the LLM with enable_lora=True (or lora_modules) to load adapters")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"adapter name {name!r}: expected a non-empty string")
         from compiled.lora.adapter import load_adapter
-        return load_adapter(name, path, self.model_config, self.config.max_lora_rank)
+        return self.engine.loras.prepare(load_adapter(name, path, self.model_config, self.config.max_lora_rank))
 
     def add_lora(self, adapter, pinned: bool = False) -> None:
         """Serve an adapter already in memory (`compiled.lora.Adapter`, e.g. `lora.random_adapter`)."""

@@ -624,18 +624,19 @@ def test_demo_merged_greedy_matches_peft_generate(which, name):
     assert text == (" BIRD WAX" if name == "upper" else " Bird")
 
 
-def test_adapter_in_another_dtype_keeps_shared_factors_shared():
+def test_a_packed_adapter_keeps_shared_factors_shared():
     import torch
+    from compiled.lora.host import pack
     from compiled.lora.weights import Adapter, ExpertLoRAWeight, LoRAWeight
     gen = torch.Generator().manual_seed(0)
     a_shared = torch.randn(1, 4, 24, generator=gen).expand(6, 4, 24)
     adapter = Adapter("x", "<x>", 4,
                       {(0, "q_proj"): LoRAWeight(torch.randn(4, 24, generator=gen), torch.randn(40, 4, generator=gen), 2.0)},
                       {(1, "up_proj"): ExpertLoRAWeight(a_shared, torch.randn(6, 16, 4, generator=gen), 0.5)})
-    assert adapter.to(torch.float32) is adapter
-    half = adapter.to(torch.bfloat16)
+    half = pack(adapter, torch.bfloat16)
     expert = half.experts[(1, "up_proj")]
-    assert expert.shares_a and expert.a.untyped_storage().nbytes() == 4 * 24 * 2
+    assert expert.shares_a and half.host.data.numel() == 3 * 512 + 1024   # the shared A as one 512-byte row
+    assert all(f.untyped_storage().data_ptr() == half.host.data.data_ptr() for f in half.factors())
     assert expert.a.dtype == expert.b.dtype == half.dense[(0, "q_proj")].b.dtype == torch.bfloat16
     assert torch.equal(expert.a.float(), a_shared.to(torch.bfloat16).float()) and expert.scaling == 0.5
     assert torch.equal(half.dense[(0, "q_proj")].a, adapter.dense[(0, "q_proj")].a.to(torch.bfloat16))

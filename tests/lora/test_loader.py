@@ -22,13 +22,14 @@ def _slots(seed: int) -> dict[str, torch.Tensor]:
 
 def _writes(bufs: dict[str, torch.Tensor], slot: int, seed: int) -> list[SlotWrite]:
     """Zero a slot, then factors of rank 3 into strided views of rank-4 buffers, a factor shared
-    by every expert (a broadcast view), and scales."""
+    by every expert (a broadcast view), one into a contiguous view, and scales."""
     g = torch.Generator().manual_seed(seed)
     a, b, scale = bufs["a"], bufs["b"], bufs["scale"]
     shared = torch.randn(1, 3, 7, generator=g).expand(5, 3, 7)
     return [SlotWrite(a[slot]), SlotWrite(b[slot]), SlotWrite(scale[slot]),
             SlotWrite(a[slot, :, :3], shared),
             SlotWrite(b[slot, :, :3], torch.randn(11, 3, generator=g)),
+            SlotWrite(a[slot, 0, 3:], torch.randn(3, 7, generator=g)),   # a contiguous view
             SlotWrite(scale[slot, 0], value=0.5), SlotWrite(scale[slot, 1], value=2.0)]
 
 
@@ -38,10 +39,11 @@ def small_ring(monkeypatch):
     monkeypatch.setattr(L, "STAGING_BYTES", 64)
 
 
-def test_a_background_load_equals_plain_copies(small_ring):
+@pytest.mark.parametrize("loader", ["SlotLoader", "LockedLoader"])
+def test_a_background_load_equals_plain_copies(small_ring, loader):
     direct, staged = _slots(0), _slots(0)
     write_now(_writes(direct, 1, seed=7))
-    loader = SlotLoader(torch.device("cpu"), background=True)
+    loader = globals()[loader](torch.device("cpu"), background=True)
     loader.load(1, _writes(staged, 1, seed=7))
     loader.wait(1)
     assert loader.ready(1)
@@ -79,12 +81,20 @@ def test_a_failed_load_is_raised_to_whoever_asks_about_its_slot(small_ring):
 class SlowLoader(SlotLoader):
     """Each load takes 30 ms more: requests behind it find it in flight."""
 
-    def _carry_out(self, writes):
+    def _carry_out(self, writes, locked):
         time.sleep(0.03)
-        super()._carry_out(writes)
+        super()._carry_out(writes, locked)
 
 
-@pytest.mark.parametrize("loader", [SlotLoader, SlowLoader])
+class LockedLoader(SlotLoader):
+    """Takes every load's factors as page-locked: the direct path (copies into the slot where its
+    view is contiguous, the staging buffers where not, no ring), run on the CPU."""
+
+    def _carry_out(self, writes, locked):
+        super()._carry_out(writes, True)
+
+
+@pytest.mark.parametrize("loader", [SlotLoader, SlowLoader, LockedLoader])
 def test_an_engine_with_background_loads_gives_the_outputs_of_plain_copies(small_ring, loader):
     """Expert adapters through one slot loaded in the background: requests wait for their
     adapter's copy (the engine's own checks, nothing mocked), none takes the slot of an adapter
@@ -117,3 +127,22 @@ def test_the_head_of_the_queue_waits_for_copies_that_hold_every_free_slot(small_
     pool.acquire(names[0], set())
     assert pool.loader.in_flight(0)
     assert llm.generate([[5, 9, 2]], greedy, lora=names[1])[0].token_ids == expected
+
+
+@pytest.mark.gpu
+def test_page_locked_loads_on_the_gpu_give_the_outputs_of_pageable_ones():
+    """On a GPU the CPU tier's blocks are page-locked and loads DMA from them; the same engine
+    with its blocks unlocked (the staging ring's path) gives the same tokens."""
+    names = list(MOE_ADAPTERS)
+    kwargs = dict(device="cuda", dtype="float32", lora_modules=MOE_ADAPTERS, max_loras_per_batch=1)
+    prompts = [[5, 9, 2, 7], [11, 3, 8], [4, 4, 6, 1, 2], [13, 2]]
+    rows = [names[0], names[1], None, names[1]]
+    greedy = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    locked, pageable = LLM(MOE_MODEL, **kwargs), LLM(MOE_MODEL, **kwargs)
+    for adapter in locked.engine.loras.adapters.values():
+        assert adapter.host.locked and next(adapter.factors()).is_pinned()
+    for adapter in pageable.engine.loras.adapters.values():
+        adapter.host.unlock()
+        assert not next(adapter.factors()).is_pinned()
+    assert ([o.token_ids for o in locked.generate(prompts, greedy, lora=rows)]
+            == [o.token_ids for o in pageable.generate(prompts, greedy, lora=rows)])
