@@ -196,15 +196,13 @@ def masked_dot_t(acc, x_ptrs, a_ptrs, rows, cols, k_start, k_end, BLOCK_K: tl.co
 def slot_stacked_delta(acc, S_IN, B, SCALE, slots, rows, cols, cols_ok, expert, col0, R,
                        stride_s, stride_bs, stride_be, stride_bc, stride_scale, scale_col,
                        SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
-                       PRECISION: tl.constexpr, LOW_PRECISION: tl.constexpr, SPLITS: tl.constexpr):
+                       PRECISION: tl.constexpr, LOW_PRECISION: tl.constexpr):
     """acc + each row's LoRA expand: scale[s, scale_col] * S_IN[rows, col0:col0+R] @
     B[s, expert, cols, :R].T, s the row's slot (-1: none), as dots over the slots stacked along
     K (k = s * BLOCK_R + r). The rows' shrink outputs go into a `[rows, KC]` tile that is zero
     outside each row's own slot block, every slot's B rows into a `[KC, cols]` tile (slots absent
     from the block masked, so not read): the loads of all slots go out at once. LOW_PRECISION:
-    the dot in B's 16-bit dtype, else in fp32 at PRECISION (the linear and the MoE expands share it).
-    SPLITS: each row of S_IN holds that many partial shrink outputs side by side (stride_s /
-    SPLITS apart), added here in order."""
+    the dot in B's 16-bit dtype, else in fp32 at PRECISION (the linear and the MoE expands share it)."""
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
     for c in tl.static_range(SLOTS_PAD * BLOCK_R // KC):
@@ -214,10 +212,7 @@ def slot_stacked_delta(acc, S_IN, B, SCALE, slots, rows, cols, cols_ok, expert, 
         r_ok = r < R
         hit = slots[:, None] == slot_k[None, :]
         present = tl.sum(hit.to(tl.int32), axis=0) > 0
-        s_ptrs = S_IN + rows64[:, None] * stride_s + (col0 + r)[None, :]
-        sr = tl.load(s_ptrs, mask=hit & r_ok[None, :], other=0.0)
-        for j in tl.static_range(1, SPLITS):
-            sr += tl.load(s_ptrs + j * (stride_s // SPLITS), mask=hit & r_ok[None, :], other=0.0)
+        sr = tl.load(S_IN + rows64[:, None] * stride_s + (col0 + r)[None, :], mask=hit & r_ok[None, :], other=0.0)
         sc = tl.load(SCALE + slot_k * stride_scale + scale_col, mask=present, other=0.0)
         b = tl.load(B + slot_k.to(tl.int64)[:, None] * stride_bs + expert * stride_be + cols64[None, :] * stride_bc
                     + r[:, None], mask=(present & r_ok)[:, None] & cols_ok[None, :], other=0.0)

@@ -232,7 +232,7 @@ def _lora_expand_kernel(Y, SIN, B, SCALE, SLOT, OUT_PTR, T, OUT, R, S, O1, O2, O
                 cols = in_o & (offs_o >= lo) & (offs_o < hi)
                 acc = slot_stacked_delta(acc, SIN, B, SCALE, slots, t64, offs_o, cols, 0, i * R, R, stride_st,
                                          stride_bs, 0, stride_bo, stride_ss, i, SLOTS_PAD, BLOCK_R, KC, "ieee",
-                                         not FP32_DOT, 1)
+                                         not FP32_DOT)
     tl.store(OUT_PTR + t64[:, None] * stride_ot + offs_o[None, :], acc.to(y.dtype), mask=mask)
 
 

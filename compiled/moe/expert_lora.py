@@ -50,8 +50,6 @@ from compiled.triton_utils import interpreting, launch_kwargs
 OP = "compiled::fused_moe_lora"
 DELTA_K_STEP = 128  # the GEMMs' delta dots: slots x rank stacked along K, this many a dot
 DELTA_IN_16BIT = True  # the GEMMs' delta dots on 16-bit operands (the shrink outputs rounded), else fp32 / TF32
-SHRINK_BLOCK_K = 128   # the shrinks' K step at most
-SHRINK_STEPS = 4       # K steps one shrink program walks at most: K is split into that many (expert_lora_kernels)
 
 
 def backend(x: torch.Tensor) -> str:
@@ -159,23 +157,14 @@ def _dot_flags(dtype: torch.dtype) -> dict:
                 DELTA_PRECISION="ieee" if fp32 else "tf32", DELTA_16BIT=DELTA_IN_16BIT and not fp32)
 
 
-def shrink_split(K: int) -> tuple[int, int, int]:
-    """(BLOCK_K, splits, K a split) of a shrink over K: at most SHRINK_STEPS steps a program."""
-    bk = max(16, min(SHRINK_BLOCK_K, triton.next_power_of_2(K)))
-    steps = triton.cdiv(K, bk)
-    splits = triton.cdiv(steps, SHRINK_STEPS)
-    per_split = triton.cdiv(steps, splits) * bk
-    return bk, triton.cdiv(K, per_split), per_split
-
-
 def reserve_workspace(ws: MoEWorkspace, max_tokens: int, E: int, H: int, I: int, top_k: int, R: int,
                       dtype: torch.dtype, device: torch.device, block_m: int = 128) -> MoEWorkspace:
     """`MoEWorkspace.reserve` plus the LoRA shrink outputs, for up to max_tokens (before capture)."""
     from compiled.moe.fused_moe import intermediate_rows
     ws.reserve(max_tokens, E, H, I, top_k, dtype, device, block_m)
     rows = max(intermediate_rows(max_tokens * top_k, E, bm) for bm in (16, block_m))
-    ws.get("lora_s13", rows * 2 * R * shrink_split(H)[1], torch.float32, device)
-    ws.get("lora_s2", rows * R * shrink_split(I)[1], torch.float32, device)
+    ws.get("lora_s13", rows * 2 * R, torch.float32, device)
+    ws.get("lora_s2", rows * R, torch.float32, device)
     return ws
 
 
@@ -219,23 +208,26 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     pdl = launch_kwargs(x.device)
     has_delta = bool(S and R)
 
-    def shrink(src, a, name, K, gather) -> GemmDelta:
-        """The shrink into workspace `name`: the GEMM delta's partial sums, side by side in each row."""
-        bk, splits, per_split = shrink_split(K)
-        NR = a.shape[2]
-        dst = ws.get(name, rows * NR * splits, torch.float32, x.device).view(rows, splits * NR)
-        LK.moe_lora_shrink_kernel[(n_blocks, S, splits)](
-            src, a, dst, slot, blocks.sorted_ids, blocks.expert_ids, blocks.num_post, numel, S, NR, K, per_split,
+    def shrink(src, a, dst, K, gather):
+        bk = max(16, min(128, triton.next_power_of_2(K)))
+        LK.moe_lora_shrink_kernel[(n_blocks, S)](
+            src, a, dst, slot, blocks.sorted_ids, blocks.expert_ids, blocks.num_post, numel, S, a.shape[2], K,
             src.stride(0), a.stride(0), a.stride(1), a.stride(2), dst.stride(0), TOP_K=top_k, GATHER=gather,
             PRECISION=flags["PRECISION"], DOT_FP32=flags["DOT_FP32"], BLOCK_M=bm,
-            BLOCK_N=max(16, triton.next_power_of_2(NR)), BLOCK_K=bk, EVEN_K=K % bk == 0, num_warps=4,
+            BLOCK_N=max(16, triton.next_power_of_2(a.shape[2])), BLOCK_K=bk, EVEN_K=K % bk == 0, num_warps=4,
             num_stages=2, **pdl)
-        return GemmDelta(dst, b13 if gather else b2, scale, slot, consts, splits)
 
     consts = delta_consts(x.dtype, S, R)
-    delta13 = shrink(x, a13, "lora_s13", H, True) if has_delta else None
+    delta13 = delta2 = None
+    if has_delta:
+        s13 = ws.get("lora_s13", rows * 2 * R, torch.float32, x.device).view(rows, 2 * R)
+        shrink(x, a13, s13, H, True)
+        delta13 = GemmDelta(s13, b13, scale, slot, consts)
     launch_gemm1(x, w13, inter, blocks, top_k, up, delta13)
-    delta2 = shrink(inter, a2, "lora_s2", I, False) if has_delta else None
+    if has_delta:
+        s2 = ws.get("lora_s2", rows * R, torch.float32, x.device).view(rows, R)
+        shrink(inter, a2, s2, I, False)
+        delta2 = GemmDelta(s2, b2, scale, slot, consts)
     launch_gemm2(inter, w2, y, weights, blocks, down, top_k, delta2)
     if top_k > 1:
         bh = min(1024, triton.next_power_of_2(H))

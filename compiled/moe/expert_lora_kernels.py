@@ -5,15 +5,12 @@ The pairs are sorted by expert into BLOCK_M blocks as for the base MoE (`moe_ali
 and every per-pair buffer is kept in block order (row = the pair's position), as the
 intermediate is. A block's rows share an expert but not a slot (each token has its own adapter).
 
-`moe_lora_shrink_kernel`, grid (blocks, S, splits): program (b, s, j) computes, for the rows of
-block b whose token's slot is s, `a[s, e] @ row` over the j-th K range (fp32, one tensor-core dot
-a K step, the other rows masked) into `s_out` at the rows' positions, split j's partial sum in
-columns j * NR onwards: x's token rows (GATHER: gate/up, `a13 [S, E, 2R, H]`) or the
-intermediate's block rows (down, `a2 [S, E, R, I]`). The GEMMs' deltas add the partials in split
-order (deterministic; no atomics, no extra launch). A decode batch has one block an expert and a
-few rows a block, so without splits each active program walked all of K alone: 12 µs a call for
-Qwen3-30B-A3B at batch 8 (H200). Programs whose slot is absent from their block exit after the
-slot loads; rows without an adapter (slot -1, or outside [0, S)) are not written and never read."""
+`moe_lora_shrink_kernel`, grid (blocks, S): program (b, s) computes, for the rows of block b whose
+token's slot is s, `a[s, e] @ row` (fp32, one tensor-core dot a K step, the other rows masked)
+into `s_out` at the rows' positions: x's token rows (GATHER: gate/up, `a13 [S, E, 2R, H]`) or the
+intermediate's block rows (down, `a2 [S, E, R, I]`). Programs whose slot is absent from their
+block exit after the slot loads; rows without an adapter (slot -1, or outside [0, S)) are not
+written and never read."""
 
 from __future__ import annotations
 
@@ -35,17 +32,15 @@ def _pair_slots(SLOT, pair, num_valid, S, TOP_K: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_valid"])
 def moe_lora_shrink_kernel(X, A, OUT, SLOT, sorted_ptr, expert_ids_ptr, num_post_ptr, num_valid, S, NR, K,
-                           K_PER_SPLIT, stride_xm, stride_as, stride_ae, stride_an, stride_om,
+                           stride_xm, stride_as, stride_ae, stride_an, stride_om,
                            TOP_K: tl.constexpr, GATHER: tl.constexpr, PRECISION: tl.constexpr,
                            DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    """OUT[pos, j * NR + n] = sum_k row[k] * A[s, e, n, k] (fp32, n < NR, k in split j =
-    program_id(2)'s range of K_PER_SPLIT, a multiple of BLOCK_K) for block pid_m's rows of slot
+    """OUT[pos, n] = sum_k row[k] * A[s, e, n, k] (fp32, n < NR) for block pid_m's rows of slot
     s = program_id(1); row = X[token] (GATHER) or X[pos] (the intermediate, block order)."""
     pdl_wait(PDL)
     pid_m = tl.program_id(0)
     s = tl.program_id(1)
-    k0 = tl.program_id(2) * K_PER_SPLIT
     offs_m = tl.arange(0, BLOCK_M)
     num_post = tl.load(num_post_ptr)
     if pid_m * BLOCK_M < num_post:
@@ -57,13 +52,12 @@ def moe_lora_shrink_kernel(X, A, OUT, SLOT, sorted_ptr, expert_ids_ptr, num_post
             pos = (pid_m * BLOCK_M + offs_m).to(tl.int64)
             offs_n = tl.arange(0, BLOCK_N)
             n_ok = offs_n < NR
-            offs_k = k0 + tl.arange(0, BLOCK_K)
+            offs_k = tl.arange(0, BLOCK_K)
             if GATHER:
                 x_ptrs = X + token[:, None] * stride_xm + offs_k[None, :]
             else:
                 x_ptrs = X + pos[:, None] * stride_xm + offs_k[None, :]
             a_ptrs = A + s.to(tl.int64) * stride_as + expert * stride_ae + offs_n[:, None] * stride_an + offs_k[None, :]
-            acc = masked_dot_t(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptrs, a_ptrs, rows, n_ok, k0,
-                               tl.minimum(k0 + K_PER_SPLIT, K), BLOCK_K, EVEN_K, DOT_FP32, PRECISION)
-            tl.store(OUT + pos[:, None] * stride_om + (k0 // K_PER_SPLIT) * NR + offs_n[None, :], acc,
-                     mask=rows[:, None] & n_ok[None, :])
+            acc = masked_dot_t(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptrs, a_ptrs, rows, n_ok, 0, K,
+                               BLOCK_K, EVEN_K, DOT_FP32, PRECISION)
+            tl.store(OUT + pos[:, None] * stride_om + offs_n[None, :], acc, mask=rows[:, None] & n_ok[None, :])

@@ -275,15 +275,13 @@ def weight_desc(w: torch.Tensor, block_n: int, block_k: int):
 @dataclass(frozen=True)
 class GemmDelta:
     """A grouped GEMM's per-pair LoRA delta (`expert_lora.py`): the shrink outputs `s` (rows in
-    block order, each `splits` partial sums side by side), the slots' B `[S, E, out, R]` and
-    scales `[S, 3]`, each token's slot `[T]`, and the kernels' delta constants (SLOTS_PAD,
-    BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)."""
+    block order), the slots' B `[S, E, out, R]` and scales `[S, 3]`, each token's slot `[T]`, and
+    the kernels' delta constants (SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)."""
     s: torch.Tensor
     b: torch.Tensor
     scale: torch.Tensor
     slot: torch.Tensor
     consts: dict
-    splits: int = 1
 
 
 def _delta_args(delta: GemmDelta | None, like: torch.Tensor) -> tuple[tuple, dict]:
@@ -291,11 +289,10 @@ def _delta_args(delta: GemmDelta | None, like: torch.Tensor) -> tuple[tuple, dic
     kernel compiled with LORA=False never reads."""
     if delta is None:
         return ((like,) * 4 + (0,) * 6,
-                dict(LORA=False, SLOTS_PAD=1, BLOCK_R=16, KC=16, DELTA_PRECISION="ieee", DELTA_16BIT=False,
-                     L_SPLITS=1))
+                dict(LORA=False, SLOTS_PAD=1, BLOCK_R=16, KC=16, DELTA_PRECISION="ieee", DELTA_16BIT=False))
     s, b = delta.s, delta.b
     return ((s, b, delta.scale, delta.slot, b.shape[0], b.shape[3], s.stride(0), b.stride(0), b.stride(1),
-             b.stride(2)), dict(LORA=True, L_SPLITS=delta.splits, **delta.consts))
+             b.stride(2)), dict(LORA=True, **delta.consts))
 
 
 def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks: Blocks, top_k: int,

@@ -141,11 +141,11 @@ def _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M: tl.constexpr, BLOCK_
 def _pair_delta(acc, pair, pos, expert, cols, cols_ok, col0, scale_col, num_valid,
                 L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                 TOP_K: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
-                DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, L_SPLITS: tl.constexpr):
+                DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr):
     """acc + each row's expert-LoRA expand (`expert_lora.py`): scale[s, scale_col] *
     L_S[pos, col0:col0+R] @ L_B[s, expert, cols, :R].T with s the slot of the row's token (rows
     without an adapter, padding rows and slots outside [0, L_NS) get none; a tile without any
-    skips it). L_S's rows hold L_SPLITS partial shrink outputs side by side, summed here."""
+    skips it)."""
     row_ok = pair < num_valid
     token = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
     slots = tl.load(L_SLOT + token, mask=row_ok, other=-1).to(tl.int32)
@@ -153,7 +153,7 @@ def _pair_delta(acc, pair, pos, expert, cols, cols_ok, col0, scale_col, num_vali
     if tl.sum((slots >= 0).to(tl.int32), axis=0) > 0:
         acc = slot_stacked_delta(acc, L_S, L_B, L_SCALE, slots, pos, cols, cols_ok, expert, col0, L_R, stride_ls,
                                  stride_lbs, stride_lbe, stride_lbn, 3, scale_col, SLOTS_PAD, BLOCK_R, KC,
-                                 DELTA_PRECISION, DELTA_16BIT, L_SPLITS)
+                                 DELTA_PRECISION, DELTA_16BIT)
     return acc
 
 
@@ -164,7 +164,7 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
              TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
              TMA: tl.constexpr, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
              LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
-             DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, L_SPLITS: tl.constexpr):
+             DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr):
     """silu(gate) * up for the TILE_M rows `pair` (a power of two >= 16) and one N tile. TMA: the
     weight tiles come through `w_desc` (w as `[E * 2N, K]`, block `[BLOCK_N, BLOCK_K]`); rows past
     the tile's N read the neighbouring rows (or zeros past the end), whose columns are not stored.
@@ -208,10 +208,10 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
         n_ok = offs_n < N
         acc_g = _pair_delta(acc_g, pair, pos, expert, offs_n, n_ok, 0, 0, num_valid,
                             L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                            TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, L_SPLITS)
+                            TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
         acc_u = _pair_delta(acc_u, pair, pos, expert, offs_n + N, n_ok, L_R, 1, num_valid,
                             L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                            TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, L_SPLITS)
+                            TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
     # round like the unfused model: gate/up in the activation dtype, silu, product
     dt = out_ptr.dtype.element_ty
     gate = acc_g.to(dt).to(tl.float32)
@@ -230,7 +230,7 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
                TMA: tl.constexpr, A_TMA: tl.constexpr,
                L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K: tl.constexpr,
                LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
-               DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, L_SPLITS: tl.constexpr):
+               DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr):
     """weight * (a . w2[e]) for the TILE_M rows `pair` and one N tile. TMA as in _up_tile
     (w as `[E * N, K]`). a holds the rows in block order: this tile's are the TILE_M from
     `first_pos` (padding rows hold anything; their outputs are not stored), through `a_desc`
@@ -268,7 +268,7 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
         pos = first_pos + tl.arange(0, TILE_M)
         acc = _pair_delta(acc, pair, pos, expert, offs_n, offs_n < N, 0, 2, num_valid,
                           L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                          TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, L_SPLITS)
+                          TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
     dt = out_ptr.dtype.element_ty
     w = tl.load(weights_ptr + row, mask=row_ok, other=0.0).to(dt).to(tl.float32)
     out = (acc.to(dt).to(tl.float32) * w[:, None]).to(dt)
@@ -303,7 +303,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr, TMA: tl.constexpr,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
-                     DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, L_SPLITS: tl.constexpr, PDL: tl.constexpr):
+                     DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, PDL: tl.constexpr):
     """out[row, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs,
     row = the pair's position in the sorted order (block b's rows are b * BLOCK_M onwards, padding
     rows left unwritten), so that gemm2 reads each block's rows as one tile.
@@ -324,21 +324,21 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      N, K, stride_xm, stride_we, stride_wn, stride_om,
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, L_SPLITS)
+                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
         elif height == BLOCK_M // 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2),
                      first + tl.arange(0, BLOCK_M // 2), expert,
                      pid_n, num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, L_SPLITS)
+                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
         elif HALF_M >= 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4),
                      first + tl.arange(0, BLOCK_M // 4), expert,
                      pid_n, num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, L_SPLITS)
+                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
 
 
 @triton.jit(do_not_specialize=["num_valid"])
@@ -351,7 +351,7 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      TOP_K: tl.constexpr,
                      LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
-                     DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, L_SPLITS: tl.constexpr, PDL: tl.constexpr):
+                     DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, PDL: tl.constexpr):
     """out[pair, n] = weight[pair] * (a[row] . w[e, n]), the block's rows of a in block order (as
     moe_gemm1_kernel writes them); w is `[E, N, K]` (N = H, K = I). A_TMA: full-height tiles of a
     come through `a_desc`. HALF_M as in moe_gemm1_kernel; LORA: each pair's down delta (`_down_tile`)."""
@@ -368,21 +368,21 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
                        pid_n, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
                        PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, A_TMA,
                        L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, L_SPLITS)
+                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
         elif height == BLOCK_M // 2:
             _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr,
                        _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2), first, expert, pid_n,
                        num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
                        PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA, False,
                        L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, L_SPLITS)
+                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
         elif HALF_M >= 2:
             _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr,
                        _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4), first, expert, pid_n,
                        num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
                        PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA, False,
                        L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, L_SPLITS)
+                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
 
 
 @triton.jit

@@ -147,19 +147,7 @@ def case_op_forced_triton_and_workspace_reuse():
     assert {n: b.data_ptr() for n, b in ws.buffers.items()} == ptrs, "workspace reallocated"
 
 
-def case_shrink_split_along_k():
-    # 16-wide K steps, one a program: H = 45 in three splits (the last ragged), I = 19 in two
-    before = el.SHRINK_BLOCK_K, el.SHRINK_STEPS
-    el.SHRINK_BLOCK_K, el.SHRINK_STEPS = 16, 1
-    try:
-        assert el.shrink_split(45) == (16, 3, 16) and el.shrink_split(19) == (16, 2, 16)
-        for dtype in (torch.float32, torch.bfloat16):
-            _check_triton(problem(7, 6, 3, 45, 19, 8, 3, dtype, slots=SLOTS_7, seed=11), _cfg(16, 16, 32), dtype)
-    finally:
-        el.SHRINK_BLOCK_K, el.SHRINK_STEPS = before
-
-
-CASES = [case_t7_h45_i19_fp32_mixed_slots, case_shrink_split_along_k, case_t7_h45_i19_bf16_and_fp16,
+CASES = [case_t7_h45_i19_fp32_mixed_slots, case_t7_h45_i19_bf16_and_fp16,
          case_t40_e8_k2_blocks_groups_and_out_of_range_slots, case_one_token_top1_and_rank5,
          case_no_adapter_is_the_base_moe, case_op_forced_triton_and_workspace_reuse]
 
