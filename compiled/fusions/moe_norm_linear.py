@@ -3,6 +3,9 @@ them and the linear that reads the norm (the next layer's qkv), as one op.
 
     delta = fused_moe(moe_x, weights, ids, w13, w2);  y, h, normed = add_rms_norm_linear(x, delta, ...)
 
+or with each pair's expert-LoRA deltas: `fused_moe_lora(moe_x, weights, ids, w13, w2, a13, b13, a2,
+b2, scale, slot)` (the six LoRA tensors given, as the op's last arguments: all or none).
+
 Alone, the experts' k weighted outputs per token are summed by a kernel of their own
 (`moe_sum_kernel`), and the norm's kernel reads the sum back. Here one kernel does both
 (`moe_sum_add_rms_norm_kernel`): one launch and one `[T, H]` round trip fewer a layer. The CPU
@@ -14,7 +17,10 @@ import torch
 
 from compiled.linear import fused as fused_linear
 from compiled.linear.ops import dispatch
+from compiled.moe import expert_lora as el
 from compiled.moe import fused_moe as fm
+
+LORA_ARGS = ("a13", "b13", "a2", "b2", "lora_scale", "lora_slot")   # fused_moe_lora's, after w2
 
 
 def sums_in_norm(x: torch.Tensor, moe_x: torch.Tensor, topk_ids: torch.Tensor) -> bool:
@@ -22,33 +28,57 @@ def sums_in_norm(x: torch.Tensor, moe_x: torch.Tensor, topk_ids: torch.Tensor) -
     return fm.backend(moe_x) == "triton" and topk_ids.shape[1] > 1 and x.stride(-1) == 1
 
 
-def _check(x: torch.Tensor, moe_x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor) -> None:
+def _check(x: torch.Tensor, moe_x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+           lora: tuple) -> None:
     fused_linear.check_norm(x, moe_x, norm_weight, weight, op="compiled::moe_add_rms_norm_linear", delta_name="moe_x")
+    given = [t is not None for t in lora]
+    if any(given) and not all(given):
+        missing = [n for n, g in zip(LORA_ARGS, given) if not g]
+        raise ValueError(f"compiled::moe_add_rms_norm_linear: expert LoRA needs all of {', '.join(LORA_ARGS)}; "
+                         f"missing {', '.join(missing)}")
+
+
+def experts(moe_x, topk_weights, topk_ids, w13, w2, lora: tuple) -> torch.Tensor:
+    """The MoE's summed output: `fused_moe`, or `fused_moe_lora` with the LoRA tensors."""
+    if lora[0] is None:
+        return torch.ops.compiled.fused_moe(moe_x, topk_weights, topk_ids, w13, w2)
+    return torch.ops.compiled.fused_moe_lora(moe_x, topk_weights, topk_ids, w13, w2, *lora)
 
 
 @torch.library.custom_op("compiled::moe_add_rms_norm_linear", mutates_args=())
 def moe_add_rms_norm_linear(x: torch.Tensor, moe_x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                             w13: torch.Tensor, w2: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                            weight: torch.Tensor, keep_normed: bool
+                            weight: torch.Tensor, keep_normed: bool, a13: torch.Tensor | None = None,
+                            b13: torch.Tensor | None = None, a2: torch.Tensor | None = None,
+                            b2: torch.Tensor | None = None, lora_scale: torch.Tensor | None = None,
+                            lora_slot: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`add_rms_norm_linear(x, fused_moe(moe_x, ...), norm_weight, eps, weight, keep_normed)`."""
-    _check(x, moe_x, norm_weight, weight)
+    """`add_rms_norm_linear(x, fused_moe(moe_x, ...), norm_weight, eps, weight, keep_normed)`,
+    `fused_moe_lora` with the LoRA tensors."""
+    lora = (a13, b13, a2, b2, lora_scale, lora_slot)
+    _check(x, moe_x, norm_weight, weight, lora)
     if not sums_in_norm(x, moe_x, topk_ids):
-        delta = torch.ops.compiled.fused_moe(moe_x, topk_weights, topk_ids, w13, w2)
+        delta = experts(moe_x, topk_weights, topk_ids, w13, w2, lora)
         return torch.ops.compiled.add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed)
-    pairs = fm.fused_moe_triton(moe_x, topk_weights, topk_ids, w13, w2, sum_slots=False)
+    if a13 is None:
+        pairs = fm.fused_moe_triton(moe_x, topk_weights, topk_ids, w13, w2, sum_slots=False)
+    else:
+        el.check_shapes(moe_x, topk_weights, topk_ids, w13, w2, *lora)
+        pairs = el.fused_moe_lora_triton(moe_x, topk_weights, topk_ids, w13, w2, *lora, sum_slots=False)
     h, normed = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps)
     return dispatch(normed, weight), h, normed if keep_normed else x.new_empty(0)
 
 
 @moe_add_rms_norm_linear.register_fake
-def _(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, keep_normed):
-    _check(x, moe_x, norm_weight, weight)
+def _(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, keep_normed, a13=None, b13=None,
+      a2=None, b2=None, lora_scale=None, lora_slot=None):
+    _check(x, moe_x, norm_weight, weight, (a13, b13, a2, b2, lora_scale, lora_slot))
     return x.new_empty((x.shape[0], weight.shape[0])), torch.empty_like(x), \
         torch.empty_like(x) if keep_normed else x.new_empty(0)
 
 
-def moe_add_rms_norm_linear_ref(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight):
-    """(y, h, normed) from the two ops' torch references."""
-    delta = fm.fused_moe_ref(moe_x, topk_weights, topk_ids, w13, w2)
+def moe_add_rms_norm_linear_ref(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, *lora):
+    """(y, h, normed) from the two ops' torch references (`lora`: fused_moe_lora's six tensors)."""
+    delta = (el.fused_moe_lora_ref(moe_x, topk_weights, topk_ids, w13, w2, *lora) if lora
+             else fm.fused_moe_ref(moe_x, topk_weights, topk_ids, w13, w2))
     return fused_linear.add_rms_norm_linear_ref(x, delta, norm_weight, eps, weight)

@@ -180,19 +180,22 @@ def delta_consts(dtype: torch.dtype, S: int, R: int) -> dict:
 def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                           w2: torch.Tensor, a13: torch.Tensor, b13: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor,
                           scale: torch.Tensor, slot: torch.Tensor, config: dict | None = None,
-                          workspace: MoEWorkspace | None = None) -> torch.Tensor:
+                          workspace: MoEWorkspace | None = None, sum_slots: bool = True) -> torch.Tensor:
     """The op's Triton path (shapes as `check_shapes`); `config` as `fused_moe_triton`'s (its
     tiles, TMA and part-height options and "down" overrides): the base grouped GEMMs with the
-    deltas in their epilogues, after the shrinks."""
+    deltas in their epilogues, after the shrinks. `sum_slots=False` (top-k > 1): the weighted
+    expert outputs `[T*k, H]` unsummed, as `fused_moe_triton`'s, for the norm's kernel to sum."""
     from compiled.moe import expert_lora_kernels as LK
     from compiled.moe import fused_moe_kernels as K
     T, H = x.shape
     E, I = w13.shape[0], w2.shape[2]
     S, R = a2.shape[0], a2.shape[2]
     top_k = topk_ids.shape[1]
-    out = torch.empty_like(x)
+    if not sum_slots and top_k == 1:
+        raise ValueError("fused_moe_lora_triton: sum_slots=False needs top-k > 1")
+    out = torch.empty_like(x) if sum_slots else None
     if T == 0:
-        return out
+        return out if sum_slots else x.new_empty((0, H))
     x, w13, w2, a13, b13, a2, b2 = (t.contiguous() for t in (x, w13, w2, a13, b13, a2, b2))
     weights, ids, scale = topk_weights.contiguous().reshape(-1), topk_ids.contiguous(), scale.contiguous()
     up, down = split_config(config if config is not None else get_config(T, E, I, x.dtype, x.device))
@@ -229,6 +232,8 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         shrink(inter, a2, s2, I, False)
         delta2 = GemmDelta(s2, b2, scale, slot, consts)
     launch_gemm2(inter, w2, y, weights, blocks, down, top_k, delta2)
+    if not sum_slots:
+        return y
     if top_k > 1:
         bh = min(1024, triton.next_power_of_2(H))
         K.moe_sum_kernel[(T, triton.cdiv(H, bh))](y, out, H, TOP_K=top_k, BLOCK_H=bh, num_warps=4, **pdl)

@@ -147,7 +147,24 @@ def case_op_forced_triton_and_workspace_reuse():
     assert {n: b.data_ptr() for n, b in ws.buffers.items()} == ptrs, "workspace reallocated"
 
 
-CASES = [case_t7_h45_i19_fp32_mixed_slots, case_t7_h45_i19_bf16_and_fp16,
+def case_sum_in_the_norm_kernel():
+    # compiled::moe_add_rms_norm_linear with the LoRA tensors: the unsummed pairs of the LoRA MoE
+    # summed by the norm's kernel, against the references of the two ops in a row
+    from compiled.fusions.moe_norm_linear import moe_add_rms_norm_linear_ref
+    g = torch.Generator().manual_seed(12)
+    args = problem(7, 6, 3, 45, 19, 8, 3, slots=SLOTS_7, seed=12)
+    x, nw, weight = torch.randn(7, 45, generator=g), 1 + 0.1 * torch.randn(45, generator=g), torch.randn(24, 45, generator=g)
+    before = fm.BACKEND.name
+    fm.BACKEND.set("triton")
+    try:
+        got = torch.ops.compiled.moe_add_rms_norm_linear(x, *args[:5], nw, 1e-6, weight, True, *args[5:])
+    finally:
+        fm.BACKEND.set(before)
+    for g_, ref in zip(got, moe_add_rms_norm_linear_ref(x, *args[:5], nw, 1e-6, weight, *args[5:])):
+        torch.testing.assert_close(g_, ref, atol=1e-4, rtol=1e-4)
+
+
+CASES = [case_t7_h45_i19_fp32_mixed_slots, case_sum_in_the_norm_kernel, case_t7_h45_i19_bf16_and_fp16,
          case_t40_e8_k2_blocks_groups_and_out_of_range_slots, case_one_token_top1_and_rank5,
          case_no_adapter_is_the_base_moe, case_op_forced_triton_and_workspace_reuse]
 
@@ -224,6 +241,14 @@ def test_each_delta_uses_its_own_slices_and_scale():
 
 
 # ----------------------------------------------------------------------------- the op
+
+def test_the_norm_op_needs_all_six_lora_tensors_or_none():
+    args = problem(3, 6, 2, 16, 8, 4, 2, seed=13)
+    x, nw, weight = torch.randn(3, 16), torch.ones(16), torch.randn(5, 16)
+    with pytest.raises(ValueError, match=r"compiled::moe_add_rms_norm_linear: expert LoRA needs all of .*; "
+                                         r"missing lora_scale, lora_slot$"):
+        torch.ops.compiled.moe_add_rms_norm_linear(x, *args[:5], nw, 1e-6, weight, False, *args[5:9])
+
 
 def test_op_on_cpu_is_the_reference_fake_and_trace():
     before = fm.BACKEND.name

@@ -254,3 +254,22 @@ def test_dead_node_sweep_matches_fx_dead_code_elimination(monkeypatch):
     code = passed_code()
     monkeypatch.setattr(manager, "sweep_dead_nodes", lambda graph: graph.eliminate_dead_code())
     assert passed_code() == code
+
+
+def test_with_lora_the_moe_norm_fusion_takes_the_expert_lora_moe():
+    """With lora_delta, each MoE layer but the last (whose output goes to the final norm) runs as
+    moe_add_rms_norm_linear with its layer's expert-LoRA buffers; none is left as fused_moe_lora
+    beside a norm op of its own."""
+    from compiled.passes.lora_delta import lora_delta_pass
+    from compiled.passes.manager import with_lora
+    cfg = ModelConfig.from_dict(dict(MOE, num_hidden_layers=3))
+    meta = meta_model(cfg, torch.float32)
+    gm = run_passes(trace(meta), meta.checkpoint_map(), with_lora(None, lora_delta_pass(2, 4))).gm
+    fused = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.moe_add_rms_norm_linear)]
+    alone = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.fused_moe_lora)]
+    assert len(fused) == 2 and len(alone) == 1
+    for n in fused:
+        layer = n.args[4].target.split(".")[2]
+        assert [a.target for a in n.args[10:15]] == [f"model.layers.{layer}.mlp.{b}" for b in
+                                                     ("lora_a13", "lora_b13", "lora_a2", "lora_b2", "lora_scale")]
+        assert n.args[15] is alone[0].args[10]   # the token slots, as the last layer's MoE reads them
