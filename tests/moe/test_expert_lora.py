@@ -355,6 +355,24 @@ def test_gpu_without_adapters_matches_the_base_moe(real_layer, T):
     torch.testing.assert_close(out.float(), fm.fused_moe_ref(x, w, ids, w13, w2).float(), atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [8, 64])
+def test_gpu_sum_in_the_norm_kernel_matches_the_two_ops(real_layer, T):
+    """moe_add_rms_norm_linear with the LoRA tensors (the norm's kernel sums the LoRA MoE's pairs)
+    against fused_moe_lora then add_rms_norm_linear."""
+    x_moe, w, ids, slot = _real_inputs(T, seed=70 + T)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, H_REAL, device="cuda", generator=g).bfloat16()
+    nw = (1 + 0.1 * torch.randn(H_REAL, device="cuda", generator=g)).bfloat16()
+    weight = (torch.randn(512, H_REAL, device="cuda", generator=g) / H_REAL ** 0.5).bfloat16()
+    w13, w2, *lora = real_layer
+    got = torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight, True, *lora, slot)
+    delta = torch.ops.compiled.fused_moe_lora(x_moe, w, ids, w13, w2, *lora, slot)
+    want = torch.ops.compiled.add_rms_norm_linear(x, delta, nw, 1e-6, weight, True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=3e-2)
+
+
 if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     print(MARK + json.dumps(run_cases(CASES)))
