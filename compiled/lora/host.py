@@ -10,6 +10,8 @@ collected; a load holds its adapter's block until its copies have landed."""
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from compiled.lora.weights import Adapter, ExpertLoRAWeight, LoRAWeight
@@ -29,9 +31,10 @@ class HostBlock:
         for lack of lockable memory: loads then take the staging path."""
         if self.locked or self.data.numel() == 0:
             return self.locked
-        cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(self.data.data_ptr(), self.data.numel(), 0)
+        err = torch.cuda.cudart().cudaHostRegister(self.data.data_ptr(), self.data.numel(), 0)
         self.locked = int(err) == 0
+        if not self.locked:
+            _clear_last_error()
         return self.locked
 
     def __getstate__(self) -> dict:
@@ -48,6 +51,16 @@ class HostBlock:
             self.unlock()
         except Exception:   # the interpreter is shutting down: the process frees it anyway
             pass
+
+
+def _clear_last_error() -> None:
+    """A refused `cudaHostRegister` stays the runtime's last error, which torch's next check after
+    a kernel launch would raise as its own: read it back (torch binds no cudaGetLastError)."""
+    major = (torch.version.cuda or "").split(".")[0]
+    try:   # the runtime torch loaded, found by its soname
+        ctypes.CDLL(f"libcudart.so.{major}").cudaGetLastError()
+    except (OSError, AttributeError):
+        pass
 
 
 def pack(adapter: Adapter, dtype: torch.dtype) -> Adapter:

@@ -146,3 +146,18 @@ def test_page_locked_loads_on_the_gpu_give_the_outputs_of_pageable_ones():
         assert not next(adapter.factors()).is_pinned()
     assert ([o.token_ids for o in locked.generate(prompts, greedy, lora=rows)]
             == [o.token_ids for o in pageable.generate(prompts, greedy, lora=rows)])
+
+
+@pytest.mark.gpu
+def test_a_refused_page_lock_leaves_the_block_pageable_and_cuda_usable():
+    """Locking memory already locked is refused: the block stays pageable, and the refusal does
+    not surface later as the error of an unrelated kernel launch."""
+    from compiled.lora.host import HostBlock
+    first = HostBlock(1 << 20)
+    assert first.lock()
+    second = HostBlock(0)
+    second.data = first.data   # the same pages
+    assert not second.lock() and not second.locked
+    y = torch.ones(1000, device="cuda") * 2   # torch checks the last error after this launch
+    torch.cuda.synchronize()
+    assert float(y.sum()) == 2000.0
