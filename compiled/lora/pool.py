@@ -1,12 +1,12 @@
 """The adapters an engine serves: a CPU tier of loaded adapters and the GPU slots a batch reads.
 
-The `lora_delta` pass gives every LoRA-targetable projection buffers of `S` slots (ranks
-zero-padded to the pool's `R`); a slot holds one adapter for every projection at once. An
-adapter in the CPU tier is copied into a slot (`loader.py`: in the background) when a queued
-request needs it; slots of adapters that no running request uses are reused, least recently used
-first. The CPU tier holds
-up to `max_loaded` adapters (None: no limit): loading one more evicts the least recently used
-adapter that is neither pinned nor in a slot in use."""
+The `lora_delta` pass gives every LoRA-targetable projection buffers of `S` slots (ranks zero-padded
+to the pool's `R`); a slot holds one adapter for every projection at once. An adapter in the CPU
+tier (`host.py`: one block, page-locked on a GPU) is copied into a slot (`loader.py`: in the
+background) when a queued request needs it; slots of adapters that no running request uses are
+reused, least recently used first. The CPU tier holds up to `max_loaded` adapters (None: no limit):
+loading one more evicts the least recently used adapter that is neither pinned nor in a slot in
+use."""
 
 from __future__ import annotations
 
