@@ -50,6 +50,11 @@ from compiled.triton_utils import interpreting, launch_kwargs
 OP = "compiled::fused_moe_lora"
 DELTA_K_STEP = 128  # the GEMMs' delta dots: slots x rank stacked along K, this many a dot
 DELTA_IN_16BIT = True  # the GEMMs' delta dots on 16-bit operands (the shrink outputs rounded), else fp32 / TF32
+# Shared memory of an SM (H100, H200). The up GEMM's deltas run after its K loop; a decode-size
+# tuned config whose pipeline fills an SM runs one program there, so each program's delta loads
+# leave the SM idle. `lora_up_config` gives the LoRA up GEMM the deepest pipeline with which two
+# programs share an SM (bench/RESULTS.md: H200, 8 tokens 183.7 -> 173.3 µs a layer).
+SM_SHARED_BYTES = 227 * 1024
 
 
 def backend(x: torch.Tensor) -> str:
@@ -157,6 +162,27 @@ def _dot_flags(dtype: torch.dtype) -> dict:
                 DELTA_PRECISION="ieee" if fp32 else "tf32", DELTA_16BIT=DELTA_IN_16BIT and not fp32)
 
 
+def lora_up_config(up: dict, itemsize: int) -> dict:
+    """The tuned up-GEMM config `up` for the LoRA kernel: with decode-size tiles (16 rows), stages
+    dropped to 3, then K steps halved down to 64, until the pipeline takes at most half an SM's
+    shared memory (a stage: the rows' x tile and the gate and up weight tiles)."""
+    cfg = dict(up)
+    if cfg["BLOCK_SIZE_M"] > 16:
+        return cfg
+
+    def pipeline() -> int:
+        return (cfg["BLOCK_SIZE_M"] + 2 * cfg["BLOCK_SIZE_N"]) * cfg["BLOCK_SIZE_K"] * itemsize * cfg["num_stages"]
+
+    while pipeline() > SM_SHARED_BYTES // 2:
+        if cfg["num_stages"] > 3:
+            cfg["num_stages"] -= 1
+        elif cfg["BLOCK_SIZE_K"] > 64:
+            cfg["BLOCK_SIZE_K"] //= 2
+        else:
+            break
+    return cfg
+
+
 def reserve_workspace(ws: MoEWorkspace, max_tokens: int, E: int, H: int, I: int, top_k: int, R: int,
                       dtype: torch.dtype, device: torch.device, block_m: int = 128) -> MoEWorkspace:
     """`MoEWorkspace.reserve` plus the LoRA shrink outputs, for up to max_tokens (before capture)."""
@@ -182,8 +208,9 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
                           scale: torch.Tensor, slot: torch.Tensor, config: dict | None = None,
                           workspace: MoEWorkspace | None = None, sum_slots: bool = True) -> torch.Tensor:
     """The op's Triton path (shapes as `check_shapes`); `config` as `fused_moe_triton`'s (its
-    tiles, TMA and part-height options and "down" overrides): the base grouped GEMMs with the
-    deltas in their epilogues, after the shrinks. `sum_slots=False` (top-k > 1): the weighted
+    tiles, TMA and part-height options and "down" overrides; None: the tuned entry, its up GEMM
+    through `lora_up_config`): the base grouped GEMMs with the deltas in their epilogues, after
+    the shrinks. `sum_slots=False` (top-k > 1): the weighted
     expert outputs `[T*k, H]` unsummed, as `fused_moe_triton`'s, for the norm's kernel to sum."""
     from compiled.moe import expert_lora_kernels as LK
     from compiled.moe import fused_moe_kernels as K
@@ -198,7 +225,11 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         return out if sum_slots else x.new_empty((0, H))
     x, w13, w2, a13, b13, a2, b2 = (t.contiguous() for t in (x, w13, w2, a13, b13, a2, b2))
     weights, ids, scale = topk_weights.contiguous().reshape(-1), topk_ids.contiguous(), scale.contiguous()
-    up, down = split_config(config if config is not None else get_config(T, E, I, x.dtype, x.device))
+    if config is None:   # the base MoE's tuned entry, its up GEMM fitted to the deltas
+        up, down = split_config(get_config(T, E, I, x.dtype, x.device))
+        up = lora_up_config(up, x.element_size())
+    else:
+        up, down = split_config(config)
     bm = up["BLOCK_SIZE_M"]
     ws = workspace or MoEWorkspace()
     numel = ids.numel()
