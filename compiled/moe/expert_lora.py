@@ -52,9 +52,11 @@ DELTA_K_STEP = 128  # the GEMMs' delta dots: slots x rank stacked along K, this 
 DELTA_IN_16BIT = True  # the GEMMs' delta dots on 16-bit operands (the shrink outputs rounded), else fp32 / TF32
 # Shared memory of an SM (H100, H200). The up GEMM's deltas run after its K loop; a decode-size
 # tuned config whose pipeline fills an SM runs one program there, so each program's delta loads
-# leave the SM idle. `lora_up_config` gives the LoRA up GEMM the deepest pipeline with which two
-# programs share an SM (bench/RESULTS.md: H200, 8 tokens 183.7 -> 173.3 µs a layer).
+# leave the SM idle. `lora_up_config` halves the LoRA up GEMM's K step so that two programs share
+# an SM (bench/RESULTS.md: H200, 8 tokens 183.7 -> 173.3 µs a layer); fewer stages instead lost
+# (one token, 5 -> 3 stages: 59.4 -> 64.6 µs). Steps below 128 were not tried.
 SM_SHARED_BYTES = 227 * 1024
+LORA_MIN_BLOCK_K = 128
 
 
 def backend(x: torch.Tensor) -> str:
@@ -163,23 +165,16 @@ def _dot_flags(dtype: torch.dtype) -> dict:
 
 
 def lora_up_config(up: dict, itemsize: int) -> dict:
-    """The tuned up-GEMM config `up` for the LoRA kernel: with decode-size tiles (16 rows), stages
-    dropped to 3, then K steps halved down to 64, until the pipeline takes at most half an SM's
-    shared memory (a stage: the rows' x tile and the gate and up weight tiles)."""
+    """The tuned up-GEMM config `up` for the LoRA kernel: with decode-size tiles (16 rows), K steps
+    halved down to LORA_MIN_BLOCK_K until the pipeline takes at most half an SM's shared memory
+    (a stage: the rows' x tile and the gate and up weight tiles)."""
     cfg = dict(up)
     if cfg["BLOCK_SIZE_M"] > 16:
         return cfg
-
-    def pipeline() -> int:
-        return (cfg["BLOCK_SIZE_M"] + 2 * cfg["BLOCK_SIZE_N"]) * cfg["BLOCK_SIZE_K"] * itemsize * cfg["num_stages"]
-
-    while pipeline() > SM_SHARED_BYTES // 2:
-        if cfg["num_stages"] > 3:
-            cfg["num_stages"] -= 1
-        elif cfg["BLOCK_SIZE_K"] > 64:
-            cfg["BLOCK_SIZE_K"] //= 2
-        else:
-            break
+    stage = (cfg["BLOCK_SIZE_M"] + 2 * cfg["BLOCK_SIZE_N"]) * itemsize
+    while cfg["BLOCK_SIZE_K"] > LORA_MIN_BLOCK_K and stage * cfg["BLOCK_SIZE_K"] * cfg["num_stages"] > \
+            SM_SHARED_BYTES // 2:
+        cfg["BLOCK_SIZE_K"] //= 2
     return cfg
 
 
