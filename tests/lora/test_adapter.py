@@ -624,6 +624,23 @@ def test_demo_merged_greedy_matches_peft_generate(which, name):
     assert text == (" BIRD WAX" if name == "upper" else " Bird")
 
 
+def test_a_packed_adapter_travels_to_another_process_unlocked():
+    import pickle
+
+    import torch
+    from compiled.lora.host import pack
+    from compiled.lora.weights import Adapter, LoRAWeight
+    gen = torch.Generator().manual_seed(1)
+    packed = pack(Adapter("x", "<x>", 4, {(0, "q_proj"): LoRAWeight(torch.randn(4, 24, generator=gen),
+                                                                  torch.randn(40, 4, generator=gen), 2.0)}),
+                  torch.bfloat16)
+    packed.host.locked = True   # as on a GPU machine (the CPU cannot lock)
+    copy = pickle.loads(pickle.dumps(packed))
+    assert packed.host.locked and not copy.host.locked   # the other process locks its own copy, if it wants one
+    assert torch.equal(copy.dense[(0, "q_proj")].b, packed.dense[(0, "q_proj")].b)
+    packed.host.locked = False
+
+
 def test_a_packed_adapter_keeps_shared_factors_shared():
     import torch
     from compiled.lora.host import pack
