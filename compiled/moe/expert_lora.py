@@ -53,7 +53,7 @@ DELTA_IN_16BIT = True  # the GEMMs' delta dots on 16-bit operands (the shrink ou
 # Shared memory of an SM (H100, H200). The up GEMM's deltas run after its K loop; a decode-size
 # tuned config whose pipeline fills an SM runs one program there, so each program's delta loads
 # leave the SM idle. `lora_up_config` halves the LoRA up GEMM's K step so that two programs share
-# an SM (bench/RESULTS.md: H200, 8 tokens 183.7 -> 173.3 µs a layer); fewer stages instead lost
+# an SM (bench/RESULTS.md: H200, 8 tokens 183.4 -> 173.3 µs a layer); fewer stages instead lost
 # (one token, 5 -> 3 stages: 59.4 -> 64.6 µs). Steps below 128 were not tried.
 SM_SHARED_BYTES = 227 * 1024
 LORA_MIN_BLOCK_K = 128
