@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-from compiled.lora.weights import Adapter, ExpertLoRAWeight, LoRAWeight
+from compiled.lora.weights import Adapter, ExpertLoRAWeight, LoRAWeight, stored_rows
 
 ALIGN = 512   # bytes: each factor starts on a DMA-friendly boundary
 
@@ -71,9 +71,9 @@ def pack(adapter: Adapter, dtype: torch.dtype) -> Adapter:
     offsets, end = [], 0
     for f in factors:
         offsets.append(end)
-        end += -(-_stored(f).numel() * item // ALIGN) * ALIGN
+        end += -(-stored_rows(f).numel() * item // ALIGN) * ALIGN
     block = HostBlock(end)
-    views = iter(_place(block.data, off, f, dtype) for off, f in zip(offsets, factors))
+    views = iter(_place(block.data, off, f, dtype, item) for off, f in zip(offsets, factors))
     packed = Adapter(adapter.name, adapter.path, adapter.rank, host=block)
     for key, w in adapter.dense.items():
         packed.dense[key] = LoRAWeight(next(views), next(views), w.scaling)
@@ -82,14 +82,10 @@ def pack(adapter: Adapter, dtype: torch.dtype) -> Adapter:
     return packed
 
 
-def _stored(f: torch.Tensor) -> torch.Tensor:
-    """The values `f` holds: one row of a factor broadcast along the experts."""
-    return f[:1] if f.dim() == 3 and f.shape[0] > 1 and f.stride(0) == 0 else f
-
-
-def _place(data: torch.Tensor, offset: int, f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    src = _stored(f)
-    n = src.numel() * torch.empty((), dtype=dtype).element_size()
-    view = data[offset:offset + n].view(dtype).view(src.shape)
+def _place(data: torch.Tensor, offset: int, f: torch.Tensor, dtype: torch.dtype, item: int) -> torch.Tensor:
+    """`f` copied into `data` at `offset` as `dtype` (`item` bytes an element): a view of the
+    block, broadcast again where `f` was."""
+    src = stored_rows(f)
+    view = data[offset:offset + src.numel() * item].view(dtype).view(src.shape)
     view.copy_(src)
     return view.expand(f.shape) if src is not f else view

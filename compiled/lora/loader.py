@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from compiled.lora.host import HostBlock
+from compiled.lora.weights import stored_rows
 
 # The ring: this many page-locked buffers of this many bytes each (and as many on the GPU), so
 # that copying one piece into the ring overlaps the transfer of the pieces before it.
@@ -129,16 +130,17 @@ class SlotLoader:
     def _run(self) -> None:
         while True:
             job = self._queue.get()
+            locked = job.source is not None and job.source.locked
             try:
                 if self._cuda:
                     with torch.cuda.stream(self.stream), torch.no_grad():
                         self.stream.wait_event(job.after)
-                        self._carry_out(job.writes, job.source is not None and job.source.locked)
+                        self._carry_out(job.writes, locked)
                         job.done = torch.cuda.Event()
                         job.done.record(self.stream)
                 else:
                     with torch.no_grad():
-                        self._carry_out(job.writes, False)
+                        self._carry_out(job.writes, locked)
             except BaseException as e:   # reported to whoever asks about the slot
                 job.error = e
             finally:
@@ -150,9 +152,7 @@ class SlotLoader:
             if w.src is None:
                 w.run()
                 continue
-            src = w.src
-            if src.dim() > 0 and src.shape[0] > 1 and src.stride(0) == 0:
-                src = src[:1]   # shared by every expert: sent once, broadcast by the copy kernel
+            src = stored_rows(w.src)   # a factor shared by every expert: sent once, broadcast by the copy kernel
             if locked and src is w.src and w.dst.is_contiguous():
                 w.dst.copy_(src, non_blocking=True)
                 continue

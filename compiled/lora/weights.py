@@ -36,6 +36,12 @@ class LoRAWeight:
         return self.scaling * (self.b @ self.a)
 
 
+def stored_rows(t: torch.Tensor) -> torch.Tensor:
+    """The values `t` holds: its first row where it is a broadcast view along dim 0 (a factor
+    shared by every expert), else `t` itself."""
+    return t[:1] if t.dim() > 0 and t.shape[0] > 1 and t.stride(0) == 0 else t
+
+
 @dataclass(frozen=True, eq=False)
 class ExpertLoRAWeight:
     """LoRA of one projection of every expert of an MoE layer: `W[e] += scaling * b[e] @ a[e]`.
@@ -55,11 +61,11 @@ class ExpertLoRAWeight:
 
     @property
     def shares_a(self) -> bool:
-        return self.a.shape[0] > 1 and self.a.stride(0) == 0
+        return stored_rows(self.a) is not self.a
 
     @property
     def shares_b(self) -> bool:
-        return self.b.shape[0] > 1 and self.b.stride(0) == 0
+        return stored_rows(self.b) is not self.b
 
     def delta(self) -> torch.Tensor:
         """`scaling * b[e] @ a[e]` for every expert, [E, out, in]."""
