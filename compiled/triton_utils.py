@@ -198,20 +198,67 @@ def slot_stacked_delta(acc, S_IN, B, SCALE, slots, rows, cols, cols_ok, expert, 
                        SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
                        PRECISION: tl.constexpr, LOW_PRECISION: tl.constexpr):
     """acc + each row's LoRA expand: scale[s, scale_col] * S_IN[rows, col0:col0+R] @
-    B[s, expert, cols, :R].T, s the row's slot (-1: none), as dots over the slots stacked along
-    K (k = s * BLOCK_R + r). The rows' shrink outputs go into a `[rows, KC]` tile that is zero
-    outside each row's own slot block, every slot's B rows into a `[KC, cols]` tile (slots absent
-    from the block masked, so not read): the loads of all slots go out at once. LOW_PRECISION:
+    B[s, expert, cols, :R].T, s the row's slot (-1: none). Rows that all share one slot (every
+    prefill block of one request) take one dot of K = BLOCK_R; mixed rows take dots over the
+    slots stacked along K (k = s * BLOCK_R + r): the rows' shrink outputs go into a `[rows, KC]`
+    tile that is zero outside each row's own slot block, every slot's B rows into a `[KC, cols]`
+    tile (slots absent from the block masked, so not read, found from one bit mask of the rows'
+    slots where S <= 32): the loads of all slots go out at once. LOW_PRECISION:
     the dot in B's 16-bit dtype, else in fp32 at PRECISION (the linear and the MoE expands share it)."""
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
+    lo = tl.min(tl.where(slots >= 0, slots, SLOTS_PAD), axis=0)
+    if lo == tl.max(slots, axis=0):
+        acc = _one_slot_delta(acc, S_IN, B, SCALE, slots == lo, lo, rows64, cols64, cols_ok, expert, col0, R,
+                              stride_s, stride_bs, stride_be, stride_bc, stride_scale, scale_col, BLOCK_R,
+                              PRECISION, LOW_PRECISION)
+    else:
+        acc = _stacked_delta(acc, S_IN, B, SCALE, slots, rows64, cols64, cols_ok, expert, col0, R, stride_s,
+                             stride_bs, stride_be, stride_bc, stride_scale, scale_col, SLOTS_PAD, BLOCK_R, KC,
+                             PRECISION, LOW_PRECISION)
+    return acc
+
+
+@triton.jit
+def _one_slot_delta(acc, S_IN, B, SCALE, mine, slot, rows64, cols64, cols_ok, expert, col0, R, stride_s, stride_bs,
+                    stride_be, stride_bc, stride_scale, scale_col, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+                    LOW_PRECISION: tl.constexpr):
+    """`slot_stacked_delta` where the rows `mine` are the only ones with an adapter, all on `slot`:
+    one dot of K = BLOCK_R."""
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    sr = tl.load(S_IN + rows64[:, None] * stride_s + (col0 + r)[None, :], mask=mine[:, None] & r_ok[None, :], other=0.0)
+    sc = tl.load(SCALE + slot * stride_scale + scale_col)
+    b = tl.load(B + slot.to(tl.int64) * stride_bs + expert * stride_be + cols64[None, :] * stride_bc + r[:, None],
+                mask=r_ok[:, None] & cols_ok[None, :], other=0.0)
+    if LOW_PRECISION:
+        acc = tl.dot((sr * sc).to(b.dtype), b, acc)
+    else:
+        acc = tl.dot(sr * sc, b.to(tl.float32), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _stacked_delta(acc, S_IN, B, SCALE, slots, rows64, cols64, cols_ok, expert, col0, R, stride_s, stride_bs,
+                   stride_be, stride_bc, stride_scale, scale_col, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+                   KC: tl.constexpr, PRECISION: tl.constexpr, LOW_PRECISION: tl.constexpr):
+    if SLOTS_PAD <= 32:   # the slots present as one bit mask: one reduction for every chunk
+        bits = tl.reduce(tl.where(slots >= 0, tl.full(slots.shape, 1, tl.int32) << slots, 0), 0, _bit_or)
     for c in tl.static_range(SLOTS_PAD * BLOCK_R // KC):
         k = c * KC + tl.arange(0, KC)
         slot_k = k // BLOCK_R
         r = k % BLOCK_R
         r_ok = r < R
         hit = slots[:, None] == slot_k[None, :]
-        present = tl.sum(hit.to(tl.int32), axis=0) > 0
+        if SLOTS_PAD <= 32:
+            present = ((bits >> slot_k) & 1) != 0
+        else:
+            present = tl.sum(hit.to(tl.int32), axis=0) > 0
         sr = tl.load(S_IN + rows64[:, None] * stride_s + (col0 + r)[None, :], mask=hit & r_ok[None, :], other=0.0)
         sc = tl.load(SCALE + slot_k * stride_scale + scale_col, mask=present, other=0.0)
         b = tl.load(B + slot_k.to(tl.int64)[:, None] * stride_bs + expert * stride_be + cols64[None, :] * stride_bc

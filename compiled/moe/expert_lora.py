@@ -29,10 +29,12 @@ LoRA shrink over the intermediate, the base down GEMM with its delta, and the to
 launches more than the base's grouped path, no host sync, scratch from the `MoEWorkspace`
 (`reserve_workspace` before a CUDA graph capture). The GEMMs are the base kernels compiled with
 LORA=True, so they take the tuned config whole (tiles, TMA, part-height tiles). Their deltas
-(`fused_moe_kernels._pair_delta`, `triton_utils.slot_stacked_delta`) stack the slots along K: the
-rows' shrink outputs as a tile that is zero outside each row's own slot block, times every present
-slot's B rows, one dot per 128 of K, the shrink outputs times the scale rounded to the weights'
-16-bit dtype (DELTA_16BIT). One token runs the grouped tiles, not the base's GEMVs. The per-expert
+(`fused_moe_kernels._pair_delta`, `triton_utils.slot_stacked_delta`) are one dot of K = R where
+a tile's rows share one slot, else they stack the slots along K: the rows' shrink outputs as a
+tile that is zero outside each row's own slot block, times every present slot's B rows, one dot
+per `delta_k_step` of K; the shrink outputs times the scale rounded to the weights' 16-bit dtype
+(DELTA_16BIT). Tiles taller than 16 rows add the deltas before their K loop (`delta_first`).
+One token runs the grouped tiles, not the base's GEMVs. The per-expert
 A and B of 8 rank-16 adapters are 276 MB a Qwen3-30B-A3B layer, about a quarter of the experts'
 own bytes, so a batch that touches most (slot, expert) pairs reads that much more. Backend: the
 MoE's (`fused_moe.BACKEND`, `COMPILED_MOE_BACKEND`)."""
@@ -48,7 +50,6 @@ from compiled.moe.fused_moe import (BACKEND, GemmDelta, MoEWorkspace, get_config
 from compiled.triton_utils import interpreting, launch_kwargs
 
 OP = "compiled::fused_moe_lora"
-DELTA_K_STEP = 128  # the GEMMs' delta dots: slots x rank stacked along K, this many a dot
 DELTA_IN_16BIT = True  # the GEMMs' delta dots on 16-bit operands (the shrink outputs rounded), else fp32 / TF32
 # Shared memory of an SM (H100, H200). The up GEMM's deltas run after its K loop; a decode-size
 # tuned config whose pipeline fills an SM runs one program there, so each program's delta loads
@@ -189,13 +190,32 @@ def reserve_workspace(ws: MoEWorkspace, max_tokens: int, E: int, H: int, I: int,
     return ws
 
 
-def delta_consts(dtype: torch.dtype, S: int, R: int) -> dict:
-    """The grouped kernels' delta constants for S slots of rank R."""
+def delta_k_step(block_m: int) -> int:
+    """The GEMMs' delta dots stack slots x rank along K, this many a dot: 128 for decode tiles
+    (16 rows), 64 for taller ones, whose two fp32 accumulators leave fewer registers."""
+    return 128 if block_m <= 16 else 64
+
+
+def delta_first(block_m: int) -> bool:
+    """Tiles taller than 16 rows start their accumulators with the deltas, before the K loop."""
+    return block_m > 16
+
+
+def shrink_tiles(block_m: int, K: int) -> tuple[int, int]:
+    """The shrink kernel's (K step, pipeline stages) for blocks of block_m rows over K."""
+    if block_m > 32:
+        return 64, 4
+    return min(256, max(16, triton.next_power_of_2(K))), 3
+
+
+def delta_consts(dtype: torch.dtype, S: int, R: int, block_m: int) -> dict:
+    """The grouped kernels' delta constants for S slots of rank R and tiles of block_m rows."""
     flags = _dot_flags(dtype)
     block_r = max(16, triton.next_power_of_2(R))
     slots_pad = triton.next_power_of_2(max(S, 1))
-    return dict(SLOTS_PAD=slots_pad, BLOCK_R=block_r, KC=min(DELTA_K_STEP, slots_pad * block_r),
-                DELTA_PRECISION=flags["DELTA_PRECISION"], DELTA_16BIT=flags["DELTA_16BIT"])
+    return dict(SLOTS_PAD=slots_pad, BLOCK_R=block_r, KC=min(delta_k_step(block_m), slots_pad * block_r),
+                DELTA_PRECISION=flags["DELTA_PRECISION"], DELTA_16BIT=flags["DELTA_16BIT"],
+                DELTA_FIRST=delta_first(block_m))
 
 
 def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
@@ -238,15 +258,15 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     has_delta = bool(S and R)
 
     def shrink(src, a, dst, K, gather):
-        bk = max(16, min(128, triton.next_power_of_2(K)))
+        bk, stages = shrink_tiles(bm, K)
         LK.moe_lora_shrink_kernel[(n_blocks, S)](
             src, a, dst, slot, blocks.sorted_ids, blocks.expert_ids, blocks.num_post, numel, S, a.shape[2], K,
             src.stride(0), a.stride(0), a.stride(1), a.stride(2), dst.stride(0), TOP_K=top_k, GATHER=gather,
             PRECISION=flags["PRECISION"], DOT_FP32=flags["DOT_FP32"], BLOCK_M=bm,
             BLOCK_N=max(16, triton.next_power_of_2(a.shape[2])), BLOCK_K=bk, EVEN_K=K % bk == 0, num_warps=4,
-            num_stages=2, **pdl)
+            num_stages=stages, **pdl)
 
-    consts = delta_consts(x.dtype, S, R)
+    consts = delta_consts(x.dtype, S, R, bm)
     delta13 = delta2 = None
     if has_delta:
         s13 = ws.get("lora_s13", rows * 2 * R, torch.float32, x.device).view(rows, 2 * R)

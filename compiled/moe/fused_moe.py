@@ -289,7 +289,8 @@ def _delta_args(delta: GemmDelta | None, like: torch.Tensor) -> tuple[tuple, dic
     kernel compiled with LORA=False never reads."""
     if delta is None:
         return ((like,) * 4 + (0,) * 6,
-                dict(LORA=False, SLOTS_PAD=1, BLOCK_R=16, KC=16, DELTA_PRECISION="ieee", DELTA_16BIT=False))
+                dict(LORA=False, SLOTS_PAD=1, BLOCK_R=16, KC=16, DELTA_PRECISION="ieee", DELTA_16BIT=False,
+                     DELTA_FIRST=False))
     s, b = delta.s, delta.b
     return ((s, b, delta.scale, delta.slot, b.shape[0], b.shape[3], s.stride(0), b.stride(0), b.stride(1),
              b.stride(2)), dict(LORA=True, **delta.consts))

@@ -164,11 +164,12 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
              TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
              TMA: tl.constexpr, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
              LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
-             DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr):
+             DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr):
     """silu(gate) * up for the TILE_M rows `pair` (a power of two >= 16) and one N tile. TMA: the
     weight tiles come through `w_desc` (w as `[E * 2N, K]`, block `[BLOCK_N, BLOCK_K]`); rows past
     the tile's N read the neighbouring rows (or zeros past the end), whose columns are not stored.
-    LORA: the gate and up deltas (`_pair_delta`, shrink outputs `[rows, 2R]`) added before silu."""
+    LORA: the gate and up deltas (`_pair_delta`, shrink outputs `[rows, 2R]`) added before silu;
+    DELTA_FIRST: as the accumulators' start, before the K loop."""
     row_ok = pair < num_valid
     token = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -180,6 +181,14 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
     row_g = (expert * 2 * N + pid_n * BLOCK_N).to(tl.int32)
     acc_g = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
+    if LORA and DELTA_FIRST:
+        n_ok = offs_n < N
+        acc_g = _pair_delta(acc_g, pair, pos, expert, offs_n, n_ok, 0, 0, num_valid,
+                            L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                            TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+        acc_u = _pair_delta(acc_u, pair, pos, expert, offs_n + N, n_ok, L_R, 1, num_valid,
+                            L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                            TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -204,7 +213,7 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    if LORA:
+    if LORA and not DELTA_FIRST:
         n_ok = offs_n < N
         acc_g = _pair_delta(acc_g, pair, pos, expert, offs_n, n_ok, 0, 0, num_valid,
                             L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
@@ -230,12 +239,12 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
                TMA: tl.constexpr, A_TMA: tl.constexpr,
                L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K: tl.constexpr,
                LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
-               DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr):
+               DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr):
     """weight * (a . w2[e]) for the TILE_M rows `pair` and one N tile. TMA as in _up_tile
     (w as `[E * N, K]`). a holds the rows in block order: this tile's are the TILE_M from
     `first_pos` (padding rows hold anything; their outputs are not stored), through `a_desc`
     (block `[TILE_M, BLOCK_K]`) with A_TMA. LORA: the down delta (`_pair_delta`, shrink outputs
-    `[rows, R]` in block order) added before the routing weight."""
+    `[rows, R]` in block order) added before the routing weight (DELTA_FIRST: before the K loop)."""
     row_ok = pair < num_valid
     row = tl.where(row_ok, pair, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -245,6 +254,10 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
     b_ptrs = w_ptr + expert * stride_we + offs_nw[None, :] * stride_wn + offs_k[:, None]
     row_b = (expert * N + pid_n * BLOCK_N).to(tl.int32)
     acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
+    if LORA and DELTA_FIRST:
+        acc = _pair_delta(acc, pair, first_pos + tl.arange(0, TILE_M), expert, offs_n, offs_n < N, 0, 2, num_valid,
+                          L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                          TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if A_TMA:
             a = a_desc.load([first_pos.to(tl.int32), k * BLOCK_K])
@@ -264,7 +277,7 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if LORA:
+    if LORA and not DELTA_FIRST:
         pos = first_pos + tl.arange(0, TILE_M)
         acc = _pair_delta(acc, pair, pos, expert, offs_n, offs_n < N, 0, 2, num_valid,
                           L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
@@ -303,7 +316,8 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr, TMA: tl.constexpr,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
-                     DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, PDL: tl.constexpr):
+                     DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
+                     PDL: tl.constexpr):
     """out[row, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs,
     row = the pair's position in the sorted order (block b's rows are b * BLOCK_M onwards, padding
     rows left unwritten), so that gemm2 reads each block's rows as one tile.
@@ -324,21 +338,21 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      N, K, stride_xm, stride_we, stride_wn, stride_om,
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST)
         elif height == BLOCK_M // 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2),
                      first + tl.arange(0, BLOCK_M // 2), expert,
                      pid_n, num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST)
         elif HALF_M >= 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4),
                      first + tl.arange(0, BLOCK_M // 4), expert,
                      pid_n, num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST)
 
 
 @triton.jit(do_not_specialize=["num_valid"])
@@ -351,7 +365,8 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      TOP_K: tl.constexpr,
                      LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
-                     DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, PDL: tl.constexpr):
+                     DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
+                     PDL: tl.constexpr):
     """out[pair, n] = weight[pair] * (a[row] . w[e, n]), the block's rows of a in block order (as
     moe_gemm1_kernel writes them); w is `[E, N, K]` (N = H, K = I). A_TMA: full-height tiles of a
     come through `a_desc`. HALF_M as in moe_gemm1_kernel; LORA: each pair's down delta (`_down_tile`)."""
@@ -368,21 +383,21 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
                        pid_n, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
                        PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, A_TMA,
                        L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST)
         elif height == BLOCK_M // 2:
             _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr,
                        _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2), first, expert, pid_n,
                        num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
                        PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA, False,
                        L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST)
         elif HALF_M >= 2:
             _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr,
                        _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4), first, expert, pid_n,
                        num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
                        PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA, False,
                        L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST)
 
 
 @triton.jit

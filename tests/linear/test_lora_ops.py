@@ -82,6 +82,9 @@ CASES = [
     # three token blocks, slots outside [0, S) act as no adapter, K a multiple of the step
     ("t40_in64_gate_up_blocks", 40, 64, [24, 24], 16, 2, "float32", None, (16, 16, 32), (16, 32, 16)),
     ("t40_in64_gate_up_bf16", 40, 64, [24, 24], 16, 2, "bfloat16", None, (16, 16, 32), (16, 32, 16)),
+    # a prefill: every row with an adapter on one slot (the expand's one-slot dot), three without
+    ("t40_in64_one_adapter", 40, 64, [24, 24], 16, 2, "float32", [1] * 5 + [-1] + [1] * 20 + [-1, -1] + [1] * 12,
+     (16, 16, 32), (16, 32, 16)),
     # one token, one slice (o / down), rank 5 padded to a 16-wide tile, one slot
     ("t1_in33_o_rank5", 1, 33, [20], 5, 1, "float32", [0], None, None),
     ("t3_all_without_adapter", 3, 45, [17, 9, 9], 8, 3, "bfloat16", [-1, -1, -1], None, None),

@@ -113,6 +113,14 @@ def case_t40_e8_k2_blocks_groups_and_out_of_range_slots():
     _check_triton(args, _cfg(32, 16, 16, group=4), torch.float32)
 
 
+def case_t40_one_adapter_tall_tiles():
+    # a prefill's blocks: every row with an adapter on one slot (the one-slot delta), some rows
+    # without; 32-row tiles add the deltas before their K loop
+    slots = [2] * 40
+    slots[5] = slots[31] = -1
+    _check_triton(problem(40, 8, 2, 32, 24, 16, 4, slots=slots, seed=13), _cfg(32, 16, 16, group=4), torch.float32)
+
+
 def case_one_token_top1_and_rank5():
     # one token (the base MoE's GEMV case runs the grouped tiles here), top-1 (no sum kernel),
     # a rank of 5 padded to a 16-wide tile
@@ -165,7 +173,8 @@ def case_sum_in_the_norm_kernel():
 
 
 CASES = [case_t7_h45_i19_fp32_mixed_slots, case_sum_in_the_norm_kernel, case_t7_h45_i19_bf16_and_fp16,
-         case_t40_e8_k2_blocks_groups_and_out_of_range_slots, case_one_token_top1_and_rank5,
+         case_t40_e8_k2_blocks_groups_and_out_of_range_slots, case_t40_one_adapter_tall_tiles,
+         case_one_token_top1_and_rank5,
          case_no_adapter_is_the_base_moe, case_op_forced_triton_and_workspace_reuse]
 
 
