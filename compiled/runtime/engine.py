@@ -74,6 +74,8 @@ class Engine:
         self._finished: list[Request] = []  # finished since the last `step` returned
         self.num_overlapped = 0  # steps launched before the previous step's tokens were read
         self._draining: str | None = None   # the adapter admitting no requests this step (_acquire_adapter)
+        self._held_for_copy: set[int] = set()   # slots whose copy under way held a request back (_acquire_adapter)
+        self._claimed: set[str] = set()   # adapters given a slot in this scheduling pass (_acquire_adapter)
         self.overlap_schedule = cfg.overlap_schedule  # may be switched between steps
 
     # ---- adapters ------------------------------------------------------------------------------
@@ -92,20 +94,32 @@ class Engine:
         uses (the request waits; requests behind it whose adapters have slots go ahead). So that
         those never keep it waiting, the first such request of a step picks the slot whose
         running requests end first (`_draining`): no request is admitted to it until it is free,
-        and then it is this request's (the oldest to wait for a slot)."""
+        and then it is this request's (the oldest to wait for a slot). A slot given to a request
+        earlier in the queue stays its own for the rest of the pass (`_claimed`), even once its
+        copy has landed: taken by a later request, the two would copy their adapters over each
+        other's for ever."""
         if request.lora is None:
             request.lora_slot = -1
             return True
         if request.lora == self._draining:
             return False
-        running = {r.lora for r in self.scheduler.running if r.lora is not None}
-        slot = self.loras.acquire(request.lora, running)
+        keep = {r.lora for r in self.scheduler.running if r.lora is not None} | self._claimed
+        slot = self.loras.acquire(request.lora, keep)
         if slot is None:
             if self._draining is None:
                 self._draining = self._first_to_end()
             return False
         request.lora_slot = slot
-        return self.loras.ready(slot)
+        self._claimed.add(request.lora)
+        if self.loras.ready(slot):
+            return True
+        self._held_for_copy.add(slot)
+        return False
+
+    def _schedule(self) -> Batch | None:
+        """One scheduling pass (adapters' slots claimed afresh, in queue order)."""
+        self._claimed.clear()
+        return self.scheduler.schedule()
 
     def _first_to_end(self) -> str | None:
         """Of the adapters running requests use, the one whose requests all end first: by the
@@ -118,10 +132,16 @@ class Engine:
         return min(sorted(left), key=left.__getitem__) if left else None
 
     def _wait_for_adapter(self) -> bool:
-        """Nothing can run but the head of the queue, whose adapter is still being copied, or has
-        no slot while other adapters are being copied into every free one (a retracted request
-        back at the head): wait for those copies (the loads a step then needs). False when that
-        is not the case."""
+        """Nothing could run: wait for the copies that held requests back when the scheduler
+        looked (they may have landed since, so the scheduler must look again), for the head of
+        the queue's, or, where the head has no slot while other adapters are being copied into
+        every free one (a retracted request back at the head), for those. False when no copy
+        held anything back."""
+        held, self._held_for_copy = self._held_for_copy, set()
+        for slot in held:
+            self.loras.wait(slot)
+        if held:
+            return True
         head = self.scheduler.waiting[0] if self.scheduler.waiting else None
         if self.loras is None or head is None or head.lora is None:
             return False
@@ -314,9 +334,10 @@ class Engine:
             if self.loras is not None and self.scheduler.waiting:
                 self._prefetch_adapters()
             self._draining = None   # chosen afresh by each step's admissions
-            batch = self.scheduler.schedule()
+            self._held_for_copy.clear()
+            batch = self._schedule()
             while batch is None and self._wait_for_adapter():   # each wait lands a copy
-                batch = self.scheduler.schedule()
+                batch = self._schedule()
             if batch is None:
                 raise RuntimeError("scheduler found nothing to run although requests are waiting")
         launched = self._launch(batch, None if ahead is None else ahead.token_ids)

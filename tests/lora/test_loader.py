@@ -129,6 +129,39 @@ def test_the_head_of_the_queue_waits_for_copies_that_hold_every_free_slot(small_
     assert llm.generate([[5, 9, 2]], greedy, lora=names[1])[0].token_ids == expected
 
 
+class LandsWhileLookedAt(SlotLoader):
+    """Each copy lands just after the first look at it: the scheduler finds it under way, and
+    any later look finds it landed."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.looked: set[int] = set()
+
+    def load(self, slot, writes, source=None) -> None:
+        super().load(slot, writes, source)
+        self.looked.discard(slot)
+
+    def ready(self, slot: int) -> bool:
+        self.wait(slot)
+        if slot in self.looked:
+            return super().ready(slot)
+        self.looked.add(slot)
+        return False
+
+
+def test_a_copy_landing_after_the_scheduler_looked_is_waited_for_not_an_error():
+    """The request held back by its adapter's copy is admitted once the copy has landed, even
+    though the copy lands before the engine asks why nothing could run."""
+    names = list(MOE_ADAPTERS)
+    kwargs = dict(device="cpu", dtype="float32", lora_modules=MOE_ADAPTERS, max_loras_per_batch=1)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    prompts, rows = [[5, 9, 2], [7, 1]], [names[1], names[0]]
+    expected = [o.token_ids for o in LLM(MOE_MODEL, **kwargs).generate(prompts, greedy, lora=rows)]
+    llm = LLM(MOE_MODEL, **kwargs)
+    llm.engine.loras.loader = LandsWhileLookedAt(torch.device("cpu"), background=True)
+    assert [o.token_ids for o in llm.generate(prompts, greedy, lora=rows)] == expected
+
+
 @pytest.mark.gpu
 def test_page_locked_loads_on_the_gpu_give_the_outputs_of_pageable_ones():
     """On a GPU the CPU tier's blocks are page-locked and loads DMA from them; the same engine
