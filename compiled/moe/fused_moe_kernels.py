@@ -158,6 +158,23 @@ def _pair_delta(acc, pair, pos, expert, cols, cols_ok, col0, scale_col, num_vali
 
 
 @triton.jit
+def _gate_up_deltas(acc_g, acc_u, pair, pos, expert, offs_n, N, num_valid, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R,
+                    stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K: tl.constexpr, SLOTS_PAD: tl.constexpr,
+                    BLOCK_R: tl.constexpr, KC: tl.constexpr, DELTA_PRECISION: tl.constexpr,
+                    DELTA_16BIT: tl.constexpr):
+    """The gate and up tiles' deltas (`_pair_delta`): gate's shrink outputs are columns 0..R of
+    L_S and its B rows 0..N, up's R..2R and N..2N."""
+    n_ok = offs_n < N
+    acc_g = _pair_delta(acc_g, pair, pos, expert, offs_n, n_ok, 0, 0, num_valid,
+                        L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                        TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+    acc_u = _pair_delta(acc_u, pair, pos, expert, offs_n + N, n_ok, L_R, 1, num_valid,
+                        L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                        TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+    return acc_g, acc_u
+
+
+@triton.jit
 def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid, N, K,
              stride_xm, stride_we, stride_wn, stride_om,
              TOP_K: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -182,13 +199,9 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
     acc_g = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
     if LORA and DELTA_FIRST:
-        n_ok = offs_n < N
-        acc_g = _pair_delta(acc_g, pair, pos, expert, offs_n, n_ok, 0, 0, num_valid,
-                            L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                            TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
-        acc_u = _pair_delta(acc_u, pair, pos, expert, offs_n + N, n_ok, L_R, 1, num_valid,
-                            L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                            TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+        acc_g, acc_u = _gate_up_deltas(acc_g, acc_u, pair, pos, expert, offs_n, N, num_valid, L_S, L_B, L_SCALE,
+                                       L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K,
+                                       SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -214,13 +227,9 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     if LORA and not DELTA_FIRST:
-        n_ok = offs_n < N
-        acc_g = _pair_delta(acc_g, pair, pos, expert, offs_n, n_ok, 0, 0, num_valid,
-                            L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                            TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
-        acc_u = _pair_delta(acc_u, pair, pos, expert, offs_n + N, n_ok, L_R, 1, num_valid,
-                            L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                            TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+        acc_g, acc_u = _gate_up_deltas(acc_g, acc_u, pair, pos, expert, offs_n, N, num_valid, L_S, L_B, L_SCALE,
+                                       L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K,
+                                       SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
     # round like the unfused model: gate/up in the activation dtype, silu, product
     dt = out_ptr.dtype.element_ty
     gate = acc_g.to(dt).to(tl.float32)
