@@ -74,7 +74,7 @@ class Engine:
         self._finished: list[Request] = []  # finished since the last `step` returned
         self.num_overlapped = 0  # steps launched before the previous step's tokens were read
         self._draining: str | None = None   # the adapter admitting no requests this step (_acquire_adapter)
-        self._held_for_copy: set[int] = set()   # slots whose copy under way held a request back (_acquire_adapter)
+        self._held_for_copy: set[int] = set()   # slots whose copy held a request back in the last pass
         self._claimed: set[str] = set()   # adapters given a slot in this scheduling pass (_acquire_adapter)
         self.overlap_schedule = cfg.overlap_schedule  # may be switched between steps
 
@@ -119,6 +119,7 @@ class Engine:
     def _schedule(self) -> Batch | None:
         """One scheduling pass (adapters' slots claimed afresh, in queue order)."""
         self._claimed.clear()
+        self._held_for_copy.clear()
         return self.scheduler.schedule()
 
     def _first_to_end(self) -> str | None:
@@ -137,10 +138,9 @@ class Engine:
         the queue's, or, where the head has no slot while other adapters are being copied into
         every free one (a retracted request back at the head), for those. False when no copy
         held anything back."""
-        held, self._held_for_copy = self._held_for_copy, set()
-        for slot in held:
+        for slot in self._held_for_copy:
             self.loras.wait(slot)
-        if held:
+        if self._held_for_copy:
             return True
         head = self.scheduler.waiting[0] if self.scheduler.waiting else None
         if self.loras is None or head is None or head.lora is None:
@@ -334,7 +334,6 @@ class Engine:
             if self.loras is not None and self.scheduler.waiting:
                 self._prefetch_adapters()
             self._draining = None   # chosen afresh by each step's admissions
-            self._held_for_copy.clear()
             batch = self._schedule()
             while batch is None and self._wait_for_adapter():   # each wait lands a copy
                 batch = self._schedule()
