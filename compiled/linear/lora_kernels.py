@@ -136,7 +136,7 @@ def split_workspace(device: torch.device) -> SplitWorkspace | None:
 
 
 @triton.jit
-def _token_slots(SLOT, offs_t, in_t, S):
+def token_slots(SLOT, offs_t, in_t, S):
     """The tokens' slots, -1 for no adapter, slots outside [0, S) and tokens past T."""
     slots = tl.load(SLOT + offs_t, mask=in_t, other=-1).to(tl.int32)
     return tl.where(in_t & (slots >= 0) & (slots < S), slots, -1)
@@ -156,7 +156,7 @@ def _lora_shrink_kernel(X, A, OUT, SLOT, Partials, Semaphores, T, NR, K, S, K_PE
     pid_k = tl.program_id(2) % SPLIT_K
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     in_t = offs_t < T
-    rows = in_t & (_token_slots(SLOT, offs_t, in_t, S) == s)
+    rows = in_t & (token_slots(SLOT, offs_t, in_t, S) == s)
     if tl.sum(rows.to(tl.int32), axis=0) > 0:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         in_n = offs_n < NR
@@ -193,7 +193,7 @@ def _lora_shrink_kernel(X, A, OUT, SLOT, Partials, Semaphores, T, NR, K, S, K_PE
 
 
 @triton.jit
-def _bound(i: tl.constexpr, O1, O2, O3, OUT, N: tl.constexpr):
+def slice_start(i: tl.constexpr, O1, O2, O3, OUT, N: tl.constexpr):
     """Column where slice i starts (i = N: the end)."""
     if i == 0:
         return 0
@@ -220,23 +220,59 @@ def _lora_expand_kernel(Y, SIN, B, SCALE, SLOT, OUT_PTR, T, OUT, R, S, O1, O2, O
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     in_t = offs_t < T
     t64 = offs_t.to(tl.int64)
-    slots = _token_slots(SLOT, offs_t, in_t, S)
+    slots = token_slots(SLOT, offs_t, in_t, S)
     offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
     in_o = offs_o < OUT
     mask = in_t[:, None] & in_o[None, :]
     y = tl.load(Y + t64[:, None] * stride_yt + offs_o[None, :], mask=mask, other=0.0)
-    acc = y.to(tl.float32)
+    acc = add_slice_deltas(y.to(tl.float32), SIN, B, SCALE, slots, t64, offs_o, in_o, pid_o * BLOCK_O, R, O1, O2, O3,
+                           OUT, stride_st, stride_bs, stride_bo, stride_ss, N, BLOCK_O, BLOCK_R, SLOTS_PAD, KC,
+                           FP32_DOT, False)
+    tl.store(OUT_PTR + t64[:, None] * stride_ot + offs_o[None, :], acc.to(y.dtype), mask=mask)
+
+
+@triton.jit
+def add_slice_deltas(acc, SIN, B, SCALE, slots, rows64, offs_o, in_o, block_lo, R, O1, O2, O3, OUT,
+                     stride_st, stride_bs, stride_bo, stride_ss, N: tl.constexpr, BLOCK_O: tl.constexpr,
+                     BLOCK_R: tl.constexpr, SLOTS_PAD: tl.constexpr, KC: tl.constexpr, FP32_DOT: tl.constexpr,
+                     FMA: tl.constexpr):
+    """acc `[rows, BLOCK_O]` (fp32, columns offs_o from block_lo) + each row's delta, slice by
+    slice: the expand's arithmetic, shared with the skinny GEMM's LoRA epilogue. FMA: without
+    tensor-core dots (a tile of fewer than 16 rows or columns: the GEMV mode)."""
     if tl.sum((slots >= 0).to(tl.int32), axis=0) > 0:
-        block_lo = pid_o * BLOCK_O
         for i in tl.static_range(N):
-            lo = _bound(i, O1, O2, O3, OUT, N)
-            hi = _bound(i + 1, O1, O2, O3, OUT, N)
+            lo = slice_start(i, O1, O2, O3, OUT, N)
+            hi = slice_start(i + 1, O1, O2, O3, OUT, N)
             if (lo < block_lo + BLOCK_O) & (hi > block_lo):
                 cols = in_o & (offs_o >= lo) & (offs_o < hi)
-                acc = slot_stacked_delta(acc, SIN, B, SCALE, slots, t64, offs_o, cols, 0, i * R, R, stride_st,
-                                         stride_bs, 0, stride_bo, stride_ss, i, SLOTS_PAD, BLOCK_R, KC, "ieee",
-                                         not FP32_DOT)
-    tl.store(OUT_PTR + t64[:, None] * stride_ot + offs_o[None, :], acc.to(y.dtype), mask=mask)
+                if FMA:
+                    acc = _fma_slot_delta(acc, SIN, B, SCALE, slots, rows64, offs_o.to(tl.int64), cols, i * R, R,
+                                          stride_st, stride_bs, stride_bo, stride_ss, i, BLOCK_R, not FP32_DOT)
+                else:
+                    acc = slot_stacked_delta(acc, SIN, B, SCALE, slots, rows64, offs_o, cols, 0, i * R, R, stride_st,
+                                             stride_bs, 0, stride_bo, stride_ss, i, SLOTS_PAD, BLOCK_R, KC, "ieee",
+                                             not FP32_DOT)
+    return acc
+
+
+@triton.jit
+def _fma_slot_delta(acc, S_IN, B, SCALE, slots, rows64, cols64, cols_ok, col0, R, stride_s, stride_bs, stride_bc,
+                    stride_scale, scale_col, BLOCK_R: tl.constexpr, LOW_PRECISION: tl.constexpr):
+    """`slot_stacked_delta` in registers: each row's `[BLOCK_R, columns]` slice of its own slot's B,
+    multiplied by its rank-R row of S_IN times the scale (rounded to B's dtype when LOW_PRECISION,
+    as the dot's operand is) and summed over R."""
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    has = slots >= 0
+    slot64 = tl.where(has, slots, 0).to(tl.int64)
+    sr = tl.load(S_IN + rows64[:, None] * stride_s + (col0 + r)[None, :], mask=has[:, None] & r_ok[None, :], other=0.0)
+    sc = tl.load(SCALE + slot64 * stride_scale + scale_col, mask=has, other=0.0)
+    sr = sr * sc[:, None]
+    b = tl.load(B + slot64[:, None, None] * stride_bs + cols64[None, None, :] * stride_bc + r[None, :, None],
+                mask=has[:, None, None] & r_ok[None, :, None] & cols_ok[None, None, :], other=0.0)
+    if LOW_PRECISION:
+        sr = sr.to(b.dtype)
+    return acc + tl.sum(sr.to(tl.float32)[:, :, None] * b.to(tl.float32), axis=1)
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -276,6 +312,32 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot: torch.Tensor,
     return out
 
 
+class LoRAArgs(NamedTuple):
+    """What a launch adding the expand's deltas takes besides its tiles (the expand kernel, the
+    skinny GEMM's epilogue): the tensors (last dims contiguous) and their kernel constants."""
+    s: torch.Tensor
+    b: torch.Tensor
+    scale: torch.Tensor
+    slot: torch.Tensor
+    bounds: list[int]      # where slices 1..MAX_SLICES-1 start
+    n_slices: int
+    block_r: int
+    slots_pad: int
+    kc: int                # the stacked-slot dots' K step
+    fp32_dot: bool
+
+    @classmethod
+    def of(cls, s: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slot: torch.Tensor, slices: list[int],
+           k_step: int = DELTA_K_STEP) -> "LoRAArgs":
+        if len(slices) > MAX_SLICES:
+            raise ValueError(f"lora_expand: {len(slices)} slices, the kernel takes at most {MAX_SLICES}")
+        s, b, scale = (_last_dim_contiguous(t) for t in (s, b, scale))
+        block_r = _pow2(b.shape[2], MIN_BLOCK, 1 << 30)
+        slots_pad = triton.next_power_of_2(b.shape[0])
+        return cls(s, b, scale, slot, [sum(slices[:i]) for i in range(1, MAX_SLICES)], len(slices), block_r,
+                   slots_pad, min(k_step, slots_pad * block_r), b.dtype == torch.float32 or interpreting())
+
+
 def lora_expand_triton(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slot: torch.Tensor,
                        slices: list[int], config: LoRAConfig | None = None) -> torch.Tensor:
     """y `[T, out]`, s `[T, N*R]` fp32, b `[S, out, R]`, scale `[S, N]` fp32, slot `[T]` ->
@@ -283,24 +345,18 @@ def lora_expand_triton(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, scale:
     overrides `expand_config` (its block_k: the stacked-slot K step)."""
     T, OUT = y.shape
     S, _, R = b.shape
-    N = len(slices)
-    if N > MAX_SLICES:
-        raise ValueError(f"lora_expand: {N} slices, the kernel takes at most {MAX_SLICES}")
+    cfg = config or expand_config(T, OUT)
+    _check_config(cfg)
+    la = LoRAArgs.of(s, b, scale, slot, slices, cfg.block_k)
     out = torch.empty((T, OUT), dtype=y.dtype, device=y.device)
     if T == 0 or OUT == 0:
         return out
     if R == 0 or S == 0:
         return out.copy_(y)
-    y, s, b, scale = (_last_dim_contiguous(t) for t in (y, s, b, scale))
-    cfg = config or expand_config(T, OUT)
-    _check_config(cfg)
-    bounds = [sum(slices[:i]) for i in range(1, MAX_SLICES)]
-    block_r = _pow2(R, MIN_BLOCK, 1 << 30)
-    slots_pad = triton.next_power_of_2(S)
+    y = _last_dim_contiguous(y)
     _lora_expand_kernel[(triton.cdiv(T, cfg.block_t), triton.cdiv(OUT, cfg.block_n))](
-        y, s, b, scale, slot, out, T, OUT, R, S, *bounds,
-        y.stride(0), s.stride(0), b.stride(0), b.stride(1), scale.stride(0), out.stride(0),
-        N=N, BLOCK_T=cfg.block_t, BLOCK_O=cfg.block_n, BLOCK_R=block_r, SLOTS_PAD=slots_pad,
-        KC=min(cfg.block_k, slots_pad * block_r), FP32_DOT=b.dtype == torch.float32 or interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(y.device))
+        y, la.s, la.b, la.scale, slot, out, T, OUT, R, S, *la.bounds,
+        y.stride(0), la.s.stride(0), la.b.stride(0), la.b.stride(1), la.scale.stride(0), out.stride(0),
+        N=la.n_slices, BLOCK_T=cfg.block_t, BLOCK_O=cfg.block_n, BLOCK_R=la.block_r, SLOTS_PAD=la.slots_pad,
+        KC=la.kc, FP32_DOT=la.fp32_dot, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(y.device))
     return out

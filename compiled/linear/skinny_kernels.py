@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from compiled.linear import SKINNY_MAX_M
+from compiled.linear.lora_kernels import LoRAArgs, add_slice_deltas, token_slots
 from compiled.triton_utils import (DEFAULT_NUM_SMS, interpreter_upcast, launch_kwargs, num_sms, pdl_let_next_in,
                                    pdl_wait, pdl_wait_only, residual_add, rms_normed, silu_mul, weight_tile)
 
@@ -187,6 +188,17 @@ def _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K
 
 
 @triton.jit
+def _lora_epilogue(acc, offs_m, mask_m, offs_n, mask_n, block_lo, N, LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3,
+                   stride_ls, stride_lbs, stride_lbn, stride_lsc, LORA_N: tl.constexpr, BLOCK_N: tl.constexpr,
+                   LBLOCK_R: tl.constexpr, LSLOTS_PAD: tl.constexpr, LKC: tl.constexpr, LORA_FP32: tl.constexpr,
+                   GEMV: tl.constexpr):
+    slots = token_slots(LSLOT, offs_m, mask_m, LSLOTS)
+    return add_slice_deltas(acc, LS, LB, LSCALE, slots, offs_m.to(tl.int64), offs_n, mask_n, block_lo, LR, LO1, LO2,
+                            LO3, N, stride_ls, stride_lbs, stride_lbn, stride_lsc, LORA_N, BLOCK_N, LBLOCK_R,
+                            LSLOTS_PAD, LKC, LORA_FP32, GEMV)
+
+
+@triton.jit
 def _skinny_kernel(
     X, W, Y, Partials, Semaphores, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
     D, NW, H, NORMED, Sums, eps, NORMED_CHUNK, stride_dm, stride_hm, stride_nm,
@@ -194,6 +206,9 @@ def _skinny_kernel(
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ADD_NORM: tl.constexpr, SILU_MUL: tl.constexpr, KEEP_NORMED: tl.constexpr, GEMV: tl.constexpr,
     PDL: tl.constexpr,
+    LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3, stride_ls, stride_lbs, stride_lbn, stride_lsc,
+    LORA: tl.constexpr, LORA_N: tl.constexpr, LBLOCK_R: tl.constexpr, LSLOTS_PAD: tl.constexpr, LKC: tl.constexpr,
+    LORA_FP32: tl.constexpr,
 ):
     """EVEN_K (K a multiple of BLOCK_K, so every split is whole tiles): no mask along K, which
     keeps the weight loads vectorised. Y may be wider than X (fp32 logits): the output is rounded
@@ -205,6 +220,11 @@ def _skinny_kernel(
     across splits like the partials). Column block 0 stores the sum H, and with KEEP_NORMED each
     column block's finishing program a slice of the normalised rows. SILU_MUL: x is a fused
     `[M, 2K]` gate/up output and the dot reads silu(gate) * up.
+
+    LORA, an epilogue: the finished tile, rounded to X's dtype as the linear's output, gets each
+    row's multi-LoRA delta as `lora_expand` adds it (`lora_kernels.add_slice_deltas`; LS the rows'
+    shrink output, LB `[S, N, R]`, LSCALE `[S, slices]`, LSLOT the rows' slots, LO1..3 where the
+    slices start), so that a decode linear's delta costs no launch of its own.
 
     GEMV (BLOCK_M = M rounded up to a power of two, 1 by the heuristic): no tensor-core tile. The
     weight tile goes straight into registers and is multiplied by each row into an fp32
@@ -299,6 +319,11 @@ def _skinny_kernel(
             if KEEP_NORMED:
                 _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K, stride_xm, stride_dm,
                               stride_nm, BLOCK_K)
+        if LORA:
+            acc = _lora_epilogue(acc.to(X.dtype.element_ty).to(tl.float32), offs_m, mask_m, offs_n, mask_n,
+                                 pid_n * BLOCK_N, N, LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3, stride_ls,
+                                 stride_lbs, stride_lbn, stride_lsc, LORA_N, BLOCK_N, LBLOCK_R, LSLOTS_PAD, LKC,
+                                 LORA_FP32, GEMV)
         tl.store(y_ptrs, acc.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=out_mask)
     else:
         # Partials laid out [SPLIT_K, M, N]; sums of squares [column block, SPLIT_K, BLOCK_M].
@@ -325,6 +350,11 @@ def _skinny_kernel(
                 if KEEP_NORMED:
                     _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K, stride_xm,
                                   stride_dm, stride_nm, BLOCK_K)
+            if LORA:
+                total = _lora_epilogue(total.to(X.dtype.element_ty).to(tl.float32), offs_m, mask_m, offs_n, mask_n,
+                                       pid_n * BLOCK_N, N, LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3, stride_ls,
+                                       stride_lbs, stride_lbn, stride_lsc, LORA_N, BLOCK_N, LBLOCK_R, LSLOTS_PAD, LKC,
+                                       LORA_FP32, GEMV)
             tl.store(y_ptrs, total.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(Semaphores + pid_n, 0)
 
@@ -337,6 +367,28 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyCo
     (tests, the benchmark's sweep)."""
     y = x.new_empty((x.shape[0], weight.shape[0])) if out is None else out
     _launch(x, weight, y, config, {})
+    return y
+
+
+def _lora_args(y: torch.Tensor, lora: LoRAArgs | None) -> dict:
+    if lora is None:   # placeholders, never read
+        return dict(LS=y, LB=y, LSCALE=y, LSLOT=y, LR=0, LSLOTS=0, LO1=0, LO2=0, LO3=0, stride_ls=0, stride_lbs=0,
+                    stride_lbn=0, stride_lsc=0, LORA=False, LORA_N=1, LBLOCK_R=16, LSLOTS_PAD=1, LKC=16,
+                    LORA_FP32=False)
+    S, _, R = lora.b.shape
+    o1, o2, o3 = lora.bounds
+    return dict(LS=lora.s, LB=lora.b, LSCALE=lora.scale, LSLOT=lora.slot, LR=R, LSLOTS=S, LO1=o1, LO2=o2, LO3=o3,
+                stride_ls=lora.s.stride(0), stride_lbs=lora.b.stride(0), stride_lbn=lora.b.stride(1),
+                stride_lsc=lora.scale.stride(0), LORA=R > 0 and S > 0, LORA_N=lora.n_slices, LBLOCK_R=lora.block_r,
+                LSLOTS_PAD=lora.slots_pad, LKC=lora.kc, LORA_FP32=lora.fp32_dot)
+
+
+def skinny_linear_lora_triton(x: torch.Tensor, weight: torch.Tensor, lora: LoRAArgs,
+                              config: SkinnyConfig | None = None) -> torch.Tensor:
+    """`lora_expand(x @ weight.T, ...)` in one launch: the LoRA deltas of `lora` (the expand's
+    arguments) added in the epilogue, rounded as the two ops round."""
+    y = x.new_empty((x.shape[0], weight.shape[0]))
+    _launch(x, weight, y, config, {}, lora)
     return y
 
 
@@ -363,8 +415,9 @@ def silu_mul_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor, config: 
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: SkinnyConfig | None,
-            prologue: dict) -> None:
-    """One launch writing y; `prologue`: the ADD_NORM / SILU_MUL arguments that differ from none."""
+            prologue: dict, lora: LoRAArgs | None = None) -> None:
+    """One launch writing y; `prologue`: the ADD_NORM / SILU_MUL arguments that differ from none;
+    `lora`: the epilogue's deltas."""
     M = x.shape[0]
     N, K = weight.shape
     if config is None:
@@ -383,6 +436,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
     args = dict(D=y, NW=y, H=y, NORMED=y, eps=0.0, stride_dm=0, stride_hm=0, stride_nm=0,
                 ADD_NORM=False, SILU_MUL=False, KEEP_NORMED=False)
     args.update(prologue)
+    args.update(_lora_args(y, lora))
     _skinny_kernel[grid](
         x, weight, y, partials, semaphores, M, N, K, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         Sums=sums, NORMED_CHUNK=triton.cdiv(K, grid[0]), **args,

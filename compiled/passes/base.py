@@ -112,6 +112,11 @@ def note_params(record: PassRecord, created: dict[str, torch.Tensor], removed: d
     record.bytes_removed += sum(param_bytes(t) for t in removed.values())
 
 
+def is_add(node) -> bool:
+    """Whether `node` is `a + b` of two graph values (a residual add)."""
+    return is_call(node, operator.add, 2) and all(isinstance(a, fx.Node) for a in node.args)
+
+
 def match_rms_norm(node) -> tuple[fx.Node, fx.Node, float] | None:
     """(x, weight, eps) if `node` is the traced `layers.rms_norm(x, weight, eps)` (keep the two in step):
     weight * (h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) with h = x.float()."""

@@ -21,7 +21,7 @@ from torch import fx
 
 import compiled.linear.fused  # noqa: F401  (registers compiled::add_rms_norm_linear)
 from compiled.graphs.weights import WeightMap
-from compiled.passes.base import GraphPass, PassRecord, is_call, linear_args, match_rms_norm
+from compiled.passes.base import GraphPass, PassRecord, is_add, linear_args, match_rms_norm
 
 
 def fuse_norm_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
@@ -32,7 +32,7 @@ def fuse_norm_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord)
             continue
         normed, weight = args
         norm = match_rms_norm(normed)
-        if norm is None or not _is_add(norm[0]) or weight.op != "get_attr":
+        if norm is None or not is_add(norm[0]) or weight.op != "get_attr":
             continue
         h, norm_weight, eps = norm
         first, before = _first_user(h, normed)
@@ -57,10 +57,6 @@ def _first_user(h: fx.Node, normed: fx.Node) -> tuple[fx.Node, set[fx.Node]]:
         before.add(node)
         node = node.next
     return node, before
-
-
-def _is_add(node) -> bool:
-    return is_call(node, operator.add, 2) and all(isinstance(a, fx.Node) for a in node.args)
 
 
 PASS = GraphPass("fuse_norm_linear", fuse_norm_linear, after=("skinny_linear", "lora_delta"))

@@ -11,14 +11,14 @@ from torch import fx
 from compiled.errors import CompiledError
 from compiled.graphs.trace import example_inputs
 from compiled.passes.base import GraphPass, PassRecord, sweep_dead_nodes
-from compiled.passes import (cp_allgather, fuse_moe_norm, fuse_norm_linear, fuse_qk_norm_rope, fuse_qkv,
-                             fuse_silu_linear, fuse_w13, lora_delta, silu_and_mul, skinny_linear)
+from compiled.passes import (cp_allgather, fuse_lora_linear, fuse_moe_norm, fuse_norm_linear, fuse_qk_norm_rope,
+                             fuse_qkv, fuse_silu_linear, fuse_w13, lora_delta, silu_and_mul, skinny_linear)
 from compiled.graphs.weights import WeightMap
 
 # Every pass, in an order that satisfies each pass's `after`.
 REGISTRY: dict[str, GraphPass] = {m.PASS.name: m.PASS for m in (
-    fuse_qkv, fuse_w13, silu_and_mul, skinny_linear, lora_delta, fuse_qk_norm_rope, fuse_norm_linear,
-    fuse_silu_linear, fuse_moe_norm, cp_allgather)}
+    fuse_qkv, fuse_w13, silu_and_mul, skinny_linear, lora_delta, fuse_lora_linear, fuse_qk_norm_rope,
+    fuse_norm_linear, fuse_silu_linear, fuse_moe_norm, cp_allgather)}
 # What a model without LoRA or context parallelism runs; `with_lora` adds the LoRA deltas and
 # `with_cp` the context-parallel gathers.
 OPTIONAL_PASSES = ("lora_delta", "cp_allgather")

@@ -139,12 +139,45 @@ def op_case() -> dict:
     return dict(err=err, tol=TOL[torch.float32], clean=True)
 
 
+# The skinny GEMM with the expand in its epilogue (compiled::linear_lora's kernel): (name, M, K,
+# slices, R, S, dtype, slots, skinny config or None for the heuristic's). Slots S and -7: no adapter.
+FUSED_CASES = [
+    ("fused_m1_gemv_qkv_bf16", 1, 45, [17, 9, 9], 8, 3, "bfloat16", [2], None),
+    ("fused_m3_gemv_forced_fp32", 3, 64, [24, 24], 16, 2, "float32", [1, -1, 0], (2, 32, 1, 4, 1, True)),
+    ("fused_m7_tiles_cross_slices_fp32", 7, 45, [17, 9, 9], 8, 3, "float32", SLOTS_7, (16, 16, 1)),
+    ("fused_m7_split4_bf16", 7, 300, [17, 9, 9], 8, 3, "bfloat16", SLOTS_7, (16, 32, 4)),
+    ("fused_m5_one_slot_o_rank5", 5, 33, [20], 5, 1, "float32", [0] * 5, None),
+    ("fused_m4_out_of_range_fp16", 4, 40, [24, 8], 8, 3, "float16", [3, -7, 0, 1], None),
+    ("fused_m4_no_adapter_bf16", 4, 40, [24, 8], 8, 3, "bfloat16", [-1] * 4, None),
+]
+
+
+def fused_case(M, K, slices, R, S, dtype, slots, config) -> dict:
+    """`skinny_linear_lora_triton` against the references (linear, then the expand of the
+    reference shrink); rows without an adapter bit for bit the plain skinny GEMM's."""
+    from compiled.linear import lora_kernels as lk, skinny_kernels as sk
+    from compiled.linear.ops import linear_ref
+    dt = getattr(torch, dtype)
+    x, a, b, scale, slot, _ = problem(M, K, slices, R, S, dt, seed=M + K + R, slots=slots)
+    w = (torch.randn(sum(slices), K, generator=torch.Generator().manual_seed(K)) / K ** 0.5).to(dt)
+    cfg = None if config is None else sk.SkinnyConfig(*config)
+    s = lora_shrink_ref(x, a, slot)
+    got = sk.skinny_linear_lora_triton(x, w, lk.LoRAArgs.of(s, b, scale, slot, slices), cfg)
+    want = lora_expand_ref(linear_ref(x, w), s, b, scale, slot, slices)
+    plain = sk.skinny_linear_triton(x, w, cfg)
+    ws = sk._WORKSPACES.get(torch.device("cpu"))
+    none = (slot < 0) | (slot >= S)
+    ok = (got.dtype == dt and got.shape == want.shape and torch.equal(got[none], plain[none])
+          and (ws is None or not ws.semaphores.any().item()))
+    return dict(err=max_err(got, want), tol=TOL[dt], clean=ok)
+
+
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, dict]:
     return run_interpreted(__file__)
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CASES] + ["op_forced_triton"])
+@pytest.mark.parametrize("name", [c[0] for c in CASES + FUSED_CASES] + ["op_forced_triton"])
 def test_interpreted_kernels_match_reference(interpreted_results, name):
     r = interpreted_results[name]
     assert r["err"] <= r["tol"] and r["clean"], r
@@ -339,7 +372,48 @@ def test_gpu_real_sizes_no_host_sync_and_cuda_graph(backend, T, name, IN, slices
         check(s, out)
 
 
+# (in, out): the decode linears compiled::linear_lora takes: the 30B's o_proj and first qkv, the
+# 0.6B's o_proj and down_proj (GEMV mode at one row, split K for the 30B's o_proj)
+FUSED_GPU_SHAPES = [(4096, [2048]), (2048, [4096, 512, 512]), (2048, [1024]), (3072, [1024])]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 16, 17])
+@pytest.mark.parametrize("IN,slices", FUSED_GPU_SHAPES)
+def test_gpu_linear_lora_is_linear_then_expand_eager_and_graph(backend, T, IN, slices):
+    """The op (the skinny GEMM's epilogue up to 16 rows, the two ops' bodies at 17) against the
+    linear and the expand run as two ops, with no host sync and replayed from a CUDA graph."""
+    from compiled.linear.ops import linear_ref
+    backend("auto")
+    x, _, b, scale, slot, _ = _gpu_problem(T, IN, slices, seed=T)
+    g = torch.Generator(device="cuda").manual_seed(IN)
+    w = (torch.randn(sum(slices), IN, device="cuda", generator=g) / IN ** 0.5).bfloat16()
+    s = torch.randn(T, len(slices) * 16, device="cuda", generator=g)
+
+    def run():
+        return torch.ops.compiled.linear_lora(x, w, s, b, scale, slot, slices)
+
+    def check(out):
+        base = linear_ref(x, w)
+        want = lora_expand_ref(base, s, b, scale, slot, slices)
+        assert out.dtype == torch.bfloat16 and out.shape == want.shape
+        assert max_err(out, want) <= 1e-2
+        assert max_err(out.float() - base.float(), want.float() - base.float()) <= 3e-2   # the delta itself
+
+    check(run())
+    graph, out = capture_without_host_sync(run)
+    for seed in range(2):
+        fresh = _gpu_problem(T, IN, slices, seed=2000 + 10 * T + seed)
+        x.copy_(fresh[0])
+        slot.copy_(fresh[4])
+        s.normal_(generator=g)
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out)
+
+
 if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
     results = {c[0]: kernel_case(*c[1:]) for c in CASES}
+    results.update({c[0]: fused_case(*c[1:]) for c in FUSED_CASES})
     results["op_forced_triton"] = op_case()
     print(json.dumps(results))

@@ -11,7 +11,7 @@ from compiled.attention.kv_cache import KVPool, ReqToTokenPool
 from compiled.graphs.config import ModelConfig
 from compiled.linear.ops import SkinnyLinear
 from compiled.graphs.trace import materialize, meta_model, trace
-from compiled.passes.base import is_op
+from compiled.passes.base import is_getitem, is_op
 from compiled.passes.manager import DEFAULT_PASSES, run_passes
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.loader import assign_tensors
@@ -273,3 +273,27 @@ def test_with_lora_the_moe_norm_fusion_takes_the_expert_lora_moe():
         assert [a.target for a in n.args[10:15]] == [f"model.layers.{layer}.mlp.{b}" for b in
                                                      ("lora_a13", "lora_b13", "lora_a2", "lora_b2", "lora_scale")]
         assert n.args[15] is alone[0].args[10]   # the token slots, as the last layer's MoE reads them
+
+
+def test_with_lora_linears_not_after_a_residual_norm_take_the_expand_in_their_op():
+    """fuse_lora_linear: o_proj, down_proj and the first layer's qkv (after the embedding's norm,
+    which has no add) become linear_lora with their own LoRA buffers; the other qkv and every
+    gate/up keep the norm fusion and an expand of their own."""
+    from compiled.passes.lora_delta import lora_delta_pass
+    from compiled.passes.manager import with_lora
+    cfg = ModelConfig.from_dict(BASE)
+    meta = meta_model(cfg, torch.float32)
+    gm = run_passes(trace(meta), meta.checkpoint_map(), with_lora(None, lora_delta_pass(2, 4))).gm
+    fused = {n.args[1].target.removesuffix(".weight"): n for n in gm.graph.nodes
+             if is_op(n, torch.ops.compiled.linear_lora)}
+    layers = range(cfg.num_hidden_layers)
+    assert sorted(fused) == sorted([f"model.layers.{i}.{m}" for i in layers for m in ("self_attn.o_proj",
+                                                                                     "mlp.down_proj")]
+                                   + ["model.layers.0.self_attn.qkv_proj"])
+    for owner, n in fused.items():
+        assert [a.target for a in n.args[3:5]] == [f"{owner}.lora_b", f"{owner}.lora_scale"]
+        assert is_op(n.args[2], torch.ops.compiled.lora_shrink) and n.args[2].args[1].target == f"{owner}.lora_a"
+    expands = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.lora_expand)]
+    assert len(expands) == 2 * cfg.num_hidden_layers - 1
+    assert all(is_getitem(n.args[0], 0) and is_op(n.args[0].args[0], torch.ops.compiled.add_rms_norm_linear)
+               for n in expands)
