@@ -46,7 +46,7 @@ import torch.nn.functional as F
 import triton
 
 from compiled.moe.fused_moe import (BACKEND, GemmDelta, MoEWorkspace, get_config, launch_gemm1, launch_gemm2,
-                                    moe_align_block_size, split_config)
+                                    moe_align_block_size, split_config, zeroed)
 from compiled.triton_utils import interpreting, launch_kwargs
 
 OP = "compiled::fused_moe_lora"
@@ -58,6 +58,11 @@ DELTA_IN_16BIT = True  # the GEMMs' delta dots on 16-bit operands (the shrink ou
 # (one token, 5 -> 3 stages: 59.4 -> 64.6 µs). Steps below 128 were not tried.
 SM_SHARED_BYTES = 227 * 1024
 LORA_MIN_BLOCK_K = 128
+# The shrink's K split (`shrink_split`): up to this many pairs (64 tokens of top-8), at least this
+# much of K a split, at most this many splits.
+SHRINK_SPLIT_MAX_PAIRS = 512
+SHRINK_MIN_K_PER_SPLIT = 512
+SHRINK_MAX_SPLIT = 8
 
 
 def backend(x: torch.Tensor) -> str:
@@ -187,6 +192,8 @@ def reserve_workspace(ws: MoEWorkspace, max_tokens: int, E: int, H: int, I: int,
     rows = max(intermediate_rows(max_tokens * top_k, E, bm) for bm in (16, block_m))
     ws.get("lora_s13", rows * 2 * R, torch.float32, device)
     ws.get("lora_s2", rows * R, torch.float32, device)
+    split_rows = max(intermediate_rows(min(max_tokens * top_k, SHRINK_SPLIT_MAX_PAIRS), E, bm) for bm in (16, block_m))
+    ws.get("lora_split", SHRINK_MAX_SPLIT * split_rows * 2 * R, torch.float32, device)
     return ws
 
 
@@ -206,6 +213,14 @@ def shrink_tiles(block_m: int, K: int) -> tuple[int, int]:
     if block_m > 32:
         return 64, 4
     return min(256, max(16, triton.next_power_of_2(K))), 3
+
+
+def shrink_split(pairs: int, K: int, block_k: int) -> int:
+    """The shrink's K splits for `pairs` (token, expert) pairs over K: at decode sizes (at most
+    SHRINK_SPLIT_MAX_PAIRS) as many as keep SHRINK_MIN_K_PER_SPLIT of K each, whole K steps."""
+    if pairs > SHRINK_SPLIT_MAX_PAIRS:
+        return 1
+    return max(1, min(SHRINK_MAX_SPLIT, K // max(SHRINK_MIN_K_PER_SPLIT, block_k)))
 
 
 def delta_consts(dtype: torch.dtype, S: int, R: int, block_m: int) -> dict:
@@ -259,12 +274,19 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
 
     def shrink(src, a, dst, K, gather):
         bk, stages = shrink_tiles(bm, K)
-        LK.moe_lora_shrink_kernel[(n_blocks, S)](
-            src, a, dst, slot, blocks.sorted_ids, blocks.expert_ids, blocks.num_post, numel, S, a.shape[2], K,
-            src.stride(0), a.stride(0), a.stride(1), a.stride(2), dst.stride(0), TOP_K=top_k, GATHER=gather,
-            PRECISION=flags["PRECISION"], DOT_FP32=flags["DOT_FP32"], BLOCK_M=bm,
-            BLOCK_N=max(16, triton.next_power_of_2(a.shape[2])), BLOCK_K=bk, EVEN_K=K % bk == 0, num_warps=4,
-            num_stages=stages, **pdl)
+        NR = a.shape[2]
+        split = shrink_split(numel, K, bk)
+        sems = zeroed(x.device, "lora_shrink_semaphores", n_blocks * S, torch.int32) if split > 1 else None
+        if sems is None:   # unsplit, or the semaphores would have to grow inside a capture
+            split, sems = 1, dst
+        partials = ws.get("lora_split", split * rows * NR, torch.float32, x.device) if split > 1 else dst
+        k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
+        LK.moe_lora_shrink_kernel[(n_blocks, S * split)](
+            src, a, dst, slot, blocks.sorted_ids, blocks.expert_ids, blocks.num_post, numel, S, NR, K,
+            src.stride(0), a.stride(0), a.stride(1), a.stride(2), dst.stride(0), partials, sems, rows, k_per_split,
+            TOP_K=top_k, GATHER=gather, PRECISION=flags["PRECISION"], DOT_FP32=flags["DOT_FP32"], BLOCK_M=bm,
+            BLOCK_N=max(16, triton.next_power_of_2(NR)), BLOCK_K=bk, EVEN_K=K % bk == 0, SPLIT_K=split,
+            num_warps=4, num_stages=stages, **pdl)
 
     consts = delta_consts(x.dtype, S, R, bm)
     delta13 = delta2 = None

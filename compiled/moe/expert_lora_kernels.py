@@ -5,12 +5,13 @@ The pairs are sorted by expert into BLOCK_M blocks as for the base MoE (`moe_ali
 and every per-pair buffer is kept in block order (row = the pair's position), as the
 intermediate is. A block's rows share an expert but not a slot (each token has its own adapter).
 
-`moe_lora_shrink_kernel`, grid (blocks, S): program (b, s) computes, for the rows of block b whose
+`moe_lora_shrink_kernel`, grid (blocks, S x SPLIT_K): program (b, s) computes, for the rows of block b whose
 token's slot is s, `a[s, e] @ row` (fp32, one tensor-core dot a K step, the other rows masked)
 into `s_out` at the rows' positions: x's token rows (GATHER: gate/up, `a13 [S, E, 2R, H]`) or the
 intermediate's block rows (down, `a2 [S, E, R, I]`). Programs whose slot is absent from their
 block exit after the slot loads; rows without an adapter (slot -1, or outside [0, S)) are not
-written and never read."""
+written and never read. A decode batch has few (block, slot) programs, each a long walk over K
+for its few rows: there the K range is split (`expert_lora.shrink_split`)."""
 
 from __future__ import annotations
 
@@ -32,15 +33,20 @@ def _pair_slots(SLOT, pair, num_valid, S, TOP_K: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_valid"])
 def moe_lora_shrink_kernel(X, A, OUT, SLOT, sorted_ptr, expert_ids_ptr, num_post_ptr, num_valid, S, NR, K,
-                           stride_xm, stride_as, stride_ae, stride_an, stride_om,
-                           TOP_K: tl.constexpr, GATHER: tl.constexpr, PRECISION: tl.constexpr,
+                           stride_xm, stride_as, stride_ae, stride_an, stride_om, Partials, Semaphores, ROWS,
+                           K_PER_SPLIT, TOP_K: tl.constexpr, GATHER: tl.constexpr, PRECISION: tl.constexpr,
                            DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     """OUT[pos, n] = sum_k row[k] * A[s, e, n, k] (fp32, n < NR) for block pid_m's rows of slot
-    s = program_id(1); row = X[token] (GATHER) or X[pos] (the intermediate, block order)."""
+    s = program_id(1) // SPLIT_K; row = X[token] (GATHER) or X[pos] (the intermediate, block
+    order). SPLIT_K > 1: program_id(1) % SPLIT_K takes one K range of K_PER_SPLIT (whole BLOCK_K
+    steps with EVEN_K); the splits write fp32 partials `[SPLIT_K, ROWS, NR]` and bump the
+    (block, slot) semaphore, and the last to arrive sums them in split order (deterministic),
+    stores the rows and puts the semaphore back to 0, as the linear's LoRA shrink does."""
     pdl_wait(PDL)
     pid_m = tl.program_id(0)
-    s = tl.program_id(1)
+    s = tl.program_id(1) // SPLIT_K
+    pid_k = tl.program_id(1) % SPLIT_K
     offs_m = tl.arange(0, BLOCK_M)
     num_post = tl.load(num_post_ptr)
     if pid_m * BLOCK_M < num_post:
@@ -52,12 +58,28 @@ def moe_lora_shrink_kernel(X, A, OUT, SLOT, sorted_ptr, expert_ids_ptr, num_post
             pos = (pid_m * BLOCK_M + offs_m).to(tl.int64)
             offs_n = tl.arange(0, BLOCK_N)
             n_ok = offs_n < NR
-            offs_k = tl.arange(0, BLOCK_K)
+            k_start = pid_k * K_PER_SPLIT
+            k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+            offs_k = k_start + tl.arange(0, BLOCK_K)
             if GATHER:
                 x_ptrs = X + token[:, None] * stride_xm + offs_k[None, :]
             else:
                 x_ptrs = X + pos[:, None] * stride_xm + offs_k[None, :]
             a_ptrs = A + s.to(tl.int64) * stride_as + expert * stride_ae + offs_n[:, None] * stride_an + offs_k[None, :]
-            acc = masked_dot_t(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptrs, a_ptrs, rows, n_ok, 0, K,
-                               BLOCK_K, EVEN_K, DOT_FP32, PRECISION)
-            tl.store(OUT + pos[:, None] * stride_om + offs_n[None, :], acc, mask=rows[:, None] & n_ok[None, :])
+            acc = masked_dot_t(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptrs, a_ptrs, rows, n_ok, k_start,
+                               k_end, BLOCK_K, EVEN_K, DOT_FP32, PRECISION)
+            o_ptrs = OUT + pos[:, None] * stride_om + offs_n[None, :]
+            o_mask = rows[:, None] & n_ok[None, :]
+            if SPLIT_K == 1:
+                tl.store(o_ptrs, acc, mask=o_mask)
+            else:
+                part_ptrs = Partials + pos[:, None] * NR + offs_n[None, :]
+                tl.store(part_ptrs + pid_k * ROWS * NR, acc, mask=o_mask)
+                tl.debug_barrier()   # every thread's partial store before the release below
+                sem = Semaphores + pid_m * S + s
+                if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+                    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                    for sp in tl.static_range(SPLIT_K):   # .cg: from L2, never a stale L1 line
+                        total += tl.load(part_ptrs + sp * ROWS * NR, mask=o_mask, other=0.0, cache_modifier=".cg")
+                    tl.store(o_ptrs, total, mask=o_mask)
+                    tl.atomic_xchg(sem, 0)

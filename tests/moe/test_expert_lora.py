@@ -172,7 +172,21 @@ def case_sum_in_the_norm_kernel():
         torch.testing.assert_close(g_, ref, atol=1e-4, rtol=1e-4)
 
 
-CASES = [case_t7_h45_i19_fp32_mixed_slots, case_sum_in_the_norm_kernel, case_t7_h45_i19_bf16_and_fp16,
+def case_split_k_shrinks():
+    # both shrinks split along K (gate/up 2 ragged splits of 32 and 13, down 3 of 16), twice: the
+    # second call finds the semaphores back at 0, and they are left so
+    before = el.SHRINK_MIN_K_PER_SPLIT, el.shrink_tiles
+    el.SHRINK_MIN_K_PER_SPLIT, el.shrink_tiles = 16, lambda bm, K: (16, 2)
+    try:
+        assert el.shrink_split(21, 45, 16) == 2 and el.shrink_split(21, 48, 16) == 3
+        for seed in (14, 15):
+            _check_triton(problem(7, 6, 3, 45, 48, 8, 3, slots=SLOTS_7, seed=seed), _cfg(16, 16, 16), torch.float32)
+    finally:
+        el.SHRINK_MIN_K_PER_SPLIT, el.shrink_tiles = before
+    assert not fm.zeroed(torch.device("cpu"), "lora_shrink_semaphores", 1, torch.int32).any()
+
+
+CASES = [case_split_k_shrinks, case_t7_h45_i19_fp32_mixed_slots, case_sum_in_the_norm_kernel, case_t7_h45_i19_bf16_and_fp16,
          case_t40_e8_k2_blocks_groups_and_out_of_range_slots, case_t40_one_adapter_tall_tiles,
          case_one_token_top1_and_rank5,
          case_no_adapter_is_the_base_moe, case_op_forced_triton_and_workspace_reuse]
