@@ -58,9 +58,10 @@ DELTA_IN_16BIT = True  # the GEMMs' delta dots on 16-bit operands (the shrink ou
 # (one token, 5 -> 3 stages: 59.4 -> 64.6 µs). Steps below 128 were not tried.
 SM_SHARED_BYTES = 227 * 1024
 LORA_MIN_BLOCK_K = 128
-# The shrink's K split (`shrink_split`): up to this many pairs (64 tokens of top-8), at least this
-# much of K a split, at most this many splits.
-SHRINK_SPLIT_MAX_PAIRS = 512
+# The shrink's K split (`shrink_split`): up to this many pairs (8 tokens of top-8), at least this
+# much of K a split, at most this many splits. H200, 30B gate/up at 8 tokens: 10.2 -> 8.6 µs in 4
+# splits; at 16 and 64 tokens, and for down (K = 768), splits gained nothing or lost (bench/RESULTS.md).
+SHRINK_SPLIT_MAX_PAIRS = 64
 SHRINK_MIN_K_PER_SPLIT = 512
 SHRINK_MAX_SPLIT = 8
 
