@@ -242,6 +242,19 @@ def test_cpu_auto_is_the_reference(backend):
     assert lora.use_kernel(x)
 
 
+def test_linear_lora_on_cpu_is_linear_then_expand_and_checks_its_inputs(backend):
+    backend("auto")
+    x, a, b, scale, slot, _ = problem(7, 45, [17, 9, 9], 8, 3, torch.float32, 6, SLOTS_7)
+    w = torch.randn(35, 45, generator=torch.Generator().manual_seed(6))
+    s = lora_shrink_ref(x, a, slot)
+    out = torch.ops.compiled.linear_lora(x, w, s, b, scale, slot, [17, 9, 9])
+    assert torch.equal(out, lora_expand_ref(x @ w.T, s, b, scale, slot, [17, 9, 9]))
+    op = torch.ops.compiled.linear_lora
+    _one_line(lambda: op(x, w[:, :44], s, b, scale, slot, [17, 9, 9]), r"compiled::linear: x \(7, 45\) @ weight")
+    _one_line(lambda: op(x, w, s, b, scale, slot, [17, 9, 8]), r"lora_expand: slices \[17, 9, 8\] must be positive")
+    _one_line(lambda: op(x, w, s[:, :8], b, scale, slot, [17, 9, 9]), r"s \(7, 8\) torch.float32")
+
+
 def _one_line(fn, match):
     with pytest.raises(ValueError, match=match) as e:
         fn()
