@@ -59,8 +59,8 @@ DELTA_IN_16BIT = True  # the GEMMs' delta dots on 16-bit operands (the shrink ou
 SM_SHARED_BYTES = 227 * 1024
 LORA_MIN_BLOCK_K = 128
 # The shrink's K split (`shrink_split`): up to this many pairs (8 tokens of top-8), at least this
-# much of K a split, at most this many splits. H200, 30B gate/up at 8 tokens: 10.2 -> 8.6 µs in 4
-# splits; at 16 and 64 tokens, and for down (K = 768), splits gained nothing or lost (bench/RESULTS.md).
+# much of K a split, at most this many splits. Up to 8 tokens the split gate/up shrink's few programs
+# finish sooner; at 64 it lost (bench/RESULTS.md), and down (K = 768) stays whole.
 SHRINK_SPLIT_MAX_PAIRS = 64
 SHRINK_MIN_K_PER_SPLIT = 512
 SHRINK_MAX_SPLIT = 8
