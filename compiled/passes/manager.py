@@ -19,9 +19,9 @@ from compiled.graphs.weights import WeightMap
 REGISTRY: dict[str, GraphPass] = {m.PASS.name: m.PASS for m in (
     fuse_qkv, fuse_w13, silu_and_mul, skinny_linear, lora_delta, fuse_lora_linear, fuse_qk_norm_rope,
     fuse_norm_linear, fuse_silu_linear, fuse_moe_norm, cp_allgather)}
-# What a model without LoRA or context parallelism runs; `with_lora` adds the LoRA deltas and
-# `with_cp` the context-parallel gathers.
-OPTIONAL_PASSES = ("lora_delta", "cp_allgather")
+# What a model without LoRA or context parallelism runs; `with_lora` adds the LoRA deltas (and
+# their fusion into the decode linears) and `with_cp` the context-parallel gathers.
+OPTIONAL_PASSES = ("lora_delta", "fuse_lora_linear", "cp_allgather")
 DEFAULT_PASSES: tuple[str, ...] = tuple(name for name in REGISTRY if name not in OPTIONAL_PASSES)
 PassList = list[str | GraphPass] | tuple[str | GraphPass, ...]
 CHECKS = ("each", "end", "none")
@@ -40,11 +40,12 @@ def resolve_passes(names: PassList | None) -> list[GraphPass]:
 
 
 def with_lora(names: PassList | None, lora: GraphPass) -> list[str | GraphPass]:
-    """`names` with the LoRA pass `lora` placed after the passes it follows and before the rest."""
+    """`names` with the LoRA pass `lora` placed after the passes it follows and before the rest,
+    fuse_lora_linear right after it."""
     names = list(DEFAULT_PASSES if names is None else names)
-    names = [n for n in names if (n.name if isinstance(n, GraphPass) else n) != lora.name]
+    names = [n for n in names if (n.name if isinstance(n, GraphPass) else n) not in (lora.name, "fuse_lora_linear")]
     last = max((i for i, n in enumerate(names) if n in lora.after), default=-1)
-    return names[:last + 1] + [lora] + names[last + 1:]
+    return names[:last + 1] + [lora, "fuse_lora_linear"] + names[last + 1:]
 
 
 def with_cp(names: PassList | None) -> list[str | GraphPass]:
