@@ -186,7 +186,8 @@ def case_split_k_shrinks():
     assert not fm.zeroed(torch.device("cpu"), "lora_shrink_semaphores", 1, torch.int32).any()
 
 
-CASES = [case_split_k_shrinks, case_t7_h45_i19_fp32_mixed_slots, case_sum_in_the_norm_kernel, case_t7_h45_i19_bf16_and_fp16,
+CASES = [case_split_k_shrinks, case_t7_h45_i19_fp32_mixed_slots, case_sum_in_the_norm_kernel,
+         case_t7_h45_i19_bf16_and_fp16,
          case_t40_e8_k2_blocks_groups_and_out_of_range_slots, case_t40_one_adapter_tall_tiles,
          case_one_token_top1_and_rank5,
          case_no_adapter_is_the_base_moe, case_op_forced_triton_and_workspace_reuse]
