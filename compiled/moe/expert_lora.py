@@ -58,12 +58,10 @@ DELTA_IN_16BIT = True  # the GEMMs' delta dots on 16-bit operands (the shrink ou
 # (one token, 5 -> 3 stages: 59.4 -> 64.6 µs). Steps below 128 were not tried.
 SM_SHARED_BYTES = 227 * 1024
 LORA_MIN_BLOCK_K = 128
-# The shrink's grid (`shrink_grid`): up to SHRINK_LOOP_MAX_PAIRS pairs a program a block walks its
-# slots; up to SHRINK_SPLIT_MAX_PAIRS (8 tokens of top-8) K is split, at least
-# SHRINK_MIN_K_PER_SPLIT a split, at most SHRINK_MAX_SPLIT splits (bench/RESULTS.md: split at 64
-# tokens lost; down's K = 768 stays whole).
+# The shrink's K split (`shrink_split`): up to this many pairs (8 tokens of top-8), at least this
+# much of K a split, at most this many splits. Up to 8 tokens the split gate/up shrink's few programs
+# finish sooner; at 64 it lost (bench/RESULTS.md), and down (K = 768) stays whole.
 SHRINK_SPLIT_MAX_PAIRS = 64
-SHRINK_LOOP_MAX_PAIRS = 64
 SHRINK_MIN_K_PER_SPLIT = 512
 SHRINK_MAX_SPLIT = 8
 
@@ -218,14 +216,12 @@ def shrink_tiles(block_m: int, K: int) -> tuple[int, int]:
     return min(256, max(16, triton.next_power_of_2(K))), 3
 
 
-def shrink_grid(pairs: int, K: int, block_k: int) -> tuple[bool, int]:
-    """The shrink's grid for `pairs` (token, expert) pairs over K: (a program a block walking its
-    slots, K splits). At decode sizes (at most SHRINK_LOOP_MAX_PAIRS, SHRINK_SPLIT_MAX_PAIRS) the
-    walk, and as many splits as keep SHRINK_MIN_K_PER_SPLIT of K each, whole K steps."""
-    split = 1
-    if pairs <= SHRINK_SPLIT_MAX_PAIRS:
-        split = max(1, min(SHRINK_MAX_SPLIT, K // max(SHRINK_MIN_K_PER_SPLIT, block_k)))
-    return pairs <= SHRINK_LOOP_MAX_PAIRS, split
+def shrink_split(pairs: int, K: int, block_k: int) -> int:
+    """The shrink's K splits for `pairs` (token, expert) pairs over K: at decode sizes (at most
+    SHRINK_SPLIT_MAX_PAIRS) as many as keep SHRINK_MIN_K_PER_SPLIT of K each, whole K steps."""
+    if pairs > SHRINK_SPLIT_MAX_PAIRS:
+        return 1
+    return max(1, min(SHRINK_MAX_SPLIT, K // max(SHRINK_MIN_K_PER_SPLIT, block_k)))
 
 
 def delta_consts(dtype: torch.dtype, S: int, R: int, block_m: int) -> dict:
@@ -280,18 +276,18 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     def shrink(src, a, dst, K, gather):
         bk, stages = shrink_tiles(bm, K)
         NR = a.shape[2]
-        loop_slots, split = shrink_grid(numel, K, bk)
+        split = shrink_split(numel, K, bk)
         sems = zeroed(x.device, "lora_shrink_semaphores", n_blocks * S, torch.int32) if split > 1 else None
         if sems is None:   # unsplit, or the semaphores would have to grow inside a capture
             split, sems = 1, dst
         partials = ws.get("lora_split", split * rows * NR, torch.float32, x.device) if split > 1 else dst
         k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
-        LK.moe_lora_shrink_kernel[(n_blocks, split if loop_slots else S * split)](
+        LK.moe_lora_shrink_kernel[(n_blocks, S * split)](
             src, a, dst, slot, blocks.sorted_ids, blocks.expert_ids, blocks.num_post, numel, S, NR, K,
             src.stride(0), a.stride(0), a.stride(1), a.stride(2), dst.stride(0), partials, sems, rows, k_per_split,
             TOP_K=top_k, GATHER=gather, PRECISION=flags["PRECISION"], DOT_FP32=flags["DOT_FP32"], BLOCK_M=bm,
             BLOCK_N=max(16, triton.next_power_of_2(NR)), BLOCK_K=bk, EVEN_K=K % bk == 0, SPLIT_K=split,
-            LOOP_SLOTS=loop_slots, num_warps=4, num_stages=stages, **pdl)
+            num_warps=4, num_stages=stages, **pdl)
 
     consts = delta_consts(x.dtype, S, R, bm)
     delta13 = delta2 = None

@@ -5,15 +5,13 @@ The pairs are sorted by expert into BLOCK_M blocks as for the base MoE (`moe_ali
 and every per-pair buffer is kept in block order (row = the pair's position), as the
 intermediate is. A block's rows share an expert but not a slot (each token has its own adapter).
 
-`moe_lora_shrink_kernel` computes, for each row of block b with an adapter, `a[s, e] @ row` (fp32,
-s the row's slot, one tensor-core dot a K step with the other rows masked) into `s_out` at the
-rows' positions: x's token rows (GATHER: gate/up, `a13 [S, E, 2R, H]`) or the intermediate's block
-rows (down, `a2 [S, E, R, I]`). Rows without an adapter (slot -1, or outside [0, S)) are not
-written and never read. Two grids. Grid (blocks, S): program (b, s) takes block b's rows of slot
-s, and exits after the slot loads when there are none; at prefill a block holds one or two slots.
-A decode batch's blocks hold a pair or two each, so that grid is mostly programs that exit:
-there (`expert_lora.shrink_grid`) a program a block walks the slots present in it, and the K
-range is split among programs so that their short walks overlap."""
+`moe_lora_shrink_kernel`, grid (blocks, S x SPLIT_K): program (b, s) computes, for the rows of block b whose
+token's slot is s, `a[s, e] @ row` (fp32, one tensor-core dot a K step, the other rows masked)
+into `s_out` at the rows' positions: x's token rows (GATHER: gate/up, `a13 [S, E, 2R, H]`) or the
+intermediate's block rows (down, `a2 [S, E, R, I]`). Programs whose slot is absent from their
+block exit after the slot loads; rows without an adapter (slot -1, or outside [0, S)) are not
+written and never read. A decode batch has few (block, slot) programs, each a long walk over K
+for its few rows: there the K range is split (`expert_lora.shrink_split`)."""
 
 from __future__ import annotations
 
@@ -33,76 +31,52 @@ def _pair_slots(SLOT, pair, num_valid, S, TOP_K: tl.constexpr):
     return row_ok, token, slots
 
 
-@triton.jit
-def _slot_dot(X, A, row_idx, rows, s, expert, offs_n, n_ok, k_start, k_end, stride_xm, stride_as, stride_ae,
-              stride_an, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    """`A[s, expert] @ X[row_idx]` over K in [k_start, k_end) for the `rows` (the others read zeros)."""
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    x_ptrs = X + row_idx[:, None] * stride_xm + offs_k[None, :]
-    # (s a loop counter here: a Python int under the interpreter, so the int64 product comes from the stride)
-    a_ptrs = A + stride_as.to(tl.int64) * s + expert * stride_ae + offs_n[:, None] * stride_an + offs_k[None, :]
-    return masked_dot_t(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptrs, a_ptrs, rows, n_ok, k_start, k_end,
-                        BLOCK_K, EVEN_K, DOT_FP32, PRECISION)
-
-
 @triton.jit(do_not_specialize=["num_valid"])
 def moe_lora_shrink_kernel(X, A, OUT, SLOT, sorted_ptr, expert_ids_ptr, num_post_ptr, num_valid, S, NR, K,
                            stride_xm, stride_as, stride_ae, stride_an, stride_om, Partials, Semaphores, ROWS,
                            K_PER_SPLIT, TOP_K: tl.constexpr, GATHER: tl.constexpr, PRECISION: tl.constexpr,
                            DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                           LOOP_SLOTS: tl.constexpr, PDL: tl.constexpr):
-    """OUT[pos, n] = sum_k row[k] * A[s, e, n, k] (fp32, n < NR) for block pid_m's rows, s each
-    row's slot; row = X[token] (GATHER) or X[pos] (the intermediate, block order). Grid axis 1:
-    LOOP_SLOTS, the K split (the program walks the slots present in its block, one after the
-    other); else slot x SPLIT_K + split (the program takes the rows of one slot). SPLIT_K > 1:
-    each split takes one K range of K_PER_SPLIT (whole BLOCK_K steps with EVEN_K), writes fp32
-    partials `[SPLIT_K, ROWS, NR]` and bumps its block's (slot's) semaphore; the last to arrive
-    sums them in split order (deterministic), stores the rows and puts the semaphore back to 0,
-    as the linear's LoRA shrink does."""
+                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+    """OUT[pos, n] = sum_k row[k] * A[s, e, n, k] (fp32, n < NR) for block pid_m's rows of slot
+    s = program_id(1) // SPLIT_K; row = X[token] (GATHER) or X[pos] (the intermediate, block
+    order). SPLIT_K > 1: program_id(1) % SPLIT_K takes one K range of K_PER_SPLIT (whole BLOCK_K
+    steps with EVEN_K); the splits write fp32 partials `[SPLIT_K, ROWS, NR]` and bump the
+    (block, slot) semaphore, and the last to arrive sums them in split order (deterministic),
+    stores the rows and puts the semaphore back to 0, as the linear's LoRA shrink does."""
     pdl_wait(PDL)
     pid_m = tl.program_id(0)
-    if LOOP_SLOTS:
-        s_prog = 0
-        pid_k = tl.program_id(1)
-    else:
-        s_prog = tl.program_id(1) // SPLIT_K
-        pid_k = tl.program_id(1) % SPLIT_K
+    s = tl.program_id(1) // SPLIT_K
+    pid_k = tl.program_id(1) % SPLIT_K
     offs_m = tl.arange(0, BLOCK_M)
     num_post = tl.load(num_post_ptr)
     if pid_m * BLOCK_M < num_post:
         pair = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m)
         row_ok, token, slots = _pair_slots(SLOT, pair, num_valid, S, TOP_K)
-        mine = slots >= 0 if LOOP_SLOTS else slots == s_prog
-        if tl.sum(mine.to(tl.int32), axis=0) > 0:
+        rows = slots == s
+        if tl.sum(rows.to(tl.int32), axis=0) > 0:
             expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
             pos = (pid_m * BLOCK_M + offs_m).to(tl.int64)
-            row_idx = token if GATHER else pos
             offs_n = tl.arange(0, BLOCK_N)
             n_ok = offs_n < NR
             k_start = pid_k * K_PER_SPLIT
             k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-            if LOOP_SLOTS:
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for s in range(0, S):
-                    rows = slots == s
-                    if tl.sum(rows.to(tl.int32), axis=0) > 0:
-                        acc += _slot_dot(X, A, row_idx, rows, s, expert, offs_n, n_ok, k_start, k_end, stride_xm,
-                                         stride_as, stride_ae, stride_an, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_FP32,
-                                         PRECISION)
+            offs_k = k_start + tl.arange(0, BLOCK_K)
+            if GATHER:
+                x_ptrs = X + token[:, None] * stride_xm + offs_k[None, :]
             else:
-                acc = _slot_dot(X, A, row_idx, mine, s_prog, expert, offs_n, n_ok, k_start, k_end, stride_xm,
-                                stride_as, stride_ae, stride_an, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_FP32, PRECISION)
+                x_ptrs = X + pos[:, None] * stride_xm + offs_k[None, :]
+            a_ptrs = A + s.to(tl.int64) * stride_as + expert * stride_ae + offs_n[:, None] * stride_an + offs_k[None, :]
+            acc = masked_dot_t(tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), x_ptrs, a_ptrs, rows, n_ok, k_start,
+                               k_end, BLOCK_K, EVEN_K, DOT_FP32, PRECISION)
             o_ptrs = OUT + pos[:, None] * stride_om + offs_n[None, :]
-            o_mask = mine[:, None] & n_ok[None, :]
+            o_mask = rows[:, None] & n_ok[None, :]
             if SPLIT_K == 1:
                 tl.store(o_ptrs, acc, mask=o_mask)
             else:
                 part_ptrs = Partials + pos[:, None] * NR + offs_n[None, :]
                 tl.store(part_ptrs + pid_k * ROWS * NR, acc, mask=o_mask)
                 tl.debug_barrier()   # every thread's partial store before the release below
-                sem = Semaphores + pid_m * S + s_prog
+                sem = Semaphores + pid_m * S + s
                 if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
                     total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                     for sp in tl.static_range(SPLIT_K):   # .cg: from L2, never a stale L1 line

@@ -178,7 +178,7 @@ def case_split_k_shrinks():
     before = el.SHRINK_MIN_K_PER_SPLIT, el.shrink_tiles
     el.SHRINK_MIN_K_PER_SPLIT, el.shrink_tiles = 16, lambda bm, K: (16, 2)
     try:
-        assert el.shrink_grid(21, 45, 16) == (True, 2) and el.shrink_grid(21, 48, 16) == (True, 3)
+        assert el.shrink_split(21, 45, 16) == 2 and el.shrink_split(21, 48, 16) == 3
         for seed in (14, 15):
             _check_triton(problem(7, 6, 3, 45, 48, 8, 3, slots=SLOTS_7, seed=seed), _cfg(16, 16, 16), torch.float32)
     finally:
