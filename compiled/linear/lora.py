@@ -169,15 +169,17 @@ def linear_lora(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, b: torch
                 slot: torch.Tensor, slices: list[int]) -> torch.Tensor:
     """`lora_expand(linear(x, weight), s, b, scale, slot, slices)`, rounded as the two ops round:
     one skinny-GEMM launch with the deltas in its epilogue where both backends allow the kernels
-    (decode rows on CUDA), the two ops' bodies otherwise."""
+    and the skinny GEMM serves the linear (decode rows on CUDA), the two ops' bodies otherwise."""
     check_linear_lora(x, weight, s, b, scale, slot, slices)
     return linear_lora_body(x, weight, s, b, scale, slot, slices)
 
 
 def linear_lora_body(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
                      slot: torch.Tensor, slices: list[int]) -> torch.Tensor:
-    """`linear_lora`'s body (inputs checked): for ops that call it from their own."""
-    if use_kernel(x) and len(slices) <= LORA_MAX_SLICES and ops.use_kernel(x, weight, epilogue=True):
+    """`linear_lora`'s body (inputs checked): for ops that call it from their own. The skinny
+    kernel takes the deltas where it serves the linear anyway: a linear that cuBLAS does better
+    (the 30B's qkv at 2-16 rows) lost more than the expand's launch saved (bench/RESULTS.md)."""
+    if use_kernel(x) and len(slices) <= LORA_MAX_SLICES and ops.use_kernel(x, weight):
         from compiled.linear.lora_kernels import LoRAArgs
         from compiled.linear.skinny_kernels import skinny_linear_lora_triton
         return skinny_linear_lora_triton(x, weight, LoRAArgs.of(s, b, scale, slot, list(slices)))
