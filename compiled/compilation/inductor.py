@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 from torch import fx, nn
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from compiled.compilation.warm_up import once_per_shape
 from compiled.passes.inline_references import inline_references
@@ -79,9 +80,25 @@ class CompiledModel(nn.Module):
         return [m for m in modules if isinstance(m, CompiledPiece)]
 
 
-def compile_piece(graph: fx.GraphModule, fake_inputs: list):
+class _PieceKey(CustomGraphPass):
+    """Rewrites nothing. Its uuid, the piece's key, joins the key of Inductor's FX-graph cache,
+    which hashes the graph's code but not the schemas of the custom ops it calls: code generated
+    for an op's old arguments (an earlier build of the project) is never reused."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __call__(self, graph: fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return self.key
+
+
+def compile_piece(graph: fx.GraphModule, fake_inputs: list, key: str):
     COMPILES["count"] += 1
-    return torch._inductor.standalone_compile(graph, fake_inputs, dynamic_shapes="from_graph")
+    with torch._inductor.config.patch(post_grad_custom_post_pass=_PieceKey(key)):
+        return torch._inductor.standalone_compile(graph, fake_inputs, dynamic_shapes="from_graph")
 
 
 def compile_model(gm: nn.Module, device: torch.device, artifacts: dict[str, Callable] | None = None,
@@ -104,7 +121,7 @@ def compile_model(gm: nn.Module, device: torch.device, artifacts: dict[str, Call
         attach_fake_inputs(split, device)
         for key in todo:
             piece = unique[key]
-            compiled[key] = compile_piece(piece.graph, piece.fake_inputs)
+            compiled[key] = compile_piece(piece.graph, piece.fake_inputs, key)
             report.compiled += 1
     report.seconds["compile"] = time.perf_counter() - start
     calls = {n.target: n for n in split.top.graph.nodes if n.op == "call_module"}

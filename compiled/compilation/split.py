@@ -248,8 +248,15 @@ def _piece(name: str, graph: fx.Graph, weights: list[torch.Tensor | None], keys:
     shapes = repr([None if w is None else (tuple(w.shape), w.dtype) for w in weights])
     structure = (shapes, *((n.op, n.target, repr(n.args), repr(n.kwargs), n.type) for n in graph.nodes))
     if structure not in keys:
-        keys[structure] = hashlib.sha256((module.code + shapes).encode()).hexdigest()[:16]
+        keys[structure] = hashlib.sha256((module.code + shapes + _op_schemas(graph)).encode()).hexdigest()[:16]
     return Piece(name, module, keys[structure])
+
+
+def _op_schemas(graph: fx.Graph) -> str:
+    """The schemas of the project's ops the piece calls: its code names them, but code compiled
+    for an op's old arguments must not be found by the key (an artifact, Inductor's cache)."""
+    return "\n".join(sorted({str(n.target._schema) for n in graph.nodes if n.op == "call_function"
+                             and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "compiled"}))
 
 
 def _top_graph(gm: nn.Module, flat: fx.Graph, parts: list[_Part], modules: dict[str, nn.Module]) -> fx.GraphModule:

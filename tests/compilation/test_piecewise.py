@@ -116,3 +116,25 @@ def test_unowned_view_shares_memory_without_keeping_it():
     ref = StorageWeakRef(base.untyped_storage())
     del base, x
     assert ref.expired()  # the view did not keep the memory allocated
+
+
+def test_piece_keys_hash_the_schemas_of_the_ops_they_call(monkeypatch):
+    """A piece's key (which finds its compiled code in an artifact, and joins Inductor's cache key
+    through `compile_piece`) changes with the schema of a project op it calls, which its code does
+    not show: code compiled for an op's old arguments is never found for the new ones."""
+    from compiled.compilation import inductor, split as split_module_
+    cfg = dataclasses.replace(ModelConfig.from_pretrained(MOE_MODEL), num_hidden_layers=2)
+    meta = meta_model(cfg)
+    gm = run_passes(trace(meta), meta.checkpoint_map(), check="end").gm
+    piece = split_graph(gm).pieces[1]
+    schemas = split_module_._op_schemas(piece.graph.graph)
+    assert "compiled::add_rms_norm_linear(Tensor x, Tensor delta, Tensor norm_weight" in schemas
+    monkeypatch.setattr(split_module_, "_op_schemas", lambda graph: schemas + " (other arguments)")
+    assert split_graph(gm).pieces[1].key != piece.key
+    seen = {}
+
+    def standalone_compile(graph, inputs, dynamic_shapes):
+        seen["uuid"] = torch._inductor.config.post_grad_custom_post_pass.uuid()
+    monkeypatch.setattr(torch._inductor, "standalone_compile", standalone_compile)
+    inductor.compile_piece(piece.graph, [], piece.key)
+    assert seen["uuid"] == piece.key
