@@ -36,9 +36,6 @@ def sums_in_norm(x: torch.Tensor, moe_x: torch.Tensor, topk_ids: torch.Tensor) -
     return fm.backend(moe_x) == "triton" and topk_ids.shape[1] > 1 and x.stride(-1) == 1
 
 
-# Up to this many rows the norm's kernel computes the linear's LoRA shrink too (each of a row's
-# programs sums its own copy of the row); a prefill's rows take the shrink kernel's tensor-core tiles.
-NORM_SHRINK_MAX_TOKENS = 64
 LIN_LORA_ARGS = ("lin_a", "lin_b", "lin_scale", "lin_slices")   # the linear's own delta, after those
 
 
@@ -97,7 +94,7 @@ def moe_add_rms_norm_linear(x: torch.Tensor, moe_x: torch.Tensor, topk_weights: 
     if lin_a is None:
         h, normed, _ = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps)
         return dispatch(normed, weight), h, normed if keep_normed else x.new_empty(0)
-    if linear_lora.use_kernel(x) and x.shape[0] <= NORM_SHRINK_MAX_TOKENS:   # the shrink in the norm's kernel
+    if linear_lora.use_kernel(x):   # the shrink inside the norm's kernel
         h, normed, s = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps, (lin_a, lora_slot))
     else:
         h, normed, _ = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps)
