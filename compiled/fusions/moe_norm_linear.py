@@ -14,9 +14,8 @@ runs the two ops' references in a row. It calls into moe/ and linear/, so it liv
 The linear may take its own multi-LoRA delta (`lin_a`, `lin_b`, `lin_scale`, `lin_slices`: the
 `lora_shrink` / `lora_expand` arguments of the next layer's qkv, with the experts' `lora_slot`):
 y = lora_expand(y, lora_shrink(normed, lin_a, slot), lin_b, lin_scale, slot, lin_slices). Since the
-norm runs as a kernel of its own here, that kernel computes the shrink too, and where the skinny
-GEMM serves the linear it adds the deltas in its epilogue (`compiled::linear_lora`): two launches
-fewer a layer at one row, one at 2-16 rows."""
+norm runs as a kernel of its own here, the shrink can read it before the linear, which then adds
+the deltas in its epilogue (`compiled::linear_lora`): one launch fewer a layer at decode sizes."""
 
 from __future__ import annotations
 
@@ -91,15 +90,12 @@ def moe_add_rms_norm_linear(x: torch.Tensor, moe_x: torch.Tensor, topk_weights: 
     else:
         el.check_shapes(moe_x, topk_weights, topk_ids, w13, w2, *lora)
         pairs = el.fused_moe_lora_triton(moe_x, topk_weights, topk_ids, w13, w2, *lora, sum_slots=False)
+    h, normed = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps)
     if lin_a is None:
-        h, normed, _ = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps)
-        return dispatch(normed, weight), h, normed if keep_normed else x.new_empty(0)
-    if linear_lora.use_kernel(x):   # the shrink inside the norm's kernel
-        h, normed, s = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps, (lin_a, lora_slot))
+        y = dispatch(normed, weight)
     else:
-        h, normed, _ = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps)
         s = linear_lora.shrink(normed, lin_a, lora_slot)
-    y = linear_lora.linear_lora_body(normed, weight, s, lin_b, lin_scale, lora_slot, list(lin_slices))
+        y = linear_lora.linear_lora_body(normed, weight, s, lin_b, lin_scale, lora_slot, list(lin_slices))
     return y, h, normed if keep_normed else x.new_empty(0)
 
 

@@ -451,32 +451,18 @@ def moe_sum_add_rms_norm_ref(pairs: torch.Tensor, x: torch.Tensor, norm_weight: 
     return add_rms_norm_ref(x, moe_out, norm_weight, eps)
 
 
-# The norm kernel's LoRA shrink: at most this many A elements a program (8 rows of a 2,048-wide row).
-SHRINK_ELEMENTS = 16384
-
-
-def moe_sum_add_rms_norm_triton(pairs: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                                shrink: tuple[torch.Tensor, torch.Tensor] | None = None
-                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The reference's contract in one launch (`moe_sum_add_rms_norm_kernel`); x's last dim
-    contiguous. `shrink` (a `[S, NR, H]`, slot `[T]` int32): also the next linear's LoRA shrink
-    of the normed rows, `lora_shrink(normed, a, slot)` (fp32 `[T, NR]`), as the third result."""
+def moe_sum_add_rms_norm_triton(pairs: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's contract in one launch (`moe_sum_add_rms_norm_kernel`); x's last dim contiguous."""
     from compiled.moe import fused_moe_kernels as K
     T, H = x.shape
     h, normed = x.new_empty((T, H)), x.new_empty((T, H))
-    a, slot = shrink if shrink is not None else (x, x)
-    a = a if a.stride(-1) == 1 else a.contiguous()
-    NR = a.shape[1] if shrink is not None else 0
-    s = torch.empty((T, NR), dtype=torch.float32, device=x.device) if shrink is not None else None
     if T:
         block = triton.next_power_of_2(H)
-        rows = max(1, min(16, SHRINK_ELEMENTS // block))   # a program's `[rows, H]` slice of a
-        K.moe_sum_add_rms_norm_kernel[(T, triton.cdiv(NR, rows) if shrink is not None else 1)](
-            pairs, x, norm_weight, h, normed, H, eps, x.stride(0), a, slot, s if s is not None else h,
-            a.shape[0] if shrink is not None else 0, NR, a.stride(0), a.stride(1) if shrink is not None else 0,
-            TOP_K=pairs.shape[0] // T, BLOCK_H=block, SHRINK=shrink is not None, SHRINK_ROWS=rows,
-            num_warps=row_warps(block), **launch_kwargs(x.device))
-    return h, normed, s
+        K.moe_sum_add_rms_norm_kernel[(T,)](pairs, x, norm_weight, h, normed, H, eps, x.stride(0),
+                                            TOP_K=pairs.shape[0] // T, BLOCK_H=block, num_warps=row_warps(block),
+                                            **launch_kwargs(x.device))
+    return h, normed
 
 
 def _dot_flags(dtype: torch.dtype) -> dict:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.triton_utils import add_rms_norm_row, pdl_wait, residual_add, rms_normed, slot_stacked_delta
+from compiled.triton_utils import add_rms_norm_row, pdl_wait, slot_stacked_delta
 
 
 @triton.jit
@@ -431,38 +431,14 @@ def moe_sum_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr
 
 @triton.jit
 def moe_sum_add_rms_norm_kernel(y_ptr, x_ptr, nw_ptr, h_ptr, normed_ptr, H, eps, stride_xm,
-                                A, SLOT, S_OUT, S, NR, stride_as, stride_an,
-                                TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SHRINK: tl.constexpr,
-                                SHRINK_ROWS: tl.constexpr, PDL: tl.constexpr):
+                                TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """The top-k sum of `moe_sum_kernel` (rounded to x's dtype, as that kernel stores it), then
     the residual add + RMSNorm of the layer after it on the whole row: h = x + sum, normed =
-    RMSNorm(h) * nw. One program a token; h and normed `[T, H]` contiguous.
-
-    SHRINK, the next linear's LoRA shrink as well: S_OUT `[T, NR]` (fp32) = normed @ A[slot].T,
-    A `[S, NR, H]`, zeros where the token's slot is outside [0, S). Program (t, c) computes rows
-    c * SHRINK_ROWS.. of it from its own copy of the row (program (t, 0) stores h and normed)."""
+    RMSNorm(h) * nw. One program a token; h and normed `[T, H]` contiguous."""
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     m = offs < H
     moe_out = _slot_sum(y_ptr, t, offs, m, H, TOP_K).to(x_ptr.dtype.element_ty)
     x = tl.load(x_ptr + t * stride_xm + offs, mask=m, other=0.0)
-    if SHRINK:
-        c = tl.program_id(1)
-        h = residual_add(x, moe_out)
-        hf = h.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / H + eps)
-        nw = tl.load(nw_ptr + offs, mask=m, other=0.0)
-        normed = rms_normed(h, rstd, nw).to(x.dtype)
-        if c == 0:
-            tl.store(h_ptr + t * H + offs, h, mask=m)
-            tl.store(normed_ptr + t * H + offs, normed, mask=m)
-        rows = c * SHRINK_ROWS + tl.arange(0, SHRINK_ROWS)
-        slot = tl.load(SLOT + t + 0 * rows)   # the token's slot in every lane
-        r_ok = (rows < NR) & (slot >= 0) & (slot < S)
-        a = tl.load(A + tl.where(r_ok, slot, 0).to(tl.int64)[:, None] * stride_as + rows[:, None] * stride_an
-                    + offs[None, :], mask=r_ok[:, None] & m[None, :], other=0.0)
-        s = tl.sum(a.to(tl.float32) * normed.to(tl.float32)[None, :], axis=1)
-        tl.store(S_OUT + t * NR + rows, s, mask=rows < NR)
-    else:
-        add_rms_norm_row(x, moe_out, nw_ptr, h_ptr + t * H, normed_ptr + t * H, offs, m, H, eps)
+    add_rms_norm_row(x, moe_out, nw_ptr, h_ptr + t * H, normed_ptr + t * H, offs, m, H, eps)
