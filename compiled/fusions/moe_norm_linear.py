@@ -9,20 +9,13 @@ b2, scale, slot)` (the six LoRA tensors given, as the op's last arguments: all o
 Alone, the experts' k weighted outputs per token are summed by a kernel of their own
 (`moe_sum_kernel`), and the norm's kernel reads the sum back. Here one kernel does both
 (`moe_sum_add_rms_norm_kernel`): one launch and one `[T, H]` round trip fewer a layer. The CPU
-runs the two ops' references in a row. It calls into moe/ and linear/, so it lives above both.
-
-The linear may take its own multi-LoRA delta (`lin_a`, `lin_b`, `lin_scale`, `lin_slices`: the
-`lora_shrink` / `lora_expand` arguments of the next layer's qkv, with the experts' `lora_slot`):
-y = lora_expand(y, lora_shrink(normed, lin_a, slot), lin_b, lin_scale, slot, lin_slices). Since the
-norm runs as a kernel of its own here, the shrink can read it before the linear, which then adds
-the deltas in its epilogue (`compiled::linear_lora`): one launch fewer a layer at decode sizes."""
+runs the two ops' references in a row. It calls into moe/ and linear/, so it lives above both."""
 
 from __future__ import annotations
 
 import torch
 
 from compiled.linear import fused as fused_linear
-from compiled.linear import lora as linear_lora
 from compiled.linear.ops import dispatch
 from compiled.moe import expert_lora as el
 from compiled.moe import fused_moe as fm
@@ -35,24 +28,14 @@ def sums_in_norm(x: torch.Tensor, moe_x: torch.Tensor, topk_ids: torch.Tensor) -
     return fm.backend(moe_x) == "triton" and topk_ids.shape[1] > 1 and x.stride(-1) == 1
 
 
-LIN_LORA_ARGS = ("lin_a", "lin_b", "lin_scale", "lin_slices")   # the linear's own delta, after those
-
-
 def _check(x: torch.Tensor, moe_x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
-           lora: tuple, lin: tuple) -> None:
-    op = "compiled::moe_add_rms_norm_linear"
-    fused_linear.check_norm(x, moe_x, norm_weight, weight, op=op, delta_name="moe_x")
-    for names, values, what in ((LORA_ARGS, lora, "expert LoRA"), (LIN_LORA_ARGS, lin, "the linear's LoRA")):
-        given = [t is not None for t in values]
-        if any(given) and not all(given):
-            missing = [n for n, g in zip(names, given) if not g]
-            raise ValueError(f"{op}: {what} needs all of {', '.join(names)}; missing {', '.join(missing)}")
-    if lin[0] is not None:
-        if lora[-1] is None:
-            raise ValueError(f"{op}: the linear's LoRA needs the token slots (lora_slot)")
-        linear_lora.check_shrink(x, lin[0], lora[-1])
-        linear_lora.check_linear_lora(x, weight, x.new_empty((), dtype=torch.float32).expand(
-            x.shape[0], lin[0].shape[1]), lin[1], lin[2], lora[-1], list(lin[3]))
+           lora: tuple) -> None:
+    fused_linear.check_norm(x, moe_x, norm_weight, weight, op="compiled::moe_add_rms_norm_linear", delta_name="moe_x")
+    given = [t is not None for t in lora]
+    if any(given) and not all(given):
+        missing = [n for n, g in zip(LORA_ARGS, given) if not g]
+        raise ValueError(f"compiled::moe_add_rms_norm_linear: expert LoRA needs all of {', '.join(LORA_ARGS)}; "
+                         f"missing {', '.join(missing)}")
 
 
 def experts(moe_x, topk_weights, topk_ids, w13, w2, lora: tuple) -> torch.Tensor:
@@ -68,55 +51,34 @@ def moe_add_rms_norm_linear(x: torch.Tensor, moe_x: torch.Tensor, topk_weights: 
                             weight: torch.Tensor, keep_normed: bool, a13: torch.Tensor | None = None,
                             b13: torch.Tensor | None = None, a2: torch.Tensor | None = None,
                             b2: torch.Tensor | None = None, lora_scale: torch.Tensor | None = None,
-                            lora_slot: torch.Tensor | None = None, lin_a: torch.Tensor | None = None,
-                            lin_b: torch.Tensor | None = None, lin_scale: torch.Tensor | None = None,
-                            lin_slices: list[int] | None = None
+                            lora_slot: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`add_rms_norm_linear(x, fused_moe(moe_x, ...), norm_weight, eps, weight, keep_normed)`,
-    `fused_moe_lora` with the LoRA tensors, the linear's LoRA delta with the `lin_` ones."""
+    `fused_moe_lora` with the LoRA tensors."""
     lora = (a13, b13, a2, b2, lora_scale, lora_slot)
-    lin = (lin_a, lin_b, lin_scale, lin_slices)
-    _check(x, moe_x, norm_weight, weight, lora, lin)
+    _check(x, moe_x, norm_weight, weight, lora)
     if not sums_in_norm(x, moe_x, topk_ids):
         delta = experts(moe_x, topk_weights, topk_ids, w13, w2, lora)
-        y, h, normed = torch.ops.compiled.add_rms_norm_linear(x, delta, norm_weight, eps, weight,
-                                                             keep_normed or lin_a is not None)
-        if lin_a is not None:
-            s = linear_lora.shrink(normed, lin_a, lora_slot)
-            y = linear_lora.expand(y, s, lin_b, lin_scale, lora_slot, list(lin_slices))
-        return y, h, normed if keep_normed else x.new_empty(0)
+        return torch.ops.compiled.add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed)
     if a13 is None:
         pairs = fm.fused_moe_triton(moe_x, topk_weights, topk_ids, w13, w2, sum_slots=False)
     else:
         el.check_shapes(moe_x, topk_weights, topk_ids, w13, w2, *lora)
         pairs = el.fused_moe_lora_triton(moe_x, topk_weights, topk_ids, w13, w2, *lora, sum_slots=False)
     h, normed = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps)
-    if lin_a is None:
-        y = dispatch(normed, weight)
-    else:
-        s = linear_lora.shrink(normed, lin_a, lora_slot)
-        y = linear_lora.linear_lora_body(normed, weight, s, lin_b, lin_scale, lora_slot, list(lin_slices))
-    return y, h, normed if keep_normed else x.new_empty(0)
+    return dispatch(normed, weight), h, normed if keep_normed else x.new_empty(0)
 
 
 @moe_add_rms_norm_linear.register_fake
 def _(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, keep_normed, a13=None, b13=None,
-      a2=None, b2=None, lora_scale=None, lora_slot=None, lin_a=None, lin_b=None, lin_scale=None, lin_slices=None):
-    _check(x, moe_x, norm_weight, weight, (a13, b13, a2, b2, lora_scale, lora_slot),
-           (lin_a, lin_b, lin_scale, lin_slices))
+      a2=None, b2=None, lora_scale=None, lora_slot=None):
+    _check(x, moe_x, norm_weight, weight, (a13, b13, a2, b2, lora_scale, lora_slot))
     return x.new_empty((x.shape[0], weight.shape[0])), torch.empty_like(x), \
         torch.empty_like(x) if keep_normed else x.new_empty(0)
 
 
-def moe_add_rms_norm_linear_ref(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, *lora,
-                                lin: tuple | None = None):
-    """(y, h, normed) from the ops' torch references (`lora`: fused_moe_lora's six tensors; `lin`:
-    the linear's (a, b, scale, slices), its delta from the last of them as the slots)."""
+def moe_add_rms_norm_linear_ref(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, *lora):
+    """(y, h, normed) from the two ops' torch references (`lora`: fused_moe_lora's six tensors)."""
     delta = (el.fused_moe_lora_ref(moe_x, topk_weights, topk_ids, w13, w2, *lora) if lora
              else fm.fused_moe_ref(moe_x, topk_weights, topk_ids, w13, w2))
-    y, h, normed = fused_linear.add_rms_norm_linear_ref(x, delta, norm_weight, eps, weight)
-    if lin is not None:
-        a, b, scale, slices = lin
-        s = linear_lora.lora_shrink_ref(normed, a, lora[-1])
-        y = linear_lora.lora_expand_ref(y, s, b, scale, lora[-1], list(slices))
-    return y, h, normed
+    return fused_linear.add_rms_norm_linear_ref(x, delta, norm_weight, eps, weight)

@@ -169,16 +169,10 @@ def linear_lora(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, b: torch
                 slot: torch.Tensor, slices: list[int]) -> torch.Tensor:
     """`lora_expand(linear(x, weight), s, b, scale, slot, slices)`, rounded as the two ops round:
     one skinny-GEMM launch with the deltas in its epilogue where both backends allow the kernels
-    and the skinny GEMM serves the linear (decode rows on CUDA), the two ops' bodies otherwise."""
+    and the skinny GEMM serves the linear (decode rows on CUDA), the two ops' bodies otherwise: a
+    linear that cuBLAS does better (the 30B's qkv at 2-16 rows) lost more in the skinny GEMM
+    than the expand's launch saved (bench/RESULTS.md)."""
     check_linear_lora(x, weight, s, b, scale, slot, slices)
-    return linear_lora_body(x, weight, s, b, scale, slot, slices)
-
-
-def linear_lora_body(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
-                     slot: torch.Tensor, slices: list[int]) -> torch.Tensor:
-    """`linear_lora`'s body (inputs checked): for ops that call it from their own. The skinny
-    kernel takes the deltas where it serves the linear anyway: a linear that cuBLAS does better
-    (the 30B's qkv at 2-16 rows) lost more than the expand's launch saved (bench/RESULTS.md)."""
     if use_kernel(x) and len(slices) <= LORA_MAX_SLICES and ops.use_kernel(x, weight):
         from compiled.linear.lora_kernels import LoRAArgs
         from compiled.linear.skinny_kernels import skinny_linear_lora_triton

@@ -22,7 +22,6 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from compiled.linear import lora as lora_ops, ops as lin_ops  # noqa: E402
 from compiled.moe import expert_lora as el  # noqa: E402  (no triton kernels are defined by this import)
 from compiled.moe import fused_moe as fm  # noqa: E402
 from compiled.moe.routing import topk_route_ref  # noqa: E402
@@ -171,29 +170,6 @@ def case_sum_in_the_norm_kernel():
         fm.BACKEND.set(before)
     for g_, ref in zip(got, moe_add_rms_norm_linear_ref(x, *args[:5], nw, 1e-6, weight, *args[5:])):
         torch.testing.assert_close(g_, ref, atol=1e-4, rtol=1e-4)
-    # with the linear's own LoRA (qkv-like slices): the shrink of the normed rows, the linear with
-    # the deltas in its epilogue (forced to the skinny kernel), normed not kept
-    lin = _linear_lora(g, 45, [12, 6, 6], 8, 3)
-    before_lin, before_lora = lin_ops.BACKEND.name, lora_ops.BACKEND.name
-    fm.BACKEND.set("triton")
-    lin_ops.set_backend("triton")
-    lora_ops.set_backend("triton")
-    try:
-        got = torch.ops.compiled.moe_add_rms_norm_linear(x, *args[:5], nw, 1e-6, weight, False, *args[5:], *lin)
-    finally:
-        fm.BACKEND.set(before)
-        lin_ops.set_backend(before_lin)
-        lora_ops.set_backend(before_lora)
-    want = moe_add_rms_norm_linear_ref(x, *args[:5], nw, 1e-6, weight, *args[5:], lin=lin)
-    torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-4)
-    assert got[2].numel() == 0
-
-
-def _linear_lora(g, K, slices, R, S):
-    """A linear's LoRA arguments (a, b, scale, slices) for S slots of rank R."""
-    return ((torch.randn(S, len(slices) * R, K, generator=g) / K ** 0.5), torch.randn(S, sum(slices), R, generator=g) / R,
-            torch.rand(S, len(slices), generator=g) + 0.5, slices)
 
 
 def case_split_k_shrinks():
@@ -289,25 +265,6 @@ def test_each_delta_uses_its_own_slices_and_scale():
 
 
 # ----------------------------------------------------------------------------- the op
-
-def test_the_norm_op_with_the_linears_lora_on_cpu_is_the_references():
-    from compiled.fusions.moe_norm_linear import moe_add_rms_norm_linear_ref
-    g = torch.Generator().manual_seed(21)
-    args = problem(7, 6, 3, 45, 19, 8, 3, slots=SLOTS_7, seed=21)
-    x, nw, weight = torch.randn(7, 45, generator=g), 1 + 0.1 * torch.randn(45, generator=g), torch.randn(24, 45, generator=g)
-    lin = _linear_lora(g, 45, [12, 6, 6], 8, 3)
-    got = torch.ops.compiled.moe_add_rms_norm_linear(x, *args[:5], nw, 1e-6, weight, True, *args[5:], *lin)
-    want = moe_add_rms_norm_linear_ref(x, *args[:5], nw, 1e-6, weight, *args[5:], lin=lin)
-    for g_, ref in zip(got, want):
-        torch.testing.assert_close(g_, ref, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="the linear's LoRA needs all of lin_a, lin_b, lin_scale, lin_slices; "
-                                         "missing lin_slices") as e:
-        torch.ops.compiled.moe_add_rms_norm_linear(x, *args[:5], nw, 1e-6, weight, True, *args[5:], *lin[:3])
-    assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match=r"slices \[12, 6, 5\] must be positive widths"):
-        torch.ops.compiled.moe_add_rms_norm_linear(x, *args[:5], nw, 1e-6, weight, True, *args[5:], *lin[:3],
-                                                   [12, 6, 5])
-
 
 def test_the_norm_op_needs_all_six_lora_tensors_or_none():
     args = problem(3, 6, 2, 16, 8, 4, 2, seed=13)
@@ -449,16 +406,6 @@ def test_gpu_sum_in_the_norm_kernel_matches_the_two_ops(real_layer, T):
     want = torch.ops.compiled.add_rms_norm_linear(x, delta, nw, 1e-6, weight, True)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=3e-2)
-    # the linear's own LoRA (slices of q, k, v widths): the op's shrink and fused linear against
-    # the shrink and expand ops after the two ops
-    la, lb, lscale, slices = _linear_lora(torch.Generator().manual_seed(T), H_REAL, [256, 128, 128], R_REAL, S_REAL)
-    la, lb, lscale = la.cuda().bfloat16(), lb.cuda().bfloat16(), lscale.cuda()
-    got = torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight, False, *lora, slot,
-                                                     la, lb, lscale, slices)
-    s = torch.ops.compiled.lora_shrink(want[2], la, slot)
-    y = torch.ops.compiled.lora_expand(want[0], s, lb, lscale, slot, slices)
-    torch.testing.assert_close(got[0].float(), y.float(), atol=5e-2, rtol=3e-2)
-    torch.testing.assert_close((got[0] - want[0]).float(), (y - want[0]).float(), atol=5e-2, rtol=3e-2)
 
 
 if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
