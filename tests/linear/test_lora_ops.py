@@ -394,8 +394,9 @@ FUSED_GPU_SHAPES = [(4096, [2048]), (2048, [4096, 512, 512]), (2048, [1024]), (3
 @pytest.mark.parametrize("T", [1, 8, 16, 17])
 @pytest.mark.parametrize("IN,slices", FUSED_GPU_SHAPES)
 def test_gpu_linear_lora_is_linear_then_expand_eager_and_graph(backend, T, IN, slices):
-    """The op (the skinny GEMM's epilogue up to 16 rows, the two ops' bodies at 17) against the
-    linear and the expand run as two ops, with no host sync and replayed from a CUDA graph."""
+    """The op (the skinny GEMM's epilogue where that kernel serves the linear, the two ops'
+    bodies elsewhere, 17 rows always) against the linear and the expand run as two ops, with no
+    host sync and replayed from a CUDA graph."""
     from compiled.linear.ops import linear_ref
     backend("auto")
     x, _, b, scale, slot, _ = _gpu_problem(T, IN, slices, seed=T)
