@@ -19,7 +19,8 @@ from compiled.graphs.config import ModelConfig
 from compiled.passes.manager import pass_hashes
 
 MANIFEST = "manifest.json"
-FORMAT = 3  # 3: passes recorded with the hash of their source, splitting ops listed
+FORMAT = 4  # 3: passes recorded with the hash of their source, splitting ops listed; 4: piece keys
+#              hash the schemas of the project ops a piece calls
 # Fields that must match for the compiled code to be valid here, in the order they are checked.
 CHECKED = ("format", "package", "torch", "triton", "device", "model_config", "passes", "splitting_ops", "dtype")
 
