@@ -231,11 +231,39 @@ def _one_slot_delta(acc, S_IN, B, SCALE, mine, slot, rows64, cols64, cols_ok, ex
     sc = tl.load(SCALE + slot * stride_scale + scale_col)
     b = tl.load(B + slot.to(tl.int64) * stride_bs + expert * stride_be + cols64[None, :] * stride_bc + r[:, None],
                 mask=r_ok[:, None] & cols_ok[None, :], other=0.0)
+    return one_slot_dot(acc, sr, sc, b, PRECISION, LOW_PRECISION)
+
+
+@triton.jit
+def one_slot_dot(acc, sr, sc, b, PRECISION: tl.constexpr, LOW_PRECISION: tl.constexpr):
+    """acc + (sr * sc) @ b: the rows' shrink outputs `[rows, BLOCK_R]` times their one slot's scale
+    and B `[BLOCK_R, cols]` (in b's 16-bit dtype with LOW_PRECISION, else fp32 at PRECISION)."""
     if LOW_PRECISION:
-        acc = tl.dot((sr * sc).to(b.dtype), b, acc)
-    else:
-        acc = tl.dot(sr * sc, b.to(tl.float32), acc, input_precision=PRECISION)
-    return acc
+        return tl.dot((sr * sc).to(b.dtype), b, acc)
+    return tl.dot(sr * sc, b.to(tl.float32), acc, input_precision=PRECISION)
+
+
+@triton.jit
+def one_slot_operands(S_IN, B, SCALE, slots, rows, cols, cols_ok, expert, col0, R, stride_s, stride_bs, stride_be,
+                      stride_bc, stride_scale, scale_col, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+    """`_one_slot_delta`'s loads, issued early (before a GEMM's K loop, consumed after it by
+    `one_slot_dot`): (whether the rows with an adapter share one slot, their shrink outputs,
+    that slot's scale, its B tile). Where they do not (several slots, or none), nothing is read
+    but the scale of slot 0."""
+    lo = tl.min(tl.where(slots >= 0, slots, SLOTS_PAD), axis=0)
+    one = lo == tl.max(slots, axis=0)
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < R
+    # (vector masks built without broadcasting a scalar bool: the interpreter rejects those)
+    mine = (slots == lo) & ((slots * 0 + lo) == tl.max(slots, axis=0))
+    sr = tl.load(S_IN + rows.to(tl.int64)[:, None] * stride_s + (col0 + r)[None, :], mask=mine[:, None] & r_ok[None, :],
+                 other=0.0)
+    slot = lo % SLOTS_PAD
+    sc = tl.load(SCALE + slot * stride_scale + scale_col)
+    b_ok = cols_ok & ((cols * 0 + lo) == tl.max(slots, axis=0))
+    b = tl.load(B + slot.to(tl.int64) * stride_bs + expert * stride_be + cols.to(tl.int64)[None, :] * stride_bc
+                + r[:, None], mask=r_ok[:, None] & b_ok[None, :], other=0.0)
+    return one, sr, sc, b
 
 
 @triton.jit

@@ -26,7 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.triton_utils import add_rms_norm_row, pdl_wait, slot_stacked_delta
+from compiled.triton_utils import (add_rms_norm_row, one_slot_dot, one_slot_operands, pdl_wait,
+                                   slot_stacked_delta)
 
 
 @triton.jit
@@ -146,14 +147,46 @@ def _pair_delta(acc, pair, pos, expert, cols, cols_ok, col0, scale_col, num_vali
     L_S[pos, col0:col0+R] @ L_B[s, expert, cols, :R].T with s the slot of the row's token (rows
     without an adapter, padding rows and slots outside [0, L_NS) get none; a tile without any
     skips it)."""
-    row_ok = pair < num_valid
-    token = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
-    slots = tl.load(L_SLOT + token, mask=row_ok, other=-1).to(tl.int32)
-    slots = tl.where(row_ok & (slots >= 0) & (slots < L_NS), slots, -1)
+    slots = _pair_slots(pair, num_valid, L_SLOT, L_NS, TOP_K)
     if tl.sum((slots >= 0).to(tl.int32), axis=0) > 0:
         acc = slot_stacked_delta(acc, L_S, L_B, L_SCALE, slots, pos, cols, cols_ok, expert, col0, L_R, stride_ls,
                                  stride_lbs, stride_lbe, stride_lbn, 3, scale_col, SLOTS_PAD, BLOCK_R, KC,
                                  DELTA_PRECISION, DELTA_16BIT)
+    return acc
+
+
+@triton.jit
+def _pair_slots(pair, num_valid, L_SLOT, L_NS, TOP_K: tl.constexpr):
+    """Each row's slot: its token's, -1 for padding rows and slots outside [0, L_NS)."""
+    row_ok = pair < num_valid
+    token = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
+    slots = tl.load(L_SLOT + token, mask=row_ok, other=-1).to(tl.int32)
+    return tl.where(row_ok & (slots >= 0) & (slots < L_NS), slots, -1)
+
+
+@triton.jit
+def _pair_operands(pair, pos, expert, cols, cols_ok, col0, scale_col, num_valid, L_S, L_B, L_SCALE, L_SLOT, L_NS,
+                   L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K: tl.constexpr, SLOTS_PAD: tl.constexpr,
+                   BLOCK_R: tl.constexpr):
+    """`_pair_delta`'s one-slot loads, issued before the K loop (`triton_utils.one_slot_operands`)."""
+    slots = _pair_slots(pair, num_valid, L_SLOT, L_NS, TOP_K)
+    return one_slot_operands(L_S, L_B, L_SCALE, slots, pos, cols, cols_ok, expert, col0, L_R, stride_ls, stride_lbs,
+                             stride_lbe, stride_lbn, 3, scale_col, SLOTS_PAD, BLOCK_R)
+
+
+@triton.jit
+def _pair_delta_loaded(acc, one, sr, sc, b, pair, pos, expert, cols, cols_ok, col0, scale_col, num_valid,
+                       L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                       TOP_K: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
+                       DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr):
+    """`_pair_delta` after the K loop, from the one-slot operands loaded before it; a tile of
+    several slots loads the stacked operands now."""
+    if one:
+        acc = one_slot_dot(acc, sr, sc, b, DELTA_PRECISION, DELTA_16BIT)
+    else:
+        acc = _pair_delta(acc, pair, pos, expert, cols, cols_ok, col0, scale_col, num_valid, L_S, L_B, L_SCALE, L_SLOT,
+                          L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K, SLOTS_PAD, BLOCK_R, KC,
+                          DELTA_PRECISION, DELTA_16BIT)
     return acc
 
 
@@ -185,8 +218,9 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
     """silu(gate) * up for the TILE_M rows `pair` (a power of two >= 16) and one N tile. TMA: the
     weight tiles come through `w_desc` (w as `[E * 2N, K]`, block `[BLOCK_N, BLOCK_K]`); rows past
     the tile's N read the neighbouring rows (or zeros past the end), whose columns are not stored.
-    LORA: the gate and up deltas (`_pair_delta`, shrink outputs `[rows, 2R]`) added before silu;
-    DELTA_FIRST: as the accumulators' start, before the K loop."""
+    LORA: the gate and up deltas (`_pair_delta`, shrink outputs `[rows, 2R]`) added before silu,
+    a tile of one slot's operands loaded before the K loop (in flight during it); DELTA_FIRST:
+    the deltas as the accumulators' start, before the K loop."""
     row_ok = pair < num_valid
     token = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -202,6 +236,14 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
         acc_g, acc_u = _gate_up_deltas(acc_g, acc_u, pair, pos, expert, offs_n, N, num_valid, L_S, L_B, L_SCALE,
                                        L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K,
                                        SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+    if LORA and not DELTA_FIRST:   # the one-slot delta operands in flight during the K loop
+        n_ok = offs_n < N
+        one, sr_g, sc_g, b_g = _pair_operands(pair, pos, expert, offs_n, n_ok, 0, 0, num_valid, L_S, L_B, L_SCALE,
+                                              L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K,
+                                              SLOTS_PAD, BLOCK_R)
+        _, sr_u, sc_u, b_u = _pair_operands(pair, pos, expert, offs_n + N, n_ok, L_R, 1, num_valid, L_S, L_B,
+                                            L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                                            TOP_K, SLOTS_PAD, BLOCK_R)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -227,9 +269,12 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     if LORA and not DELTA_FIRST:
-        acc_g, acc_u = _gate_up_deltas(acc_g, acc_u, pair, pos, expert, offs_n, N, num_valid, L_S, L_B, L_SCALE,
-                                       L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K,
-                                       SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+        acc_g = _pair_delta_loaded(acc_g, one, sr_g, sc_g, b_g, pair, pos, expert, offs_n, n_ok, 0, 0, num_valid,
+                                   L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                                   TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+        acc_u = _pair_delta_loaded(acc_u, one, sr_u, sc_u, b_u, pair, pos, expert, offs_n + N, n_ok, L_R, 1,
+                                   num_valid, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe,
+                                   stride_lbn, TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
     # round like the unfused model: gate/up in the activation dtype, silu, product
     dt = out_ptr.dtype.element_ty
     gate = acc_g.to(dt).to(tl.float32)
@@ -253,7 +298,8 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
     (w as `[E * N, K]`). a holds the rows in block order: this tile's are the TILE_M from
     `first_pos` (padding rows hold anything; their outputs are not stored), through `a_desc`
     (block `[TILE_M, BLOCK_K]`) with A_TMA. LORA: the down delta (`_pair_delta`, shrink outputs
-    `[rows, R]` in block order) added before the routing weight (DELTA_FIRST: before the K loop)."""
+    `[rows, R]` in block order) added before the routing weight, its one-slot operands loaded
+    before the K loop (DELTA_FIRST: the delta itself before the K loop)."""
     row_ok = pair < num_valid
     row = tl.where(row_ok, pair, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -263,10 +309,15 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
     b_ptrs = w_ptr + expert * stride_we + offs_nw[None, :] * stride_wn + offs_k[:, None]
     row_b = (expert * N + pid_n * BLOCK_N).to(tl.int32)
     acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
+    pos = first_pos + tl.arange(0, TILE_M)
     if LORA and DELTA_FIRST:
-        acc = _pair_delta(acc, pair, first_pos + tl.arange(0, TILE_M), expert, offs_n, offs_n < N, 0, 2, num_valid,
+        acc = _pair_delta(acc, pair, pos, expert, offs_n, offs_n < N, 0, 2, num_valid,
                           L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                           TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+    if LORA and not DELTA_FIRST:   # the one-slot delta operands in flight during the K loop
+        one, sr, sc, b_d = _pair_operands(pair, pos, expert, offs_n, offs_n < N, 0, 2, num_valid, L_S, L_B, L_SCALE,
+                                          L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K,
+                                          SLOTS_PAD, BLOCK_R)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if A_TMA:
             a = a_desc.load([first_pos.to(tl.int32), k * BLOCK_K])
@@ -287,10 +338,9 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if LORA and not DELTA_FIRST:
-        pos = first_pos + tl.arange(0, TILE_M)
-        acc = _pair_delta(acc, pair, pos, expert, offs_n, offs_n < N, 0, 2, num_valid,
-                          L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                          TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+        acc = _pair_delta_loaded(acc, one, sr, sc, b_d, pair, pos, expert, offs_n, offs_n < N, 0, 2, num_valid,
+                                 L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                                 TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
     dt = out_ptr.dtype.element_ty
     w = tl.load(weights_ptr + row, mask=row_ok, other=0.0).to(dt).to(tl.float32)
     out = (acc.to(dt).to(tl.float32) * w[:, None]).to(dt)
