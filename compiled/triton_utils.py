@@ -205,33 +205,17 @@ def slot_stacked_delta(acc, S_IN, B, SCALE, slots, rows, cols, cols_ok, expert, 
     tile (slots absent from the block masked, so not read, found from one bit mask of the rows'
     slots where S <= 32): the loads of all slots go out at once. LOW_PRECISION:
     the dot in B's 16-bit dtype, else in fp32 at PRECISION (the linear and the MoE expands share it)."""
-    rows64 = rows.to(tl.int64)
-    cols64 = cols.to(tl.int64)
     lo = tl.min(tl.where(slots >= 0, slots, SLOTS_PAD), axis=0)
     if lo == tl.max(slots, axis=0):
-        acc = _one_slot_delta(acc, S_IN, B, SCALE, slots == lo, lo, rows64, cols64, cols_ok, expert, col0, R,
-                              stride_s, stride_bs, stride_be, stride_bc, stride_scale, scale_col, BLOCK_R,
-                              PRECISION, LOW_PRECISION)
+        _, sr, sc, b = one_slot_operands(S_IN, B, SCALE, slots, rows, cols, cols_ok, expert, col0, R, stride_s,
+                                         stride_bs, stride_be, stride_bc, stride_scale, scale_col, SLOTS_PAD,
+                                         BLOCK_R)
+        acc = one_slot_dot(acc, sr, sc, b, PRECISION, LOW_PRECISION)
     else:
-        acc = _stacked_delta(acc, S_IN, B, SCALE, slots, rows64, cols64, cols_ok, expert, col0, R, stride_s,
-                             stride_bs, stride_be, stride_bc, stride_scale, scale_col, SLOTS_PAD, BLOCK_R, KC,
-                             PRECISION, LOW_PRECISION)
+        acc = _stacked_delta(acc, S_IN, B, SCALE, slots, rows.to(tl.int64), cols.to(tl.int64), cols_ok, expert, col0,
+                             R, stride_s, stride_bs, stride_be, stride_bc, stride_scale, scale_col, SLOTS_PAD, BLOCK_R,
+                             KC, PRECISION, LOW_PRECISION)
     return acc
-
-
-@triton.jit
-def _one_slot_delta(acc, S_IN, B, SCALE, mine, slot, rows64, cols64, cols_ok, expert, col0, R, stride_s, stride_bs,
-                    stride_be, stride_bc, stride_scale, scale_col, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-                    LOW_PRECISION: tl.constexpr):
-    """`slot_stacked_delta` where the rows `mine` are the only ones with an adapter, all on `slot`:
-    one dot of K = BLOCK_R."""
-    r = tl.arange(0, BLOCK_R)
-    r_ok = r < R
-    sr = tl.load(S_IN + rows64[:, None] * stride_s + (col0 + r)[None, :], mask=mine[:, None] & r_ok[None, :], other=0.0)
-    sc = tl.load(SCALE + slot * stride_scale + scale_col)
-    b = tl.load(B + slot.to(tl.int64) * stride_bs + expert * stride_be + cols64[None, :] * stride_bc + r[:, None],
-                mask=r_ok[:, None] & cols_ok[None, :], other=0.0)
-    return one_slot_dot(acc, sr, sc, b, PRECISION, LOW_PRECISION)
 
 
 @triton.jit
@@ -246,21 +230,22 @@ def one_slot_dot(acc, sr, sc, b, PRECISION: tl.constexpr, LOW_PRECISION: tl.cons
 @triton.jit
 def one_slot_operands(S_IN, B, SCALE, slots, rows, cols, cols_ok, expert, col0, R, stride_s, stride_bs, stride_be,
                       stride_bc, stride_scale, scale_col, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
-    """`_one_slot_delta`'s loads, issued early (before a GEMM's K loop, consumed after it by
-    `one_slot_dot`): (whether the rows with an adapter share one slot, their shrink outputs,
-    that slot's scale, its B tile). Where they do not (several slots, or none), nothing is read
-    but the scale of slot 0."""
+    """The loads of `slot_stacked_delta` where the rows with an adapter share one slot, which a
+    GEMM may issue before its K loop and consume after it (`one_slot_dot`): (whether they share
+    one, their shrink outputs, that slot's scale, its B tile). Where they do not (several slots,
+    or none), nothing is read but the scale of slot 0."""
     lo = tl.min(tl.where(slots >= 0, slots, SLOTS_PAD), axis=0)
-    one = lo == tl.max(slots, axis=0)
+    hi = tl.max(slots, axis=0)
+    one = lo == hi
     r = tl.arange(0, BLOCK_R)
     r_ok = r < R
     # (vector masks built without broadcasting a scalar bool: the interpreter rejects those)
-    mine = (slots == lo) & ((slots * 0 + lo) == tl.max(slots, axis=0))
+    mine = (slots == lo) & ((slots * 0 + lo) == hi)
     sr = tl.load(S_IN + rows.to(tl.int64)[:, None] * stride_s + (col0 + r)[None, :], mask=mine[:, None] & r_ok[None, :],
                  other=0.0)
     slot = lo % SLOTS_PAD
     sc = tl.load(SCALE + slot * stride_scale + scale_col)
-    b_ok = cols_ok & ((cols * 0 + lo) == tl.max(slots, axis=0))
+    b_ok = cols_ok & ((cols * 0 + lo) == hi)
     b = tl.load(B + slot.to(tl.int64) * stride_bs + expert * stride_be + cols.to(tl.int64)[None, :] * stride_bc
                 + r[:, None], mask=r_ok[:, None] & b_ok[None, :], other=0.0)
     return one, sr, sc, b

@@ -7,8 +7,8 @@ intermediate is. A block's rows share an expert but not a slot (each token has i
 
 `moe_lora_shrink_kernel`, grid (blocks, S x SPLIT_K): program (b, s) computes, for the rows of
 block b whose token's slot is s, `a[s, e] @ row` (fp32, one tensor-core dot a K step, the other
-rows masked) into `s_out` at the rows' positions: x's token rows (GATHER: gate/up, `a13 [S, E, 2R, H]`) or the
-intermediate's block rows (down, `a2 [S, E, R, I]`). Programs whose slot is absent from their
+rows masked) into `s_out` at the rows' positions: x's token rows (GATHER: gate/up,
+`a13 [S, E, 2R, H]`) or the intermediate's block rows (down, `a2 [S, E, R, I]`). Programs whose slot is absent from their
 block exit after the slot loads; rows without an adapter (slot -1, or outside [0, S)) are not
 written and never read. A decode batch has few (block, slot) programs, each a long walk over K
 for its few rows: there the K range is split (`expert_lora.shrink_split`)."""
@@ -18,17 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from compiled.moe.fused_moe_kernels import pair_slots
 from compiled.triton_utils import masked_dot_t, pdl_wait
-
-
-@triton.jit
-def _pair_slots(SLOT, pair, num_valid, S, TOP_K: tl.constexpr):
-    """(row is a real pair, its token, its slot: -1 for padding rows and slots outside [0, S))."""
-    row_ok = pair < num_valid
-    token = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
-    slots = tl.load(SLOT + token, mask=row_ok, other=-1).to(tl.int32)
-    slots = tl.where(row_ok & (slots >= 0) & (slots < S), slots, -1)
-    return row_ok, token, slots
 
 
 @triton.jit(do_not_specialize=["num_valid"])
@@ -51,7 +42,7 @@ def moe_lora_shrink_kernel(X, A, OUT, SLOT, sorted_ptr, expert_ids_ptr, num_post
     num_post = tl.load(num_post_ptr)
     if pid_m * BLOCK_M < num_post:
         pair = tl.load(sorted_ptr + pid_m * BLOCK_M + offs_m)
-        row_ok, token, slots = _pair_slots(SLOT, pair, num_valid, S, TOP_K)
+        row_ok, token, slots = pair_slots(SLOT, pair, num_valid, S, TOP_K)
         rows = slots == s
         if tl.sum(rows.to(tl.int32), axis=0) > 0:
             expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)

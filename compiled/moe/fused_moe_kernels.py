@@ -139,6 +139,16 @@ def _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def pair_slots(SLOT, pair, num_valid, S, TOP_K: tl.constexpr):
+    """(row is a real pair, its token, its slot: -1 for padding rows and slots outside [0, S))."""
+    row_ok = pair < num_valid
+    token = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
+    slots = tl.load(SLOT + token, mask=row_ok, other=-1).to(tl.int32)
+    slots = tl.where(row_ok & (slots >= 0) & (slots < S), slots, -1)
+    return row_ok, token, slots
+
+
+@triton.jit
 def _pair_delta(acc, pair, pos, expert, cols, cols_ok, col0, scale_col, num_valid,
                 L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                 TOP_K: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
@@ -147,7 +157,16 @@ def _pair_delta(acc, pair, pos, expert, cols, cols_ok, col0, scale_col, num_vali
     L_S[pos, col0:col0+R] @ L_B[s, expert, cols, :R].T with s the slot of the row's token (rows
     without an adapter, padding rows and slots outside [0, L_NS) get none; a tile without any
     skips it)."""
-    slots = _pair_slots(pair, num_valid, L_SLOT, L_NS, TOP_K)
+    _, _, slots = pair_slots(L_SLOT, pair, num_valid, L_NS, TOP_K)
+    return _slots_delta(acc, slots, pos, expert, cols, cols_ok, col0, scale_col, L_S, L_B, L_SCALE, L_R, stride_ls,
+                        stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+
+
+@triton.jit
+def _slots_delta(acc, slots, pos, expert, cols, cols_ok, col0, scale_col, L_S, L_B, L_SCALE, L_R, stride_ls, stride_lbs,
+                 stride_lbe, stride_lbn, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
+                 DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr):
+    """`_pair_delta` for rows whose slots are known."""
     if tl.sum((slots >= 0).to(tl.int32), axis=0) > 0:
         acc = slot_stacked_delta(acc, L_S, L_B, L_SCALE, slots, pos, cols, cols_ok, expert, col0, L_R, stride_ls,
                                  stride_lbs, stride_lbe, stride_lbn, 3, scale_col, SLOTS_PAD, BLOCK_R, KC,
@@ -156,37 +175,25 @@ def _pair_delta(acc, pair, pos, expert, cols, cols_ok, col0, scale_col, num_vali
 
 
 @triton.jit
-def _pair_slots(pair, num_valid, L_SLOT, L_NS, TOP_K: tl.constexpr):
-    """Each row's slot: its token's, -1 for padding rows and slots outside [0, L_NS)."""
-    row_ok = pair < num_valid
-    token = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
-    slots = tl.load(L_SLOT + token, mask=row_ok, other=-1).to(tl.int32)
-    return tl.where(row_ok & (slots >= 0) & (slots < L_NS), slots, -1)
-
-
-@triton.jit
-def _pair_operands(pair, pos, expert, cols, cols_ok, col0, scale_col, num_valid, L_S, L_B, L_SCALE, L_SLOT, L_NS,
-                   L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K: tl.constexpr, SLOTS_PAD: tl.constexpr,
-                   BLOCK_R: tl.constexpr):
+def _pair_operands(slots, pos, expert, cols, cols_ok, col0, scale_col, L_S, L_B, L_SCALE, L_R, stride_ls, stride_lbs,
+                   stride_lbe, stride_lbn, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
     """`_pair_delta`'s one-slot loads, issued before the K loop (`triton_utils.one_slot_operands`)."""
-    slots = _pair_slots(pair, num_valid, L_SLOT, L_NS, TOP_K)
     return one_slot_operands(L_S, L_B, L_SCALE, slots, pos, cols, cols_ok, expert, col0, L_R, stride_ls, stride_lbs,
                              stride_lbe, stride_lbn, 3, scale_col, SLOTS_PAD, BLOCK_R)
 
 
 @triton.jit
-def _pair_delta_loaded(acc, one, sr, sc, b, pair, pos, expert, cols, cols_ok, col0, scale_col, num_valid,
-                       L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                       TOP_K: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
-                       DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr):
+def _pair_delta_loaded(acc, slots, one, sr, sc, b, pos, expert, cols, cols_ok, col0, scale_col, L_S, L_B, L_SCALE,
+                       L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD: tl.constexpr,
+                       BLOCK_R: tl.constexpr, KC: tl.constexpr, DELTA_PRECISION: tl.constexpr,
+                       DELTA_16BIT: tl.constexpr):
     """`_pair_delta` after the K loop, from the one-slot operands loaded before it; a tile of
     several slots loads the stacked operands now."""
     if one:
         acc = one_slot_dot(acc, sr, sc, b, DELTA_PRECISION, DELTA_16BIT)
     else:
-        acc = _pair_delta(acc, pair, pos, expert, cols, cols_ok, col0, scale_col, num_valid, L_S, L_B, L_SCALE, L_SLOT,
-                          L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K, SLOTS_PAD, BLOCK_R, KC,
-                          DELTA_PRECISION, DELTA_16BIT)
+        acc = _slots_delta(acc, slots, pos, expert, cols, cols_ok, col0, scale_col, L_S, L_B, L_SCALE, L_R, stride_ls,
+                           stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
     return acc
 
 
@@ -238,12 +245,11 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
                                        SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
     if LORA and not DELTA_FIRST:   # the one-slot delta operands in flight during the K loop
         n_ok = offs_n < N
-        one, sr_g, sc_g, b_g = _pair_operands(pair, pos, expert, offs_n, n_ok, 0, 0, num_valid, L_S, L_B, L_SCALE,
-                                              L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K,
-                                              SLOTS_PAD, BLOCK_R)
-        _, sr_u, sc_u, b_u = _pair_operands(pair, pos, expert, offs_n + N, n_ok, L_R, 1, num_valid, L_S, L_B,
-                                            L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                                            TOP_K, SLOTS_PAD, BLOCK_R)
+        _, _, slots = pair_slots(L_SLOT, pair, num_valid, L_NS, TOP_K)
+        one, sr_g, sc_g, b_g = _pair_operands(slots, pos, expert, offs_n, n_ok, 0, 0, L_S, L_B, L_SCALE, L_R,
+                                              stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R)
+        _, sr_u, sc_u, b_u = _pair_operands(slots, pos, expert, offs_n + N, n_ok, L_R, 1, L_S, L_B, L_SCALE, L_R,
+                                            stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -269,12 +275,12 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     if LORA and not DELTA_FIRST:
-        acc_g = _pair_delta_loaded(acc_g, one, sr_g, sc_g, b_g, pair, pos, expert, offs_n, n_ok, 0, 0, num_valid,
-                                   L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                                   TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
-        acc_u = _pair_delta_loaded(acc_u, one, sr_u, sc_u, b_u, pair, pos, expert, offs_n + N, n_ok, L_R, 1,
-                                   num_valid, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe,
-                                   stride_lbn, TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+        acc_g = _pair_delta_loaded(acc_g, slots, one, sr_g, sc_g, b_g, pos, expert, offs_n, n_ok, 0, 0, L_S, L_B,
+                                   L_SCALE, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R, KC,
+                                   DELTA_PRECISION, DELTA_16BIT)
+        acc_u = _pair_delta_loaded(acc_u, slots, one, sr_u, sc_u, b_u, pos, expert, offs_n + N, n_ok, L_R, 1, L_S,
+                                   L_B, L_SCALE, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD,
+                                   BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
     # round like the unfused model: gate/up in the activation dtype, silu, product
     dt = out_ptr.dtype.element_ty
     gate = acc_g.to(dt).to(tl.float32)
@@ -315,9 +321,9 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
                           L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                           TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
     if LORA and not DELTA_FIRST:   # the one-slot delta operands in flight during the K loop
-        one, sr, sc, b_d = _pair_operands(pair, pos, expert, offs_n, offs_n < N, 0, 2, num_valid, L_S, L_B, L_SCALE,
-                                          L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K,
-                                          SLOTS_PAD, BLOCK_R)
+        _, _, slots = pair_slots(L_SLOT, pair, num_valid, L_NS, TOP_K)
+        one, sr, sc, b_d = _pair_operands(slots, pos, expert, offs_n, offs_n < N, 0, 2, L_S, L_B, L_SCALE, L_R,
+                                          stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if A_TMA:
             a = a_desc.load([first_pos.to(tl.int32), k * BLOCK_K])
@@ -338,9 +344,9 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if LORA and not DELTA_FIRST:
-        acc = _pair_delta_loaded(acc, one, sr, sc, b_d, pair, pos, expert, offs_n, offs_n < N, 0, 2, num_valid,
-                                 L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                                 TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+        acc = _pair_delta_loaded(acc, slots, one, sr, sc, b_d, pos, expert, offs_n, offs_n < N, 0, 2, L_S, L_B,
+                                 L_SCALE, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R, KC,
+                                 DELTA_PRECISION, DELTA_16BIT)
     dt = out_ptr.dtype.element_ty
     w = tl.load(weights_ptr + row, mask=row_ok, other=0.0).to(dt).to(tl.float32)
     out = (acc.to(dt).to(tl.float32) * w[:, None]).to(dt)
