@@ -61,6 +61,16 @@ GEMV_MAX_M = 1             # rows the heuristic gives the mode (it serves up to 
 # A launch that computes its own LoRA shrink (`with_shrink`): the shrink's columns are claimed by
 # the launch's first programs this many at a time (each reads this many rows of A over all of K).
 SHRINK_PIECE = 4
+# Its counters (`SplitWorkspace.shrink_sync`), one a cache line so that atomics on one do not
+# queue behind another's: pieces claimed, pieces done, exit groups done, then SYNC_GROUPS
+# counters the programs leave on and READY_COPIES copies of the "all done" flag they poll.
+SYNC_LINE = tl.constexpr(32)       # int32s a cache line
+SYNC_GROUPS = tl.constexpr(16)
+READY_COPIES = tl.constexpr(64)
+SYNC_LINES = 3 + SYNC_GROUPS.value + READY_COPIES.value
+SYNC_LINES_C = tl.constexpr(SYNC_LINES)
+SYNC_LINES_POW2 = tl.constexpr(triton.next_power_of_2(SYNC_LINES))
+PATIENCE = tl.constexpr(4096)      # polls before any program claims pieces too (see `_await_shrink`)
 
 
 class SkinnyConfig(NamedTuple):
@@ -138,7 +148,7 @@ class SplitWorkspace(NamedTuple):
     partials: torch.Tensor   # fp32 [SKINNY_MAX_M * WORKSPACE_COLS]
     semaphores: torch.Tensor  # int32, one per column block, all zero between launches
     sums: torch.Tensor       # fp32, the norm prologue's sums of squares, BLOCK_M per (column block, split)
-    shrink_sync: torch.Tensor  # int32 [3]: shrink pieces claimed, pieces done, programs left; zero between launches
+    shrink_sync: torch.Tensor  # int32 [SYNC_LINES * SYNC_LINE], the shrink's counters, all zero between launches
 
 
 _WORKSPACES: dict[torch.device, SplitWorkspace] = {}
@@ -159,7 +169,7 @@ def split_workspace(device: torch.device) -> SplitWorkspace:
             torch.empty(SKINNY_MAX_M * WORKSPACE_COLS, dtype=torch.float32, device=device),
             torch.zeros(SEMAPHORES, dtype=torch.int32, device=device),
             torch.empty((SEMAPHORES + MAX_SPLIT_K) * BLOCK_M, dtype=torch.float32, device=device),
-            torch.zeros(3, dtype=torch.int32, device=device))
+            torch.zeros(SYNC_LINE.value * SYNC_LINES, dtype=torch.int32, device=device))
     return ws
 
 
@@ -205,12 +215,13 @@ def _lora_epilogue(acc, offs_m, mask_m, offs_n, mask_n, block_lo, N, LS, LB, LSC
 
 
 @triton.jit
-def _shrink_piece(piece, Sync, X, D, NW, LA, LS, LSLOT, LSLOTS, offs_m, mask_m, K, LNR, eps, stride_xm, stride_dm,
-                  stride_las, stride_lan, stride_ls, ADD_NORM: tl.constexpr, SILU_MUL: tl.constexpr,
+def _shrink_piece(piece, Sync, LPIECES, X, D, NW, LA, LS, LSLOT, LSLOTS, offs_m, mask_m, K, LNR, eps, stride_xm,
+                  stride_dm, stride_las, stride_lan, stride_ls, ADD_NORM: tl.constexpr, SILU_MUL: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PIECE: tl.constexpr):
     """Columns [piece * PIECE, + PIECE) of the rows' LoRA shrink, `x' @ A[slot].T` in fp32 over all
     of K, x' the kernel's input after its prologue as the dot reads it (ADD_NORM: then times
-    RMSNorm's 1 / rms, from sums of squares gathered here), then the piece counted done."""
+    RMSNorm's 1 / rms, from sums of squares gathered here); then the piece counted done, and the
+    last piece done raises the ready flags."""
     offs_j = piece * PIECE + tl.arange(0, PIECE)
     mask_j = offs_j < LNR
     slots = token_slots(LSLOT, offs_m, mask_m, LSLOTS)
@@ -244,33 +255,49 @@ def _shrink_piece(piece, Sync, X, D, NW, LA, LS, LSLOT, LSLOTS, offs_m, mask_m, 
     tl.store(LS + offs_m[:, None] * stride_ls + offs_j[None, :], s, mask=mask_m[:, None] & mask_j[None, :])
     # every thread's store must precede the release that counts the piece
     tl.debug_barrier()
-    tl.atomic_add(Sync + 1, 1, sem="release", scope="gpu")
+    if tl.atomic_add(Sync + SYNC_LINE, 1, sem="acq_rel", scope="gpu") == LPIECES - 1:
+        copies = Sync + SYNC_LINE * (3 + SYNC_GROUPS + tl.arange(0, READY_COPIES))
+        tl.atomic_xchg(copies, tl.full([READY_COPIES], 1, tl.int32), sem="release", scope="gpu")
 
 
 @triton.jit
 def _await_shrink(Sync, LPIECES, X, D, NW, LA, LS, LSLOT, LSLOTS, offs_m, mask_m, K, LNR, eps, stride_xm, stride_dm,
                   stride_las, stride_lan, stride_ls, ADD_NORM: tl.constexpr, SILU_MUL: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PIECE: tl.constexpr):
-    """Returns once every piece of the shrink is done, doing unclaimed pieces meanwhile: a program
-    waits only on pieces that running programs claimed, in whatever order the programs run (one
-    program alone, as under the interpreter, does them all)."""
-    done = tl.atomic_add(Sync + 1, 0, sem="acquire", scope="gpu")
-    while done < LPIECES:
-        piece = tl.atomic_add(Sync, 1, sem="relaxed", scope="gpu")
-        if piece < LPIECES:
-            _shrink_piece(piece, Sync, X, D, NW, LA, LS, LSLOT, LSLOTS, offs_m, mask_m, K, LNR, eps, stride_xm,
-                          stride_dm, stride_las, stride_lan, stride_ls, ADD_NORM, SILU_MUL, BLOCK_M, BLOCK_K, PIECE)
-        done = tl.atomic_add(Sync + 1, 0, sem="acquire", scope="gpu")
+    """Returns once every piece of the shrink is done. A program polls its copy of the ready flag
+    (plain volatile loads, spread over READY_COPIES lines: polls of one address queue behind each
+    other and behind the pieces' own atomics). Programs 0 .. LPIECES - 1 meanwhile claim and do
+    pieces still unclaimed (one program alone, as under the interpreter, does them all); after
+    PATIENCE polls any program does, so that none waits on a piece that no running program
+    claimed, whatever order the programs run in. The shrink is read after the poll saw the flag,
+    so never from a line cached before."""
+    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    flag = Sync + SYNC_LINE * (3 + SYNC_GROUPS + pid % READY_COPIES)
+    ready = tl.load(flag, volatile=True)
+    polls = 0
+    while ready == 0:
+        if (pid < LPIECES) | (polls >= PATIENCE):
+            piece = tl.atomic_add(Sync, 1, sem="relaxed", scope="gpu")
+            if piece < LPIECES:
+                _shrink_piece(piece, Sync, LPIECES, X, D, NW, LA, LS, LSLOT, LSLOTS, offs_m, mask_m, K, LNR, eps,
+                              stride_xm, stride_dm, stride_las, stride_lan, stride_ls, ADD_NORM, SILU_MUL, BLOCK_M,
+                              BLOCK_K, PIECE)
+        polls += 1
+        ready = tl.load(flag, volatile=True)
 
 
 @triton.jit
 def _leave_shrink(Sync):
-    """The launch's last program out puts the shrink's counters back to zero."""
-    left = tl.atomic_add(Sync + 2, 1, sem="acq_rel", scope="gpu")
-    if left == tl.num_programs(0) * tl.num_programs(1) - 1:
-        tl.atomic_xchg(Sync, 0)
-        tl.atomic_xchg(Sync + 1, 0)
-        tl.atomic_xchg(Sync + 2, 0)
+    """The launch's last program out puts the shrink's counters back to zero: programs count out
+    on SYNC_GROUPS counters, the last of each group on one more."""
+    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    group = pid % SYNC_GROUPS
+    left = tl.atomic_add(Sync + SYNC_LINE * (3 + group), 1, sem="acq_rel", scope="gpu")
+    if left == (programs - group + SYNC_GROUPS - 1) // SYNC_GROUPS - 1:
+        if tl.atomic_add(Sync + 2 * SYNC_LINE, 1, sem="acq_rel", scope="gpu") == tl.minimum(programs, SYNC_GROUPS) - 1:
+            lines = tl.arange(0, SYNC_LINES_POW2)
+            tl.atomic_xchg(Sync + SYNC_LINE * lines, tl.zeros([SYNC_LINES_POW2], tl.int32), mask=lines < SYNC_LINES_C)
 
 
 @triton.jit
@@ -303,9 +330,9 @@ def _skinny_kernel(
     slices start), so that a decode linear's delta costs no launch of its own. LSHRINK: the launch
     computes LS itself, from A `[S, LNR, K]` (the shrink's weights), so that the delta costs no
     launch at all. The shrink's LNR columns are LPIECES pieces of LPIECE; each program claims one
-    on arrival (a counter in Sync), and the first LPIECES to arrive compute theirs while the
-    others start their tiles; before the epilogue a program waits for all pieces done, doing any
-    still unclaimed (`_await_shrink`), and the last program out zeroes the counters.
+    (a counter in Sync), programs 0 .. LPIECES - 1 claiming one each on arrival and computing it
+    before their tiles; before the epilogue a program waits for all pieces done, doing any still
+    unclaimed (`_await_shrink`), and the last program out zeroes the counters.
 
     GEMV (BLOCK_M = M rounded up to a power of two, 1 by the heuristic): no tensor-core tile. The
     weight tile goes straight into registers and is multiplied by each row into an fp32
@@ -332,12 +359,14 @@ def _skinny_kernel(
         pdl_wait_only(PDL)
     else:
         pdl_wait(PDL)
-    if LSHRINK:
-        # Claimed after the wait, so that launches sharing Sync never mix their claims.
+    if LSHRINK and pid_k * tl.num_programs(0) + pid_n < LPIECES:
+        # The first programs claim a piece each, after the wait (launches sharing Sync never mix
+        # their claims); by the launch order these run first.
         piece = tl.atomic_add(Sync, 1, sem="relaxed", scope="gpu")
         if piece < LPIECES:
-            _shrink_piece(piece, Sync, X, D, NW, LA, LS, LSLOT, LSLOTS, offs_m, mask_m, K, LNR, eps, stride_xm,
-                          stride_dm, stride_las, stride_lan, stride_ls, ADD_NORM, SILU_MUL, BLOCK_M, BLOCK_K, LPIECE)
+            _shrink_piece(piece, Sync, LPIECES, X, D, NW, LA, LS, LSLOT, LSLOTS, offs_m, mask_m, K, LNR, eps,
+                          stride_xm, stride_dm, stride_las, stride_lan, stride_ls, ADD_NORM, SILU_MUL, BLOCK_M,
+                          BLOCK_K, LPIECE)
     if GEMV:
         if BLOCK_M == 1:
             acc_k = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
