@@ -58,19 +58,6 @@ GEMV_BLOCK_N = 2
 GEMV_MAX_BLOCK_K = 1024
 GEMV_NUM_WARPS = 4
 GEMV_MAX_M = 1             # rows the heuristic gives the mode (it serves up to SKINNY_MAX_M: a forced config)
-# A launch that computes its own LoRA shrink (`with_shrink`): the shrink's columns are claimed by
-# the launch's first programs this many at a time (each reads this many rows of A over all of K).
-SHRINK_PIECE = 4
-# Its counters (`SplitWorkspace.shrink_sync`), one a cache line so that atomics on one do not
-# queue behind another's: pieces claimed, pieces done, exit groups done, then SYNC_GROUPS
-# counters the programs leave on and READY_COPIES copies of the "all done" flag they poll.
-SYNC_LINE = tl.constexpr(32)       # int32s a cache line
-SYNC_GROUPS = tl.constexpr(16)
-READY_COPIES = tl.constexpr(64)
-SYNC_LINES = 3 + SYNC_GROUPS.value + READY_COPIES.value
-SYNC_LINES_C = tl.constexpr(SYNC_LINES)
-SYNC_LINES_POW2 = tl.constexpr(triton.next_power_of_2(SYNC_LINES))
-PATIENCE = tl.constexpr(4096)      # polls before any program claims pieces too (see `_await_shrink`)
 
 
 class SkinnyConfig(NamedTuple):
@@ -148,17 +135,15 @@ class SplitWorkspace(NamedTuple):
     partials: torch.Tensor   # fp32 [SKINNY_MAX_M * WORKSPACE_COLS]
     semaphores: torch.Tensor  # int32, one per column block, all zero between launches
     sums: torch.Tensor       # fp32, the norm prologue's sums of squares, BLOCK_M per (column block, split)
-    shrink_sync: torch.Tensor  # int32 [SYNC_LINES * SYNC_LINE], the shrink's counters, all zero between launches
 
 
 _WORKSPACES: dict[torch.device, SplitWorkspace] = {}
 
 
 def split_workspace(device: torch.device) -> SplitWorkspace:
-    """One per device, at its largest size, so it is never reallocated: the first split-K (or
-    shrink-computing) call must come before any CUDA graph capture (the runtime's warm-up runs
-    each shape once first). Launches on one device must be stream-ordered (they share the
-    semaphores and the shrink's counters)."""
+    """One per device, at its largest size, so it is never reallocated: the first split-K call
+    must come before any CUDA graph capture (the runtime's warm-up runs each shape once first).
+    Launches on one device must be stream-ordered (they share the semaphores)."""
     ws = _WORKSPACES.get(device)
     if ws is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -168,8 +153,7 @@ def split_workspace(device: torch.device) -> SplitWorkspace:
         ws = _WORKSPACES[device] = SplitWorkspace(
             torch.empty(SKINNY_MAX_M * WORKSPACE_COLS, dtype=torch.float32, device=device),
             torch.zeros(SEMAPHORES, dtype=torch.int32, device=device),
-            torch.empty((SEMAPHORES + MAX_SPLIT_K) * BLOCK_M, dtype=torch.float32, device=device),
-            torch.zeros(SYNC_LINE.value * SYNC_LINES, dtype=torch.int32, device=device))
+            torch.empty((SEMAPHORES + MAX_SPLIT_K) * BLOCK_M, dtype=torch.float32, device=device))
     return ws
 
 
@@ -215,92 +199,6 @@ def _lora_epilogue(acc, offs_m, mask_m, offs_n, mask_n, block_lo, N, LS, LB, LSC
 
 
 @triton.jit
-def _shrink_piece(piece, Sync, LPIECES, X, D, NW, LA, LS, LSLOT, LSLOTS, offs_m, mask_m, K, LNR, eps, stride_xm,
-                  stride_dm, stride_las, stride_lan, stride_ls, ADD_NORM: tl.constexpr, SILU_MUL: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PIECE: tl.constexpr):
-    """Columns [piece * PIECE, + PIECE) of the rows' LoRA shrink, `x' @ A[slot].T` in fp32 over all
-    of K, x' the kernel's input after its prologue as the dot reads it (ADD_NORM: then times
-    RMSNorm's 1 / rms, from sums of squares gathered here); then the piece counted done, and the
-    last piece done raises the ready flags."""
-    offs_j = piece * PIECE + tl.arange(0, PIECE)
-    mask_j = offs_j < LNR
-    slots = token_slots(LSLOT, offs_m, mask_m, LSLOTS)
-    has = slots >= 0
-    a_rows = (LA + tl.where(has, slots, 0).to(tl.int64)[:, None] * stride_las
-              + offs_j.to(tl.int64)[None, :] * stride_lan)
-    a_mask = has[:, None] & mask_j[None, :]
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, PIECE, BLOCK_K], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + offs_k
-        in_k = ks < K
-        a = tl.load(a_rows[:, :, None] + ks[None, None, :], mask=a_mask[:, :, None] & in_k[None, None, :], other=0.0)
-        x_mask = mask_m[:, None] & in_k[None, :]
-        if ADD_NORM or SILU_MUL:
-            xa, xb = _prologue_tiles(X, D, offs_m, ks, x_mask, stride_xm, stride_dm, K, ADD_NORM)
-            if ADD_NORM:
-                hf = residual_add(xa, xb).to(tl.float32)
-                sq += tl.sum(hf * hf, axis=1)
-                nw = tl.load(NW + ks, mask=in_k, other=0.0)
-                x = (hf * nw.to(tl.float32)[None, :]).to(xa.dtype)
-            else:
-                x = silu_mul(xa, xb)
-        else:
-            x = tl.load(X + offs_m[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
-        acc += x.to(tl.float32)[:, None, :] * a.to(tl.float32)
-    s = tl.sum(acc, axis=2)
-    if ADD_NORM:
-        s = s * tl.rsqrt(sq / K + eps)[:, None]
-    tl.store(LS + offs_m[:, None] * stride_ls + offs_j[None, :], s, mask=mask_m[:, None] & mask_j[None, :])
-    # every thread's store must precede the release that counts the piece
-    tl.debug_barrier()
-    if tl.atomic_add(Sync + SYNC_LINE, 1, sem="acq_rel", scope="gpu") == LPIECES - 1:
-        copies = Sync + SYNC_LINE * (3 + SYNC_GROUPS + tl.arange(0, READY_COPIES))
-        tl.atomic_xchg(copies, tl.full([READY_COPIES], 1, tl.int32), sem="release", scope="gpu")
-
-
-@triton.jit
-def _await_shrink(Sync, LPIECES, X, D, NW, LA, LS, LSLOT, LSLOTS, offs_m, mask_m, K, LNR, eps, stride_xm, stride_dm,
-                  stride_las, stride_lan, stride_ls, ADD_NORM: tl.constexpr, SILU_MUL: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PIECE: tl.constexpr):
-    """Returns once every piece of the shrink is done. A program polls its copy of the ready flag
-    (plain volatile loads, spread over READY_COPIES lines: polls of one address queue behind each
-    other and behind the pieces' own atomics). Programs 0 .. LPIECES - 1 meanwhile claim and do
-    pieces still unclaimed (one program alone, as under the interpreter, does them all); after
-    PATIENCE polls any program does, so that none waits on a piece that no running program
-    claimed, whatever order the programs run in. The shrink is read after the poll saw the flag,
-    so never from a line cached before."""
-    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    flag = Sync + SYNC_LINE * (3 + SYNC_GROUPS + pid % READY_COPIES)
-    ready = tl.load(flag, volatile=True)
-    polls = 0
-    while ready == 0:
-        if (pid < LPIECES) | (polls >= PATIENCE):
-            piece = tl.atomic_add(Sync, 1, sem="relaxed", scope="gpu")
-            if piece < LPIECES:
-                _shrink_piece(piece, Sync, LPIECES, X, D, NW, LA, LS, LSLOT, LSLOTS, offs_m, mask_m, K, LNR, eps,
-                              stride_xm, stride_dm, stride_las, stride_lan, stride_ls, ADD_NORM, SILU_MUL, BLOCK_M,
-                              BLOCK_K, PIECE)
-        polls += 1
-        ready = tl.load(flag, volatile=True)
-
-
-@triton.jit
-def _leave_shrink(Sync):
-    """The launch's last program out puts the shrink's counters back to zero: programs count out
-    on SYNC_GROUPS counters, the last of each group on one more."""
-    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    programs = tl.num_programs(0) * tl.num_programs(1)
-    group = pid % SYNC_GROUPS
-    left = tl.atomic_add(Sync + SYNC_LINE * (3 + group), 1, sem="acq_rel", scope="gpu")
-    if left == (programs - group + SYNC_GROUPS - 1) // SYNC_GROUPS - 1:
-        if tl.atomic_add(Sync + 2 * SYNC_LINE, 1, sem="acq_rel", scope="gpu") == tl.minimum(programs, SYNC_GROUPS) - 1:
-            lines = tl.arange(0, SYNC_LINES_POW2)
-            tl.atomic_xchg(Sync + SYNC_LINE * lines, tl.zeros([SYNC_LINES_POW2], tl.int32), mask=lines < SYNC_LINES_C)
-
-
-@triton.jit
 def _skinny_kernel(
     X, W, Y, Partials, Semaphores, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
     D, NW, H, NORMED, Sums, eps, NORMED_CHUNK, stride_dm, stride_hm, stride_nm,
@@ -311,7 +209,6 @@ def _skinny_kernel(
     LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3, stride_ls, stride_lbs, stride_lbn, stride_lsc,
     LORA: tl.constexpr, LORA_N: tl.constexpr, LBLOCK_R: tl.constexpr, LSLOTS_PAD: tl.constexpr, LKC: tl.constexpr,
     LORA_FP32: tl.constexpr,
-    LA, Sync, LNR, LPIECES, stride_las, stride_lan, LSHRINK: tl.constexpr, LPIECE: tl.constexpr,
 ):
     """EVEN_K (K a multiple of BLOCK_K, so every split is whole tiles): no mask along K, which
     keeps the weight loads vectorised. Y may be wider than X (fp32 logits): the output is rounded
@@ -327,12 +224,7 @@ def _skinny_kernel(
     LORA, an epilogue: the finished tile, rounded to X's dtype as the linear's output, gets each
     row's multi-LoRA delta as `lora_expand` adds it (`lora_kernels.add_slice_deltas`; LS the rows'
     shrink output, LB `[S, N, R]`, LSCALE `[S, slices]`, LSLOT the rows' slots, LO1..3 where the
-    slices start), so that a decode linear's delta costs no launch of its own. LSHRINK: the launch
-    computes LS itself, from A `[S, LNR, K]` (the shrink's weights), so that the delta costs no
-    launch at all. The shrink's LNR columns are LPIECES pieces of LPIECE; each program claims one
-    (a counter in Sync), programs 0 .. LPIECES - 1 claiming one each on arrival and computing it
-    before their tiles; before the epilogue a program waits for all pieces done, doing any still
-    unclaimed (`_await_shrink`), and the last program out zeroes the counters.
+    slices start), so that a decode linear's delta costs no launch of its own.
 
     GEMV (BLOCK_M = M rounded up to a power of two, 1 by the heuristic): no tensor-core tile. The
     weight tile goes straight into registers and is multiplied by each row into an fp32
@@ -359,14 +251,6 @@ def _skinny_kernel(
         pdl_wait_only(PDL)
     else:
         pdl_wait(PDL)
-    if LSHRINK and pid_k * tl.num_programs(0) + pid_n < LPIECES:
-        # The first programs claim a piece each, after the wait (launches sharing Sync never mix
-        # their claims); by the launch order these run first.
-        piece = tl.atomic_add(Sync, 1, sem="relaxed", scope="gpu")
-        if piece < LPIECES:
-            _shrink_piece(piece, Sync, LPIECES, X, D, NW, LA, LS, LSLOT, LSLOTS, offs_m, mask_m, K, LNR, eps,
-                          stride_xm, stride_dm, stride_las, stride_lan, stride_ls, ADD_NORM, SILU_MUL, BLOCK_M,
-                          BLOCK_K, LPIECE)
     if GEMV:
         if BLOCK_M == 1:
             acc_k = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -435,9 +319,6 @@ def _skinny_kernel(
             if KEEP_NORMED:
                 _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K, stride_xm, stride_dm,
                               stride_nm, BLOCK_K)
-        if LSHRINK:
-            _await_shrink(Sync, LPIECES, X, D, NW, LA, LS, LSLOT, LSLOTS, offs_m, mask_m, K, LNR, eps, stride_xm,
-                          stride_dm, stride_las, stride_lan, stride_ls, ADD_NORM, SILU_MUL, BLOCK_M, BLOCK_K, LPIECE)
         if LORA:
             acc = _lora_epilogue(acc.to(X.dtype.element_ty).to(tl.float32), offs_m, mask_m, offs_n, mask_n,
                                  pid_n * BLOCK_N, N, LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3, stride_ls,
@@ -469,10 +350,6 @@ def _skinny_kernel(
                 if KEEP_NORMED:
                     _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K, stride_xm,
                                   stride_dm, stride_nm, BLOCK_K)
-            if LSHRINK:
-                _await_shrink(Sync, LPIECES, X, D, NW, LA, LS, LSLOT, LSLOTS, offs_m, mask_m, K, LNR, eps, stride_xm,
-                              stride_dm, stride_las, stride_lan, stride_ls, ADD_NORM, SILU_MUL, BLOCK_M, BLOCK_K,
-                              LPIECE)
             if LORA:
                 total = _lora_epilogue(total.to(X.dtype.element_ty).to(tl.float32), offs_m, mask_m, offs_n, mask_n,
                                        pid_n * BLOCK_N, N, LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3, stride_ls,
@@ -480,8 +357,6 @@ def _skinny_kernel(
                                        LORA_FP32, GEMV)
             tl.store(y_ptrs, total.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(Semaphores + pid_n, 0)
-    if LSHRINK:
-        _leave_shrink(Sync)
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None,
@@ -495,77 +370,54 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyCo
     return y
 
 
-def _lora_args(y: torch.Tensor, lora: LoRAArgs | None, shrink_a: torch.Tensor | None) -> dict:
+def _lora_args(y: torch.Tensor, lora: LoRAArgs | None) -> dict:
     if lora is None:   # placeholders, never read
         return dict(LS=y, LB=y, LSCALE=y, LSLOT=y, LR=0, LSLOTS=0, LO1=0, LO2=0, LO3=0, stride_ls=0, stride_lbs=0,
                     stride_lbn=0, stride_lsc=0, LORA=False, LORA_N=1, LBLOCK_R=16, LSLOTS_PAD=1, LKC=16,
-                    LORA_FP32=False, LA=y, Sync=y, LNR=0, LPIECES=0, stride_las=0, stride_lan=0, LSHRINK=False,
-                    LPIECE=SHRINK_PIECE)
+                    LORA_FP32=False)
     S, _, R = lora.b.shape
     o1, o2, o3 = lora.bounds
-    on = R > 0 and S > 0
-    args = dict(LS=lora.s, LB=lora.b, LSCALE=lora.scale, LSLOT=lora.slot, LR=R, LSLOTS=S, LO1=o1, LO2=o2, LO3=o3,
+    return dict(LS=lora.s, LB=lora.b, LSCALE=lora.scale, LSLOT=lora.slot, LR=R, LSLOTS=S, LO1=o1, LO2=o2, LO3=o3,
                 stride_ls=lora.s.stride(0), stride_lbs=lora.b.stride(0), stride_lbn=lora.b.stride(1),
-                stride_lsc=lora.scale.stride(0), LORA=on, LORA_N=lora.n_slices, LBLOCK_R=lora.block_r,
-                LSLOTS_PAD=lora.slots_pad, LKC=lora.kc, LORA_FP32=lora.fp32_dot, LA=y, Sync=y, LNR=0, LPIECES=0,
-                stride_las=0, stride_lan=0, LSHRINK=False, LPIECE=SHRINK_PIECE)
-    if shrink_a is not None and on:
-        NR = shrink_a.shape[1]
-        args.update(LA=shrink_a, Sync=split_workspace(y.device).shrink_sync, LNR=NR,
-                    LPIECES=triton.cdiv(NR, SHRINK_PIECE), stride_las=shrink_a.stride(0),
-                    stride_lan=shrink_a.stride(1), LSHRINK=True)
-    return args
-
-
-def computes_shrink(M: int, N: int, K: int, device: torch.device, prologue: bool = False) -> bool:
-    """Whether a launch with LoRA deltas computes their shrink itself (`shrink_a`): in the GEMV
-    mode (one row, by the heuristic), where the shrink's launch would cost more than the whole
-    GEMV, and its few columns are a few programs' extra work."""
-    return skinny_config(M, N, K, num_sms(device), PROLOGUE_MAX_STEPS if prologue else 0).gemv
+                stride_lsc=lora.scale.stride(0), LORA=R > 0 and S > 0, LORA_N=lora.n_slices, LBLOCK_R=lora.block_r,
+                LSLOTS_PAD=lora.slots_pad, LKC=lora.kc, LORA_FP32=lora.fp32_dot)
 
 
 def skinny_linear_lora_triton(x: torch.Tensor, weight: torch.Tensor, lora: LoRAArgs,
-                              config: SkinnyConfig | None = None, shrink_a: torch.Tensor | None = None
-                              ) -> torch.Tensor:
+                              config: SkinnyConfig | None = None) -> torch.Tensor:
     """`lora_expand(x @ weight.T, ...)` in one launch: the LoRA deltas of `lora` (the expand's
-    arguments) added in the epilogue, rounded as the two ops round. With `shrink_a` (the
-    shrink's `a [S, N*R, K]`, last dim contiguous) the launch computes the shrink too, into
-    `lora.s` (`[M, N*R]` fp32, written)."""
+    arguments) added in the epilogue, rounded as the two ops round."""
     y = x.new_empty((x.shape[0], weight.shape[0]))
-    _launch(x, weight, y, config, {}, lora, shrink_a)
+    _launch(x, weight, y, config, {}, lora)
     return y
 
 
 def add_rms_norm_linear_triton(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                               weight: torch.Tensor, keep_normed: bool, config: SkinnyConfig | None = None,
-                               lora: LoRAArgs | None = None, shrink_a: torch.Tensor | None = None
+                               weight: torch.Tensor, keep_normed: bool, config: SkinnyConfig | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """h = x + delta, normed = RMSNorm(h) * norm_weight, y = normed @ weight.T in one launch:
-    returns (y, h, normed if keep_normed else None). x and delta `[M, K]`, last dims contiguous.
-    `lora`, `shrink_a`: as `skinny_linear_lora_triton`'s (the shrink reads normed)."""
+    returns (y, h, normed if keep_normed else None). x and delta `[M, K]`, last dims contiguous."""
     M, K = x.shape
     y = x.new_empty((M, weight.shape[0]))
     h = x.new_empty((M, K))
     normed = x.new_empty((M, K)) if keep_normed else None
     _launch(x, weight, y, config, dict(
         D=delta, NW=norm_weight, H=h, NORMED=normed if keep_normed else y, eps=eps,
-        stride_dm=delta.stride(0), stride_hm=K, stride_nm=K, ADD_NORM=True, KEEP_NORMED=keep_normed), lora, shrink_a)
+        stride_dm=delta.stride(0), stride_hm=K, stride_nm=K, ADD_NORM=True, KEEP_NORMED=keep_normed))
     return y, h, normed
 
 
-def silu_mul_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None,
-                           lora: LoRAArgs | None = None, shrink_a: torch.Tensor | None = None) -> torch.Tensor:
-    """(silu(gate) * up) @ weight.T in one launch; gate_up `[M, 2K]` holds [gate | up], weight `[N, K]`.
-    `lora`, `shrink_a`: as `skinny_linear_lora_triton`'s (the shrink reads silu(gate) * up)."""
+def silu_mul_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
+    """(silu(gate) * up) @ weight.T in one launch; gate_up `[M, 2K]` holds [gate | up], weight `[N, K]`."""
     y = gate_up.new_empty((gate_up.shape[0], weight.shape[0]))
-    _launch(gate_up, weight, y, config, dict(SILU_MUL=True), lora, shrink_a)
+    _launch(gate_up, weight, y, config, dict(SILU_MUL=True))
     return y
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: SkinnyConfig | None,
-            prologue: dict, lora: LoRAArgs | None = None, shrink_a: torch.Tensor | None = None) -> None:
+            prologue: dict, lora: LoRAArgs | None = None) -> None:
     """One launch writing y; `prologue`: the ADD_NORM / SILU_MUL arguments that differ from none;
-    `lora`: the epilogue's deltas; `shrink_a`: their shrink's weights, computed in the launch."""
+    `lora`: the epilogue's deltas."""
     M = x.shape[0]
     N, K = weight.shape
     if config is None:
@@ -576,7 +428,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
         check_config(config, M, N)
     block_n, block_k, split_k, num_warps, num_stages, gemv = config
     ws = split_workspace(x.device) if split_k > 1 else None
-    partials, semaphores, sums = ws[:3] if ws is not None else (y, y, y)  # never read when SPLIT_K == 1
+    partials, semaphores, sums = ws if ws is not None else (y, y, y)  # never read when SPLIT_K == 1
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     upcast = interpreter_upcast(x.dtype)
     precision = "ieee" if upcast or x.dtype == torch.float32 else "tf32"
@@ -584,7 +436,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
     args = dict(D=y, NW=y, H=y, NORMED=y, eps=0.0, stride_dm=0, stride_hm=0, stride_nm=0,
                 ADD_NORM=False, SILU_MUL=False, KEEP_NORMED=False)
     args.update(prologue)
-    args.update(_lora_args(y, lora, shrink_a))
+    args.update(_lora_args(y, lora))
     _skinny_kernel[grid](
         x, weight, y, partials, semaphores, M, N, K, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         Sums=sums, NORMED_CHUNK=triton.cdiv(K, grid[0]), **args,
