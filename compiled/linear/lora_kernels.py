@@ -22,6 +22,9 @@ split writes fp32 partials to a workspace and bumps its group's semaphore, and t
 arrive sums them in split order (deterministic), stores the rows and puts the semaphore back to
 0 (the skinny GEMM's scheme; the workspace is allocated once per device, before any capture).
 
+At one row (`GEMV_MAX_T`) the shrink takes `_lora_shrink_gemv_kernel` instead: one column of A a
+program, multiplied in registers, no slot grid or split.
+
 `_lora_expand_kernel`, out[t, c] = y[t, c] + scale[slot_t, i] * sum_r s[t, i*R + r] b[slot_t, c, r]
 for column c in slice i: a grid over (token blocks, column blocks). A program loads its y tile
 once and adds every row's delta: one dot of K = R where the block's rows share one slot (a
@@ -61,6 +64,8 @@ SPLIT_PROGRAMS = 64       # ... until token blocks x column blocks x splits reac
 DELTA_K_STEP = 128        # the expand's stacked-slot dots: this many of K (slots x rank) a dot
 WORKSPACE_FLOATS = MAX_SPLIT_K * SPLIT_MAX_T * 1024   # split partials SPLIT_K x T x N*R, fp32 (N*R <= 1024)
 SEMAPHORES = 1 << 14      # one per (token block, column block, slot) of a split launch
+GEMV_MAX_T = 1            # the shrink's rows for its GEMV mode (it serves more: a forced config)
+GEMV_K_ELEMENTS = 4096    # GEMV mode: K elements a row a step (one step for every decode linear)
 
 
 class LoRAConfig(NamedTuple):
@@ -70,6 +75,7 @@ class LoRAConfig(NamedTuple):
     split_k: int = 1   # the shrink's K splits
     num_warps: int = 4
     num_stages: int = 3
+    gemv: bool = False  # the shrink's GEMV mode (`_lora_shrink_gemv_kernel`)
 
 
 def _pow2(n: int, lo: int, hi: int) -> int:
@@ -77,12 +83,15 @@ def _pow2(n: int, lo: int, hi: int) -> int:
 
 
 def shrink_config(T: int, NR: int, K: int) -> LoRAConfig:
-    """Token blocks of up to 64 rows (fewer blocks: each slot's weights read fewer times); up to
+    """Up to GEMV_MAX_T rows: the GEMV mode, one column a program, all of K in one step (up to
+    GEMV_K_ELEMENTS). Otherwise token blocks of up to 64 rows (fewer blocks: each slot's weights read fewer times); up to
     SPLIT_MAX_T tokens, 16-column blocks and K split in powers of two while each split keeps
     MIN_K_PER_SPLIT and the blocks x splits stay within SPLIT_PROGRAMS (a slot's weights streamed
     by that many programs). An H100 sweep of splits and column blocks at 8 and 64 tokens (qkv,
     o, gate/up at R = 16, S = 8) put this within ~1 µs of the best (o at one token: 9.3 µs
     unsplit, 3.6 split 16 ways)."""
+    if T <= GEMV_MAX_T:
+        return gemv_shrink_config(T, K)
     block_t = _pow2(T, MIN_BLOCK, 64)
     block_n = MIN_BLOCK if T <= SPLIT_MAX_T else _pow2(NR, MIN_BLOCK, 64)
     block_k = _pow2(K, MIN_BLOCK, 128)
@@ -95,6 +104,11 @@ def shrink_config(T: int, NR: int, K: int) -> LoRAConfig:
     return LoRAConfig(block_t, block_n, block_k, split)
 
 
+def gemv_shrink_config(T: int, K: int, block_n: int = 1) -> LoRAConfig:
+    block_t = triton.next_power_of_2(T)
+    return LoRAConfig(block_t, block_n, _pow2(K, 1, GEMV_K_ELEMENTS // (block_t * block_n)), 1, 4, 1, True)
+
+
 def expand_config(T: int, OUT: int) -> LoRAConfig:
     """Token blocks of up to 64 rows, 64 columns a program (the best or within ~1 µs of it in an
     H100 sweep of 16-64 rows x 32-128 columns at 8-512 tokens: qkv, o, gate/up; R = 16, S = 8),
@@ -104,10 +118,11 @@ def expand_config(T: int, OUT: int) -> LoRAConfig:
 
 
 def _check_config(config: LoRAConfig) -> None:
+    smallest = 1 if config.gemv else MIN_BLOCK   # tl.dot's minimum does not bind the GEMV mode
     for name in ("block_t", "block_n", "block_k"):
         v = getattr(config, name)
-        if v < MIN_BLOCK or v & (v - 1):
-            raise ValueError(f"lora kernels: {name}={v} must be a power of two >= {MIN_BLOCK}")
+        if v < smallest or v & (v - 1):
+            raise ValueError(f"lora kernels: {name}={v} must be a power of two >= {smallest}")
     if not 1 <= config.split_k <= MAX_SPLIT_K:
         raise ValueError(f"lora kernels: split_k={config.split_k} must be in 1..{MAX_SPLIT_K}")
 
@@ -190,6 +205,39 @@ def _lora_shrink_kernel(X, A, OUT, SLOT, Partials, Semaphores, T, NR, K, S, K_PE
                         total += tl.load(part_ptrs + sp * T * NR, mask=o_mask, other=0.0, cache_modifier=".cg")
                     tl.store(o_ptrs, total, mask=o_mask)
                     tl.atomic_xchg(sem, 0)
+
+
+@triton.jit
+def _lora_shrink_gemv_kernel(X, A, OUT, SLOT, T, NR, K, S, stride_xt, stride_as, stride_an, stride_ot,
+                             BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             PDL: tl.constexpr):
+    """The shrink's GEMV mode, for a few rows: a program owns BLOCK_N columns of every row, each
+    row's own slot's A rows go straight into registers and are multiplied there by the row (no
+    tensor-core tile, no slot grid, no split), summed along K once after the loop. At one decode
+    row this is a column or two of A a program, one load of all of K: the launch takes about as
+    long as one memory round trip, where the tiled kernel's slot grid and split took two or three."""
+    pdl_wait(PDL)
+    offs_t = tl.arange(0, BLOCK_T)
+    in_t = offs_t < T
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_n = offs_n < NR
+    offs_k = tl.arange(0, BLOCK_K)
+    slots = token_slots(SLOT, offs_t, in_t, S)
+    has = slots >= 0
+    a_rows = (A + tl.where(has, slots, 0).to(tl.int64)[:, None, None] * stride_as
+              + offs_n.to(tl.int64)[None, :, None] * stride_an)
+    a_mask = has[:, None, None] & in_n[None, :, None]
+    acc = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        in_k = ks < K
+        x = tl.load(X + offs_t.to(tl.int64)[:, None] * stride_xt + ks[None, :], mask=in_t[:, None] & in_k[None, :],
+                    other=0.0)
+        a = tl.load(a_rows + ks[None, None, :], mask=a_mask & in_k[None, None, :], other=0.0,
+                    eviction_policy="evict_last")
+        acc += x.to(tl.float32)[:, None, :] * a.to(tl.float32)
+    tl.store(OUT + offs_t.to(tl.int64)[:, None] * stride_ot + offs_n[None, :], tl.sum(acc, axis=2),
+             mask=in_t[:, None] & in_n[None, :])
 
 
 @triton.jit
@@ -293,6 +341,12 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot: torch.Tensor,
     x, a = _last_dim_contiguous(x), _last_dim_contiguous(a)
     cfg = config or shrink_config(T, NR, K)
     _check_config(cfg)
+    if cfg.gemv:
+        _lora_shrink_gemv_kernel[(triton.cdiv(NR, cfg.block_n),)](
+            x, a, out, slot, T, NR, K, S, x.stride(0), a.stride(0), a.stride(1), out.stride(0),
+            BLOCK_T=triton.next_power_of_2(T), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **launch_kwargs(x.device))
+        return out
     grid_tn = (triton.cdiv(T, cfg.block_t), triton.cdiv(NR, cfg.block_n))
     split = cfg.split_k
     ws = None
