@@ -80,28 +80,33 @@ def _(x, delta, norm_weight, eps, weight, keep_normed):
         torch.empty_like(x) if keep_normed else x.new_empty(0)
 
 
-def _check_silu(gate_up: torch.Tensor, weight: torch.Tensor) -> None:
+def check_silu(gate_up: torch.Tensor, weight: torch.Tensor, op: str = "compiled::silu_mul_linear") -> None:
     if gate_up.dim() != 2 or weight.dim() != 2 or gate_up.shape[-1] != 2 * weight.shape[1]:
-        raise ValueError(f"compiled::silu_mul_linear: gate_up {tuple(gate_up.shape)} @ weight "
+        raise ValueError(f"{op}: gate_up {tuple(gate_up.shape)} @ weight "
                          f"{tuple(weight.shape)}.T: expected gate_up [T, 2K] and weight [N, K]")
     if gate_up.dtype != weight.dtype:
-        raise ValueError(f"compiled::silu_mul_linear: gate_up is {gate_up.dtype}, weight is {weight.dtype}")
+        raise ValueError(f"{op}: gate_up is {gate_up.dtype}, weight is {weight.dtype}")
 
 
 @torch.library.custom_op("compiled::silu_mul_linear", mutates_args=())
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """(silu(gate) * up) @ weight.T for gate_up `[T, 2K]` = [gate | up]."""
-    _check_silu(gate_up, weight)
+    check_silu(gate_up, weight)
     if use_kernel(gate_up[:, :weight.shape[1]], weight):
         from compiled.linear.skinny_kernels import silu_mul_linear_triton
         return silu_mul_linear_triton(gate_up, weight)
+    return F.linear(silu_and_mul(gate_up), weight)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The activation alone: its Triton launch where `_own_launch` says so, the reference otherwise."""
     if _own_launch(gate_up):
         from compiled.linear.prologue_kernels import silu_and_mul_triton
-        return F.linear(silu_and_mul_triton(gate_up), weight)
-    return silu_mul_linear_ref(gate_up, weight)
+        return silu_and_mul_triton(gate_up)
+    return silu_and_mul_ref(gate_up)
 
 
 @silu_mul_linear.register_fake
 def _(gate_up, weight):
-    _check_silu(gate_up, weight)
+    check_silu(gate_up, weight)
     return gate_up.new_empty((gate_up.shape[0], weight.shape[0]))

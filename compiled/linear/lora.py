@@ -13,9 +13,8 @@ output is N slices (q, k, v -> 3; gate, up -> 2; o, down -> 1) gets its delta in
 the slices' widths, summing to out), y[t, rows_i] + scale[slot[t], i] * s[t, i*R:(i+1)*R] @
 b[slot[t], rows_i, :].T, the sum in fp32 and rounded once; rows without an adapter are y's.
 
-At decode sizes a third op, `compiled::linear_lora(x, weight, s, b, scale, slot, slices)`, is
-`lora_expand(linear(x, weight), s, ...)` in one launch: the skinny GEMM with the deltas in its
-epilogue (the fuse_lora_linear pass routes the graph's pairs to it).
+At decode sizes a linear and both ops run as one launch: `lora_linear.py`'s ops, where the
+fuse_lora_linear pass routes the graph's triples.
 
 All are opaque custom ops with fake implementations, so they trace into torch.fx and compile
 under Inductor. Backends (`BACKEND`, from `COMPILED_LORA_BACKEND` or `set_backend()`): 'auto'
@@ -28,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from compiled.backend import BackendChoice
-from compiled.linear import LORA_MAX_SLICES, ops
+from compiled.linear import LORA_MAX_SLICES
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -162,34 +161,3 @@ def expand(y: torch.Tensor, s: torch.Tensor, b: torch.Tensor, scale: torch.Tenso
 def _(y, s, b, scale, slot, slices):
     check_expand(y, s, b, scale, slot, slices)
     return torch.empty_like(y, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("compiled::linear_lora", mutates_args=())
-def linear_lora(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
-                slot: torch.Tensor, slices: list[int]) -> torch.Tensor:
-    """`lora_expand(linear(x, weight), s, b, scale, slot, slices)`, rounded as the two ops round:
-    one skinny-GEMM launch with the deltas in its epilogue where both backends allow the kernels
-    and the skinny GEMM serves the linear (decode rows on CUDA), the two ops' bodies otherwise: a
-    linear that cuBLAS does better (the 30B's qkv at 2-16 rows) lost more in the skinny GEMM
-    than the expand's launch saved (bench/RESULTS.md)."""
-    check_linear_lora(x, weight, s, b, scale, slot, slices)
-    if use_kernel(x) and len(slices) <= LORA_MAX_SLICES and ops.use_kernel(x, weight):
-        from compiled.linear.lora_kernels import LoRAArgs
-        from compiled.linear.skinny_kernels import skinny_linear_lora_triton
-        return skinny_linear_lora_triton(x, weight, LoRAArgs.of(s, b, scale, slot, list(slices)))
-    return expand(ops.dispatch(x, weight), s, b, scale, slot, slices)
-
-
-def check_linear_lora(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
-                      slot: torch.Tensor, slices: list[int]) -> None:
-    ops.check_shapes(x, weight)
-    if x.dim() != 2:
-        raise ValueError(f"compiled::linear_lora: x {tuple(x.shape)}, expected [T, K]")
-    # the linear's output as the expand sees it, without computing it
-    check_expand(x.new_empty(()).expand(x.shape[0], weight.shape[0]), s, b, scale, slot, slices)
-
-
-@linear_lora.register_fake
-def _(x, weight, s, b, scale, slot, slices):
-    check_linear_lora(x, weight, s, b, scale, slot, slices)
-    return x.new_empty((x.shape[0], weight.shape[0]))

@@ -54,7 +54,7 @@ import triton.language as tl
 
 from compiled.linear import LORA_MAX_SLICES as MAX_SLICES
 from compiled.triton_utils import (interpreter_upcast, interpreting, launch_kwargs, masked_dot_t, pdl_wait,
-                                   slot_stacked_delta)
+                                   residual_add, silu_mul, slot_stacked_delta)
 
 MIN_BLOCK = 16   # tl.dot's smallest tile side
 MAX_SPLIT_K = 16
@@ -209,16 +209,22 @@ def _lora_shrink_kernel(X, A, OUT, SLOT, Partials, Semaphores, T, NR, K, S, K_PE
 
 @triton.jit
 def _lora_shrink_gemv_kernel(X, A, OUT, SLOT, T, NR, K, S, stride_xt, stride_as, stride_an, stride_ot,
-                             BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             D, NW, eps, stride_dt, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, ADD_NORM: tl.constexpr, SILU_MUL: tl.constexpr,
                              PDL: tl.constexpr):
     """The shrink's GEMV mode, for a few rows: a program owns BLOCK_N columns of every row, each
     row's own slot's A rows go straight into registers and are multiplied there by the row (no
     tensor-core tile, no slot grid, no split), summed along K once after the loop. At one decode
     row this is a column or two of A a program, one load of all of K: the launch takes about as
-    long as one memory round trip, where the tiled kernel's slot grid and split took two or three."""
+    long as one memory round trip, where the tiled kernel's slot grid and split took two or three.
+
+    Prologues, as the skinny GEMM's (so that the linear after it reads the same input): ADD_NORM,
+    the rows are RMSNorm(X + D) * NW (each program sums the squares itself: it reads all of K);
+    SILU_MUL, X is `[T, 2K]` [gate | up] and the rows are silu(gate) * up."""
     pdl_wait(PDL)
     offs_t = tl.arange(0, BLOCK_T)
     in_t = offs_t < T
+    t64 = offs_t.to(tl.int64)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = offs_n < NR
     offs_k = tl.arange(0, BLOCK_K)
@@ -228,16 +234,26 @@ def _lora_shrink_gemv_kernel(X, A, OUT, SLOT, T, NR, K, S, stride_xt, stride_as,
               + offs_n.to(tl.int64)[None, :, None] * stride_an)
     a_mask = has[:, None, None] & in_n[None, :, None]
     acc = tl.zeros([BLOCK_T, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_T], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         in_k = ks < K
-        x = tl.load(X + offs_t.to(tl.int64)[:, None] * stride_xt + ks[None, :], mask=in_t[:, None] & in_k[None, :],
-                    other=0.0)
+        x_mask = in_t[:, None] & in_k[None, :]
+        x = tl.load(X + t64[:, None] * stride_xt + ks[None, :], mask=x_mask, other=0.0)
         a = tl.load(a_rows + ks[None, None, :], mask=a_mask & in_k[None, None, :], other=0.0,
                     eviction_policy="evict_last")
+        if ADD_NORM:
+            h = residual_add(x, tl.load(D + t64[:, None] * stride_dt + ks[None, :], mask=x_mask, other=0.0))
+            hf = h.to(tl.float32)
+            sq += tl.sum(hf * hf, axis=1)
+            x = (hf * tl.load(NW + ks, mask=in_k, other=0.0).to(tl.float32)[None, :]).to(h.dtype)
+        elif SILU_MUL:
+            x = silu_mul(x, tl.load(X + t64[:, None] * stride_xt + (K + ks)[None, :], mask=x_mask, other=0.0))
         acc += x.to(tl.float32)[:, None, :] * a.to(tl.float32)
-    tl.store(OUT + offs_t.to(tl.int64)[:, None] * stride_ot + offs_n[None, :], tl.sum(acc, axis=2),
-             mask=in_t[:, None] & in_n[None, :])
+    s = tl.sum(acc, axis=2)
+    if ADD_NORM:
+        s = s * tl.rsqrt(sq / K + eps)[:, None]
+    tl.store(OUT + t64[:, None] * stride_ot + offs_n[None, :], s, mask=in_t[:, None] & in_n[None, :])
 
 
 @triton.jit
@@ -342,11 +358,7 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot: torch.Tensor,
     cfg = config or shrink_config(T, NR, K)
     _check_config(cfg)
     if cfg.gemv:
-        _lora_shrink_gemv_kernel[(triton.cdiv(NR, cfg.block_n),)](
-            x, a, out, slot, T, NR, K, S, x.stride(0), a.stride(0), a.stride(1), out.stride(0),
-            BLOCK_T=triton.next_power_of_2(T), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **launch_kwargs(x.device))
-        return out
+        return _shrink_gemv(x, a, slot, out, cfg, {})
     grid_tn = (triton.cdiv(T, cfg.block_t), triton.cdiv(NR, cfg.block_n))
     split = cfg.split_k
     ws = None
@@ -364,6 +376,39 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot: torch.Tensor,
         UPCAST=upcast, PRECISION="ieee" if upcast or x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(x.device))
     return out
+
+
+def _shrink_gemv(x: torch.Tensor, a: torch.Tensor, slot: torch.Tensor, out: torch.Tensor, cfg: LoRAConfig,
+                 prologue: dict) -> torch.Tensor:
+    """One GEMV-mode shrink launch into out; `prologue`: the ADD_NORM / SILU_MUL arguments."""
+    T, NR, K = out.shape[0], a.shape[1], a.shape[2]
+    args = dict(D=x, NW=x, eps=0.0, stride_dt=0, ADD_NORM=False, SILU_MUL=False)
+    args.update(prologue)
+    _lora_shrink_gemv_kernel[(triton.cdiv(NR, cfg.block_n),)](
+        x, a, out, slot, T, NR, K, a.shape[0], x.stride(0), a.stride(0), a.stride(1), out.stride(0), **args,
+        BLOCK_T=triton.next_power_of_2(T), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **launch_kwargs(x.device))
+    return out
+
+
+def shrink_after_norm_triton(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                             a: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """`lora_shrink(RMSNorm(x + delta) * norm_weight, a, slot)` in one GEMV-mode launch, the normed
+    rows as the skinny GEMM's ADD_NORM prologue makes them (x, delta `[T, K]`, last dims contiguous)."""
+    return _prologue_shrink(x, a, slot, x.shape[1],
+                            dict(D=delta, NW=norm_weight, eps=eps, stride_dt=delta.stride(0), ADD_NORM=True))
+
+
+def shrink_after_silu_triton(gate_up: torch.Tensor, a: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """`lora_shrink(silu(gate) * up, a, slot)` in one GEMV-mode launch; gate_up `[T, 2K]`."""
+    return _prologue_shrink(gate_up, a, slot, gate_up.shape[1] // 2, dict(SILU_MUL=True))
+
+
+def _prologue_shrink(x: torch.Tensor, a: torch.Tensor, slot: torch.Tensor, K: int, prologue: dict) -> torch.Tensor:
+    out = torch.empty((x.shape[0], a.shape[1]), dtype=torch.float32, device=x.device)
+    if x.shape[0] == 0 or a.shape[1] == 0:
+        return out
+    return _shrink_gemv(x, _last_dim_contiguous(a), slot, out, gemv_shrink_config(x.shape[0], K), prologue)
 
 
 class LoRAArgs(NamedTuple):

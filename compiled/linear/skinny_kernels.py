@@ -393,24 +393,27 @@ def skinny_linear_lora_triton(x: torch.Tensor, weight: torch.Tensor, lora: LoRAA
 
 
 def add_rms_norm_linear_triton(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                               weight: torch.Tensor, keep_normed: bool, config: SkinnyConfig | None = None
-                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                               weight: torch.Tensor, keep_normed: bool, config: SkinnyConfig | None = None,
+                               lora: LoRAArgs | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """h = x + delta, normed = RMSNorm(h) * norm_weight, y = normed @ weight.T in one launch:
-    returns (y, h, normed if keep_normed else None). x and delta `[M, K]`, last dims contiguous."""
+    returns (y, h, normed if keep_normed else None). x and delta `[M, K]`, last dims contiguous.
+    `lora`: LoRA deltas added in the epilogue, as `skinny_linear_lora_triton`'s."""
     M, K = x.shape
     y = x.new_empty((M, weight.shape[0]))
     h = x.new_empty((M, K))
     normed = x.new_empty((M, K)) if keep_normed else None
     _launch(x, weight, y, config, dict(
         D=delta, NW=norm_weight, H=h, NORMED=normed if keep_normed else y, eps=eps,
-        stride_dm=delta.stride(0), stride_hm=K, stride_nm=K, ADD_NORM=True, KEEP_NORMED=keep_normed))
+        stride_dm=delta.stride(0), stride_hm=K, stride_nm=K, ADD_NORM=True, KEEP_NORMED=keep_normed), lora)
     return y, h, normed
 
 
-def silu_mul_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:
-    """(silu(gate) * up) @ weight.T in one launch; gate_up `[M, 2K]` holds [gate | up], weight `[N, K]`."""
+def silu_mul_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None,
+                           lora: LoRAArgs | None = None) -> torch.Tensor:
+    """(silu(gate) * up) @ weight.T in one launch; gate_up `[M, 2K]` holds [gate | up], weight `[N, K]`.
+    `lora`: LoRA deltas added in the epilogue, as `skinny_linear_lora_triton`'s."""
     y = gate_up.new_empty((gate_up.shape[0], weight.shape[0]))
-    _launch(gate_up, weight, y, config, dict(SILU_MUL=True))
+    _launch(gate_up, weight, y, config, dict(SILU_MUL=True), lora)
     return y
 
 

@@ -1,20 +1,22 @@
-"""fuse_lora_linear: a linear and the LoRA expand that adds its delta become one op.
+"""fuse_lora_linear: a linear and the LoRA shrink and expand of its delta become one op.
 
-    y = lora_expand(linear(x, W), s, B, scale, slot, slices)  ->  y = linear_lora(x, W, s, B, scale, slot, slices)
+    y = lora_expand(linear(x, W), lora_shrink(x, A, slot), B, scale, slot, slices)
+        ->  y = linear_lora(x, W, A, B, scale, slot, slices)
 
-At decode sizes the skinny GEMM adds the deltas in its epilogue, so the expand's launch goes
-(compiled/linear/lora.py); elsewhere the op runs the two as before. Runs after lora_delta, which
-makes the pairs. A linear reading the RMSNorm of a residual add (qkv but the first layer's;
-gate/up) is left to fuse_norm_linear, whose prologue saves the norm's launch (and fuse_moe_norm's
-the MoE sum's after it): the shrink reads the norm's output, which a GEMM with both the prologue
-and this epilogue would make only after the shrink needs it. So is a linear with other readers."""
+At one decode row the skinny GEMM does all three in one launch, at a few rows the expand in its
+epilogue (compiled/linear/lora_linear.py); elsewhere the op runs them as before. Runs after
+lora_delta, which makes the triples; fuse_norm_linear and fuse_silu_linear then fold a residual
+add + RMSNorm or a SiLU-and-mul in front into the op. Left alone: a linear reading the RMSNorm
+of a MoE layer's output added to the residual (the 30B's qkv), which fuse_moe_norm folds, expert
+sum included, into a kernel with no LoRA epilogue, and a linear or shrink with other readers."""
 
 from __future__ import annotations
 
 import torch
 from torch import fx
 
-import compiled.linear.lora  # noqa: F401  (registers compiled::linear_lora)
+import compiled.linear.lora_linear  # noqa: F401  (registers compiled::linear_lora)
+import compiled.moe.expert_lora  # noqa: F401  (registers compiled::fused_moe_lora)
 from compiled.graphs.weights import WeightMap
 from compiled.passes.base import GraphPass, PassRecord, is_add, is_op, linear_args, match_rms_norm
 
@@ -23,19 +25,30 @@ def fuse_lora_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord)
     for node in list(gm.graph.nodes):
         if not is_op(node, torch.ops.compiled.lora_expand):
             continue
-        y, *rest = node.args
+        y, s, *rest = node.args
         if not isinstance(y, fx.Node) or linear_args(y) is None or len(y.users) != 1:
             continue
-        norm = match_rms_norm(linear_args(y)[0])
-        if norm is not None and is_add(norm[0]):
+        x, weight = linear_args(y)
+        if not (is_op(s, torch.ops.compiled.lora_shrink) and s.args[0] is x and len(s.users) == 1):
+            continue
+        if _after_moe(x):
             continue
         with gm.graph.inserting_before(node):
-            fused = gm.graph.call_function(torch.ops.compiled.linear_lora.default, (*y.args, *rest))
+            fused = gm.graph.call_function(torch.ops.compiled.linear_lora.default, (x, weight, s.args[1], *rest))
         fused.meta = node.meta.copy()
         node.replace_all_uses_with(fused)
-        gm.graph.erase_node(node)
-        gm.graph.erase_node(y)
+        for dead in (node, y, s):
+            gm.graph.erase_node(dead)
         record.rewrites += 1
+
+
+def _after_moe(x) -> bool:
+    """Whether x is the RMSNorm of a residual add of a MoE layer's output."""
+    norm = match_rms_norm(x)
+    if norm is None or not is_add(norm[0]):
+        return False
+    return any(is_op(a, torch.ops.compiled.fused_moe) or is_op(a, torch.ops.compiled.fused_moe_lora)
+               for a in norm[0].args)
 
 
 PASS = GraphPass("fuse_lora_linear", fuse_lora_linear, after=("skinny_linear", "lora_delta"))

@@ -9,6 +9,8 @@ input norm and its qkv projection. At decode sizes, where the skinny GEMM serves
 does the add and the norm in its prologue and the launch between the two GEMMs goes; elsewhere
 the op runs them as one launch of its own (compiled/linear/fused.py).
 h keeps the residual stream going; `keep_normed` where others read the norm too (the MoE experts).
+A `linear_lora` (from fuse_lora_linear) becomes `add_rms_norm_linear_lora`, its shrink reading
+the normed input inside the op.
 Runs after skinny_linear (it matches compiled::linear); the first norm (of the embedding) and the
 final one have no add or no linear and stay as they are."""
 
@@ -20,26 +22,28 @@ import torch
 from torch import fx
 
 import compiled.linear.fused  # noqa: F401  (registers compiled::add_rms_norm_linear)
+import compiled.linear.lora_linear  # noqa: F401  (registers compiled::add_rms_norm_linear_lora)
 from compiled.graphs.weights import WeightMap
-from compiled.passes.base import GraphPass, PassRecord, is_add, linear_args, match_rms_norm
+from compiled.passes.base import GraphPass, PassRecord, is_add, is_op, linear_args, match_rms_norm
 
 
 def fuse_norm_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
     graph = gm.graph
     for node in list(graph.nodes):
-        args = linear_args(node)
+        args = _linear_and_lora(node)
         if args is None:
             continue
-        normed, weight = args
+        (normed, weight), lora = args
         norm = match_rms_norm(normed)
         if norm is None or not is_add(norm[0]) or weight.op != "get_attr":
             continue
         h, norm_weight, eps = norm
         first, before = _first_user(h, normed)
         keep_normed = len(normed.users) > 1
+        op = torch.ops.compiled.add_rms_norm_linear_lora if lora else torch.ops.compiled.add_rms_norm_linear
         with graph.inserting_before(first):
-            fused = graph.call_function(torch.ops.compiled.add_rms_norm_linear.default,
-                                        (*h.args, norm_weight, eps, graph.get_attr(weight.target), keep_normed))
+            fused = graph.call_function(op.default, (*h.args, norm_weight, eps, graph.get_attr(weight.target),
+                                                     keep_normed, *lora))
             y, h_new, normed_new = (graph.call_function(operator.getitem, (fused, i)) for i in range(3))
         node.replace_all_uses_with(y)
         graph.erase_node(node)
@@ -47,6 +51,15 @@ def fuse_norm_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord)
         # later readers of h (the next residual add) take the op's; the old norm's own nodes die
         h.replace_all_uses_with(h_new, delete_user_cb=lambda user: user not in before)
         record.rewrites += 1
+
+
+def _linear_and_lora(node: fx.Node) -> tuple[tuple, tuple] | None:
+    """((x, weight), the LoRA arguments after them) of a plain linear (no LoRA: ()) or a
+    `linear_lora`, else None."""
+    if is_op(node, torch.ops.compiled.linear_lora) and not node.kwargs:
+        return tuple(node.args[:2]), tuple(node.args[2:])
+    args = linear_args(node)
+    return None if args is None else (args, ())
 
 
 def _first_user(h: fx.Node, normed: fx.Node) -> tuple[fx.Node, set[fx.Node]]:
@@ -59,4 +72,4 @@ def _first_user(h: fx.Node, normed: fx.Node) -> tuple[fx.Node, set[fx.Node]]:
     return node, before
 
 
-PASS = GraphPass("fuse_norm_linear", fuse_norm_linear, after=("skinny_linear", "lora_delta"))
+PASS = GraphPass("fuse_norm_linear", fuse_norm_linear, after=("skinny_linear", "lora_delta", "fuse_lora_linear"))

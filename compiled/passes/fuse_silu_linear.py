@@ -3,7 +3,8 @@
     y = linear(silu_and_mul(gate_up), W)  ->  y = silu_mul_linear(gate_up, W)
 
 At decode sizes, where the skinny GEMM serves the down projection, it computes silu(gate) * up in
-its prologue and the activation's own launch goes (compiled/linear/fused.py). Runs after
+its prologue and the activation's own launch goes (compiled/linear/fused.py). A `linear_lora`
+(from fuse_lora_linear) becomes `silu_mul_linear_lora`. Runs after
 silu_and_mul and skinny_linear, whose ops it matches; an activation with other readers is left
 alone."""
 
@@ -13,21 +14,25 @@ import torch
 from torch import fx
 
 import compiled.linear.fused  # noqa: F401  (registers compiled::silu_mul_linear)
+import compiled.linear.lora_linear  # noqa: F401  (registers compiled::silu_mul_linear_lora)
 from compiled.graphs.weights import WeightMap
 from compiled.passes.base import GraphPass, PassRecord, is_op, linear_args
 
 
 def fuse_silu_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
     for node in list(gm.graph.nodes):
-        args = linear_args(node)
-        if args is None:
+        if is_op(node, torch.ops.compiled.linear_lora) and not node.kwargs:
+            (act, weight), lora = node.args[:2], node.args[2:]
+        elif (args := linear_args(node)) is not None:
+            (act, weight), lora = args, ()
+        else:
             continue
-        act, weight = args
         if not (isinstance(act, fx.Node) and is_op(act, torch.ops.compiled.silu_and_mul)
                 and len(act.users) == 1 and len(act.args) == 1):
             continue
+        op = torch.ops.compiled.silu_mul_linear_lora if lora else torch.ops.compiled.silu_mul_linear
         with gm.graph.inserting_before(node):
-            fused = gm.graph.call_function(torch.ops.compiled.silu_mul_linear.default, (act.args[0], weight))
+            fused = gm.graph.call_function(op.default, (act.args[0], weight, *lora))
         fused.meta = node.meta.copy()
         node.replace_all_uses_with(fused)
         gm.graph.erase_node(node)
@@ -35,4 +40,4 @@ def fuse_silu_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord)
 
 
 PASS = GraphPass("fuse_silu_linear", fuse_silu_linear,
-                 after=("silu_and_mul", "skinny_linear", "lora_delta"))
+                 after=("silu_and_mul", "skinny_linear", "lora_delta", "fuse_lora_linear"))

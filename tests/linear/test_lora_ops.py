@@ -144,7 +144,8 @@ def op_case() -> dict:
     return dict(err=err, tol=TOL[torch.float32], clean=True)
 
 
-# The skinny GEMM with the expand in its epilogue (compiled::linear_lora's kernel): (name, M, K,
+# The skinny GEMM with the expand in its epilogue (compiled::linear_lora's kernel, the shrink
+# given; tests/linear/test_lora_linear.py has the ops): (name, M, K,
 # slices, R, S, dtype, slots, skinny config or None for the heuristic's). Slots S and -7: no adapter.
 FUSED_CASES = [
     ("fused_m1_gemv_qkv_bf16", 1, 45, [17, 9, 9], 8, 3, "bfloat16", [2], None),
@@ -245,19 +246,6 @@ def test_cpu_auto_is_the_reference(backend):
     assert out.data_ptr() != y.data_ptr()                                  # functional
     backend("triton")
     assert lora.use_kernel(x)
-
-
-def test_linear_lora_on_cpu_is_linear_then_expand_and_checks_its_inputs(backend):
-    backend("auto")
-    x, a, b, scale, slot, _ = problem(7, 45, [17, 9, 9], 8, 3, torch.float32, 6, SLOTS_7)
-    w = torch.randn(35, 45, generator=torch.Generator().manual_seed(6))
-    s = lora_shrink_ref(x, a, slot)
-    out = torch.ops.compiled.linear_lora(x, w, s, b, scale, slot, [17, 9, 9])
-    assert torch.equal(out, lora_expand_ref(x @ w.T, s, b, scale, slot, [17, 9, 9]))
-    op = torch.ops.compiled.linear_lora
-    _one_line(lambda: op(x, w[:, :44], s, b, scale, slot, [17, 9, 9]), r"compiled::linear: x \(7, 45\) @ weight")
-    _one_line(lambda: op(x, w, s, b, scale, slot, [17, 9, 8]), r"lora_expand: slices \[17, 9, 8\] must be positive")
-    _one_line(lambda: op(x, w, s[:, :8], b, scale, slot, [17, 9, 9]), r"s \(7, 8\) torch.float32")
 
 
 def _one_line(fn, match):
@@ -392,47 +380,6 @@ def test_gpu_real_sizes_no_host_sync_and_cuda_graph(backend, T, name, IN, slices
         graph.replay()
         torch.cuda.synchronize()
         check(s, out)
-
-
-# (in, out): the decode linears compiled::linear_lora takes: the 30B's o_proj and first qkv, the
-# 0.6B's o_proj and down_proj (GEMV mode at one row, split K for the 30B's o_proj)
-FUSED_GPU_SHAPES = [(4096, [2048]), (2048, [4096, 512, 512]), (2048, [1024]), (3072, [1024])]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 8, 16, 17])
-@pytest.mark.parametrize("IN,slices", FUSED_GPU_SHAPES)
-def test_gpu_linear_lora_is_linear_then_expand_eager_and_graph(backend, T, IN, slices):
-    """The op (the skinny GEMM's epilogue where that kernel serves the linear, the two ops'
-    bodies elsewhere, 17 rows always) against the linear and the expand run as two ops, with no
-    host sync and replayed from a CUDA graph."""
-    from compiled.linear.ops import linear_ref
-    backend("auto")
-    x, _, b, scale, slot, _ = _gpu_problem(T, IN, slices, seed=T)
-    g = torch.Generator(device="cuda").manual_seed(IN)
-    w = (torch.randn(sum(slices), IN, device="cuda", generator=g) / IN ** 0.5).bfloat16()
-    s = torch.randn(T, len(slices) * 16, device="cuda", generator=g)
-
-    def run():
-        return torch.ops.compiled.linear_lora(x, w, s, b, scale, slot, slices)
-
-    def check(out):
-        base = linear_ref(x, w)
-        want = lora_expand_ref(base, s, b, scale, slot, slices)
-        assert out.dtype == torch.bfloat16 and out.shape == want.shape
-        assert max_err(out, want) <= 1e-2
-        assert max_err(out.float() - base.float(), want.float() - base.float()) <= 3e-2   # the delta itself
-
-    check(run())
-    graph, out = capture_without_host_sync(run)
-    for seed in range(2):
-        fresh = _gpu_problem(T, IN, slices, seed=2000 + 10 * T + seed)
-        x.copy_(fresh[0])
-        slot.copy_(fresh[4])
-        s.normal_(generator=g)
-        graph.replay()
-        torch.cuda.synchronize()
-        check(out)
 
 
 if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1

@@ -275,25 +275,48 @@ def test_with_lora_the_moe_norm_fusion_takes_the_expert_lora_moe():
         assert n.args[15] is alone[0].args[10]   # the token slots, as the last layer's MoE reads them
 
 
-def test_with_lora_linears_not_after_a_residual_norm_take_the_expand_in_their_op():
-    """fuse_lora_linear: o_proj, down_proj and the first layer's qkv (after the embedding's norm,
-    which has no add) become linear_lora with their own LoRA buffers; the other qkv and every
-    gate/up keep the norm fusion and an expand of their own."""
+def _lora_passed(config: dict):
     from compiled.passes.lora_delta import lora_delta_pass
     from compiled.passes.manager import with_lora
-    cfg = ModelConfig.from_dict(BASE)
+    cfg = ModelConfig.from_dict(config)
     meta = meta_model(cfg, torch.float32)
-    gm = run_passes(trace(meta), meta.checkpoint_map(), with_lora(None, lora_delta_pass(2, 4))).gm
-    fused = {n.args[1].target.removesuffix(".weight"): n for n in gm.graph.nodes
-             if is_op(n, torch.ops.compiled.linear_lora)}
+    return cfg, run_passes(trace(meta), meta.checkpoint_map(), with_lora(None, lora_delta_pass(2, 4))).gm
+
+
+def test_with_lora_each_dense_projection_is_one_op_with_its_shrink_and_expand():
+    """fuse_lora_linear and the prologue fusions after it: in a dense model every LoRA'd linear is
+    one op holding its shrink and expand (o_proj and the first qkv linear_lora, the other qkv and
+    every gate/up add_rms_norm_linear_lora, every down silu_mul_linear_lora), each with its own
+    projection's LoRA buffers; no shrink or expand is left on its own."""
+    cfg, gm = _lora_passed(BASE)
+    ops = {torch.ops.compiled.linear_lora: (1, 2), torch.ops.compiled.add_rms_norm_linear_lora: (4, 6),
+           torch.ops.compiled.silu_mul_linear_lora: (1, 2)}   # where the weight and the LoRA tensors are
+    found = {}
+    for n in gm.graph.nodes:
+        for op, (w, a) in ops.items():
+            if is_op(n, op):
+                owner = n.args[w].target.removesuffix(".weight")
+                assert [t.target for t in n.args[a:a + 3]] == [f"{owner}.lora_{t}" for t in ("a", "b", "scale")]
+                found[owner] = op
     layers = range(cfg.num_hidden_layers)
-    assert sorted(fused) == sorted([f"model.layers.{i}.{m}" for i in layers for m in ("self_attn.o_proj",
-                                                                                     "mlp.down_proj")]
-                                   + ["model.layers.0.self_attn.qkv_proj"])
-    for owner, n in fused.items():
-        assert [a.target for a in n.args[3:5]] == [f"{owner}.lora_b", f"{owner}.lora_scale"]
-        assert is_op(n.args[2], torch.ops.compiled.lora_shrink) and n.args[2].args[1].target == f"{owner}.lora_a"
+    assert found == {**{f"model.layers.{i}.self_attn.o_proj": torch.ops.compiled.linear_lora for i in layers},
+                     **{f"model.layers.{i}.mlp.down_proj": torch.ops.compiled.silu_mul_linear_lora for i in layers},
+                     **{f"model.layers.{i}.mlp.w13": torch.ops.compiled.add_rms_norm_linear_lora for i in layers},
+                     **{f"model.layers.{i}.self_attn.qkv_proj": torch.ops.compiled.add_rms_norm_linear_lora
+                        for i in layers[1:]},
+                     "model.layers.0.self_attn.qkv_proj": torch.ops.compiled.linear_lora}
+    assert not [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.lora_shrink)
+                or is_op(n, torch.ops.compiled.lora_expand)]
+
+
+def test_with_lora_a_qkv_after_a_moe_layer_keeps_the_moe_norm_fusion():
+    """The qkv reading the norm of a MoE layer's output keeps moe_add_rms_norm_linear (the expert
+    sum in the norm's kernel) and a shrink and expand of its own; the qkv after a dense MLP layer
+    takes its delta inside add_rms_norm_linear_lora."""
+    cfg, gm = _lora_passed(dict(MOE, num_hidden_layers=3, mlp_only_layers=[1]))
     expands = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.lora_expand)]
-    assert len(expands) == 2 * cfg.num_hidden_layers - 1
-    assert all(is_getitem(n.args[0], 0) and is_op(n.args[0].args[0], torch.ops.compiled.add_rms_norm_linear)
-               for n in expands)
+    assert [n.args[2].target for n in expands] == ["model.layers.1.self_attn.qkv_proj.lora_b"]
+    y = expands[0].args[0]
+    assert is_getitem(y, 0) and is_op(y.args[0], torch.ops.compiled.moe_add_rms_norm_linear)
+    norm_lora = [n.args[4].target for n in gm.graph.nodes if is_op(n, torch.ops.compiled.add_rms_norm_linear_lora)]
+    assert norm_lora == ["model.layers.1.mlp.w13.weight", "model.layers.2.self_attn.qkv_proj.weight"]

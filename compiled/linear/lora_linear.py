@@ -1,0 +1,132 @@
+"""Linears with their multi-LoRA deltas: `compiled::linear_lora` and its prologue forms.
+
+Each op is `lora_expand(linear(x', W), lora_shrink(x', a, slot), b, scale, slot, slices)` for
+the linear's input x' (the ops of `lora.py`; the fuse passes build these from the pairs
+lora_delta makes):
+
+    linear_lora(x, W, a, b, scale, slot, slices)                                x' = x
+    add_rms_norm_linear_lora(x, delta, norm_w, eps, W, keep_normed, a, ...)     x' = RMSNorm(x + delta)
+    silu_mul_linear_lora(gate_up, W, a, ...)                                    x' = silu(gate) * up
+
+`add_rms_norm_linear_lora` returns (y, h, normed) as `add_rms_norm_linear` does. Where the skinny
+GEMM serves the linear, an op is two launches: the shrink (at one row in its GEMV mode, doing
+the prologue itself from the op's inputs), then the skinny GEMM with the prologue and the
+expand in its epilogue. So a decode row's delta costs one short launch a linear, not the shrink,
+the expand and, for the prologue forms, the prologue's own launch. A prologue form above one
+row, and every size the skinny GEMM does not serve, runs the three ops' bodies in turn. A linear
+that cuBLAS does better (the 30B's qkv at 2-16 rows) lost more in the skinny GEMM than the
+expand's launch saved (bench/RESULTS.md)."""
+
+from __future__ import annotations
+
+import torch
+
+from compiled.linear import LORA_MAX_SLICES, fused, lora, ops
+from compiled.linear.lora import check_expand, check_shrink, expand, shrink
+
+
+def _in_kernel(x: torch.Tensor, weight: torch.Tensor, slices: list[int]) -> bool:
+    """Whether the skinny GEMM adds the deltas (both backends allow kernels, it serves the linear)."""
+    return lora.use_kernel(x) and len(slices) <= LORA_MAX_SLICES and ops.use_kernel(x, weight)
+
+
+def _prologue_in_shrink(x: torch.Tensor, weight: torch.Tensor, slices: list[int]) -> bool:
+    """Whether the shrink does the linear's prologue itself (its GEMV mode's rows)."""
+    from compiled.linear.lora_kernels import GEMV_MAX_T
+    return x.shape[0] <= GEMV_MAX_T and _in_kernel(x, weight, slices)
+
+
+def _args(s: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slot: torch.Tensor, slices: list[int]):
+    from compiled.linear.lora_kernels import LoRAArgs
+    return LoRAArgs.of(s, b, scale, slot, list(slices))
+
+
+def check_lora(op: str, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               scale: torch.Tensor, slot: torch.Tensor, slices: list[int]) -> None:
+    """One-line errors naming `op` and the tensor at fault; x is the linear's input as the
+    shrink reads it (`[T, K]`)."""
+    ops.check_shapes(x, weight)
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x {tuple(x.shape)}, expected [T, K]")
+    check_shrink(x, a, slot)
+    if b.dim() == 3 and a.shape[1] != len(slices) * b.shape[2]:
+        raise ValueError(f"{op}: a {tuple(a.shape)} has {a.shape[1]} rows, expected {len(slices)} slices x "
+                         f"rank {b.shape[2]} (b {tuple(b.shape)})")
+    T = x.shape[0]
+    check_expand(x.new_empty(()).expand(T, weight.shape[0]), x.new_empty((), dtype=torch.float32).expand(
+        T, a.shape[1]), b, scale, slot, slices)
+
+
+@torch.library.custom_op("compiled::linear_lora", mutates_args=())
+def linear_lora(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
+                slot: torch.Tensor, slices: list[int]) -> torch.Tensor:
+    """`x @ weight.T` plus each row's LoRA delta (`lora_shrink` by a, `lora_expand` by b), rounded
+    as the two ops round."""
+    check_lora("compiled::linear_lora", x, weight, a, b, scale, slot, slices)
+    s = shrink(x, a, slot)
+    if _in_kernel(x, weight, slices):
+        from compiled.linear.skinny_kernels import skinny_linear_lora_triton
+        return skinny_linear_lora_triton(x, weight, _args(s, b, scale, slot, slices))
+    return expand(ops.dispatch(x, weight), s, b, scale, slot, slices)
+
+
+@linear_lora.register_fake
+def _(x, weight, a, b, scale, slot, slices):
+    check_lora("compiled::linear_lora", x, weight, a, b, scale, slot, slices)
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("compiled::add_rms_norm_linear_lora", mutates_args=())
+def add_rms_norm_linear_lora(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                             weight: torch.Tensor, keep_normed: bool, a: torch.Tensor, b: torch.Tensor,
+                             scale: torch.Tensor, slot: torch.Tensor, slices: list[int]
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`add_rms_norm_linear` whose y has the LoRA deltas of its input, normed."""
+    _check_norm_lora(x, delta, norm_weight, weight, a, b, scale, slot, slices)
+    if delta.stride(-1) == 1 and _prologue_in_shrink(x, weight, slices):
+        from compiled.linear.lora_kernels import shrink_after_norm_triton
+        from compiled.linear.skinny_kernels import add_rms_norm_linear_triton
+        s = shrink_after_norm_triton(x, delta, norm_weight, eps, a, slot)
+        y, h, normed = add_rms_norm_linear_triton(x, delta, norm_weight, eps, weight, keep_normed,
+                                                  lora=_args(s, b, scale, slot, slices))
+    else:
+        y, h, normed = fused.add_rms_norm_linear(x, delta, norm_weight, eps, weight, True)
+        y = expand(y, shrink(normed, a, slot), b, scale, slot, slices)
+    return y, h, normed if keep_normed else x.new_empty(0)
+
+
+def _check_norm_lora(x, delta, norm_weight, weight, a, b, scale, slot, slices) -> None:
+    op = "compiled::add_rms_norm_linear_lora"
+    fused.check_norm(x, delta, norm_weight, weight, op)
+    check_lora(op, x, weight, a, b, scale, slot, slices)
+
+
+@add_rms_norm_linear_lora.register_fake
+def _(x, delta, norm_weight, eps, weight, keep_normed, a, b, scale, slot, slices):
+    _check_norm_lora(x, delta, norm_weight, weight, a, b, scale, slot, slices)
+    return x.new_empty((x.shape[0], weight.shape[0])), torch.empty_like(x), \
+        torch.empty_like(x) if keep_normed else x.new_empty(0)
+
+
+@torch.library.custom_op("compiled::silu_mul_linear_lora", mutates_args=())
+def silu_mul_linear_lora(gate_up: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                         scale: torch.Tensor, slot: torch.Tensor, slices: list[int]) -> torch.Tensor:
+    """`silu_mul_linear` plus the LoRA deltas of its input, silu(gate) * up."""
+    _check_silu_lora(gate_up, weight, a, b, scale, slot, slices)
+    if _prologue_in_shrink(gate_up[:, :weight.shape[1]], weight, slices):
+        from compiled.linear.lora_kernels import shrink_after_silu_triton
+        from compiled.linear.skinny_kernels import silu_mul_linear_triton
+        s = shrink_after_silu_triton(gate_up, a, slot)
+        return silu_mul_linear_triton(gate_up, weight, lora=_args(s, b, scale, slot, slices))
+    return linear_lora(fused.silu_and_mul(gate_up), weight, a, b, scale, slot, slices)
+
+
+def _check_silu_lora(gate_up, weight, a, b, scale, slot, slices) -> None:
+    fused.check_silu(gate_up, weight, "compiled::silu_mul_linear_lora")
+    check_lora("compiled::silu_mul_linear_lora", gate_up[:, :weight.shape[1]], weight, a, b, scale, slot, slices)
+
+
+@silu_mul_linear_lora.register_fake
+def _(gate_up, weight, a, b, scale, slot, slices):
+    _check_silu_lora(gate_up, weight, a, b, scale, slot, slices)
+    return gate_up.new_empty((gate_up.shape[0], weight.shape[0]))

@@ -1,0 +1,233 @@
+"""compiled::linear_lora, add_rms_norm_linear_lora, silu_mul_linear_lora: a linear with its LoRA
+shrink and expand, against the three ops' references run in turn.
+
+CPU: the shrink with the linear's prologue and the skinny kernel with the prologue and the
+expand run under `TRITON_INTERPRET=1` in one subprocess (this file run as a script, printing
+JSON; see tests/linear/test_linear_kernel.py);
+the ops' CPU bodies and their one-line errors run in-process. GPU (`-m gpu`): the 0.6B and 30B
+decode shapes at R = 16, S = 8 in bf16, eagerly, with no host sync, and replayed from a CUDA
+graph with fresh inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import compiled.linear.lora as lora  # noqa: E402
+import compiled.linear.lora_linear  # noqa: E402,F401  # registers the ops
+from compiled.functional import add_rms_norm_ref, silu_and_mul_ref  # noqa: E402
+from compiled.linear.lora import lora_expand_ref, lora_shrink_ref  # noqa: E402
+from tests.conftest import capture_without_host_sync  # noqa: E402
+from tests.linear.test_linear_kernel import max_err, run_interpreted  # noqa: E402
+from tests.linear.test_lora_ops import SLOTS_7, TOL, problem  # noqa: E402
+
+EPS = 1e-6
+
+
+def inputs(kind: str, M: int, K: int, slices, R: int, S: int, dtype, seed: int, slots=None):
+    """(args before the LoRA tensors, the linear's input as the shrink reads it, a, b, scale, slot)
+    for `kind` in plain / norm / silu, fresh non-zero values."""
+    x, a, b, scale, slot, _ = problem(M, K, slices, R, S, dtype, seed, slots)
+    g = torch.Generator().manual_seed(seed + 1)
+    w = (torch.randn(sum(slices), K, generator=g) / K ** 0.5).to(dtype)
+    if kind == "plain":
+        return (x, w), x, a, b, scale, slot
+    if kind == "norm":
+        delta = torch.randn(M, K, generator=g).to(dtype)
+        nw = (torch.rand(K, generator=g) + 0.5).to(dtype)
+        _, normed = add_rms_norm_ref(x, delta, nw, EPS)
+        return (x, delta, nw, EPS, w), normed, a, b, scale, slot
+    gate_up = torch.randn(M, 2 * K, generator=g).to(dtype)
+    return (gate_up, w), silu_and_mul_ref(gate_up), a, b, scale, slot
+
+
+def reference(kind, head, x_in, a, b, scale, slot, slices):
+    w = head[-1]
+    return lora_expand_ref(x_in @ w.T, lora_shrink_ref(x_in, a, slot), b, scale, slot, slices)
+
+
+# (name, kind, M, K, slices, R, S, dtype, slots, skinny config or None for the heuristic's): the
+# shrink with the linear's prologue (GEMV mode), then the skinny GEMM with that prologue and the
+# expand in its epilogue. GEMV at one row (the heuristic), forced GEMV at several rows, split K,
+# tensor-core tiles crossing slices, rank 5, slots out of range, no adapter at all.
+PROLOGUE_CASES = [
+    ("plain_m1_gemv_bf16", "plain", 1, 45, [17, 9, 9], 8, 3, "bfloat16", [2], None),
+    ("plain_m3_gemv_split2_fp32", "plain", 3, 300, [24, 24], 16, 2, "float32", [1, -1, 0], (2, 128, 2, 4, 1, True)),
+    ("norm_m1_gemv_bf16", "norm", 1, 72, [40, 8, 8], 8, 3, "bfloat16", [1], None),
+    ("norm_m4_gemv_split2_rank5_fp32", "norm", 4, 260, [20], 5, 2, "float32", [0, 1, -1, 0], (2, 64, 2, 4, 1, True)),
+    ("norm_m7_tiles_fp32", "norm", 7, 45, [17, 9, 9], 8, 3, "float32", SLOTS_7, (16, 16, 1)),
+    ("silu_m1_gemv_bf16", "silu", 1, 96, [33], 8, 3, "bfloat16", [0], None),
+    ("silu_m4_out_of_range_fp16", "silu", 4, 40, [24, 8], 8, 3, "float16", [3, -7, 0, 1], (2, 32, 1, 4, 1, True)),
+    ("norm_m2_no_adapter_bf16", "norm", 2, 40, [24, 8], 8, 3, "bfloat16", [-1, -1], (2, 32, 1, 4, 1, True)),
+]
+
+
+def prologue_case(kind, M, K, slices, R, S, dtype, slots, config) -> dict:
+    """The prologue shrink (against the reference shrink of the prologue's output, rows with an
+    adapter) and the skinny GEMM adding its deltas (against the references in turn)."""
+    from compiled.linear import lora_kernels as lk, skinny_kernels as sk
+    dt = getattr(torch, dtype)
+    head, x_in, a, b, scale, slot = inputs(kind, M, K, slices, R, S, dt, seed=M + K + R, slots=slots)
+    cfg = None if config is None else sk.SkinnyConfig(*config)
+    if kind == "plain":
+        s = lk.lora_shrink_triton(head[0], a, slot)
+    elif kind == "norm":
+        s = lk.shrink_after_norm_triton(*head[:4], a, slot)
+    else:
+        s = lk.shrink_after_silu_triton(head[0], a, slot)
+    la = lk.LoRAArgs.of(s, b, scale, slot, slices)
+    errs = []
+    if kind == "plain":
+        got = sk.skinny_linear_lora_triton(*head, la, cfg)
+    elif kind == "norm":
+        got, h, _ = sk.add_rms_norm_linear_triton(*head, False, cfg, lora=la)
+        errs.append(max_err(h, head[0] + head[1]))   # the interpreter truncates where the GPU rounds
+    else:
+        got = sk.silu_mul_linear_triton(*head, cfg, lora=la)
+    errs.append(max_err(got, reference(kind, head, x_in, a, b, scale, slot, slices)))
+    has = (slot >= 0) & (slot < S)
+    if has.any():
+        errs.append(max_err(s[has], lora_shrink_ref(x_in, a, slot)[has]))
+    clean = got.dtype == dt and bool((s[~has] == 0).all())
+    return dict(err=max(errs), tol=TOL[dt], clean=clean)
+
+
+def ops_forced_triton_case() -> dict:
+    """The three ops with both backends forced to Triton on CPU: one row (the prologue shrink and
+    the epilogue) and seven (the ops' bodies), against the references."""
+    from compiled.linear import ops
+    lora.set_backend("triton")
+    ops.set_backend("triton")
+    errs = []
+    for M in (1, 7):
+        for kind, op in (("plain", torch.ops.compiled.linear_lora),
+                         ("norm", torch.ops.compiled.add_rms_norm_linear_lora),
+                         ("silu", torch.ops.compiled.silu_mul_linear_lora)):
+            head, x_in, a, b, scale, slot = inputs(kind, M, 64, [16, 16], 8, 3, torch.float32, seed=M)
+            want = reference(kind, head, x_in, a, b, scale, slot, [16, 16])
+            extra = (False,) if kind == "norm" else ()
+            out = op(*head, *extra, a, b, scale, slot, [16, 16])
+            errs.append(max_err(out[0] if kind == "norm" else out, want))
+    return dict(err=max(errs), tol=TOL[torch.float32], clean=True)
+
+
+@pytest.fixture(scope="module")
+def interpreted_results() -> dict[str, dict]:
+    return run_interpreted(__file__)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in PROLOGUE_CASES] + ["ops_forced_triton"])
+def test_interpreted_prologue_shrink_and_epilogue_match_reference(interpreted_results, name):
+    r = interpreted_results[name]
+    assert r["err"] <= r["tol"] and r["clean"], r
+
+
+# ----------------------------------------------------------------------------------------------
+# The ops on CPU: the references in turn, one-line errors
+
+def _one_line(fn, match):
+    with pytest.raises(ValueError, match=match) as e:
+        fn()
+    assert "\n" not in str(e.value)
+
+
+def test_ops_on_cpu_are_the_references_in_turn():
+    head, x_in, a, b, scale, slot = inputs("plain", 7, 45, [17, 9, 9], 8, 3, torch.float32, 6, SLOTS_7)
+    out = torch.ops.compiled.linear_lora(*head, a, b, scale, slot, [17, 9, 9])
+    assert torch.equal(out, reference("plain", head, x_in, a, b, scale, slot, [17, 9, 9]))
+    head, x_in, a, b, scale, slot = inputs("norm", 7, 45, [17, 9, 9], 8, 3, torch.float32, 7, SLOTS_7)
+    y, h, normed = torch.ops.compiled.add_rms_norm_linear_lora(*head, True, a, b, scale, slot, [17, 9, 9])
+    assert torch.equal(y, reference("norm", head, x_in, a, b, scale, slot, [17, 9, 9]))
+    assert torch.equal(h, head[0] + head[1]) and torch.equal(normed, x_in)
+    assert torch.ops.compiled.add_rms_norm_linear_lora(*head, False, a, b, scale, slot, [17, 9, 9])[2].numel() == 0
+    head, x_in, a, b, scale, slot = inputs("silu", 7, 45, [35], 8, 3, torch.float32, 8, SLOTS_7)
+    out = torch.ops.compiled.silu_mul_linear_lora(*head, a, b, scale, slot, [35])
+    assert torch.equal(out, reference("silu", head, x_in, a, b, scale, slot, [35]))
+
+
+def test_bad_lora_arguments_are_one_line_errors_naming_the_op_and_tensor():
+    (x, w), _, a, b, scale, slot = inputs("plain", 7, 45, [17, 9, 9], 8, 3, torch.float32, 6, SLOTS_7)
+    op = torch.ops.compiled.linear_lora
+    _one_line(lambda: op(x, w[:, :44], a, b, scale, slot, [17, 9, 9]), r"compiled::linear: x \(7, 45\) @ weight")
+    _one_line(lambda: op(x, w, a[:, :, :44], b, scale, slot, [17, 9, 9]), r"lora_shrink: x \(7, 45\), a \(3, 24, 44\)")
+    _one_line(lambda: op(x, w, a[:, :16], b, scale, slot, [17, 9, 9]),
+              r"compiled::linear_lora: a \(3, 16, 45\) has 16 rows, expected 3 slices x rank 8")
+    _one_line(lambda: op(x, w, a, b, scale, slot, [17, 9, 8]), r"lora_expand: slices \[17, 9, 8\] must be positive")
+    _one_line(lambda: op(x, w, a, b, scale[:2], slot, [17, 9, 9]), r"scale \(2, 3\) torch.float32, expected \(3, 3\)")
+    _one_line(lambda: op(x, w, a, b, scale, slot[:6], [17, 9, 9]), r"slot \(6,\)")
+    head, _, a, b, scale, slot = inputs("norm", 7, 45, [17, 9, 9], 8, 3, torch.float32, 7, SLOTS_7)
+    norm = torch.ops.compiled.add_rms_norm_linear_lora
+    _one_line(lambda: norm(head[0], head[1][:, :44], *head[2:], False, a, b, scale, slot, [17, 9, 9]),
+              r"compiled::add_rms_norm_linear_lora: delta \(7, 44\)")
+    _one_line(lambda: norm(*head, False, a.double(), b, scale, slot, [17, 9, 9]), "a is torch.float64")
+    (gate_up, w), _, a, b, scale, slot = inputs("silu", 7, 45, [35], 8, 3, torch.float32, 8, SLOTS_7)
+    silu = torch.ops.compiled.silu_mul_linear_lora
+    _one_line(lambda: silu(gate_up[:, :88], w, a, b, scale, slot, [35]),
+              r"compiled::silu_mul_linear_lora: gate_up \(7, 88\) @ weight \(35, 45\)")
+    _one_line(lambda: silu(gate_up, w, a, b[:, :34], scale, slot, [35]), r"lora_expand: y \(7, 35\), b \(3, 34, 8\)")
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: real decode shapes, eager and replayed from a CUDA graph
+
+# (kind, in, slices): the 0.6B's qkv, o, gate/up, down; the 30B's o and first qkv
+GPU_SHAPES = [("norm", 1024, [2048, 1024, 1024]), ("plain", 2048, [1024]), ("norm", 1024, [3072, 3072]),
+              ("silu", 3072, [1024]), ("plain", 4096, [2048]), ("plain", 2048, [4096, 512, 512])]
+
+
+def _gpu_inputs(kind, T, IN, slices, seed):
+    """Slots -1..7 with row 0 always on an adapter (the delta check needs one)."""
+    slots = [seed % 8] + [(seed + 3 * i) % 9 - 1 for i in range(1, T)]
+    head, x_in, a, b, scale, slot = inputs(kind, T, IN, slices, 16, 8, torch.bfloat16, seed, slots)
+    return [t.cuda() if isinstance(t, torch.Tensor) else t for t in (*head, x_in, a, b, scale, slot)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 17])
+@pytest.mark.parametrize("kind,IN,slices", GPU_SHAPES)
+def test_gpu_ops_match_the_references_eager_and_graph(kind, T, IN, slices):
+    """The prologue shrink and the epilogue at one row, the shrink and the epilogue (linear_lora) or
+    the ops' bodies (the prologue forms) at 8, the ops' bodies at 17:
+    against the references, with no host sync and from a CUDA graph over fresh inputs."""
+    op = {"plain": torch.ops.compiled.linear_lora, "norm": torch.ops.compiled.add_rms_norm_linear_lora,
+          "silu": torch.ops.compiled.silu_mul_linear_lora}[kind]
+    live = _gpu_inputs(kind, T, IN, slices, seed=T)
+    n = len(live) - 5
+    extra = (False,) if kind == "norm" else ()
+
+    def run():
+        out = op(*live[:n], *extra, *live[n + 1:], slices)
+        return out[0] if kind == "norm" else out
+
+    def check(out):
+        head, x_in = live[:n], live[n]
+        want = reference(kind, [t.float() if isinstance(t, torch.Tensor) else t for t in head], x_in.float(),
+                         live[n + 1].float(), live[n + 2].float(), *live[n + 3:], slices)
+        base = x_in.float() @ head[-1].float().T
+        assert out.dtype == torch.bfloat16 and out.shape == want.shape
+        assert max_err(out, want) <= 1.6e-2
+        assert max_err(out.float() - base, want - base) <= 5e-2   # the delta itself
+
+    check(run())
+    graph, out = capture_without_host_sync(run)
+    for seed in range(2):
+        for dst, src in zip(live, _gpu_inputs(kind, T, IN, slices, seed=100 + 10 * T + seed)):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out)
+
+
+if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
+    results = {c[0]: prologue_case(*c[1:]) for c in PROLOGUE_CASES}
+    results["ops_forced_triton"] = ops_forced_triton_case()
+    print(json.dumps(results))
