@@ -91,6 +91,15 @@ def linear_args(node: fx.Node) -> tuple[object, object] | None:
     return node.args[0], node.args[1]
 
 
+def linear_and_lora(node: fx.Node) -> tuple[tuple, tuple] | None:
+    """((x, weight), the LoRA arguments after them) of a plain `compiled::linear` (no LoRA: ()) or
+    a `compiled::linear_lora` (from fuse_lora_linear), else None: what the prologue fusions match."""
+    if is_op(node, torch.ops.compiled.linear_lora) and not node.kwargs:
+        return tuple(node.args[:2]), tuple(node.args[2:])
+    args = linear_args(node)
+    return None if args is None else (args, ())
+
+
 def is_getitem(node, index: int) -> bool:
     """Whether `node` is `source[index]` (one output of a node returning a tuple)."""
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem \

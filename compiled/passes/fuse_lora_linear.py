@@ -3,8 +3,9 @@
     y = lora_expand(linear(x, W), lora_shrink(x, A, slot), B, scale, slot, slices)
         ->  y = linear_lora(x, W, A, B, scale, slot, slices)
 
-At one decode row the skinny GEMM does all three in one launch, at a few rows the expand in its
-epilogue (compiled/linear/lora_linear.py); elsewhere the op runs them as before. Runs after
+At decode sizes the skinny GEMM adds the deltas in its epilogue, after the shrink's launch, which
+at a few rows is a short GEMV (compiled/linear/lora_linear.py); elsewhere the op runs the three
+as before. Runs after
 lora_delta, which makes the triples; fuse_norm_linear and fuse_silu_linear then fold a residual
 add + RMSNorm or a SiLU-and-mul in front into the op. Left alone: a linear reading the RMSNorm
 of a MoE layer's output added to the residual (the 30B's qkv), which fuse_moe_norm folds, expert

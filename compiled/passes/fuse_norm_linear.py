@@ -24,13 +24,13 @@ from torch import fx
 import compiled.linear.fused  # noqa: F401  (registers compiled::add_rms_norm_linear)
 import compiled.linear.lora_linear  # noqa: F401  (registers compiled::add_rms_norm_linear_lora)
 from compiled.graphs.weights import WeightMap
-from compiled.passes.base import GraphPass, PassRecord, is_add, is_op, linear_args, match_rms_norm
+from compiled.passes.base import GraphPass, PassRecord, is_add, linear_and_lora, match_rms_norm
 
 
 def fuse_norm_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
     graph = gm.graph
     for node in list(graph.nodes):
-        args = _linear_and_lora(node)
+        args = linear_and_lora(node)
         if args is None:
             continue
         (normed, weight), lora = args
@@ -51,15 +51,6 @@ def fuse_norm_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord)
         # later readers of h (the next residual add) take the op's; the old norm's own nodes die
         h.replace_all_uses_with(h_new, delete_user_cb=lambda user: user not in before)
         record.rewrites += 1
-
-
-def _linear_and_lora(node: fx.Node) -> tuple[tuple, tuple] | None:
-    """((x, weight), the LoRA arguments after them) of a plain linear (no LoRA: ()) or a
-    `linear_lora`, else None."""
-    if is_op(node, torch.ops.compiled.linear_lora) and not node.kwargs:
-        return tuple(node.args[:2]), tuple(node.args[2:])
-    args = linear_args(node)
-    return None if args is None else (args, ())
 
 
 def _first_user(h: fx.Node, normed: fx.Node) -> tuple[fx.Node, set[fx.Node]]:

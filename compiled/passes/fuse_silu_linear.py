@@ -16,17 +16,15 @@ from torch import fx
 import compiled.linear.fused  # noqa: F401  (registers compiled::silu_mul_linear)
 import compiled.linear.lora_linear  # noqa: F401  (registers compiled::silu_mul_linear_lora)
 from compiled.graphs.weights import WeightMap
-from compiled.passes.base import GraphPass, PassRecord, is_op, linear_args
+from compiled.passes.base import GraphPass, PassRecord, is_op, linear_and_lora
 
 
 def fuse_silu_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
     for node in list(gm.graph.nodes):
-        if is_op(node, torch.ops.compiled.linear_lora) and not node.kwargs:
-            (act, weight), lora = node.args[:2], node.args[2:]
-        elif (args := linear_args(node)) is not None:
-            (act, weight), lora = args, ()
-        else:
+        args = linear_and_lora(node)
+        if args is None:
             continue
+        (act, weight), lora = args
         if not (isinstance(act, fx.Node) and is_op(act, torch.ops.compiled.silu_and_mul)
                 and len(act.users) == 1 and len(act.args) == 1):
             continue
