@@ -22,8 +22,8 @@ split writes fp32 partials to a workspace and bumps its group's semaphore, and t
 arrive sums them in split order (deterministic), stores the rows and puts the semaphore back to
 0 (the skinny GEMM's scheme; the workspace is allocated once per device, before any capture).
 
-At a few rows (`gemv_serves`) the shrink takes `_lora_shrink_gemv_kernel` instead: one column of A
-a program, multiplied in registers, no slot grid or split.
+At one row (`GEMV_MAX_T`) the shrink takes `_lora_shrink_gemv_kernel` instead: one column of A a
+program, multiplied in registers, no slot grid or split.
 
 `_lora_expand_kernel`, out[t, c] = y[t, c] + scale[slot_t, i] * sum_r s[t, i*R + r] b[slot_t, c, r]
 for column c in slice i: a grid over (token blocks, column blocks). A program loads its y tile
@@ -64,9 +64,8 @@ SPLIT_PROGRAMS = 64       # ... until token blocks x column blocks x splits reac
 DELTA_K_STEP = 128        # the expand's stacked-slot dots: this many of K (slots x rank) a dot
 WORKSPACE_FLOATS = MAX_SPLIT_K * SPLIT_MAX_T * 1024   # split partials SPLIT_K x T x N*R, fp32 (N*R <= 1024)
 SEMAPHORES = 1 << 14      # one per (token block, column block, slot) of a split launch
-GEMV_MAX_T = 8            # the shrink's GEMV mode: at most this many rows ...
-GEMV_MAX_STEPS = 6        # ... and K steps (H100 sweep: beyond either, the tiles win)
-GEMV_K_ELEMENTS = 4096    # GEMV mode: K elements a step over all rows (one row: all of a decode linear's K)
+GEMV_MAX_T = 1            # the shrink's rows for its GEMV mode (it serves more: a forced config)
+GEMV_K_ELEMENTS = 4096    # GEMV mode: K elements a row a step (one step for every decode linear)
 
 
 class LoRAConfig(NamedTuple):
@@ -83,24 +82,15 @@ def _pow2(n: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(n, 1))))
 
 
-def gemv_serves(T: int, K: int) -> bool:
-    """Where the shrink's GEMV mode beats its tiles. An H100 sweep (rows on distinct slots; the
-    30B's qkv and o, the 0.6B's qkv and down; `gemv_shrink_config`'s one column a program beat two
-    everywhere): one row 1.5-1.9 µs against 3.5-3.8, 2-4 rows 1.8-3.0 against 3.6-4.1, 8 rows
-    2.3-3.6 against 3.8-4.9 where K takes at most 6 steps (the 30B's o at 8 rows, 8 steps: 4.4
-    against 4.0), 16 rows never."""
-    return T <= GEMV_MAX_T and triton.cdiv(K, gemv_shrink_config(T, K).block_k) <= GEMV_MAX_STEPS
-
-
 def shrink_config(T: int, NR: int, K: int) -> LoRAConfig:
-    """Where `gemv_serves`: the GEMV mode, one column a program, GEMV_K_ELEMENTS of K a step over
-    all rows. Otherwise token blocks of up to 64 rows (fewer blocks: each slot's weights read fewer times); up to
+    """Up to GEMV_MAX_T rows: the GEMV mode, one column a program, all of K in one step (up to
+    GEMV_K_ELEMENTS). Otherwise token blocks of up to 64 rows (fewer blocks: each slot's weights read fewer times); up to
     SPLIT_MAX_T tokens, 16-column blocks and K split in powers of two while each split keeps
     MIN_K_PER_SPLIT and the blocks x splits stay within SPLIT_PROGRAMS (a slot's weights streamed
     by that many programs). An H100 sweep of splits and column blocks at 8 and 64 tokens (qkv,
     o, gate/up at R = 16, S = 8) put this within ~1 µs of the best (o at one token: 9.3 µs
     unsplit, 3.6 split 16 ways)."""
-    if gemv_serves(T, K):
+    if T <= GEMV_MAX_T:
         return gemv_shrink_config(T, K)
     block_t = _pow2(T, MIN_BLOCK, 64)
     block_n = MIN_BLOCK if T <= SPLIT_MAX_T else _pow2(NR, MIN_BLOCK, 64)

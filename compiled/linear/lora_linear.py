@@ -9,12 +9,11 @@ lora_delta makes):
     silu_mul_linear_lora(gate_up, W, a, ...)                                    x' = silu(gate) * up
 
 `add_rms_norm_linear_lora` returns (y, h, normed) as `add_rms_norm_linear` does. Where the skinny
-GEMM serves the linear, an op is two launches: the shrink (for the prologue forms in its GEMV
-mode, doing the prologue itself from the op's inputs), then the skinny GEMM with the prologue
-and the expand in its epilogue. So a decode row's delta costs one short launch a linear, not the
-shrink, the expand and, for the prologue forms, the prologue's own launch. A prologue form where
-the GEMV mode does not serve, and every size the skinny GEMM does not serve, runs the three ops'
-bodies in turn. A linear
+GEMM serves the linear, an op is two launches: the shrink (at one row in its GEMV mode, doing
+the prologue itself from the op's inputs), then the skinny GEMM with the prologue and the
+expand in its epilogue. So a decode row's delta costs one short launch a linear, not the shrink,
+the expand and, for the prologue forms, the prologue's own launch. A prologue form above one
+row, and every size the skinny GEMM does not serve, runs the three ops' bodies in turn. A linear
 that cuBLAS does better (the 30B's qkv at 2-16 rows) lost more in the skinny GEMM than the
 expand's launch saved (bench/RESULTS.md)."""
 
@@ -32,9 +31,9 @@ def _in_kernel(x: torch.Tensor, weight: torch.Tensor, slices: list[int]) -> bool
 
 
 def _prologue_in_shrink(x: torch.Tensor, weight: torch.Tensor, slices: list[int]) -> bool:
-    """Whether the shrink does the linear's prologue itself (where its GEMV mode serves)."""
-    from compiled.linear.lora_kernels import gemv_serves
-    return gemv_serves(*x.shape) and _in_kernel(x, weight, slices)
+    """Whether the shrink does the linear's prologue itself (its GEMV mode's rows)."""
+    from compiled.linear.lora_kernels import GEMV_MAX_T
+    return x.shape[0] <= GEMV_MAX_T and _in_kernel(x, weight, slices)
 
 
 def _args(s: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slot: torch.Tensor, slices: list[int]):
