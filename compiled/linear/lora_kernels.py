@@ -339,6 +339,37 @@ def _fma_slot_delta(acc, S_IN, B, SCALE, slots, rows64, cols64, cols_ok, col0, R
     return acc + tl.sum(sr.to(tl.float32)[:, :, None] * b.to(tl.float32), axis=1)
 
 
+@triton.jit
+def fma_delta_operands(S_IN, B, SCALE, slots, rows64, offs_o, in_o, R, O1, O2, O3, OUT, stride_s, stride_bs,
+                       stride_bo, stride_scale, N: tl.constexpr, BLOCK_R: tl.constexpr, LOW_PRECISION: tl.constexpr):
+    """What `add_slice_deltas`' FMA path multiplies, loaded in one go so that the loads can go out
+    early (`fma_delta_apply` adds them later): for each row and column, the row's rank-R shrink
+    output of the column's slice times that slice's scale (rounded to B's dtype when
+    LOW_PRECISION, as there), `[rows, BLOCK_R, columns]`, and B's `[rows, BLOCK_R, columns]`."""
+    sl = tl.zeros(offs_o.shape, dtype=tl.int32)   # each column's slice
+    for i in tl.static_range(1, N):
+        sl += (offs_o >= slice_start(i, O1, O2, O3, OUT, N)).to(tl.int32)
+    r = tl.arange(0, BLOCK_R)
+    has = slots >= 0
+    slot64 = tl.where(has, slots, 0).to(tl.int64)
+    mask = has[:, None, None] & (r < R)[None, :, None] & in_o[None, None, :]
+    sr = tl.load(S_IN + rows64[:, None, None] * stride_s + (sl * R)[None, None, :] + r[None, :, None], mask=mask,
+                 other=0.0)
+    sc = tl.load(SCALE + slot64[:, None] * stride_scale + sl[None, :], mask=has[:, None] & in_o[None, :], other=0.0)
+    b = tl.load(B + slot64[:, None, None] * stride_bs + offs_o.to(tl.int64)[None, None, :] * stride_bo
+                + r[None, :, None], mask=mask, other=0.0)
+    sr = sr * sc[:, None, :]
+    if LOW_PRECISION:
+        sr = sr.to(b.dtype)
+    return sr, b
+
+
+@triton.jit
+def fma_delta_apply(acc, sr, b):
+    """acc + the deltas of `fma_delta_operands`' operands (the FMA path's arithmetic)."""
+    return acc + tl.sum(sr.to(tl.float32) * b.to(tl.float32), axis=1)
+
+
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 

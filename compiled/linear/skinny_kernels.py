@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from compiled.linear import SKINNY_MAX_M
-from compiled.linear.lora_kernels import LoRAArgs, add_slice_deltas, token_slots
+from compiled.linear.lora_kernels import LoRAArgs, add_slice_deltas, fma_delta_apply, fma_delta_operands, token_slots
 from compiled.triton_utils import (DEFAULT_NUM_SMS, interpreter_upcast, launch_kwargs, num_sms, pdl_let_next_in,
                                    pdl_wait, pdl_wait_only, residual_add, rms_normed, silu_mul, weight_tile)
 
@@ -251,6 +251,12 @@ def _skinny_kernel(
         pdl_wait_only(PDL)
     else:
         pdl_wait(PDL)
+    if LORA and GEMV and SPLIT_K == 1:
+        # The deltas' operands are ready (the shrink ran before): their loads go out now, beside
+        # the weights', rather than after the loop.
+        d_sr, d_b = fma_delta_operands(LS, LB, LSCALE, token_slots(LSLOT, offs_m, mask_m, LSLOTS),
+                                       offs_m.to(tl.int64), offs_n, mask_n, LR, LO1, LO2, LO3, N, stride_ls,
+                                       stride_lbs, stride_lbn, stride_lsc, LORA_N, LBLOCK_R, not LORA_FP32)
     if GEMV:
         if BLOCK_M == 1:
             acc_k = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -319,7 +325,9 @@ def _skinny_kernel(
             if KEEP_NORMED:
                 _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K, stride_xm, stride_dm,
                               stride_nm, BLOCK_K)
-        if LORA:
+        if LORA and GEMV:
+            acc = fma_delta_apply(acc.to(X.dtype.element_ty).to(tl.float32), d_sr, d_b)
+        elif LORA:
             acc = _lora_epilogue(acc.to(X.dtype.element_ty).to(tl.float32), offs_m, mask_m, offs_n, mask_n,
                                  pid_n * BLOCK_N, N, LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3, stride_ls,
                                  stride_lbs, stride_lbn, stride_lsc, LORA_N, BLOCK_N, LBLOCK_R, LSLOTS_PAD, LKC,
