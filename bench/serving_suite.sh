@@ -3,7 +3,8 @@
 # with, on one machine; results in ${OUT:-out}/.
 #   1. random 2,048 in / 1,024 out at concurrency 10: over HTTP and in-process (same engine settings);
 #   2. 256-1,024 in / 600-1,200 out at concurrency 96 (inter-token latency p50 / p99), also in-process;
-#   3. a 1,000-token shared prefix, 32 concurrent: the server with and without its prefix cache.
+#   3. a 1,000-token shared prefix, 32 concurrent: the server with and without its prefix cache, with
+#      128 output tokens each (requests end and arrive in waves of 32) and with 64-192 (they spread out).
 # Each run also prints the engine's mean step time during it (HTTP: from the server's /metrics),
 # whose difference from the in-process run's is what the front end costs the engine, and over HTTP
 # the mean time to first token in phases (the server's inbox, its queue, the prefill step).
@@ -57,15 +58,18 @@ mixed_96=(--num-prompts $((300 / s)) --input-len $((256 / s)) --input-len-max $(
           --output-len $((600 / s)) --output-len-max $((1200 / s)) --max-concurrency 96)
 shared_32=(--num-prompts $((128 / s)) --shared-prefix-len $((1000 / s)) --input-len $((64 / s))
            --output-len $((128 / s)) --max-concurrency 32)
+shared_32_varied=("${shared_32[@]}" --output-len $((64 / s)) --output-len-max $((192 / s)))
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | tee "$out/device.txt"
 
 serve cache || exit 1
 bench http_random_10 --url "$url" "${random_10[@]}"
 bench http_mixed_96 --url "$url" "${mixed_96[@]}"
 bench http_shared_32 --url "$url" "${shared_32[@]}"
+bench http_shared_32_varied --url "$url" "${shared_32_varied[@]}"
 stop
 serve no_cache --no-prefix-cache || exit 1
 bench http_shared_32_no_cache --url "$url" "${shared_32[@]}"
+bench http_shared_32_varied_no_cache --url "$url" "${shared_32_varied[@]}"
 stop
 bench inproc_random_10 ${ENGINE_FLAGS:-} "${random_10[@]}"
 bench inproc_mixed_96 ${ENGINE_FLAGS:-} --prefix-cache "${mixed_96[@]}"
