@@ -84,8 +84,8 @@ def _pow2(n: int, lo: int, hi: int) -> int:
 
 def shrink_config(T: int, NR: int, K: int) -> LoRAConfig:
     """Up to GEMV_MAX_T rows: the GEMV mode, one column a program, all of K in one step (up to
-    GEMV_K_ELEMENTS). Otherwise token blocks of up to 64 rows (fewer blocks: each slot's weights read fewer times); up to
-    SPLIT_MAX_T tokens, 16-column blocks and K split in powers of two while each split keeps
+    GEMV_K_ELEMENTS). Otherwise token blocks of up to 64 rows (fewer blocks: each slot's weights
+    read fewer times); up to SPLIT_MAX_T tokens, 16-column blocks and K split in powers of two while each split keeps
     MIN_K_PER_SPLIT and the blocks x splits stay within SPLIT_PROGRAMS (a slot's weights streamed
     by that many programs). An H100 sweep of splits and column blocks at 8 and 64 tokens (qkv,
     o, gate/up at R = 16, S = 8) put this within ~1 µs of the best (o at one token: 9.3 µs
@@ -302,41 +302,22 @@ def add_slice_deltas(acc, SIN, B, SCALE, slots, rows64, offs_o, in_o, block_lo, 
                      FMA: tl.constexpr):
     """acc `[rows, BLOCK_O]` (fp32, columns offs_o from block_lo) + each row's delta, slice by
     slice: the expand's arithmetic, shared with the skinny GEMM's LoRA epilogue. FMA: without
-    tensor-core dots (a tile of fewer than 16 rows or columns: the GEMV mode)."""
+    tensor-core dots (a tile of fewer than 16 rows or columns: the GEMV mode), every slice at once."""
     if tl.sum((slots >= 0).to(tl.int32), axis=0) > 0:
-        for i in tl.static_range(N):
-            lo = slice_start(i, O1, O2, O3, OUT, N)
-            hi = slice_start(i + 1, O1, O2, O3, OUT, N)
-            if (lo < block_lo + BLOCK_O) & (hi > block_lo):
-                cols = in_o & (offs_o >= lo) & (offs_o < hi)
-                if FMA:
-                    acc = _fma_slot_delta(acc, SIN, B, SCALE, slots, rows64, offs_o.to(tl.int64), cols, i * R, R,
-                                          stride_st, stride_bs, stride_bo, stride_ss, i, BLOCK_R, not FP32_DOT)
-                else:
-                    acc = slot_stacked_delta(acc, SIN, B, SCALE, slots, rows64, offs_o, cols, 0, i * R, R, stride_st,
-                                             stride_bs, 0, stride_bo, stride_ss, i, SLOTS_PAD, BLOCK_R, KC, "ieee",
-                                             not FP32_DOT)
+        if FMA:
+            sr, b = fma_delta_operands(SIN, B, SCALE, slots, rows64, offs_o, in_o, R, O1, O2, O3, OUT, stride_st,
+                                       stride_bs, stride_bo, stride_ss, N, BLOCK_R, not FP32_DOT)
+            acc = fma_delta_apply(acc, sr, b)
+        else:
+            for i in tl.static_range(N):
+                lo = slice_start(i, O1, O2, O3, OUT, N)
+                hi = slice_start(i + 1, O1, O2, O3, OUT, N)
+                if (lo < block_lo + BLOCK_O) & (hi > block_lo):
+                    cols = in_o & (offs_o >= lo) & (offs_o < hi)
+                    acc = slot_stacked_delta(acc, SIN, B, SCALE, slots, rows64, offs_o, cols, 0, i * R, R,
+                                             stride_st, stride_bs, 0, stride_bo, stride_ss, i, SLOTS_PAD, BLOCK_R,
+                                             KC, "ieee", not FP32_DOT)
     return acc
-
-
-@triton.jit
-def _fma_slot_delta(acc, S_IN, B, SCALE, slots, rows64, cols64, cols_ok, col0, R, stride_s, stride_bs, stride_bc,
-                    stride_scale, scale_col, BLOCK_R: tl.constexpr, LOW_PRECISION: tl.constexpr):
-    """`slot_stacked_delta` in registers: each row's `[BLOCK_R, columns]` slice of its own slot's B,
-    multiplied by its rank-R row of S_IN times the scale (rounded to B's dtype when LOW_PRECISION,
-    as the dot's operand is) and summed over R."""
-    r = tl.arange(0, BLOCK_R)
-    r_ok = r < R
-    has = slots >= 0
-    slot64 = tl.where(has, slots, 0).to(tl.int64)
-    sr = tl.load(S_IN + rows64[:, None] * stride_s + (col0 + r)[None, :], mask=has[:, None] & r_ok[None, :], other=0.0)
-    sc = tl.load(SCALE + slot64 * stride_scale + scale_col, mask=has, other=0.0)
-    sr = sr * sc[:, None]
-    b = tl.load(B + slot64[:, None, None] * stride_bs + cols64[None, None, :] * stride_bc + r[None, :, None],
-                mask=has[:, None, None] & r_ok[None, :, None] & cols_ok[None, None, :], other=0.0)
-    if LOW_PRECISION:
-        sr = sr.to(b.dtype)
-    return acc + tl.sum(sr.to(tl.float32)[:, :, None] * b.to(tl.float32), axis=1)
 
 
 @triton.jit

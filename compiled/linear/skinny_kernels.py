@@ -224,7 +224,9 @@ def _skinny_kernel(
     LORA, an epilogue: the finished tile, rounded to X's dtype as the linear's output, gets each
     row's multi-LoRA delta as `lora_expand` adds it (`lora_kernels.add_slice_deltas`; LS the rows'
     shrink output, LB `[S, N, R]`, LSCALE `[S, slices]`, LSLOT the rows' slots, LO1..3 where the
-    slices start), so that a decode linear's delta costs no launch of its own.
+    slices start), so that a decode linear's delta costs no launch of its own. In the GEMV mode
+    (unsplit) its operands are loaded right after the wait, beside the weights, and added after
+    the loop (`fma_delta_operands`, `fma_delta_apply`).
 
     GEMV (BLOCK_M = M rounded up to a power of two, 1 by the heuristic): no tensor-core tile. The
     weight tile goes straight into registers and is multiplied by each row into an fp32
