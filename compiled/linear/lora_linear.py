@@ -1,7 +1,7 @@
 """Linears with their multi-LoRA deltas: `compiled::linear_lora` and its prologue forms.
 
 Each op is `lora_expand(linear(x', W), lora_shrink(x', a, slot), b, scale, slot, slices)` for
-the linear's input x' (the ops of `lora.py`; the fuse passes build these from the pairs
+the linear's input x' (the ops of `lora.py`; the fuse passes build these from the triples
 lora_delta makes):
 
     linear_lora(x, W, a, b, scale, slot, slices)                                x' = x
