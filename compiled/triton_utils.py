@@ -142,6 +142,16 @@ def residual_add(x, d):
 
 
 @triton.jit
+def weighted_rows(h, nw):
+    """What a GEMM with an RMSNorm prologue multiplies for the rows h (the residual stream after
+    its add): h * norm_weight rounded to h's dtype, its rows' 1 / rms applied to the product
+    afterwards; and the rows' sums of squares of h for that 1 / rms (the skinny GEMM and the LoRA
+    shrink share it, so that the shrink reads what the GEMM reads)."""
+    hf = h.to(tl.float32)
+    return (hf * nw.to(tl.float32)[None, :]).to(h.dtype), tl.sum(hf * hf, axis=1)
+
+
+@triton.jit
 def rms_normed(h, rstd, nw):
     """`functional.rms_norm`'s output (fp32, not yet rounded to h's dtype) from h, its 1 / rms and
     the norm weight, broadcast to h's shape by the caller: h * rstd is rounded before the weight."""
@@ -231,7 +241,7 @@ def one_slot_dot(acc, sr, sc, b, PRECISION: tl.constexpr, LOW_PRECISION: tl.cons
 def one_slot_operands(S_IN, B, SCALE, slots, rows, cols, cols_ok, expert, col0, R, stride_s, stride_bs, stride_be,
                       stride_bc, stride_scale, scale_col, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
     """The loads of `slot_stacked_delta` where the rows with an adapter share one slot, which a
-    GEMM may issue before its K loop and consume after it (`one_slot_dot`): (whether they share
+    GEMM may load before its K loop and consume after it (`one_slot_dot`): (whether they share
     one, their shrink outputs, that slot's scale, its B tile). Where they do not (several slots,
     or none), nothing is read but the scale of slot 0."""
     lo = tl.min(tl.where(slots >= 0, slots, SLOTS_PAD), axis=0)

@@ -54,7 +54,7 @@ import triton.language as tl
 
 from compiled.linear import LORA_MAX_SLICES as MAX_SLICES
 from compiled.triton_utils import (interpreter_upcast, interpreting, launch_kwargs, masked_dot_t, pdl_wait,
-                                   residual_add, silu_mul, slot_stacked_delta)
+                                   residual_add, silu_mul, slot_stacked_delta, weighted_rows)
 
 MIN_BLOCK = 16   # tl.dot's smallest tile side
 MAX_SPLIT_K = 16
@@ -85,11 +85,11 @@ def _pow2(n: int, lo: int, hi: int) -> int:
 def shrink_config(T: int, NR: int, K: int) -> LoRAConfig:
     """Up to GEMV_MAX_T rows: the GEMV mode, one column a program, all of K in one step (up to
     GEMV_K_ELEMENTS). Otherwise token blocks of up to 64 rows (fewer blocks: each slot's weights
-    read fewer times); up to SPLIT_MAX_T tokens, 16-column blocks and K split in powers of two while each split keeps
-    MIN_K_PER_SPLIT and the blocks x splits stay within SPLIT_PROGRAMS (a slot's weights streamed
-    by that many programs). An H100 sweep of splits and column blocks at 8 and 64 tokens (qkv,
-    o, gate/up at R = 16, S = 8) put this within ~1 µs of the best (o at one token: 9.3 µs
-    unsplit, 3.6 split 16 ways)."""
+    read fewer times); up to SPLIT_MAX_T tokens, 16-column blocks and K split in powers of two
+    while each split keeps MIN_K_PER_SPLIT and the blocks x splits stay within SPLIT_PROGRAMS (a
+    slot's weights streamed by that many programs). An H100 sweep of splits and column blocks at
+    8 and 64 tokens (qkv, o, gate/up at R = 16, S = 8) put this within ~1 µs of the best (o at
+    one token: 9.3 µs unsplit, 3.6 split 16 ways)."""
     if T <= GEMV_MAX_T:
         return gemv_shrink_config(T, K)
     block_t = _pow2(T, MIN_BLOCK, 64)
@@ -244,9 +244,8 @@ def _lora_shrink_gemv_kernel(X, A, OUT, SLOT, T, NR, K, S, stride_xt, stride_as,
                     eviction_policy="evict_last")
         if ADD_NORM:
             h = residual_add(x, tl.load(D + t64[:, None] * stride_dt + ks[None, :], mask=x_mask, other=0.0))
-            hf = h.to(tl.float32)
-            sq += tl.sum(hf * hf, axis=1)
-            x = (hf * tl.load(NW + ks, mask=in_k, other=0.0).to(tl.float32)[None, :]).to(h.dtype)
+            x, h_sq = weighted_rows(h, tl.load(NW + ks, mask=in_k, other=0.0))
+            sq += h_sq
         elif SILU_MUL:
             x = silu_mul(x, tl.load(X + t64[:, None] * stride_xt + (K + ks)[None, :], mask=x_mask, other=0.0))
         acc += x.to(tl.float32)[:, None, :] * a.to(tl.float32)

@@ -31,7 +31,8 @@ import triton.language as tl
 from compiled.linear import SKINNY_MAX_M
 from compiled.linear.lora_kernels import LoRAArgs, add_slice_deltas, fma_delta_apply, fma_delta_operands, token_slots
 from compiled.triton_utils import (DEFAULT_NUM_SMS, interpreter_upcast, launch_kwargs, num_sms, pdl_let_next_in,
-                                   pdl_wait, pdl_wait_only, residual_add, rms_normed, silu_mul, weight_tile)
+                                   pdl_wait, pdl_wait_only, residual_add, rms_normed, silu_mul, weight_tile,
+                                   weighted_rows)
 
 BLOCK_M = max(16, triton.next_power_of_2(SKINNY_MAX_M))  # one tile for every row (tl.dot needs >= 16)
 MIN_BLOCK = 16             # smallest BLOCK_N / BLOCK_K (tl.dot's minimum)
@@ -289,9 +290,8 @@ def _skinny_kernel(
                 h = residual_add(a, b)
                 if pid_n == 0:
                     tl.store(H + offs_m[:, None] * stride_hm + ks[None, :], h, mask=x_mask)
-                hf = h.to(tl.float32)
-                sq += tl.sum(hf * hf, axis=1)
-                x = (hf * nw.to(tl.float32)[None, :]).to(h.dtype)
+                x, h_sq = weighted_rows(h, nw)
+                sq += h_sq
                 nw = nw_next
             else:
                 x = silu_mul(a, b)

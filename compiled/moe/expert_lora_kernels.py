@@ -8,8 +8,8 @@ intermediate is. A block's rows share an expert but not a slot (each token has i
 `moe_lora_shrink_kernel`, grid (blocks, S x SPLIT_K): program (b, s) computes, for the rows of
 block b whose token's slot is s, `a[s, e] @ row` (fp32, one tensor-core dot a K step, the other
 rows masked) into `s_out` at the rows' positions: x's token rows (GATHER: gate/up,
-`a13 [S, E, 2R, H]`) or the intermediate's block rows (down, `a2 [S, E, R, I]`). Programs whose slot is absent from their
-block exit after the slot loads; rows without an adapter (slot -1, or outside [0, S)) are not
+`a13 [S, E, 2R, H]`) or the intermediate's block rows (down, `a2 [S, E, R, I]`). Programs whose
+slot is absent from their block exit after the slot loads; rows without an adapter (slot -1, or outside [0, S)) are not
 written and never read. A decode batch has few (block, slot) programs, each a long walk over K
 for its few rows: there the K range is split (`expert_lora.shrink_split`)."""
 

@@ -177,7 +177,7 @@ def _slots_delta(acc, slots, pos, expert, cols, cols_ok, col0, scale_col, L_S, L
 @triton.jit
 def _pair_operands(slots, pos, expert, cols, cols_ok, col0, scale_col, L_S, L_B, L_SCALE, L_R, stride_ls, stride_lbs,
                    stride_lbe, stride_lbn, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
-    """`_pair_delta`'s one-slot loads, issued before the K loop (`triton_utils.one_slot_operands`)."""
+    """`_pair_delta`'s one-slot loads, made before the K loop (`triton_utils.one_slot_operands`)."""
     return one_slot_operands(L_S, L_B, L_SCALE, slots, pos, cols, cols_ok, expert, col0, L_R, stride_ls, stride_lbs,
                              stride_lbe, stride_lbn, 3, scale_col, SLOTS_PAD, BLOCK_R)
 
