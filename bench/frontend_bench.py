@@ -1,6 +1,6 @@
 """The HTTP front end alone: `compiled serve`'s app on the demo model, with the engine's step
-replaced by a timed stand-in (it sleeps --step-ms with the GIL released, as a GPU step's wait does,
-then gives every live request one token). The tokens/s it sends and the inter-token latency a
+replaced by a timed stand-in (in the engine's process, it sleeps --step-ms, then gives every live
+request one token). The tokens/s it sends and the inter-token latency a
 client sees, against the stand-in's own rate, show what the front end costs at a given
 concurrency and whether it keeps up.
 
@@ -12,13 +12,14 @@ concurrency and whether it keeps up.
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import time
 from types import SimpleNamespace
 
 from compiled import LLM
 from compiled.server.app import Server, create_app
-from compiled.server.engine_thread import EngineThread
+from compiled.server.engine_process import EngineClient
 from compiled.server.listen import listen
 
 
@@ -59,17 +60,22 @@ class TimedEngine:
         return finished
 
 
+def timed_llm(step_s: float) -> LLM:
+    """The demo model's LLM with the stand-in step (built in the engine's process)."""
+    llm = LLM(device="cpu")
+    llm.engine = TimedEngine(llm.engine, step_s)
+    return llm
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--port", type=int, default=8500)
     ap.add_argument("--step-ms", type=float, default=20.0, help="Time of one stand-in step.")
     args = ap.parse_args()
-    llm = LLM(device="cpu")
-    llm.engine = TimedEngine(llm.engine, args.step_ms / 1e3)
-    engine = EngineThread(llm)
-    engine.start()
+    engine = EngineClient(functools.partial(timed_llm, args.step_ms / 1e3))
+    info = engine.start()
     try:
-        listen(create_app(Server(engine, "demo", None)), "127.0.0.1", args.port)
+        listen(create_app(Server(engine, info, "demo", None)), "127.0.0.1", args.port)
     finally:
         engine.stop()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -33,7 +34,7 @@ def serve(
 ) -> None:
     with fail_cleanly(debug):
         from compiled.server.app import Server, create_app
-        from compiled.server.engine_thread import EngineThread
+        from compiled.server.engine_process import EngineClient
         from compiled.server.listen import listen
         if max_queued_requests is not None and max_queued_requests < 1:
             raise ValueError(f"--max-queued-requests {max_queued_requests}: expected an int >= 1")
@@ -41,12 +42,10 @@ def serve(
         config = engine_config(dict(engine, model=model, lora_modules=modules,
                                     enable_lora=True if enable_lora or modules else None,
                                     enable_prefix_caching=not no_prefix_cache))
-        llm = build_llm(config)
-        name = served_model_name or os.path.basename(os.path.normpath(llm.model_path))
-        engine = EngineThread(llm)
-        engine.start()
+        engine = EngineClient(functools.partial(build_llm, config))
+        info = engine.start()
         try:
-            listen(create_app(Server(engine, name, max_queued_requests)), host, port)
+            name = served_model_name or os.path.basename(os.path.normpath(info.model_path))
+            listen(create_app(Server(engine, info, name, max_queued_requests)), host, port)
         finally:
             engine.stop()
-            llm.shutdown()

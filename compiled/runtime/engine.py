@@ -21,7 +21,6 @@ unread and the next call reads it, and requests that finished are returned by th
 from __future__ import annotations
 
 import itertools
-import numbers
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -39,7 +38,7 @@ from compiled.runtime.config import EngineConfig
 from compiled.runtime.detokenizer import IncrementalDetokenizer, stop_hit
 from compiled.runtime.inflight import InFlight, TokenReadback
 from compiled.runtime.model_runner import ModelRunner, StepOutput
-from compiled.runtime.request import Logprobs, Request
+from compiled.runtime.request import Logprobs, Request, check_token_ids
 from compiled.runtime.sampler import Sampler, SamplingBatch, batch_top_logprobs
 from compiled.runtime.sampling_params import SamplingParams
 from compiled.runtime.scheduler import Batch, Chunk, Scheduler
@@ -226,8 +225,8 @@ class Engine:
                      lora: str | None = None, detokenize: bool = True) -> Request:
         """Validate and tokenize one prompt (`index` names it in errors), to run with adapter
         `lora` (None: the base model); nothing is queued yet. `detokenize=False`: the engine
-        keeps no text for it and checks no stop strings; the caller does both (a server, off
-        the engine's thread, aborting the request at a stop string)."""
+        keeps no text for it and checks no stop strings; the caller does both (a server's front
+        end, beside the engine, aborting the request at a stop string)."""
         self._check_adapter(index, lora)
         if not isinstance(params, SamplingParams):
             shown = repr(params).replace("\n", " ")
@@ -245,7 +244,7 @@ class Engine:
                 raise RequestError(f"prompt {index} is text but the model has no tokenizer; pass token ids")
             ids = self.tokenizer.encode(text)
         elif isinstance(prompt, (Sequence, np.ndarray)):
-            ids = self._check_token_ids(index, prompt)
+            ids = check_token_ids(index, prompt, self.model_config.vocab_size)
         else:
             raise RequestError(f"prompt {index} is a {type(prompt).__name__}: expected a str or a list of token ids")
         if not ids:
@@ -266,28 +265,6 @@ class Engine:
         if self.tokenizer is not None and detokenize:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         return request
-
-    def _check_token_ids(self, index: int, prompt) -> list[int]:
-        """The prompt's ids as Python ints; numpy / torch integer ids are accepted as the ints they
-        hold, while bools (an int subclass) and anything else are refused."""
-        vocab = self.model_config.vocab_size
-        if type(prompt) is list and all(type(t) is int for t in prompt) \
-                and (not prompt or (min(prompt) >= 0 and max(prompt) < vocab)):
-            # the common case, in builtins (50 µs for 1,064 ids, 620 below): a server's handler
-            # holds the GIL here
-            return list(prompt)
-        ids = []
-        for t in prompt:
-            if isinstance(t, (np.ndarray, torch.Tensor)) and t.ndim == 0:
-                t = t.item()
-            if not isinstance(t, numbers.Integral) or isinstance(t, bool):
-                raise RequestError(f"prompt {index} has token id {t!r} of type {type(t).__name__}: "
-                                   f"expected ints in [0, {vocab})")
-            t = int(t)
-            if not 0 <= t < vocab:
-                raise RequestError(f"prompt {index} has token id {t} outside the vocabulary [0, {vocab})")
-            ids.append(t)
-        return ids
 
     def add(self, request: Request) -> None:
         self._live[request.id] = request

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from compiled.errors import RequestError
 from compiled.runtime.sampling_params import SamplingParams
 
 Logprobs = dict[int, float]
@@ -80,3 +83,25 @@ class Request:
             token_ids=list(self.output_token_ids), text=self.text, finish_reason=self.finish_reason,
             stop_reason=self.stop_reason, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,
         )
+
+
+def check_token_ids(index: int, prompt, vocab: int) -> list[int]:
+    """Prompt `index`'s ids as Python ints; numpy / torch integer ids are accepted as the ints they
+    hold, while bools (an int subclass) and anything else are refused."""
+    if type(prompt) is list and all(type(t) is int for t in prompt) \
+            and (not prompt or (min(prompt) >= 0 and max(prompt) < vocab)):
+        # the common case, in builtins (50 µs for 1,064 ids, 620 below): a server's handler
+        # holds the GIL here
+        return list(prompt)
+    ids = []
+    for t in prompt:
+        if isinstance(t, (np.ndarray, torch.Tensor)) and t.ndim == 0:
+            t = t.item()
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            raise RequestError(f"prompt {index} has token id {t!r} of type {type(t).__name__}: "
+                               f"expected ints in [0, {vocab})")
+        t = int(t)
+        if not 0 <= t < vocab:
+            raise RequestError(f"prompt {index} has token id {t} outside the vocabulary [0, {vocab})")
+        ids.append(t)
+    return ids

@@ -3,14 +3,14 @@ over server-sent events or not), `/v1/models`, `/v1/load_lora_adapter`, `/v1/unl
 `/health` and `/metrics` (Prometheus text).
 
 A request's `model` names the base model (its folder name, or `--served-model-name`) or a loaded
-adapter, as in vLLM. Prompts are tokenized, outputs detokenized and stop strings found on the
-event loop's thread, not the engine's (a stop string aborts its engine request, as vLLM's front end
-does); `n` choices are `n` engine requests (seed + i each when seeded). A client that goes away
+adapter, as in vLLM. Prompts are tokenized, outputs detokenized and stop strings found here, beside
+the engine's process (a stop string aborts its engine request, as vLLM's front end does); `n` choices are `n` engine requests (seed + i each when seeded). A client that goes away
 aborts its requests, which frees their KV at once."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from compiled.errors import CompiledError
-from compiled.server.engine_thread import FIRST_TOKEN_PHASES, Progress
+from compiled.server.engine_loop import FIRST_TOKEN_PHASES, Progress
 from compiled.server.protocol import APIError, Sampling, bad, sampling
 from compiled.server.serving import Server, choice_body, logprobs_body
 
@@ -58,7 +58,12 @@ async def _watch_disconnect(http: HTTPRequest, queue: asyncio.Queue) -> None:
 
 
 def create_app(server: Server) -> FastAPI:
-    app = FastAPI(title="compiled")
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        server.engine.bind(asyncio.get_running_loop())
+        yield
+
+    app = FastAPI(title="compiled", lifespan=lifespan)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -75,15 +80,17 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if not server.engine.alive:
+            raise APIError(503, "the engine has stopped")
         return {}
 
     @app.get("/v1/models")
     async def models():
         data = [{"id": server.served_name, "object": "model", "created": server.created, "owned_by": "compiled",
-                 "root": server.llm.model_path, "parent": None,
-                 "max_model_len": server.llm.engine.max_context}]
+                 "root": server.info.model_path, "parent": None,
+                 "max_model_len": server.info.max_context}]
         data += [{"id": name, "object": "model", "created": server.created, "owned_by": "compiled", "root": name,
-                  "parent": server.served_name} for name in server.llm.loras]
+                  "parent": server.served_name} for name in server.loras]
         return {"object": "list", "data": data}
 
     @app.post("/v1/load_lora_adapter")
@@ -94,58 +101,55 @@ def create_app(server: Server) -> FastAPI:
             raise bad("lora_name", "expected a non-empty string")
         if not isinstance(path, str) or not path:
             raise bad("lora_path", "expected a folder path")
-        if name in server.llm.loras:
+        if name in server.loras:
             raise APIError(409, f"lora_name: adapter {name!r} is already loaded", "lora_name")
-        try:   # the files are read off both the event loop and the engine's thread
-            adapter = await asyncio.to_thread(server.llm.read_lora, name, path)
-            await asyncio.wrap_future(server.engine.call(lambda: server.llm.add_lora(adapter)))
+        try:   # the engine reads the files beside its steps
+            await server.engine.call("load_lora", name, path)
         except CompiledError as e:
             raise APIError(400, str(e), "lora_path") from None
+        server.loras.append(name)
         return PlainTextResponse(f"adapter {name!r} loaded")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora(http: HTTPRequest):
         body = await body_of(http)
         name = body.get("lora_name")
-        if name not in server.llm.loras:
+        if name not in server.loras:
             raise APIError(404, f"lora_name: no adapter {name!r} is loaded", "lora_name")
         try:
-            await asyncio.wrap_future(server.engine.call(lambda: server.llm.unload_lora(name)))
+            await server.engine.call("unload_lora", name)
         except CompiledError as e:
             raise APIError(400, str(e), "lora_name") from None
+        server.loras.remove(name)
         return PlainTextResponse(f"adapter {name!r} unloaded")
 
     @app.get("/metrics")
     async def metrics():
-        running, waiting = server.engine.counts()
-        kv, cache = server.llm.engine.kv, server.llm.engine.scheduler.cache
-        st = server.engine.stats
-        elapsed = max(time.monotonic() - st.started, 1e-9)
-        in_use = kv.num_used - (cache.num_evictable if cache is not None else 0)
-        hit_rate = cache.hit / cache.queried if cache is not None and cache.queried else 0.0
+        m = await server.engine.call("metrics")
         lines = [
-            "# TYPE compiled_requests_running gauge", f"compiled_requests_running {running}",
-            "# TYPE compiled_requests_waiting gauge", f"compiled_requests_waiting {waiting}",
+            "# TYPE compiled_requests_running gauge", f"compiled_requests_running {m['running']}",
+            "# TYPE compiled_requests_waiting gauge", f"compiled_requests_waiting {m['waiting']}",
             "# HELP compiled_kv_cache_usage share of KV slots held by requests (cached prefixes excluded)",
-            "# TYPE compiled_kv_cache_usage gauge", f"compiled_kv_cache_usage {in_use / kv.num_slots:.6f}",
-            "# TYPE compiled_prefix_cache_tokens gauge",
-            f"compiled_prefix_cache_tokens {cache.num_cached if cache is not None else 0}",
-            "# TYPE compiled_prefix_cache_hit_rate gauge", f"compiled_prefix_cache_hit_rate {hit_rate:.6f}",
+            "# TYPE compiled_kv_cache_usage gauge", f"compiled_kv_cache_usage {m['kv_in_use']:.6f}",
+            "# TYPE compiled_prefix_cache_tokens gauge", f"compiled_prefix_cache_tokens {m['prefix_cache_tokens']}",
+            "# TYPE compiled_prefix_cache_hit_rate gauge",
+            f"compiled_prefix_cache_hit_rate {m['prefix_cache_hit_rate']:.6f}",
             "# TYPE compiled_requests_finished_total counter",
-            f"compiled_requests_finished_total {st.requests_finished}",
-            "# TYPE compiled_prompt_tokens_total counter", f"compiled_prompt_tokens_total {st.prompt_tokens}",
+            f"compiled_requests_finished_total {m['requests_finished']}",
+            "# TYPE compiled_prompt_tokens_total counter", f"compiled_prompt_tokens_total {m['prompt_tokens']}",
             "# TYPE compiled_generation_tokens_total counter",
-            f"compiled_generation_tokens_total {st.generation_tokens}",
+            f"compiled_generation_tokens_total {m['generation_tokens']}",
             "# TYPE compiled_generation_tokens_per_second gauge",
-            f"compiled_generation_tokens_per_second {st.generation_tokens / elapsed:.3f}",
+            f"compiled_generation_tokens_per_second {m['generation_tokens_per_second']:.3f}",
             "# HELP compiled_engine_step_seconds wall time of the engine's steps",
             "# TYPE compiled_engine_step_seconds summary",
-            f"compiled_engine_step_seconds_sum {st.step_seconds:.6f}", f"compiled_engine_step_seconds_count {st.steps}",
+            f"compiled_engine_step_seconds_sum {m['step_seconds']:.6f}",
+            f"compiled_engine_step_seconds_count {m['steps']}",
         ]
-        for phase, seconds in st.phase_seconds.items():
+        for phase, seconds in m["phase_seconds"].items():
             name = f"compiled_first_token_{phase}_seconds"
             lines += [f"# HELP {name} {FIRST_TOKEN_PHASES[phase]}", f"# TYPE {name} summary",
-                      f"{name}_sum {seconds:.6f}", f"{name}_count {st.first_tokens}"]
+                      f"{name}_sum {seconds:.6f}", f"{name}_count {m['first_tokens']}"]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
@@ -161,7 +165,7 @@ def create_app(server: Server) -> FastAPI:
     async def _generate(http: HTTPRequest, body: dict, chat: bool):
         adapter = server.adapter_of(body)
         prompts = [server.chat_prompt(body)] if chat else server.prompts_of(body)
-        context = server.llm.engine.max_context
+        context = server.info.max_context
         s = sampling(body, max(len(p) for p in prompts), context, chat)
         requests, queue = server.start(prompts, s, adapter)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

@@ -1,6 +1,6 @@
-"""What the HTTP routes share: the served model and its engine thread, the checks that turn a
+"""What the HTTP routes share: the served model and the engine's process, the checks that turn a
 request body into engine requests, and the pieces of OpenAI's response bodies (choices, text
-decoded off the engine's thread, logprobs, usage)."""
+decoded beside the engine, logprobs, usage)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,19 @@ import time
 
 from compiled.errors import RequestError
 from compiled.runtime.detokenizer import IncrementalDetokenizer, stop_hit
+from compiled.runtime.request import check_token_ids
 from compiled.runtime.sampling_params import SamplingParams
-from compiled.server.engine_thread import EngineThread, Progress
+from compiled.runtime.tokenizer import Tokenizer, load_tokenizer
+from compiled.server.engine_loop import Progress
+from compiled.server.engine_process import EngineClient, ModelInfo, Submitted
 from compiled.server.protocol import APIError, Sampling, bad
 
 
 class Server:
-    def __init__(self, engine: EngineThread, served_name: str, max_queued: int | None) -> None:
-        self.engine, self.llm = engine, engine.llm
+    def __init__(self, engine: EngineClient, info: ModelInfo, served_name: str, max_queued: int | None) -> None:
+        self.engine, self.info = engine, info
+        self.tokenizer: Tokenizer | None = load_tokenizer(info.tokenizer_path) if info.tokenizer_path else None
+        self.loras = list(info.loras)   # the adapters served, as loaded and unloaded through this server
         self.served_name, self.max_queued = served_name, max_queued
         self.created = int(time.time())
 
@@ -26,14 +31,14 @@ class Server:
         name = body.get("model") or self.served_name
         if name == self.served_name:
             return None
-        if name in self.llm.loras:
+        if name in self.loras:
             return name
         raise APIError(404, f"model: {name!r} is neither the served model ({self.served_name!r}) nor a loaded "
                        "adapter", "model")
 
     def prompts_of(self, body: dict) -> list[list[int]]:
         prompt = body.get("prompt")
-        tok = self.llm.tokenizer
+        tok = self.tokenizer
         if isinstance(prompt, str):
             prompt = [prompt]
         elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):   # bools are not ids
@@ -50,30 +55,34 @@ class Server:
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in messages):
             raise bad("messages", "expected a non-empty list of {\"role\", \"content\"} objects with string values")
-        if self.llm.tokenizer is None:
+        if self.tokenizer is None:
             raise bad("messages", "the model has no tokenizer, so no chat template")
         try:
-            text = self.llm.tokenizer.apply_chat_template(messages)
+            text = self.tokenizer.apply_chat_template(messages)
         except ValueError as e:
             raise bad("messages", str(e)) from None
-        return self.llm.tokenizer.encode(text)
+        return self.tokenizer.encode(text)
 
     def start(self, prompts: list[list[int]], s: Sampling, adapter: str | None) -> tuple[list, asyncio.Queue]:
         """Engine requests for every (prompt, choice); the queue of their reports."""
-        if self.max_queued is not None and self.engine.counts()[1] >= self.max_queued:
+        posted = time.perf_counter()
+        if not self.engine.alive:
+            raise APIError(503, "the engine has stopped")
+        if self.max_queued is not None and self.engine.waiting() >= self.max_queued:
             raise APIError(503, f"the queue is full ({self.max_queued} requests wait: --max-queued-requests)")
         requests = []
-        try:   # make_request only validates and reads settings: safe beside a running step
+        try:
             for i, ids in enumerate(prompts):
-                for params in s.params:
-                    requests.append(self.llm.engine.make_request(i, ids, params, adapter, detokenize=False))
-        except RequestError as e:
+                ids = check_token_ids(i, ids, self.info.vocab_size)
+                for params in s.params:   # each checked when `sampling` made it
+                    requests.append(Submitted(self.engine.new_key(), ids, params, adapter))
+        except (RequestError, ValueError) as e:
             raise APIError(400, str(e), "prompt") from None
-        return requests, self.engine.submit(requests)
+        return requests, self.engine.submit(requests, posted)
 
     def texts(self, requests) -> list[TextSoFar]:
-        """Each request's text, built here from its tokens (off the engine's thread)."""
-        tok = self.llm.tokenizer
+        """Each request's text, built here from its tokens (beside the engine)."""
+        tok = self.tokenizer
         return [TextSoFar(None if tok is None else IncrementalDetokenizer(tok, r.prompt_token_ids,
                                                                           r.params.skip_special_tokens), r.params)
                 for r in requests]
@@ -90,7 +99,7 @@ class Server:
                         text.stop_reason)
 
     def token_text(self, token: int) -> str:
-        tok = self.llm.tokenizer
+        tok = self.tokenizer
         return tok.decode([token], skip_special_tokens=False) if tok is not None else str(token)
 
     def usage(self, requests, n: int, completion_tokens: int) -> dict:

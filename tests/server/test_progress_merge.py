@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from compiled.server.app import _next_reports
-from compiled.server.engine_thread import Progress
+from compiled.server.engine_loop import Progress
 from compiled.server.protocol import APIError
 
 

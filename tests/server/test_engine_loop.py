@@ -1,0 +1,221 @@
+"""The engine's loop and the front end's handle on its process. Posting to the loop never waits
+for a running step, and what was posted runs between steps, in order; reports carry each
+request's new tokens and the engine's counts; the front end routes them to each request's queue,
+counts what it posted but the engine has not seen as waiting, and fails every request when the
+engine's process goes away. A start that fails raises its error in the front end."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+
+from compiled import LLM
+from compiled.errors import ConfigError, RequestError
+from compiled.runtime.sampling_params import SamplingParams
+from compiled.server.engine_loop import EngineLoop, Progress
+from compiled.server.engine_process import EngineClient, EngineGone
+
+
+class _Request(SimpleNamespace):
+    pass
+
+
+class _HeldEngine:
+    """An engine whose step runs until the test lets it end, then gives each running request one
+    token (id 7); a request finishes at its max_new_tokens."""
+    loras = None
+
+    def __init__(self) -> None:
+        self.scheduler = SimpleNamespace(running=[], waiting=deque())
+        self.stepping, self.release = threading.Event(), threading.Event()
+        self.log: list[tuple[str, int]] = []
+        self._ids = iter(range(100, 10_000))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def make_request(self, index, ids, params, lora, detokenize=True):
+        if lora is not None:
+            raise RequestError(f"prompt {index} asks for unknown adapter {lora!r}")
+        return _Request(id=next(self._ids), prompt_token_ids=ids, params=params, lora=lora, output_token_ids=[],
+                        logprobs=None, finish_reason=None, stop_reason=None, first_launched=None)
+
+    def add(self, request) -> None:
+        self.log.append(("add", request.id))
+        self.scheduler.waiting.append(request)
+
+    def abort(self, request_id: int) -> None:
+        self.log.append(("abort", request_id))
+        s = self.scheduler
+        s.waiting = deque(r for r in s.waiting if r.id != request_id)
+        s.running = [r for r in s.running if r.id != request_id]
+
+    def step(self) -> list:
+        self.stepping.set()
+        self.release.wait(30)
+        s = self.scheduler
+        s.running += list(s.waiting)
+        s.waiting.clear()
+        finished = []
+        for r in s.running:
+            r.first_launched = r.first_launched or 0.0
+            r.output_token_ids.append(7)
+            if len(r.output_token_ids) >= r.params.max_new_tokens:
+                r.finish_reason = "length"
+                finished.append(r)
+        s.running = [r for r in s.running if r.finish_reason is None]
+        return finished
+
+    def capture_pending_graphs(self, at_most: int | None = None) -> int:
+        return 0
+
+
+def _item(key: int, max_new_tokens: int = 2, lora=None):
+    return (key, [1, 2, 3], SamplingParams(max_new_tokens=max_new_tokens), lora, 0.0)
+
+
+def _loop(engine) -> tuple[EngineLoop, list, threading.Thread]:
+    sent: list[tuple] = []
+    loop = EngineLoop(SimpleNamespace(engine=engine, unload_lora=None), sent.append)
+    loop._calls["log"] = lambda: list(engine.log)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    return loop, sent, thread
+
+
+def _reply(sent: list, call_id: int, timeout: float = 10.0):
+    done = threading.Event()
+
+    def wait() -> None:
+        while not any(m[0] == "reply" and m[1] == call_id for m in sent):
+            if done.wait(0.01):
+                return
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    waiter.join(timeout)
+    done.set()
+    return next(m for m in sent if m[0] == "reply" and m[1] == call_id)
+
+
+def test_posts_never_wait_for_a_running_step_and_run_in_order_after_it():
+    engine = _HeldEngine()
+    loop, sent, thread = _loop(engine)
+    loop.post(("add", [_item(1)]))
+    assert engine.stepping.wait(10), "the engine never stepped"
+    # the step is running now (held): posting returns at once, and nothing runs beside the step
+    loop.post(("add", [_item(2)]))
+    loop.post(("abort", 1))
+    loop.post(("call", 50, "log", ()))
+    assert not any(m[0] == "reply" for m in sent), "a call ran beside the step instead of after it"
+    engine.release.set()
+    assert _reply(sent, 50)[2:] == (None, [("add", 100), ("add", 101), ("abort", 100)])
+    loop.post(("stop",))
+    thread.join(10)
+    assert not thread.is_alive(), "stop did not end the loop once its requests finished"
+    reports = [item for m in sent if m[0] == "reports" for item in m[1]]
+    # key 1 got its first token before the abort; key 2 ran to its max_new_tokens
+    assert [r for r in reports if r[0] == 2] == [(2, [7], None, False, None, None), (2, [7], None, True, "length", None)]
+    assert sent[-1][0] == "reports" and sent[-1][2] == (0, 0, 2)
+
+
+def test_a_request_the_engine_refuses_is_reported_as_an_error_naming_it():
+    engine = _HeldEngine()
+    engine.release.set()
+    loop, sent, thread = _loop(engine)
+    loop.post(("add", [_item(1, lora="gone"), _item(2, max_new_tokens=1)]))
+    loop.post(("call", 9, "nope", ()))
+    loop.post(("stop",))
+    thread.join(10)
+    items = [item for m in sent if m[0] == "reports" for item in m[1]]
+    assert (1, "prompt 0 asks for unknown adapter 'gone'") in items
+    assert (2, [7], None, True, "length", None) in items
+    error = next(m for m in sent if m[0] == "reply")[2]
+    assert isinstance(error, KeyError)
+
+
+class _EngineWithPendingGraphs(_HeldEngine):
+    """Graph buckets left for later at start; captures are logged, steps return at once."""
+
+    def __init__(self, pending: int) -> None:
+        super().__init__()
+        self.pending, self.idle = pending, threading.Event()
+        self.release.set()
+
+    def step(self) -> list:
+        self.log.append(("step", len(self.scheduler.waiting)))
+        self.scheduler.waiting.clear()
+        return []
+
+    def capture_pending_graphs(self, at_most: int | None = None) -> int:
+        assert at_most == 1 and not self.has_work, "a capture must wait for the requests"
+        done = min(self.pending, at_most)
+        self.pending -= done
+        self.log += [("capture", self.pending)] * done
+        if not self.pending:
+            self.idle.set()
+        return done
+
+
+def test_idle_engine_captures_the_buckets_left_for_later_one_at_a_time():
+    engine = _EngineWithPendingGraphs(pending=3)
+    loop, sent, thread = _loop(engine)
+    try:
+        assert engine.idle.wait(10), "the idle engine left graph buckets uncaptured"
+        loop.post(("add", [_item(1)]))
+        loop.post(("call", 1, "log", ()))
+        assert _reply(sent, 1)[3][:3] == [("capture", 2), ("capture", 1), ("capture", 0)]
+    finally:
+        loop.post(("stop",))
+        thread.join(10)
+    assert ("step", 1) in engine.log and engine.log.count(("capture", 0)) == 1
+
+
+def _client() -> tuple[EngineClient, list]:
+    client = EngineClient(lambda: None)
+    posted: list[tuple] = []
+    client._post = posted.append
+    client.alive, client.process = True, SimpleNamespace(exitcode=-9)
+    return client, posted
+
+
+def test_the_client_routes_reports_to_each_request_and_counts_what_waits():
+    async def main():
+        client, posted = _client()
+        client._loop = asyncio.get_running_loop()
+        a = [SimpleNamespace(id=client.new_key(), prompt_token_ids=[1], params=None, lora=None) for _ in range(2)]
+        queue = client.submit(a, 0.0)
+        assert posted[-1][0] == "add" and [i[0] for i in posted[-1][1]] == [r.id for r in a]
+        assert client.waiting() == 2            # posted, not yet seen by the engine
+        client._handle(("reports", [(a[0].id, [5, 6], None, False, None, None)], (1, 1, 2)))
+        assert client.waiting() == 1
+        client.abort(a[1].id)
+        assert posted[-1] == ("abort", a[1].id)
+        client._handle(("reports", [(a[1].id, [9], None, True, "length", None),
+                                    (a[0].id, [7], None, True, "stop", 7)], (0, 0, 2)))
+        got = [queue.get_nowait() for _ in range(queue.qsize())]
+        assert got == [(0, Progress([5, 6], None, False)), (0, Progress([7], None, True, "stop", 7))]
+        assert not client._routes
+        b = client.submit([SimpleNamespace(id=client.new_key(), prompt_token_ids=[1], params=None, lora=None)], 0.0)
+        call = asyncio.ensure_future(client.call("metrics"))
+        await asyncio.sleep(0)
+        client._gone()
+        index, error = b.get_nowait()
+        assert index == 0 and isinstance(error, EngineGone)
+        with pytest.raises(EngineGone):
+            await call
+        with pytest.raises(EngineGone):
+            client.submit([], 0.0)
+    asyncio.run(main())
+
+
+def test_a_failed_start_raises_its_error_in_the_front_end():
+    client = EngineClient(functools.partial(LLM, "/nonexistent/model-folder"))
+    with pytest.raises(ConfigError, match="nonexistent"):
+        client.start()
+    assert not client.process.is_alive()
