@@ -219,3 +219,13 @@ def test_a_failed_start_raises_its_error_in_the_front_end():
     with pytest.raises(ConfigError, match="nonexistent"):
         client.start()
     assert not client.process.is_alive()
+
+
+def test_the_engine_process_exits_when_the_front_end_goes_away():
+    client = EngineClient(functools.partial(LLM, None, device="cpu"))
+    info = client.start()
+    assert info.max_context > 0 and info.vocab_size > 0
+    client._send_end.close()   # as when the front end's process dies: the engine reads end of file
+    client.process.join(60)
+    assert not client.process.is_alive(), "the engine process outlived its front end"
+    assert client.process.exitcode == 0
