@@ -59,8 +59,8 @@ class Stats:
 @dataclass
 class _Tracked:
     request: object               # the engine's Request
-    posted: float                 # when the handler posted it (perf_counter: CLOCK_MONOTONIC, one clock
-    added: float = 0.0            # for every process of the machine); when the loop queued it
+    posted: float                 # when the handler posted it (perf_counter: one clock for all processes on Linux)
+    added: float = 0.0            # when the loop queued it
     sent: int = 0                 # output tokens reported so far
 
 
