@@ -5,11 +5,13 @@ E = 128, H = 2,048, I = 768, top-8, bf16, S slots of rank R, each token's slot d
     python bench/expert_lora_bench.py [--tokens 1 8 64 2048] [--slots all|one]
 
 Prints µs per layer (the median of `--reps` replays of a graph of `--layers` calls, weights
-cycled past L2) for the base MoE and the LoRA MoE."""
+cycled past L2) for the base MoE and the LoRA MoE; `--profile` adds each one's kernels (µs a layer,
+from the torch profiler over the same calls run eagerly)."""
 
 from __future__ import annotations
 
 import argparse
+from collections import defaultdict
 
 import torch
 from tune_moe import time_graph   # bench/ is the script's folder, so on sys.path
@@ -28,6 +30,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--layers", type=int, default=4, help="weight copies cycled (past L2)")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--profile", action="store_true", help="also print each side's kernels")
     a = ap.parse_args()
     S, R, dev = a.num_slots, a.rank, torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
@@ -44,12 +47,34 @@ def main() -> None:
         slot = (torch.randint(0, S, (T,), device=dev, generator=g, dtype=torch.int32) if a.slots == "all"
                 else torch.zeros(T, dtype=torch.int32, device=dev))
         ws = el.reserve_workspace(fm.MoEWorkspace(), T, E, H, I, TOP_K, R, torch.bfloat16, dev)
-        base = time_graph([lambda i=i: fm.fused_moe_triton(x, w, ids, *layers[i][:2], workspace=ws)
-                           for i in range(a.layers)], a.reps) / a.layers
-        lora = time_graph([lambda i=i: el.fused_moe_lora_triton(x, w, ids, *layers[i], slot, workspace=ws)
-                           for i in range(a.layers)], a.reps) / a.layers
+        sides = {"base": [lambda i=i: fm.fused_moe_triton(x, w, ids, *layers[i][:2], workspace=ws)
+                          for i in range(a.layers)],
+                 "LoRA": [lambda i=i: el.fused_moe_lora_triton(x, w, ids, *layers[i], slot, workspace=ws)
+                          for i in range(a.layers)]}
+        base, lora = (time_graph(calls, a.reps) / a.layers for calls in sides.values())
         print(f"{T:5d} tokens: base {base:8.1f} µs, LoRA ({a.slots} of {S} slots) {lora:8.1f} µs "
               f"(+{lora - base:.1f})", flush=True)
+        if a.profile:
+            for name, calls in sides.items():
+                print_kernels(f"  {name}", calls, a.reps)
+
+
+def print_kernels(title: str, calls: list, reps: int) -> None:
+    """Each kernel's GPU time a call (µs), from the torch profiler over `reps` rounds of `calls`."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            for call in calls:
+                call()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[e.name] += e.device_time / (reps * len(calls))
+    print(f"{title}: kernels {sum(per_kernel.values()):.1f} µs: " + ", ".join(
+        f"{k} {v:.1f}" for k, v in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:6]), flush=True)
 
 
 if __name__ == "__main__":
