@@ -10,7 +10,9 @@
 # the mean time to first token in phases (the server's inbox, its queue, the prefill step).
 # MODEL (default bench/configs/qwen3-30b-a3b, dummy weights); SCALE divides the request counts and
 # lengths (e.g. SCALE=32 MODEL= for the demo model on a CPU); SERVE_FLAGS go to `compiled serve`,
-# ENGINE_FLAGS (engine options, e.g. "--max-mixed-step-tokens 1024") to it and to the in-process run.
+# ENGINE_FLAGS (engine options, e.g. "--max-mixed-step-tokens 1024") to it and to the in-process run;
+# CLIENTS (default 4): client processes sending the HTTP workloads (one Python process reading 32-96
+# streams delays its own sends).
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
@@ -35,10 +37,10 @@ serve() {   # serve NAME [flags...]: start a server, wait until it answers
 stop() { kill -TERM "$server"; wait "$server"; echo "server exited with $?"; }
 bench() {   # bench NAME [flags...]; then the engine's mean step time during it
   local name=$1; shift
-  local http=0; [[ " $* " == *" --url "* ]] && http=1
+  local http=0 clients=(); [[ " $* " == *" --url "* ]] && http=1 clients=(--client-processes "${CLIENTS:-4}")
   local summaries="^compiled_(engine_step|first_token_[a-z]+)_seconds"
   [ $http = 1 ] && curl -s "$url/metrics" | grep -E "$summaries" > "$out/${name}_steps_before.txt"
-  python -m cli.main bench serving $model "${load[@]}" --json "$out/$name.json" "$@" > "$out/$name.txt" 2>&1
+  python -m cli.main bench serving $model "${load[@]}" --json "$out/$name.json" "${clients[@]}" "$@" > "$out/$name.txt" 2>&1
   echo "== $name"; grep -E "output tokens/s|time to first|time per output|inter-token|Error|error" "$out/$name.txt"
   if [ $http = 1 ]; then   # /metrics sums since the server started: the difference over this run
     curl -s "$url/metrics" | grep -E "$summaries" > "$out/${name}_steps_after.txt"

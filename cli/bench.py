@@ -453,11 +453,17 @@ def serving(
     url: Annotated[Optional[str], typer.Option(
         help="Send the workload to this OpenAI-compatible server (ours or another engine) instead of an "
              "engine in this process; MODEL then only gives the vocabulary of the random prompts.")] = None,
+    client_processes: Annotated[int, typer.Option(
+        help="With --url: client processes sharing the requests (round-robin) and the concurrency, so "
+             "that one process reading many streams does not delay the sends.")] = 1,
 ) -> None:
     from cli import bench_core as core
     _check(o.compare is None, "--compare hf is available for latency, throughput and startup, not serving")
     _check(o.request_rate > 0, f"--request-rate must be positive (or inf), got {o.request_rate}")
     _at_least(o, "max_concurrency", 1)
+    _at_least(o, "client_processes", 1)
+    _check(o.client_processes == 1 or o.url is not None, "--client-processes needs --url (an engine in this "
+           "process has no HTTP clients)")
     _check_workload(o)
     if o.url is not None:
         return _serving_http(o)
@@ -506,7 +512,7 @@ def _serving_http(o: SimpleNamespace) -> None:
     with _progress("serving") as bar:
         task = bar.add_task("requests", total=len(items))
         res = serving_http(o.url, items, o.request_rate, o.max_concurrency, o.seed,
-                           on_finish=lambda n: bar.advance(task, n))
+                           on_finish=lambda n: bar.advance(task, n), processes=o.client_processes)
     rate = "inf" if math.isinf(o.request_rate) else f"{o.request_rate:g}/s"
     console = Console()
     console.print(f"compiled bench serving: {res['model']} at {res['url']}; {len(items)} requests at {rate}",

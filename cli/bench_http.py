@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import multiprocessing
 import ssl
 import time
 from collections.abc import Callable, Sequence
@@ -50,40 +52,100 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, item: Item, trac
     return tokens
 
 
+async def _send_all(url: str, model: str, items: Sequence[Item], arrivals: Sequence[float], limit: int,
+                    start: float, traces: list[Trace], outputs: list[int],
+                    on_finish: Callable[[int], None] | None) -> None:
+    """Send `items`, each at its arrival (seconds after `start`, a perf_counter time) with at most
+    `limit` in flight; their traces and output token counts into `traces` and `outputs`."""
+    slots = asyncio.Semaphore(limit)
+    # A client (one connection) per request in flight, reused: one client shared by all of
+    # them scans every pooled connection on each chunk it reads, which makes the client, not
+    # the server, the bottleneck at 96 streams.
+    idle: list[httpx.AsyncClient] = []
+    tls = ssl.create_default_context()   # loading the CA bundle takes ~20 ms a client
+
+    async def send(i: int) -> None:
+        await asyncio.sleep(max(0.0, arrivals[i] - (time.perf_counter() - start)))
+        async with slots:
+            client = idle.pop() if idle else httpx.AsyncClient(timeout=None, verify=tls)
+            traces[i].sent = max(arrivals[i], time.perf_counter() - start)
+            outputs[i] = await _one(client, url, model, items[i], traces[i], start)
+            idle.append(client)
+        if on_finish:
+            on_finish(1)
+    try:
+        await asyncio.gather(*(send(i) for i in range(len(items))))
+    finally:
+        for client in idle:
+            await client.aclose()
+
+
+def _client_process(index: int, url: str, model: str, items: list[Item], arrivals: list[float], limit: int, go,
+                    start, results) -> None:
+    """One of --client-processes: says it is ready, waits for the common start, sends its share."""
+    traces = [Trace(0.0, len(item.prompt)) for item in items]
+    outputs = [0] * len(items)
+    results.put("ready")
+    go.wait()
+    try:
+        asyncio.run(_send_all(url, model, items, arrivals, limit, start.value, traces, outputs, None))
+    except Exception as e:   # the parent raises it
+        results.put((index, None, f"{type(e).__name__}: {e}"))
+        return
+    results.put((index, traces, outputs))
+
+
+def _send_from_processes(url: str, model: str, items: Sequence[Item], arrivals: list[float],
+                         max_concurrency: int | None, processes: int, traces: list[Trace], outputs: list[int],
+                         on_finish: Callable[[int], None] | None) -> None:
+    """The requests dealt round-robin to `processes` client processes (each with its share of
+    the concurrency), so that reading many streams in Python does not hold back the sends: one
+    process's event loop reads 32 streams' chunks and sends the next requests in turn. Their
+    clocks are one (perf_counter is the system's monotonic clock); they start together."""
+    ctx = multiprocessing.get_context("spawn")
+    go, start, results = ctx.Event(), ctx.Value("d", 0.0), ctx.Queue()
+    shares = [list(range(p, len(items), processes)) for p in range(processes)]
+    limit = math.ceil((max_concurrency or len(items)) / processes)
+    workers = [ctx.Process(target=_client_process, daemon=True,
+                           args=(p, url, model, [items[i] for i in share], [arrivals[i] for i in share], limit, go,
+                                 start, results)) for p, share in enumerate(shares)]
+    for w in workers:
+        w.start()
+    try:
+        for _ in workers:
+            results.get()   # "ready"
+        start.value = time.perf_counter()
+        go.set()
+        for _ in workers:   # in the order they finish
+            p, share_traces, share_outputs = results.get()
+            if share_traces is None:
+                raise RuntimeError(share_outputs)
+            share = shares[p]
+            for i, tr, n in zip(share, share_traces, share_outputs):
+                traces[i], outputs[i] = tr, n
+            if on_finish:
+                on_finish(len(share))
+    finally:
+        for w in workers:
+            w.join(5)
+            if w.is_alive():
+                w.terminate()
+
+
 def serving_http(url: str, items: Sequence[Item], rate: float, max_concurrency: int | None, seed: int,
-                 on_finish: Callable[[int], None] | None = None) -> dict:
+                 on_finish: Callable[[int], None] | None = None, processes: int = 1) -> dict:
     url = url.rstrip("/")
     model = served_model(url)
     arrivals = arrival_times(len(items), rate, seed)
     traces = [Trace(0.0, len(item.prompt)) for item in items]
     outputs = [0] * len(items)
-
-    async def run() -> float:
-        limit = asyncio.Semaphore(max_concurrency or len(items))
-        # A client (one connection) per request in flight, reused: one client shared by all of
-        # them scans every pooled connection on each chunk it reads, which makes the client, not
-        # the server, the bottleneck at 96 streams.
-        idle: list[httpx.AsyncClient] = []
-        tls = ssl.create_default_context()   # loading the CA bundle takes ~20 ms a client
-        start = time.perf_counter()
-
-        async def send(i: int) -> None:
-            await asyncio.sleep(max(0.0, arrivals[i] - (time.perf_counter() - start)))
-            async with limit:
-                client = idle.pop() if idle else httpx.AsyncClient(timeout=None, verify=tls)
-                traces[i].sent = max(arrivals[i], time.perf_counter() - start)
-                outputs[i] = await _one(client, url, model, items[i], traces[i], start)
-                idle.append(client)
-            if on_finish:
-                on_finish(1)
-        try:
-            await asyncio.gather(*(send(i) for i in range(len(items))))
-        finally:
-            for client in idle:
-                await client.aclose()
-        return max(t.done for t in traces)
-
-    duration = asyncio.run(run())
+    if processes == 1:
+        asyncio.run(_send_all(url, model, items, arrivals, max_concurrency or len(items), time.perf_counter(),
+                              traces, outputs, on_finish))
+    else:
+        _send_from_processes(url, model, items, list(arrivals), max_concurrency, processes, traces, outputs,
+                             on_finish)
+    duration = max(t.done for t in traces)
     inp, out = sum(len(i.prompt) for i in items), sum(outputs)
     itl = [x for tr in traces for x in tr.itl]
     return {

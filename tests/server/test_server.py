@@ -240,9 +240,11 @@ def test_bench_serving_drives_the_server_over_http(server):
     from cli.bench_core import random_workload
     from cli.bench_http import serving_http
     items = random_workload(6, 12, None, 5, None, 200, seed=1)
-    res = serving_http(server, items, float("inf"), 3, seed=1)
-    assert res["model"] == "qwen3-moe" and res["output_tokens"] == 6 * 5
-    assert res["ttft_ms"]["n"] == 6 and res["ttft_ms"]["p50"] > 0 and res["tpot_ms"]["n"] == 6
+    for processes in (1, 2):   # 2: the requests dealt to two client processes, their traces merged
+        res = serving_http(server, items, float("inf"), 3, seed=1, processes=processes)
+        assert res["model"] == "qwen3-moe" and res["output_tokens"] == 6 * 5
+        assert res["ttft_ms"]["n"] == 6 and res["ttft_ms"]["p50"] > 0 and res["tpot_ms"]["n"] == 6
+        assert all(0 < e <= res["duration_s"] * 1e3 for e in (res["e2e_ms"]["min"], res["e2e_ms"]["max"]))
 
 
 def test_metrics_report_the_prefix_cache(server):
