@@ -102,7 +102,10 @@ def _send_from_processes(url: str, model: str, items: Sequence[Item], arrivals: 
     the concurrency), so that reading many streams in Python does not hold back the sends: one
     process's event loop reads 32 streams' chunks and sends the next requests in turn. Their
     clocks are one (perf_counter is the system's monotonic clock); they start together."""
-    ctx = multiprocessing.get_context("spawn")
+    # A fork server imports this module once and forks each client from it: a spawned client
+    # would import the command line's whole main module (torch included) on its own.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     go, start, results = ctx.Event(), ctx.Value("d", 0.0), ctx.Queue()
     shares = [list(range(p, len(items), processes)) for p in range(processes)]
     limit = math.ceil((max_concurrency or len(items)) / processes)
