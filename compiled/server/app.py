@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from compiled.errors import CompiledError
 from compiled.server.engine_loop import FIRST_TOKEN_PHASES, Progress
+from compiled.server.engine_process import EngineGone
 from compiled.server.protocol import APIError, Sampling, bad, sampling
 from compiled.server.serving import Server, choice_body, logprobs_body
 
@@ -68,6 +69,10 @@ def create_app(server: Server) -> FastAPI:
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
         return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(EngineGone)
+    async def _engine_gone(_, e: EngineGone):   # a call (metrics, adapters) to an engine that exited
+        return JSONResponse(APIError(503, str(e)).body(), status_code=503)
 
     async def body_of(http: HTTPRequest) -> dict:
         try:

@@ -2,7 +2,8 @@
 for a running step, and what was posted runs between steps, in order; reports carry each
 request's new tokens and the engine's counts; the front end routes them to each request's queue,
 counts what it posted but the engine has not seen as waiting, and fails every request when the
-engine's process goes away. A start that fails raises its error in the front end."""
+engine's process goes away (the server then answers 503s). A start that fails raises its error in the
+front end."""
 
 from __future__ import annotations
 
@@ -229,3 +230,19 @@ def test_the_engine_process_exits_when_the_front_end_goes_away():
     client.process.join(60)
     assert not client.process.is_alive(), "the engine process outlived its front end"
     assert client.process.exitcode == 0
+
+
+def test_a_server_whose_engine_exited_answers_503s():
+    from fastapi.testclient import TestClient
+
+    from compiled.server.app import Server, create_app
+    from compiled.server.engine_process import ModelInfo
+    client, _ = _client()
+    client.bind = lambda loop: setattr(client, "_loop", loop)
+    client._gone()
+    info = ModelInfo("/models/m", 512, 100, None, False, ())
+    with TestClient(create_app(Server(client, info, "m", None))) as http:
+        for method, path, body in (("get", "/health", None), ("get", "/metrics", None),
+                                   ("post", "/v1/completions", {"prompt": [1, 2], "max_tokens": 2})):
+            r = getattr(http, method)(path, **({"json": body} if body else {}))
+            assert r.status_code == 503 and "engine" in r.json()["error"]["message"], (path, r.text)
