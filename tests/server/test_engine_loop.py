@@ -246,3 +246,34 @@ def test_a_server_whose_engine_exited_answers_503s():
                                    ("post", "/v1/completions", {"prompt": [1, 2], "max_tokens": 2})):
             r = getattr(http, method)(path, **({"json": body} if body else {}))
             assert r.status_code == 503 and "engine" in r.json()["error"]["message"], (path, r.text)
+
+
+class _FailingOnceEngine(_HeldEngine):
+    """Its first step raises (as a step rolled back after an error); later steps work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release.set()
+        self.failed = False
+
+    def step(self) -> list:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return super().step()
+
+
+def test_a_failed_step_fails_its_requests_and_the_loop_serves_on():
+    engine = _FailingOnceEngine()
+    loop, sent, thread = _loop(engine)
+    loop.post(("add", [_item(1)]))
+    loop.post(("call", 1, "log", ()))
+    _reply(sent, 1)
+    loop.post(("add", [_item(2, max_new_tokens=1)]))
+    loop.post(("stop",))
+    thread.join(10)
+    assert not thread.is_alive()
+    items = [item for m in sent if m[0] == "reports" for item in m[1]]
+    assert (1, "RuntimeError: CUDA error: an illegal memory access") in items
+    assert (2, [7], None, True, "length", None) in items
+    assert ("abort", 100) in engine.log   # the failed request left the engine
