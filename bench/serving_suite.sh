@@ -12,7 +12,7 @@
 # lengths (e.g. SCALE=32 MODEL= for the demo model on a CPU); SERVE_FLAGS go to `compiled serve`,
 # ENGINE_FLAGS (engine options, e.g. "--max-mixed-step-tokens 1024") to it and to the in-process run;
 # CLIENTS (default 4): client processes sending the HTTP workloads (one Python process reading 32-96
-# streams delays its own sends).
+# streams delays its own sends); PARTS (default "random mixed shared"): the workloads 1-3 to run.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
@@ -63,15 +63,22 @@ shared_32=(--num-prompts $((128 / s)) --shared-prefix-len $((1000 / s)) --input-
 shared_32_varied=("${shared_32[@]}" --output-len $((64 / s)) --output-len-max $((192 / s)))
 nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | tee "$out/device.txt"
 
+parts=" ${PARTS:-random mixed shared} "
+has() { [[ $parts == *" $1 "* ]]; }
 serve cache || exit 1
-bench http_random_10 --url "$url" "${random_10[@]}"
-bench http_mixed_96 --url "$url" "${mixed_96[@]}"
-bench http_shared_32 --url "$url" "${shared_32[@]}"
-bench http_shared_32_varied --url "$url" "${shared_32_varied[@]}"
+has random && bench http_random_10 --url "$url" "${random_10[@]}"
+has mixed && bench http_mixed_96 --url "$url" "${mixed_96[@]}"
+if has shared; then
+  bench http_shared_32 --url "$url" "${shared_32[@]}"
+  bench http_shared_32_varied --url "$url" "${shared_32_varied[@]}"
+fi
 stop
-serve no_cache --no-prefix-cache || exit 1
-bench http_shared_32_no_cache --url "$url" "${shared_32[@]}"
-bench http_shared_32_varied_no_cache --url "$url" "${shared_32_varied[@]}"
-stop
-bench inproc_random_10 ${ENGINE_FLAGS:-} "${random_10[@]}"
-bench inproc_mixed_96 ${ENGINE_FLAGS:-} --prefix-cache "${mixed_96[@]}"
+if has shared; then
+  serve no_cache --no-prefix-cache || exit 1
+  bench http_shared_32_no_cache --url "$url" "${shared_32[@]}"
+  bench http_shared_32_varied_no_cache --url "$url" "${shared_32_varied[@]}"
+  stop
+fi
+has random && bench inproc_random_10 ${ENGINE_FLAGS:-} "${random_10[@]}"
+has mixed && bench inproc_mixed_96 ${ENGINE_FLAGS:-} --prefix-cache "${mixed_96[@]}"
+exit 0
