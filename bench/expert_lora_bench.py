@@ -60,7 +60,7 @@ def main() -> None:
 
 
 def print_kernels(title: str, calls: list, reps: int) -> None:
-    """Each kernel's GPU time a call (µs), from the torch profiler over `reps` rounds of `calls`."""
+    """Each kernel's GPU time a call (µs), from the torch profiler over `reps` passes of `calls`."""
     for call in calls:
         call()
     torch.cuda.synchronize()
