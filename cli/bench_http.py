@@ -146,8 +146,7 @@ def serving_http(url: str, items: Sequence[Item], rate: float, max_concurrency: 
         asyncio.run(_send_all(url, model, items, arrivals, max_concurrency or len(items), time.perf_counter(),
                               traces, outputs, on_finish))
     else:
-        _send_from_processes(url, model, items, list(arrivals), max_concurrency, processes, traces, outputs,
-                             on_finish)
+        _send_from_processes(url, model, items, arrivals, max_concurrency, processes, traces, outputs, on_finish)
     duration = max(t.done for t in traces)
     inp, out = sum(len(i.prompt) for i in items), sum(outputs)
     itl = [x for tr in traces for x in tr.itl]

@@ -64,6 +64,15 @@ class _Tracked:
     sent: int = 0                 # output tokens reported so far
 
 
+def picklable(error: BaseException) -> BaseException:
+    """`error` if it crosses to the front end's process intact, else a RuntimeError naming it."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+
+
 class EngineLoop:
     """Steps `llm.engine` while it has work; `send(message)` carries each message to the front end.
 
@@ -181,12 +190,7 @@ class EngineLoop:
         self._reply(call_id, error, None)
 
     def _reply(self, call_id: int, error: Exception | None, value) -> None:
-        if error is not None:
-            try:
-                pickle.dumps(error)
-            except Exception:
-                error = RuntimeError(f"{type(error).__name__}: {error}")
-        self._send(("reply", call_id, error, value))
+        self._send(("reply", call_id, None if error is None else picklable(error), value))
 
     # ---- what goes back ------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from compiled.runtime.sampling_params import SamplingParams
-from compiled.server.engine_loop import EngineLoop, Progress
+from compiled.server.engine_loop import EngineLoop, Progress, picklable
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def serve_engine(make_llm: Callable[[], object], inbox, outbox) -> None:
     try:
         llm = make_llm()
     except BaseException as e:
-        outbox.send(("start_failed", _picklable(e)))
+        outbox.send(("start_failed", picklable(e)))
         return
     loop = EngineLoop(llm, outbox.send)
     outbox.send(("ready", ModelInfo.of(llm)))
@@ -83,15 +83,6 @@ def _receive(inbox, loop: EngineLoop) -> None:
             loop.post(("gone",))
             return
         loop.post(message)
-
-
-def _picklable(error: BaseException) -> BaseException:
-    import pickle
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 class EngineClient:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
+import time
 from collections import deque
 from types import SimpleNamespace
 
@@ -91,17 +92,13 @@ def _loop(engine) -> tuple[EngineLoop, list, threading.Thread]:
 
 
 def _reply(sent: list, call_id: int, timeout: float = 10.0):
-    done = threading.Event()
-
-    def wait() -> None:
-        while not any(m[0] == "reply" and m[1] == call_id for m in sent):
-            if done.wait(0.01):
-                return
-    waiter = threading.Thread(target=wait)
-    waiter.start()
-    waiter.join(timeout)
-    done.set()
-    return next(m for m in sent if m[0] == "reply" and m[1] == call_id)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for m in list(sent):
+            if m[0] == "reply" and m[1] == call_id:
+                return m
+        time.sleep(0.01)
+    raise AssertionError(f"no reply to call {call_id} within {timeout} s")
 
 
 def test_posts_never_wait_for_a_running_step_and_run_in_order_after_it():
