@@ -24,7 +24,8 @@ rounded to x's dtype. One host sync (the counts), like the base reference.
 
 The Triton path (`fused_moe_lora_triton`, CUDA, or anywhere under the 'triton' backend) sorts
 the pairs by expert with the base MoE's `moe_align_block_size`, runs the gate/up LoRA shrink
-(`expert_lora_kernels`), the base up GEMM with the gate/up deltas added before silu * up, the down
+(`expert_lora_kernels`; at decode sizes a program a pair, on a side stream while the alignment
+runs, since it needs only the routing), the base up GEMM with the gate/up deltas added before silu * up, the down
 LoRA shrink over the intermediate, the base down GEMM with its delta, and the top-k sum: two
 launches more than the base's grouped path, no host sync, scratch from the `MoEWorkspace`
 (`reserve_workspace` before a CUDA graph capture). The GEMMs are the base kernels compiled with
@@ -47,6 +48,7 @@ import triton
 
 from compiled.moe.fused_moe import (BACKEND, GemmDelta, MoEWorkspace, get_config, launch_gemm1, launch_gemm2,
                                     moe_align_block_size, split_config, zeroed)
+from compiled.side_stream import Fork
 from compiled.triton_utils import interpreting, launch_kwargs
 
 OP = "compiled::fused_moe_lora"
@@ -64,6 +66,14 @@ LORA_MIN_BLOCK_K = 128
 SHRINK_SPLIT_MAX_PAIRS = 64
 SHRINK_MIN_K_PER_SPLIT = 512
 SHRINK_MAX_SPLIT = 8
+# Up to this many pairs the gate/up shrink runs a program a pair beside the alignment
+# (`moe_lora_pair_shrink_kernel`): H100, one layer, alignment + shrink 31.2 -> 23.5 µs at 64
+# tokens, 15.0 -> 8.3 at 8 (bench/RESULTS.md). Its K is split until pairs x splits reach
+# PAIR_SHRINK_PROGRAMS, at least PAIR_MIN_K_PER_SPLIT of K a split, at most SHRINK_MAX_SPLIT.
+PAIR_SHRINK_MAX_PAIRS = 512
+PAIR_SHRINK_PROGRAMS = 512
+PAIR_MIN_K_PER_SPLIT = 256
+PAIR_SHRINK_BLOCK_K = 256
 
 
 def backend(x: torch.Tensor) -> str:
@@ -195,6 +205,7 @@ def reserve_workspace(ws: MoEWorkspace, max_tokens: int, E: int, H: int, I: int,
     ws.get("lora_s2", rows * R, torch.float32, device)
     split_rows = max(intermediate_rows(min(max_tokens * top_k, SHRINK_SPLIT_MAX_PAIRS), E, bm) for bm in (16, block_m))
     ws.get("lora_split", SHRINK_MAX_SPLIT * split_rows * 2 * R, torch.float32, device)
+    ws.get("lora_pair_split", PAIR_SHRINK_PROGRAMS * 2 * R, torch.float32, device)
     return ws
 
 
@@ -224,6 +235,11 @@ def shrink_split(pairs: int, K: int, block_k: int) -> int:
     return max(1, min(SHRINK_MAX_SPLIT, K // max(SHRINK_MIN_K_PER_SPLIT, block_k)))
 
 
+def pair_shrink_split(pairs: int, K: int, block_k: int) -> int:
+    """The pair shrink's K splits for `pairs` pairs over K (whole K steps of block_k)."""
+    return max(1, min(SHRINK_MAX_SPLIT, K // max(PAIR_MIN_K_PER_SPLIT, block_k), PAIR_SHRINK_PROGRAMS // pairs))
+
+
 def delta_consts(dtype: torch.dtype, S: int, R: int, block_m: int) -> dict:
     """The grouped kernels' delta constants for S slots of rank R and tiles of block_m rows."""
     flags = _dot_flags(dtype)
@@ -232,6 +248,23 @@ def delta_consts(dtype: torch.dtype, S: int, R: int, block_m: int) -> dict:
     return dict(SLOTS_PAD=slots_pad, BLOCK_R=block_r, KC=min(delta_k_step(block_m), slots_pad * block_r),
                 DELTA_PRECISION=flags["DELTA_PRECISION"], DELTA_16BIT=flags["DELTA_16BIT"],
                 DELTA_FIRST=delta_first(block_m))
+
+
+def _pair_shrink(x: torch.Tensor, a13: torch.Tensor, s13: torch.Tensor, ids: torch.Tensor, slot: torch.Tensor,
+                 ws: MoEWorkspace, pdl: dict) -> None:
+    """s13 `[T*k, 2R]` (pair order) <- each pair's gate/up shrink (`moe_lora_pair_shrink_kernel`)."""
+    from compiled.moe import expert_lora_kernels as LK
+    pairs, (S, _, NR, K) = ids.numel(), a13.shape
+    bk = min(PAIR_SHRINK_BLOCK_K, triton.next_power_of_2(K))
+    split = pair_shrink_split(pairs, K, bk)
+    sems = zeroed(x.device, "lora_pair_semaphores", pairs, torch.int32) if split > 1 else None
+    if sems is None:   # unsplit, or the semaphores would have to grow inside a capture
+        split, sems = 1, s13
+    partials = ws.get("lora_pair_split", split * pairs * NR, torch.float32, x.device) if split > 1 else s13
+    LK.moe_lora_pair_shrink_kernel[(pairs, split)](
+        x, a13, s13, ids, slot, pairs, S, NR, K, x.stride(0), a13.stride(0), a13.stride(1), a13.stride(2),
+        s13.stride(0), partials, sems, triton.cdiv(triton.cdiv(K, split), bk) * bk, TOP_K=ids.shape[1],
+        BLOCK_N=max(16, triton.next_power_of_2(NR)), BLOCK_K=bk, SPLIT_K=split, num_warps=8, **pdl)
 
 
 def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
@@ -264,14 +297,20 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     bm = up["BLOCK_SIZE_M"]
     ws = workspace or MoEWorkspace()
     numel = ids.numel()
+    pdl = launch_kwargs(x.device)
+    has_delta = bool(S and R)
+    fork = None
+    if has_delta and numel <= PAIR_SHRINK_MAX_PAIRS:
+        s13 = ws.get("lora_s13", numel * 2 * R, torch.float32, x.device).view(numel, 2 * R)
+        fork = Fork(x.device)
+        with fork.side():
+            _pair_shrink(x, a13, s13, ids, slot, ws, pdl)
     blocks = moe_align_block_size(ids, E, bm, ws)
     n_blocks = blocks.expert_ids.numel()
     rows = n_blocks * bm
     inter = ws.get("inter", rows * I, x.dtype, x.device).view(rows, I)
     y = out if top_k == 1 else ws.get("y", numel * H, x.dtype, x.device).view(numel, H)
     flags = _dot_flags(x.dtype)
-    pdl = launch_kwargs(x.device)
-    has_delta = bool(S and R)
 
     def shrink(src, a, dst, K, gather):
         bk, stages = shrink_tiles(bm, K)
@@ -291,7 +330,10 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
 
     consts = delta_consts(x.dtype, S, R, bm)
     delta13 = delta2 = None
-    if has_delta:
+    if fork is not None:
+        fork.join()
+        delta13 = GemmDelta(s13, b13, scale, slot, consts, by_pair=True)
+    elif has_delta:
         s13 = ws.get("lora_s13", rows * 2 * R, torch.float32, x.device).view(rows, 2 * R)
         shrink(x, a13, s13, H, True)
         delta13 = GemmDelta(s13, b13, scale, slot, consts)

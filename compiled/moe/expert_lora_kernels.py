@@ -11,7 +11,13 @@ rows masked) into `s_out` at the rows' positions: x's token rows (GATHER: gate/u
 `a13 [S, E, 2R, H]`) or the intermediate's block rows (down, `a2 [S, E, R, I]`). Programs whose
 slot is absent from their block exit after the slot loads; rows without an adapter (slot -1, or outside [0, S)) are not
 written and never read. A decode batch has few (block, slot) programs, each a long walk over K
-for its few rows: there the K range is split (`expert_lora.shrink_split`)."""
+for its few rows: there the K range is split (`expert_lora.shrink_split`).
+
+`moe_lora_pair_shrink_kernel`, grid (pairs, SPLIT_K): the gate/up shrink of a decode batch, one
+pair (t, e) a program, `a13[slot[t], e] @ x[t]` in fp32 FMAs (one row: no tensor-core tile) into
+row t * top_k + k of its output. It reads only the routing, so it runs beside the alignment
+(`expert_lora.PAIR_SHRINK_MAX_PAIRS`); pairs that share an expert and a slot read its A each.
+Pairs without an adapter are not written and never read."""
 
 from __future__ import annotations
 
@@ -74,3 +80,49 @@ def moe_lora_shrink_kernel(X, A, OUT, SLOT, sorted_ptr, expert_ids_ptr, num_post
                         total += tl.load(part_ptrs + sp * ROWS * NR, mask=o_mask, other=0.0, cache_modifier=".cg")
                     tl.store(o_ptrs, total, mask=o_mask)
                     tl.atomic_xchg(sem, 0)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def moe_lora_pair_shrink_kernel(X, A, OUT, IDS, SLOT, num_pairs, S, NR, K, stride_xm, stride_as, stride_ae,
+                                stride_an, stride_om, Partials, Semaphores, K_PER_SPLIT, TOP_K: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                                PDL: tl.constexpr):
+    """OUT[p, n] = sum_k X[p // TOP_K, k] * A[s, IDS[p], n, k] (fp32, n < NR) for pair p =
+    program_id(0), s its token's slot. SPLIT_K > 1: program_id(1) takes one K range of
+    K_PER_SPLIT, writes fp32 partials `[SPLIT_K, num_pairs, NR]` and bumps the pair's semaphore;
+    the last to arrive sums them in split order (deterministic), stores the row and puts the
+    semaphore back to 0, as `moe_lora_shrink_kernel` does."""
+    pdl_wait(PDL)
+    p = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    token = (p // TOP_K).to(tl.int64)
+    s = tl.load(SLOT + token)
+    if (s >= 0) & (s < S):
+        expert = tl.load(IDS + p).to(tl.int64)
+        offs_n = tl.arange(0, BLOCK_N)
+        n_ok = offs_n < NR
+        k_start = pid_k * K_PER_SPLIT
+        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+        a_rows = A + s.to(tl.int64) * stride_as + expert * stride_ae + offs_n[:, None] * stride_an
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < k_end
+            x = tl.load(X + token * stride_xm + ks, mask=k_ok, other=0.0)
+            a = tl.load(a_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
+        out = tl.sum(acc, axis=1)
+        o_ptrs = OUT + p.to(tl.int64) * stride_om + offs_n
+        if SPLIT_K == 1:
+            tl.store(o_ptrs, out, mask=n_ok)
+        else:
+            part_ptrs = Partials + p.to(tl.int64) * NR + offs_n
+            tl.store(part_ptrs + pid_k * num_pairs * NR, out, mask=n_ok)
+            tl.debug_barrier()   # every thread's partial store before the release below
+            sem = Semaphores + p
+            if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+                total = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for sp in tl.static_range(SPLIT_K):   # .cg: from L2, never a stale L1 line
+                    total += tl.load(part_ptrs + sp * num_pairs * NR, mask=n_ok, other=0.0, cache_modifier=".cg")
+                tl.store(o_ptrs, total, mask=n_ok)
+                tl.atomic_xchg(sem, 0)

@@ -275,13 +275,15 @@ def weight_desc(w: torch.Tensor, block_n: int, block_k: int):
 @dataclass(frozen=True)
 class GemmDelta:
     """A grouped GEMM's per-pair LoRA delta (`expert_lora.py`): the shrink outputs `s` (rows in
-    block order), the slots' B `[S, E, out, R]` and scales `[S, 3]`, each token's slot `[T]`, and
-    the kernels' delta constants (SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)."""
+    block order, or with `by_pair` (the up GEMM only) in pair order), the slots' B `[S, E, out, R]`
+    and scales `[S, 3]`, each token's slot `[T]`, and the kernels' delta constants (SLOTS_PAD,
+    BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)."""
     s: torch.Tensor
     b: torch.Tensor
     scale: torch.Tensor
     slot: torch.Tensor
     consts: dict
+    by_pair: bool = False
 
 
 def _delta_args(delta: GemmDelta | None, like: torch.Tensor) -> tuple[tuple, dict]:
@@ -312,6 +314,7 @@ def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks
         TOP_K=top_k, **_dot_flags(x.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=H % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None, **lora_consts,
+        SHRINK_BY_PAIR=delta is not None and delta.by_pair,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(x.device),
         **dict(zip(_LORA_ARGS, lora_args)))
 

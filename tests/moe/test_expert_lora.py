@@ -8,6 +8,7 @@ CUDA graph."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -173,20 +174,46 @@ def case_sum_in_the_norm_kernel():
 
 
 def case_split_k_shrinks():
-    # both shrinks split along K (gate/up 2 ragged splits of 32 and 13, down 3 of 16), twice: the
-    # second call finds the semaphores back at 0, and they are left so
-    before = el.SHRINK_MIN_K_PER_SPLIT, el.shrink_tiles
+    # every shrink split along K: gate/up per pair in 2 ragged splits of 32 and 13, then (pairs
+    # past PAIR_SHRINK_MAX_PAIRS) per block in 2 the same; down per block in 3 of 16; each twice:
+    # the second call finds the semaphores back at 0, and they are left so
+    before = el.SHRINK_MIN_K_PER_SPLIT, el.shrink_tiles, el.PAIR_MIN_K_PER_SPLIT, el.PAIR_SHRINK_BLOCK_K
     el.SHRINK_MIN_K_PER_SPLIT, el.shrink_tiles = 16, lambda bm, K: (16, 2)
+    el.PAIR_MIN_K_PER_SPLIT = el.PAIR_SHRINK_BLOCK_K = 16
     try:
         assert el.shrink_split(21, 45, 16) == 2 and el.shrink_split(21, 48, 16) == 3
-        for seed in (14, 15):
-            _check_triton(problem(7, 6, 3, 45, 48, 8, 3, slots=SLOTS_7, seed=seed), _cfg(16, 16, 16), torch.float32)
+        assert el.pair_shrink_split(21, 45, 16) == 2
+        for max_pairs in (el.PAIR_SHRINK_MAX_PAIRS, 0):
+            with _pair_shrink_up_to(max_pairs):
+                for seed in (14, 15):
+                    _check_triton(problem(7, 6, 3, 45, 48, 8, 3, slots=SLOTS_7, seed=seed), _cfg(16, 16, 16),
+                                  torch.float32)
     finally:
-        el.SHRINK_MIN_K_PER_SPLIT, el.shrink_tiles = before
-    assert not fm.zeroed(torch.device("cpu"), "lora_shrink_semaphores", 1, torch.int32).any()
+        el.SHRINK_MIN_K_PER_SPLIT, el.shrink_tiles, el.PAIR_MIN_K_PER_SPLIT, el.PAIR_SHRINK_BLOCK_K = before
+    for name in ("lora_shrink_semaphores", "lora_pair_semaphores"):
+        assert not fm.zeroed(torch.device("cpu"), name, 1, torch.int32).any()
 
 
-CASES = [case_split_k_shrinks, case_t7_h45_i19_fp32_mixed_slots, case_sum_in_the_norm_kernel,
+def case_gate_up_shrink_per_block():
+    # past PAIR_SHRINK_MAX_PAIRS pairs the gate/up shrink runs per (block, slot) after the
+    # alignment, its outputs in block order: mixed slots in 16- and 32-row blocks, one adapter
+    with _pair_shrink_up_to(0):
+        _check_triton(problem(7, 6, 3, 45, 19, 8, 3, slots=SLOTS_7, seed=1), _cfg(16, 16, 16), torch.float32)
+        _check_triton(problem(40, 8, 2, 32, 24, 16, 4, seed=3), _cfg(32, 16, 16, group=4), torch.float32)
+        _check_triton(problem(40, 8, 2, 32, 24, 16, 4, slots=[1] * 40, seed=13), _cfg(32, 16, 16), torch.float32)
+
+
+@contextlib.contextmanager
+def _pair_shrink_up_to(max_pairs):
+    before = el.PAIR_SHRINK_MAX_PAIRS
+    el.PAIR_SHRINK_MAX_PAIRS = max_pairs
+    try:
+        yield
+    finally:
+        el.PAIR_SHRINK_MAX_PAIRS = before
+
+
+CASES = [case_split_k_shrinks, case_gate_up_shrink_per_block, case_t7_h45_i19_fp32_mixed_slots, case_sum_in_the_norm_kernel,
          case_t7_h45_i19_bf16_and_fp16,
          case_t40_e8_k2_blocks_groups_and_out_of_range_slots, case_t40_one_adapter_tall_tiles,
          case_one_token_top1_and_rank5,
