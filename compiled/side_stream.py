@@ -8,8 +8,10 @@ alignment or the base GEMM it does not depend on), forked from and joined back t
     fork.join()               # the current stream waits for the side's work
 
 Inside a CUDA graph capture the fork and join become the graph's edges. Tensors the side work
-reads or writes must be alive until the join (the caller's buffers are: the join comes before the
-op returns). Off CUDA both parts run in order on the one host thread."""
+reads must stay alive until the join (an op's inputs do: it joins before it returns). A tensor
+the side work allocates belongs to the side stream's pool: once freed, its memory is reused only
+by later side work, which the next fork orders after everything the current stream had queued,
+its readers included. Off CUDA both parts run in order on the one host thread."""
 
 from __future__ import annotations
 

@@ -13,8 +13,9 @@ GEMM serves the linear, an op is two launches: the shrink (at one row in its GEM
 the prologue itself from the op's inputs), then the skinny GEMM with the prologue and the
 expand in its epilogue. So a decode row's delta costs one short launch a linear, not the shrink,
 the expand and, for the prologue forms, the prologue's own launch. A prologue form above one
-row, and every size the skinny GEMM does not serve, runs the three ops' bodies in turn. A linear
-that cuBLAS does better (the 30B's qkv at 2-16 rows) lost more in the skinny GEMM than the
+row, and every size the skinny GEMM does not serve, runs the three ops' bodies; `linear_lora`'s
+shrink, which reads x as it comes, runs on a side stream beside the base GEMM (`side_stream`:
+H100, 30B at 64 rows, o_proj's delta +9.7 -> +6.9 µs). A linear that cuBLAS does better (the 30B's qkv at 2-16 rows) lost more in the skinny GEMM than the
 expand's launch saved (bench/RESULTS.md)."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from compiled.linear import LORA_MAX_SLICES, fused, lora, ops
 from compiled.linear.lora import check_expand, check_shrink, expand, shrink
+from compiled.side_stream import Fork
 
 
 def _in_kernel(x: torch.Tensor, weight: torch.Tensor, slices: list[int]) -> bool:
@@ -63,11 +65,15 @@ def linear_lora(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch
     """`x @ weight.T` plus each row's LoRA delta (`lora_shrink` by a, `lora_expand` by b), rounded
     as the two ops round."""
     check_lora("compiled::linear_lora", x, weight, a, b, scale, slot, slices)
-    s = shrink(x, a, slot)
     if _in_kernel(x, weight, slices):
         from compiled.linear.skinny_kernels import skinny_linear_lora_triton
-        return skinny_linear_lora_triton(x, weight, _args(s, b, scale, slot, slices))
-    return expand(ops.dispatch(x, weight), s, b, scale, slot, slices)
+        return skinny_linear_lora_triton(x, weight, _args(shrink(x, a, slot), b, scale, slot, slices))
+    fork = Fork(x.device)   # the shrink, a few SMs' work, beside the base GEMM
+    with fork.side():
+        s = shrink(x, a, slot)
+    y = ops.dispatch(x, weight)
+    fork.join()
+    return expand(y, s, b, scale, slot, slices)
 
 
 @linear_lora.register_fake
