@@ -91,17 +91,21 @@ def main() -> None:
     ap.add_argument("--prefill-reps", type=int, default=5)
     ap.add_argument("--profile-batches", default="8", help="decode batches profiled (kernels per step, top kernels)")
     ap.add_argument("--skip-idle", action="store_true", help="with adapters: skip the idle measurement")
+    ap.add_argument("--merge-lora", action="store_true", help="fold a batch's one adapter into the weights "
+                    "(merge_lora)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
     a.profile_batches = [int(b) for b in a.profile_batches.split(",") if b]
     start = time.perf_counter()
-    lora = {} if a.base else dict(enable_lora=True, max_lora_rank=a.rank, max_loras_per_batch=a.num_loras)
+    lora = {} if a.base else dict(enable_lora=True, max_lora_rank=a.rank, max_loras_per_batch=a.num_loras,
+                                  merge_lora=a.merge_lora)
     llm = LLM(a.model, load_format="dummy", max_num_seqs=max(batches),
               max_model_len=max(a.input_len + a.output_len, a.prefill_len) + 16, **lora)
     names = [] if a.base else core.add_random_loras(llm, a.num_loras, a.rank, a.targets, seed=0)
     record = {"model": a.model, "environment": core.environment(llm.config.device),
-              "adapters": None if a.base else {"num_loras": a.num_loras, "rank": a.rank, "targets": a.targets},
+              "adapters": None if a.base else {"num_loras": a.num_loras, "rank": a.rank, "targets": a.targets,
+                                               "merge_lora": a.merge_lora},
               "startup_s": time.perf_counter() - start, "startup_stages_s": llm.startup_seconds}
     print(f"started in {record['startup_s']:.1f} s", flush=True)
     if a.base:

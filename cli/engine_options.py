@@ -32,6 +32,8 @@ ENGINE_OPTIONS: dict[str, tuple[object, str, tuple[str, ...]]] = {
     "max_lora_rank": (int, "Largest adapter rank the LoRA slots hold.", ()),
     "max_loras_per_batch": (int, "Adapters one step may use (GPU slots).", ()),
     "max_loaded_loras": (Optional[int], "Adapters kept in the CPU tier (default: no limit).", ()),
+    "merge_lora": (bool, "Fold an adapter into the weights while it is the only one running (base speed; "
+                   "costs a copy of the dense weights).", ("--merge-lora/--no-merge-lora",)),
     "context_parallel_size": (int, "Processes (one GPU each) a long prefill is split over; 1: off.", ("--cp",)),
     "cp_min_tokens": (int, "Shortest prefill chunk that is split over the --cp processes.", ()),
     "enable_prefix_caching": (bool, "Start requests from their longest cached prefix (radix prefix cache).",

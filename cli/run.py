@@ -75,6 +75,7 @@ def run(
     max_lora_rank: int = engine_option("max_lora_rank"),
     max_loras_per_batch: int = engine_option("max_loras_per_batch"),
     max_loaded_loras: Optional[int] = engine_option("max_loaded_loras"),
+    merge_lora: bool = engine_option("merge_lora"),
     device: Optional[str] = engine_option("device"),
     dtype: Optional[str] = engine_option("dtype"),
     load_format: str = engine_option("load_format"),
@@ -113,7 +114,7 @@ def run(
                                     overlap_schedule=overlap_schedule, artifact=artifact,
                                     recompile_on_mismatch=recompile_on_mismatch, max_lora_rank=max_lora_rank,
                                     max_loras_per_batch=max_loras_per_batch, max_loaded_loras=max_loaded_loras,
-                                    lora_modules=lora_modules(lora, model) or None,
+                                    merge_lora=merge_lora, lora_modules=lora_modules(lora, model) or None,
                                     context_parallel_size=context_parallel_size, cp_min_tokens=cp_min_tokens))
         llm = build_llm(config)
         loaded = time.perf_counter()

@@ -34,6 +34,7 @@ class DenseTarget:
     a: torch.Tensor        # [S, N*R, in]
     b: torch.Tensor        # [S, out, R]
     scale: torch.Tensor    # [S, N]
+    weight: torch.Tensor   # [out, in]: the projection's own (for `merged.py`)
 
 
 @dataclass
@@ -53,7 +54,8 @@ def find_targets(model: nn.Module, cfg: ModelConfig) -> tuple[list[DenseTarget],
         if hasattr(module, "lora_a") and (target := dense_target(name)) is not None:
             layer, projs = target
             widths = [cfg.projection_shape(p)[1] for p in projs]
-            dense.append(DenseTarget(layer, projs, widths, module.lora_a, module.lora_b, module.lora_scale))
+            dense.append(DenseTarget(layer, projs, widths, module.lora_a, module.lora_b, module.lora_scale,
+                                     module.weight))
         elif hasattr(module, "lora_a13") and (m := _EXPERTS.match(name)) is not None:
             experts.append(ExpertTarget(int(m.group(1)), module.lora_a13, module.lora_b13, module.lora_a2,
                                         module.lora_b2, module.lora_scale))

@@ -91,6 +91,10 @@ class EngineConfig:
     max_lora_rank: int = 64
     max_loras_per_batch: int = 8
     max_loaded_loras: int | None = None
+    # Fold an adapter into the dense weights while it is the only one the running requests use, so
+    # that such batches run at the base model's speed (lora/merged.py); costs a copy of the weights
+    # it may change (taken from the KV cache's memory). Adapters with expert weights stay unmerged.
+    merge_lora: bool = False
     # Context parallelism: this many processes (one GPU each) hold the whole model, and a step with
     # a prefill chunk of at least `cp_min_tokens` tokens (and 2 per process) splits that chunk's
     # tokens over them; 1: off. Two H100s win from about 8k-16k tokens a chunk (8,192: 0.86-1.07x,
@@ -160,7 +164,7 @@ class EngineConfig:
         if not _is_int(self.seed):
             raise _bad("seed", self.seed, "an int")
         for name in ("use_graph", "enforce_eager", "overlap_schedule", "recompile_on_mismatch",
-                     "enable_prefix_caching"):
+                     "enable_prefix_caching", "merge_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "True or False")
         if self.compile is not None and not isinstance(self.compile, bool):
@@ -173,6 +177,9 @@ class EngineConfig:
             raise _bad("lora_modules", self.lora_modules, "None or a dict of adapter name -> PEFT folder")
         if self.enable_lora is False and self.lora_modules:
             raise _bad("enable_lora", False, "True (or None) when lora_modules are given")
+        if self.merge_lora and self.context_parallel_size > 1:
+            raise _bad("merge_lora", True, "False with context_parallel_size > 1 (the other ranks hold unmerged "
+                                           "weights)")
         for name in ("model", "tokenizer", "artifact"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise _bad(name, getattr(self, name), "None or a folder path")

@@ -33,6 +33,7 @@ from compiled.attention.kv_cache import KVPool, ReqToTokenPool
 from compiled.compilation.buckets import decode_buckets, eager_buckets, eager_token_buckets, token_buckets
 from compiled.errors import RequestError
 from compiled.graphs.config import ModelConfig
+from compiled.lora.merged import MergedLoRA
 from compiled.lora.pool import LoRAPool
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.detokenizer import IncrementalDetokenizer, stop_hit
@@ -48,7 +49,7 @@ from compiled.runtime.tokenizer import Tokenizer
 class Engine:
     def __init__(self, model: nn.Module, mcfg: ModelConfig, cfg: EngineConfig, num_kv_slots: int,
                  tokenizer: Tokenizer | None, eos_token_ids: set[int], lora_model: nn.Module | None = None,
-                 lora_buffers: nn.Module | None = None) -> None:
+                 lora_buffers: nn.Module | None = None, merged: MergedLoRA | None = None) -> None:
         self.model, self.model_config, self.cfg = model, mcfg, cfg
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
         self._eos_sorted = sorted(eos_token_ids)
@@ -63,6 +64,9 @@ class Engine:
                                                               cfg.max_loaded_loras)
         if self.loras is not None:
             self.scheduler.admit = self._acquire_adapter
+        if merged is not None:   # merges the pool's adapters into the weights (lora/merged.py)
+            merged.adapters = self.loras.adapters
+            self.runner.merged = merged
         self.sampler = Sampler()
         # A request can never outgrow the context nor the whole KV cache.
         self.max_context = min(cfg.max_model_len, num_kv_slots)

@@ -17,6 +17,7 @@ from compiled.errors import ConfigError
 from compiled.json_file import read_json_object
 from compiled.runtime.build import artifact_manifest, build_models
 from compiled.runtime.engine import Engine
+from compiled.lora.merged import MergedLoRA
 from compiled.runtime.memory import num_kv_slots
 from compiled.runtime.request import Request, RequestOutput
 from compiled.runtime.settings import engine_settings
@@ -100,9 +101,12 @@ class LLM:
             models = build_models(self.model_config, self.model_path, self.config)
             self.model, self.build_report = models.base, models.report
             start = time.perf_counter()
+            # The merge's weight copies before the KV cache takes what memory is left.
+            merged = MergedLoRA(models.lora_buffers or models.lora, self.model_config) \
+                if self.config.merge_lora and models.lora is not None else None
             self.engine = Engine(self.model, self.model_config, self.config,
                                  num_kv_slots(self.model_config, self.config), self.tokenizer, eos_token_ids,
-                                 models.lora, models.lora_buffers)
+                                 models.lora, models.lora_buffers, merged)
             self.build_report.seconds["kv_cache"] = time.perf_counter() - start
             if self._cp is not None:
                 self._cp.send(("kv_slots", self.engine.kv.num_slots))

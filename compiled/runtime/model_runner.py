@@ -23,6 +23,7 @@ from compiled.attention.kv_cache import KVPool, ReqToTokenPool
 from compiled.compilation.buckets import smallest_bucket
 from compiled.compilation.piecewise_graphs import PiecewiseGraphs, current_mode, piecewise_mode
 from compiled.linear.lora_slots import token_slots
+from compiled.lora.merged import MergedLoRA
 from compiled.parallel.group import CPError
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.context_parallel import ContextParallelRunner, StepMessage, note_step, split_chunks
@@ -55,6 +56,7 @@ class ModelRunner:
                  lora_model: nn.Module | None = None) -> None:
         self.model, self.cfg, self.kv, self.req_pool = model, cfg, kv, req_pool
         self.lora_model = lora_model
+        self.merged: MergedLoRA | None = None   # the engine's, with `merge_lora`
         # One request more than the scheduler admits: the padding request of a piecewise bucket.
         self.inputs = StaticInputs(cfg.max_num_batched_tokens, cfg.max_num_seqs + 1, cfg.device)
         self.graphs = None          # DecodeGraphs once captured
@@ -233,6 +235,8 @@ class ModelRunner:
                 return out
         t = batch.num_tokens
         lora = self._uses_lora(batch)
+        if self.merged is not None:   # one adapter folded into the weights runs the base graphs
+            lora = self.merged.prepare([c.request for c in batch.chunks], lora)
         graphs = self.lora_graphs if lora else self.graphs
         bucket = self._decode_bucket(batch, graphs)
         if bucket is not None:   # the graphs read their own small buffer: a short upload
