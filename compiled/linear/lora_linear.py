@@ -13,11 +13,10 @@ GEMM serves the linear, an op is two launches: the shrink (at one row in its GEM
 the prologue itself from the op's inputs), then the skinny GEMM with the prologue and the
 expand in its epilogue. So a decode row's delta costs one short launch a linear, not the shrink,
 the expand and, for the prologue forms, the prologue's own launch. A prologue form above one
-row, and every size the skinny GEMM does not serve, runs the three ops' bodies; above
-SERIAL_MAX_ROWS `linear_lora`'s shrink, which reads x as it comes, runs on a side stream beside the
-base GEMM (`side_stream`: H100, 30B at 64 rows, o_proj's delta +9.7 -> +6.9 µs). A linear that
-cuBLAS does better (the 30B's qkv at 2-16 rows) lost more in the skinny GEMM than the expand's
-launch saved (bench/RESULTS.md)."""
+row, and every size the skinny GEMM does not serve, runs the three ops' bodies; `linear_lora`'s
+shrink, which reads x as it comes, runs on a side stream beside the base GEMM (`side_stream`:
+H100, 30B at 64 rows, o_proj's delta +9.7 -> +6.9 µs). A linear that cuBLAS does better (the 30B's qkv at 2-16 rows) lost more in the skinny GEMM than the
+expand's launch saved (bench/RESULTS.md)."""
 
 from __future__ import annotations
 
@@ -26,10 +25,6 @@ import torch
 from compiled.linear import LORA_MAX_SLICES, fused, lora, ops
 from compiled.linear.lora import check_expand, check_shrink, expand, shrink
 from compiled.side_stream import Fork
-
-# Up to this many rows the shrink runs before the base GEMM on the one stream: H200, 30B, 8
-# adapters at b8, its qkv's shrink beside cuBLAS 9.607 ms a step against 9.475 in order.
-SERIAL_MAX_ROWS = 16
 
 
 def _in_kernel(x: torch.Tensor, weight: torch.Tensor, slices: list[int]) -> bool:
@@ -73,8 +68,6 @@ def linear_lora(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch
     if _in_kernel(x, weight, slices):
         from compiled.linear.skinny_kernels import skinny_linear_lora_triton
         return skinny_linear_lora_triton(x, weight, _args(shrink(x, a, slot), b, scale, slot, slices))
-    if x.shape[0] <= SERIAL_MAX_ROWS:
-        return expand(ops.dispatch(x, weight), shrink(x, a, slot), b, scale, slot, slices)
     fork = Fork(x.device)   # the shrink, a few SMs' work, beside the base GEMM
     with fork.side():
         s = shrink(x, a, slot)
