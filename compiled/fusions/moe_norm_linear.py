@@ -9,10 +9,7 @@ b2, scale, slot)` (the six LoRA tensors given, as the op's last arguments: all o
 Alone, the experts' k weighted outputs per token are summed by a kernel of their own
 (`moe_sum_kernel`), and the norm's kernel reads the sum back. Here one kernel does both
 (`moe_sum_add_rms_norm_kernel`): one launch and one `[T, H]` round trip fewer a layer. The CPU
-runs the two ops' references in a row. It calls into moe/ and linear/, so it lives above both.
-
-`compiled::moe_add_rms_norm` is the same without the linear, returning (h, normed): a LoRA'd
-linear after it runs as `linear_lora`, whose shrink goes beside its base GEMM."""
+runs the two ops' references in a row. It calls into moe/ and linear/, so it lives above both."""
 
 from __future__ import annotations
 
@@ -31,16 +28,14 @@ def sums_in_norm(x: torch.Tensor, moe_x: torch.Tensor, topk_ids: torch.Tensor) -
     return fm.backend(moe_x) == "triton" and topk_ids.shape[1] > 1 and x.stride(-1) == 1
 
 
-def _check(x: torch.Tensor, moe_x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor | None,
-           lora: tuple, op: str = "compiled::moe_add_rms_norm_linear") -> None:
-    if weight is None:
-        fused_linear.check_norm_inputs(x, moe_x, norm_weight, op, delta_name="moe_x")
-    else:
-        fused_linear.check_norm(x, moe_x, norm_weight, weight, op=op, delta_name="moe_x")
+def _check(x: torch.Tensor, moe_x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+           lora: tuple) -> None:
+    fused_linear.check_norm(x, moe_x, norm_weight, weight, op="compiled::moe_add_rms_norm_linear", delta_name="moe_x")
     given = [t is not None for t in lora]
     if any(given) and not all(given):
         missing = [n for n, g in zip(LORA_ARGS, given) if not g]
-        raise ValueError(f"{op}: expert LoRA needs all of {', '.join(LORA_ARGS)}; missing {', '.join(missing)}")
+        raise ValueError(f"compiled::moe_add_rms_norm_linear: expert LoRA needs all of {', '.join(LORA_ARGS)}; "
+                         f"missing {', '.join(missing)}")
 
 
 def experts(moe_x, topk_weights, topk_ids, w13, w2, lora: tuple) -> torch.Tensor:
@@ -65,18 +60,13 @@ def moe_add_rms_norm_linear(x: torch.Tensor, moe_x: torch.Tensor, topk_weights: 
     if not sums_in_norm(x, moe_x, topk_ids):
         delta = experts(moe_x, topk_weights, topk_ids, w13, w2, lora)
         return torch.ops.compiled.add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed)
-    h, normed = _summed_in_norm(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, lora)
-    return dispatch(normed, weight), h, normed if keep_normed else x.new_empty(0)
-
-
-def _summed_in_norm(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, lora: tuple):
-    """(h, normed) with the experts' pairs summed by the norm's kernel (`sums_in_norm`)."""
-    if lora[0] is None:
+    if a13 is None:
         pairs = fm.fused_moe_triton(moe_x, topk_weights, topk_ids, w13, w2, sum_slots=False)
     else:
         el.check_shapes(moe_x, topk_weights, topk_ids, w13, w2, *lora)
         pairs = el.fused_moe_lora_triton(moe_x, topk_weights, topk_ids, w13, w2, *lora, sum_slots=False)
-    return fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps)
+    h, normed = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps)
+    return dispatch(normed, weight), h, normed if keep_normed else x.new_empty(0)
 
 
 @moe_add_rms_norm_linear.register_fake
@@ -85,27 +75,6 @@ def _(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, keep_
     _check(x, moe_x, norm_weight, weight, (a13, b13, a2, b2, lora_scale, lora_slot))
     return x.new_empty((x.shape[0], weight.shape[0])), torch.empty_like(x), \
         torch.empty_like(x) if keep_normed else x.new_empty(0)
-
-
-@torch.library.custom_op("compiled::moe_add_rms_norm", mutates_args=())
-def moe_add_rms_norm(x: torch.Tensor, moe_x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                     w13: torch.Tensor, w2: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                     a13: torch.Tensor | None = None, b13: torch.Tensor | None = None, a2: torch.Tensor | None = None,
-                     b2: torch.Tensor | None = None, lora_scale: torch.Tensor | None = None,
-                     lora_slot: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, normed) of `moe_add_rms_norm_linear`, without its linear."""
-    lora = (a13, b13, a2, b2, lora_scale, lora_slot)
-    _check(x, moe_x, norm_weight, None, lora, "compiled::moe_add_rms_norm")
-    if not sums_in_norm(x, moe_x, topk_ids):
-        return fused_linear.add_rms_norm(x, experts(moe_x, topk_weights, topk_ids, w13, w2, lora), norm_weight, eps)
-    return _summed_in_norm(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, lora)
-
-
-@moe_add_rms_norm.register_fake
-def _(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, a13=None, b13=None, a2=None, b2=None,
-      lora_scale=None, lora_slot=None):
-    _check(x, moe_x, norm_weight, None, (a13, b13, a2, b2, lora_scale, lora_slot), "compiled::moe_add_rms_norm")
-    return torch.empty_like(x), torch.empty_like(x)
 
 
 def moe_add_rms_norm_linear_ref(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, *lora):

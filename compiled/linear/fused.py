@@ -36,12 +36,6 @@ def check_norm(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, 
     """One-line errors naming `op` and the argument at fault; `delta_name`: what the op calls the
     tensor shaped like x (the MoE op takes the experts' input there)."""
     check_shapes(x, weight)
-    check_norm_inputs(x, delta, norm_weight, op, delta_name)
-
-
-def check_norm_inputs(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, op: str,
-                      delta_name: str = "delta") -> None:
-    """`check_norm`'s checks of the norm's own inputs."""
     if x.dim() != 2:
         raise ValueError(f"{op}: x {tuple(x.shape)}, expected [T, K]")
     if delta.shape != x.shape or delta.dtype != x.dtype:
@@ -61,7 +55,7 @@ def add_rms_norm_linear(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch
         from compiled.linear.skinny_kernels import add_rms_norm_linear_triton
         y, h, normed = add_rms_norm_linear_triton(x, delta, norm_weight, eps, weight, keep_normed)
     else:
-        h, normed = add_rms_norm(x, delta, norm_weight, eps)
+        h, normed = _add_rms_norm(x, delta, norm_weight, eps)
         y = F.linear(normed, weight)
     return y, h, normed if keep_normed else x.new_empty(0)
 
@@ -72,9 +66,7 @@ def _own_launch(*tensors: torch.Tensor) -> bool:
     return BACKEND.name != "torch" and all(t.is_cuda and t.stride(-1) == 1 for t in tensors)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, normed): its Triton launch where `_own_launch` allows, else the reference."""
+def _add_rms_norm(x, delta, norm_weight, eps):
     if _own_launch(x, delta):
         from compiled.linear.prologue_kernels import add_rms_norm_triton
         return add_rms_norm_triton(x, delta, norm_weight, eps)

@@ -7,9 +7,8 @@ At decode sizes the skinny GEMM adds the deltas in its epilogue, after the shrin
 at a few rows is a short GEMV (compiled/linear/lora_linear.py); elsewhere the op runs the three
 as before. Runs after lora_delta, which makes the triples; fuse_norm_linear and fuse_silu_linear
 then fold a residual add + RMSNorm or a SiLU-and-mul in front into the op. Left alone: a linear reading the RMSNorm
-of a MoE layer's output added to the residual (the 30B's qkv), for fuse_moe_norm, which puts the
-expert sum into that norm's kernel and then makes the linear a `linear_lora`, and a linear or
-shrink with other readers."""
+of a MoE layer's output added to the residual (the 30B's qkv), which fuse_moe_norm folds, expert
+sum included, into a kernel with no LoRA epilogue, and a linear or shrink with other readers."""
 
 from __future__ import annotations
 

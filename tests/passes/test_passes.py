@@ -258,25 +258,21 @@ def test_dead_node_sweep_matches_fx_dead_code_elimination(monkeypatch):
 
 def test_with_lora_the_moe_norm_fusion_takes_the_expert_lora_moe():
     """With lora_delta, each MoE layer but the last (whose output goes to the final norm) runs as
-    moe_add_rms_norm with its layer's expert-LoRA buffers, the next layer's LoRA'd qkv as a
-    linear_lora on its normed output; no fused_moe_lora is left beside a norm op of its own."""
+    moe_add_rms_norm_linear with its layer's expert-LoRA buffers; none is left as fused_moe_lora
+    beside a norm op of its own."""
     from compiled.passes.lora_delta import lora_delta_pass
     from compiled.passes.manager import with_lora
     cfg = ModelConfig.from_dict(dict(MOE, num_hidden_layers=3))
     meta = meta_model(cfg, torch.float32)
     gm = run_passes(trace(meta), meta.checkpoint_map(), with_lora(None, lora_delta_pass(2, 4))).gm
-    fused = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.moe_add_rms_norm)]
+    fused = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.moe_add_rms_norm_linear)]
     alone = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.fused_moe_lora)]
     assert len(fused) == 2 and len(alone) == 1
-    assert not [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.moe_add_rms_norm_linear)]
     for n in fused:
         layer = n.args[4].target.split(".")[2]
-        assert [a.target for a in n.args[8:13]] == [f"model.layers.{layer}.mlp.{b}" for b in
-                                                    ("lora_a13", "lora_b13", "lora_a2", "lora_b2", "lora_scale")]
-        assert n.args[13] is alone[0].args[10]   # the token slots, as the last layer's MoE reads them
-        qkv = [u for g in n.users if is_getitem(g, 1) for u in g.users]
-        assert len(qkv) == 1 and is_op(qkv[0], torch.ops.compiled.linear_lora)
-        assert qkv[0].args[1].target == f"model.layers.{int(layer) + 1}.self_attn.qkv_proj.weight"
+        assert [a.target for a in n.args[10:15]] == [f"model.layers.{layer}.mlp.{b}" for b in
+                                                     ("lora_a13", "lora_b13", "lora_a2", "lora_b2", "lora_scale")]
+        assert n.args[15] is alone[0].args[10]   # the token slots, as the last layer's MoE reads them
 
 
 def _lora_passed(config: dict):
@@ -314,17 +310,13 @@ def test_with_lora_each_dense_projection_is_one_op_with_its_shrink_and_expand():
 
 
 def test_with_lora_a_qkv_after_a_moe_layer_keeps_the_moe_norm_fusion():
-    """The qkv reading the norm of a MoE layer's output keeps the expert sum in the norm's kernel
-    (moe_add_rms_norm) and runs as linear_lora on its normed output (no shrink or expand of its
-    own); the qkv after a dense MLP layer takes its delta inside add_rms_norm_linear_lora."""
+    """The qkv reading the norm of a MoE layer's output keeps moe_add_rms_norm_linear (the expert
+    sum in the norm's kernel) and a shrink and expand of its own; the qkv after a dense MLP layer
+    takes its delta inside add_rms_norm_linear_lora."""
     cfg, gm = _lora_passed(dict(MOE, num_hidden_layers=3, mlp_only_layers=[1]))
-    assert not [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.lora_expand)
-                or is_op(n, torch.ops.compiled.lora_shrink)]
-    qkv = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.linear_lora)
-           and n.args[1].target == "model.layers.1.self_attn.qkv_proj.weight"]
-    assert len(qkv) == 1 and is_getitem(qkv[0].args[0], 1)
-    assert is_op(qkv[0].args[0].args[0], torch.ops.compiled.moe_add_rms_norm)
+    expands = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.lora_expand)]
+    assert [n.args[2].target for n in expands] == ["model.layers.1.self_attn.qkv_proj.lora_b"]
+    y = expands[0].args[0]
+    assert is_getitem(y, 0) and is_op(y.args[0], torch.ops.compiled.moe_add_rms_norm_linear)
     norm_lora = [n.args[4].target for n in gm.graph.nodes if is_op(n, torch.ops.compiled.add_rms_norm_linear_lora)]
     assert norm_lora == ["model.layers.1.mlp.w13.weight", "model.layers.2.self_attn.qkv_proj.weight"]
-
-
