@@ -54,6 +54,7 @@ COMMON = [
     _opt("lora_dist", str, "uniform",
          "How requests pick adapters: uniform, zipf, one (all the first) or none (loaded, unused)."),
     engine_parameter("max_loras_per_batch"),
+    engine_parameter("merge_lora"),
     _opt("json_path", Optional[Path], None, "Write machine-readable results here.", "--json"),
     _opt("profile", Optional[Path], None, "Profile a few steps: Chrome trace into this folder + top-15 ops table."),
     _opt("profile_steps", int, 5, "Steps to profile with --profile."),
