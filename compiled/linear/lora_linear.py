@@ -15,8 +15,9 @@ expand in its epilogue. So a decode row's delta costs one short launch a linear,
 the expand and, for the prologue forms, the prologue's own launch. A prologue form above one
 row, and every size the skinny GEMM does not serve, runs the three ops' bodies; `linear_lora`'s
 shrink, which reads x as it comes, runs on a side stream beside the base GEMM (`side_stream`:
-H100, 30B at 64 rows, o_proj's delta +9.7 -> +6.9 µs). A linear that cuBLAS does better (the 30B's qkv at 2-16 rows) lost more in the skinny GEMM than the
-expand's launch saved (bench/RESULTS.md)."""
+H100, 30B at 64 rows, o_proj's delta +9.7 -> +6.9 µs). A linear that cuBLAS does better (the
+30B's qkv at 2-16 rows) lost more in the skinny GEMM than the expand's launch saved
+(bench/RESULTS.md)."""
 
 from __future__ import annotations
 

@@ -25,10 +25,10 @@ rounded to x's dtype. One host sync (the counts), like the base reference.
 The Triton path (`fused_moe_lora_triton`, CUDA, or anywhere under the 'triton' backend) sorts
 the pairs by expert with the base MoE's `moe_align_block_size`, runs the gate/up LoRA shrink
 (`expert_lora_kernels`; at decode sizes a program a pair, on a side stream while the alignment
-runs, since it needs only the routing), the base up GEMM with the gate/up deltas added before silu * up, the down
-LoRA shrink over the intermediate, the base down GEMM with its delta, and the top-k sum: two
-launches more than the base's grouped path, no host sync, scratch from the `MoEWorkspace`
-(`reserve_workspace` before a CUDA graph capture). The GEMMs are the base kernels compiled with
+runs, since it needs only the routing), the base up GEMM with the gate/up deltas added before
+silu * up, the down LoRA shrink over the intermediate, the base down GEMM with its delta, and the
+top-k sum: two launches more than the base's grouped path, no host sync, scratch from the
+`MoEWorkspace` (`reserve_workspace` before a CUDA graph capture). The GEMMs are the base kernels compiled with
 LORA=True, so they take the tuned config whole (tiles, TMA, part-height tiles). Their deltas
 (`fused_moe_kernels._pair_delta`, `triton_utils.slot_stacked_delta`) are one dot of K = R where
 a tile's rows share one slot, else they stack the slots along K: the rows' shrink outputs as a
@@ -67,8 +67,8 @@ SHRINK_SPLIT_MAX_PAIRS = 64
 SHRINK_MIN_K_PER_SPLIT = 512
 SHRINK_MAX_SPLIT = 8
 # Up to this many pairs the gate/up shrink runs a program a pair beside the alignment
-# (`moe_lora_pair_shrink_kernel`): H100, one layer, alignment + shrink 31.2 -> 23.5 µs at 64
-# tokens, 15.0 -> 8.3 at 8 (bench/RESULTS.md). Its K is split until pairs x splits reach
+# (`moe_lora_pair_shrink_kernel`): H100, one layer's LoRA at 1 / 8 / 64 tokens +22.1 / +22.7 /
+# +70.2 -> +16.2 / +14.8 / +61.7 µs (bench/RESULTS.md). Its K is split until pairs x splits reach
 # PAIR_SHRINK_PROGRAMS, at least PAIR_MIN_K_PER_SPLIT of K a split, at most SHRINK_MAX_SPLIT.
 PAIR_SHRINK_MAX_PAIRS = 512
 PAIR_SHRINK_PROGRAMS = 512
