@@ -203,6 +203,25 @@ def masked_dot_t(acc, x_ptrs, a_ptrs, rows, cols, k_start, k_end, BLOCK_K: tl.co
 
 
 @triton.jit
+def split_k_store(acc, o_ptrs, part_ptrs, split_stride, mask, sem, pid_k, SPLIT_K: tl.constexpr):
+    """Store a K-split reduction's `acc` at o_ptrs: at once when SPLIT_K is 1; else as split
+    pid_k's fp32 partial (at part_ptrs + pid_k * split_stride), bumping the group's semaphore `sem`,
+    and the last split to arrive sums the partials in split order (deterministic), stores the
+    sum and puts the semaphore back to 0 (the LoRA shrinks' scheme)."""
+    if SPLIT_K == 1:
+        tl.store(o_ptrs, acc, mask=mask)
+    else:
+        tl.store(part_ptrs + pid_k * split_stride, acc, mask=mask)
+        tl.debug_barrier()   # every thread's partial store before the release below
+        if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
+            total = tl.zeros_like(acc)
+            for sp in tl.static_range(SPLIT_K):   # .cg: from L2, never a stale L1 line
+                total += tl.load(part_ptrs + sp * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(o_ptrs, total, mask=mask)
+            tl.atomic_xchg(sem, 0)
+
+
+@triton.jit
 def slot_stacked_delta(acc, S_IN, B, SCALE, slots, rows, cols, cols_ok, expert, col0, R,
                        stride_s, stride_bs, stride_be, stride_bc, stride_scale, scale_col,
                        SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,

@@ -54,7 +54,7 @@ import triton.language as tl
 
 from compiled.linear import LORA_MAX_SLICES as MAX_SLICES
 from compiled.triton_utils import (interpreter_upcast, interpreting, launch_kwargs, masked_dot_t, pdl_wait,
-                                   residual_add, silu_mul, slot_stacked_delta, weighted_rows)
+                                   residual_add, silu_mul, slot_stacked_delta, split_k_store, weighted_rows)
 
 MIN_BLOCK = 16   # tl.dot's smallest tile side
 MAX_SPLIT_K = 16
@@ -189,22 +189,10 @@ def _lora_shrink_kernel(X, A, OUT, SLOT, Partials, Semaphores, T, NR, K, S, K_PE
                       + (k_start + offs_k)[None, :])
             acc = masked_dot_t(tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32), x_ptrs, a_ptrs, rows, in_n,
                                k_start, k_end, BLOCK_K, EVEN_K, UPCAST, PRECISION)
-            if SPLIT_K == 1:
-                tl.store(o_ptrs, acc, mask=o_mask)
-            else:
-                # partials [SPLIT_K, T, NR]; rows of other slots are other programs' (disjoint)
-                part_ptrs = Partials + offs_t.to(tl.int64)[:, None] * NR + offs_n[None, :]
-                tl.store(part_ptrs + pid_k * T * NR, acc, mask=o_mask)
-                # every thread's partial store must precede the release below
-                tl.debug_barrier()
-                sem = Semaphores + (pid_t * tl.num_programs(1) + pid_n) * S + s
-                arrived = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
-                if arrived == SPLIT_K - 1:
-                    total = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-                    for sp in tl.static_range(SPLIT_K):   # .cg: from L2, never a stale L1 line
-                        total += tl.load(part_ptrs + sp * T * NR, mask=o_mask, other=0.0, cache_modifier=".cg")
-                    tl.store(o_ptrs, total, mask=o_mask)
-                    tl.atomic_xchg(sem, 0)
+            # partials [SPLIT_K, T, NR]; rows of other slots are other programs' (disjoint)
+            part_ptrs = Partials + offs_t.to(tl.int64)[:, None] * NR + offs_n[None, :]
+            sem = Semaphores + (pid_t * tl.num_programs(1) + pid_n) * S + s
+            split_k_store(acc, o_ptrs, part_ptrs, T * NR, o_mask, sem, pid_k, SPLIT_K)
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from compiled.moe.fused_moe_kernels import pair_slots
-from compiled.triton_utils import masked_dot_t, pdl_wait
+from compiled.triton_utils import masked_dot_t, pdl_wait, split_k_store
 
 
 @triton.jit(do_not_specialize=["num_valid"])
@@ -38,8 +38,8 @@ def moe_lora_shrink_kernel(X, A, OUT, SLOT, sorted_ptr, expert_ids_ptr, num_post
     s = program_id(1) // SPLIT_K; row = X[token] (GATHER) or X[pos] (the intermediate, block
     order). SPLIT_K > 1: program_id(1) % SPLIT_K takes one K range of K_PER_SPLIT (whole BLOCK_K
     steps with EVEN_K); the splits write fp32 partials `[SPLIT_K, ROWS, NR]` and bump the
-    (block, slot) semaphore, and the last to arrive sums them in split order (deterministic),
-    stores the rows and puts the semaphore back to 0, as the linear's LoRA shrink does."""
+    (block, slot) semaphore, and the last to arrive sums them in split order and stores the rows
+    (`triton_utils.split_k_store`, as the linear's LoRA shrink does)."""
     pdl_wait(PDL)
     pid_m = tl.program_id(0)
     s = tl.program_id(1) // SPLIT_K
@@ -67,19 +67,8 @@ def moe_lora_shrink_kernel(X, A, OUT, SLOT, sorted_ptr, expert_ids_ptr, num_post
                                k_end, BLOCK_K, EVEN_K, DOT_FP32, PRECISION)
             o_ptrs = OUT + pos[:, None] * stride_om + offs_n[None, :]
             o_mask = rows[:, None] & n_ok[None, :]
-            if SPLIT_K == 1:
-                tl.store(o_ptrs, acc, mask=o_mask)
-            else:
-                part_ptrs = Partials + pos[:, None] * NR + offs_n[None, :]
-                tl.store(part_ptrs + pid_k * ROWS * NR, acc, mask=o_mask)
-                tl.debug_barrier()   # every thread's partial store before the release below
-                sem = Semaphores + pid_m * S + s
-                if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                    for sp in tl.static_range(SPLIT_K):   # .cg: from L2, never a stale L1 line
-                        total += tl.load(part_ptrs + sp * ROWS * NR, mask=o_mask, other=0.0, cache_modifier=".cg")
-                    tl.store(o_ptrs, total, mask=o_mask)
-                    tl.atomic_xchg(sem, 0)
+            split_k_store(acc, o_ptrs, Partials + pos[:, None] * NR + offs_n[None, :], ROWS * NR, o_mask,
+                          Semaphores + pid_m * S + s, pid_k, SPLIT_K)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -90,8 +79,7 @@ def moe_lora_pair_shrink_kernel(X, A, OUT, IDS, SLOT, num_pairs, S, NR, K, strid
     """OUT[p, n] = sum_k X[p // TOP_K, k] * A[s, IDS[p], n, k] (fp32, n < NR) for pair p =
     program_id(0), s its token's slot. SPLIT_K > 1: program_id(1) takes one K range of
     K_PER_SPLIT, writes fp32 partials `[SPLIT_K, num_pairs, NR]` and bumps the pair's semaphore;
-    the last to arrive sums them in split order (deterministic), stores the row and puts the
-    semaphore back to 0, as `moe_lora_shrink_kernel` does."""
+    the last to arrive sums them in split order and stores the row (`triton_utils.split_k_store`)."""
     pdl_wait(PDL)
     p = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -111,18 +99,5 @@ def moe_lora_pair_shrink_kernel(X, A, OUT, IDS, SLOT, num_pairs, S, NR, K, strid
             x = tl.load(X + token * stride_xm + ks, mask=k_ok, other=0.0)
             a = tl.load(a_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
-        out = tl.sum(acc, axis=1)
-        o_ptrs = OUT + p.to(tl.int64) * stride_om + offs_n
-        if SPLIT_K == 1:
-            tl.store(o_ptrs, out, mask=n_ok)
-        else:
-            part_ptrs = Partials + p.to(tl.int64) * NR + offs_n
-            tl.store(part_ptrs + pid_k * num_pairs * NR, out, mask=n_ok)
-            tl.debug_barrier()   # every thread's partial store before the release below
-            sem = Semaphores + p
-            if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                total = tl.zeros([BLOCK_N], dtype=tl.float32)
-                for sp in tl.static_range(SPLIT_K):   # .cg: from L2, never a stale L1 line
-                    total += tl.load(part_ptrs + sp * num_pairs * NR, mask=n_ok, other=0.0, cache_modifier=".cg")
-                tl.store(o_ptrs, total, mask=n_ok)
-                tl.atomic_xchg(sem, 0)
+        split_k_store(tl.sum(acc, axis=1), OUT + p.to(tl.int64) * stride_om + offs_n,
+                      Partials + p.to(tl.int64) * NR + offs_n, num_pairs * NR, n_ok, Semaphores + p, pid_k, SPLIT_K)

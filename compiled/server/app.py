@@ -4,8 +4,9 @@ over server-sent events or not), `/v1/models`, `/v1/load_lora_adapter`, `/v1/unl
 
 A request's `model` names the base model (its folder name, or `--served-model-name`) or a loaded
 adapter, as in vLLM. Prompts are tokenized, outputs detokenized and stop strings found here, beside
-the engine's process (a stop string aborts its engine request, as vLLM's front end does); `n` choices are `n` engine requests (seed + i each when seeded). A client that goes away
-aborts its requests, which frees their KV at once."""
+the engine's process (a stop string aborts its engine request, as vLLM's front end does); `n`
+choices are `n` engine requests (seed + i each when seeded). A client that goes away aborts its
+requests, which frees their KV at once."""
 
 from __future__ import annotations
 
