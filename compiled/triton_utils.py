@@ -286,12 +286,18 @@ def _bit_or(a, b):
 
 
 @triton.jit
+def slot_bits(slots):
+    """The slots present among `slots` (-1: none) as one int32 bit mask (slots below 32)."""
+    return tl.reduce(tl.where(slots >= 0, tl.full(slots.shape, 1, tl.int32) << slots, 0), 0, _bit_or)
+
+
+@triton.jit
 def _stacked_delta(acc, S_IN, B, SCALE, slots, rows64, cols64, cols_ok, expert, col0, R, stride_s, stride_bs,
                    stride_be, stride_bc, stride_scale, scale_col, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
                    KC: tl.constexpr, PRECISION: tl.constexpr, LOW_PRECISION: tl.constexpr):
     """`slot_stacked_delta` for rows of several slots: the stacked dots, KC of K each."""
     if SLOTS_PAD <= 32:   # the slots present as one bit mask: one reduction for every chunk
-        bits = tl.reduce(tl.where(slots >= 0, tl.full(slots.shape, 1, tl.int32) << slots, 0), 0, _bit_or)
+        bits = slot_bits(slots)
     for c in tl.static_range(SLOTS_PAD * BLOCK_R // KC):
         k = c * KC + tl.arange(0, KC)
         slot_k = k // BLOCK_R

@@ -26,9 +26,11 @@ The Triton path (`fused_moe_lora_triton`, CUDA, or anywhere under the 'triton' b
 the pairs by expert with the base MoE's `moe_align_block_size`, runs the gate/up LoRA shrink
 (`expert_lora_kernels`; at decode sizes a program a pair, on a side stream while the alignment
 runs, since it needs only the routing), the base up GEMM with the gate/up deltas added before
-silu * up, the down LoRA shrink over the intermediate, the base down GEMM with its delta, and the
-top-k sum: two launches more than the base's grouped path, no host sync, scratch from the
-`MoEWorkspace` (`reserve_workspace` before a CUDA graph capture). The GEMMs are the base kernels compiled with
+silu * up, the down LoRA shrink over the intermediate (at decode sizes a program a row), the
+base down GEMM with its delta (at decode sizes, where its tiles load through pointers, as its K
+loop's last steps: `down_delta_in_k`), and the top-k sum: two launches more than the base's
+grouped path, no host sync, scratch from the `MoEWorkspace` (`reserve_workspace` before a CUDA
+graph capture). The GEMMs are the base kernels compiled with
 LORA=True, so they take the tuned config whole (tiles, TMA, part-height tiles). Their deltas
 (`fused_moe_kernels._pair_delta`, `triton_utils.slot_stacked_delta`) are one dot of K = R where
 a tile's rows share one slot, else they stack the slots along K: the rows' shrink outputs as a
@@ -46,8 +48,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from compiled.moe.fused_moe import (BACKEND, GemmDelta, MoEWorkspace, get_config, launch_gemm1, launch_gemm2,
-                                    moe_align_block_size, split_config, zeroed)
+from compiled.moe.fused_moe import (BACKEND, Blocks, GemmDelta, MoEWorkspace, get_config, launch_gemm1,
+                                    launch_gemm2, moe_align_block_size, split_config, zeroed)
 from compiled.side_stream import Fork
 from compiled.triton_utils import interpreting, launch_kwargs
 
@@ -68,8 +70,9 @@ SHRINK_MIN_K_PER_SPLIT = 512
 SHRINK_MAX_SPLIT = 8
 # Up to this many pairs the gate/up shrink runs a program a pair beside the alignment
 # (`moe_lora_pair_shrink_kernel`): H100, one layer's LoRA at 1 / 8 / 64 tokens +22.1 / +22.7 /
-# +70.2 -> +16.2 / +14.8 / +61.7 µs (bench/RESULTS.md). Its K is split until pairs x splits reach
-# PAIR_SHRINK_PROGRAMS, at least PAIR_MIN_K_PER_SPLIT of K a split, at most SHRINK_MAX_SPLIT.
+# +70.2 -> +16.2 / +14.8 / +61.7 µs (bench/RESULTS.md); the down shrink a program a row of the
+# intermediate (64 tokens: 469.7-471.5 -> 466.4-469.2 µs). Its K is split until programs x splits
+# reach PAIR_SHRINK_PROGRAMS, at least PAIR_MIN_K_PER_SPLIT of K a split, at most SHRINK_MAX_SPLIT.
 PAIR_SHRINK_MAX_PAIRS = 512
 PAIR_SHRINK_PROGRAMS = 512
 PAIR_MIN_K_PER_SPLIT = 256
@@ -203,10 +206,20 @@ def reserve_workspace(ws: MoEWorkspace, max_tokens: int, E: int, H: int, I: int,
     rows = max(intermediate_rows(max_tokens * top_k, E, bm) for bm in (16, block_m))
     ws.get("lora_s13", rows * 2 * R, torch.float32, device)
     ws.get("lora_s2", rows * R, torch.float32, device)
+    ws.get("lora_s2_scaled", rows * R, dtype, device)
     split_rows = max(intermediate_rows(min(max_tokens * top_k, SHRINK_SPLIT_MAX_PAIRS), E, bm) for bm in (16, block_m))
     ws.get("lora_split", SHRINK_MAX_SPLIT * split_rows * 2 * R, torch.float32, device)
     ws.get("lora_pair_split", PAIR_SHRINK_PROGRAMS * 2 * R, torch.float32, device)
     return ws
+
+
+def down_delta_in_k(pairs: int, block_m: int, down: dict, slots_pad: int) -> bool:
+    """Whether the down GEMM runs its LoRA delta as the K loop's last steps (`DELTA_IN_K`): at
+    decode sizes (PAIR_SHRINK_MAX_PAIRS, tiles of 16 rows) where its tuned tiles load through
+    pointers, not TMA, and the slots fit one 32-bit mask. There the loop's pipeline fetches the
+    slots' B while the base steps run, where after the loop each program waited for them (H100,
+    one layer at 64 tokens: 461.5 against 467.5 µs; bench/RESULTS.md)."""
+    return pairs <= PAIR_SHRINK_MAX_PAIRS and block_m <= 16 and not down.get("TMA") and slots_pad <= 32
 
 
 def delta_k_step(block_m: int) -> int:
@@ -250,21 +263,29 @@ def delta_consts(dtype: torch.dtype, S: int, R: int, block_m: int) -> dict:
                 DELTA_FIRST=delta_first(block_m))
 
 
-def _pair_shrink(x: torch.Tensor, a13: torch.Tensor, s13: torch.Tensor, ids: torch.Tensor, slot: torch.Tensor,
-                 ws: MoEWorkspace, pdl: dict) -> None:
-    """s13 `[T*k, 2R]` (pair order) <- each pair's gate/up shrink (`moe_lora_pair_shrink_kernel`)."""
+def _pair_shrink(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, slot: torch.Tensor,
+                 ws: MoEWorkspace, pdl: dict, blocks: Blocks | None = None, block_m: int = 16,
+                 scale: torch.Tensor | None = None) -> None:
+    """out <- a shrink a program a row (`moe_lora_pair_shrink_kernel`): without `blocks`, the gate/up
+    shrink of x `[T, H]`, out `[T*k, 2R]` in pair order; with them, the down shrink of the
+    intermediate x `[rows, I]`, out `[rows, R]` in block order (blocks of block_m rows), with
+    `scale` times the slots' down scales (in out's dtype)."""
     from compiled.moe import expert_lora_kernels as LK
-    pairs, (S, _, NR, K) = ids.numel(), a13.shape
+    pairs, (S, _, NR, K) = ids.numel(), a.shape
+    programs = pairs if blocks is None else x.shape[0]
     bk = min(PAIR_SHRINK_BLOCK_K, triton.next_power_of_2(K))
-    split = pair_shrink_split(pairs, K, bk)
-    sems = zeroed(x.device, "lora_pair_semaphores", pairs, torch.int32) if split > 1 else None
+    split = pair_shrink_split(programs, K, bk)
+    sems = zeroed(x.device, "lora_pair_semaphores", programs, torch.int32) if split > 1 else None
     if sems is None:   # unsplit, or the semaphores would have to grow inside a capture
-        split, sems = 1, s13
-    partials = ws.get("lora_pair_split", split * pairs * NR, torch.float32, x.device) if split > 1 else s13
-    LK.moe_lora_pair_shrink_kernel[(pairs, split)](
-        x, a13, s13, ids, slot, pairs, S, NR, K, x.stride(0), a13.stride(0), a13.stride(1), a13.stride(2),
-        s13.stride(0), partials, sems, triton.cdiv(triton.cdiv(K, split), bk) * bk, TOP_K=ids.shape[1],
-        BLOCK_N=max(16, triton.next_power_of_2(NR)), BLOCK_K=bk, SPLIT_K=split, num_warps=8, **pdl)
+        split, sems = 1, out
+    partials = ws.get("lora_pair_split", split * programs * NR, torch.float32, x.device) if split > 1 else out
+    rows_of = (ids, ids, ids) if blocks is None else (blocks.sorted_ids, blocks.expert_ids, blocks.num_post)
+    LK.moe_lora_pair_shrink_kernel[(programs, split)](
+        x, a, out, rows_of[0], slot, pairs, S, NR, K, x.stride(0), a.stride(0), a.stride(1), a.stride(2),
+        out.stride(0), partials, sems, triton.cdiv(triton.cdiv(K, split), bk) * bk, rows_of[1], rows_of[2],
+        out if scale is None else scale, TOP_K=ids.shape[1], BLOCK_N=max(16, triton.next_power_of_2(NR)),
+        BLOCK_K=bk, SPLIT_K=split, BY_POSITION=blocks is not None, BLOCK_M=block_m,
+        SCALE_COL=-1 if scale is None else 2, num_warps=8, **pdl)
 
 
 def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
@@ -339,9 +360,16 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         delta13 = GemmDelta(s13, b13, scale, slot, consts)
     launch_gemm1(x, w13, inter, blocks, top_k, up, delta13)
     if has_delta:
-        s2 = ws.get("lora_s2", rows * R, torch.float32, x.device).view(rows, R)
-        shrink(inter, a2, s2, I, False)
-        delta2 = GemmDelta(s2, b2, scale, slot, consts)
+        in_k = down_delta_in_k(numel, bm, down, consts["SLOTS_PAD"])
+        if in_k:   # scaled, in x's dtype: the down GEMM's last K steps read them as its own operands
+            s2 = ws.get("lora_s2_scaled", rows * R, x.dtype, x.device).view(rows, R)
+        else:
+            s2 = ws.get("lora_s2", rows * R, torch.float32, x.device).view(rows, R)
+        if numel <= PAIR_SHRINK_MAX_PAIRS:
+            _pair_shrink(inter, a2, s2, ids, slot, ws, pdl, blocks, bm, scale if in_k else None)
+        else:
+            shrink(inter, a2, s2, I, False)
+        delta2 = GemmDelta(s2, b2, scale, slot, consts, in_k=in_k)
     launch_gemm2(inter, w2, y, weights, blocks, down, top_k, delta2)
     if not sum_slots:
         return y

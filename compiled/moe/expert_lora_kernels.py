@@ -17,7 +17,9 @@ for its few rows: there the K range is split (`expert_lora.shrink_split`).
 pair (t, e) a program, `a13[slot[t], e] @ x[t]` in fp32 FMAs (one row: no tensor-core tile) into
 row t * top_k + k of its output. It reads only the routing, so it runs beside the alignment
 (`expert_lora.PAIR_SHRINK_MAX_PAIRS`); pairs that share an expert and a slot read its A each.
-Pairs without an adapter are not written and never read."""
+Pairs without an adapter are not written and never read. With BY_POSITION it is the down shrink
+of a decode batch, a program a row of the intermediate (most of them padding rows, which return
+at once), where a (block, slot) program's 16-row tile held about one live row."""
 
 from __future__ import annotations
 
@@ -73,20 +75,36 @@ def moe_lora_shrink_kernel(X, A, OUT, SLOT, sorted_ptr, expert_ids_ptr, num_post
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def moe_lora_pair_shrink_kernel(X, A, OUT, IDS, SLOT, num_pairs, S, NR, K, stride_xm, stride_as, stride_ae,
-                                stride_an, stride_om, Partials, Semaphores, K_PER_SPLIT, TOP_K: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                                PDL: tl.constexpr):
+                                stride_an, stride_om, Partials, Semaphores, K_PER_SPLIT, expert_ids_ptr, num_post_ptr,
+                                SCALE, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                SPLIT_K: tl.constexpr, BY_POSITION: tl.constexpr, BLOCK_M: tl.constexpr,
+                                SCALE_COL: tl.constexpr, PDL: tl.constexpr):
     """OUT[p, n] = sum_k X[p // TOP_K, k] * A[s, IDS[p], n, k] (fp32, n < NR) for pair p =
-    program_id(0), s its token's slot. SPLIT_K > 1: program_id(1) takes one K range of
-    K_PER_SPLIT, writes fp32 partials `[SPLIT_K, num_pairs, NR]` and bumps the pair's semaphore;
-    the last to arrive sums them in split order and stores the row (`triton_utils.split_k_store`)."""
+    program_id(0), s its token's slot. BY_POSITION (the down shrink): program p is a row of the
+    sorted order instead, IDS the sorted pair indices (`moe_align_block_size`; rows past its
+    total and padding rows do nothing), its expert that of block p // BLOCK_M and its input
+    X[p] (the intermediate, block order). SPLIT_K > 1: program_id(1) takes one K range of
+    K_PER_SPLIT, writes fp32 partials `[SPLIT_K, programs, NR]` and bumps the program's semaphore;
+    the last to arrive sums them in split order and stores the row (`triton_utils.split_k_store`).
+    SCALE_COL >= 0: the row times its slot's SCALE[s, SCALE_COL] (`[S, 3]`), stored in OUT's dtype."""
     pdl_wait(PDL)
     p = tl.program_id(0)
     pid_k = tl.program_id(1)
-    token = (p // TOP_K).to(tl.int64)
-    s = tl.load(SLOT + token)
-    if (s >= 0) & (s < S):
-        expert = tl.load(IDS + p).to(tl.int64)
+    if BY_POSITION:
+        pair = tl.load(IDS + p, mask=p < tl.load(num_post_ptr), other=num_pairs)
+        x_row = p.to(tl.int64)
+    else:
+        pair = p
+    live = pair < num_pairs
+    token = tl.where(live, pair // TOP_K, 0).to(tl.int64)
+    if not BY_POSITION:
+        x_row = token
+    s = tl.load(SLOT + token, mask=live, other=-1)
+    if live & (s >= 0) & (s < S):
+        if BY_POSITION:
+            expert = tl.load(expert_ids_ptr + p // BLOCK_M).to(tl.int64)
+        else:
+            expert = tl.load(IDS + p).to(tl.int64)
         offs_n = tl.arange(0, BLOCK_N)
         n_ok = offs_n < NR
         k_start = pid_k * K_PER_SPLIT
@@ -96,8 +114,12 @@ def moe_lora_pair_shrink_kernel(X, A, OUT, IDS, SLOT, num_pairs, S, NR, K, strid
         for k0 in range(k_start, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < k_end
-            x = tl.load(X + token * stride_xm + ks, mask=k_ok, other=0.0)
+            x = tl.load(X + x_row * stride_xm + ks, mask=k_ok, other=0.0)
             a = tl.load(a_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
-        split_k_store(tl.sum(acc, axis=1), OUT + p.to(tl.int64) * stride_om + offs_n,
-                      Partials + p.to(tl.int64) * NR + offs_n, num_pairs * NR, n_ok, Semaphores + p, pid_k, SPLIT_K)
+        out = tl.sum(acc, axis=1)
+        if SCALE_COL >= 0:
+            out = out * tl.load(SCALE + s * 3 + SCALE_COL)
+        rows = tl.num_programs(0)
+        split_k_store(out, OUT + p.to(tl.int64) * stride_om + offs_n,
+                      Partials + p.to(tl.int64) * NR + offs_n, rows * NR, n_ok, Semaphores + p, pid_k, SPLIT_K)

@@ -277,13 +277,15 @@ class GemmDelta:
     """A grouped GEMM's per-pair LoRA delta (`expert_lora.py`): the shrink outputs `s` (rows in
     block order, or with `by_pair` (the up GEMM only) in pair order), the slots' B `[S, E, out, R]`
     and scales `[S, 3]`, each token's slot `[T]`, and the kernels' delta constants (SLOTS_PAD,
-    BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)."""
+    BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT). `in_k` (the down GEMM only): the delta as the K
+    loop's last steps, `s` already scaled and in the GEMM operands' dtype."""
     s: torch.Tensor
     b: torch.Tensor
     scale: torch.Tensor
     slot: torch.Tensor
     consts: dict
     by_pair: bool = False
+    in_k: bool = False
 
 
 def _delta_args(delta: GemmDelta | None, like: torch.Tensor) -> tuple[tuple, dict]:
@@ -337,7 +339,8 @@ def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights
         **_dot_flags(inter.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=I % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None, A_TMA=a_desc is not None,
-        TOP_K=top_k, **lora_consts,
+        TOP_K=top_k, **lora_consts, DELTA_IN_K=delta is not None and delta.in_k,
+        R_FULL=delta is not None and delta.b.shape[3] == lora_consts["BLOCK_R"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(inter.device),
         **dict(zip(_LORA_ARGS, lora_args)))
 

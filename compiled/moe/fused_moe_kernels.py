@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.triton_utils import (add_rms_norm_row, one_slot_dot, one_slot_operands, pdl_wait,
+from compiled.triton_utils import (add_rms_norm_row, one_slot_dot, one_slot_operands, pdl_wait, slot_bits,
                                    slot_stacked_delta)
 
 
@@ -298,6 +298,38 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
 
 
 @triton.jit
+def _k_step_with_delta(a_rows, w_cols, k, n_k, K, slots, present, pos, expert, offs_k, offs_nw, n_ok, L_S, L_B, L_R, stride_ls,
+                       stride_lbs, stride_lbe, stride_lbn, EVEN_K: tl.constexpr, SLOTS_PAD: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, R_FULL: tl.constexpr):
+    """The (a, b) tiles of K step k of a GEMM whose LoRA delta runs as its last steps: steps below
+    n_k read the base operands (a_rows / w_cols: the rows' and columns' first K element), the steps
+    after them the slots stacked along K (column d = s * BLOCK_R + r): a = L_S[pos, r] where the
+    row's slot is s (the shrink outputs, already scaled, in the operands' dtype), else 0, and b =
+    L_B[s, expert, cols, r] for the slots present (bit s of `present`). So the loop's pipeline fetches the delta's
+    operands while the base steps run, and the delta is summed into the same accumulator. The
+    step's kind is one scalar and each slot's r runs contiguous, so the loads stay vectorized."""
+    base = k < n_k
+    slot_d = (k - n_k) * (BLOCK_K // BLOCK_R) + offs_k // BLOCK_R
+    r_d = offs_k % BLOCK_R
+    hit = slots[:, None] == slot_d[None, :]
+    live = ((present >> slot_d) & 1) != 0
+    if not R_FULL:   # a rank below the tile's: mask its padding (R_FULL: the loads stay unmasked along r)
+        live = live & (r_d < L_R)
+    kk = k * BLOCK_K + offs_k
+    a_ptrs = tl.where(base, a_rows + kk[None, :], L_S + pos.to(tl.int64)[:, None] * stride_ls + r_d[None, :])
+    b_ptrs = tl.where(base, w_cols + kk[:, None],
+                      L_B + slot_d.to(tl.int64)[:, None] * stride_lbs + expert * stride_lbe
+                      + offs_nw[None, :] * stride_lbn + r_d[:, None])
+    if EVEN_K:
+        a_base_ok = kk[None, :] >= 0
+    else:
+        a_base_ok = kk[None, :] < K
+    a = tl.load(a_ptrs, mask=tl.where(base, a_base_ok, hit & live[None, :]), other=0.0)
+    b = tl.load(b_ptrs, mask=tl.where(base, tl.trans(a_base_ok), live[:, None]) & n_ok[None, :], other=0.0)
+    return a, b
+
+
+@triton.jit
 def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_pos, expert,
                pid_n, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
                PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -305,13 +337,16 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
                TMA: tl.constexpr, A_TMA: tl.constexpr,
                L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K: tl.constexpr,
                LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
-               DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr):
+               DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
+               DELTA_IN_K: tl.constexpr, R_FULL: tl.constexpr):
     """weight * (a . w2[e]) for the TILE_M rows `pair` and one N tile. TMA as in _up_tile
     (w as `[E * N, K]`). a holds the rows in block order: this tile's are the TILE_M from
     `first_pos` (padding rows hold anything; their outputs are not stored), through `a_desc`
     (block `[TILE_M, BLOCK_K]`) with A_TMA. LORA: the down delta (`_pair_delta`, shrink outputs
     `[rows, R]` in block order) added before the routing weight, its one-slot operands loaded
-    before the K loop (DELTA_FIRST: the delta itself before the K loop)."""
+    before the K loop (DELTA_FIRST: the delta itself before the K loop); DELTA_IN_K (pointer loads
+    only): the delta as the loop's last steps (`_k_step_with_delta`), its shrink outputs scaled
+    and in a's dtype."""
     row_ok = pair < num_valid
     row = tl.where(row_ok, pair, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -326,18 +361,33 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
         acc = _pair_delta(acc, pair, pos, expert, offs_n, offs_n < N, 0, 2, num_valid,
                           L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                           TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
-    if LORA and not DELTA_FIRST:   # the one-slot delta operands in flight during the K loop
+    if LORA and not DELTA_FIRST and not DELTA_IN_K:   # the one-slot delta operands in flight during the K loop
         _, _, slots = pair_slots(L_SLOT, pair, num_valid, L_NS, TOP_K)
         one, sr, sc, b_d = _pair_operands(slots, pos, expert, offs_n, offs_n < N, 0, 2, L_S, L_B, L_SCALE, L_R,
                                           stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if A_TMA:
+    n_k = tl.cdiv(K, BLOCK_K)
+    steps = n_k
+    if LORA and DELTA_IN_K:
+        _, _, slots = pair_slots(L_SLOT, pair, num_valid, L_NS, TOP_K)
+        present = slot_bits(slots)
+        if present != 0:
+            steps = n_k + tl.cdiv(SLOTS_PAD * BLOCK_R, BLOCK_K)
+        a_rows = a_ptr + (first_pos + tl.arange(0, TILE_M)).to(tl.int64)[:, None] * stride_am
+        w_cols = w_ptr + expert * stride_we + offs_nw[None, :] * stride_wn
+    for k in range(0, steps):
+        if LORA and DELTA_IN_K:
+            a, b = _k_step_with_delta(a_rows, w_cols, k, n_k, K, slots, present, pos, expert, offs_k, offs_nw, offs_n < N,
+                                      L_S, L_B, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, EVEN_K, SLOTS_PAD,
+                                      BLOCK_R, BLOCK_K, R_FULL)
+        elif A_TMA:
             a = a_desc.load([first_pos.to(tl.int32), k * BLOCK_K])
         elif EVEN_K:
             a = tl.load(a_ptrs)
         else:
             a = tl.load(a_ptrs, mask=(offs_k < K - k * BLOCK_K)[None, :], other=0.0)
-        if TMA:
+        if LORA and DELTA_IN_K:
+            pass
+        elif TMA:
             b = w_desc.load([row_b, k * BLOCK_K]).T
         elif EVEN_K:
             b = tl.load(b_ptrs)
@@ -349,7 +399,7 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if LORA and not DELTA_FIRST:
+    if LORA and not DELTA_FIRST and not DELTA_IN_K:
         acc = _pair_delta_loaded(acc, slots, one, sr, sc, b_d, pos, expert, offs_n, offs_n < N, 0, 2, L_S, L_B,
                                  L_SCALE, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R, KC,
                                  DELTA_PRECISION, DELTA_16BIT)
@@ -438,10 +488,11 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
                      TOP_K: tl.constexpr,
                      LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
                      DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
-                     PDL: tl.constexpr):
+                     DELTA_IN_K: tl.constexpr, R_FULL: tl.constexpr, PDL: tl.constexpr):
     """out[pair, n] = weight[pair] * (a[row] . w[e, n]), the block's rows of a in block order (as
     moe_gemm1_kernel writes them); w is `[E, N, K]` (N = H, K = I). A_TMA: full-height tiles of a
-    come through `a_desc`. HALF_M as in moe_gemm1_kernel; LORA: each pair's down delta (`_down_tile`)."""
+    come through `a_desc`. HALF_M as in moe_gemm1_kernel; LORA: each pair's down delta (`_down_tile`;
+    DELTA_IN_K: as the K loop's last steps)."""
     pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
@@ -455,21 +506,24 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
                        pid_n, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
                        PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, A_TMA,
                        L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST)
+                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
+                       DELTA_IN_K, R_FULL)
         elif height == BLOCK_M // 2:
             _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr,
                        _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2), first, expert, pid_n,
                        num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
                        PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA, False,
                        L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST)
+                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
+                       DELTA_IN_K, R_FULL)
         elif HALF_M >= 2:
             _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr,
                        _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4), first, expert, pid_n,
                        num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
                        PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA, False,
                        L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST)
+                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
+                       DELTA_IN_K, R_FULL)
 
 
 @triton.jit

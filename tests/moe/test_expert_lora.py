@@ -203,6 +203,29 @@ def case_gate_up_shrink_per_block():
         _check_triton(problem(40, 8, 2, 32, 24, 16, 4, slots=[1] * 40, seed=13), _cfg(32, 16, 16), torch.float32)
 
 
+def case_down_delta_as_last_k_steps():
+    # decode sizes without TMA tiles: the down shrink a program a row writes scaled rows in x's
+    # dtype and the down GEMM adds the delta as its last K steps: full rank 16 (unmasked along r)
+    # and rank 5, K = I a whole number of steps and not, mixed slots, one slot, slots out of
+    # range; against the after-the-loop delta of the same shrink (unscaled fp32 rows)
+    slots = [0, 2, -1, 1, 0, 3, 2, 9, -4, 1, 0, 0, 2, 1]
+    cases = [(problem(14, 6, 3, 45, 32, 16, 4, slots=slots, seed=20), _cfg(16, 16, 16)),
+             (problem(14, 6, 3, 45, 40, 5, 4, slots=slots, seed=21), _cfg(16, 32, 16)),
+             (problem(9, 8, 2, 48, 19, 16, 3, slots=[2] * 9, seed=22), _cfg(16, 16, 32)),
+             (problem(7, 6, 3, 45, 19, 8, 3, dtype=torch.bfloat16, slots=SLOTS_7, seed=23), _cfg(16, 16, 16))]
+    real = el.down_delta_in_k
+    for args, cfg in cases:
+        for in_k in (True, False):
+            el.down_delta_in_k = lambda *a, in_k=in_k: in_k and real(*a)
+            ws = fm.MoEWorkspace()
+            try:
+                _check_triton(args, cfg, args[0].dtype)
+                el.fused_moe_lora_triton(*args, config=cfg, workspace=ws)
+            finally:
+                el.down_delta_in_k = real
+            assert ("lora_s2_scaled" in ws.buffers) == in_k and ("lora_s2" in ws.buffers) != in_k
+
+
 @contextlib.contextmanager
 def _pair_shrink_up_to(max_pairs):
     before = el.PAIR_SHRINK_MAX_PAIRS
@@ -213,7 +236,7 @@ def _pair_shrink_up_to(max_pairs):
         el.PAIR_SHRINK_MAX_PAIRS = before
 
 
-CASES = [case_split_k_shrinks, case_gate_up_shrink_per_block, case_t7_h45_i19_fp32_mixed_slots, case_sum_in_the_norm_kernel,
+CASES = [case_split_k_shrinks, case_gate_up_shrink_per_block, case_down_delta_as_last_k_steps, case_t7_h45_i19_fp32_mixed_slots, case_sum_in_the_norm_kernel,
          case_t7_h45_i19_bf16_and_fp16,
          case_t40_e8_k2_blocks_groups_and_out_of_range_slots, case_t40_one_adapter_tall_tiles,
          case_one_token_top1_and_rank5,
