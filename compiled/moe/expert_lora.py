@@ -62,6 +62,9 @@ DELTA_IN_16BIT = True  # the GEMMs' delta dots on 16-bit operands (the shrink ou
 # (one token, 5 -> 3 stages: 59.4 -> 64.6 µs). Steps below 128 were not tried.
 SM_SHARED_BYTES = 227 * 1024
 LORA_MIN_BLOCK_K = 128
+# The tuned and default configs are sized for 16-bit tiles; an fp32 MoE with LoRA deltas runs its
+# GEMMs with at most this many stages (the demo model's decode tiles asked 248 of 227 KB with 4).
+FP32_MAX_STAGES = 2
 # The shrink's K split (`shrink_split`): up to this many pairs (8 tokens of top-8), at least this
 # much of K a split, at most this many splits. Up to 8 tokens the split gate/up shrink's few programs
 # finish sooner; at 64 it lost (bench/RESULTS.md), and down (K = 768) stays whole.
@@ -313,6 +316,8 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     if config is None:   # the base MoE's tuned entry, its up GEMM fitted to the deltas
         up, down = split_config(get_config(T, E, I, x.dtype, x.device))
         up = lora_up_config(up, x.element_size())
+        if x.element_size() > 2:   # 4-byte tiles: the stages plus the delta operands overflow shared memory
+            up, down = (dict(c, num_stages=min(c["num_stages"], FP32_MAX_STAGES)) for c in (up, down))
     else:
         up, down = split_config(config)
     bm = up["BLOCK_SIZE_M"]
