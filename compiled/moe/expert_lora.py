@@ -80,6 +80,7 @@ PAIR_SHRINK_MAX_PAIRS = 512
 PAIR_SHRINK_PROGRAMS = 512
 PAIR_MIN_K_PER_SPLIT = 256
 PAIR_SHRINK_BLOCK_K = 256
+DELTA_IN_K_MIN_PAIRS = 384   # `down_delta_in_k`: 64 tokens of top-8 gained, 32 lost
 
 
 def backend(x: torch.Tensor) -> str:
@@ -217,12 +218,14 @@ def reserve_workspace(ws: MoEWorkspace, max_tokens: int, E: int, H: int, I: int,
 
 
 def down_delta_in_k(pairs: int, block_m: int, down: dict, slots_pad: int) -> bool:
-    """Whether the down GEMM runs its LoRA delta as the K loop's last steps (`DELTA_IN_K`): at
-    decode sizes (PAIR_SHRINK_MAX_PAIRS, tiles of 16 rows) where its tuned tiles load through
-    pointers, not TMA, and the slots fit one 32-bit mask. There the loop's pipeline fetches the
-    slots' B while the base steps run, where after the loop each program waited for them (H100,
-    one layer at 64 tokens: 461.5 against 467.5 µs; bench/RESULTS.md)."""
-    return pairs <= PAIR_SHRINK_MAX_PAIRS and block_m <= 16 and not down.get("TMA") and slots_pad <= 32
+    """Whether the down GEMM runs its LoRA delta as the K loop's last steps (`DELTA_IN_K`): from
+    DELTA_IN_K_MIN_PAIRS to PAIR_SHRINK_MAX_PAIRS pairs in tiles of 16 rows, where its tuned tiles
+    load through pointers, not TMA, and the slots fit one 32-bit mask. There the loop's pipeline
+    fetches the slots' B while the base steps run, where after the loop each program waited for
+    them (H100, one layer at 64 tokens: 464.1-464.6 against 468.1-469.7 µs; at 1 and 32 tokens,
+    fewer programs to wait, it lost 0.8 and 1.6 µs; bench/RESULTS.md)."""
+    return DELTA_IN_K_MIN_PAIRS <= pairs <= PAIR_SHRINK_MAX_PAIRS and block_m <= 16 and not down.get("TMA") \
+        and slots_pad <= 32
 
 
 def delta_k_step(block_m: int) -> int:

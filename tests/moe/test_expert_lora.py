@@ -174,9 +174,9 @@ def case_sum_in_the_norm_kernel():
 
 
 def case_split_k_shrinks():
-    # every shrink split along K: gate/up per pair in 2 ragged splits of 32 and 13, then (pairs
-    # past PAIR_SHRINK_MAX_PAIRS) per block in 2 the same; down per block in 3 of 16; each twice:
-    # the second call finds the semaphores back at 0, and they are left so
+    # every shrink split along K: gate/up per pair in 2 ragged splits of 32 and 13 and down per
+    # row in 3 of 16, then (pairs past PAIR_SHRINK_MAX_PAIRS) both per block, the same; each
+    # twice: the second call finds the semaphores back at 0, and they are left so
     before = el.SHRINK_MIN_K_PER_SPLIT, el.shrink_tiles, el.PAIR_MIN_K_PER_SPLIT, el.PAIR_SHRINK_BLOCK_K
     el.SHRINK_MIN_K_PER_SPLIT, el.shrink_tiles = 16, lambda bm, K: (16, 2)
     el.PAIR_MIN_K_PER_SPLIT = el.PAIR_SHRINK_BLOCK_K = 16
@@ -219,21 +219,27 @@ def case_down_delta_as_last_k_steps():
             el.down_delta_in_k = lambda *a, in_k=in_k: in_k and real(*a)
             ws = fm.MoEWorkspace()
             try:
-                _check_triton(args, cfg, args[0].dtype)
-                el.fused_moe_lora_triton(*args, config=cfg, workspace=ws)
+                with _limit("DELTA_IN_K_MIN_PAIRS", 0):
+                    _check_triton(args, cfg, args[0].dtype)
+                    el.fused_moe_lora_triton(*args, config=cfg, workspace=ws)
             finally:
                 el.down_delta_in_k = real
             assert ("lora_s2_scaled" in ws.buffers) == in_k and ("lora_s2" in ws.buffers) != in_k
 
 
 @contextlib.contextmanager
-def _pair_shrink_up_to(max_pairs):
-    before = el.PAIR_SHRINK_MAX_PAIRS
-    el.PAIR_SHRINK_MAX_PAIRS = max_pairs
+def _limit(name, value):
+    """expert_lora's constant `name` set to value inside the block."""
+    before = getattr(el, name)
+    setattr(el, name, value)
     try:
         yield
     finally:
-        el.PAIR_SHRINK_MAX_PAIRS = before
+        setattr(el, name, before)
+
+
+def _pair_shrink_up_to(max_pairs):
+    return _limit("PAIR_SHRINK_MAX_PAIRS", max_pairs)
 
 
 CASES = [case_split_k_shrinks, case_gate_up_shrink_per_block, case_down_delta_as_last_k_steps, case_t7_h45_i19_fp32_mixed_slots, case_sum_in_the_norm_kernel,
@@ -333,6 +339,16 @@ def test_lora_up_config_leaves_room_for_two_programs_an_sm():
     assert el.lora_up_config(deep, 2) == deep
     prefill = dict(tuned, BLOCK_SIZE_M=128, num_stages=4)
     assert el.lora_up_config(prefill, 2) == prefill   # larger tiles keep the tuned pipeline
+
+
+def test_down_delta_runs_in_the_k_loop_only_at_its_sizes():
+    """The down GEMM takes its delta as K steps from DELTA_IN_K_MIN_PAIRS to PAIR_SHRINK_MAX_PAIRS
+    pairs, in 16-row tiles loaded through pointers, with at most 32 slots."""
+    lo, hi = el.DELTA_IN_K_MIN_PAIRS, el.PAIR_SHRINK_MAX_PAIRS
+    assert el.down_delta_in_k(lo, 16, {"TMA": 0}, 8) and el.down_delta_in_k(hi, 16, {}, 32)
+    assert not el.down_delta_in_k(lo - 1, 16, {"TMA": 0}, 8) and not el.down_delta_in_k(hi + 1, 16, {"TMA": 0}, 8)
+    assert not el.down_delta_in_k(hi, 16, {"TMA": 1}, 8) and not el.down_delta_in_k(hi, 32, {"TMA": 0}, 8)
+    assert not el.down_delta_in_k(hi, 16, {"TMA": 0}, 64)
 
 
 def test_op_on_cpu_is_the_reference_fake_and_trace():
