@@ -217,15 +217,16 @@ def reserve_workspace(ws: MoEWorkspace, max_tokens: int, E: int, H: int, I: int,
     return ws
 
 
-def down_delta_in_k(pairs: int, block_m: int, down: dict, slots_pad: int) -> bool:
+def down_delta_in_k(pairs: int, block_m: int, down: dict, slots_pad: int, block_r: int) -> bool:
     """Whether the down GEMM runs its LoRA delta as the K loop's last steps (`DELTA_IN_K`): from
     DELTA_IN_K_MIN_PAIRS to PAIR_SHRINK_MAX_PAIRS pairs in tiles of 16 rows, where its tuned tiles
-    load through pointers, not TMA, and the slots fit one 32-bit mask. There the loop's pipeline
+    load through pointers, not TMA, the slots fit one 32-bit mask and a K step holds whole slots
+    (block_r of K each). There the loop's pipeline
     fetches the slots' B while the base steps run, where after the loop each program waited for
     them (H100, one layer at 64 tokens: 464.1-464.6 against 468.1-469.7 µs; at 1 and 32 tokens,
     fewer programs to wait, it lost 0.8 and 1.6 µs; bench/RESULTS.md)."""
     return DELTA_IN_K_MIN_PAIRS <= pairs <= PAIR_SHRINK_MAX_PAIRS and block_m <= 16 and not down.get("TMA") \
-        and slots_pad <= 32
+        and slots_pad <= 32 and down["BLOCK_SIZE_K"] % block_r == 0
 
 
 def delta_k_step(block_m: int) -> int:
@@ -368,7 +369,7 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         delta13 = GemmDelta(s13, b13, scale, slot, consts)
     launch_gemm1(x, w13, inter, blocks, top_k, up, delta13)
     if has_delta:
-        in_k = down_delta_in_k(numel, bm, down, consts["SLOTS_PAD"])
+        in_k = down_delta_in_k(numel, bm, down, consts["SLOTS_PAD"], consts["BLOCK_R"])
         if in_k:   # scaled, in x's dtype: the down GEMM's last K steps read them as its own operands
             s2 = ws.get("lora_s2_scaled", rows * R, x.dtype, x.device).view(rows, R)
         else:

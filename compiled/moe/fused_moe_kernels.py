@@ -298,16 +298,17 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
 
 
 @triton.jit
-def _k_step_with_delta(a_rows, w_cols, k, n_k, K, slots, present, pos, expert, offs_k, offs_nw, n_ok, L_S, L_B, L_R, stride_ls,
-                       stride_lbs, stride_lbe, stride_lbn, EVEN_K: tl.constexpr, SLOTS_PAD: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, R_FULL: tl.constexpr):
+def _k_step_with_delta(a_rows, w_cols, k, n_k, K, slots, present, pos, expert, offs_k, offs_nw, n_ok, L_S, L_B, L_R,
+                       stride_ls, stride_lbs, stride_lbe, stride_lbn, EVEN_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_K: tl.constexpr, R_FULL: tl.constexpr):
     """The (a, b) tiles of K step k of a GEMM whose LoRA delta runs as its last steps: steps below
     n_k read the base operands (a_rows / w_cols: the rows' and columns' first K element), the steps
-    after them the slots stacked along K (column d = s * BLOCK_R + r): a = L_S[pos, r] where the
-    row's slot is s (the shrink outputs, already scaled, in the operands' dtype), else 0, and b =
-    L_B[s, expert, cols, r] for the slots present (bit s of `present`). So the loop's pipeline fetches the delta's
-    operands while the base steps run, and the delta is summed into the same accumulator. The
-    step's kind is one scalar and each slot's r runs contiguous, so the loads stay vectorized."""
+    after them the slots stacked along K (column d = s * BLOCK_R + r, BLOCK_R dividing BLOCK_K):
+    a = L_S[pos, r] where the row's slot is s (the shrink outputs, already scaled, in the operands'
+    dtype), else 0, and b = L_B[s, expert, cols, r] for the slots present (bit s of `present`).
+    So the loop's pipeline fetches the delta's operands while the base steps run, and the delta is
+    summed into the same accumulator. The step's kind is one scalar and each slot's r runs
+    contiguous, so the loads stay vectorized."""
     base = k < n_k
     slot_d = (k - n_k) * (BLOCK_K // BLOCK_R) + offs_k // BLOCK_R
     r_d = offs_k % BLOCK_R
@@ -361,7 +362,7 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
         acc = _pair_delta(acc, pair, pos, expert, offs_n, offs_n < N, 0, 2, num_valid,
                           L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                           TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
-    if LORA and not DELTA_FIRST and not DELTA_IN_K:   # the one-slot delta operands in flight during the K loop
+    if LORA and not DELTA_FIRST and not DELTA_IN_K:   # the one-slot delta operands in flight in the K loop
         _, _, slots = pair_slots(L_SLOT, pair, num_valid, L_NS, TOP_K)
         one, sr, sc, b_d = _pair_operands(slots, pos, expert, offs_n, offs_n < N, 0, 2, L_S, L_B, L_SCALE, L_R,
                                           stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R)
@@ -376,23 +377,22 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
         w_cols = w_ptr + expert * stride_we + offs_nw[None, :] * stride_wn
     for k in range(0, steps):
         if LORA and DELTA_IN_K:
-            a, b = _k_step_with_delta(a_rows, w_cols, k, n_k, K, slots, present, pos, expert, offs_k, offs_nw, offs_n < N,
-                                      L_S, L_B, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, EVEN_K, SLOTS_PAD,
+            a, b = _k_step_with_delta(a_rows, w_cols, k, n_k, K, slots, present, pos, expert, offs_k, offs_nw,
+                                      offs_n < N, L_S, L_B, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, EVEN_K,
                                       BLOCK_R, BLOCK_K, R_FULL)
-        elif A_TMA:
-            a = a_desc.load([first_pos.to(tl.int32), k * BLOCK_K])
-        elif EVEN_K:
-            a = tl.load(a_ptrs)
         else:
-            a = tl.load(a_ptrs, mask=(offs_k < K - k * BLOCK_K)[None, :], other=0.0)
-        if LORA and DELTA_IN_K:
-            pass
-        elif TMA:
-            b = w_desc.load([row_b, k * BLOCK_K]).T
-        elif EVEN_K:
-            b = tl.load(b_ptrs)
-        else:
-            b = tl.load(b_ptrs, mask=(offs_k < K - k * BLOCK_K)[:, None], other=0.0)
+            if A_TMA:
+                a = a_desc.load([first_pos.to(tl.int32), k * BLOCK_K])
+            elif EVEN_K:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=(offs_k < K - k * BLOCK_K)[None, :], other=0.0)
+            if TMA:
+                b = w_desc.load([row_b, k * BLOCK_K]).T
+            elif EVEN_K:
+                b = tl.load(b_ptrs)
+            else:
+                b = tl.load(b_ptrs, mask=(offs_k < K - k * BLOCK_K)[:, None], other=0.0)
         if DOT_FP32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)

@@ -242,7 +242,8 @@ def _pair_shrink_up_to(max_pairs):
     return _limit("PAIR_SHRINK_MAX_PAIRS", max_pairs)
 
 
-CASES = [case_split_k_shrinks, case_gate_up_shrink_per_block, case_down_delta_as_last_k_steps, case_t7_h45_i19_fp32_mixed_slots, case_sum_in_the_norm_kernel,
+CASES = [case_split_k_shrinks, case_gate_up_shrink_per_block, case_down_delta_as_last_k_steps,
+         case_t7_h45_i19_fp32_mixed_slots, case_sum_in_the_norm_kernel,
          case_t7_h45_i19_bf16_and_fp16,
          case_t40_e8_k2_blocks_groups_and_out_of_range_slots, case_t40_one_adapter_tall_tiles,
          case_one_token_top1_and_rank5,
@@ -343,12 +344,13 @@ def test_lora_up_config_leaves_room_for_two_programs_an_sm():
 
 def test_down_delta_runs_in_the_k_loop_only_at_its_sizes():
     """The down GEMM takes its delta as K steps from DELTA_IN_K_MIN_PAIRS to PAIR_SHRINK_MAX_PAIRS
-    pairs, in 16-row tiles loaded through pointers, with at most 32 slots."""
+    pairs, in 16-row tiles loaded through pointers, with at most 32 slots, whole slots a K step."""
     lo, hi = el.DELTA_IN_K_MIN_PAIRS, el.PAIR_SHRINK_MAX_PAIRS
-    assert el.down_delta_in_k(lo, 16, {"TMA": 0}, 8) and el.down_delta_in_k(hi, 16, {}, 32)
-    assert not el.down_delta_in_k(lo - 1, 16, {"TMA": 0}, 8) and not el.down_delta_in_k(hi + 1, 16, {"TMA": 0}, 8)
-    assert not el.down_delta_in_k(hi, 16, {"TMA": 1}, 8) and not el.down_delta_in_k(hi, 32, {"TMA": 0}, 8)
-    assert not el.down_delta_in_k(hi, 16, {"TMA": 0}, 64)
+    down = {"TMA": 0, "BLOCK_SIZE_K": 128}
+    assert el.down_delta_in_k(lo, 16, down, 8, 16) and el.down_delta_in_k(hi, 16, {"BLOCK_SIZE_K": 64}, 32, 64)
+    assert not el.down_delta_in_k(lo - 1, 16, down, 8, 16) and not el.down_delta_in_k(hi + 1, 16, down, 8, 16)
+    assert not el.down_delta_in_k(hi, 16, dict(down, TMA=1), 8, 16) and not el.down_delta_in_k(hi, 32, down, 8, 16)
+    assert not el.down_delta_in_k(hi, 16, down, 64, 16) and not el.down_delta_in_k(hi, 16, down, 8, 256)
 
 
 def test_op_on_cpu_is_the_reference_fake_and_trace():
