@@ -36,14 +36,19 @@ def spawned_worker(rank: int, world: int, model: str, kwargs: dict, device: str,
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     try:
-        group = init_group(rank, world, backend_for(dev), timeout)
-        serve(group, model, dict(kwargs, device=str(dev)))
+        serve_then_leave(init_group(rank, world, backend_for(dev), timeout), model, dict(kwargs, device=str(dev)))
     except (CPError, KeyboardInterrupt):
         os._exit(1)   # rank 0 is gone or stopping: skip the teardown of a half-closed group
     except Exception:
         log.exception("context-parallel rank %d failed", rank)
         os._exit(1)
+
+
+def serve_then_leave(group: CPGroup, model: str, kwargs: dict) -> None:
+    """`serve` until rank 0 says stop, then leave the process group, as rank 0 does after sending
+    it: a worker spawned by `LLM` and one torchrun started end the same way."""
     import torch.distributed as dist
+    serve(group, model, kwargs)
     dist.destroy_process_group()
 
 

@@ -136,8 +136,8 @@ class LLM:
                 dev = cp_worker.worker_device(device, rank)
                 if dev.type == "cuda":
                     torch.cuda.set_device(dev)
-                cp_worker.serve(init_group(rank, world, backend, self.config.cp_timeout), self.model_path,
-                                dict(kwargs, device=str(dev)))
+                cp_worker.serve_then_leave(init_group(rank, world, backend, self.config.cp_timeout),
+                                           self.model_path, dict(kwargs, device=str(dev)))
                 raise SystemExit(0)
             processes = []
         else:
