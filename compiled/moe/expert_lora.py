@@ -74,7 +74,7 @@ SHRINK_MAX_SPLIT = 8
 # Up to this many pairs the gate/up shrink runs a program a pair beside the alignment
 # (`moe_lora_pair_shrink_kernel`): H100, one layer's LoRA at 1 / 8 / 64 tokens +22.1 / +22.7 /
 # +70.2 -> +16.2 / +14.8 / +61.7 µs (bench/RESULTS.md); the down shrink a program a row of the
-# intermediate (64 tokens: 469.7-471.5 -> 466.4-469.2 µs). Its K is split until programs x splits
+# intermediate (64 tokens: 469.7-471.5 -> 467.1-469.2 µs). Its K is split until programs x splits
 # reach PAIR_SHRINK_PROGRAMS, at least PAIR_MIN_K_PER_SPLIT of K a split, at most SHRINK_MAX_SPLIT.
 PAIR_SHRINK_MAX_PAIRS = 512
 PAIR_SHRINK_PROGRAMS = 512
