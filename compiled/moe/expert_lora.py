@@ -221,10 +221,10 @@ def down_delta_in_k(pairs: int, block_m: int, down: dict, slots_pad: int, block_
     """Whether the down GEMM runs its LoRA delta as the K loop's last steps (`DELTA_IN_K`): from
     DELTA_IN_K_MIN_PAIRS to PAIR_SHRINK_MAX_PAIRS pairs in tiles of 16 rows, where its tuned tiles
     load through pointers, not TMA, the slots fit one 32-bit mask and a K step holds whole slots
-    (block_r of K each). There the loop's pipeline
-    fetches the slots' B while the base steps run, where after the loop each program waited for
-    them (H100, one layer at 64 tokens: 464.1-464.6 against 468.1-469.7 µs; at 1 and 32 tokens,
-    fewer programs to wait, it lost 0.8 and 1.6 µs; bench/RESULTS.md)."""
+    (block_r of K each). There the loop's pipeline fetches the slots' B while the base steps run,
+    where after the loop each program waited for them (H100, one layer at 64 tokens: 464.1-464.6
+    against 468.1-469.7 µs; at 1 and 32 tokens, fewer programs to wait, it lost 0.8 and 1.6 µs;
+    bench/RESULTS.md)."""
     return DELTA_IN_K_MIN_PAIRS <= pairs <= PAIR_SHRINK_MAX_PAIRS and block_m <= 16 and not down.get("TMA") \
         and slots_pad <= 32 and down["BLOCK_SIZE_K"] % block_r == 0
 
@@ -270,6 +270,18 @@ def delta_consts(dtype: torch.dtype, S: int, R: int, block_m: int) -> dict:
                 DELTA_FIRST=delta_first(block_m))
 
 
+def _split_scratch(split: int, out: torch.Tensor, groups: int, split_numel: int, ws: MoEWorkspace,
+                   semaphores: str, partials: str) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(splits, semaphores, partials) of a shrink writing `out` whose K is cut in `split`:
+    `groups` zeroed semaphores and fp32 partials of split x split_numel from the buffers so named;
+    unsplit, with `out` standing in for both, where split is 1 or the semaphores would have to
+    grow inside a CUDA graph capture."""
+    sems = zeroed(out.device, semaphores, groups, torch.int32) if split > 1 else None
+    if sems is None:
+        return 1, out, out
+    return split, sems, ws.get(partials, split * split_numel, torch.float32, out.device)
+
+
 def _pair_shrink(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, slot: torch.Tensor,
                  ws: MoEWorkspace, pdl: dict, blocks: Blocks | None = None, block_m: int = 16,
                  scale: torch.Tensor | None = None) -> None:
@@ -281,15 +293,15 @@ def _pair_shrink(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, ids: torch
     pairs, (S, _, NR, K) = ids.numel(), a.shape
     programs = pairs if blocks is None else x.shape[0]
     bk = min(PAIR_SHRINK_BLOCK_K, triton.next_power_of_2(K))
-    split = pair_shrink_split(programs, K, bk)
-    sems = zeroed(x.device, "lora_pair_semaphores", programs, torch.int32) if split > 1 else None
-    if sems is None:   # unsplit, or the semaphores would have to grow inside a capture
-        split, sems = 1, out
-    partials = ws.get("lora_pair_split", split * programs * NR, torch.float32, x.device) if split > 1 else out
-    rows_of = (ids, ids, ids) if blocks is None else (blocks.sorted_ids, blocks.expert_ids, blocks.num_post)
+    split, sems, partials = _split_scratch(pair_shrink_split(programs, K, bk), out, programs, programs * NR, ws,
+                                           "lora_pair_semaphores", "lora_pair_split")
+    # each program's row: by pair, its expert from the routing; by position, from the alignment
+    # (the last two arguments are read only BY_POSITION)
+    rows, experts, num_post = (ids, ids, ids) if blocks is None else \
+        (blocks.sorted_ids, blocks.expert_ids, blocks.num_post)
     LK.moe_lora_pair_shrink_kernel[(programs, split)](
-        x, a, out, rows_of[0], slot, pairs, S, NR, K, x.stride(0), a.stride(0), a.stride(1), a.stride(2),
-        out.stride(0), partials, sems, triton.cdiv(triton.cdiv(K, split), bk) * bk, rows_of[1], rows_of[2],
+        x, a, out, rows, slot, pairs, S, NR, K, x.stride(0), a.stride(0), a.stride(1), a.stride(2),
+        out.stride(0), partials, sems, triton.cdiv(triton.cdiv(K, split), bk) * bk, experts, num_post,
         out if scale is None else scale, TOP_K=ids.shape[1], BLOCK_N=max(16, triton.next_power_of_2(NR)),
         BLOCK_K=bk, SPLIT_K=split, BY_POSITION=blocks is not None, BLOCK_M=block_m,
         SCALE_COL=-1 if scale is None else 2, num_warps=8, **pdl)
@@ -345,11 +357,8 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     def shrink(src, a, dst, K, gather):
         bk, stages = shrink_tiles(bm, K)
         NR = a.shape[2]
-        split = shrink_split(numel, K, bk)
-        sems = zeroed(x.device, "lora_shrink_semaphores", n_blocks * S, torch.int32) if split > 1 else None
-        if sems is None:   # unsplit, or the semaphores would have to grow inside a capture
-            split, sems = 1, dst
-        partials = ws.get("lora_split", split * rows * NR, torch.float32, x.device) if split > 1 else dst
+        split, sems, partials = _split_scratch(shrink_split(numel, K, bk), dst, n_blocks * S, rows * NR, ws,
+                                               "lora_shrink_semaphores", "lora_split")
         k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
         LK.moe_lora_shrink_kernel[(n_blocks, S * split)](
             src, a, dst, slot, blocks.sorted_ids, blocks.expert_ids, blocks.num_post, numel, S, NR, K,
