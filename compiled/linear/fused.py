@@ -60,14 +60,14 @@ def add_rms_norm_linear(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch
     return y, h, normed if keep_normed else x.new_empty(0)
 
 
-def _own_launch(*tensors: torch.Tensor) -> bool:
+def own_launch(*tensors: torch.Tensor) -> bool:
     """Whether a prologue outside the skinny kernel runs as its Triton launch (CUDA, last dims
     contiguous, not the 'torch' backend) rather than as the reference's eager ops."""
     return BACKEND.name != "torch" and all(t.is_cuda and t.stride(-1) == 1 for t in tensors)
 
 
 def _add_rms_norm(x, delta, norm_weight, eps):
-    if _own_launch(x, delta):
+    if own_launch(x, delta):
         from compiled.linear.prologue_kernels import add_rms_norm_triton
         return add_rms_norm_triton(x, delta, norm_weight, eps)
     return add_rms_norm_ref(x, delta, norm_weight, eps)
@@ -99,8 +99,8 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """The activation alone: its Triton launch where `_own_launch` says so, the reference otherwise."""
-    if _own_launch(gate_up):
+    """The activation alone: its Triton launch where `own_launch` says so, the reference otherwise."""
+    if own_launch(gate_up):
         from compiled.linear.prologue_kernels import silu_and_mul_triton
         return silu_and_mul_triton(gate_up)
     return silu_and_mul_ref(gate_up)

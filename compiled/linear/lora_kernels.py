@@ -338,6 +338,28 @@ def fma_delta_apply(acc, sr, b):
     return acc + tl.sum(sr.to(tl.float32) * b.to(tl.float32), axis=1)
 
 
+@triton.jit
+def row_delta_added(y, SIN, B, SCALE, SLOT, row, cols, in_cols, R, S, stride_st, stride_bs, stride_bo, stride_ss,
+                    BLOCK_R: tl.constexpr, R_STEP: tl.constexpr, LOW_PRECISION: tl.constexpr):
+    """One row's tile y (columns `cols` of a one-slice expand) plus its slot's delta, rounded to
+    y's dtype as the expand rounds it (s times the scale rounded to B's dtype when LOW_PRECISION).
+    B is read R_STEP ranks at a time, so that a whole row of a hidden-size output stays in registers."""
+    slot = tl.load(SLOT + row).to(tl.int32)
+    if (slot >= 0) & (slot < S):
+        b_rows = B + slot.to(tl.int64) * stride_bs + cols.to(tl.int64)[:, None] * stride_bo
+        scale = tl.load(SCALE + slot * stride_ss)
+        delta = tl.zeros(y.shape, dtype=tl.float32)
+        for r0 in tl.static_range(0, BLOCK_R, R_STEP):
+            r = r0 + tl.arange(0, R_STEP)
+            sr = tl.load(SIN + row * stride_st + r, mask=r < R, other=0.0) * scale
+            b = tl.load(b_rows + r[None, :], mask=in_cols[:, None] & (r < R)[None, :], other=0.0)
+            if LOW_PRECISION:
+                sr = sr.to(b.dtype)
+            delta += tl.sum(b.to(tl.float32) * sr.to(tl.float32)[None, :], axis=1)
+        y = (y.to(tl.float32) + delta).to(y.dtype)
+    return y
+
+
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 

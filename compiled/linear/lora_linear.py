@@ -69,12 +69,19 @@ def linear_lora(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch
     if _in_kernel(x, weight, slices):
         from compiled.linear.skinny_kernels import skinny_linear_lora_triton
         return skinny_linear_lora_triton(x, weight, _args(shrink(x, a, slot), b, scale, slot, slices))
-    fork = Fork(x.device)   # the shrink, a few SMs' work, beside the base GEMM
+    y, s = _linear_beside_shrink(x, weight, a, slot)
+    return expand(y, s, b, scale, slot, slices)
+
+
+def _linear_beside_shrink(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, slot: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the base linear, the shrink): the shrink, a few SMs' work, on the side stream beside the GEMM."""
+    fork = Fork(x.device)
     with fork.side():
         s = shrink(x, a, slot)
     y = ops.dispatch(x, weight)
     fork.join()
-    return expand(y, s, b, scale, slot, slices)
+    return y, s
 
 
 @linear_lora.register_fake
@@ -137,3 +144,46 @@ def _check_silu_lora(gate_up, weight, a, b, scale, slot, slices) -> None:
 def _(gate_up, weight, a, b, scale, slot, slices):
     _check_silu_lora(gate_up, weight, a, b, scale, slot, slices)
     return gate_up.new_empty((gate_up.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("compiled::linear_lora_add_rms_norm_linear", mutates_args=())
+def linear_lora_add_rms_norm_linear(x: torch.Tensor, inp: torch.Tensor, w_in: torch.Tensor, a: torch.Tensor,
+                                    b: torch.Tensor, scale: torch.Tensor, slot: torch.Tensor,
+                                    norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, keep_normed: bool
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`add_rms_norm_linear(x, linear_lora(inp, w_in, a, b, scale, slot, [N]), norm_weight, eps,
+    weight, keep_normed)`: a LoRA'd linear of one slice whose output is the residual add's delta
+    (o_proj before the post-attention norm and the router). Where cuBLAS runs both linears and the
+    norm is a launch of its own, that launch adds the deltas (`prologue_kernels`, LORA): the
+    expand's own launch goes. Elsewhere the two ops run in turn."""
+    _check_lora_norm(x, inp, w_in, a, b, scale, slot, norm_weight, weight)
+    if _expand_in_norm(x, inp, w_in, weight):
+        from compiled.linear.prologue_kernels import add_rms_norm_triton
+        y_in, s = _linear_beside_shrink(inp, w_in, a, slot)
+        h, normed = add_rms_norm_triton(x, y_in, norm_weight, eps, lora=_args(s, b, scale, slot, [w_in.shape[0]]))
+        y = ops.dispatch(normed, weight)
+    else:
+        delta = linear_lora(inp, w_in, a, b, scale, slot, [w_in.shape[0]])
+        y, h, normed = fused.add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed)
+    return y, h, normed if keep_normed else x.new_empty(0)
+
+
+def _expand_in_norm(x: torch.Tensor, inp: torch.Tensor, w_in: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the norm's launch adds the deltas: the LoRA and norm kernels allowed, neither linear
+    the skinny GEMM's (it has the expand, or the norm, in its own launch)."""
+    return (lora.use_kernel(inp) and fused.own_launch(x) and not ops.use_kernel(inp, w_in)
+            and not ops.use_kernel(x, weight))
+
+
+def _check_lora_norm(x, inp, w_in, a, b, scale, slot, norm_weight, weight) -> None:
+    op = "compiled::linear_lora_add_rms_norm_linear"
+    check_lora(op, inp, w_in, a, b, scale, slot, [w_in.shape[0]])
+    fused.check_norm(x, x.new_empty(()).expand(inp.shape[0], w_in.shape[0]), norm_weight, weight, op,
+                     delta_name="w_in's output")
+
+
+@linear_lora_add_rms_norm_linear.register_fake
+def _(x, inp, w_in, a, b, scale, slot, norm_weight, eps, weight, keep_normed):
+    _check_lora_norm(x, inp, w_in, a, b, scale, slot, norm_weight, weight)
+    return x.new_empty((x.shape[0], weight.shape[0])), torch.empty_like(x), \
+        torch.empty_like(x) if keep_normed else x.new_empty(0)

@@ -119,9 +119,45 @@ def ops_forced_triton_case() -> dict:
     return dict(err=max(errs), tol=TOL[torch.float32], clean=True)
 
 
+# (name, T, K, R, S, dtype, slots): the norm's launch adding a one-slice linear's LoRA deltas to
+# its delta input: a ragged K, rank 5 (ranks read 4 at a time), slots out of range, no adapter.
+NORM_DELTA_CASES = [
+    ("norm_delta_k44_rank5_bf16", 5, 44, 5, 3, "bfloat16", [2, -1, 0, 5, 1]),
+    ("norm_delta_k96_rank16_fp32", 4, 96, 16, 2, "float32", [1, 0, -3, 1]),
+    ("norm_delta_no_adapter_bf16", 3, 40, 8, 2, "bfloat16", [-1, -1, -1]),
+]
+
+
+def lora_norm_inputs(T, K, R, S, dtype, seed, slots):
+    """(x, the linear's base output y, s, b, scale, slot, norm weight) for a one-slice linear of K outputs."""
+    _, _, b, scale, slot, y = problem(T, 8, [K], R, S, dtype, seed, slots)
+    g = torch.Generator().manual_seed(seed + 2)
+    x = torch.randn(T, K, generator=g).to(dtype)
+    s = torch.randn(T, R, generator=g)
+    nw = (torch.rand(K, generator=g) + 0.5).to(dtype)
+    return x, y, s, b, scale, slot, nw
+
+
+def norm_delta_case(T, K, R, S, dtype, slots) -> dict:
+    """`add_rms_norm_triton` with a LoRA delta against the expand's reference and then the norm's."""
+    from compiled.linear import lora_kernels as lk, prologue_kernels as pk
+    dt = getattr(torch, dtype)
+    x, y, s, b, scale, slot, nw = lora_norm_inputs(T, K, R, S, dt, T + K + R, slots)
+    h, normed = pk.add_rms_norm_triton(x, y, nw, EPS, lora=lk.LoRAArgs.of(s, b, scale, slot, [K]))
+    want_h, want_normed = add_rms_norm_ref(x, lora_expand_ref(y, s, b, scale, slot, [K]), nw, EPS)
+    return dict(err=max(max_err(h, want_h), max_err(normed, want_normed)), tol=TOL[dt],
+                clean=h.dtype == dt and normed.dtype == dt)
+
+
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, dict]:
     return run_interpreted(__file__)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in NORM_DELTA_CASES])
+def test_interpreted_norm_adds_a_linears_lora_deltas_as_the_expand_would(interpreted_results, name):
+    r = interpreted_results[name]
+    assert r["err"] <= r["tol"] and r["clean"], r
 
 
 @pytest.mark.parametrize("name", [c[0] for c in PROLOGUE_CASES] + ["ops_forced_triton"])
@@ -153,6 +189,31 @@ def test_ops_on_cpu_are_the_references_in_turn():
     assert torch.equal(out, reference("silu", head, x_in, a, b, scale, slot, [35]))
 
 
+def lora_norm_op_inputs(T, IN, K, N, dtype, seed, slots):
+    """The arguments of `linear_lora_add_rms_norm_linear`: a linear IN -> K with rank-8 LoRA on 3
+    slots, the residual x `[T, K]`, a norm and a linear K -> N after it."""
+    (inp, w_in), _, a, b, scale, slot = inputs("plain", T, IN, [K], 8, 3, dtype, seed, slots)
+    g = torch.Generator().manual_seed(seed + 3)
+    x = torch.randn(T, K, generator=g).to(dtype)
+    nw = (torch.rand(K, generator=g) + 0.5).to(dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dtype)
+    return x, inp, w_in, a, b, scale, slot, nw, EPS, w
+
+
+def lora_norm_reference(x, inp, w_in, a, b, scale, slot, nw, eps, w):
+    o = lora_expand_ref(inp @ w_in.T, lora_shrink_ref(inp, a, slot), b, scale, slot, [w_in.shape[0]])
+    h, normed = add_rms_norm_ref(x, o, nw, eps)
+    return normed @ w.T, h, normed
+
+
+def test_linear_lora_add_rms_norm_linear_on_cpu_is_the_references_in_turn():
+    args = lora_norm_op_inputs(7, 45, 36, 11, torch.float32, 9, SLOTS_7)
+    y, h, normed = torch.ops.compiled.linear_lora_add_rms_norm_linear(*args, True)
+    for got, want in zip((y, h, normed), lora_norm_reference(*args)):
+        assert torch.equal(got, want)
+    assert torch.ops.compiled.linear_lora_add_rms_norm_linear(*args, False)[2].numel() == 0
+
+
 def test_bad_lora_arguments_are_one_line_errors_naming_the_op_and_tensor():
     (x, w), _, a, b, scale, slot = inputs("plain", 7, 45, [17, 9, 9], 8, 3, torch.float32, 6, SLOTS_7)
     op = torch.ops.compiled.linear_lora
@@ -173,6 +234,13 @@ def test_bad_lora_arguments_are_one_line_errors_naming_the_op_and_tensor():
     _one_line(lambda: silu(gate_up[:, :88], w, a, b, scale, slot, [35]),
               r"compiled::silu_mul_linear_lora: gate_up \(7, 88\) @ weight \(35, 45\)")
     _one_line(lambda: silu(gate_up, w, a, b[:, :34], scale, slot, [35]), r"lora_expand: y \(7, 35\), b \(3, 34, 8\)")
+    x, inp, w_in, a, b, scale, slot, nw, eps, w = lora_norm_op_inputs(7, 45, 36, 11, torch.float32, 9, SLOTS_7)
+    op = torch.ops.compiled.linear_lora_add_rms_norm_linear
+    _one_line(lambda: op(x[:, :35], inp, w_in, a, b, scale, slot, nw, eps, w[:, :35], False),
+              r"compiled::linear_lora_add_rms_norm_linear: w_in's output \(7, 36\) torch.float32 does not match x")
+    _one_line(lambda: op(x, inp, w_in, a, b, scale, slot, nw[:35], eps, w, False),
+              r"compiled::linear_lora_add_rms_norm_linear: norm weight \(35,\)")
+    _one_line(lambda: op(x, inp, w_in, a, b, scale[:2], slot, nw, eps, w, False), r"scale \(2, 1\)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,7 +295,44 @@ def test_gpu_ops_match_the_references_eager_and_graph(kind, T, IN, slices):
         check(out)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [8, 17, 64])
+def test_gpu_linear_lora_add_rms_norm_linear_matches_the_references_eager_and_graph(T):
+    """The 30B's o_proj (4,096 -> 2,048) before the post-attention norm and the router (128): the
+    two ops in turn at 8 rows (the skinny GEMMs), the expand in the norm's launch at 17 and 64,
+    against the references, with no host sync and from a CUDA graph over fresh inputs."""
+    op = torch.ops.compiled.linear_lora_add_rms_norm_linear
+
+    def fresh(seed):
+        slots = [seed % 8] + [(seed + 3 * i) % 9 - 1 for i in range(1, T)]
+        (inp, w_in), _, a, b, scale, slot = inputs("plain", T, 4096, [2048], 16, 8, torch.bfloat16, seed, slots)
+        g = torch.Generator().manual_seed(seed + 3)
+        x, nw = torch.randn(T, 2048, generator=g), torch.rand(2048, generator=g) + 0.5
+        w = torch.randn(128, 2048, generator=g) / 2048 ** 0.5
+        return [t.to(torch.bfloat16).cuda() if t.is_floating_point() and t is not scale else t.cuda()
+                for t in (x, inp, w_in, a, b, scale, slot, nw)] + [EPS, w.to(torch.bfloat16).cuda()]
+
+    live = fresh(T)
+
+    def check(out):
+        want = lora_norm_reference(*[t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                                     for t in live])
+        for got, w in zip(out, want):
+            assert got.dtype == torch.bfloat16 and max_err(got, w) <= 3e-2
+
+    check(op(*live, True))
+    graph, out = capture_without_host_sync(lambda: op(*live, True))
+    for seed in range(2):
+        for dst, src in zip(live, fresh(100 + T + seed)):
+            if isinstance(dst, torch.Tensor):
+                dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out)
+
+
 if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
     results = {c[0]: prologue_case(*c[1:]) for c in PROLOGUE_CASES}
     results["ops_forced_triton"] = ops_forced_triton_case()
+    results.update({c[0]: norm_delta_case(*c[1:]) for c in NORM_DELTA_CASES})
     print(json.dumps(results))

@@ -320,3 +320,22 @@ def test_with_lora_a_qkv_after_a_moe_layer_keeps_the_moe_norm_fusion():
     assert is_getitem(y, 0) and is_op(y.args[0], torch.ops.compiled.moe_add_rms_norm_linear)
     norm_lora = [n.args[4].target for n in gm.graph.nodes if is_op(n, torch.ops.compiled.add_rms_norm_linear_lora)]
     assert norm_lora == ["model.layers.1.mlp.w13.weight", "model.layers.2.self_attn.qkv_proj.weight"]
+
+
+def test_with_lora_a_moe_layers_o_proj_delta_goes_into_the_post_attention_norm():
+    """fuse_lora_norm: each MoE layer's o_proj and its post-attention norm + router are one op
+    holding o_proj's LoRA buffers and the residual; a dense layer's o_proj (before gate/up's
+    add_rms_norm_linear_lora) stays a linear_lora."""
+    cfg, gm = _lora_passed(dict(MOE, num_hidden_layers=3, mlp_only_layers=[1]))
+    fused = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.linear_lora_add_rms_norm_linear)]
+    assert [n.args[2].target for n in fused] == [f"model.layers.{i}.self_attn.o_proj.weight" for i in (0, 2)]
+    for n in fused:
+        owner = n.args[2].target.removesuffix(".weight")
+        assert [t.target for t in n.args[3:6]] == [f"{owner}.lora_{t}" for t in ("a", "b", "scale")]
+        layer = owner.split(".")[2]
+        assert n.args[7].target == f"model.layers.{layer}.post_attention_layernorm.weight"
+        assert n.args[9].target == f"model.layers.{layer}.mlp.gate.weight" and n.args[10] is True
+    plain = [n.args[1].target for n in gm.graph.nodes if is_op(n, torch.ops.compiled.linear_lora)]
+    assert "model.layers.1.self_attn.o_proj.weight" in plain
+    assert not any(is_op(a, torch.ops.compiled.linear_lora) for n in gm.graph.nodes
+                   if is_op(n, torch.ops.compiled.add_rms_norm_linear) for a in n.args)
