@@ -170,12 +170,19 @@ def silu_mul(g, u):
 def add_rms_norm_row(x, d, NW, H, NORMED, cols, mask, K, eps):
     """One row's residual add + RMSNorm from its tiles x and d (masked lanes 0): stores h = x + d
     at H and RMSNorm(h) * norm weight at NORMED (pointers to the row's start)."""
-    h = residual_add(x, d)
+    h, normed = add_rms_norm_values(x, d, NW, cols, mask, K, eps)
     tl.store(H + cols, h, mask=mask)
+    tl.store(NORMED + cols, normed, mask=mask)
+
+
+@triton.jit
+def add_rms_norm_values(x, d, NW, cols, mask, K, eps):
+    """(h = x + d, RMSNorm(h) * norm weight), both rounded to x's dtype, for one row's tiles."""
+    h = residual_add(x, d)
     hf = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / K + eps)
     nw = tl.load(NW + cols, mask=mask, other=0.0)
-    tl.store(NORMED + cols, rms_normed(h, rstd, nw).to(x.dtype), mask=mask)
+    return h, rms_normed(h, rstd, nw).to(x.dtype)
 
 
 @triton.jit
@@ -317,3 +324,23 @@ def _stacked_delta(acc, S_IN, B, SCALE, slots, rows64, cols64, cols_ok, expert, 
         else:
             acc = tl.dot(sr * sc[None, :], b.to(tl.float32), acc, input_precision=PRECISION)
     return acc
+
+
+@triton.jit
+def row_shrink(x, A, OUT, SLOT, row, cols, in_cols, S, NR, stride_as, stride_an, stride_ot, n_lo,
+               N_PER: tl.constexpr, A_STEP: tl.constexpr):
+    """`lora_shrink` of one row x (its tile, columns `cols` of K) for outputs n_lo .. n_lo + N_PER
+    (those below NR): OUT[row, n] = sum_k x[k] A[slot, n, k] in fp32 FMAs, zeros where the row has
+    no adapter. A_STEP rows of A a step, so that a step's tile of a hidden-size row stays in registers."""
+    slot = tl.load(SLOT + row).to(tl.int32)
+    has = (slot >= 0) & (slot < S)
+    a_slot = A + tl.where(has, slot, 0).to(tl.int64) * stride_as
+    xf = x.to(tl.float32)
+    for n0 in tl.static_range(0, N_PER, A_STEP):
+        n = n_lo + n0 + tl.arange(0, A_STEP)
+        in_n = n < NR
+        slots = slot + tl.zeros_like(n)   # a vector: the interpreter takes no scalar in a mask
+        live = in_n & (slots >= 0) & (slots < S)   # no A read for a row without an adapter
+        a = tl.load(a_slot + n.to(tl.int64)[:, None] * stride_an + cols[None, :],
+                    mask=live[:, None] & in_cols[None, :], other=0.0)
+        tl.store(OUT + row * stride_ot + n, tl.sum(a.to(tl.float32) * xf[None, :], axis=1), mask=in_n)

@@ -45,6 +45,11 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 OPTIONAL_KEYS = ("HALF_M", "TMA")  # 0 when absent
 MAX_HALVINGS = 2  # HALF_M: partial blocks run tiles of down to a quarter of BLOCK_SIZE_M
+# The norm kernel's LoRA shrink of the next linear (`moe_sum_add_rms_norm_triton`): a program a
+# token and this many of the shrink's outputs (the 30B's qkv, 3 x rank 16: three programs a
+# token), each A_STEP rows of A at a time (a [A_STEP, 2,048] tile in registers).
+SHRINK_OUTPUTS_A_PROGRAM = 16
+SHRINK_A_STEP = 8
 DOWN_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", *OPTIONAL_KEYS)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -457,18 +462,24 @@ def moe_sum_add_rms_norm_ref(pairs: torch.Tensor, x: torch.Tensor, norm_weight: 
     return add_rms_norm_ref(x, moe_out, norm_weight, eps)
 
 
-def moe_sum_add_rms_norm_triton(pairs: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor,
-                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference's contract in one launch (`moe_sum_add_rms_norm_kernel`); x's last dim contiguous."""
+def moe_sum_add_rms_norm_triton(pairs: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                                shrink: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+    """The reference's contract in one launch (`moe_sum_add_rms_norm_kernel`); x's last dim
+    contiguous. `shrink` (a `[S, NR, H]` with its last dim contiguous, slot `[T]`): also the next
+    linear's LoRA shrink of normed, `lora_shrink(normed, a, slot)` `[T, NR]` fp32, as a third output."""
     from compiled.moe import fused_moe_kernels as K
     T, H = x.shape
     h, normed = x.new_empty((T, H)), x.new_empty((T, H))
+    a, slot = shrink if shrink is not None else (x.new_empty((0, 0, 0)), None)
+    s = torch.empty((T, a.shape[1]), dtype=torch.float32, device=x.device)
     if T:
         block = triton.next_power_of_2(H)
-        K.moe_sum_add_rms_norm_kernel[(T,)](pairs, x, norm_weight, h, normed, H, eps, x.stride(0),
-                                            TOP_K=pairs.shape[0] // T, BLOCK_H=block, num_warps=row_warps(block),
-                                            **launch_kwargs(x.device))
-    return h, normed
+        splits = triton.cdiv(a.shape[1], SHRINK_OUTPUTS_A_PROGRAM) if shrink is not None else 1
+        K.moe_sum_add_rms_norm_kernel[(T, splits)](
+            pairs, x, norm_weight, h, normed, H, eps, x.stride(0), a, s, slot if slot is not None else x, a.shape[0],
+            a.shape[1], a.stride(0), a.stride(1), TOP_K=pairs.shape[0] // T, BLOCK_H=block, SHRINK=shrink is not None,
+            N_PER=SHRINK_OUTPUTS_A_PROGRAM, A_STEP=SHRINK_A_STEP, num_warps=row_warps(block), **launch_kwargs(x.device))
+    return (h, normed) if shrink is None else (h, normed, s)
 
 
 def _dot_flags(dtype: torch.dtype) -> dict:

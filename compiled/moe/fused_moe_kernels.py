@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.triton_utils import (add_rms_norm_row, one_slot_dot, one_slot_operands, pdl_wait, slot_bits,
+from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, row_shrink, one_slot_dot, one_slot_operands, pdl_wait, slot_bits,
                                    slot_stacked_delta)
 
 
@@ -547,15 +547,26 @@ def moe_sum_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr
 
 
 @triton.jit
-def moe_sum_add_rms_norm_kernel(y_ptr, x_ptr, nw_ptr, h_ptr, normed_ptr, H, eps, stride_xm,
-                                TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+def moe_sum_add_rms_norm_kernel(y_ptr, x_ptr, nw_ptr, h_ptr, normed_ptr, H, eps, stride_xm, A, S_OUT, SLOT, S, NR,
+                                stride_as, stride_an, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                                SHRINK: tl.constexpr, N_PER: tl.constexpr, A_STEP: tl.constexpr, PDL: tl.constexpr):
     """The top-k sum of `moe_sum_kernel` (rounded to x's dtype, as that kernel stores it), then
     the residual add + RMSNorm of the layer after it on the whole row: h = x + sum, normed =
-    RMSNorm(h) * nw. One program a token; h and normed `[T, H]` contiguous."""
+    RMSNorm(h) * nw. One program a token; h and normed `[T, H]` contiguous. SHRINK: also the
+    LoRA shrink of the next linear, S_OUT `[T, NR]` = lora_shrink(normed, A, SLOT); program
+    (t, j) takes N_PER of its NR outputs (`row_shrink`) and program (t, 0) stores h and normed."""
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     m = offs < H
     moe_out = _slot_sum(y_ptr, t, offs, m, H, TOP_K).to(x_ptr.dtype.element_ty)
     x = tl.load(x_ptr + t * stride_xm + offs, mask=m, other=0.0)
-    add_rms_norm_row(x, moe_out, nw_ptr, h_ptr + t * H, normed_ptr + t * H, offs, m, H, eps)
+    if SHRINK:
+        h, normed = add_rms_norm_values(x, moe_out, nw_ptr, offs, m, H, eps)
+        if tl.program_id(1) == 0:
+            tl.store(h_ptr + t * H + offs, h, mask=m)
+            tl.store(normed_ptr + t * H + offs, normed, mask=m)
+        row_shrink(normed, A, S_OUT, SLOT, t, offs, m, S, NR, stride_as, stride_an, NR, tl.program_id(1) * N_PER,
+                   N_PER, A_STEP)
+    else:
+        add_rms_norm_row(x, moe_out, nw_ptr, h_ptr + t * H, normed_ptr + t * H, offs, m, H, eps)

@@ -8,7 +8,8 @@ at a few rows is a short GEMV (compiled/linear/lora_linear.py); elsewhere the op
 as before. Runs after lora_delta, which makes the triples; fuse_norm_linear and fuse_silu_linear
 then fold a residual add + RMSNorm or a SiLU-and-mul in front into the op. Left alone: a linear reading the RMSNorm
 of a MoE layer's output added to the residual (the 30B's qkv), which fuse_moe_norm folds, expert
-sum included, into a kernel with no LoRA epilogue, and a linear or shrink with other readers."""
+sum included, into one op and fuse_moe_norm_lora then its shrink and expand, and a linear or
+shrink with other readers."""
 
 from __future__ import annotations
 

@@ -173,6 +173,47 @@ def case_sum_in_the_norm_kernel():
         torch.testing.assert_close(g_, ref, atol=1e-4, rtol=1e-4)
 
 
+def qkv_lora(T, H, slices, R, S, seed, device="cpu", dtype=torch.float32):
+    """(weight, a, b, scale) of a linear H -> sum(slices) with rank-R LoRA on S slots."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    kw = dict(device=device, generator=g)
+    weight = torch.randn(sum(slices), H, **kw) / H ** 0.5
+    a = torch.randn(S, len(slices) * R, H, **kw) / H ** 0.5
+    b = torch.randn(S, sum(slices), R, **kw) / R ** 0.5
+    return weight.to(dtype), a.to(dtype), b.to(dtype), torch.rand(S, len(slices), **kw) + 0.5
+
+
+def moe_norm_lora_ref(x, moe_args, nw, weight, a, b, scale, slot, slices):
+    """moe_add_rms_norm_linear_lora's (y, h, normed) from the references in turn."""
+    from compiled.fusions.moe_norm_linear import moe_add_rms_norm_linear_ref
+    from compiled.linear.lora import lora_expand_ref, lora_shrink_ref
+    y, h, normed = moe_add_rms_norm_linear_ref(x, *moe_args[:5], nw, 1e-6, weight, *moe_args[5:])
+    return lora_expand_ref(y, lora_shrink_ref(normed, a, slot), b, scale, slot, slices), h, normed
+
+
+def case_qkv_shrink_in_the_norm_kernel():
+    # compiled::moe_add_rms_norm_linear_lora with the MoE and LoRA backends forced to Triton: the
+    # norm's kernel sums the LoRA MoE's pairs and runs the qkv's shrink (3 slices of rank 8, two
+    # programs a token), the expand after the linear; against the references in turn
+    from compiled.linear import lora as linear_lora
+    args = problem(7, 6, 3, 45, 19, 8, 3, slots=SLOTS_7, seed=14)
+    g = torch.Generator().manual_seed(14)
+    x, nw = torch.randn(7, 45, generator=g), 1 + 0.1 * torch.randn(45, generator=g)
+    slices = [12, 6, 6]
+    weight, a, b, scale = qkv_lora(7, 45, slices, 8, 3, seed=15)
+    before = fm.BACKEND.name, linear_lora.BACKEND.name
+    fm.BACKEND.set("triton")
+    linear_lora.set_backend("triton")
+    try:
+        got = torch.ops.compiled.moe_add_rms_norm_linear_lora(x, *args[:5], nw, 1e-6, weight, True, a, b, scale,
+                                                              args[10], slices, *args[5:])
+    finally:
+        fm.BACKEND.set(before[0])
+        linear_lora.set_backend(before[1])
+    for g_, ref in zip(got, moe_norm_lora_ref(x, args, nw, weight, a, b, scale, args[10], slices)):
+        torch.testing.assert_close(g_, ref, atol=1e-4, rtol=1e-4)
+
+
 def case_split_k_shrinks():
     # every shrink split along K: gate/up per pair in 2 ragged splits of 32 and 13 and down per
     # row in 3 of 16, then (pairs past PAIR_SHRINK_MAX_PAIRS) both per block, the same; each
@@ -243,7 +284,7 @@ def _pair_shrink_up_to(max_pairs):
 
 
 CASES = [case_split_k_shrinks, case_gate_up_shrink_per_block, case_down_delta_as_last_k_steps,
-         case_t7_h45_i19_fp32_mixed_slots, case_sum_in_the_norm_kernel,
+         case_t7_h45_i19_fp32_mixed_slots, case_sum_in_the_norm_kernel, case_qkv_shrink_in_the_norm_kernel,
          case_t7_h45_i19_bf16_and_fp16,
          case_t40_e8_k2_blocks_groups_and_out_of_range_slots, case_t40_one_adapter_tall_tiles,
          case_one_token_top1_and_rank5,
@@ -329,6 +370,20 @@ def test_the_norm_op_needs_all_six_lora_tensors_or_none():
     with pytest.raises(ValueError, match=r"compiled::moe_add_rms_norm_linear: expert LoRA needs all of .*; "
                                          r"missing lora_scale, lora_slot$"):
         torch.ops.compiled.moe_add_rms_norm_linear(x, *args[:5], nw, 1e-6, weight, False, *args[5:9])
+
+
+def test_the_norm_op_with_the_linears_lora_on_cpu_is_the_references_in_turn():
+    args = problem(5, 6, 2, 16, 8, 4, 2, seed=16)
+    x, nw = torch.randn(5, 16), torch.rand(16) + 0.5
+    weight, a, b, scale = qkv_lora(5, 16, [8, 4, 4], 4, 2, seed=17)
+    y, h, normed = torch.ops.compiled.moe_add_rms_norm_linear_lora(x, *args[:5], nw, 1e-6, weight, True, a, b, scale,
+                                                                   args[10], [8, 4, 4], *args[5:])
+    for got, want in zip((y, h, normed), moe_norm_lora_ref(x, args, nw, weight, a, b, scale, args[10], [8, 4, 4])):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"compiled::moe_add_rms_norm_linear_lora: a \(2, 8, 16\) has 8 rows, "
+                                         r"expected 3 slices x rank 4"):
+        torch.ops.compiled.moe_add_rms_norm_linear_lora(x, *args[:5], nw, 1e-6, weight, False, a[:, :8], b, scale,
+                                                        args[10], [8, 4, 4], *args[5:])
 
 
 def test_lora_up_config_leaves_room_for_two_programs_an_sm():
@@ -474,6 +529,48 @@ def test_gpu_sum_in_the_norm_kernel_matches_the_two_ops(real_layer, T):
     want = torch.ops.compiled.add_rms_norm_linear(x, delta, nw, 1e-6, weight, True)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 64])
+def test_gpu_qkv_shrink_in_the_norm_kernel_matches_the_ops_in_turn(real_layer, T):
+    """moe_add_rms_norm_linear_lora (the norm's kernel runs the 30B qkv's shrink; the GEMV's
+    epilogue or the expand adds the deltas) against moe_add_rms_norm_linear, lora_shrink and
+    lora_expand in turn, eager and replayed from a CUDA graph over fresh inputs."""
+    slices = [4096, 512, 512]
+    weight, a, b, scale = qkv_lora(T, H_REAL, slices, R_REAL, S_REAL, seed=T, device="cuda", dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(T)
+
+    def fresh(seed):
+        x_moe, w, ids, slot = _real_inputs(T, seed=seed)
+        x = torch.randn(T, H_REAL, device="cuda", generator=g).bfloat16()
+        return [x, x_moe, w, ids, slot]
+
+    live = fresh(80 + T)
+    nw = (1 + 0.1 * torch.randn(H_REAL, device="cuda", generator=g)).bfloat16()
+    w13, w2, *lora = real_layer
+
+    def run():
+        x, x_moe, w, ids, slot = live
+        return torch.ops.compiled.moe_add_rms_norm_linear_lora(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight, True, a,
+                                                               b, scale, slot, slices, *lora, slot)
+
+    def check(got):
+        x, x_moe, w, ids, slot = live
+        y, h, normed = torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight, True,
+                                                                  *lora, slot)
+        y = torch.ops.compiled.lora_expand(y, torch.ops.compiled.lora_shrink(normed, a, slot), b, scale, slot, slices)
+        for got_, want in zip(got, (y, h, normed)):
+            torch.testing.assert_close(got_.float(), want.float(), atol=5e-2, rtol=3e-2)
+
+    check(run())
+    graph, out = capture_without_host_sync(run)
+    for seed in range(2):
+        for dst, src in zip(live, fresh(90 + T + seed)):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out)
 
 
 if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1

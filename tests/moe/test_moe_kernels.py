@@ -195,6 +195,26 @@ def case_sum_add_rms_norm_kernel_and_op():
             torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
+def case_sum_add_rms_norm_with_the_next_linears_shrink():
+    # the norm's kernel also running the next linear's LoRA shrink of each normed row: H not a
+    # power of two, outputs split over programs with a partial last one (24, 40 of 16 a program),
+    # slots -1 and out of range (rows of zeros), rank-5 padding; h and normed as without it
+    from compiled.linear.lora import lora_shrink_ref
+    g = torch.Generator().manual_seed(20)
+    for T, k, H, NR, S, dtype, slots in ((5, 2, 40, 24, 3, torch.float32, [2, -1, 0, 7, 1]),
+                                         (4, 8, 33, 40, 2, torch.bfloat16, [1, 0, 1, -1])):
+        pairs, x = torch.randn(T * k, H, generator=g).to(dtype), torch.randn(T, H, generator=g).to(dtype)
+        nw = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+        a = (torch.randn(S, NR, H, generator=g) / H ** 0.5).to(dtype)
+        slot = torch.tensor(slots, dtype=torch.int32)
+        h, normed, s = fm.moe_sum_add_rms_norm_triton(pairs, x, nw, 1e-6, shrink=(a, slot))
+        want_h, want_normed = fm.moe_sum_add_rms_norm_triton(pairs, x, nw, 1e-6)
+        assert torch.equal(h, want_h) and torch.equal(normed, want_normed)
+        torch.testing.assert_close(s, lora_shrink_ref(normed, a, slot), atol=1e-5, rtol=1e-5)
+        has = (slot >= 0) & (slot < S)
+        assert s.dtype == torch.float32 and bool((s[~has] == 0).all()) and bool((s[has] != 0).all())
+
+
 def _check_align(T, k, E, block_m, used=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(T, E, generator=g)
@@ -269,7 +289,8 @@ GROUPS = {
     "b": [case_t128_e16_k1_no_sum, case_t61_e33_k3_bf16, case_t2_e8_k8_all_experts_down_override,
           case_op_dispatch_and_workspace, case_align_multi_chunk_e128_k8, case_align_single_chunk_and_unused_experts,
           case_tma_weight_tiles_bf16_n_and_k_tails, case_tma_intermediate_tiles_full_blocks_bf16,
-          case_tma_up_only_fp16_half_tiles, case_sum_add_rms_norm_kernel_and_op],
+          case_tma_up_only_fp16_half_tiles, case_sum_add_rms_norm_kernel_and_op,
+          case_sum_add_rms_norm_with_the_next_linears_shrink],
 }
 CASE_NAMES = [f.__name__ for fns in GROUPS.values() for f in fns]
 

@@ -256,23 +256,31 @@ def test_dead_node_sweep_matches_fx_dead_code_elimination(monkeypatch):
     assert passed_code() == code
 
 
-def test_with_lora_the_moe_norm_fusion_takes_the_expert_lora_moe():
+def test_with_lora_the_moe_norm_fusion_takes_the_expert_lora_moe_and_the_qkv_lora():
     """With lora_delta, each MoE layer but the last (whose output goes to the final norm) runs as
-    moe_add_rms_norm_linear with its layer's expert-LoRA buffers; none is left as fused_moe_lora
-    beside a norm op of its own."""
+    moe_add_rms_norm_linear_lora with its layer's expert-LoRA buffers and the next layer's qkv
+    LoRA buffers (fuse_moe_norm_lora: the norm's kernel runs the qkv's shrink); none is left as
+    fused_moe_lora beside a norm op of its own, and no shrink or expand is left."""
     from compiled.passes.lora_delta import lora_delta_pass
     from compiled.passes.manager import with_lora
     cfg = ModelConfig.from_dict(dict(MOE, num_hidden_layers=3))
     meta = meta_model(cfg, torch.float32)
     gm = run_passes(trace(meta), meta.checkpoint_map(), with_lora(None, lora_delta_pass(2, 4))).gm
-    fused = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.moe_add_rms_norm_linear)]
+    fused = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.moe_add_rms_norm_linear_lora)]
     alone = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.fused_moe_lora)]
     assert len(fused) == 2 and len(alone) == 1
+    slots = alone[0].args[10]   # the token slots, as the last layer's MoE reads them
     for n in fused:
-        layer = n.args[4].target.split(".")[2]
-        assert [a.target for a in n.args[10:15]] == [f"model.layers.{layer}.mlp.{b}" for b in
+        layer = int(n.args[4].target.split(".")[2])
+        qkv = f"model.layers.{layer + 1}.self_attn.qkv_proj"
+        assert n.args[8].target == f"{qkv}.weight" and n.args[9] is False
+        assert [a.target for a in n.args[10:13]] == [f"{qkv}.lora_{t}" for t in ("a", "b", "scale")]
+        assert n.args[13] is slots and n.args[14] == [64, 32, 32]
+        assert [a.target for a in n.args[15:20]] == [f"model.layers.{layer}.mlp.{b}" for b in
                                                      ("lora_a13", "lora_b13", "lora_a2", "lora_b2", "lora_scale")]
-        assert n.args[15] is alone[0].args[10]   # the token slots, as the last layer's MoE reads them
+        assert n.args[20] is slots
+    assert not [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.lora_shrink)
+                or is_op(n, torch.ops.compiled.lora_expand) or is_op(n, torch.ops.compiled.moe_add_rms_norm_linear)]
 
 
 def _lora_passed(config: dict):
@@ -309,17 +317,16 @@ def test_with_lora_each_dense_projection_is_one_op_with_its_shrink_and_expand():
                 or is_op(n, torch.ops.compiled.lora_expand)]
 
 
-def test_with_lora_a_qkv_after_a_moe_layer_keeps_the_moe_norm_fusion():
-    """The qkv reading the norm of a MoE layer's output keeps moe_add_rms_norm_linear (the expert
-    sum in the norm's kernel) and a shrink and expand of its own; the qkv after a dense MLP layer
-    takes its delta inside add_rms_norm_linear_lora."""
+def test_with_lora_a_qkv_after_a_moe_layer_joins_the_moe_norm_fusion():
+    """The qkv reading the norm of a MoE layer's output is moe_add_rms_norm_linear_lora (the expert
+    sum and the qkv's shrink in the norm's kernel); the qkv after a dense MLP layer takes its delta
+    inside add_rms_norm_linear_lora."""
     cfg, gm = _lora_passed(dict(MOE, num_hidden_layers=3, mlp_only_layers=[1]))
-    expands = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.lora_expand)]
-    assert [n.args[2].target for n in expands] == ["model.layers.1.self_attn.qkv_proj.lora_b"]
-    y = expands[0].args[0]
-    assert is_getitem(y, 0) and is_op(y.args[0], torch.ops.compiled.moe_add_rms_norm_linear)
+    moe_norm = [n.args[8].target for n in gm.graph.nodes if is_op(n, torch.ops.compiled.moe_add_rms_norm_linear_lora)]
+    assert moe_norm == ["model.layers.1.self_attn.qkv_proj.weight"]
     norm_lora = [n.args[4].target for n in gm.graph.nodes if is_op(n, torch.ops.compiled.add_rms_norm_linear_lora)]
     assert norm_lora == ["model.layers.1.mlp.w13.weight", "model.layers.2.self_attn.qkv_proj.weight"]
+    assert not [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.lora_expand)]
 
 
 def test_with_lora_a_moe_layers_o_proj_delta_goes_into_the_post_attention_norm():
