@@ -328,19 +328,15 @@ def _stacked_delta(acc, S_IN, B, SCALE, slots, rows64, cols64, cols_ok, expert, 
 
 @triton.jit
 def row_shrink(x, A, OUT, SLOT, row, cols, in_cols, S, NR, stride_as, stride_an, stride_ot, n_lo,
-               N_PER: tl.constexpr, A_STEP: tl.constexpr):
+               N_PER: tl.constexpr):
     """`lora_shrink` of one row x (its tile, columns `cols` of K) for outputs n_lo .. n_lo + N_PER
     (those below NR): OUT[row, n] = sum_k x[k] A[slot, n, k] in fp32 FMAs, zeros where the row has
-    no adapter. A_STEP rows of A a step, so that a step's tile of a hidden-size row stays in registers."""
+    no adapter (whose A is not read)."""
     slot = tl.load(SLOT + row).to(tl.int32)
-    has = (slot >= 0) & (slot < S)
-    a_slot = A + tl.where(has, slot, 0).to(tl.int64) * stride_as
-    xf = x.to(tl.float32)
-    for n0 in tl.static_range(0, N_PER, A_STEP):
-        n = n_lo + n0 + tl.arange(0, A_STEP)
-        in_n = n < NR
-        slots = slot + tl.zeros_like(n)   # a vector: the interpreter takes no scalar in a mask
-        live = in_n & (slots >= 0) & (slots < S)   # no A read for a row without an adapter
-        a = tl.load(a_slot + n.to(tl.int64)[:, None] * stride_an + cols[None, :],
-                    mask=live[:, None] & in_cols[None, :], other=0.0)
-        tl.store(OUT + row * stride_ot + n, tl.sum(a.to(tl.float32) * xf[None, :], axis=1), mask=in_n)
+    n = n_lo + tl.arange(0, N_PER)
+    in_n = n < NR
+    slots = slot + tl.zeros_like(n)   # a vector: the interpreter takes no scalar in a mask
+    live = in_n & (slots >= 0) & (slots < S)
+    a = tl.load(A + tl.where(live, slots, 0).to(tl.int64)[:, None] * stride_as + n.to(tl.int64)[:, None] * stride_an
+                + cols[None, :], mask=live[:, None] & in_cols[None, :], other=0.0)
+    tl.store(OUT + row * stride_ot + n, tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], axis=1), mask=in_n)

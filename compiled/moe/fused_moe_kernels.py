@@ -549,7 +549,7 @@ def moe_sum_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr
 @triton.jit
 def moe_sum_add_rms_norm_kernel(y_ptr, x_ptr, nw_ptr, h_ptr, normed_ptr, H, eps, stride_xm, A, S_OUT, SLOT, S, NR,
                                 stride_as, stride_an, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                                SHRINK: tl.constexpr, N_PER: tl.constexpr, A_STEP: tl.constexpr, PDL: tl.constexpr):
+                                SHRINK: tl.constexpr, N_PER: tl.constexpr, PDL: tl.constexpr):
     """The top-k sum of `moe_sum_kernel` (rounded to x's dtype, as that kernel stores it), then
     the residual add + RMSNorm of the layer after it on the whole row: h = x + sum, normed =
     RMSNorm(h) * nw. One program a token; h and normed `[T, H]` contiguous. SHRINK: also the
@@ -567,6 +567,6 @@ def moe_sum_add_rms_norm_kernel(y_ptr, x_ptr, nw_ptr, h_ptr, normed_ptr, H, eps,
             tl.store(h_ptr + t * H + offs, h, mask=m)
             tl.store(normed_ptr + t * H + offs, normed, mask=m)
         row_shrink(normed, A, S_OUT, SLOT, t, offs, m, S, NR, stride_as, stride_an, NR, tl.program_id(1) * N_PER,
-                   N_PER, A_STEP)
+                   N_PER)
     else:
         add_rms_norm_row(x, moe_out, nw_ptr, h_ptr + t * H, normed_ptr + t * H, offs, m, H, eps)
