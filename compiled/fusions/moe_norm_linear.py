@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from compiled.linear import fused as fused_linear
+from compiled.linear import NORM_LORA_MAX_T, fused as fused_linear
 from compiled.linear import lora as linear_lora
 from compiled.linear.lora_linear import check_lora, linear_then_expand
 from compiled.linear.ops import dispatch
@@ -98,11 +98,12 @@ def moe_add_rms_norm_linear_lora(x: torch.Tensor, moe_x: torch.Tensor, topk_weig
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`moe_add_rms_norm_linear` whose linear (the next layer's qkv) has LoRA deltas: y =
     lora_expand(linear(normed), lora_shrink(normed, a, slot), b, scale, slot, slices). Where the
-    norm's kernel sums the experts, it also runs the shrink of each normed row (no launch of its
-    own), and the skinny GEMM's epilogue adds the deltas where it serves the linear."""
+    norm's kernel sums the experts, at decode sizes (NORM_LORA_MAX_T), it also runs the shrink of
+    each normed row (no launch of its own), and the skinny GEMM's epilogue adds the deltas where it
+    serves the linear."""
     lora = (a13, b13, a2, b2, lora_scale, lora_slot)
     _check_lora(x, moe_x, norm_weight, weight, lora, a, b, scale, slot, slices)
-    if not (sums_in_norm(x, moe_x, topk_ids) and linear_lora.use_kernel(x)):
+    if not (x.shape[0] <= NORM_LORA_MAX_T and sums_in_norm(x, moe_x, topk_ids) and linear_lora.use_kernel(x)):
         y, h, normed = moe_add_rms_norm_linear(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight,
                                                True, *lora)
         y = linear_lora.expand(y, linear_lora.shrink(normed, a, slot), b, scale, slot, slices)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from compiled.linear import LORA_MAX_SLICES, fused, lora, ops
+from compiled.linear import LORA_MAX_SLICES, NORM_LORA_MAX_T, fused, lora, ops
 from compiled.linear.lora import check_expand, check_shrink, expand, shrink
 from compiled.side_stream import Fork
 
@@ -179,10 +179,10 @@ def linear_lora_add_rms_norm_linear(x: torch.Tensor, inp: torch.Tensor, w_in: to
 
 
 def _expand_in_norm(x: torch.Tensor, inp: torch.Tensor, w_in: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the norm's launch adds the deltas: the LoRA and norm kernels allowed, neither linear
-    the skinny GEMM's (it has the expand, or the norm, in its own launch)."""
-    return (lora.use_kernel(inp) and fused.own_launch(x) and not ops.use_kernel(inp, w_in)
-            and not ops.use_kernel(x, weight))
+    """Whether the norm's launch adds the deltas: decode sizes, the LoRA and norm kernels allowed,
+    neither linear the skinny GEMM's (it has the expand, or the norm, in its own launch)."""
+    return (inp.shape[0] <= NORM_LORA_MAX_T and lora.use_kernel(inp) and fused.own_launch(x)
+            and not ops.use_kernel(inp, w_in) and not ops.use_kernel(x, weight))
 
 
 def _check_lora_norm(x, inp, w_in, a, b, scale, slot, norm_weight, weight) -> None:
