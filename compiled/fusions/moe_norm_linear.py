@@ -12,14 +12,14 @@ Alone, the experts' k weighted outputs per token are summed by a kernel of their
 runs the two ops' references in a row. It calls into moe/ and linear/, so it lives above both.
 
 `compiled::moe_add_rms_norm_linear_lora` is the same with the linear's own LoRA deltas (the next
-layer's qkv; fuse_moe_norm_lora): the norm's kernel also runs the shrink of each normed row, a
-few programs a token, so the shrink's launch goes (H200, 30B, 8 adapters, bench/RESULTS.md)."""
+layer's qkv; fuse_moe_norm_lora): at one row and at 17-64 the norm's kernel also runs the shrink
+of each normed row, a few programs a token, so the shrink's launch goes (bench/RESULTS.md)."""
 
 from __future__ import annotations
 
 import torch
 
-from compiled.linear import NORM_LORA_MAX_T, fused as fused_linear
+from compiled.linear import NORM_LORA_MAX_T, SKINNY_MAX_M, fused as fused_linear
 from compiled.linear import lora as linear_lora
 from compiled.linear.lora_linear import check_lora, linear_then_expand
 from compiled.linear.ops import dispatch
@@ -98,12 +98,12 @@ def moe_add_rms_norm_linear_lora(x: torch.Tensor, moe_x: torch.Tensor, topk_weig
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`moe_add_rms_norm_linear` whose linear (the next layer's qkv) has LoRA deltas: y =
     lora_expand(linear(normed), lora_shrink(normed, a, slot), b, scale, slot, slices). Where the
-    norm's kernel sums the experts, at decode sizes (NORM_LORA_MAX_T), it also runs the shrink of
+    norm's kernel sums the experts, at the sizes of `shrink_in_norm`, it also runs the shrink of
     each normed row (no launch of its own), and the skinny GEMM's epilogue adds the deltas where it
     serves the linear."""
     lora = (a13, b13, a2, b2, lora_scale, lora_slot)
     _check_lora(x, moe_x, norm_weight, weight, lora, a, b, scale, slot, slices)
-    if not (x.shape[0] <= NORM_LORA_MAX_T and sums_in_norm(x, moe_x, topk_ids) and linear_lora.use_kernel(x)):
+    if not (shrink_in_norm(x.shape[0]) and sums_in_norm(x, moe_x, topk_ids) and linear_lora.use_kernel(x)):
         y, h, normed = moe_add_rms_norm_linear(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight,
                                                True, *lora)
         y = linear_lora.expand(y, linear_lora.shrink(normed, a, slot), b, scale, slot, slices)
@@ -112,6 +112,13 @@ def moe_add_rms_norm_linear_lora(x: torch.Tensor, moe_x: torch.Tensor, topk_weig
         h, normed, s = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps, shrink=(a.contiguous(), slot))
         y = linear_then_expand(normed, weight, s, b, scale, slot, slices)
     return y, h, normed if keep_normed else x.new_empty(0)
+
+
+def shrink_in_norm(T: int) -> bool:
+    """One row, where the GEMV's epilogue then adds the deltas (H200, 30B, 8 adapters, b1 3.349,
+    3.368 vs 3.428, 3.434 ms), and 17 to NORM_LORA_MAX_T rows. At 2-16 the shrink's own launch
+    after cuBLAS measured faster in the engine (b8 9.386, 9.388 vs 9.406-9.472 ms)."""
+    return T == 1 or SKINNY_MAX_M < T <= NORM_LORA_MAX_T
 
 
 def _check_lora(x, moe_x, norm_weight, weight, lora, a, b, scale, slot, slices) -> None:

@@ -48,15 +48,15 @@ MAX_HALVINGS = 2  # HALF_M: partial blocks run tiles of down to a quarter of BLO
 # The norm kernel's LoRA shrink of the next linear (`moe_sum_add_rms_norm_triton`): a program
 # takes one token and `shrink_outputs_a_program` of the shrink's outputs, all its A rows in one
 # [outputs, 2,048] tile. H100, the 30B's qkv (3 x rank 16), µs a call against the norm kernel and
-# the shrink's own launch at 1 / 8 / 64 tokens: 2.35 / 3.14 / 7.52 against 3.23 / 6.29 / 7.93
-# (16 outputs a program, 8 rows a step: 3.76 / 3.89 / 8.65).
+# the shrink's own launch at 1 / 64 tokens: 2.35 / 7.52 against 3.23 / 7.93 (16 outputs a
+# program, 8 rows a step: 3.76 / 8.65).
 SHRINK_MAX_OUTPUTS_A_PROGRAM = 8
 
 
 def shrink_outputs_a_program(T: int) -> int:
-    """One output a program at one token (the shrink's GEMV mode spreads one row likewise), 4 up to
-    16 tokens, SHRINK_MAX_OUTPUTS_A_PROGRAM above: fewer programs re-read the experts' outputs."""
-    return 1 if T == 1 else 4 if T <= 16 else SHRINK_MAX_OUTPUTS_A_PROGRAM
+    """One output a program at one token (the shrink's GEMV mode spreads one row likewise),
+    SHRINK_MAX_OUTPUTS_A_PROGRAM above: fewer programs re-read the experts' outputs."""
+    return 1 if T == 1 else SHRINK_MAX_OUTPUTS_A_PROGRAM
 DOWN_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", *OPTIONAL_KEYS)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 

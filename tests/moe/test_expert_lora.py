@@ -192,26 +192,30 @@ def moe_norm_lora_ref(x, moe_args, nw, weight, a, b, scale, slot, slices):
 
 
 def case_qkv_shrink_in_the_norm_kernel():
-    # compiled::moe_add_rms_norm_linear_lora with the MoE and LoRA backends forced to Triton: the
-    # norm's kernel sums the LoRA MoE's pairs and runs the qkv's shrink (3 slices of rank 8, two
-    # programs a token), the expand after the linear; against the references in turn
+    # compiled::moe_add_rms_norm_linear_lora with the MoE and LoRA backends forced to Triton: at 1
+    # and 17 tokens the norm's kernel sums the LoRA MoE's pairs and runs the qkv's shrink (3 slices
+    # of rank 8: 24 and 3 programs a token), at 7 the shrink's own launch; the expand after the
+    # linear; against the references in turn
+    from compiled.fusions.moe_norm_linear import shrink_in_norm
     from compiled.linear import lora as linear_lora
-    args = problem(7, 6, 3, 45, 19, 8, 3, slots=SLOTS_7, seed=14)
-    g = torch.Generator().manual_seed(14)
-    x, nw = torch.randn(7, 45, generator=g), 1 + 0.1 * torch.randn(45, generator=g)
     slices = [12, 6, 6]
-    weight, a, b, scale = qkv_lora(7, 45, slices, 8, 3, seed=15)
+    assert [shrink_in_norm(T) for T in (1, 7, 17)] == [True, False, True]
     before = fm.BACKEND.name, linear_lora.BACKEND.name
     fm.BACKEND.set("triton")
     linear_lora.set_backend("triton")
     try:
-        got = torch.ops.compiled.moe_add_rms_norm_linear_lora(x, *args[:5], nw, 1e-6, weight, True, a, b, scale,
-                                                              args[10], slices, *args[5:])
+        for T in (1, 7, 17):
+            args = problem(T, 6, 3, 45, 19, 8, 3, slots=(SLOTS_7 * 3)[:T], seed=14 + T)
+            g = torch.Generator().manual_seed(14 + T)
+            x, nw = torch.randn(T, 45, generator=g), 1 + 0.1 * torch.randn(45, generator=g)
+            weight, a, b, scale = qkv_lora(T, 45, slices, 8, 3, seed=15 + T)
+            got = torch.ops.compiled.moe_add_rms_norm_linear_lora(x, *args[:5], nw, 1e-6, weight, True, a, b, scale,
+                                                                  args[10], slices, *args[5:])
+            for g_, ref in zip(got, moe_norm_lora_ref(x, args, nw, weight, a, b, scale, args[10], slices)):
+                torch.testing.assert_close(g_, ref, atol=1e-4, rtol=1e-4)
     finally:
         fm.BACKEND.set(before[0])
         linear_lora.set_backend(before[1])
-    for g_, ref in zip(got, moe_norm_lora_ref(x, args, nw, weight, a, b, scale, args[10], slices)):
-        torch.testing.assert_close(g_, ref, atol=1e-4, rtol=1e-4)
 
 
 def case_split_k_shrinks():
@@ -534,9 +538,9 @@ def test_gpu_sum_in_the_norm_kernel_matches_the_two_ops(real_layer, T):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_gpu_qkv_shrink_in_the_norm_kernel_matches_the_ops_in_turn(real_layer, T):
-    """moe_add_rms_norm_linear_lora (the norm's kernel runs the 30B qkv's shrink; the GEMV's
-    epilogue or the expand adds the deltas) against moe_add_rms_norm_linear, lora_shrink and
-    lora_expand in turn, eager and replayed from a CUDA graph over fresh inputs."""
+    """moe_add_rms_norm_linear_lora (at 1 and 64 rows the norm's kernel runs the 30B qkv's shrink;
+    the GEMV's epilogue or the expand adds the deltas) against moe_add_rms_norm_linear,
+    lora_shrink and lora_expand in turn, eager and replayed from a CUDA graph over fresh inputs."""
     slices = [4096, 512, 512]
     weight, a, b, scale = qkv_lora(T, H_REAL, slices, R_REAL, S_REAL, seed=T, device="cuda", dtype=torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(T)
