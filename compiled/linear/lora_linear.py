@@ -17,7 +17,12 @@ row, and every size the skinny GEMM does not serve, runs the three ops' bodies; 
 shrink, which reads x as it comes, runs on a side stream beside the base GEMM (`side_stream`:
 H100, 30B at 64 rows, o_proj's delta +9.7 -> +6.9 µs). A linear that cuBLAS does better (the
 30B's qkv at 2-16 rows) lost more in the skinny GEMM than the expand's launch saved
-(bench/RESULTS.md)."""
+(bench/RESULTS.md).
+
+`linear_lora_add_rms_norm_linear(x, inp, W_in, a, b, scale, slot, norm_w, eps, W, keep_normed)`
+is `add_rms_norm_linear(x, linear_lora(inp, W_in, ...), norm_w, eps, W, keep_normed)` for a
+one-slice linear (o_proj before the post-attention norm and the router; fuse_lora_norm): at
+17-64 rows the norm's launch adds the deltas and the expand's own launch goes."""
 
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ ROW_DELTA_R_STEP = 4   # ranks of B a step in the norm's LoRA delta: a 2,048-col
 
 @triton.jit
 def _add_rms_norm_kernel(X, D, NW, H, NORMED, K, eps, stride_xm, stride_dm, SIN, B, SCALE, SLOT, R, S, stride_st,
-                         stride_bs, stride_bo, stride_ss, BLOCK: tl.constexpr, LORA: tl.constexpr, BLOCK_R: tl.constexpr,
-                         R_STEP: tl.constexpr, LOW_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                         stride_bs, stride_bo, stride_ss, BLOCK: tl.constexpr, LORA: tl.constexpr,
+                         BLOCK_R: tl.constexpr, R_STEP: tl.constexpr, LOW_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """LORA: D is a one-slice linear's base output; its rows get their LoRA deltas (the expand's
     arithmetic, `row_delta_added`) before the add."""
     pdl_wait(PDL)
@@ -46,16 +46,16 @@ def add_rms_norm_triton(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch
     h, normed = x.new_empty((T, K)), x.new_empty((T, K))
     if T:
         block = triton.next_power_of_2(K)
-        if lora is None:
-            la = dict(SIN=x, B=x, SCALE=x, SLOT=x, R=0, S=0, stride_st=0, stride_bs=0, stride_bo=0, stride_ss=0, LORA=False,
-                      BLOCK_R=1, R_STEP=1, LOW_PRECISION=False)
-        else:
+        la = dict(SIN=x, B=x, SCALE=x, SLOT=x, R=0, S=0, stride_st=0, stride_bs=0, stride_bo=0, stride_ss=0,
+                  LORA=False, BLOCK_R=1, R_STEP=1, LOW_PRECISION=False)
+        if lora is not None:
             if lora.n_slices != 1 or lora.b.shape[1] != K:
                 raise ValueError(f"add_rms_norm_triton: LoRA b {tuple(lora.b.shape)} with {lora.n_slices} slices, "
                                  f"expected one slice of {K} columns")
-            la = dict(SIN=lora.s, B=lora.b, SCALE=lora.scale, SLOT=lora.slot, R=lora.b.shape[2], S=lora.b.shape[0],
-                      stride_st=lora.s.stride(0), stride_bs=lora.b.stride(0), stride_bo=lora.b.stride(1), stride_ss=lora.scale.stride(0), LORA=True,
-                      BLOCK_R=lora.block_r, R_STEP=min(lora.block_r, ROW_DELTA_R_STEP), LOW_PRECISION=not lora.fp32_dot)
+            la.update(SIN=lora.s, B=lora.b, SCALE=lora.scale, SLOT=lora.slot, R=lora.b.shape[2], S=lora.b.shape[0],
+                      stride_st=lora.s.stride(0), stride_bs=lora.b.stride(0), stride_bo=lora.b.stride(1),
+                      stride_ss=lora.scale.stride(0), LORA=True, BLOCK_R=lora.block_r,
+                      R_STEP=min(lora.block_r, ROW_DELTA_R_STEP), LOW_PRECISION=not lora.fp32_dot)
         _add_rms_norm_kernel[(T,)](x, delta, norm_weight, h, normed, K, eps, x.stride(0), delta.stride(0), **la,
                                    BLOCK=block, num_warps=row_warps(block), **launch_kwargs(x.device))
     return h, normed

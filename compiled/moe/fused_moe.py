@@ -45,18 +45,6 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 OPTIONAL_KEYS = ("HALF_M", "TMA")  # 0 when absent
 MAX_HALVINGS = 2  # HALF_M: partial blocks run tiles of down to a quarter of BLOCK_SIZE_M
-# The norm kernel's LoRA shrink of the next linear (`moe_sum_add_rms_norm_triton`): a program
-# takes one token and `shrink_outputs_a_program` of the shrink's outputs, all its A rows in one
-# [outputs, 2,048] tile. H100, the 30B's qkv (3 x rank 16), µs a call against the norm kernel and
-# the shrink's own launch at 1 / 64 tokens: 2.35 / 7.52 against 3.23 / 7.93 (16 outputs a
-# program, 8 rows a step: 3.76 / 8.65).
-SHRINK_MAX_OUTPUTS_A_PROGRAM = 8
-
-
-def shrink_outputs_a_program(T: int) -> int:
-    """One output a program at one token (the shrink's GEMV mode spreads one row likewise),
-    SHRINK_MAX_OUTPUTS_A_PROGRAM above: fewer programs re-read the experts' outputs."""
-    return 1 if T == 1 else SHRINK_MAX_OUTPUTS_A_PROGRAM
 DOWN_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", *OPTIONAL_KEYS)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -469,6 +457,20 @@ def moe_sum_add_rms_norm_ref(pairs: torch.Tensor, x: torch.Tensor, norm_weight: 
     return add_rms_norm_ref(x, moe_out, norm_weight, eps)
 
 
+# The norm kernel's LoRA shrink of the next linear (`moe_sum_add_rms_norm_triton`): a program
+# takes one token and `shrink_outputs_a_program` of the shrink's outputs, all its A rows in one
+# [outputs, 2,048] tile. H100, the 30B's qkv (3 x rank 16), µs a call against the norm kernel and
+# the shrink's own launch at 1 / 64 tokens: 2.35 / 7.52 against 3.23 / 7.93 (16 outputs a
+# program, 8 rows a step: 3.76 / 8.65).
+SHRINK_MAX_OUTPUTS_A_PROGRAM = 8
+
+
+def shrink_outputs_a_program(T: int) -> int:
+    """One output a program at one token (the shrink's GEMV mode spreads one row likewise),
+    SHRINK_MAX_OUTPUTS_A_PROGRAM above: fewer programs re-read the experts' outputs."""
+    return 1 if T == 1 else SHRINK_MAX_OUTPUTS_A_PROGRAM
+
+
 def moe_sum_add_rms_norm_triton(pairs: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                                 shrink: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
     """The reference's contract in one launch (`moe_sum_add_rms_norm_kernel`); x's last dim
@@ -477,16 +479,18 @@ def moe_sum_add_rms_norm_triton(pairs: torch.Tensor, x: torch.Tensor, norm_weigh
     from compiled.moe import fused_moe_kernels as K
     T, H = x.shape
     h, normed = x.new_empty((T, H)), x.new_empty((T, H))
-    a, slot = shrink if shrink is not None else (x.new_empty((0, 0, 0)), None)
-    s = torch.empty((T, a.shape[1]), dtype=torch.float32, device=x.device)
+    if shrink is None:   # the shrink's arguments are never read (one kernel variant at every T)
+        a, slot, s, n_per, splits, args = x, x, x, 1, 1, (0, 0, 0, 0)
+    else:
+        a, slot = shrink
+        s = torch.empty((T, a.shape[1]), dtype=torch.float32, device=x.device)
+        n_per = shrink_outputs_a_program(T)
+        splits, args = triton.cdiv(a.shape[1], n_per), (a.shape[0], a.shape[1], a.stride(0), a.stride(1))
     if T:
         block = triton.next_power_of_2(H)
-        n_per = shrink_outputs_a_program(T)
-        splits = triton.cdiv(a.shape[1], n_per) if shrink is not None else 1
         K.moe_sum_add_rms_norm_kernel[(T, splits)](
-            pairs, x, norm_weight, h, normed, H, eps, x.stride(0), a, s, slot if slot is not None else x, a.shape[0],
-            a.shape[1], a.stride(0), a.stride(1), TOP_K=pairs.shape[0] // T, BLOCK_H=block, SHRINK=shrink is not None,
-            N_PER=n_per, num_warps=row_warps(block), **launch_kwargs(x.device))
+            pairs, x, norm_weight, h, normed, H, eps, x.stride(0), a, s, slot, *args, TOP_K=pairs.shape[0] // T,
+            BLOCK_H=block, SHRINK=shrink is not None, N_PER=n_per, num_warps=row_warps(block), **launch_kwargs(x.device))
     return (h, normed) if shrink is None else (h, normed, s)
 
 

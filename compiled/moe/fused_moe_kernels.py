@@ -26,8 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, row_shrink, one_slot_dot, one_slot_operands, pdl_wait, slot_bits,
-                                   slot_stacked_delta)
+from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, one_slot_dot, one_slot_operands, pdl_wait,
+                                   row_shrink, slot_bits, slot_stacked_delta)
 
 
 @triton.jit
