@@ -460,8 +460,8 @@ def moe_sum_add_rms_norm_ref(pairs: torch.Tensor, x: torch.Tensor, norm_weight: 
 # The norm kernel's LoRA shrink of the next linear (`moe_sum_add_rms_norm_triton`): a program
 # takes one token and `shrink_outputs_a_program` of the shrink's outputs, all its A rows in one
 # [outputs, 2,048] tile. H100, the 30B's qkv (3 x rank 16), µs a call against the norm kernel and
-# the shrink's own launch at 1 / 64 tokens, timed as `bench/norm_lora_bench.py` times them: 2.35
-# / 7.52 against 3.23 / 7.93 (16 outputs a program, 8 rows a step: 3.76 / 8.65).
+# the shrink's own launch at 1 / 64 tokens, CUDA graphs of 50 calls (`bench/norm_lora_bench.py`):
+# 2.35 / 7.52 against 3.23 / 7.93 (16 outputs a program, 8 rows a step: 3.76 / 8.65).
 SHRINK_MAX_OUTPUTS_A_PROGRAM = 8
 
 
