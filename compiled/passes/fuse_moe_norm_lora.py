@@ -33,8 +33,8 @@ def fuse_moe_norm_lora(gm: fx.GraphModule, weights: WeightMap, record: PassRecor
         if match is None:
             continue
         moe, outputs, shrink = match
-        normed_readers = [u for u in outputs[2].users if u is not shrink] if 2 in outputs else []
-        _, s, *lora = node.args
+        normed_readers = [u for u in outputs[2].users if u is not shrink]
+        lora = node.args[2:]
         args = (*moe.args[:KEEP_NORMED], bool(normed_readers), shrink.args[1], *lora, *moe.args[KEEP_NORMED + 1:])
         with graph.inserting_before(node):
             fused = graph.call_function(torch.ops.compiled.moe_add_rms_norm_linear_lora.default, args)
@@ -64,6 +64,8 @@ def _match(node: fx.Node, order: dict) -> tuple[fx.Node, dict[int, fx.Node], fx.
     if moe.kwargs or not all(is_getitem(u, u.args[1]) and u.args[1] in (0, 1, 2) for u in moe.users):
         return None
     outputs = {u.args[1]: u for u in moe.users}
+    if len(outputs) != len(moe.users):   # one getitem an output, so that each has one new one
+        return None
     early = [r for o in outputs.values() for r in o.users if r not in (node, s) and order[r] < order[node]]
     return None if early else (moe, outputs, s)
 
