@@ -9,7 +9,8 @@ pass on: fused linears, q/k norm + RoPE in attention), and the fused MoE is call
 prefill sizes with the H100's tuned configs (TMA, part-height tiles) and as the one-token GEMVs;
 the launches those leave out (the routing kernel, the prologues' own launches, the plain K/V
 store, extend attention with TMA, the greedy argmax, the skinny GEMM's one-row GEMV mode, the
-multi-LoRA kernels and the fused MoE with expert LoRA) are called directly.
+multi-LoRA kernels, the norm kernels doing LoRA work and the fused MoE with expert LoRA) are
+called directly.
 Outputs are never computed, so nothing is compared: the test is that every kernel compiles."""
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ def _lora_calls() -> None:
                            slot, [4096, 512, 512])
     lora_shrink_triton(torch.randn(4, 1000).bfloat16(), torch.randn(8, 16, 1000).bfloat16(),
                        torch.zeros(4, dtype=torch.int32))
+    _norm_lora_calls()
     import compiled.moe.fused_moe as fm
     from compiled.moe.expert_lora import fused_moe_lora_triton
     E, H, I, k, R, S = 128, 256, 128, 8, 16, 4
@@ -167,6 +169,21 @@ def _lora_calls() -> None:
         config = table[min(table, key=lambda m: abs(m - T))]
         fused_moe_lora_triton(torch.randn(T, H).bfloat16(), torch.rand(T, k), torch.randint(0, E, (T, k)), w13, w2,
                               *lora, torch.ones(S, 3), torch.zeros(T, dtype=torch.int32), config=config)
+
+
+def _norm_lora_calls() -> None:
+    """The norm kernels doing a linear's LoRA work: o_proj's expand in the add + RMSNorm, the qkv's
+    shrink in the MoE's sum + norm (one output a program at one token, 8 at 64)."""
+    from compiled.linear.lora_kernels import LoRAArgs
+    from compiled.linear.prologue_kernels import add_rms_norm_triton
+    from compiled.moe.fused_moe import moe_sum_add_rms_norm_triton
+    nw = torch.ones(2048).bfloat16()
+    for T in (1, 64):
+        x, slot = torch.randn(T, 2048).bfloat16(), torch.zeros(T, dtype=torch.int32)
+        la = LoRAArgs.of(torch.randn(T, 16), torch.randn(8, 2048, 16).bfloat16(), torch.ones(8, 1), slot, [2048])
+        add_rms_norm_triton(x, x, nw, 1e-6, lora=la)
+        moe_sum_add_rms_norm_triton(torch.randn(8 * T, 2048).bfloat16(), x, nw, 1e-6,
+                                    shrink=(torch.randn(8, 48, 2048).bfloat16(), slot))
 
 
 if __name__ == "__main__":   # run by the test above, without the interpreter
