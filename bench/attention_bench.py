@@ -16,7 +16,8 @@ Shapes are Qwen3-30B-A3B's attention (32 q / 4 kv heads, head_dim 128, bf16).
   Both timed with triton.testing.do_bench (L2 flushed, median).
 - Store: the Triton K+V store vs torch index_put at decode and prefill token counts.
 
-- Latency (`--latency`, only this): decode at batch 1 and 8, 512-4096 tokens, every split count
+- Latency (`--latency`, only this): decode at batch 1 and 8, 512-4096 tokens (or `--latency-batches`,
+  `--latency-contexts`), every split count
   from 1 to 64 and the heuristic's (there also other tiles and warp counts), as a chain of calls in one graph (a decode step's attention
   is one short call after another at these sizes, so the per-call time is what counts).
 
@@ -89,8 +90,9 @@ class DecodeBench:
     """One K/V pool holding max_batch requests of max_ctx tokens; request i owns slots
     [1 + i * max_ctx, 1 + (i + 1) * max_ctx)."""
 
-    def __init__(self, max_batch: int, max_ctx: int) -> None:
-        self.max_batch, self.max_ctx = max_batch, max_ctx
+    def __init__(self, max_batch: int, max_ctx: int, min_rows: int = 0) -> None:
+        """`min_rows`: request-splits the workspaces hold beyond the heuristic's (explicit splits)."""
+        self.max_batch, self.max_ctx, self.min_rows = max_batch, max_ctx, min_rows
         slots = max_batch * max_ctx + 1
         self.k = torch.empty(slots, HKV, D, dtype=DT, device="cuda").normal_()
         self.v = torch.empty(slots, HKV, D, dtype=DT, device="cuda").normal_()
@@ -100,7 +102,8 @@ class DecodeBench:
     def workspace(self, programs_per_sm: int) -> DecodeWorkspace:
         if programs_per_sm not in self.workspaces:
             self.workspaces[programs_per_sm] = DecodeWorkspace(self.max_batch, HQ, HKV, D, torch.device("cuda"),
-                                                               programs_per_sm=programs_per_sm)
+                                                               programs_per_sm=programs_per_sm,
+                                                               min_rows=self.min_rows)
         return self.workspaces[programs_per_sm]
 
     def run(self, batch: int, ctx: int, programs_per_sm: int = triton_decode.PROGRAMS_PER_SM,
@@ -124,18 +127,19 @@ class DecodeBench:
                     kv_bytes=kv_bytes, gbps=(kv_bytes + io_bytes) / (ms * 1e-3) / 1e9)
 
 
-def decode_latency() -> list[dict]:
+def decode_latency(batches: tuple[int, ...], contexts: tuple[int, ...]) -> list[dict]:
     """A decode step's attention at small batches is a chain of short calls: µs per call of 128
     calls (distinct requests) in one graph, against the split count (None: the heuristic's)."""
-    bench = DecodeBench(128, 4096)
+    splits = (None, 1, 2, 4, 8, 16, 32, 64)
+    bench = DecodeBench(max(128, max(batches)), max(contexts), min_rows=max(batches) * max(splits[1:]))
     rows = []
-    for batch in (1, 8):
-        for ctx in (512, 2048, 4096):
-            for splits in (None, 1, 2, 4, 8, 16, 32, 64):
-                r = bench.run(batch, ctx, splits=splits)
-                r["heuristic"] = splits is None
+    for batch in batches:
+        for ctx in contexts:
+            for n in splits:
+                r = bench.run(batch, ctx, splits=n)
+                r["heuristic"] = n is None
                 rows.append(r)
-                print(f"  latency b={batch} ctx={ctx} splits={r['splits']}{' (heuristic)' if splits is None else ''}: "
+                print(f"  latency b={batch} ctx={ctx} splits={r['splits']}{' (heuristic)' if n is None else ''}: "
                       f"{r['us']:.2f} us", flush=True)
             for block_n, warps in ((32, 4), (64, 2), (32, 2), (128, 4), (64, 8)):   # at the heuristic's splits
                 r = bench.run(batch, ctx, block_n=block_n, num_warps=warps)
@@ -271,7 +275,10 @@ def main() -> None:
     ap.add_argument("--extend-shapes", type=lambda s: tuple(int(x) for x in s.split("+")), nargs="+",
                     help="PREFIX+NEW pairs instead of the default extend shapes, e.g. 512+2048")
     ap.add_argument("--latency", action="store_true",
-                    help="only the split-count sweep at batch 1-8, short contexts (a chain of calls in one graph)")
+                    help="only the split-count sweep at small batches and contexts (a chain of calls in one graph)")
+    ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
+    ap.add_argument("--latency-batches", type=ints, default=(1, 8), help="batches of --latency, e.g. 1,8,10,16")
+    ap.add_argument("--latency-contexts", type=ints, default=(512, 2048, 4096), help="contexts of --latency")
     args = ap.parse_args()
     torch.manual_seed(0)
     t0 = time.time()
@@ -282,7 +289,7 @@ def main() -> None:
     result["copy_ceiling_gbps"] = ceiling / 1e9
 
     if args.latency:
-        result["decode_latency"] = decode_latency()
+        result["decode_latency"] = decode_latency(args.latency_batches, args.latency_contexts)
         _dump(result, args.out)
         return
     if args.extend:

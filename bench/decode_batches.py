@@ -18,7 +18,7 @@ from compiled import LLM, SamplingParams
 
 def sync() -> None:
     if torch.cuda.is_available():
-        sync()
+        torch.cuda.synchronize()
 
 
 def step_ms(llm: LLM, batch: int, context: int, rng: random.Random) -> float:

@@ -161,12 +161,17 @@ def intermediate_rows(numel: int, E: int, block_m: int) -> int:
     return triton.cdiv(max_padded_size(numel, E, block_m), block_m) * block_m
 
 
+# Up to this many pairs every program of the place kernel counts all of them itself (no count
+# kernel, no atomics): a few steps of one-hot sums, less than a launch of its own.
+COUNT_ALL_MAX_PAIRS = 128
+
+
 def _align_chunk(numel: int) -> int:
-    """Pairs per program of the alignment kernels: one program up to 128 pairs, else 32 a program
-    (more beyond 256 programs). Short programs won: `moe_bench.py --sweep-align` on the H200,
-    64 tokens x top-8: 7.5 µs with 32 pairs a program against 13.4 with 128."""
-    if numel <= 128:
-        return max(16, triton.next_power_of_2(numel))
+    """Pairs per program of the alignment kernels: 32 a program (more beyond 256 programs). Short
+    programs won: `moe_bench.py --sweep-align` on the H200, 64 tokens x top-8: 7.5 µs with 32
+    pairs a program against 13.4 with 128."""
+    if numel <= COUNT_ALL_MAX_PAIRS:
+        return max(16, min(32, triton.next_power_of_2(numel)))
     return max(32, triton.next_power_of_2(triton.cdiv(numel, 256)))
 
 
@@ -247,9 +252,10 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
     e_pad = _expert_pad(E)
     lc = launch or align_launch(numel, E, block_m)
     n_chunks = triton.cdiv(numel, lc.chunk)
-    totals = done = bases = num_post  # unused with one chunk
+    totals = done = bases = num_post  # unused when the place kernel counts
     reset = False
-    if n_chunks > 1:
+    count_all = triton.cdiv(numel, lc.sub) * lc.sub if numel <= COUNT_ALL_MAX_PAIRS or n_chunks == 1 else 0
+    if not count_all:
         bases = ws.get("bases", n_chunks * e_pad, torch.int32, dev)
         # totals kept at zero between calls by the place kernel (see RESET); a memset otherwise
         totals, done = zeroed(dev, "align_totals", e_pad, torch.int32), zeroed(dev, "align_done", 1, torch.int32)
@@ -261,7 +267,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
                                           num_warps=lc.warps, **launch_kwargs(dev))
     K.align_place_kernel[(n_chunks,)](ids, totals, bases, done if reset else num_post, sorted_ids, expert_ids,
                                       num_post, numel, max_blocks, BLOCK_M=block_m, CHUNK=lc.chunk, SUB=lc.sub,
-                                      E_PAD=e_pad, BB=lc.bb, SINGLE=n_chunks == 1, RESET=reset, num_warps=lc.warps,
+                                      E_PAD=e_pad, BB=lc.bb, COUNT_ALL=count_all, RESET=reset, num_warps=lc.warps,
                                       **launch_kwargs(dev))
     return Blocks(sorted_ids, expert_ids, num_post)
 

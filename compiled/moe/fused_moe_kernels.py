@@ -51,23 +51,26 @@ def align_count_kernel(ids_ptr, totals_ptr, bases_ptr, numel,
 def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
                        numel, max_blocks,
                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                       E_PAD: tl.constexpr, BB: tl.constexpr, SINGLE: tl.constexpr, RESET: tl.constexpr,
+                       E_PAD: tl.constexpr, BB: tl.constexpr, COUNT_ALL: tl.constexpr, RESET: tl.constexpr,
                        PDL: tl.constexpr):
     """Scatter this chunk's pair indices to their padded slots; write block experts and padding.
 
-    SINGLE: there is one chunk and this program counts it itself (no count kernel). RESET: the
+    COUNT_ALL (> 0: a bound on the pairs, a multiple of SUB): every program counts all the pairs
+    itself, and those of the chunks before its own, so no count kernel runs before it. RESET: the
     program that finishes last (a counter at done_ptr) puts the totals and the counter back to
     zero for the next call, so no memset launch precedes the count kernel."""
     pdl_wait(PDL)
     pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
-    if SINGLE:
+    if COUNT_ALL:
         total_cnt = tl.zeros([E_PAD], dtype=tl.int32)
-        for s in range(0, CHUNK, SUB):
+        base = tl.zeros([E_PAD], dtype=tl.int32)
+        for s in range(0, COUNT_ALL, SUB):
             offs = s + tl.arange(0, SUB)
             ids = tl.load(ids_ptr + offs, mask=offs < numel, other=E_PAD).to(tl.int32)
-            total_cnt += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-        base = tl.zeros([E_PAD], dtype=tl.int32)
+            hits = (ids[:, None] == experts[None, :]).to(tl.int32)
+            total_cnt += tl.sum(hits, axis=0)
+            base += tl.sum(hits * (offs < pid * CHUNK).to(tl.int32)[:, None], axis=0)
     else:
         total_cnt = tl.load(totals_ptr + experts)
         base = tl.load(bases_ptr + pid * E_PAD + experts)

@@ -217,13 +217,13 @@ def case_sum_add_rms_norm_with_the_next_linears_shrink():
         assert s.dtype == torch.float32 and bool((s[~has] == 0).all()) and bool((s[has] != 0).all())
 
 
-def _check_align(T, k, E, block_m, used=None, seed=0):
+def _check_align(T, k, E, block_m, used=None, seed=0, launch=None):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(T, E, generator=g)
     if used is not None:
         logits[:, used:] -= 1e4
     ids = torch.topk(logits, k, dim=-1).indices
-    sorted_ids, expert_ids, num_post = fm.moe_align_block_size(ids, E, block_m)
+    sorted_ids, expert_ids, num_post = fm.moe_align_block_size(ids, E, block_m, launch=launch)
     numel = T * k
     flat = ids.reshape(-1)
     counts = torch.bincount(flat, minlength=E)
@@ -251,8 +251,12 @@ def case_align_multi_chunk_e128_k8():
     assert fm.align_launch(2400, 16, 32).chunk == 32 and fm.align_launch(40000, 128, 128).chunk == 256
 
 
-def case_align_single_chunk_and_unused_experts():
+def case_align_counted_by_every_program_and_unused_experts():
+    # up to COUNT_ALL_MAX_PAIRS pairs each program counts them all: 80 pairs in 3 programs, 40 in 2
+    _check_align(10, 8, 128, 16, seed=17)
     _check_align(10, 4, 20, 32, used=6, seed=12)
+    _check_align(16, 8, 128, 16, seed=18)
+    _check_align(10, 8, 128, 16, seed=19, launch=fm.AlignLaunch(chunk=128, sub=32, bb=32))   # one program
     _check_align(1, 1, 8, 16, seed=13)
     _check_align(300, 1, 8, 64, seed=14)
 
@@ -289,7 +293,7 @@ GROUPS = {
           case_t150_e8_k2_half_tiles_up_only, case_t37_e128_k8_unused_experts_fp16, case_t5_e60_k6_uneven_k_and_n,
           case_routing_kernel_vs_softmax_topk],
     "b": [case_t128_e16_k1_no_sum, case_t61_e33_k3_bf16, case_t2_e8_k8_all_experts_down_override,
-          case_op_dispatch_and_workspace, case_align_multi_chunk_e128_k8, case_align_single_chunk_and_unused_experts,
+          case_op_dispatch_and_workspace, case_align_multi_chunk_e128_k8, case_align_counted_by_every_program_and_unused_experts,
           case_tma_weight_tiles_bf16_n_and_k_tails, case_tma_intermediate_tiles_full_blocks_bf16,
           case_tma_up_only_fp16_half_tiles, case_sum_add_rms_norm_kernel_and_op,
           case_sum_add_rms_norm_with_the_next_linears_shrink],
