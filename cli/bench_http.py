@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import multiprocessing
 import ssl
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -52,12 +52,30 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, item: Item, trac
     return tokens
 
 
-async def _send_all(url: str, model: str, items: Sequence[Item], arrivals: Sequence[float], limit: int,
-                    start: float, traces: list[Trace], outputs: list[int],
+class SharedSlots:
+    """--max-concurrency over several client processes: one semaphore that all of them take a
+    slot from (each its own share of it would leave slots idle, or overshoot where the share is
+    rounded up). Waits for a slot on a thread of its own, so the process's event loop reads its
+    streams on (in the loop's default executor, waits could take every thread from the address
+    lookups of requests that hold slots), and its requests take their slots in order."""
+
+    def __init__(self, semaphore) -> None:
+        self._semaphore = semaphore
+        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slots")
+
+    async def __aenter__(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._waiter, self._semaphore.acquire)
+
+    async def __aexit__(self, *exc) -> None:
+        self._semaphore.release()
+
+
+async def _send_all(url: str, model: str, items: Sequence[Item], arrivals: Sequence[float],
+                    slots: asyncio.Semaphore | SharedSlots, start: float, traces: list[Trace], outputs: list[int],
                     on_finish: Callable[[int], None] | None) -> None:
-    """Send `items`, each at its arrival (seconds after `start`, a perf_counter time) with at most
-    `limit` in flight; their traces and output token counts into `traces` and `outputs`."""
-    slots = asyncio.Semaphore(limit)
+    """Send `items`, each at its arrival (seconds after `start`, a perf_counter time) with a slot
+    of `slots` held while it is in flight; their traces and output token counts into `traces` and
+    `outputs`."""
     # A client (one connection) per request in flight, reused: one client shared by all of
     # them scans every pooled connection on each chunk it reads, which makes the client, not
     # the server, the bottleneck at 96 streams.
@@ -80,15 +98,16 @@ async def _send_all(url: str, model: str, items: Sequence[Item], arrivals: Seque
             await client.aclose()
 
 
-def _client_process(index: int, url: str, model: str, items: list[Item], arrivals: list[float], limit: int, go,
+def _client_process(index: int, url: str, model: str, items: list[Item], arrivals: list[float], slots, go,
                     start, results) -> None:
-    """One of --client-processes: says it is ready, waits for the common start, sends its share."""
+    """One of --client-processes: says it is ready, waits for the common start, sends its share,
+    each request holding one of the processes' common `slots` (a semaphore) while in flight."""
     traces = [Trace(0.0, len(item.prompt)) for item in items]
     outputs = [0] * len(items)
     results.put("ready")
     go.wait()
     try:
-        asyncio.run(_send_all(url, model, items, arrivals, limit, start.value, traces, outputs, None))
+        asyncio.run(_send_all(url, model, items, arrivals, SharedSlots(slots), start.value, traces, outputs, None))
     except Exception as e:   # the parent raises it
         results.put((index, None, f"{type(e).__name__}: {e}"))
         return
@@ -98,8 +117,8 @@ def _client_process(index: int, url: str, model: str, items: list[Item], arrival
 def _send_from_processes(url: str, model: str, items: Sequence[Item], arrivals: list[float],
                          max_concurrency: int | None, processes: int, traces: list[Trace], outputs: list[int],
                          on_finish: Callable[[int], None] | None) -> None:
-    """The requests dealt round-robin to `processes` client processes (each with its share of
-    the concurrency), so that reading many streams in Python does not hold back the sends: one
+    """The requests dealt round-robin to `processes` client processes (sharing one limit on the
+    requests in flight), so that reading many streams in Python does not hold back the sends: one
     process's event loop reads 32 streams' chunks and sends the next requests in turn. Their
     clocks are one (perf_counter is the system's monotonic clock); they start together."""
     # A fork server imports this module once and forks each client from it: a spawned client
@@ -108,9 +127,9 @@ def _send_from_processes(url: str, model: str, items: Sequence[Item], arrivals: 
     ctx.set_forkserver_preload([__name__])
     go, start, results = ctx.Event(), ctx.Value("d", 0.0), ctx.Queue()
     shares = [list(range(p, len(items), processes)) for p in range(processes)]
-    limit = math.ceil((max_concurrency or len(items)) / processes)
+    slots = ctx.BoundedSemaphore(max_concurrency or len(items))
     workers = [ctx.Process(target=_client_process, daemon=True,
-                           args=(p, url, model, [items[i] for i in share], [arrivals[i] for i in share], limit, go,
+                           args=(p, url, model, [items[i] for i in share], [arrivals[i] for i in share], slots, go,
                                  start, results)) for p, share in enumerate(shares)]
     for w in workers:
         w.start()
@@ -143,8 +162,8 @@ def serving_http(url: str, items: Sequence[Item], rate: float, max_concurrency: 
     traces = [Trace(0.0, len(item.prompt)) for item in items]
     outputs = [0] * len(items)
     if processes == 1:
-        asyncio.run(_send_all(url, model, items, arrivals, max_concurrency or len(items), time.perf_counter(),
-                              traces, outputs, on_finish))
+        asyncio.run(_send_all(url, model, items, arrivals, asyncio.Semaphore(max_concurrency or len(items)),
+                              time.perf_counter(), traces, outputs, on_finish))
     else:
         _send_from_processes(url, model, items, arrivals, max_concurrency, processes, traces, outputs, on_finish)
     duration = max(t.done for t in traces)

@@ -247,6 +247,19 @@ def test_bench_serving_drives_the_server_over_http(server):
         assert all(0 < e <= res["duration_s"] * 1e3 for e in (res["e2e_ms"]["min"], res["e2e_ms"]["max"]))
 
 
+def test_client_processes_share_one_concurrency_limit(server):
+    from cli.bench_core import Trace, random_workload
+    from cli.bench_http import _send_from_processes
+    items = random_workload(9, 12, None, 6, None, 200, seed=2)
+    traces, outputs = [Trace(0.0, 12) for _ in items], [0] * len(items)
+    # 4 in flight over 3 processes: a share each, rounded up, would let 6 run at once
+    _send_from_processes(server, "qwen3-moe", items, [0.0] * len(items), 4, 3, traces, outputs, None)
+    assert outputs == [6] * len(items)
+    events = sorted([(t.sent, 1) for t in traces] + [(t.done, -1) for t in traces])
+    in_flight = [sum(d for _, d in events[:i + 1]) for i in range(len(events))]
+    assert max(in_flight) <= 4
+
+
 def test_metrics_report_the_prefix_cache(server):
     prompt = PROMPTS[2] + " and then some more words to share"
     for _ in range(2):
