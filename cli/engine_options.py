@@ -20,9 +20,8 @@ ENGINE_OPTIONS: dict[str, tuple[object, str, tuple[str, ...]]] = {
     "max_model_len": (Optional[int], "Context length (default: the model's).", ()),
     "max_num_seqs": (int, "Most requests in one step.", ()),
     "max_num_batched_tokens": (int, "Token budget of one step (longer prefills are chunked).", ()),
-    "max_mixed_step_tokens": (Optional[int], "Most tokens in a step that also decodes while at most one "
-                              "request waits (default: 512; with a backlog, up to the largest piecewise graph); "
-                              "keeps inter-token latency flat.", ()),
+    "max_mixed_step_tokens": (Optional[int], "Most tokens in a step that also decodes (default: the largest "
+                              "piecewise graph); keeps inter-token latency flat.", ()),
     "kv_cache_tokens": (Optional[int], "KV cache size in tokens (default: from memory).", ()),
     "mem_fraction": (float, "Share of GPU memory for weights + KV + activations.", ()),
     "enforce_eager": (bool, "No Inductor, no CUDA graphs: the eager graph module.", ("--enforce-eager",)),

@@ -18,11 +18,6 @@ from compiled.envs import BACKENDS
 from compiled.errors import ConfigError
 from compiled.runtime.loader import LOAD_FORMATS
 
-# The mixed-step cap's default: at 95 decoding rows of the 30B a 640-token prompt beside them made
-# a 37-43 ms step against 25 ms (H100); a slice of ~420 prompt tokens keeps it near 1.3x
-# (bench/RESULTS.md, Serving).
-MIXED_STEP_TOKENS = 512
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -45,12 +40,10 @@ class EngineConfig:
     # Token budget of one step; longer prompts are prefilled in chunks of at most this many.
     max_num_batched_tokens: int = 8192
     # A step that also decodes carries at most this many tokens in all (its decodes and prompt
-    # chunks) while at most one request waits, so that a prompt arriving beside running requests
-    # stretches their inter-token gap by a slice, not by its whole prefill (SGLang's chunked-prefill
-    # size, vLLM's long_prefill_token_threshold). While more wait, such a step takes up to
-    # `max_piecewise_tokens` (or this, if larger), so that a burst's prompts do not queue behind many
-    # short steps. None: MIXED_STEP_TOKENS. With as many requests decoding as the cap, new prompts
-    # wait for some to end.
+    # chunks), so that admitted prompts do not stall every running request for a whole
+    # `max_num_batched_tokens` chunk (SGLang's chunked-prefill size, vLLM's
+    # long_prefill_token_threshold). None: `max_piecewise_tokens`, so that such a step replays the
+    # piecewise CUDA graphs. With as many requests decoding as this, new prompts wait for some to end.
     max_mixed_step_tokens: int | None = None
     # Explicit KV budget in tokens; when None it is sized from memory (see runtime/memory.py).
     kv_cache_tokens: int | None = None
@@ -148,7 +141,7 @@ class EngineConfig:
             # Checked here too (runtime/memory.py checks every size) so it fails before loading.
             raise kv_cache_too_small(self.kv_cache_tokens, max_len, f"kv_cache_tokens={self.kv_cache_tokens}",
                                      f"raise kv_cache_tokens to at least {max_len}")
-        mixed = MIXED_STEP_TOKENS if self.max_mixed_step_tokens is None else self.max_mixed_step_tokens
+        mixed = self.max_piecewise_tokens if self.max_mixed_step_tokens is None else self.max_mixed_step_tokens
         return dataclasses.replace(self, device=device, dtype=resolve_dtype(self.dtype, device),
                                    max_model_len=max_len, max_mixed_step_tokens=mixed)
 

@@ -57,8 +57,7 @@ class Engine:
                          cfg.dtype, cfg.device)
         self.req_pool = ReqToTokenPool(cfg.max_num_seqs, cfg.max_model_len, cfg.device)
         self.scheduler = Scheduler(self.kv, self.req_pool, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   cfg.enable_prefix_caching, cfg.max_mixed_step_tokens,
-                                   max(cfg.max_mixed_step_tokens, cfg.max_piecewise_tokens))
+                                   cfg.enable_prefix_caching, cfg.max_mixed_step_tokens)
         self.runner = ModelRunner(model, cfg, self.kv, self.req_pool, lora_model)
         # lora_buffers: the module that names the LoRA buffers (the LoRA graph before compilation).
         self.loras = None if lora_model is None else LoRAPool(lora_buffers or lora_model, mcfg, cfg.max_lora_rank,

@@ -1,7 +1,6 @@
 """The mixed-step cap: while some requests decode, a step carries at most `max_mixed_step_tokens`
-tokens in all, their decodes first (`max_backlog_step_tokens` while more than one request waits);
-with nothing decoding a prompt takes the whole budget, and with as many decoding as the cap,
-prompts wait. Outputs do not depend on the cap."""
+tokens in all, their decodes first; with nothing decoding a prompt takes the whole budget, and
+with as many decoding as the cap, prompts wait. Outputs do not depend on the cap."""
 
 from __future__ import annotations
 
@@ -42,26 +41,6 @@ def test_prefill_beside_decodes_is_capped():
     assert _step(s) == [(0, 4, 1), (1, 5, 5)]                 # request 0 finishes
     assert _step(s) == [(1, 10, 10), (2, 0, 4)]               # nothing decodes: the whole budget
     assert _step(s) == [(1, 20, 1), (2, 4, 1)]
-
-
-def test_a_backlog_takes_the_larger_cap():
-    kv = KVPool(1, 128, 1, 4, torch.float32, torch.device("cpu"))
-    s = Scheduler(kv, ReqToTokenPool(8, 64, torch.device("cpu")), 8, 32, max_mixed_step_tokens=6,
-                  max_backlog_step_tokens=12)
-    s.add(Request(id=0, prompt=None, prompt_token_ids=[1] * 3, params=_greedy(9)))
-    assert _step(s) == [(0, 0, 3)]
-    for i in (1, 2):
-        s.add(Request(id=i, prompt=None, prompt_token_ids=[1] * 20, params=_greedy(2)))
-    assert _step(s) == [(0, 3, 1), (1, 0, 11)]                # two wait: 1 + 11 tokens
-    assert _step(s) == [(0, 4, 1), (1, 11, 5)]                # one waits: 1 + 5
-    assert _step(s) == [(0, 5, 1), (2, 0, 1), (1, 16, 4)]     # its last 4, and 1 of the next
-
-
-def test_the_engine_caps_mixed_steps_by_default():
-    from compiled.runtime.config import MIXED_STEP_TOKENS
-    llm = LLM(MOE_MODEL, device="cpu", dtype="float32", max_model_len=64, max_piecewise_tokens=1024)
-    s = llm.engine.scheduler
-    assert (s.max_mixed_step_tokens, s.max_backlog_step_tokens) == (MIXED_STEP_TOKENS, 1024)
 
 
 @pytest.mark.parametrize("cap", [1, 7])   # 1: no prompt runs beside a decode
