@@ -16,10 +16,10 @@ Shapes are Qwen3-30B-A3B's attention (32 q / 4 kv heads, head_dim 128, bf16).
   Both timed with triton.testing.do_bench (L2 flushed, median).
 - Store: the Triton K+V store vs torch index_put at decode and prefill token counts.
 
-- Latency (`--latency`, only this): decode at batch 1 and 8, 512-4096 tokens (or `--latency-batches`,
-  `--latency-contexts`), every split count
-  from 1 to 64 and the heuristic's (there also other tiles and warp counts), as a chain of calls in one graph (a decode step's attention
-  is one short call after another at these sizes, so the per-call time is what counts).
+- Latency (`--latency`, only this): decode at batch 1 and 8, 512-4096 tokens (`--latency-batches`,
+  `--latency-contexts`), every split count from 1 to 64 and the heuristic's (there also other tiles
+  and warp counts), as a chain of calls in one graph (a decode step's attention is one short call
+  after another at these sizes, so the per-call time is what counts).
 
 Usage: PYTHONPATH=$PWD python bench/attention_bench.py --out results/attn.json [--sweep] [--extend | --latency]
 """

@@ -1,7 +1,7 @@
 """Distinct experts a decode step reads per MoE layer, measured, beside the uniform-routing
 expectation that the bandwidth floor of `compiled bench latency` assumes (`cli/roofline.py`).
 
-usage: python bench/routing_spread.py [MODEL] [--batches 1,8,10,64] [--context 2048] [--steps 16]
+usage: python bench/routing_spread.py [MODEL] [--batches 1,8,10,16] [--context 2048] [--steps 16]
 
 MODEL defaults to bench/configs/qwen3-30b-a3b with dummy weights (the serving benchmarks' model).
 The engine runs eagerly so that every routing call reaches Python, where its expert ids are
@@ -56,7 +56,7 @@ def decode_spread(llm: LLM, counter: ExpertCounter, batch: int, context: int, st
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model", nargs="?", default="bench/configs/qwen3-30b-a3b")
-    p.add_argument("--batches", default="1,8,10,64")
+    p.add_argument("--batches", default="1,8,10,16")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--steps", type=int, default=16)
     args = p.parse_args()
