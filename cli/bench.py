@@ -455,8 +455,8 @@ def serving(
         help="Send the workload to this OpenAI-compatible server (ours or another engine) instead of an "
              "engine in this process; MODEL then only gives the vocabulary of the random prompts.")] = None,
     client_processes: Annotated[int, typer.Option(
-        help="With --url: client processes sharing the requests (round-robin) and the concurrency, so "
-             "that one process reading many streams does not delay the sends.")] = 1,
+        help="With --url: client processes sharing the requests (round-robin) and one concurrency limit, "
+             "so that one process reading many streams does not delay the sends.")] = 1,
 ) -> None:
     from cli import bench_core as core
     _check(o.compare is None, "--compare hf is available for latency, throughput and startup, not serving")
