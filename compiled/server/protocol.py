@@ -1,7 +1,7 @@
 """OpenAI's request fields, checked and turned into the engine's `SamplingParams`, and OpenAI's
 error body. Fields outside OpenAI's schema that vLLM accepts at the top level (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, ...) are read the same way. An invalid value is a 400 whose
-message names the field."""
+message names the field, and so is a field this server does not serve (`logit_bias`, `echo`, tools)."""
 
 from __future__ import annotations
 
@@ -62,6 +62,24 @@ def _int(body: dict, name: str) -> int | None:
     return value
 
 
+# OpenAI's fields that change what a request returns and that this server does not serve, each
+# with its no-op values: set to anything else it is a 400 naming it, not an answer made without it.
+_UNSERVED = {"echo": (False,), "suffix": ("",), "logit_bias": ({},), "tools": ([],), "functions": ([],),
+             "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "prediction": ()}
+
+
+def check_served(body: dict, n: int) -> None:
+    """A 400 for a field in `_UNSERVED` set to more than a no-op value, or a `best_of` other than
+    `n` (the best `n` of more choices is not served)."""
+    for name, noops in _UNSERVED.items():
+        value = body.get(name)
+        if value is not None and not any(type(value) is type(v) and value == v for v in noops):
+            raise bad(name, f"not supported by this server (got {value!r})")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise bad("best_of", f"only best_of = n ({n}) is served, got {best_of!r}")
+
+
 def sampling(body: dict, prompt_len: int, context: int, chat: bool) -> Sampling:
     """The request's sampling, checked against the context: a prompt plus `max_tokens` beyond it
     is a 400 naming max_tokens (not a silent cut); no `max_tokens`: up to the context."""
@@ -81,6 +99,7 @@ def sampling(body: dict, prompt_len: int, context: int, chat: bool) -> Sampling:
     n = 1 if n is None else n
     if n < 1:
         raise bad("n", f"expected an integer >= 1, got {n}")
+    check_served(body, n)
     kwargs: dict = {"max_new_tokens": max_tokens}
     for name, field_name in _NUMBERS.items():
         if (v := _number(body, name)) is not None:

@@ -188,7 +188,8 @@ def test_a_disconnected_stream_frees_its_kv_and_bad_requests_are_400s(server):
             # malformed requests while the stream runs: 400 naming the field, the stream goes on
             for bad, param in (({"prompt": "x", "temperature": "hot"}, "temperature"),
                                ({"prompt": "x", "max_tokens": 10 ** 6}, "max_tokens"),
-                               ({"prompt": 5}, "prompt"), ({"prompt": "x", "n": 0}, "n")):
+                               ({"prompt": 5}, "prompt"), ({"prompt": "x", "n": 0}, "n"),
+                               ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias")):
                 resp = httpx.post(server + "/v1/completions", json=bad)
                 assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
             resp = httpx.post(server + "/v1/completions", content=b"{not json")

@@ -1,0 +1,28 @@
+"""Request fields the server does not serve are 400s naming them; their no-op values pass."""
+
+from __future__ import annotations
+
+import pytest
+
+from compiled.server.protocol import APIError, sampling
+
+
+def _check(body: dict) -> None:
+    sampling({"prompt": "x", "max_tokens": 4, **body}, prompt_len=3, context=64, chat=False)
+
+
+@pytest.mark.parametrize("field, value", [("logit_bias", {"5": 10}), ("echo", True), ("suffix", "end"),
+                                          ("tools", [{"type": "function"}]), ("tool_choice", "required"),
+                                          ("response_format", {"type": "json_object"}), ("prediction", {}),
+                                          ("functions", [{"name": "f"}]), ("best_of", 3), ("echo", 1)])
+def test_an_unserved_field_is_a_400_naming_it(field, value):
+    with pytest.raises(APIError) as e:
+        _check({field: value})
+    assert e.value.status == 400 and e.value.param == field and field in e.value.message
+
+
+@pytest.mark.parametrize("body", [{"echo": False}, {"logit_bias": {}}, {"suffix": ""}, {"tools": []},
+                                  {"tool_choice": "none"}, {"response_format": {"type": "text"}},
+                                  {"best_of": 2, "n": 2}, {"logit_bias": None}, {"user": "someone"}])
+def test_no_op_values_pass(body):
+    _check(body)
