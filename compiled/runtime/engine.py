@@ -240,6 +240,10 @@ class Engine:
         # Checked again here, not only at construction: a field set afterwards (p.temperature = -1)
         # would otherwise reach the sampler unchecked.
         params.validate()
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise RequestError(f"sampling params of prompt {index}: logit_bias names token {max(params.logit_bias)}, "
+                               f"outside the vocabulary of {vocab}")
         text = prompt if isinstance(prompt, str) else None
         if text is not None:
             if not text:

@@ -144,6 +144,23 @@ def apply_presence_frequency_penalties(
     return logits - _column(frequency) * counts - _column(presence) * (counts > 0)
 
 
+def apply_logit_bias(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Each row's `logit_bias` added to its logits (ids were checked against the vocabulary when
+    the request was made); `logits` itself unchanged."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, params in enumerate(batch.params):
+        for token, bias in (params.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(token)
+            values.append(bias)
+    if not rows:
+        return logits
+    index = _to_device([rows, cols], torch.int64, logits.device)
+    return logits.index_put((index[0], index[1]), _to_device(values, logits.dtype, logits.device), accumulate=True)
+
+
 def min_new_tokens_mask_ids(batch: SamplingBatch, vocab_size: int) -> tuple[list[int], list[int]]:
     """(rows, token ids) to forbid: stop tokens of rows still short of min_new_tokens.
 
@@ -474,7 +491,7 @@ class Sampler:
         plan = _Plan.build(batch.params, raw.shape[1])
         # All-greedy batches without penalties (the common case) need no per-row upload.
         row = _RowTensors.build(batch.params, plan, raw.device) if plan.needs_rows else None
-        processed = apply_min_new_tokens(self._penalise(raw, batch, plan, row), batch)
+        processed = apply_min_new_tokens(apply_logit_bias(self._penalise(raw, batch, plan, row), batch), batch)
         token_ids = self._choose(processed, batch, plan, row, argmax if processed is raw else None)
         return SamplerOutput(token_ids, self._logprobs(raw, token_ids, batch))
 

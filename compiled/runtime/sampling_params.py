@@ -84,6 +84,20 @@ def _normalise_stop_token_ids(value: Any) -> list[int]:
     return [int(t) for t in value]
 
 
+# OpenAI's range for a logit bias: -100 bans a token, +100 all but forces it.
+LOGIT_BIAS_MAX = 100.0
+
+
+def _normalise_logit_bias(value: Any) -> dict[int, float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(_is_int(t) and t >= 0 for t in value):
+        raise _fail("logit_bias", "must be None or a dict of token ids (ints >= 0) to biases", value)
+    if not all(_is_real(b) and -LOGIT_BIAS_MAX <= b <= LOGIT_BIAS_MAX for b in value.values()):   # NaN fails too
+        raise _fail("logit_bias", f"values must be numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]", value)
+    return {int(t): float(b) for t, b in value.items()} or None
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request. Defaults match vLLM's where they exist."""
@@ -97,6 +111,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None  # added to a token's logit before it is chosen
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -156,6 +171,7 @@ class SamplingParams:
             if not (-2.0 <= value <= 2.0):
                 raise _fail(name, "must be in [-2, 2]", value)
             setattr(self, name, value)
+        self.logit_bias = _normalise_logit_bias(self.logit_bias)
 
     def _validate_output_options(self) -> None:
         self.stop = _normalise_stop(self.stop)

@@ -1,7 +1,7 @@
 """OpenAI's request fields, checked and turned into the engine's `SamplingParams`, and OpenAI's
 error body. Fields outside OpenAI's schema that vLLM accepts at the top level (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, ...) are read the same way. An invalid value is a 400 whose
-message names the field, and so is a field this server does not serve (`logit_bias`, `echo`, tools)."""
+message names the field, and so is a field this server does not serve (`echo`, `suffix`, tools)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def _int(body: dict, name: str) -> int | None:
 
 # OpenAI's fields that change what a request returns and that this server does not serve, each
 # with its no-op values: set to anything else it is a 400 naming it, not an answer made without it.
-_UNSERVED = {"echo": (False,), "suffix": ("",), "logit_bias": ({},), "tools": ([],), "functions": ([],),
+_UNSERVED = {"echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],),
              "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "prediction": ()}
 
 
@@ -113,6 +113,11 @@ def sampling(body: dict, prompt_len: int, context: int, chat: bool) -> Sampling:
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise bad("stop", f"expected a string or a list of strings, got {body.get('stop')!r}")
         kwargs["stop"] = stop
+    bias = body.get("logit_bias")
+    if bias is not None:   # JSON object keys are strings: token ids as text
+        if not isinstance(bias, dict) or not all(isinstance(t, str) and t.isdigit() for t in bias):
+            raise bad("logit_bias", f"expected an object of token ids to numbers, got {bias!r}")
+        kwargs["logit_bias"] = {int(t): b for t, b in bias.items()}
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
         if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):

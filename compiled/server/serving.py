@@ -70,6 +70,10 @@ class Server:
             raise APIError(503, "the engine has stopped")
         if self.max_queued is not None and self.engine.waiting() >= self.max_queued:
             raise APIError(503, f"the queue is full ({self.max_queued} requests wait: --max-queued-requests)")
+        bias = s.params[0].logit_bias
+        if bias and max(bias) >= self.info.vocab_size:
+            raise APIError(400, f"logit_bias: token {max(bias)} is outside the vocabulary of {self.info.vocab_size}",
+                           "logit_bias")
         requests = []
         try:
             for i, ids in enumerate(prompts):

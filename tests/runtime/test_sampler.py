@@ -149,6 +149,11 @@ def test_valid_edge_values_are_accepted(kwargs):
         ("prompt_logprobs", -5, {}),
         ("include_stop_str_in_output", "yes", {}),
         ("skip_special_tokens", None, {}),
+        ("logit_bias", {-1: 1.0}, {}),
+        ("logit_bias", {"5": 1.0}, {}),
+        ("logit_bias", {5: 100.5}, {}),
+        ("logit_bias", {5: math.nan}, {}),
+        ("logit_bias", [5], {}),
     ],
 )
 def test_invalid_values_raise_one_line_naming_the_field(field, value, extra):
@@ -300,6 +305,25 @@ def test_greedy_rows_take_argmax(device):
     greedy_rows = [0, 1, 2, 3, 5]
     assert out[greedy_rows].tolist() == argmax[greedy_rows].tolist()
     assert out.dtype == torch.int64 and out.shape == (6,)
+
+
+def test_logit_bias_is_added_before_the_choice_and_not_to_the_logprobs(device):
+    torch.manual_seed(1)
+    logits = torch.randn(4, 300, device=device) * 2
+    top = logits.argmax(dim=-1).tolist()
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={top[0]: -100.0}),            # banned: the runner-up
+        SamplingParams(temperature=0.0, logit_bias={7: 100.0, 8: 0.5}, logprobs=2),
+        SamplingParams(temperature=1.0, seed=2, logit_bias={11: 100.0}),       # sampled: all but forced
+        SamplingParams(temperature=0.0),                                      # no bias: untouched
+    ]
+    marker = torch.tensor([1, 2, 3, 4], device=device)   # a graph's argmax of the unbiased logits
+    out = Sampler()(logits, make_batch(params, device), argmax=marker)
+    biased = logits.clone()
+    biased[0, top[0]] -= 100.0
+    assert out.token_ids.tolist() == [int(biased[0].argmax()), 7, 11, top[3]]
+    raw = torch.log_softmax(logits[1].float(), dim=-1)
+    assert out.logprobs[1][7] == pytest.approx(raw[7].item(), abs=1e-5)
 
 
 def test_greedy_rows_take_a_precomputed_argmax_only_from_unchanged_logits():

@@ -107,6 +107,15 @@ def test_params_changed_after_construction_are_checked_at_generate(llm):
     assert not llm.engine.has_work
 
 
+def test_logit_bias_outside_the_vocabulary_is_refused(llm):
+    vocab = llm.model_config.vocab_size
+    with pytest.raises(RequestError) as e:
+        llm.generate(["copy hi:", "copy ho:"], [SamplingParams(), SamplingParams(logit_bias={vocab: 1.0})])
+    assert str(e.value) == (f"sampling params of prompt 1: logit_bias names token {vocab}, outside the vocabulary "
+                            f"of {vocab}")
+    assert not llm.engine.has_work
+
+
 def test_sampling_params_of_another_type_are_refused(llm):
     with pytest.raises(TypeError) as e:
         llm.generate(["copy hi:"], {"temperature": 0.0})

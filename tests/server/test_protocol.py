@@ -1,4 +1,5 @@
-"""Request fields the server does not serve are 400s naming them; their no-op values pass."""
+"""Request fields the server does not serve are 400s naming them; their no-op values pass.
+`logit_bias` arrives with token ids as JSON strings."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ def _check(body: dict) -> None:
     sampling({"prompt": "x", "max_tokens": 4, **body}, prompt_len=3, context=64, chat=False)
 
 
-@pytest.mark.parametrize("field, value", [("logit_bias", {"5": 10}), ("echo", True), ("suffix", "end"),
+@pytest.mark.parametrize("field, value", [("echo", True), ("suffix", "end"),
                                           ("tools", [{"type": "function"}]), ("tool_choice", "required"),
                                           ("response_format", {"type": "json_object"}), ("prediction", {}),
                                           ("functions", [{"name": "f"}]), ("best_of", 3), ("echo", 1)])
@@ -26,3 +27,15 @@ def test_an_unserved_field_is_a_400_naming_it(field, value):
                                   {"best_of": 2, "n": 2}, {"logit_bias": None}, {"user": "someone"}])
 def test_no_op_values_pass(body):
     _check(body)
+
+
+def test_logit_bias_keys_become_token_ids():
+    s = sampling({"prompt": "x", "max_tokens": 4, "logit_bias": {"5": 10, "7": -100}}, 3, 64, chat=False)
+    assert s.params[0].logit_bias == {5: 10.0, 7: -100.0}
+
+
+@pytest.mark.parametrize("bias", [{"five": 1}, {"5": 101}, {"5": "up"}, [5, 1], {"-5": 1}])
+def test_a_bad_logit_bias_is_a_400_naming_it(bias):
+    with pytest.raises(APIError) as e:
+        _check({"logit_bias": bias})
+    assert e.value.status == 400 and e.value.param == "logit_bias"

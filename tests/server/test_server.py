@@ -79,6 +79,19 @@ def test_completions_equal_offline(server, offline):
         assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
 
 
+def test_logit_bias_equals_offline(server, offline):
+    ref = offline.generate([PROMPTS[0]], SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    banned, favoured = ref.token_ids[0], next(t for t in ref.token_ids if t != ref.token_ids[0])
+    bias = {banned: -100.0, favoured: 5.0}
+    biased = offline.generate([PROMPTS[0]], SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True,
+                                                           logit_bias=bias))[0]
+    assert biased.token_ids != ref.token_ids and ref.token_ids[0] not in biased.token_ids
+    out = client(server).completions.create(model="qwen3-moe", prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                            logit_bias={str(t): b for t, b in bias.items()},
+                                            extra_body={"ignore_eos": True})
+    assert out.choices[0].text == biased.text
+
+
 def test_adapter_by_model_name_and_stop_strings(server, offline):
     c = client(server)
     out = c.completions.create(model="upper", prompt="copy Bird wax:", max_tokens=8, temperature=0)
@@ -189,7 +202,8 @@ def test_a_disconnected_stream_frees_its_kv_and_bad_requests_are_400s(server):
             for bad, param in (({"prompt": "x", "temperature": "hot"}, "temperature"),
                                ({"prompt": "x", "max_tokens": 10 ** 6}, "max_tokens"),
                                ({"prompt": 5}, "prompt"), ({"prompt": "x", "n": 0}, "n"),
-                               ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias")):
+                               ({"prompt": "x", "logit_bias": {"10000000": 1}}, "logit_bias"),
+                               ({"prompt": "x", "echo": True}, "echo")):
                 resp = httpx.post(server + "/v1/completions", json=bad)
                 assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
             resp = httpx.post(server + "/v1/completions", content=b"{not json")
