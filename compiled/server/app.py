@@ -24,7 +24,7 @@ from compiled.errors import CompiledError
 from compiled.server.engine_loop import FIRST_TOKEN_PHASES, Progress
 from compiled.server.engine_process import EngineGone
 from compiled.server.protocol import APIError, Sampling, bad, sampling
-from compiled.server.serving import Server, choice_body, logprobs_body
+from compiled.server.serving import Server, choice_body, logprobs_body, with_prompt
 
 
 def _sse(data) -> str:
@@ -176,14 +176,17 @@ def create_app(server: Server) -> FastAPI:
         requests, queue = server.start(prompts, s, adapter)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         model = body.get("model") or server.served_name
+        # echo: each choice's prompt text (requests run prompt by prompt, n choices each)
+        echoed = [t for t in server.prompt_texts(body, prompts) for _ in s.params] if s.echo else None
         if s.stream:
-            return StreamingResponse(_stream(http, rid, model, requests, queue, s, chat),
+            return StreamingResponse(_stream(http, rid, model, requests, queue, s, chat, echoed),
                                      media_type="text/event-stream")
-        return await _complete(http, rid, model, requests, queue, s, chat)
+        return await _complete(http, rid, model, requests, queue, s, chat, echoed)
 
-    async def _complete(http, rid, model, requests, queue, s: Sampling, chat: bool):
+    async def _complete(http, rid, model, requests, queue, s: Sampling, chat: bool, echoed: list[str] | None):
         texts = server.texts(requests)
         tokens, logprobs = [[] for _ in requests], [[] for _ in requests]
+        prompt_logprobs: list = [None] * len(requests)
         last: dict[int, Progress] = {}
         watch = asyncio.ensure_future(_watch_disconnect(http, queue))
         try:
@@ -192,6 +195,7 @@ def create_app(server: Server) -> FastAPI:
                     p = server.advance(requests[i], texts[i], p)
                     tokens[i] += p.token_ids
                     logprobs[i] += p.logprobs or []
+                    prompt_logprobs[i] = prompt_logprobs[i] or p.prompt_logprobs
                     if p.finished:
                         last[i] = p
         finally:
@@ -200,15 +204,20 @@ def create_app(server: Server) -> FastAPI:
                 server.engine.abort(r.id)   # a no-op for finished requests
         choices = [choice_body(server, i, last[i], texts[i].text, tokens[i], logprobs[i], s, chat)
                    for i in range(len(requests))]
+        if echoed is not None:
+            choices = [with_prompt(server, c, echoed[i], requests[i].prompt_token_ids, prompt_logprobs[i], s)
+                       for i, c in enumerate(choices)]
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": model, "choices": choices,
                 "usage": server.usage(requests, len(s.params), sum(map(len, tokens)))}
 
-    async def _stream(http, rid, model, requests, queue, s: Sampling, chat: bool) -> AsyncIterator[str]:
+    async def _stream(http, rid, model, requests, queue, s: Sampling, chat: bool,
+                      echoed: list[str] | None) -> AsyncIterator[str]:
         kind = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         completion = 0
         done: set[int] = set()
+        started: set[int] = set()   # choices that sent a chunk
         sent_text = [0] * len(requests)
         texts = server.texts(requests)
         longest_stop = max((len(x) for x in (s.params[0].stop or [])), default=0)
@@ -240,6 +249,9 @@ def create_app(server: Server) -> FastAPI:
                         choice.update(delta={"content": delta} if delta or not p.finished else {}, logprobs=lp)
                     else:
                         choice.update(text=delta, logprobs=lp)
+                        if echoed is not None and i not in started:   # the prompt leads its first chunk
+                            with_prompt(server, choice, echoed[i], requests[i].prompt_token_ids, p.prompt_logprobs, s)
+                        started.add(i)
                     if p.finished:
                         done.add(i)
                         if p.stop_reason is not None:

@@ -30,18 +30,20 @@ FIRST_TOKEN_PHASES = {
 
 @dataclass
 class Progress:
-    """What a request has produced since its last report."""
+    """What a request has produced since its last report (its prompt's logprobs, when it asked for
+    them, in its first report: one entry a prompt token, None for the first)."""
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     finished: bool
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def followed_by(self, later: Progress) -> Progress:
         """This report and the next one of the same request as one."""
         logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
         return Progress(self.token_ids + later.token_ids, logprobs, later.finished, later.finish_reason,
-                        later.stop_reason)
+                        later.stop_reason, self.prompt_logprobs or later.prompt_logprobs)
 
 
 @dataclass
@@ -79,9 +81,9 @@ class EngineLoop:
     In: ("add", [(key, prompt ids, SamplingParams, adapter, posted)]), ("abort", key),
     ("call", call id, name, args), ("stop",) (finish what was added, then return), ("gone",)
     (the front end went away: drop everything, return). Out: ("reports", [(key, token ids,
-    logprobs, finished, finish reason, stop reason) or (key, error message)], (running, waiting,
-    requests added so far)) after each step that produced something, ("reply", call id, error or
-    None, value) for each call."""
+    logprobs, finished, finish reason, stop reason, prompt logprobs or None) or (key, error
+    message)], (running, waiting, requests added so far)) after each step that produced
+    something, ("reply", call id, error or None, value) for each call."""
 
     def __init__(self, llm, send: Callable[[tuple], None]) -> None:
         self.llm, self.engine, self._send = llm, llm.engine, send
@@ -209,7 +211,9 @@ class EngineLoop:
             if not t.sent and new:
                 self._first_token(t)
             logprobs = None if r.logprobs is None else r.logprobs[t.sent:]
-            items.append((key, r.output_token_ids[t.sent:], logprobs, r.id in done, r.finish_reason, r.stop_reason))
+            prompt_logprobs = r.prompt_logprobs if not t.sent else None
+            items.append((key, r.output_token_ids[t.sent:], logprobs, r.id in done, r.finish_reason, r.stop_reason,
+                          prompt_logprobs))
             t.sent += new
             self.stats.generation_tokens += new
             if r.id in done:

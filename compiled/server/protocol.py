@@ -1,7 +1,7 @@
 """OpenAI's request fields, checked and turned into the engine's `SamplingParams`, and OpenAI's
 error body. Fields outside OpenAI's schema that vLLM accepts at the top level (`top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`, ...) are read the same way. An invalid value is a 400 whose
-message names the field, and so is a field this server does not serve (`echo`, `suffix`, tools)."""
+message names the field, and so is a field this server does not serve (`suffix`, tools)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ class Sampling:
     stream: bool
     include_usage: bool
     top_logprobs: int | None
+    echo: bool = False      # completions: each choice starts with its prompt (and its logprobs)
 
 
 def _number(body: dict, name: str) -> float | None:
@@ -64,13 +65,15 @@ def _int(body: dict, name: str) -> int | None:
 
 # OpenAI's fields that change what a request returns and that this server does not serve, each
 # with its no-op values: set to anything else it is a 400 naming it, not an answer made without it.
-_UNSERVED = {"echo": (False,), "suffix": ("",), "tools": ([],), "functions": ([],),
+_UNSERVED = {"suffix": ("",), "tools": ([],), "functions": ([],),
              "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "prediction": ()}
 
 
-def check_served(body: dict, n: int) -> None:
-    """A 400 for a field in `_UNSERVED` set to more than a no-op value, or a `best_of` other than
-    `n` (the best `n` of more choices is not served)."""
+def check_served(body: dict, n: int, chat: bool) -> None:
+    """A 400 for a field in `_UNSERVED` set to more than a no-op value, a `best_of` other than `n`
+    (the best `n` of more choices is not served) or a chat's `echo`."""
+    if chat and body.get("echo") not in (None, False):
+        raise bad("echo", "not supported for chat completions")
     for name, noops in _UNSERVED.items():
         value = body.get(name)
         if value is not None and not any(type(value) is type(v) and value == v for v in noops):
@@ -99,7 +102,7 @@ def sampling(body: dict, prompt_len: int, context: int, chat: bool) -> Sampling:
     n = 1 if n is None else n
     if n < 1:
         raise bad("n", f"expected an integer >= 1, got {n}")
-    check_served(body, n)
+    check_served(body, n, chat)
     kwargs: dict = {"max_new_tokens": max_tokens}
     for name, field_name in _NUMBERS.items():
         if (v := _number(body, name)) is not None:
@@ -132,6 +135,11 @@ def sampling(body: dict, prompt_len: int, context: int, chat: bool) -> Sampling:
     top_logprobs = _logprobs(body, chat)
     if top_logprobs is not None:
         kwargs["logprobs"] = top_logprobs
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise bad("echo", f"expected true or false, got {echo!r}")
+    if echo and top_logprobs is not None:
+        kwargs["prompt_logprobs"] = top_logprobs
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("stream", f"expected true or false, got {stream!r}")
@@ -148,7 +156,7 @@ def sampling(body: dict, prompt_len: int, context: int, chat: bool) -> Sampling:
         except (ValueError, TypeError) as e:   # SamplingParams names its own field: give the request's
             field = re.match(r"SamplingParams\.(\w+)", str(e))
             raise APIError(400, str(e), _REQUEST_FIELD.get(field[1], field[1]) if field else None) from None
-    return Sampling(params, stream, bool(options.get("include_usage")), top_logprobs)
+    return Sampling(params, stream, bool(options.get("include_usage")), top_logprobs, echo)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

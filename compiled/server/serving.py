@@ -49,6 +49,17 @@ class Server:
             raise bad("prompt", "the model has no tokenizer: send token ids")
         return [tok.encode(p) for p in prompt]
 
+    def prompt_texts(self, body: dict, prompts: list[list[int]]) -> list[str]:
+        """Each completions prompt as text (what `echo` puts in front): as sent, or its token ids
+        decoded."""
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        return [self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
+                for ids in prompts]
+
     def chat_prompt(self, body: dict) -> list[int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
@@ -100,7 +111,7 @@ class Server:
             return p
         self.engine.abort(request.id)
         return Progress(p.token_ids[:kept], None if p.logprobs is None else p.logprobs[:kept], True, "stop",
-                        text.stop_reason)
+                        text.stop_reason, p.prompt_logprobs)
 
     def token_text(self, token: int) -> str:
         tok = self.tokenizer
@@ -152,6 +163,21 @@ class TextSoFar:
                 self.text, self.stop_reason = hit
                 return j + 1
         return len(p.token_ids)
+
+
+def with_prompt(server: Server, choice: dict, text: str, ids: list[int], prompt_logprobs, s: Sampling) -> dict:
+    """A completions choice (or a stream's first chunk of one) with its prompt in front, as `echo`
+    asks: the prompt's text and, with logprobs, its tokens' (None for the first, which nothing
+    predicts)."""
+    choice["text"] = text + choice["text"]
+    if s.top_logprobs is not None:
+        entries = [(server.token_text(ids[0]), None, None)]
+        entries += server.logprobs_entry(ids[1:], prompt_logprobs[1:], s.top_logprobs, chat=False)
+        logprobs = _completion_logprobs(entries)
+        for key in ("tokens", "token_logprobs", "top_logprobs"):
+            logprobs[key] += (choice["logprobs"] or {}).get(key, [])
+        choice["logprobs"] = logprobs
+    return choice
 
 
 def _completion_logprobs(entries) -> dict:

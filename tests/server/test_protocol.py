@@ -1,5 +1,6 @@
 """Request fields the server does not serve are 400s naming them; their no-op values pass.
-`logit_bias` arrives with token ids as JSON strings."""
+`logit_bias` arrives with token ids as JSON strings; completions' `echo` with logprobs asks the
+engine for the prompt's."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ def _check(body: dict) -> None:
     sampling({"prompt": "x", "max_tokens": 4, **body}, prompt_len=3, context=64, chat=False)
 
 
-@pytest.mark.parametrize("field, value", [("echo", True), ("suffix", "end"),
+@pytest.mark.parametrize("field, value", [("suffix", "end"),
                                           ("tools", [{"type": "function"}]), ("tool_choice", "required"),
                                           ("response_format", {"type": "json_object"}), ("prediction", {}),
                                           ("functions", [{"name": "f"}]), ("best_of", 3), ("echo", 1)])
@@ -27,6 +28,16 @@ def test_an_unserved_field_is_a_400_naming_it(field, value):
                                   {"best_of": 2, "n": 2}, {"logit_bias": None}, {"user": "someone"}])
 def test_no_op_values_pass(body):
     _check(body)
+
+
+def test_echo_serves_completions_and_asks_for_prompt_logprobs_with_logprobs():
+    s = sampling({"prompt": "x", "max_tokens": 4, "echo": True, "logprobs": 2}, 3, 64, chat=False)
+    assert s.echo and s.params[0].prompt_logprobs == 2
+    s = sampling({"prompt": "x", "max_tokens": 4, "echo": True}, 3, 64, chat=False)
+    assert s.echo and s.params[0].prompt_logprobs is None
+    with pytest.raises(APIError) as e:
+        sampling({"messages": [], "max_tokens": 4, "echo": True}, 3, 64, chat=True)
+    assert e.value.param == "echo"
 
 
 def test_logit_bias_keys_become_token_ids():

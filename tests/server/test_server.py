@@ -92,6 +92,30 @@ def test_logit_bias_equals_offline(server, offline):
     assert out.choices[0].text == biased.text
 
 
+def test_echo_puts_the_prompt_and_its_logprobs_in_front(server, offline):
+    prompt = PROMPTS[0]   # its continuation has no special token (those are not in the text)
+    ref = offline.generate([prompt], SamplingParams(max_new_tokens=5, temperature=0.0, logprobs=2,
+                                                     prompt_logprobs=2))[0]
+    c = client(server)
+    out = c.completions.create(model="qwen3-moe", prompt=prompt, max_tokens=5, temperature=0, echo=True)
+    assert out.choices[0].text == prompt + ref.text and out.usage.completion_tokens == len(ref.token_ids)
+    out = c.completions.create(model="qwen3-moe", prompt=prompt, max_tokens=5, temperature=0, echo=True, logprobs=2)
+    lp = out.choices[0].logprobs
+    ids = ref.prompt_token_ids + ref.token_ids
+    assert len(lp.tokens) == len(ids) and "".join(lp.tokens) == out.choices[0].text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [e[t] for e, t in zip(ref.prompt_logprobs[1:] + ref.logprobs, ids[1:])]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    stream = c.completions.create(model="qwen3-moe", prompt=prompt, max_tokens=5, temperature=0, echo=True,
+                                  stream=True)
+    chunks = [ch.choices[0].text for ch in stream if ch.choices]
+    assert chunks[0].startswith(prompt) and "".join(chunks) == prompt + ref.text
+    stream = c.completions.create(model="qwen3-moe", prompt=prompt, max_tokens=5, temperature=0, echo=True,
+                                  logprobs=2, stream=True)
+    streamed = [t for ch in stream if ch.choices for t in ch.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens
+
+
 def test_adapter_by_model_name_and_stop_strings(server, offline):
     c = client(server)
     out = c.completions.create(model="upper", prompt="copy Bird wax:", max_tokens=8, temperature=0)
@@ -203,7 +227,7 @@ def test_a_disconnected_stream_frees_its_kv_and_bad_requests_are_400s(server):
                                ({"prompt": "x", "max_tokens": 10 ** 6}, "max_tokens"),
                                ({"prompt": 5}, "prompt"), ({"prompt": "x", "n": 0}, "n"),
                                ({"prompt": "x", "logit_bias": {"10000000": 1}}, "logit_bias"),
-                               ({"prompt": "x", "echo": True}, "echo")):
+                               ({"prompt": "x", "echo": "yes"}, "echo")):
                 resp = httpx.post(server + "/v1/completions", json=bad)
                 assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
             resp = httpx.post(server + "/v1/completions", content=b"{not json")
