@@ -207,9 +207,9 @@ def create_app(server: Server) -> FastAPI:
         if echoed is not None:
             choices = [with_prompt(server, c, echoed[i], requests[i].prompt_token_ids, prompt_logprobs[i], s)
                        for i, c in enumerate(choices)]
+        completion = 0 if s.prompt_only else sum(map(len, tokens))
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": model, "choices": choices,
-                "usage": server.usage(requests, len(s.params), sum(map(len, tokens)))}
+                "model": model, "choices": choices, "usage": server.usage(requests, len(s.params), completion)}
 
     async def _stream(http, rid, model, requests, queue, s: Sampling, chat: bool,
                       echoed: list[str] | None) -> AsyncIterator[str]:
@@ -236,7 +236,7 @@ def create_app(server: Server) -> FastAPI:
             while len(done) < len(requests):
                 for i, p in await _next_reports(queue, done):
                     p = server.advance(requests[i], texts[i], p)
-                    completion += len(p.token_ids)
+                    completion += 0 if s.prompt_only else len(p.token_ids)
                     text = texts[i].text
                     # text held back while it might still end in a stop string
                     upto = len(text) if p.finished else max(sent_text[i], len(text) - max(longest_stop - 1, 0))

@@ -43,6 +43,7 @@ class Sampling:
     include_usage: bool
     top_logprobs: int | None
     echo: bool = False      # completions: each choice starts with its prompt (and its logprobs)
+    prompt_only: bool = False   # echo with max_tokens 0: the prompt is the whole choice
 
 
 def _number(body: dict, name: str) -> float | None:
@@ -91,10 +92,15 @@ def sampling(body: dict, prompt_len: int, context: int, chat: bool) -> Sampling:
         raise bad("prompt" if not chat else "messages", f"{prompt_len} tokens leave no room in the context of "
                   f"{context} tokens")
     max_tokens = _int(body, "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens")
+    # echo with max_tokens 0 (as vLLM serves it): the prompt alone, with its logprobs if asked (a
+    # likelihood query); the engine still makes one token, which is dropped.
+    prompt_only = not chat and max_tokens == 0 and body.get("echo") is True
     if max_tokens is None:
         max_tokens = room
+    elif prompt_only:
+        max_tokens = 1
     elif max_tokens < 1:
-        raise bad("max_tokens", f"expected an integer >= 1, got {max_tokens}")
+        raise bad("max_tokens", f"expected an integer >= 1 (0 only with echo), got {max_tokens}")
     elif max_tokens > room:
         raise bad("max_tokens", f"{max_tokens} tokens after a prompt of {prompt_len} exceed the context of "
                   f"{context} tokens (at most {room})")
@@ -156,7 +162,7 @@ def sampling(body: dict, prompt_len: int, context: int, chat: bool) -> Sampling:
         except (ValueError, TypeError) as e:   # SamplingParams names its own field: give the request's
             field = re.match(r"SamplingParams\.(\w+)", str(e))
             raise APIError(400, str(e), _REQUEST_FIELD.get(field[1], field[1]) if field else None) from None
-    return Sampling(params, stream, bool(options.get("include_usage")), top_logprobs, echo)
+    return Sampling(params, stream, bool(options.get("include_usage")), top_logprobs, echo, prompt_only)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

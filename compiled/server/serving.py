@@ -167,15 +167,16 @@ class TextSoFar:
 
 def with_prompt(server: Server, choice: dict, text: str, ids: list[int], prompt_logprobs, s: Sampling) -> dict:
     """A completions choice (or a stream's first chunk of one) with its prompt in front, as `echo`
-    asks: the prompt's text and, with logprobs, its tokens' (None for the first, which nothing
-    predicts)."""
-    choice["text"] = text + choice["text"]
+    asks (in place of what was generated when `prompt_only`): the prompt's text and, with logprobs,
+    its tokens' (None for the first, which nothing predicts)."""
+    generated = {"text": "", "logprobs": None} if s.prompt_only else choice
+    choice["text"] = text + generated["text"]
     if s.top_logprobs is not None:
         entries = [(server.token_text(ids[0]), None, None)]
         entries += server.logprobs_entry(ids[1:], prompt_logprobs[1:], s.top_logprobs, chat=False)
         logprobs = _completion_logprobs(entries)
         for key in ("tokens", "token_logprobs", "top_logprobs"):
-            logprobs[key] += (choice["logprobs"] or {}).get(key, [])
+            logprobs[key] += (generated["logprobs"] or {}).get(key, [])
         choice["logprobs"] = logprobs
     return choice
 

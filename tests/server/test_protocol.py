@@ -40,6 +40,14 @@ def test_echo_serves_completions_and_asks_for_prompt_logprobs_with_logprobs():
     assert e.value.param == "echo"
 
 
+def test_echo_with_max_tokens_0_asks_for_the_prompt_alone():
+    s = sampling({"prompt": "x", "max_tokens": 0, "echo": True, "logprobs": 1}, 3, 64, chat=False)
+    assert s.prompt_only and s.params[0].max_new_tokens == 1 and s.params[0].prompt_logprobs == 1
+    with pytest.raises(APIError) as e:
+        _check({"max_tokens": 0})
+    assert e.value.param == "max_tokens"
+
+
 def test_logit_bias_keys_become_token_ids():
     s = sampling({"prompt": "x", "max_tokens": 4, "logit_bias": {"5": 10, "7": -100}}, 3, 64, chat=False)
     assert s.params[0].logit_bias == {5: 10.0, 7: -100.0}

@@ -114,6 +114,12 @@ def test_echo_puts_the_prompt_and_its_logprobs_in_front(server, offline):
                                   logprobs=2, stream=True)
     streamed = [t for ch in stream if ch.choices for t in ch.choices[0].logprobs.tokens]
     assert streamed == lp.tokens
+    # max_tokens 0: the prompt alone, a likelihood query
+    out = c.completions.create(model="qwen3-moe", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    alone = out.choices[0].logprobs
+    assert out.choices[0].text == prompt and out.usage.completion_tokens == 0
+    assert alone.tokens == lp.tokens[:len(ref.prompt_token_ids)]
+    assert alone.token_logprobs[1:] == pytest.approx(want[:len(ref.prompt_token_ids) - 1], abs=1e-4)
 
 
 def test_adapter_by_model_name_and_stop_strings(server, offline):
