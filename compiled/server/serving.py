@@ -61,16 +61,21 @@ class Server:
                 for ids in prompts]
 
     def chat_prompt(self, body: dict) -> list[int]:
+        """The chat's prompt ids: its messages through the chat template, with the request's
+        `chat_template_kwargs` (vLLM's; e.g. Qwen3's `enable_thinking`) as template variables."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise bad("messages", "expected a non-empty list of {\"role\", \"content\"} objects with string values")
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise bad("messages", "expected a non-empty list of {\"role\", \"content\"} objects")
+        messages = [{**m, "content": _text_content(m.get("content"))} for m in messages]
+        template_kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(template_kwargs, dict):
+            raise bad("chat_template_kwargs", f"expected an object, got {template_kwargs!r}")
         if self.tokenizer is None:
             raise bad("messages", "the model has no tokenizer, so no chat template")
         try:
-            text = self.tokenizer.apply_chat_template(messages)
-        except ValueError as e:
+            text = self.tokenizer.apply_chat_template(messages, **template_kwargs)
+        except (ValueError, TypeError) as e:
             raise bad("messages", str(e)) from None
         return self.tokenizer.encode(text)
 
@@ -134,6 +139,20 @@ class Server:
             else:
                 entries.append((self.token_text(t), lp[t], {self.token_text(i): v for i, v in top}))
         return entries
+
+
+def _text_content(content) -> str:
+    """A message's content as text: a string, or OpenAI's list of parts, of which only text ones
+    are served (joined by newlines, as vLLM joins them)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            return "\n".join(p["text"] for p in content)
+        kinds = sorted({str(p.get("type")) for p in content if p.get("type") != "text"})
+        raise bad("messages", f"only text content is served, got parts of type {', '.join(kinds) or 'text'} "
+                  "without a string text")
+    raise bad("messages", f"a message's content must be a string or a list of text parts, got {content!r}")
 
 
 class TextSoFar:
