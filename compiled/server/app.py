@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API (FastAPI): `/v1/completions`, `/v1/chat/completions` (streamed
 over server-sent events or not), `/v1/models`, `/v1/load_lora_adapter`, `/v1/unload_lora_adapter`,
-`/health` and `/metrics` (Prometheus text).
+`/health`, `/metrics` (Prometheus text), and vLLM's `/tokenize`, `/detokenize` and `/version`.
 
 A request's `model` names the base model (its folder name, or `--served-model-name`) or a loaded
 adapter, as in vLLM. Prompts are tokenized, outputs detokenized and stop strings found here, beside
@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
+from compiled import __version__
 from compiled.errors import CompiledError
 from compiled.server.engine_loop import FIRST_TOKEN_PHASES, Progress
 from compiled.server.engine_process import EngineGone
@@ -89,6 +90,32 @@ def create_app(server: Server) -> FastAPI:
         if not server.engine.alive:
             raise APIError(503, "the engine has stopped")
         return {}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(http: HTTPRequest):
+        """vLLM's: a completions `prompt` or a chat's `messages` as the ids the server would run."""
+        body = await body_of(http)
+        if "messages" in body:
+            ids = server.chat_prompt(body)
+        else:
+            if isinstance(body.get("prompt"), list):
+                raise bad("prompt", "expected a string")
+            ids = server.prompts_of(body)[0]
+        return {"count": len(ids), "max_model_len": server.info.max_context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(http: HTTPRequest):
+        body = await body_of(http)
+        ids, vocab = body.get("tokens"), server.info.vocab_size
+        if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < vocab for t in ids):
+            raise bad("tokens", f"expected a list of token ids in [0, {vocab})")
+        if server.tokenizer is None:
+            raise bad("tokens", "the model has no tokenizer")
+        return {"prompt": server.tokenizer.decode(ids, skip_special_tokens=False)}
 
     @app.get("/v1/models")
     async def models():

@@ -122,6 +122,18 @@ def test_echo_puts_the_prompt_and_its_logprobs_in_front(server, offline):
     assert alone.token_logprobs[1:] == pytest.approx(want[:len(ref.prompt_token_ids) - 1], abs=1e-4)
 
 
+def test_tokenize_detokenize_and_version(server, offline):
+    ids = httpx.post(server + "/tokenize", json={"prompt": PROMPTS[2]}).json()
+    assert ids["tokens"] == offline.tokenizer.encode(PROMPTS[2]) and ids["count"] == len(ids["tokens"])
+    chat = httpx.post(server + "/tokenize", json={"messages": [{"role": "user", "content": PROMPTS[2]}]}).json()
+    assert chat["count"] > ids["count"] and chat["max_model_len"] == offline.engine.max_context
+    text = httpx.post(server + "/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
+    assert text == PROMPTS[2]
+    bad = httpx.post(server + "/detokenize", json={"tokens": [1, -3]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert httpx.get(server + "/version").json()["version"]
+
+
 def test_adapter_by_model_name_and_stop_strings(server, offline):
     c = client(server)
     out = c.completions.create(model="upper", prompt="copy Bird wax:", max_tokens=8, temperature=0)
