@@ -43,8 +43,12 @@ class Server:
             prompt = [prompt]
         elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):   # bools are not ids
             return [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and p and all(type(t) is int for t in p)
+                                                         for p in prompt):
+            return prompt   # several prompts of token ids
         if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) and p for p in prompt):
-            raise bad("prompt", "expected a non-empty string, a list of strings or a list of token ids")
+            raise bad("prompt", "expected a non-empty string, a list of strings, a list of token ids or a list of "
+                      "lists of them")
         if tok is None:
             raise bad("prompt", "the model has no tokenizer: send token ids")
         return [tok.encode(p) for p in prompt]

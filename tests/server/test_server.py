@@ -122,6 +122,13 @@ def test_echo_puts_the_prompt_and_its_logprobs_in_front(server, offline):
     assert alone.token_logprobs[1:] == pytest.approx(want[:len(ref.prompt_token_ids) - 1], abs=1e-4)
 
 
+def test_prompts_as_lists_of_token_ids(server, offline):
+    refs = offline.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, temperature=0.0))
+    out = client(server).completions.create(model="qwen3-moe", prompt=[r.prompt_token_ids for r in refs],
+                                            max_tokens=4, temperature=0)
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == [r.text for r in refs]
+
+
 def test_tokenize_detokenize_and_version(server, offline):
     ids = httpx.post(server + "/tokenize", json={"prompt": PROMPTS[2]}).json()
     assert ids["tokens"] == offline.tokenizer.encode(PROMPTS[2]) and ids["count"] == len(ids["tokens"])
