@@ -30,9 +30,12 @@ def serve(
     enable_lora: bool = typer.Option(False, "--enable-lora", help="Serve adapters loaded later over HTTP."),
     no_prefix_cache: bool = typer.Option(False, "--no-prefix-cache", help="Recompute every prompt instead of "
                                          "starting from the longest cached prefix."),
+    api_key: Optional[str] = typer.Option(None, help="Answer only /v1 requests carrying `Authorization: Bearer "
+                                          "KEY` (default: COMPILED_API_KEY; unset: no key)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     with fail_cleanly(debug):
+        from compiled import envs
         from compiled.server.app import Server, create_app
         from compiled.server.engine_process import EngineClient
         from compiled.server.listen import listen
@@ -42,10 +45,11 @@ def serve(
         config = engine_config(dict(engine, model=model, lora_modules=modules,
                                     enable_lora=True if enable_lora or modules else None,
                                     enable_prefix_caching=not no_prefix_cache))
+        key = api_key or envs.read("COMPILED_API_KEY")
         engine = EngineClient(functools.partial(build_llm, config))
         info = engine.start()
         try:
             name = served_model_name or os.path.basename(os.path.normpath(info.model_path))
-            listen(create_app(Server(engine, info, name, max_queued_requests)), host, port)
+            listen(create_app(Server(engine, info, name, max_queued_requests), key), host, port)
         finally:
             engine.stop()

@@ -65,6 +65,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "overrides `routing_backend`: the top-k routing Triton kernel or the torch reference"),
     EnvVar("COMPILED_LORA_BACKEND", _backend, "|".join(BACKENDS),
            "the multi-LoRA shrink / expand ops: their Triton kernels or the torch reference"),
+    EnvVar("COMPILED_API_KEY", _text, "a key",
+           "the key `compiled serve` asks of every /v1 request (`Authorization: Bearer KEY`) unless --api-key "
+           "gives one"),
     EnvVar("COMPILED_MOE_CONFIG_DIR", _text, "a folder",
            "a folder of tuned fused-MoE configs, searched before the package's own"),
     EnvVar("WORLD_SIZE", _count, "an int >= 0",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 import uuid
@@ -60,13 +61,33 @@ async def _watch_disconnect(http: HTTPRequest, queue: asyncio.Queue) -> None:
     queue.put_nowait((None, None))
 
 
-def create_app(server: Server) -> FastAPI:
+class RequireKey:
+    """ASGI middleware: a /v1 request without `Authorization: Bearer <key>` is a 401 (as vLLM's
+    --api-key; /health, /metrics and the rest stay open). Plain ASGI, so streamed responses and
+    disconnects pass through untouched."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self._expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                error = APIError(401, "this server needs an API key: send `Authorization: Bearer <key>`")
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(server: Server, api_key: str | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_):
         server.engine.bind(asyncio.get_running_loop())
         yield
 
     app = FastAPI(title="compiled", lifespan=lifespan)
+    if api_key:
+        app.add_middleware(RequireKey, key=api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):

@@ -15,8 +15,8 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
-        self.kind = kind or {400: "BadRequestError", 404: "NotFoundError", 409: "ConflictError",
-                             503: "ServiceUnavailableError"}.get(status, "InternalServerError")
+        self.kind = kind or {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                             409: "ConflictError", 503: "ServiceUnavailableError"}.get(status, "InternalServerError")
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}

@@ -280,12 +280,14 @@ def test_load_and_unload_an_adapter_over_http(server, offline):
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0():
-    proc, url = start_server()
+    proc, url = start_server("--api-key", "k3y")   # (and /v1 asks for the key)
     body = {"prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+    assert httpx.post(url + "/v1/completions", json=body).status_code == 401
     result = {}
 
     def request():
-        result["response"] = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        result["response"] = httpx.post(url + "/v1/completions", json=body, timeout=60,
+                                        headers={"Authorization": "Bearer k3y"})
 
     import threading
     t = threading.Thread(target=request)
