@@ -457,6 +457,8 @@ def serving(
     client_processes: Annotated[int, typer.Option(
         help="With --url: client processes sharing the requests (round-robin) and one concurrency limit, "
              "so that one process reading many streams does not delay the sends.")] = 1,
+    api_key: Annotated[Optional[str], typer.Option(
+        help="With --url: sent as `Authorization: Bearer KEY` (a server started with --api-key).")] = None,
 ) -> None:
     from cli import bench_core as core
     _check(o.compare is None, "--compare hf is available for latency, throughput and startup, not serving")
@@ -465,6 +467,7 @@ def serving(
     _at_least(o, "client_processes", 1)
     _check(o.client_processes == 1 or o.url is not None, "--client-processes needs --url (an engine in this "
            "process has no HTTP clients)")
+    _check(o.api_key is None or o.url is not None, "--api-key needs --url (it is what a server asks of its clients)")
     _check_workload(o)
     if o.url is not None:
         return _serving_http(o)
@@ -506,14 +509,15 @@ def _serving_http(o: SimpleNamespace) -> None:
         vocab = ModelConfig.from_pretrained(o.model or default_model()).vocab_size
         items = core.random_workload(o.num_prompts or 100, o.input_len, o.input_len_max, o.output_len,
                                      o.output_len_max, vocab, o.seed, o.shared_prefix_len)
-    adapters = served_adapters(o.url)[:o.num_loras]
+    adapters = served_adapters(o.url, o.api_key)[:o.num_loras]
     _check(len(adapters) == o.num_loras, f"--num-loras {o.num_loras}: the server serves {len(adapters)} adapters")
     for item, lora in zip(items, core.assign_loras(len(items), adapters, o.lora_dist, o.seed)):
         item.lora = lora
     with _progress("serving") as bar:
         task = bar.add_task("requests", total=len(items))
         res = serving_http(o.url, items, o.request_rate, o.max_concurrency, o.seed,
-                           on_finish=lambda n: bar.advance(task, n), processes=o.client_processes)
+                           on_finish=lambda n: bar.advance(task, n), processes=o.client_processes,
+                           api_key=o.api_key)
     rate = "inf" if math.isinf(o.request_rate) else f"{o.request_rate:g}/s"
     console = Console()
     console.print(f"compiled bench serving: {res['model']} at {res['url']}; {len(items)} requests at {rate}",

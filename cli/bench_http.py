@@ -18,18 +18,25 @@ import httpx
 from cli.bench_core import Item, Trace, arrival_times, summary_ms
 
 
-def _models(url: str) -> list[dict]:
-    return httpx.get(url.rstrip("/") + "/v1/models", timeout=30).json()["data"]
+def _headers(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def served_model(url: str) -> str:
+def _models(url: str, api_key: str | None = None) -> list[dict]:
+    response = httpx.get(url.rstrip("/") + "/v1/models", timeout=30, headers=_headers(api_key))
+    if response.status_code != 200:
+        raise RuntimeError(f"{url}/v1/models: HTTP {response.status_code}: {response.text[:300]}")
+    return response.json()["data"]
+
+
+def served_model(url: str, api_key: str | None = None) -> str:
     """The first model the server lists (its base model)."""
-    return _models(url)[0]["id"]
+    return _models(url, api_key)[0]["id"]
 
 
-def served_adapters(url: str) -> list[str]:
+def served_adapters(url: str, api_key: str | None = None) -> list[str]:
     """The adapters the server lists (models with a parent), in its order."""
-    return [m["id"] for m in _models(url) if m.get("parent")]
+    return [m["id"] for m in _models(url, api_key) if m.get("parent")]
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, item: Item, trace: Trace, start: float) -> int:
@@ -72,7 +79,7 @@ class SharedSlots:
 
 async def _send_all(url: str, model: str, items: Sequence[Item], arrivals: Sequence[float],
                     slots: asyncio.Semaphore | SharedSlots, start: float, traces: list[Trace], outputs: list[int],
-                    on_finish: Callable[[int], None] | None) -> None:
+                    on_finish: Callable[[int], None] | None, api_key: str | None = None) -> None:
     """Send `items`, each at its arrival (seconds after `start`, a perf_counter time) with a slot
     of `slots` held while it is in flight; their traces and output token counts into `traces` and
     `outputs`."""
@@ -85,7 +92,7 @@ async def _send_all(url: str, model: str, items: Sequence[Item], arrivals: Seque
     async def send(i: int) -> None:
         await asyncio.sleep(max(0.0, arrivals[i] - (time.perf_counter() - start)))
         async with slots:
-            client = idle.pop() if idle else httpx.AsyncClient(timeout=None, verify=tls)
+            client = idle.pop() if idle else httpx.AsyncClient(timeout=None, verify=tls, headers=_headers(api_key))
             traces[i].sent = max(arrivals[i], time.perf_counter() - start)
             outputs[i] = await _one(client, url, model, items[i], traces[i], start)
             idle.append(client)
@@ -99,7 +106,7 @@ async def _send_all(url: str, model: str, items: Sequence[Item], arrivals: Seque
 
 
 def _client_process(index: int, url: str, model: str, items: list[Item], arrivals: list[float], slots, go,
-                    start, results) -> None:
+                    start, results, api_key: str | None) -> None:
     """One of --client-processes: says it is ready, waits for the common start, sends its share,
     each request holding one of the processes' common `slots` (a semaphore) while in flight."""
     traces = [Trace(0.0, len(item.prompt)) for item in items]
@@ -107,7 +114,8 @@ def _client_process(index: int, url: str, model: str, items: list[Item], arrival
     results.put("ready")
     go.wait()
     try:
-        asyncio.run(_send_all(url, model, items, arrivals, SharedSlots(slots), start.value, traces, outputs, None))
+        asyncio.run(_send_all(url, model, items, arrivals, SharedSlots(slots), start.value, traces, outputs, None,
+                              api_key))
     except Exception as e:   # the parent raises it
         results.put((index, None, f"{type(e).__name__}: {e}"))
         return
@@ -116,7 +124,7 @@ def _client_process(index: int, url: str, model: str, items: list[Item], arrival
 
 def _send_from_processes(url: str, model: str, items: Sequence[Item], arrivals: list[float],
                          max_concurrency: int | None, processes: int, traces: list[Trace], outputs: list[int],
-                         on_finish: Callable[[int], None] | None) -> None:
+                         on_finish: Callable[[int], None] | None, api_key: str | None = None) -> None:
     """The requests dealt round-robin to `processes` client processes (sharing one limit on the
     requests in flight), so that reading many streams in Python does not hold back the sends: one
     process's event loop reads 32 streams' chunks and sends the next requests in turn. Their
@@ -130,7 +138,7 @@ def _send_from_processes(url: str, model: str, items: Sequence[Item], arrivals: 
     slots = ctx.BoundedSemaphore(max_concurrency or len(items))
     workers = [ctx.Process(target=_client_process, daemon=True,
                            args=(p, url, model, [items[i] for i in share], [arrivals[i] for i in share], slots, go,
-                                 start, results)) for p, share in enumerate(shares)]
+                                 start, results, api_key)) for p, share in enumerate(shares)]
     for w in workers:
         w.start()
     try:
@@ -155,17 +163,19 @@ def _send_from_processes(url: str, model: str, items: Sequence[Item], arrivals: 
 
 
 def serving_http(url: str, items: Sequence[Item], rate: float, max_concurrency: int | None, seed: int,
-                 on_finish: Callable[[int], None] | None = None, processes: int = 1) -> dict:
+                 on_finish: Callable[[int], None] | None = None, processes: int = 1,
+                 api_key: str | None = None) -> dict:
     url = url.rstrip("/")
-    model = served_model(url)
+    model = served_model(url, api_key)
     arrivals = arrival_times(len(items), rate, seed)
     traces = [Trace(0.0, len(item.prompt)) for item in items]
     outputs = [0] * len(items)
     if processes == 1:
         asyncio.run(_send_all(url, model, items, arrivals, asyncio.Semaphore(max_concurrency or len(items)),
-                              time.perf_counter(), traces, outputs, on_finish))
+                              time.perf_counter(), traces, outputs, on_finish, api_key))
     else:
-        _send_from_processes(url, model, items, arrivals, max_concurrency, processes, traces, outputs, on_finish)
+        _send_from_processes(url, model, items, arrivals, max_concurrency, processes, traces, outputs, on_finish,
+                             api_key)
     duration = max(t.done for t in traces)
     inp, out = sum(len(i.prompt) for i in items), sum(outputs)
     itl = [x for tr in traces for x in tr.itl]

@@ -308,6 +308,7 @@ def test_startup(model_args, tmp_path):
     (["serving", "--compare", "hf"], "serving"),
     (["serving", "--client-processes", "2"], "--client-processes needs --url"),
     (["serving", "--url", "http://127.0.0.1:1", "--client-processes", "0"], "--client-processes"),
+    (["serving", "--api-key", "k"], "--api-key needs --url"),
     (["throughput", "--input-len", "16", "--input-len-max", "8"], "--input-len-max"),
     (["throughput", "--dataset", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
     (["startup", "--load-format", "pickle"], "pickle"),

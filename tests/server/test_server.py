@@ -280,9 +280,14 @@ def test_load_and_unload_an_adapter_over_http(server, offline):
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_0():
-    proc, url = start_server("--api-key", "k3y")   # (and /v1 asks for the key)
+    proc, url = start_server("--api-key", "k3y")   # (and /v1 asks for the key, which bench serving sends)
     body = {"prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0, "ignore_eos": True}
     assert httpx.post(url + "/v1/completions", json=body).status_code == 401
+    from cli.bench_core import random_workload
+    from cli.bench_http import serving_http
+    res = serving_http(url, random_workload(3, 8, None, 4, None, 200, seed=3), float("inf"), 2, seed=1,
+                       processes=2, api_key="k3y")
+    assert res["output_tokens"] == 3 * 4
     result = {}
 
     def request():
