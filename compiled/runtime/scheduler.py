@@ -120,6 +120,8 @@ class Scheduler:
             readmitted = request.id in self._retracted
             self._retracted.discard(request.id)
             request.row = self.req_pool.alloc()
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = len(prefix) if prefix is not None else 0
             if prefix is not None:
                 request.prefix, request.num_computed = prefix, len(prefix)
                 self._point_row(request.row, 0, prefix.slots)

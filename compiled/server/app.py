@@ -235,6 +235,7 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
         texts = server.texts(requests)
         tokens, logprobs = [[] for _ in requests], [[] for _ in requests]
         prompt_logprobs: list = [None] * len(requests)
+        cached: list[int | None] = [None] * len(requests)
         last: dict[int, Progress] = {}
         watch = asyncio.ensure_future(_watch_disconnect(http, queue))
         try:
@@ -244,6 +245,7 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
                     tokens[i] += p.token_ids
                     logprobs[i] += p.logprobs or []
                     prompt_logprobs[i] = prompt_logprobs[i] or p.prompt_logprobs
+                    cached[i] = cached[i] if cached[i] is not None else p.cached_tokens
                     if p.finished:
                         last[i] = p
         finally:
@@ -257,7 +259,7 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
                        for i, c in enumerate(choices)]
         completion = 0 if s.prompt_only else sum(map(len, tokens))
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": model, "choices": choices, "usage": server.usage(requests, len(s.params), completion)}
+                "model": model, "choices": choices, "usage": server.usage(requests, len(s.params), completion, cached)}
 
     async def _stream(http, rid, model, requests, queue, s: Sampling, chat: bool,
                       echoed: list[str] | None) -> AsyncIterator[str]:
@@ -266,6 +268,7 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
         completion = 0
         done: set[int] = set()
         started: set[int] = set()   # choices that sent a chunk
+        cached: list[int | None] = [None] * len(requests)
         sent_text = [0] * len(requests)
         texts = server.texts(requests)
         longest_stop = max((len(x) for x in (s.params[0].stop or [])), default=0)
@@ -285,6 +288,7 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
                 for i, p in await _next_reports(queue, done):
                     p = server.advance(requests[i], texts[i], p)
                     completion += 0 if s.prompt_only else len(p.token_ids)
+                    cached[i] = cached[i] if cached[i] is not None else p.cached_tokens
                     text = texts[i].text
                     # text held back while it might still end in a stop string
                     upto = len(text) if p.finished else max(sent_text[i], len(text) - max(longest_stop - 1, 0))
@@ -306,7 +310,7 @@ def create_app(server: Server, api_key: str | None = None) -> FastAPI:
                             choice["stop_reason"] = p.stop_reason
                     yield chunk([choice])
             if s.include_usage:
-                yield chunk([], server.usage(requests, len(s.params), completion))
+                yield chunk([], server.usage(requests, len(s.params), completion, cached))
             yield "data: [DONE]\n\n"
         finally:
             watch.cancel()

@@ -30,20 +30,23 @@ FIRST_TOKEN_PHASES = {
 
 @dataclass
 class Progress:
-    """What a request has produced since its last report (its prompt's logprobs, when it asked for
-    them, in its first report: one entry a prompt token, None for the first)."""
+    """What a request has produced since its last report (in its first report also its prompt's
+    logprobs, when it asked for them: one entry a prompt token, None for the first; and how many
+    prompt tokens came from the prefix cache)."""
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     finished: bool
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    cached_tokens: int | None = None   # in its first report: prompt tokens found in the prefix cache
 
     def followed_by(self, later: Progress) -> Progress:
         """This report and the next one of the same request as one."""
         logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
+        cached = self.cached_tokens if self.cached_tokens is not None else later.cached_tokens
         return Progress(self.token_ids + later.token_ids, logprobs, later.finished, later.finish_reason,
-                        later.stop_reason, self.prompt_logprobs or later.prompt_logprobs)
+                        later.stop_reason, self.prompt_logprobs or later.prompt_logprobs, cached)
 
 
 @dataclass
@@ -81,9 +84,9 @@ class EngineLoop:
     In: ("add", [(key, prompt ids, SamplingParams, adapter, posted)]), ("abort", key),
     ("call", call id, name, args), ("stop",) (finish what was added, then return), ("gone",)
     (the front end went away: drop everything, return). Out: ("reports", [(key, token ids,
-    logprobs, finished, finish reason, stop reason, prompt logprobs or None) or (key, error
-    message)], (running, waiting, requests added so far)) after each step that produced
-    something, ("reply", call id, error or None, value) for each call."""
+    logprobs, finished, finish reason, stop reason, prompt logprobs or None, cached prompt tokens
+    or None) or (key, error message)], (running, waiting, requests added so far)) after each step
+    that produced something, ("reply", call id, error or None, value) for each call."""
 
     def __init__(self, llm, send: Callable[[tuple], None]) -> None:
         self.llm, self.engine, self._send = llm, llm.engine, send
@@ -211,9 +214,9 @@ class EngineLoop:
             if not t.sent and new:
                 self._first_token(t)
             logprobs = None if r.logprobs is None else r.logprobs[t.sent:]
-            prompt_logprobs = r.prompt_logprobs if not t.sent else None
+            first = not t.sent
             items.append((key, r.output_token_ids[t.sent:], logprobs, r.id in done, r.finish_reason, r.stop_reason,
-                          prompt_logprobs))
+                          r.prompt_logprobs if first else None, (r.num_cached_tokens or 0) if first else None))
             t.sent += new
             self.stats.generation_tokens += new
             if r.id in done:

@@ -212,10 +212,10 @@ class EngineClient:
                     del self._routes[item[0]]
                     queue.put_nowait((index, RuntimeError(item[1])))
                     continue
-                key, tokens, logprobs, finished, reason, stop_reason, prompt_logprobs = item
-                if finished:
+                key, *progress = item
+                if progress[2]:   # finished
                     del self._routes[key]
-                queue.put_nowait((index, Progress(tokens, logprobs, finished, reason, stop_reason, prompt_logprobs)))
+                queue.put_nowait((index, Progress(*progress)))
         elif kind == "reply":
             _, call_id, error, value = message
             future = self._replies.pop(call_id, None)

@@ -126,11 +126,13 @@ class Server:
         tok = self.tokenizer
         return tok.decode([token], skip_special_tokens=False) if tok is not None else str(token)
 
-    def usage(self, requests, n: int, completion_tokens: int) -> dict:
-        """OpenAI's usage: each prompt counted once, however many choices it has (`n`)."""
+    def usage(self, requests, n: int, completion_tokens: int, cached: list[int | None]) -> dict:
+        """OpenAI's usage: each prompt counted once, however many choices it has (`n`), and of its
+        tokens those the prefix cache held (`cached`: each request's, from its first report)."""
         prompt = sum(len(r.prompt_token_ids) for r in requests[::n])
         return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-                "total_tokens": prompt + completion_tokens}
+                "total_tokens": prompt + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(c or 0 for c in cached[::n])}}
 
     def logprobs_entry(self, tokens: list[int], logprobs: list[dict[int, float]], k: int, chat: bool):
         entries = []

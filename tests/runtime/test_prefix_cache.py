@@ -227,6 +227,7 @@ def test_running_requests_share_their_prompt():
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
     cache = llm.engine.scheduler.cache
     assert cache.hit == 3 * (len(prompt) - 1)      # choices 2-4 found all but the last prompt token cached
+    assert [o.num_cached_tokens for o in out] == [0] + [len(prompt) - 1] * 3   # each output says so
     assert llm.engine.kv.num_used == cache.num_cached and cache.num_locked == 0
 
 

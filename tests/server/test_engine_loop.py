@@ -46,7 +46,8 @@ class _HeldEngine:
         if lora is not None:
             raise RequestError(f"prompt {index} asks for unknown adapter {lora!r}")
         return _Request(id=next(self._ids), prompt_token_ids=ids, params=params, lora=lora, output_token_ids=[],
-                        logprobs=None, prompt_logprobs=None, finish_reason=None, stop_reason=None,
+                        logprobs=None, prompt_logprobs=None, num_cached_tokens=None, finish_reason=None,
+                        stop_reason=None,
                         first_launched=None)
 
     def add(self, request) -> None:
@@ -119,8 +120,8 @@ def test_posts_never_wait_for_a_running_step_and_run_in_order_after_it():
     assert not thread.is_alive(), "stop did not end the loop once its requests finished"
     reports = [item for m in sent if m[0] == "reports" for item in m[1]]
     # key 1 got its first token before the abort; key 2 ran to its max_new_tokens
-    assert [r for r in reports if r[0] == 2] == [(2, [7], None, False, None, None, None),
-                                                (2, [7], None, True, "length", None, None)]
+    assert [r for r in reports if r[0] == 2] == [(2, [7], None, False, None, None, None, 0),
+                                                (2, [7], None, True, "length", None, None, None)]
     assert sent[-1][0] == "reports" and sent[-1][2] == (0, 0, 2)
 
 
@@ -134,7 +135,7 @@ def test_a_request_the_engine_refuses_is_reported_as_an_error_naming_it():
     thread.join(10)
     items = [item for m in sent if m[0] == "reports" for item in m[1]]
     assert (1, "prompt 0 asks for unknown adapter 'gone'") in items
-    assert (2, [7], None, True, "length", None, None) in items
+    assert (2, [7], None, True, "length", None, None, 0) in items
     error = next(m for m in sent if m[0] == "reply")[2]
     assert isinstance(error, KeyError)
 
@@ -192,14 +193,14 @@ def test_the_client_routes_reports_to_each_request_and_counts_what_waits():
         queue = client.submit(a, 0.0)
         assert posted[-1][0] == "add" and [i[0] for i in posted[-1][1]] == [r.id for r in a]
         assert client.waiting() == 2            # posted, not yet seen by the engine
-        client._handle(("reports", [(a[0].id, [5, 6], None, False, None, None, None)], (1, 1, 2)))
+        client._handle(("reports", [(a[0].id, [5, 6], None, False, None, None, None, 0)], (1, 1, 2)))
         assert client.waiting() == 1
         client.abort(a[1].id)
         assert posted[-1] == ("abort", a[1].id)
-        client._handle(("reports", [(a[1].id, [9], None, True, "length", None, None),
-                                    (a[0].id, [7], None, True, "stop", 7, None)], (0, 0, 2)))
+        client._handle(("reports", [(a[1].id, [9], None, True, "length", None, None, 0),
+                                    (a[0].id, [7], None, True, "stop", 7, None, None)], (0, 0, 2)))
         got = [queue.get_nowait() for _ in range(queue.qsize())]
-        assert got == [(0, Progress([5, 6], None, False)), (0, Progress([7], None, True, "stop", 7))]
+        assert got == [(0, Progress([5, 6], None, False, cached_tokens=0)), (0, Progress([7], None, True, "stop", 7))]
         assert not client._routes
         b = client.submit([SimpleNamespace(id=client.new_key(), prompt_token_ids=[1], params=None, lora=None)], 0.0)
         call = asyncio.ensure_future(client.call("metrics"))
@@ -274,5 +275,5 @@ def test_a_failed_step_fails_its_requests_and_the_loop_serves_on():
     assert not thread.is_alive()
     items = [item for m in sent if m[0] == "reports" for item in m[1]]
     assert (1, "RuntimeError: CUDA error: an illegal memory access") in items
-    assert (2, [7], None, True, "length", None, None) in items
+    assert (2, [7], None, True, "length", None, None, 0) in items
     assert ("abort", 100) in engine.log   # the failed request left the engine

@@ -333,8 +333,10 @@ def test_client_processes_share_one_concurrency_limit(server):
 
 def test_metrics_report_the_prefix_cache(server):
     prompt = PROMPTS[2] + " and then some more words to share"
-    for _ in range(2):
-        client(server).completions.create(model="qwen3-moe", prompt=prompt, max_tokens=3, temperature=0)
+    usage = [client(server).completions.create(model="qwen3-moe", prompt=prompt, max_tokens=3, temperature=0).usage
+             for _ in range(2)]
+    # the second found all but its last prompt token cached (usage.prompt_tokens_details, as OpenAI's)
+    assert usage[1].prompt_tokens_details.cached_tokens == usage[1].prompt_tokens - 1
     m = _metrics(server)
     assert m["compiled_prefix_cache_tokens"] > 0 and 0 < m["compiled_prefix_cache_hit_rate"] <= 1
 
