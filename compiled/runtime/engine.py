@@ -39,7 +39,7 @@ from compiled.runtime.config import EngineConfig
 from compiled.runtime.detokenizer import IncrementalDetokenizer, stop_hit
 from compiled.runtime.inflight import InFlight, TokenReadback
 from compiled.runtime.model_runner import ModelRunner, StepOutput
-from compiled.runtime.request import Logprobs, Request, check_token_ids
+from compiled.runtime.request import Logprobs, Request, check_logit_bias, check_token_ids
 from compiled.runtime.sampler import Sampler, SamplingBatch, batch_top_logprobs
 from compiled.runtime.sampling_params import SamplingParams
 from compiled.runtime.scheduler import Batch, Chunk, Scheduler
@@ -240,10 +240,7 @@ class Engine:
         # Checked again here, not only at construction: a field set afterwards (p.temperature = -1)
         # would otherwise reach the sampler unchecked.
         params.validate()
-        vocab = self.model_config.vocab_size
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise RequestError(f"sampling params of prompt {index}: logit_bias names token {max(params.logit_bias)}, "
-                               f"outside the vocabulary of {vocab}")
+        check_logit_bias(index, params, self.model_config.vocab_size)
         text = prompt if isinstance(prompt, str) else None
         if text is not None:
             if not text:

@@ -88,6 +88,14 @@ class Request:
         )
 
 
+def check_logit_bias(index: int, params: SamplingParams, vocab: int) -> None:
+    """Prompt `index`'s `logit_bias` names tokens of the vocabulary only (its values were checked
+    with the params)."""
+    if params.logit_bias and max(params.logit_bias) >= vocab:
+        raise RequestError(f"sampling params of prompt {index}: logit_bias names token {max(params.logit_bias)}, "
+                           f"outside the vocabulary of {vocab}")
+
+
 def check_token_ids(index: int, prompt, vocab: int) -> list[int]:
     """Prompt `index`'s ids as Python ints; numpy / torch integer ids are accepted as the ints they
     hold, while bools (an int subclass) and anything else are refused."""

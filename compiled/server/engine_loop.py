@@ -211,10 +211,10 @@ class EngineLoop:
             new = len(r.output_token_ids) - t.sent
             if not new and r.id not in done:
                 continue
-            if not t.sent and new:
+            first = not t.sent
+            if first and new:
                 self._first_token(t)
             logprobs = None if r.logprobs is None else r.logprobs[t.sent:]
-            first = not t.sent
             items.append((key, r.output_token_ids[t.sent:], logprobs, r.id in done, r.finish_reason, r.stop_reason,
                           r.prompt_logprobs if first else None, (r.num_cached_tokens or 0) if first else None))
             t.sent += new

@@ -9,7 +9,7 @@ import time
 
 from compiled.errors import RequestError
 from compiled.runtime.detokenizer import IncrementalDetokenizer, stop_hit
-from compiled.runtime.request import check_token_ids
+from compiled.runtime.request import check_logit_bias, check_token_ids
 from compiled.runtime.sampling_params import SamplingParams
 from compiled.runtime.tokenizer import Tokenizer, load_tokenizer
 from compiled.server.engine_loop import Progress
@@ -90,10 +90,10 @@ class Server:
             raise APIError(503, "the engine has stopped")
         if self.max_queued is not None and self.engine.waiting() >= self.max_queued:
             raise APIError(503, f"the queue is full ({self.max_queued} requests wait: --max-queued-requests)")
-        bias = s.params[0].logit_bias
-        if bias and max(bias) >= self.info.vocab_size:
-            raise APIError(400, f"logit_bias: token {max(bias)} is outside the vocabulary of {self.info.vocab_size}",
-                           "logit_bias")
+        try:   # the same for every choice
+            check_logit_bias(0, s.params[0], self.info.vocab_size)
+        except RequestError as e:
+            raise APIError(400, str(e), "logit_bias") from None
         requests = []
         try:
             for i, ids in enumerate(prompts):
