@@ -26,7 +26,8 @@ if str(REPO) not in sys.path:
 from compiled.moe import expert_lora as el  # noqa: E402  (no triton kernels are defined by this import)
 from compiled.moe import fused_moe as fm  # noqa: E402
 from compiled.moe.routing import topk_route_ref  # noqa: E402
-from tests.conftest import assert_bf16_within_reference, capture_without_host_sync, run_cases  # noqa: E402
+from tests.conftest import (assert_bf16_within_reference, assert_same_math, capture_without_host_sync,  # noqa: E402
+                            run_cases, same_math_tolerance)
 
 MARK = "@@EXPERT_LORA_CASES@@"
 SLOTS_7 = [0, -1, 2, 1, 0, -1, 2]
@@ -330,18 +331,23 @@ def test_reference_matches_a_naive_pair_loop(dtype):
         torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=2e-2)
 
 
-def test_reference_without_adapters_is_the_base_moe_bit_for_bit():
+def test_reference_without_adapters_is_the_base_moe():
+    """No adapter (every slot -1) or adapters of zeros: the base MoE, within the rounding of
+    another grouping of its rows. The adapters' own delta is far above that tolerance, so a row
+    given a delta it should not get (slot -1 read as the last slot, a zero adapter's scale
+    applied to another's B) fails."""
     for dtype in (torch.float32, torch.bfloat16):
         args = list(problem(23, 8, 2, 32, 48, 8, 3, dtype, seed=12))
         base = fm.fused_moe_ref(*args[:5])
         none = list(args)
         none[-1] = torch.full_like(args[-1], -1)
-        assert torch.equal(el.fused_moe_lora_ref(*none), base)
+        assert_same_math(el.fused_moe_lora_ref(*none), base)
         zero = list(args)                                                  # adapters of zeros: no change
         for i in (5, 6, 7, 8):
             zero[i] = torch.zeros_like(args[i])
-        assert torch.equal(el.fused_moe_lora_ref(*zero), base)
-        assert not torch.equal(el.fused_moe_lora_ref(*args), base)
+        assert_same_math(el.fused_moe_lora_ref(*zero), base)
+        delta = (el.fused_moe_lora_ref(*args).double() - base.double()).abs().max().item()
+        assert delta > 20 * same_math_tolerance(base), (delta, same_math_tolerance(base))
 
 
 def test_each_delta_uses_its_own_slices_and_scale():
@@ -383,7 +389,7 @@ def test_the_norm_op_with_the_linears_lora_on_cpu_is_the_references_in_turn():
     y, h, normed = torch.ops.compiled.moe_add_rms_norm_linear_lora(x, *args[:5], nw, 1e-6, weight, True, a, b, scale,
                                                                    args[10], [8, 4, 4], *args[5:])
     for got, want in zip((y, h, normed), moe_norm_lora_ref(x, args, nw, weight, a, b, scale, args[10], [8, 4, 4])):
-        assert torch.equal(got, want)
+        assert_same_math(got, want)
     with pytest.raises(ValueError, match=r"compiled::moe_add_rms_norm_linear_lora: a \(2, 8, 16\) has 8 rows, "
                                          r"expected 3 slices x rank 4"):
         torch.ops.compiled.moe_add_rms_norm_linear_lora(x, *args[:5], nw, 1e-6, weight, False, a[:, :8], b, scale,
