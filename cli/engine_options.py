@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from compiled.runtime.config import DEFAULTS, EngineConfig
+from compiled.runtime.config import DEFAULT_BATCHED_TOKENS, DEFAULTS, EngineConfig
 
 # field -> (annotation, help, typer's declarations). Defaults come from DEFAULTS.
 ENGINE_OPTIONS: dict[str, tuple[object, str, tuple[str, ...]]] = {
@@ -19,7 +19,8 @@ ENGINE_OPTIONS: dict[str, tuple[object, str, tuple[str, ...]]] = {
     "seed": (int, "Seed of the dummy weights and of the engine.", ()),
     "max_model_len": (Optional[int], "Context length (default: the model's).", ()),
     "max_num_seqs": (int, "Most requests in one step.", ()),
-    "max_num_batched_tokens": (int, "Token budget of one step (longer prefills are chunked).", ()),
+    "max_num_batched_tokens": (Optional[int], "Token budget of one step (longer prefills are chunked; default: "
+                               f"{DEFAULT_BATCHED_TOKENS}, or --cp-min-tokens if larger with --cp).", ()),
     "max_mixed_step_tokens": (Optional[int], "Most tokens in a step that also decodes (default: the largest "
                               "piecewise graph); keeps inter-token latency flat.", ()),
     "kv_cache_tokens": (Optional[int], "KV cache size in tokens (default: from memory).", ()),

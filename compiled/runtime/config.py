@@ -18,6 +18,8 @@ from compiled.envs import BACKENDS
 from compiled.errors import ConfigError
 from compiled.runtime.loader import LOAD_FORMATS
 
+# The step's token budget when max_num_batched_tokens is not chosen (and CP does not need more).
+DEFAULT_BATCHED_TOKENS = 8192
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -38,7 +40,9 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     # Token budget of one step; longer prompts are prefilled in chunks of at most this many.
-    max_num_batched_tokens: int = 8192
+    # None: DEFAULT_BATCHED_TOKENS, or `cp_min_tokens` if larger when context-parallel (a smaller
+    # budget would never give CP a chunk to split).
+    max_num_batched_tokens: int | None = None
     # A step that also decodes carries at most this many tokens in all (its decodes and prompt
     # chunks), so that admitted prompts do not stall every running request for a whole
     # `max_num_batched_tokens` chunk (SGLang's chunked-prefill size, vLLM's
@@ -98,8 +102,8 @@ class EngineConfig:
     # Context parallelism: this many processes (one GPU each) hold the whole model, and a step with
     # a prefill chunk of at least `cp_min_tokens` tokens (and 2 per process) splits that chunk's
     # tokens over them; 1: off. Two H100s win from about 8k-16k tokens a chunk (8,192: 0.86-1.07x,
-    # 16,384: 1.63-1.74x; bench/RESULTS.md), so long prompts also need a `max_num_batched_tokens` at
-    # least this large. `cp_timeout`: seconds a rank may take to answer before the group counts as dead.
+    # 16,384: 1.63-1.74x; bench/RESULTS.md); the step's token budget must be at least this large (its
+    # default is, under CP). `cp_timeout`: seconds a rank may take to answer before the group counts as dead.
     context_parallel_size: int = 1
     cp_min_tokens: int = 12288
     cp_timeout: float = 60.0
@@ -130,7 +134,8 @@ class EngineConfig:
         if device.type == "cuda" and self.context_parallel_size > torch.cuda.device_count():
             raise ConfigError(f"context_parallel_size={self.context_parallel_size}: only "
                               f"{torch.cuda.device_count()} GPU(s) are visible, one per process is needed")
-        if self.context_parallel_size > 1 and self.max_num_batched_tokens < self.cp_min_tokens:
+        if self.context_parallel_size > 1 and self.max_num_batched_tokens is not None \
+                and self.max_num_batched_tokens < self.cp_min_tokens:
             raise ConfigError(f"context_parallel_size={self.context_parallel_size} would never split a prefill: "
                               f"max_num_batched_tokens={self.max_num_batched_tokens} is below cp_min_tokens="
                               f"{self.cp_min_tokens}; raise max_num_batched_tokens or lower cp_min_tokens")
@@ -143,7 +148,8 @@ class EngineConfig:
                                      f"raise kv_cache_tokens to at least {max_len}")
         mixed = self.max_piecewise_tokens if self.max_mixed_step_tokens is None else self.max_mixed_step_tokens
         return dataclasses.replace(self, device=device, dtype=resolve_dtype(self.dtype, device),
-                                   max_model_len=max_len, max_mixed_step_tokens=mixed)
+                                   max_model_len=max_len, max_mixed_step_tokens=mixed,
+                                   max_num_batched_tokens=self.batched_tokens)
 
     def validate(self) -> None:
         """Every field's type and range; the first bad one is a ConfigError naming it, its value and
@@ -208,6 +214,13 @@ class EngineConfig:
         return bool(self.lora_modules) if self.enable_lora is None else self.enable_lora
 
     @property
+    def batched_tokens(self) -> int:
+        """The step's token budget: the chosen one, else the default that suits the CP setting."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return max(DEFAULT_BATCHED_TOKENS, self.cp_min_tokens) if self.cp else DEFAULT_BATCHED_TOKENS
+
+    @property
     def cp(self) -> bool:
         """Whether prefill runs context-parallel."""
         return self.context_parallel_size > 1
@@ -230,10 +243,10 @@ class EngineConfig:
 
 # Lower bounds of the integer settings. A context of one token could hold a prompt but not the
 # token it generates, so max_model_len starts at 2.
-_INT_AT_LEAST = dict(max_num_seqs=1, max_num_batched_tokens=1, max_cuda_graph_batch=1, max_piecewise_tokens=1,
+_INT_AT_LEAST = dict(max_num_seqs=1, max_cuda_graph_batch=1, max_piecewise_tokens=1,
                      cpu_kv_cache_bytes=1, logits_chunk=1, max_lora_rank=1, max_loras_per_batch=1,
                      context_parallel_size=1, cp_min_tokens=1)
-_OPTIONAL_INT_AT_LEAST = dict(max_model_len=2, kv_cache_tokens=1, max_loaded_loras=1, max_mixed_step_tokens=1)
+_OPTIONAL_INT_AT_LEAST = dict(max_num_batched_tokens=1, max_model_len=2, kv_cache_tokens=1, max_loaded_loras=1, max_mixed_step_tokens=1)
 _SEQUENCES = ("passes", "splitting_ops", "cuda_graph_buckets", "piecewise_buckets")
 
 

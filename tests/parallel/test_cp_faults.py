@@ -69,6 +69,34 @@ def test_context_parallelism_that_never_splits_is_a_one_line_error():
         LLM(None, context_parallel_size=2, max_num_batched_tokens=4096)
 
 
+def test_context_parallelism_with_default_settings_takes_a_budget_it_can_split():
+    """Left unchosen, the step's token budget is what CP needs to split a chunk (cp_min_tokens when
+    that is larger than the usual default); a chosen one is kept, and without CP the default holds."""
+    from compiled.runtime.config import DEFAULT_BATCHED_TOKENS, EngineConfig
+    cp = EngineConfig.from_kwargs(context_parallel_size=2).resolve(40960)
+    assert cp.max_num_batched_tokens == cp.cp_min_tokens > DEFAULT_BATCHED_TOKENS
+    assert EngineConfig.from_kwargs(context_parallel_size=2, cp_min_tokens=64).resolve(40960) \
+        .max_num_batched_tokens == DEFAULT_BATCHED_TOKENS
+    assert EngineConfig.from_kwargs(context_parallel_size=2, max_num_batched_tokens=20000).resolve(40960) \
+        .max_num_batched_tokens == 20000
+    assert EngineConfig.from_kwargs().resolve(40960).max_num_batched_tokens == DEFAULT_BATCHED_TOKENS
+
+
+def test_cli_commands_with_cp_and_their_defaults_resolve():
+    """`--cp 2` on run, serve and bench with every other option at its default starts (the config
+    each command builds resolves), as `LLM(context_parallel_size=2)` does."""
+    import inspect
+    from cli import bench, run, serve
+    from cli.engine_options import engine_config
+    commands = {"run": run.run, "serve": serve.serve}
+    commands.update({f"bench {c.callback.__name__}": c.callback for c in bench.bench_app.registered_commands})
+    for name, fn in commands.items():
+        values = {k: getattr(p.default, "default", p.default) for k, p in inspect.signature(fn).parameters.items()
+                  if k != "seed"}   # run's --seed is the requests' sampling seed
+        config = engine_config(dict(values, context_parallel_size=2, load_format="auto")).resolve(40960)
+        assert config.max_num_batched_tokens >= config.cp_min_tokens, name
+
+
 @pytest.mark.gpu
 def test_more_ranks_than_gpus_is_a_one_line_error():
     import torch

@@ -26,7 +26,7 @@ def llm():
 # ---- engine settings ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(max_num_batched_tokens=0), "max_num_batched_tokens=0: expected an int >= 1"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens=0: expected None or an int >= 1"),
     (dict(max_num_seqs=0), "max_num_seqs=0: expected an int >= 1"),
     (dict(max_num_seqs=True), "max_num_seqs=True: expected an int >= 1"),
     (dict(max_num_seqs="8"), "max_num_seqs='8': expected an int >= 1"),
