@@ -320,6 +320,9 @@ def latency(
         cp = res["context_parallel"]
         rows.append((f"time to first token, CP={cp['context_parallel_size']} / CP=1 (ms)",
                      f"{_ms(_p(cp['ttft_ms']))} / {_ms(_p(cp['ttft_cp1_ms']))}", "", ""))
+    rows.append(("decode timed", f"after all {o.batch_size} prompts had their first token"
+                 + (f" ({res['decoded_while_filling']} tokens decoded before that, untimed)"
+                    if res["decoded_while_filling"] else ""), "", ""))
     if res["decode_steps_not_full"]:
         rows.append(("steps below the batch (not timed)", str(res["decode_steps_not_full"]), "", ""))
     if res["retractions"]:

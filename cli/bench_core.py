@@ -197,37 +197,57 @@ class LatencyRun:
     elapsed_s: float
     retractions: int
     steps_not_full: int = 0  # decode steps (calls) that ran part of the batch: not timed
+    decoded_while_filling: int = 0   # most tokens a request got before the last prompt's first
+    output_tokens: int = 0
+
+
+def fill_headroom(engine, batch: int, input_len: int) -> int:
+    """Most tokens a request can decode while the rest of the batch is still being prefilled: none
+    when one step prefills every prompt, else at most one a step, and a step beside decoding
+    requests prefills at least the mixed-step budget less their decodes."""
+    cfg = engine.cfg
+    if batch * input_len <= cfg.max_num_batched_tokens:
+        return 0
+    per_step = max(1, min(cfg.max_mixed_step_tokens, cfg.max_num_batched_tokens) - batch)
+    return -(-batch * input_len // per_step) + 1
 
 
 def check_batch_fits(engine, batch: int, input_len: int, output_len: int) -> None:
-    """A one-line ValueError unless `batch` requests of `input_len` + `output_len` tokens fit the
-    KV cache together to their last token: otherwise the engine retracts some of them, re-prefills
-    them and decodes the rest at smaller batches, and per-step times stop describing the batch."""
-    slots, per_request = engine.kv.num_slots, input_len + output_len
+    """A one-line ValueError unless `batch` requests of `input_len` + `output_len` tokens (and what
+    they may decode while the batch is prefilled) fit the KV cache together to their last token:
+    otherwise the engine retracts some of them, re-prefills them and decodes the rest at smaller
+    batches, and per-step times stop describing the batch."""
+    slots, ahead = engine.kv.num_slots, fill_headroom(engine, batch, input_len)
+    per_request = input_len + output_len + ahead
     if batch * per_request > slots:
+        filling = f" + up to {ahead} decoded while the batch is prefilled" if ahead else ""
         raise ValueError(
-            f"the batch does not fit the KV cache: {batch} x ({input_len} + {output_len}) tokens = "
+            f"the batch does not fit the KV cache: {batch} x ({input_len} + {output_len}{filling}) tokens = "
             f"{batch * per_request:,} > {slots:,} slots; {slots // per_request} requests fit (lower "
             f"--batch-size or the lengths, or raise --kv-cache-tokens / --mem-fraction)")
 
 
 def latency_once(llm, prompts: list[Prompt], output_len: int, on_step: StepHook = None,
                  loras: list[str | None] | None = None) -> LatencyRun:
-    """One batch: prefill every prompt (TTFT: until each has its first token), then time each
-    decode step until all reach `output_len` tokens.
+    """One batch: prefill every prompt (TTFT: until each has its first token), then time
+    `output_len - 1` decode steps of the whole batch, at the batch size asked for.
 
-    No device sync between steps: `step()` returns once it has read a step's tokens back, and a
-    sync would also wait for the step that overlap scheduling queued behind it. A call that reads
-    back two steps' tokens (the last one, under overlap) counts as two steps of half its time;
+    A batch whose prompts take several steps to prefill has its first requests decoding beside
+    the later prompts' chunks (mixed steps): those tokens are not timed (`decoded_while_filling`),
+    and such requests may run past `output_len` until the timed steps are done; then what is left
+    is aborted. No device sync between steps: `step()` returns once it has read a step's tokens
+    back, and a sync would also wait for the step that overlap scheduling queued behind it. A call
+    that reads back two steps' tokens (under overlap) counts as two steps of half its time;
     prefill steps do not count the decode step launched ahead while the first tokens were read.
-    Only calls in which every request of the batch got the same number of tokens are timed: a
-    step that ran part of the batch (requests that started decoding earlier finishing earlier,
-    after a chunked prefill; a retraction) is counted in `steps_not_full` instead."""
+    A call in which the requests did not all get the same number of tokens (a retraction) is
+    counted in `steps_not_full` instead."""
     engine = llm.engine
     check_idle(engine)
     retractions = engine.scheduler.num_retractions
     loras = loras or [None] * len(prompts)
-    requests = [engine.make_request(i, p, greedy(output_len), a) for i, (p, a) in enumerate(zip(prompts, loras))]
+    longest = max(len(p) for p in prompts)
+    params = greedy(min(output_len + fill_headroom(engine, len(prompts), longest), engine.max_context - longest))
+    requests = [engine.make_request(i, p, params, a) for i, (p, a) in enumerate(zip(prompts, loras))]
     sync(llm.config.device)
     t0 = time.perf_counter()
     for r in requests:
@@ -240,8 +260,22 @@ def latency_once(llm, prompts: list[Prompt], output_len: int, on_step: StepHook 
             on_step()
     t1 = time.perf_counter()
     prefill_steps = calls - (engine.num_overlapped - ahead)
-    steps, not_full = [], 0
+    filling = max(len(r.output_token_ids) for r in requests) - 1
+    steps, not_full = _timed_decode(engine, requests, output_len - 1, on_step)
+    for r in requests:
+        engine.abort(r.id)
     while engine.has_work:
+        engine.step()
+    return LatencyRun(t1 - t0, prefill_steps, steps, time.perf_counter() - t0,
+                      engine.scheduler.num_retractions - retractions, not_full, filling,
+                      sum(len(r.output_token_ids) for r in requests))
+
+
+def _timed_decode(engine, requests: list, count: int, on_step: StepHook) -> tuple[list[float], int]:
+    """(the times of `count` decode steps in which every request got a token, the calls in which
+    they did not all get the same number)."""
+    steps, not_full = [], 0
+    while len(steps) < count and engine.has_work:
         before = [len(r.output_token_ids) for r in requests]
         s = time.perf_counter()
         engine.step()
@@ -254,8 +288,7 @@ def latency_once(llm, prompts: list[Prompt], output_len: int, on_step: StepHook 
             not_full += 1
         if on_step:
             on_step()
-    return LatencyRun(t1 - t0, prefill_steps, steps, time.perf_counter() - t0,
-                      engine.scheduler.num_retractions - retractions, not_full)
+    return steps[:count], not_full
 
 
 def latency(llm, batch: int, input_len: int, output_len: int, iters: int, warmup: int, seed: int,
@@ -269,7 +302,7 @@ def latency(llm, batch: int, input_len: int, output_len: int, iters: int, warmup
     runs = [latency_once(llm, prompts, output_len, on_step, loras) for _ in range(iters)]
     steps = [s for r in runs for s in r.step_s]
     elapsed = sum(r.elapsed_s for r in runs)
-    out_tokens = iters * batch * output_len
+    out_tokens = sum(r.output_tokens for r in runs)
     decode = summary_ms(steps)
     ttft = [r.ttft_s for r in runs]
     results = {
@@ -277,6 +310,9 @@ def latency(llm, batch: int, input_len: int, output_len: int, iters: int, warmup
         "ttft_ms": summary_ms(ttft),
         "prefill_steps": runs[0].prefill_steps,
         "prefill_tokens_per_s": batch * input_len / (sum(ttft) / len(ttft)),
+        # How the decode steps were timed: after every prompt of the batch had its first token.
+        "decode_timing": "whole batch prefilled first",
+        "decoded_while_filling": max(r.decoded_while_filling for r in runs),
         "decode_steps": len(steps),
         "decode_steps_not_full": sum(r.steps_not_full for r in runs),
         "decode_step_ms": decode,

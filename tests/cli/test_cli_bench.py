@@ -223,17 +223,32 @@ def test_latency_compare_hf(model_args, tmp_path):
     assert speedup["decode_step"] == pytest.approx(hf["decode_step_ms"]["p50"] / ours["decode_step_ms"]["p50"])
 
 
-def test_latency_times_only_steps_of_the_whole_batch(model_args, tmp_path):
-    """A 16-token step budget prefills the second request after the first has begun decoding, so
-    the first finishes steps earlier: those last steps ran one request and are not timed."""
+def test_latency_times_decode_at_the_whole_batch_after_a_chunked_prefill(model_args, tmp_path):
+    """A 16-token step budget prefills the second request after the first has begun decoding:
+    the decode steps are timed once both have their first token, output_len - 1 of them at the
+    whole batch, and the output says how many tokens were decoded before (untimed)."""
     out = tmp_path / "latency_chunked.json"
     rec = _bench("latency", *model_args, *SMALL, "--batch-size", "2", "--input-len", "16", "--output-len", "8",
                  "--max-num-batched-tokens", "16", "--num-iters", "1", "--num-iters-warmup", "0", "--json", str(out))
     r = rec["results"]
-    assert r["prefill_steps"] > 1 and r["decode_steps_not_full"] > 0 and r["retractions"] == 0
-    # Every output token after each request's first comes from a timed step or an untimed one.
-    assert r["decode_steps"] == r["decode_step_ms"]["n"] < 7
+    assert r["prefill_steps"] > 1 and r["decoded_while_filling"] > 0 and r["retractions"] == 0
+    assert r["decode_steps"] == r["decode_step_ms"]["n"] == 7 and r["decode_steps_not_full"] == 0
+    assert r["decode_timing"] == "whole batch prefilled first"
     assert r["roofline"]["fraction_of_roofline"] == pytest.approx(r["roofline"]["floor_ms"] / r["decode_step_ms"]["p50"])
+
+
+def test_latency_times_decode_when_the_prefill_outlasts_the_output(model_args, tmp_path):
+    """More prompt tokens than one step takes and only 4 output tokens: the first requests would
+    finish before the last are prefilled, yet the decode step is timed at the batch asked for,
+    and the table says how."""
+    out = tmp_path / "latency_long_prefill.json"
+    result = runner.invoke(app, ["bench", "latency", *model_args, *SMALL, "--batch-size", "8", "--input-len", "24",
+                                 "--output-len", "4", "--max-num-batched-tokens", "32", "--num-iters", "1",
+                                 "--num-iters-warmup", "0", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    r = json.loads(out.read_text())["results"]
+    assert r["decoded_while_filling"] > 4 and r["decode_steps"] == 3 and r["decode_step_ms"]["p50"] > 0
+    assert "decode timed" in result.output and "after all 8 prompts had their first token" in result.output
 
 
 def test_latency_batch_larger_than_the_kv_cache_fails_up_front(model_args, tmp_path):
