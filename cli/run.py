@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from cli.engine_options import build_llm, engine_config, engine_option
+from cli.engine_options import build_llm, engine_config, with_engine_options
 from cli.errors import fail_cleanly
 from compiled.runtime.sampling_params import SamplingParams
 
@@ -50,7 +50,11 @@ def lora_modules(specs: list[str], model: str | None) -> dict[str, str]:
     return modules
 
 
+@with_engine_options("max_lora_rank", "max_loras_per_batch", "max_loaded_loras", "merge_lora", "device", "dtype",
+                     "load_format", "max_model_len", "enforce_eager", "overlap_schedule", "artifact",
+                     "recompile_on_mismatch", "context_parallel_size", "cp_min_tokens")
 def run(
+    engine: dict,
     model: Optional[str] = typer.Argument(None, help="HF model folder; default: the shipped demo MoE model."),
     prompt: list[str] = typer.Option([], "--prompt", "-p", help="A prompt (repeatable)."),
     prompts_file: Optional[Path] = typer.Option(None, help="JSONL file of prompts."),
@@ -72,69 +76,56 @@ def run(
                                    "the demo model, a shipped adapter by NAME alone (upper, first)."),
     adapter: Optional[str] = typer.Option(None, "--adapter", help="The adapter the --prompt prompts run with "
                                           "(a prompts-file line names its own with \"lora\")."),
-    max_lora_rank: int = engine_option("max_lora_rank"),
-    max_loras_per_batch: int = engine_option("max_loras_per_batch"),
-    max_loaded_loras: Optional[int] = engine_option("max_loaded_loras"),
-    merge_lora: bool = engine_option("merge_lora"),
-    device: Optional[str] = engine_option("device"),
-    dtype: Optional[str] = engine_option("dtype"),
-    load_format: str = engine_option("load_format"),
-    max_model_len: Optional[int] = engine_option("max_model_len"),
-    enforce_eager: bool = engine_option("enforce_eager"),
-    overlap_schedule: bool = engine_option("overlap_schedule"),
-    artifact: Optional[str] = engine_option("artifact"),
-    recompile_on_mismatch: bool = engine_option("recompile_on_mismatch"),
-    context_parallel_size: int = engine_option("context_parallel_size"),
-    cp_min_tokens: int = engine_option("cp_min_tokens"),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per output line."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     with fail_cleanly(debug):
-
-        prompts: list[str | list[int]] = list(prompt)
-        adapters: list[str | None] = [adapter] * len(prompts)
-        if prompts_file is not None:
-            for text, fields in read_prompts_file(prompts_file):
-                prompts.append(text)
-                adapters.append(fields.get("lora"))
-        if not prompts:
-            if model is not None:
-                raise ValueError("no prompts: pass --prompt TEXT or --prompts-file FILE.jsonl")
-            from compiled.demo import EXAMPLE_PROMPTS
-            prompts = list(EXAMPLE_PROMPTS[:4])
-            adapters = [adapter] * len(prompts)
+        prompts, adapters = _prompts(model, prompt, prompts_file, adapter)
         params = SamplingParams(
             max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty, seed=seed, stop=stop or None, ignore_eos=ignore_eos,
             logprobs=logprobs)
         start = time.perf_counter()
-        config = engine_config(dict(model=model, device=device, dtype=dtype, load_format=load_format,
-                                    max_model_len=max_model_len, enforce_eager=enforce_eager,
-                                    overlap_schedule=overlap_schedule, artifact=artifact,
-                                    recompile_on_mismatch=recompile_on_mismatch, max_lora_rank=max_lora_rank,
-                                    max_loras_per_batch=max_loras_per_batch, max_loaded_loras=max_loaded_loras,
-                                    merge_lora=merge_lora, lora_modules=lora_modules(lora, model) or None,
-                                    context_parallel_size=context_parallel_size, cp_min_tokens=cp_min_tokens))
-        llm = build_llm(config)
+        llm = build_llm(engine_config(dict(engine, model=model, lora_modules=lora_modules(lora, model) or None)))
         loaded = time.perf_counter()
         outs = llm.chat(prompts, params, adapters) if chat else llm.generate(prompts, params, adapters)
         done = time.perf_counter()
         for p, out in zip(prompts, outs):
-            if as_json:
-                record = {"prompt": p, "text": out.text, "token_ids": out.token_ids,
-                          "finish_reason": out.finish_reason}
-                if out.logprobs is not None:
-                    record["logprobs"] = [{str(k): v for k, v in d.items()} for d in out.logprobs]
-                sys.stdout.write(json.dumps(record) + "\n")
-            else:
-                _print_output(p, out)
+            sys.stdout.write(_json_line(p, out) if as_json else _text_line(p, out))
+        sys.stdout.flush()
         llm.shutdown()
         if not as_json:
             n = sum(len(o.token_ids) for o in outs)
             err.print(f"[dim]{llm.model_path} on {llm.config.device} ({str(llm.config.dtype).replace('torch.', '')}):"
                       f" load {loaded - start:.1f}s{_compiled_note(llm)}, {n} tokens in {done - loaded:.2f}s[/dim]",
                       soft_wrap=True)
+
+
+def _prompts(model: str | None, prompt: list[str], prompts_file: Path | None, adapter: str | None
+             ) -> tuple[list[str | list[int]], list[str | None]]:
+    """The prompts to run and each one's adapter: --prompt's, then the file's; the demo model's
+    example prompts when there are none."""
+    prompts: list[str | list[int]] = list(prompt)
+    adapters: list[str | None] = [adapter] * len(prompts)
+    if prompts_file is not None:
+        for text, fields in read_prompts_file(prompts_file):
+            prompts.append(text)
+            adapters.append(fields.get("lora"))
+    if not prompts:
+        if model is not None:
+            raise ValueError("no prompts: pass --prompt TEXT or --prompts-file FILE.jsonl")
+        from compiled.demo import EXAMPLE_PROMPTS
+        prompts = list(EXAMPLE_PROMPTS[:4])
+        adapters = [adapter] * len(prompts)
+    return prompts, adapters
+
+
+def _json_line(prompt, out) -> str:
+    record = {"prompt": prompt, "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}
+    if out.logprobs is not None:
+        record["logprobs"] = [{str(k): v for k, v in d.items()} for d in out.logprobs]
+    return json.dumps(record) + "\n"
 
 
 def _compiled_note(llm) -> str:
@@ -145,9 +136,17 @@ def _compiled_note(llm) -> str:
     return f" ({report.unique_pieces} compiled pieces, {report.compiled_now} compiled now)"
 
 
-def _print_output(prompt, out) -> None:
+def _text_line(prompt, out) -> str:
+    """One line per prompt: the prompt, its generation (line breaks shown as \\n, so that a
+    generation cannot split its line) and its token count. Colour only on a terminal; the line is
+    never wrapped at the console's width (piped, it is data)."""
+    shown = (prompt if isinstance(prompt, str) else str(prompt)).replace("\n", "\\n")
+    text = out.text.replace("\n", "\\n")
+    tail = f"  ({len(out.token_ids)} tokens, {out.finish_reason})"
+    if not sys.stdout.isatty():
+        return f"{shown}{text}{tail}\n"
     from rich.markup import escape
-    console = Console()
-    shown = prompt if isinstance(prompt, str) else str(prompt)
-    console.print(f"[bold cyan]{escape(shown)}[/bold cyan][green]{escape(out.text)}[/green]"
-                  f"  [dim]({len(out.token_ids)} tokens, {out.finish_reason})[/dim]")
+    console = Console(soft_wrap=True)
+    with console.capture() as capture:
+        console.print(f"[bold cyan]{escape(shown)}[/bold cyan][green]{escape(text)}[/green][dim]{tail}[/dim]")
+    return capture.get()

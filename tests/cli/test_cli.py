@@ -91,3 +91,19 @@ def test_lora_without_a_path_outside_the_demo_model_is_one_line(ckpt):
     assert result.exit_code == 1
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "--lora 'mine': expected NAME=PATH" in lines[0]
+
+
+def test_piped_output_is_one_unwrapped_line_per_prompt():
+    """Output on stdout is data: with a 30-column console (COLUMNS) and generations longer than
+    that, two prompts give two lines, each prompt followed by its whole generation."""
+    import subprocess
+    import sys
+    code = "from cli.main import app; app()"
+    args = ["run", "--prompt", "count 17:", "--prompt", "copy Bird wax:", "--max-new-tokens", "40"]
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600,
+                          env=dict(__import__("os").environ, COLUMNS="30"))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2, proc.stdout
+    assert lines[0].startswith("count 17: 17 18 19") and lines[0].endswith("tokens, length)") and len(lines[0]) > 60
+    assert lines[1].startswith("copy Bird wax:") and "\x1b[" not in proc.stdout
