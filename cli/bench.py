@@ -548,7 +548,7 @@ def startup(
     _at_least(o, "input_len", 1)
     if o.fresh_caches:
         import tempfile
-        from compiled import envs
+        import compiled.envs as envs
         for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
             envs.set_for_children(name, tempfile.mkdtemp(prefix=f"compiled-{name.lower()}-"))
     llm, res = core.startup(_engine_args(o), o.input_len)

@@ -62,7 +62,7 @@ def empty_triton_cache(device: torch.device) -> Iterator[None]:
     if device.type != "cuda":
         yield
         return
-    from compiled import envs
+    import compiled.envs as envs
     previous = envs.read("TRITON_CACHE_DIR")
     with tempfile.TemporaryDirectory(prefix="compiled-export-triton-") as folder:
         envs.set_for_children("TRITON_CACHE_DIR", folder)

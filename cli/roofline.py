@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from compiled import envs
+import compiled.envs as envs
 from compiled.graphs.config import ModelConfig
 
 # ---- bytes per decode step ---------------------------------------------------------------

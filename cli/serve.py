@@ -35,7 +35,7 @@ def serve(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     with fail_cleanly(debug):
-        from compiled import envs
+        import compiled.envs as envs
         from compiled.server.app import Server, create_app
         from compiled.server.engine_process import EngineClient
         from compiled.server.listen import listen

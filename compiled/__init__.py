@@ -4,6 +4,6 @@ Public API: `LLM`, `SamplingParams`, `RequestOutput`."""
 from compiled.runtime.llm import LLM
 from compiled.runtime.request import RequestOutput
 from compiled.runtime.sampling_params import SamplingParams
+from compiled.version import __version__
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
-__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "__version__"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from compiled import envs
+import compiled.envs as envs
 
 CHOICES = envs.BACKENDS   # "auto", "torch", "triton"
 

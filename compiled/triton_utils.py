@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compiled import envs
+import compiled.envs as envs
 
 DEFAULT_NUM_SMS = 132  # an H100 / H200: what the heuristics assume without a CUDA device (the interpreter)
 

@@ -49,7 +49,7 @@ def _triton_version() -> str | None:
 def manifest_for(cfg: ModelConfig, passes: list[str] | tuple[str, ...], splitting_ops: tuple[str, ...],
                  dtype: torch.dtype, device: torch.device) -> dict:
     """What compiled code depends on; `passes` are recorded with the hash of each one's source."""
-    from compiled import __version__
+    from compiled.version import __version__
     return {
         "format": FORMAT, "package": __version__, "torch": torch.__version__, "triton": _triton_version(),
         "device": device_name(device), "model_config": config_hash(cfg), "passes": pass_hashes(passes),

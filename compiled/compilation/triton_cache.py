@@ -19,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from compiled import envs
+import compiled.envs as envs
 
 KERNELS = "triton"   # the artifact's folder of kernel folders
 

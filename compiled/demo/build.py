@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from compiled import envs
+import compiled.envs as envs
 
 DEMO_DIR = Path(__file__).resolve().parent
 SEED = 20240611

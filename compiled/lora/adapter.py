@@ -14,7 +14,7 @@ import torch
 
 from compiled.graphs.config import ModelConfig
 from compiled.json_file import read_json_object
-from compiled.lora import layouts
+import compiled.lora.layouts as layouts
 from compiled.lora.peft_config import PeftLoraConfig, read_config
 from compiled.lora.weights import Adapter, ExpertLoRAWeight, LoRAError, LoRAWeight
 

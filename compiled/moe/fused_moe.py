@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from compiled import envs
+import compiled.envs as envs
 from compiled.backend import BackendChoice
 from compiled.functional import add_rms_norm_ref
 from compiled.moe.experts import expert_loop

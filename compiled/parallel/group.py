@@ -18,7 +18,7 @@ from typing import Iterator
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from compiled import envs
+import compiled.envs as envs
 from compiled.errors import CompiledError
 
 

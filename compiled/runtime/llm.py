@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from compiled import envs
+import compiled.envs as envs
 from compiled.errors import ConfigError
 from compiled.json_file import read_json_object
 from compiled.runtime.build import artifact_manifest, build_models

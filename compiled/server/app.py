@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from compiled import __version__
+from compiled.version import __version__
 from compiled.errors import CompiledError
 from compiled.server.engine_loop import FIRST_TOKEN_PHASES, Progress
 from compiled.server.engine_process import EngineGone
