@@ -83,99 +83,123 @@ class ModelConfig:
         return _parse(raw, source)
 
 
-def _parse(raw: dict, source: str) -> ModelConfig:
-    def fail(msg: str) -> ConfigError:
-        return ConfigError(f"{source}: {msg}")
+class _Fields:
+    """Typed reads of one config.json, each error naming the file and the field."""
 
-    archs = raw.get("architectures") or []
-    arch = archs[0] if isinstance(archs, list) and archs else None
-    if arch is None and raw.get("model_type") is not None:
-        model_type = raw["model_type"]
-        arch = MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
-        if arch is None:
-            raise fail(f"no 'architectures' and unsupported model_type {model_type!r} "
-                       f"(supported: {', '.join(MODEL_TYPES)})")
-    if arch is None:
-        raise fail(f"neither 'architectures' nor 'model_type' is set (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise fail(f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    def __init__(self, raw: dict, source: str) -> None:
+        self.raw, self.source = raw, source
 
-    def get(name: str, kind: type, default=None, *aliases: str):
+    def fail(self, msg: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {msg}")
+
+    def get(self, name: str, kind: type, default=None, *aliases: str):
         for key in (name, *aliases):
-            if key in raw and raw[key] is not None:
-                value = raw[key]
+            if key in self.raw and self.raw[key] is not None:
+                value = self.raw[key]
                 break
         else:
             if default is None:
-                raise fail(f"missing field {name!r}")
+                raise self.fail(f"missing field {name!r}")
             return default
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise fail(f"field {name!r} must be {kind.__name__}, got {value!r}")
+            raise self.fail(f"field {name!r} must be {kind.__name__}, got {value!r}")
         return value
 
-    def positive(name: str, value: int) -> int:
+    def positive(self, name: str, kind: type = int, default=None):
+        value = self.get(name, kind, default)
         if value <= 0:
-            raise fail(f"field {name!r} must be positive, got {value}")
+            raise self.fail(f"field {name!r} must be positive, got {value}")
         return value
 
-    hidden = positive("hidden_size", get("hidden_size", int))
-    heads = positive("num_attention_heads", get("num_attention_heads", int))
-    kv_heads = positive("num_key_value_heads", get("num_key_value_heads", int, heads))
-    if heads % kv_heads:
-        raise fail(f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})")
-    if get("hidden_act", str, "silu") != "silu":
-        raise fail(f"unsupported hidden_act {raw['hidden_act']!r} (only 'silu')")
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+
+def _architecture(f: _Fields) -> str:
+    """`architectures[0]`, else the one `model_type` names (a bare `save_pretrained`'s config)."""
+    archs = f.raw.get("architectures") or []
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    if arch is None and f.raw.get("model_type") is not None:
+        model_type = f.raw["model_type"]
+        arch = MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+        if arch is None:
+            raise f.fail(f"no 'architectures' and unsupported model_type {model_type!r} "
+                         f"(supported: {', '.join(MODEL_TYPES)})")
+    if arch is None:
+        raise f.fail(f"neither 'architectures' nor 'model_type' is set (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise f.fail(f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    return arch
+
+
+def _rope_theta(f: _Fields) -> float:
+    """The default RoPE's theta; any other rope type, or sliding windows, are refused."""
+    rope = f.raw.get("rope_parameters") or f.raw.get("rope_scaling") or {}
     if not isinstance(rope, dict):
-        raise fail(f"field 'rope_parameters' must be an object, got {rope!r}")
+        raise f.fail(f"field 'rope_parameters' must be an object, got {rope!r}")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
-        raise fail(f"unsupported rope_type {rope_type!r} (only 'default')")
-    rope_theta = rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))
-    if raw.get("use_sliding_window"):
-        raise fail("sliding-window attention is not supported")
+        raise f.fail(f"unsupported rope_type {rope_type!r} (only 'default')")
+    if f.raw.get("use_sliding_window"):
+        raise f.fail("sliding-window attention is not supported")
+    return float(rope.get("rope_theta", f.raw.get("rope_theta", 1_000_000.0)))
 
+
+def _int_list(f: _Fields, name: str) -> tuple[int, ...]:
+    """`mlp_only_layers` (a list) or `eos_token_id` (an int or a list) as a tuple of ints >= 0."""
+    value = f.raw.get(name)
+    items = value if isinstance(value, list) else ([] if value is None else [value])
+    if (name == "mlp_only_layers" and value is not None and not isinstance(value, list)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in items):
+        what = "a list of layer indices" if name == "mlp_only_layers" else "an int or a list of ints >= 0"
+        raise f.fail(f"field {name!r} must be {what}, got {value!r}")
+    return tuple(items)
+
+
+def _moe_fields(f: _Fields) -> dict:
+    """The expert settings of a Qwen3MoeForCausalLM, checked against each other."""
+    num_experts = f.get("num_experts", int, 0, "num_local_experts")
+    if num_experts <= 0:
+        raise f.fail("field 'num_experts' must be positive for Qwen3MoeForCausalLM")
+    top_k = f.get("num_experts_per_tok", int, 0)
+    if not 0 < top_k <= num_experts:
+        raise f.fail(f"field 'num_experts_per_tok' must be in 1..{num_experts}, got {top_k}")
+    width = f.get("moe_intermediate_size", int, 0)
+    if width <= 0:
+        raise f.fail("field 'moe_intermediate_size' must be positive")
+    return dict(num_experts=num_experts, num_experts_per_tok=top_k, moe_intermediate_size=width,
+                norm_topk_prob=f.get("norm_topk_prob", bool, False),
+                decoder_sparse_step=f.positive("decoder_sparse_step", int, 1))
+
+
+def _parse(raw: dict, source: str) -> ModelConfig:
+    f = _Fields(raw, source)
+    arch = _architecture(f)
+    hidden, heads = f.positive("hidden_size"), f.positive("num_attention_heads")
+    kv_heads = f.positive("num_key_value_heads", int, heads)
+    if heads % kv_heads:
+        raise f.fail(f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})")
+    if f.get("hidden_act", str, "silu") != "silu":
+        raise f.fail(f"unsupported hidden_act {raw['hidden_act']!r} (only 'silu')")
     is_moe = arch == "Qwen3MoeForCausalLM"
-    num_experts = get("num_experts", int, 0, "num_local_experts") if is_moe else 0
-    if is_moe and num_experts <= 0:
-        raise fail("field 'num_experts' must be positive for Qwen3MoeForCausalLM")
-    layers = positive("num_hidden_layers", get("num_hidden_layers", int))
-    mlp_only = raw.get("mlp_only_layers") or []
-    if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
-        raise fail(f"field 'mlp_only_layers' must be a list of layer indices, got {mlp_only!r}")
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in eos_ids):
-        raise fail(f"field 'eos_token_id' must be an int or a list of ints >= 0, got {eos!r}")
-
-    cfg = ModelConfig(
+    rope_theta = _rope_theta(f)
+    moe = _moe_fields(f) if is_moe else {}
+    return ModelConfig(
         architecture=arch,
-        vocab_size=positive("vocab_size", get("vocab_size", int)),
+        vocab_size=f.positive("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=positive("intermediate_size", get("intermediate_size", int)),
-        num_hidden_layers=layers,
+        intermediate_size=f.positive("intermediate_size"),
+        num_hidden_layers=f.positive("num_hidden_layers"),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         # HF's defaults differ: Qwen3Config has head_dim=128, Qwen3MoeConfig derives it.
-        head_dim=positive("head_dim", get("head_dim", int, hidden // heads if is_moe else 128)),
-        rms_norm_eps=get("rms_norm_eps", float, 1e-6),
-        rope_theta=float(rope_theta),
-        max_position_embeddings=positive("max_position_embeddings", get("max_position_embeddings", int, 40960)),
-        tie_word_embeddings=get("tie_word_embeddings", bool, False),
-        attention_bias=get("attention_bias", bool, False),
-        num_experts=num_experts,
-        num_experts_per_tok=get("num_experts_per_tok", int, 0) if is_moe else 0,
-        moe_intermediate_size=get("moe_intermediate_size", int, 0) if is_moe else 0,
-        norm_topk_prob=get("norm_topk_prob", bool, False) if is_moe else True,
-        decoder_sparse_step=positive("decoder_sparse_step", get("decoder_sparse_step", int, 1)) if is_moe else 1,
-        mlp_only_layers=tuple(mlp_only),
-        eos_token_ids=eos_ids,
+        head_dim=f.positive("head_dim", int, hidden // heads if is_moe else 128),
+        rms_norm_eps=f.get("rms_norm_eps", float, 1e-6),
+        rope_theta=rope_theta,
+        max_position_embeddings=f.positive("max_position_embeddings", int, 40960),
+        tie_word_embeddings=f.get("tie_word_embeddings", bool, False),
+        attention_bias=f.get("attention_bias", bool, False),
+        mlp_only_layers=_int_list(f, "mlp_only_layers"),
+        eos_token_ids=_int_list(f, "eos_token_id"),
         source=source,
+        **moe,
     )
-    if is_moe and not 0 < cfg.num_experts_per_tok <= cfg.num_experts:
-        raise fail(f"field 'num_experts_per_tok' must be in 1..{cfg.num_experts}, got {cfg.num_experts_per_tok}")
-    if is_moe and cfg.moe_intermediate_size <= 0:
-        raise fail("field 'moe_intermediate_size' must be positive")
-    return cfg
