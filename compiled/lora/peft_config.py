@@ -176,11 +176,91 @@ def read_config(file: str, model: ModelConfig, fail: Callable[[str], Exception])
     """Parse and check `file`; `fail(msg)` builds the error to raise (it names the adapter)."""
     if not os.path.isfile(file):
         raise fail(f"{file} not found")
-    raw = read_json_object(file, fail)
+    f = _Fields(read_json_object(file, fail), file, fail)
+    _refuse_variants(f)
+    r = f.number("r", 8, int)
+    alpha = float(f.number("lora_alpha", 8, positive=False))
+    use_rslora, fan_in_fan_out = f.flag("use_rslora"), f.flag("fan_in_fan_out")
+    target_modules = f.names("target_modules", True)
+    target_parameters = f.names("target_parameters", False) or frozenset()
+    exclude_modules = f.names("exclude_modules", True)
+    if isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR:
+        target_modules = _all_linear(model)
+    if fan_in_fan_out and target_parameters:
+        raise f.bad("fan_in_fan_out", "is set together with target_parameters (PEFT refuses it too)")
+    layers, pattern = _layer_selection(f)
+    cfg = PeftLoraConfig(
+        r=r, lora_alpha=alpha, use_rslora=use_rslora, target_modules=target_modules,
+        target_parameters=tuple(sorted(target_parameters)), exclude_modules=exclude_modules,
+        layers_to_transform=tuple(layers) if layers else None,
+        layers_pattern=tuple(pattern) if pattern else None,
+        rank_pattern=f.patterns("rank_pattern", int), alpha_pattern=f.patterns("alpha_pattern", (int, float)),
+        fan_in_fan_out=fan_in_fan_out,
+    )
+    _check_targets(cfg, model, f.bad)
+    return cfg
 
-    def bad(field: str, why: str) -> Exception:
-        return fail(f"{file}: field {field!r} {why}")
 
+class _Fields:
+    """Typed reads of an adapter_config.json, each error naming the file and the field."""
+
+    def __init__(self, raw: dict, file: str, fail: Callable[[str], Exception]) -> None:
+        self.raw, self.file, self.fail = raw, file, fail
+
+    def bad(self, field: str, why: str) -> Exception:
+        return self.fail(f"{self.file}: field {field!r} {why}")
+
+    def number(self, field: str, default, kind=(int, float), positive=True):
+        value = self.raw.get(field)
+        value = default if value is None else value
+        if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) or (
+                positive and value <= 0):
+            raise self.bad(field, f"must be a {'positive ' if positive else ''}"
+                           f"{'integer' if kind is int else 'number'}, got {value!r}")
+        return value
+
+    def flag(self, field: str) -> bool:
+        value = self.raw.get(field, False) or False
+        if not isinstance(value, bool):
+            raise self.bad(field, f"must be true or false, got {value!r}")
+        return value
+
+    def names(self, field: str, allow_str: bool) -> frozenset[str] | str | None:
+        """A list of module names, or (where `allow_str`) one regex."""
+        value = self.raw.get(field)
+        if value is None:
+            return None
+        if allow_str and isinstance(value, str):
+            self.regex(field, value, "is")
+            return value
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self.bad(field, f"must be a list of names{' or a regex' if allow_str else ''}, got {value!r}")
+        return frozenset(value)
+
+    def regex(self, field: str, value: str, what: str) -> None:
+        try:
+            re.compile(value)
+        except re.error as e:
+            raise self.bad(field, f"{what} not a valid regular expression ({e})") from None
+
+    def patterns(self, field: str, kind) -> dict:
+        """`rank_pattern` / `alpha_pattern`: regex -> a positive int (ranks) or a number (alphas)."""
+        value = self.raw.get(field) or {}
+        if not isinstance(value, dict):
+            raise self.bad(field, f"must be an object of regex -> value, got {value!r}")
+        out = {}
+        for key, v in value.items():
+            self.regex(field, key, f"key {key!r} is")
+            if isinstance(v, bool) or not isinstance(v, kind) or (kind is int and v <= 0):
+                raise self.bad(field, f"value for {key!r} must be a {'positive integer' if kind is int else 'number'}, "
+                               f"got {v!r}")
+            out[key] = v if kind is int else float(v)
+        return out
+
+
+def _refuse_variants(f: _Fields) -> None:
+    """LoRA variants and extras this engine does not serve are errors, not adapters run without them."""
+    raw, bad = f.raw, f.bad
     peft_type = raw.get("peft_type")
     if not isinstance(peft_type, str):
         raise bad("peft_type", f"must name the adapter type, got {peft_type!r}")
@@ -201,83 +281,21 @@ def read_config(file: str, model: ModelConfig, fail: Callable[[str], Exception])
     if raw.get("trainable_token_indices"):
         raise bad("trainable_token_indices", "is set: adapters that train token embeddings are not supported")
 
-    def number(field: str, default, kind=(int, float), positive=True):
-        value = raw.get(field)
-        value = default if value is None else value
-        if isinstance(value, bool) or not isinstance(value, kind) or not math.isfinite(value) or (
-                positive and value <= 0):
-            raise bad(field, f"must be a {'positive ' if positive else ''}"
-                      f"{'integer' if kind is int else 'number'}, got {value!r}")
-        return value
 
-    r = number("r", 8, int)
-    alpha = float(number("lora_alpha", 8, positive=False))
-    use_rslora = raw.get("use_rslora", False) or False
-    fan_in_fan_out = raw.get("fan_in_fan_out", False) or False
-    for field, value in (("use_rslora", use_rslora), ("fan_in_fan_out", fan_in_fan_out)):
-        if not isinstance(value, bool):
-            raise bad(field, f"must be true or false, got {value!r}")
-
-    def names(field: str, allow_str: bool):
-        value = raw.get(field)
-        if value is None:
-            return None
-        if allow_str and isinstance(value, str):
-            try:
-                re.compile(value)
-            except re.error as e:
-                raise bad(field, f"is not a valid regular expression ({e})") from None
-            return value
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise bad(field, f"must be a list of names{' or a regex' if allow_str else ''}, got {value!r}")
-        return frozenset(value)
-
-    target_modules = names("target_modules", True)
-    target_parameters = names("target_parameters", False) or frozenset()
-    exclude_modules = names("exclude_modules", True)
-    if isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR:
-        target_modules = _all_linear(model)
-    if fan_in_fan_out and target_parameters:
-        raise bad("fan_in_fan_out", "is set together with target_parameters (PEFT refuses it too)")
-
-    layers = raw.get("layers_to_transform")
+def _layer_selection(f: _Fields) -> tuple[list[int] | None, list[str] | None]:
+    """(`layers_to_transform`, `layers_pattern`), each a single value or a list in the file."""
+    layers = f.raw.get("layers_to_transform")
     if isinstance(layers, int) and not isinstance(layers, bool):
         layers = [layers]
     if layers is not None and (not isinstance(layers, list) or not all(
             isinstance(i, int) and not isinstance(i, bool) for i in layers)):
-        raise bad("layers_to_transform", f"must be a layer index or a list of them, got {layers!r}")
-    pattern = raw.get("layers_pattern")
+        raise f.bad("layers_to_transform", f"must be a layer index or a list of them, got {layers!r}")
+    pattern = f.raw.get("layers_pattern")
     if isinstance(pattern, str):
         pattern = [pattern]
     if pattern is not None and (not isinstance(pattern, list) or not all(isinstance(p, str) for p in pattern)):
-        raise bad("layers_pattern", f"must be a name or a list of names, got {pattern!r}")
-
-    def patterns(field: str, kind) -> dict:
-        value = raw.get(field) or {}
-        if not isinstance(value, dict):
-            raise bad(field, f"must be an object of regex -> value, got {value!r}")
-        out = {}
-        for key, v in value.items():
-            try:
-                re.compile(key)
-            except re.error as e:
-                raise bad(field, f"key {key!r} is not a valid regular expression ({e})") from None
-            if isinstance(v, bool) or not isinstance(v, kind) or (kind is int and v <= 0):
-                raise bad(field, f"value for {key!r} must be a {'positive integer' if kind is int else 'number'}, "
-                          f"got {v!r}")
-            out[key] = v if kind is int else float(v)
-        return out
-
-    cfg = PeftLoraConfig(
-        r=r, lora_alpha=alpha, use_rslora=use_rslora, target_modules=target_modules,
-        target_parameters=tuple(sorted(target_parameters)), exclude_modules=exclude_modules,
-        layers_to_transform=tuple(layers) if layers else None,
-        layers_pattern=tuple(pattern) if pattern else None,
-        rank_pattern=patterns("rank_pattern", int), alpha_pattern=patterns("alpha_pattern", (int, float)),
-        fan_in_fan_out=fan_in_fan_out,
-    )
-    _check_targets(cfg, model, bad)
-    return cfg
+        raise f.bad("layers_pattern", f"must be a name or a list of names, got {pattern!r}")
+    return layers, pattern
 
 
 def _all_linear(model: ModelConfig) -> frozenset[str]:
