@@ -212,6 +212,22 @@ def build_bpe_tokenizer(lines: list[str], out_dir: Path):
     return hf
 
 
+# sentencepiece's trainer settings for the demo tokenizer: BPE with byte fallback, no
+# normalisation, the chat roles as user symbols, digits split one by one.
+SP_TRAINER = dict(
+    input="corpus.txt", model_prefix="sp", model_type="bpe", byte_fallback=True, character_coverage=1.0,
+    normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
+    split_digits=True, shuffle_input_sentence=False, num_threads=1, user_defined_symbols=[USER, ASSISTANT],
+    pad_id=0, unk_id=1, bos_id=2, eos_id=3, pad_piece="<pad>", unk_piece="<unk>", bos_piece="<s>",
+    eos_piece="</s>", minloglevel=2)
+# tokenizer_config.json of the sentencepiece tokenizer (its chat template added when written).
+SP_TOKENIZER_CONFIG = {
+    "tokenizer_class": "GPTSw3Tokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+    "pad_token": "<pad>", "additional_special_tokens": [USER, ASSISTANT], "do_lower_case": False,
+    "remove_space": False, "keep_accents": True, "add_bos_token": False, "add_eos_token": False,
+    "model_max_length": 512, "clean_up_tokenization_spaces": False}
+
+
 def build_sp_tokenizer(lines: list[str], out_dir: Path):
     """sentencepiece BPE model (byte fallback) saved as tokenizer.model.
 
@@ -220,52 +236,11 @@ def build_sp_tokenizer(lines: list[str], out_dir: Path):
     lossless (it decodes through sentencepiece itself), so tokenizer_config.json
     names it.
     """
-    import sentencepiece as spm
-
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp())
     try:
-        corpus = tmp / "corpus.txt"
-        corpus.write_text("\n".join(lines) + "\n")
-
-        def train(vocab_size: int) -> spm.SentencePieceProcessor:
-            # relative paths (cwd = tmp): the trainer spec stored in the .model keeps them, so
-            # absolute temp paths would make the file differ from build to build
-            cwd = os.getcwd()
-            os.chdir(tmp)
-            try:
-                _train_sp(vocab_size)
-            finally:
-                os.chdir(cwd)
-            return spm.SentencePieceProcessor(model_file=str(tmp / "sp.model"))
-
-        def _train_sp(vocab_size: int) -> None:
-            spm.SentencePieceTrainer.train(
-                input="corpus.txt",
-                model_prefix="sp",
-                vocab_size=vocab_size,
-                model_type="bpe",
-                byte_fallback=True,
-                character_coverage=1.0,
-                normalization_rule_name="identity",
-                remove_extra_whitespaces=False,
-                add_dummy_prefix=False,
-                split_digits=True,
-                shuffle_input_sentence=False,
-                num_threads=1,
-                user_defined_symbols=[USER, ASSISTANT],
-                pad_id=0,
-                unk_id=1,
-                bos_id=2,
-                eos_id=3,
-                pad_piece="<pad>",
-                unk_piece="<unk>",
-                bos_piece="<s>",
-                eos_piece="</s>",
-                minloglevel=2,
-            )
-
-        probe = train(400)
+        (tmp / "corpus.txt").write_text("\n".join(lines) + "\n")
+        probe = _train_sp(tmp, 400)
         n = probe.get_piece_size()
         first = 6 + 256  # 4 specials, 2 user symbols, 256 bytes
         pieces = [probe.id_to_piece(i) for i in range(first, n)]
@@ -277,32 +252,30 @@ def build_sp_tokenizer(lines: list[str], out_dir: Path):
             if not _is_keyword_piece(p):
                 break
             keep += 1
-        sp = train(first + n_chars + keep)
+        sp = _train_sp(tmp, first + n_chars + keep)
         shutil.copy(tmp / "sp.model", out_dir / "tokenizer.model")
         log(f"sentencepiece tokenizer: {sp.get_piece_size()} pieces, merges {merged[:keep]}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-    cfg = {
-        "tokenizer_class": "GPTSw3Tokenizer",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "pad_token": "<pad>",
-        "additional_special_tokens": [USER, ASSISTANT],
-        "do_lower_case": False,
-        "remove_space": False,
-        "keep_accents": True,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "model_max_length": 512,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-    }
+    cfg = dict(SP_TOKENIZER_CONFIG, chat_template=CHAT_TEMPLATE)
     (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(out_dir))
+
+
+def _train_sp(folder: Path, vocab_size: int):
+    """Train on folder/corpus.txt into folder/sp.model and load it. Relative paths (cwd = the
+    folder): the trainer spec stored in the .model keeps them, so absolute temp paths would make
+    the file differ from build to build."""
+    import sentencepiece as spm
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        spm.SentencePieceTrainer.train(vocab_size=vocab_size, **SP_TRAINER)
+    finally:
+        os.chdir(cwd)
+    return spm.SentencePieceProcessor(model_file=str(folder / "sp.model"))
 
 
 def _chat_template_into_config(out_dir: Path) -> None:
