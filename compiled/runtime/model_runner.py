@@ -8,7 +8,6 @@ token count has a bucket."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from collections.abc import Sequence
@@ -18,11 +17,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
+from compiled.attention.context import AttentionContext, AttentionMetadata
 from compiled.attention.kv_cache import KVPool, ReqToTokenPool
 from compiled.compilation.buckets import smallest_bucket
-from compiled.compilation.piecewise_graphs import PiecewiseGraphs, current_mode, piecewise_mode
-from compiled.linear.lora_slots import token_slots
+from compiled.compilation.piecewise_graphs import PiecewiseGraphs, PiecewiseMode
+from compiled.forward_context import current_forward, forward_context
 from compiled.lora.merged import MergedLoRA
 from compiled.parallel.group import CPError
 from compiled.passes.variant import BASE, LORA, GraphVariant
@@ -208,13 +207,14 @@ class ModelRunner:
         entry = self.variants[variant]
         pw = entry.piecewise
         graphed = pw is not None and tokens in pw.buckets
-        ctx = ForwardContext(meta=meta, kv=self.kv, req_to_token=self.req_pool.table,
-                             attention_out=pw.attention_out if graphed else None)
-        replay = graphed and current_mode() is None  # else PiecewiseGraphs.capture is running this forward
+        attention = AttentionContext(meta=meta, kv=self.kv, req_to_token=self.req_pool.table,
+                                     attention_out=pw.attention_out if graphed else None)
+        # Outside a capture (PiecewiseGraphs.capture sets its own mode around this forward).
+        replay = graphed and current_forward().piecewise is None
         if replay:
             pw.replays += 1
-        with forward_context(ctx), token_slots(self.inputs.lora_slots) if variant.lora else contextlib.nullcontext(), \
-                piecewise_mode(tokens) if replay else contextlib.nullcontext():
+        with forward_context(attention, self.inputs.lora_slots if variant.lora else None,
+                             piecewise=PiecewiseMode(tokens) if replay else None):
             return entry.model(self.inputs.input_ids[:tokens], self.inputs.positions[:tokens])
 
     def _variant(self, batch: Batch) -> GraphVariant:
