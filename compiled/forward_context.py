@@ -18,10 +18,17 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-if TYPE_CHECKING:   # the fields' types; their modules import this one
+if TYPE_CHECKING:   # the fields' types (neither module imports this one)
     from compiled.attention.context import AttentionContext
-    from compiled.compilation.piecewise_graphs import PiecewiseMode
     from compiled.parallel.context import CPStep
+
+
+@dataclass(frozen=True)
+class PiecewiseMode:
+    """While installed, the compiled pieces replay (or capture) their CUDA graph for `size`
+    tokens (`compilation/piecewise_graphs.py`)."""
+    size: int           # the bucket every activation is padded to
+    capturing: bool = False
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compiled.compilation.piecewise_graphs import PiecewiseMode
-from compiled.forward_context import current_forward, forward_context
+from compiled.forward_context import PiecewiseMode, current_forward, forward_context
 
 
 def test_outside_a_forward_every_field_is_none():
@@ -42,6 +41,7 @@ def test_the_gather_is_an_identity_outside_a_context_parallel_step():
 
 
 def test_attention_outside_a_forward_names_the_missing_context():
-    from compiled.attention.context import get_attention_context
+    from compiled.attention.ops import attention
+    q = torch.zeros(1, 2, 4)
     with pytest.raises(RuntimeError, match="forward_context"):
-        get_attention_context()
+        attention(q, q, q, 0, 1.0)

@@ -11,7 +11,6 @@ from typing import Callable
 import torch
 
 from compiled.attention.kv_cache import KVPool
-from compiled.forward_context import current_forward
 
 
 @dataclass
@@ -58,10 +57,3 @@ class AttentionContext:
     # place); None: a fresh tensor.
     attention_out: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-
-def get_attention_context() -> AttentionContext:
-    """The attention context of the forward that runs (`compiled/forward_context.py`)."""
-    ctx = current_forward().attention
-    if ctx is None:
-        raise RuntimeError("attention ran outside forward_context(attention=...): the runner installs it per step")
-    return ctx

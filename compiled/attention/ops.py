@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from compiled.attention.context import AttentionContext, AttentionMetadata, get_attention_context
+from compiled.attention.context import AttentionContext, AttentionMetadata
 from compiled.attention.reference import (NormRope, decode_attention_ref, extend_attention_ref, norm_rope_ref,
                                          store_kv)
 from compiled.backend import BackendChoice
@@ -49,8 +49,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sca
     order. In a context-parallel step this rank's q/k/v are its own tokens only: all of the
     step's K/V is stored, and this rank's queries attend (`_attention_cp`)."""
     rope = _norm_rope(q, q_norm, k_norm, positions, cos_sin, eps)
-    ctx = get_attention_context()
-    step = current_forward().cp
+    forward = current_forward()
+    ctx, step = forward.attention, forward.cp
+    if ctx is None:
+        raise RuntimeError("attention ran outside forward_context(attention=...): the runner installs it per step")
     if step is not None and k_full is not None:
         return _attention_cp(ctx, step, q, k, v, k_full, v_full, layer, scale, rope)
     if backend_for(q) == "triton":

@@ -19,15 +19,7 @@ from typing import Callable, Iterable
 import torch
 
 from compiled.compilation.bucket_graphs import capturing
-from compiled.forward_context import forward_context
-
-
-@dataclass(frozen=True)
-class PiecewiseMode:
-    """Installed as the forward context's `piecewise` (`compiled/forward_context.py`): while set,
-    graphed pieces replay (or capture) their graph for `size` tokens."""
-    size: int           # the bucket every activation is padded to
-    capturing: bool = False
+from compiled.forward_context import PiecewiseMode, forward_context
 
 
 class Slabs:

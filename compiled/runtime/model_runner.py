@@ -20,8 +20,8 @@ from torch import nn
 from compiled.attention.context import AttentionContext, AttentionMetadata
 from compiled.attention.kv_cache import KVPool, ReqToTokenPool
 from compiled.compilation.buckets import smallest_bucket
-from compiled.compilation.piecewise_graphs import PiecewiseGraphs, PiecewiseMode
-from compiled.forward_context import current_forward, forward_context
+from compiled.compilation.piecewise_graphs import PiecewiseGraphs
+from compiled.forward_context import PiecewiseMode, current_forward, forward_context
 from compiled.lora.merged import MergedLoRA
 from compiled.parallel.group import CPError
 from compiled.passes.variant import BASE, LORA, GraphVariant
