@@ -46,7 +46,8 @@ def _step_logprobs(llm: LLM, batch: int, seed: int):
 def test_compiled_graphs_match_uncompiled(pair, batch):
     fast, plain = pair
     assert fast.engine.runner.variants[BASE].decode is not None and plain.engine.runner.variants[BASE].decode is None
-    assert fast.engine.runner.variants[BASE].piecewise is not None and plain.engine.runner.variants[BASE].piecewise is None
+    fast_graphs, plain_graphs = fast.engine.runner.variants[BASE], plain.engine.runner.variants[BASE]
+    assert fast_graphs.piecewise is not None and plain_graphs.piecewise is None
     replays = fast.engine.runner.variants[BASE].piecewise.replays
     a, b = _step_logprobs(fast, batch, batch), _step_logprobs(plain, batch, batch)
     if sum(len(o.prompt_token_ids) for o in a) <= fast.engine.runner.prefill_buckets[-1]:
