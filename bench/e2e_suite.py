@@ -17,12 +17,13 @@ import torch
 
 from cli import bench_core as core
 from compiled.compilation.inductor import COMPILES
+from compiled.passes.variant import BASE
 from compiled.runtime.config import EngineConfig
 
 
 def graph_gpu_ms(llm, bucket: int, reps: int = 50) -> float | None:
     """GPU time of one decode-graph replay: replays queued back to back, timed by events."""
-    graphs = llm.engine.runner.graphs
+    graphs = llm.engine.runner.variants[BASE].decode
     if graphs is None or bucket not in graphs.graphs:
         return None
     graph = graphs.graphs[bucket]
@@ -53,7 +54,7 @@ def host_split(llm, batch: int, input_len: int, steps: int = 20) -> dict:
     wait for the GPU and the bookkeeping after it)."""
     engine = llm.engine
     targets = {"schedule": (engine.scheduler, "schedule"), "stage": (engine.runner, "_stage"),
-               "replay": (engine.runner.graphs, "replay"), "sampler": (engine, "sampler"),
+               "replay": (engine.runner.variants[BASE].decode, "replay"), "sampler": (engine, "sampler"),
                "append": (engine, "_append")}
     with core.timed_calls_on(targets) as seconds:
         items = [core.Item(p, steps + 2) for p in core.random_ids(batch, input_len, llm.model_config.vocab_size, 5)]
@@ -184,13 +185,13 @@ def main() -> None:
             res, _ = core.latency(llm, b, a.input_len, a.output_len, iters=1, warmup=1, seed=0)
             res["synchronous_decode_step_ms"] = synchronous_decode(llm, b, a.input_len, a.output_len)
             res["roofline"] = core.roofline(llm, b, a.input_len, a.output_len, res["decode_step_ms"]["p50"], bw)
-            res["graph_gpu_ms"] = graph_gpu_ms(llm, llm.engine.runner.graphs.bucket_for(b)) \
-                if llm.engine.runner.graphs else None
+            res["graph_gpu_ms"] = graph_gpu_ms(llm, llm.engine.runner.variants[BASE].decode.bucket_for(b)) \
+                if llm.engine.runner.variants[BASE].decode else None
             record["decode"][b] = res
             print(f"batch {b}: decode p50 {res['decode_step_ms']['p50']:.3f} ms "
                   f"(synchronous {res['synchronous_decode_step_ms']['p50']:.3f}), graph GPU {res['graph_gpu_ms']} ms, "
                   f"floor {res['roofline']['floor_ms']:.3f} ms", flush=True)
-        if llm.engine.runner.graphs is not None:
+        if llm.engine.runner.variants[BASE].decode is not None:
             record["host_split_ms"] = {b: host_split(llm, b, a.input_len) for b in (1, max(record["decode"]))}
             print("host ms per decode step:", json.dumps(record["host_split_ms"]), flush=True)
         prompt = core.random_ids(1, a.prefill_len, vocab, 1)[0]

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from cli import bench_core as core
+from compiled.passes.variant import BASE
 from compiled.runtime.config import EngineConfig
 
 
@@ -38,7 +39,7 @@ def loops(llm, batch: int) -> dict:
     """The decode graph's step, one piece added per loop. The graphs' inputs still hold the last
     decode batch the engine staged (its requests finished; replaying rewrites their freed slots)."""
     runner = llm.engine.runner
-    graphs = runner.graphs
+    graphs = runner.variants[BASE].decode
     bucket = graphs.bucket_for(batch)
     inputs = graphs.inputs
     readback = llm.engine._readback

@@ -25,6 +25,7 @@ import torch
 
 from cli.prompts import read_jsonl_prompts
 from cli.engine_options import build_llm
+from compiled.passes.variant import BASE
 from compiled.runtime.config import EngineConfig, resolve_device
 from compiled.runtime.sampling_params import SamplingParams
 
@@ -604,7 +605,7 @@ def startup(args: EngineConfig, input_len: int) -> tuple[object, dict]:
     if "engine" in outer and not {"engine", "kv_cache"} & set(reported):
         stages["engine"] = outer["engine"]
     stages["other"] = max(total - sum(stages.values()), 0.0)
-    graphs = llm.engine.runner.graphs
+    graphs = llm.engine.runner.variants[BASE].decode
     buckets = None if graphs is None else {"captured": len(graphs.graphs), "total": len(graphs.buckets)}
     prompt = random_ids(1, input_len, llm.model_config.vocab_size, args.seed)[0]
     cold = first_token(llm, prompt)

@@ -32,7 +32,8 @@ def graph(
     with fail_cleanly(debug):
         from compiled.graphs.config import ModelConfig
         from compiled.graphs.trace import meta_model, trace
-        from compiled.passes.manager import run_passes
+        from compiled.passes.manager import passes_for, run_passes
+        from compiled.passes.variant import GraphVariant
         from compiled.runtime.config import resolve_dtype
         from compiled.runtime.settings import default_model
 
@@ -52,15 +53,11 @@ def graph(
         gm = trace(meta)
         if lora is not None:
             from compiled.lora.adapter import load_adapter
-            from compiled.passes.lora_delta import lora_delta_pass
-            from compiled.passes.manager import with_lora
             adapter = load_adapter(os.path.basename(os.path.normpath(lora)), lora, cfg, DEFAULTS.max_lora_rank)
-            names = with_lora(names, lora_delta_pass(DEFAULTS.max_loras_per_batch, DEFAULTS.max_lora_rank))
         if cp < 1:
             raise ValueError(f"--cp {cp}: expected an int >= 1")
-        if cp > 1:
-            from compiled.passes.manager import with_cp
-            names = with_cp(names)
+        variant = GraphVariant(lora=lora is not None, context_parallel=cp > 1)
+        names = passes_for(variant, names, DEFAULTS.max_loras_per_batch, DEFAULTS.max_lora_rank)
         result = run_passes(gm, meta.checkpoint_map(), names, on_pass=on_pass)
         console = Console()
         table = Table(title=f"passes over {os.path.basename(os.path.normpath(path))} "

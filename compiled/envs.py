@@ -64,7 +64,7 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("COMPILED_ROUTING_BACKEND", _backend, "|".join(BACKENDS),
            "overrides `routing_backend`: the top-k routing Triton kernel or the torch reference"),
     EnvVar("COMPILED_LORA_BACKEND", _backend, "|".join(BACKENDS),
-           "the multi-LoRA shrink / expand ops: their Triton kernels or the torch reference"),
+           "overrides `lora_backend`: the multi-LoRA shrink / expand Triton kernels or the torch reference"),
     EnvVar("COMPILED_API_KEY", _text, "a key",
            "the key `compiled serve` asks of every /v1 request (`Authorization: Bearer KEY`) unless --api-key "
            "gives one"),

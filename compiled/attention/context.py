@@ -1,14 +1,12 @@
-"""The per-step attention context that the attention custom op reads.
-
-The model graph stays free of cache plumbing: the runner installs the metadata of the batch and
-the KV pools here for the duration of a forward, and every attention layer finds them by index.
-All tensors are views of the runner's static buffers, so a captured graph can replay over them."""
+"""The per-step attention context that the attention custom op reads: the metadata of the batch
+and the KV pools, which the runner installs as the forward context's `attention` for the duration
+of a forward (`compiled/forward_context.py`); every attention layer finds them by index. All
+tensors are views of the runner's static buffers, so a captured graph can replay over them."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -51,7 +49,7 @@ class AttentionMetadata:
 
 
 @dataclass
-class ForwardContext:
+class AttentionContext:
     meta: AttentionMetadata
     kv: KVPool
     req_to_token: torch.Tensor
@@ -59,21 +57,3 @@ class ForwardContext:
     # place); None: a fresh tensor.
     attention_out: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-
-_current: ForwardContext | None = None
-
-
-@contextmanager
-def forward_context(ctx: ForwardContext) -> Iterator[None]:
-    global _current
-    previous, _current = _current, ctx
-    try:
-        yield
-    finally:
-        _current = previous
-
-
-def get_forward_context() -> ForwardContext:
-    if _current is None:
-        raise RuntimeError("attention ran outside forward_context(): the runner installs it per step")
-    return _current

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from compiled.attention.context import AttentionMetadata, ForwardContext, get_forward_context
+from compiled.attention.context import AttentionContext, AttentionMetadata
 from compiled.attention.reference import (NormRope, decode_attention_ref, extend_attention_ref, norm_rope_ref,
                                          store_kv)
 from compiled.backend import BackendChoice
-from compiled.parallel.context import CPStep, current_cp_step
+from compiled.forward_context import current_forward
+from compiled.parallel.context import CPStep
 
 BACKEND = BackendChoice("COMPILED_ATTENTION_BACKEND")
 
@@ -48,8 +49,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sca
     order. In a context-parallel step this rank's q/k/v are its own tokens only: all of the
     step's K/V is stored, and this rank's queries attend (`_attention_cp`)."""
     rope = _norm_rope(q, q_norm, k_norm, positions, cos_sin, eps)
-    ctx = get_forward_context()
-    step = current_cp_step()
+    forward = current_forward()
+    ctx, step = forward.attention, forward.cp
+    if ctx is None:
+        raise RuntimeError("attention ran outside forward_context(attention=...): the runner installs it per step")
     if step is not None and k_full is not None:
         return _attention_cp(ctx, step, q, k, v, k_full, v_full, layer, scale, rope)
     if backend_for(q) == "triton":
@@ -71,7 +74,7 @@ def _(q, k, v, layer, scale, q_norm=None, k_norm=None, positions=None, cos_sin=N
     return torch.empty_like(q)
 
 
-def _attention_cp(ctx: ForwardContext, step: CPStep, q, k, v, k_full, v_full, layer: int, scale: float,
+def _attention_cp(ctx: AttentionContext, step: CPStep, q, k, v, k_full, v_full, layer: int, scale: float,
                   rope: NormRope | None) -> torch.Tensor:
     """A context-parallel step: store every token's K/V (`k_full`, `v_full`, at the step's slots),
     then this rank's queries attend as `ctx.meta` lays them out: each of the rank's segments as a
@@ -119,7 +122,7 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def decode_workspace(ctx: ForwardContext, q: torch.Tensor):
+def decode_workspace(ctx: AttentionContext, q: torch.Tensor):
     """The stage-1 scratch of flash-decoding, kept on the KV pool: allocated once (on the first
     decode step, i.e. the warm-up before capture) for every batch up to the request table's rows."""
     from compiled.attention.triton_decode import DecodeWorkspace
@@ -142,7 +145,7 @@ def extend_start_loc(meta: AttentionMetadata) -> torch.Tensor:
     return meta.extend_start_loc
 
 
-def _attention_triton(ctx: ForwardContext, q, k, v, layer: int, scale: float, rope: NormRope | None) -> torch.Tensor:
+def _attention_triton(ctx: AttentionContext, q, k, v, layer: int, scale: float, rope: NormRope | None) -> torch.Tensor:
     from compiled.attention.triton_decode import decode_attention_triton
     from compiled.attention.triton_extend import extend_attention_triton
     from compiled.attention.triton_norm_rope import norm_rope_store_triton

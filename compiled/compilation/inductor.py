@@ -17,7 +17,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from compiled.compilation.warm_up import once_per_shape
 from compiled.passes.inline_references import inline_references
 from compiled.compilation.split import SPLITTING_OPS, SplitGraph, attach_fake_inputs, split_graph
-from compiled.compilation.piecewise_graphs import current_mode
+from compiled.forward_context import current_forward
 
 # Incremented on every Inductor compilation this process runs; serving must leave it unchanged.
 COMPILES = {"count": 0}
@@ -54,7 +54,7 @@ class CompiledPiece(nn.Module):
         self.graphs = None              # PieceGraphs once attached
 
     def forward(self, *args):
-        mode = current_mode()
+        mode = current_forward().piecewise
         if mode is None or self.graphs is None:
             out = once_per_shape(self.fn, self.fn, args, [not w for w in self.weight_args])
         else:

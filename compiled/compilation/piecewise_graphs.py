@@ -12,34 +12,14 @@ The temporaries inside each graph come from the same pool."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 import torch
 
 from compiled.compilation.bucket_graphs import capturing
-
-
-@dataclass
-class _Mode:
-    size: int           # the bucket every activation is padded to
-    capturing: bool
-
-
-_mode: _Mode | None = None
-
-
-@contextlib.contextmanager
-def piecewise_mode(size: int, capturing: bool = False) -> Iterator[None]:
-    """While active, graphed pieces replay (or capture) their graph for `size` tokens."""
-    global _mode
-    previous, _mode = _mode, _Mode(size, capturing)
-    try:
-        yield
-    finally:
-        _mode = previous
+from compiled.forward_context import PiecewiseMode, forward_context
 
 
 class Slabs:
@@ -86,7 +66,7 @@ class PieceGraphs:
         self.fn, self.weight_args, self.index, self.owner = fn, weight_args, index, owner
         self.entries: dict[int, _Entry] = {}
 
-    def __call__(self, args: tuple, mode: _Mode) -> tuple[torch.Tensor, ...]:
+    def __call__(self, args: tuple, mode: PiecewiseMode) -> tuple[torch.Tensor, ...]:
         if mode.capturing:
             return self._capture(mode.size, args)
         entry = self.entries[mode.size]
@@ -180,12 +160,9 @@ class PiecewiseGraphs:
                 raise ValueError(f"piecewise CUDA graphs: {size} is not one of the buckets {self.buckets}")
             # Each piece captures; attention, whose outputs only need the right address (its
             # slab), runs once per bucket.
-            with piecewise_mode(size, capturing=True), warm_up_once():
+            with forward_context(piecewise=PiecewiseMode(size, capturing=True)), warm_up_once():
                 self.run_forward(size)
             self.captured.add(size)
         torch.cuda.synchronize()
         self.capture_seconds += time.perf_counter() - start
 
-
-def current_mode() -> _Mode | None:
-    return _mode

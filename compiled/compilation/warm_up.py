@@ -8,7 +8,10 @@ from typing import Callable, Iterator
 
 import torch
 
-# While set (see warm_up_once): outputs of the first call per (function, input shapes).
+# While set (see warm_up_once): outputs of the first call per (function, input shapes). Not a
+# field of the forward context (`compiled/forward_context.py`): no op reads it, the capture code
+# sets it around a warm-up pass rather than the runner around a forward, and every compiled piece
+# checks it on each call, where a module global is the cheapest read.
 _warm_outputs: dict | None = None
 
 

@@ -17,7 +17,8 @@ A linear and both ops are one op in `lora_linear.py` (the fuse_lora_linear pass 
 graph's triples there): at decode sizes the expand runs in the linear's epilogue.
 
 All are opaque custom ops with fake implementations, so they trace into torch.fx and compile
-under Inductor. Backends (`BACKEND`, from `COMPILED_LORA_BACKEND` or `set_backend()`): 'auto'
+under Inductor. Backends (`BACKEND`: the engine config's `lora_backend`, where
+`COMPILED_LORA_BACKEND` wins, or `set_backend()`): 'auto'
 (the Triton kernels of `lora_kernels` on CUDA, the torch references elsewhere), 'torch', 'triton'
 (anywhere; on CPU under `TRITON_INTERPRET=1`). The references are the CPU path and the oracle:
 one masked dense product per slot, no host sync."""

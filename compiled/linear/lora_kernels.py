@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 
 from compiled.linear import LORA_MAX_SLICES as MAX_SLICES
+from compiled.linear import workspace
 from compiled.triton_utils import (interpreter_upcast, interpreting, launch_kwargs, masked_dot_t, pdl_wait,
                                    residual_add, silu_mul, slot_stacked_delta, split_k_store, weighted_rows)
 
@@ -132,22 +133,18 @@ class SplitWorkspace(NamedTuple):
     semaphores: torch.Tensor  # int32 [SEMAPHORES], all zero between launches
 
 
-_WORKSPACES: dict[torch.device, SplitWorkspace] = {}
+SHRINK_KERNEL = "lora shrink"   # its name in the workspace registry (`workspace.py`)
 
 
-def split_workspace(device: torch.device) -> SplitWorkspace | None:
-    """One per device, allocated at the first split launch and never again; None when that
-    launch is inside a CUDA graph capture (the shrink then runs unsplit: correct, slower; the
-    runtime's warm-up runs every shape before capturing). Split launches on one device must be
-    stream-ordered: they share the semaphores."""
-    ws = _WORKSPACES.get(device)
-    if ws is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        ws = _WORKSPACES[device] = SplitWorkspace(
-            torch.empty(WORKSPACE_FLOATS, dtype=torch.float32, device=device),
-            torch.zeros(SEMAPHORES, dtype=torch.int32, device=device))
-    return ws
+def _allocate_workspace(device: torch.device) -> SplitWorkspace:
+    return SplitWorkspace(torch.empty(WORKSPACE_FLOATS, dtype=torch.float32, device=device),
+                          torch.zeros(SEMAPHORES, dtype=torch.int32, device=device))
+
+
+def split_workspace(device: torch.device) -> SplitWorkspace:
+    """One per device, allocated at the first split launch and never again; that launch must
+    come before any CUDA graph capture (`workspace.py` says why)."""
+    return workspace.split_workspace(SHRINK_KERNEL, device, _allocate_workspace)
 
 
 @triton.jit

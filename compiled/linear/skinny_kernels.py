@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compiled.linear import SKINNY_MAX_M
+from compiled.linear import SKINNY_MAX_M, workspace
 from compiled.linear.lora_kernels import LoRAArgs, add_slice_deltas, fma_delta_apply, fma_delta_operands, token_slots
 from compiled.triton_utils import (DEFAULT_NUM_SMS, interpreter_upcast, launch_kwargs, num_sms, pdl_let_next_in,
                                    pdl_wait, pdl_wait_only, residual_add, rms_normed, silu_mul, weight_tile,
@@ -138,24 +138,21 @@ class SplitWorkspace(NamedTuple):
     sums: torch.Tensor       # fp32, the norm prologue's sums of squares, BLOCK_M per (column block, split)
 
 
-_WORKSPACES: dict[torch.device, SplitWorkspace] = {}
+SKINNY_KERNEL = "skinny linear"   # its name in the workspace registry (`workspace.py`)
+
+
+def _allocate_workspace(device: torch.device) -> SplitWorkspace:
+    # column blocks x splits <= SEMAPHORES + MAX_SPLIT_K (split_k * N <= WORKSPACE_COLS), BLOCK_M sums each
+    return SplitWorkspace(
+        torch.empty(SKINNY_MAX_M * WORKSPACE_COLS, dtype=torch.float32, device=device),
+        torch.zeros(SEMAPHORES, dtype=torch.int32, device=device),
+        torch.empty((SEMAPHORES + MAX_SPLIT_K) * BLOCK_M, dtype=torch.float32, device=device))
 
 
 def split_workspace(device: torch.device) -> SplitWorkspace:
-    """One per device, at its largest size, so it is never reallocated: the first split-K call
-    must come before any CUDA graph capture (the runtime's warm-up runs each shape once first).
-    Launches on one device must be stream-ordered (they share the semaphores)."""
-    ws = _WORKSPACES.get(device)
-    if ws is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("skinny linear: split-K workspace first needed inside a CUDA graph capture; "
-                               "run the linear once before capturing")
-        # column blocks x splits <= SEMAPHORES + MAX_SPLIT_K (split_k * N <= WORKSPACE_COLS), BLOCK_M sums each
-        ws = _WORKSPACES[device] = SplitWorkspace(
-            torch.empty(SKINNY_MAX_M * WORKSPACE_COLS, dtype=torch.float32, device=device),
-            torch.zeros(SEMAPHORES, dtype=torch.int32, device=device),
-            torch.empty((SEMAPHORES + MAX_SPLIT_K) * BLOCK_M, dtype=torch.float32, device=device))
-    return ws
+    """One per device, at its largest size, so it is never reallocated; the first split-K call
+    must come before any CUDA graph capture (`workspace.py` says why)."""
+    return workspace.split_workspace(SKINNY_KERNEL, device, _allocate_workspace)
 
 
 @triton.jit

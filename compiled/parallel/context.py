@@ -1,13 +1,12 @@
 """The context-parallel step the collective ops and attention read while a forward runs.
 
-The runner installs a `CPStep` for a step whose tokens are split over the ranks; outside one (and
-at world size 1) the collective ops are identities."""
+The runner installs a `CPStep` as the forward context's `cp` (`compiled/forward_context.py`) for
+a step whose tokens are split over the ranks; outside one (and at world size 1) the collective
+ops are identities."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -26,23 +25,6 @@ class CPStep:
     # row in batch order (attention reads that part of the prefix from the gathered K/V)
     rows_prefix: torch.Tensor
     rows_start: torch.Tensor
-
-
-_current: CPStep | None = None
-
-
-@contextmanager
-def cp_step(step: CPStep | None) -> Iterator[None]:
-    global _current
-    previous, _current = _current, step
-    try:
-        yield
-    finally:
-        _current = previous
-
-
-def current_cp_step() -> CPStep | None:
-    return _current
 
 
 def gather_rows(x: torch.Tensor, step: CPStep) -> torch.Tensor:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from compiled.parallel.context import current_cp_step, gather_rows
+from compiled.forward_context import current_forward
+from compiled.parallel.context import gather_rows
 
 CP_SPLITTING_OPS: tuple[str, ...] = ("compiled::cp_allgather",)
 
@@ -20,7 +21,7 @@ CP_SPLITTING_OPS: tuple[str, ...] = ("compiled::cp_allgather",)
 @torch.library.custom_op("compiled::cp_allgather", mutates_args=())
 def cp_allgather(x: torch.Tensor) -> torch.Tensor:
     """Every rank's rows of x, in the step's batch order."""
-    step = current_cp_step()
+    step = current_forward().cp
     if step is None:
         return x.clone()
     return gather_rows(x, step)

@@ -15,6 +15,7 @@ from compiled.passes import (cp_allgather, fuse_lora_linear, fuse_lora_norm, fus
                              fuse_norm_linear, fuse_qk_norm_rope, fuse_qkv, fuse_silu_linear, fuse_w13, lora_delta,
                              silu_and_mul, skinny_linear)
 from compiled.graphs.weights import WeightMap
+from compiled.passes.variant import GraphVariant
 
 # Every pass, in an order that satisfies each pass's `after`.
 REGISTRY: dict[str, GraphPass] = {m.PASS.name: m.PASS for m in (
@@ -40,6 +41,21 @@ def resolve_passes(names: PassList | None) -> list[GraphPass]:
     passes = [n if isinstance(n, GraphPass) else REGISTRY[n] for n in names]
     check_order([p.name for p in passes])
     return passes
+
+
+def passes_for(variant: GraphVariant, names: PassList | None, max_loras: int = 0,
+               max_rank: int = 0) -> list[str | GraphPass]:
+    """The pass list of `variant`'s graph, the one place it is chosen: `names` (the config's;
+    None: DEFAULT_PASSES), with the LoRA deltas for a pool of `max_loras` slots of rank up to
+    `max_rank` and their fusions for a LoRA variant, then the gathers for a context-parallel one."""
+    chosen = list(DEFAULT_PASSES if names is None else names)
+    if variant.lora:
+        if max_loras < 1 or max_rank < 1:
+            raise ValueError(f"the {variant} graph needs the LoRA pool's sizes (max_loras, max_rank >= 1)")
+        chosen = with_lora(chosen, lora_delta.lora_delta_pass(max_loras, max_rank))
+    if variant.context_parallel:
+        chosen = with_cp(chosen)
+    return chosen
 
 
 def with_lora(names: PassList | None, lora: GraphPass) -> list[str | GraphPass]:

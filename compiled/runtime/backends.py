@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
+
 from compiled.runtime.config import EngineConfig
+
+# Op family (`EngineConfig.BACKEND_FAMILIES`) -> the module whose `BACKEND` switches it.
+FAMILY_MODULES = {"attention": "compiled.attention.ops", "linear": "compiled.linear.ops",
+                  "moe": "compiled.moe.fused_moe", "routing": "compiled.moe.routing", "lora": "compiled.linear.lora"}
 
 
 def configure_backends(config: EngineConfig) -> None:
     """Each op family's backend as `config` says, unless its COMPILED_*_BACKEND is set. The
     choice is per process: the ops are registered once, for every engine."""
-    from compiled.attention import ops as attention
-    from compiled.linear import ops as linear
-    from compiled.moe import fused_moe, routing
-    for module, family in ((attention, "attention"), (linear, "linear"), (fused_moe, "moe"), (routing, "routing")):
-        module.BACKEND.configure(config.backends[family])
+    for family, name in config.backends.items():
+        importlib.import_module(FAMILY_MODULES[family]).BACKEND.configure(name)

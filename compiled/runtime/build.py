@@ -15,9 +15,9 @@ from torch import fx, nn
 from compiled.errors import ConfigError
 from compiled.graphs.config import ModelConfig
 from compiled.graphs.trace import materialize, meta_model, trace
-from compiled.passes.base import GraphPass, PassRecord
-from compiled.passes.lora_delta import lora_delta_pass
-from compiled.passes.manager import DEFAULT_PASSES, run_passes, with_cp, with_lora
+from compiled.passes.base import PassRecord
+from compiled.passes.manager import DEFAULT_PASSES, passes_for, run_passes
+from compiled.passes.variant import BASE, LORA, GraphVariant
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.loader import fill_dummy, load_checkpoint
 
@@ -41,18 +41,30 @@ def pass_names(config: EngineConfig) -> list[str]:
 
 @dataclass
 class Models:
-    """What an engine runs: the model, and with LoRA on, the same weights through a graph that
-    adds the adapters' deltas (run only by batches in which some request uses an adapter, so a
-    batch without adapters costs what it costs without LoRA)."""
-    base: nn.Module
-    lora: nn.Module | None
+    """What an engine runs: one graph per variant (`passes/variant.py`), all over the same weights.
+    BASE always; with LoRA on, LORA, which adds the adapters' deltas (run only by batches in which
+    some request uses an adapter, so a batch without adapters costs what it costs without LoRA);
+    with context parallelism, the graph of a context-parallel step (`passes/cp_allgather.py`),
+    which adds the deltas too when LoRA is on."""
+    graphs: dict[GraphVariant, nn.Module]
     report: BuildReport
     # The LoRA graph's module before compilation: it owns the LoRA buffers by name (a compiled
     # model holds the same tensors, unnamed), which the adapter pool writes.
     lora_buffers: nn.Module | None = None
-    # With context parallelism: the graph of a context-parallel step (`passes/cp_allgather.py`),
-    # over the same weights (and LoRA buffers, whose deltas it adds).
-    cp: nn.Module | None = None
+
+    @property
+    def base(self) -> nn.Module:
+        return self.graphs[BASE]
+
+    @property
+    def runner_graphs(self) -> dict[GraphVariant, nn.Module]:
+        """The graphs the model runner runs (and captures): all but the context-parallel one."""
+        return {v: m for v, m in self.graphs.items() if not v.context_parallel}
+
+    @property
+    def cp(self) -> nn.Module | None:
+        """The context-parallel step's graph, with context parallelism."""
+        return next((m for v, m in self.graphs.items() if v.context_parallel), None)
 
 
 def build_model(cfg: ModelConfig, path: str, config: EngineConfig) -> tuple[nn.Module, BuildReport]:
@@ -65,6 +77,24 @@ def uses_graph(config: EngineConfig) -> bool:
     """Whether the model runs as the traced graph: LoRA's deltas exist only in the graph, so
     with LoRA on, `enforce_eager` runs the graph uncompiled rather than the plain module."""
     return config.use_graph and (config.lora or not config.enforce_eager)
+
+
+def graph_variants(config: EngineConfig) -> list[GraphVariant]:
+    """The graphs an engine of `config` runs besides BASE, the LoRA one first (the others share
+    its LoRA buffers)."""
+    variants = [LORA] if config.lora else []
+    if config.cp:
+        variants.append(GraphVariant(lora=config.lora, context_parallel=True))
+    return variants
+
+
+def variant_passes(variant: GraphVariant, config: EngineConfig) -> list:
+    """The passes of `variant`'s graph for `config` (`passes.manager.passes_for`)."""
+    return passes_for(variant, pass_names(config), config.max_loras_per_batch, config.max_lora_rank)
+
+
+def _stage(variant: GraphVariant) -> str:
+    return "cp" if variant.context_parallel else str(variant)
 
 
 def build_models(cfg: ModelConfig, path: str, config: EngineConfig) -> Models:
@@ -88,7 +118,7 @@ def build_models(cfg: ModelConfig, path: str, config: EngineConfig) -> Models:
         module = trace(module)
         lap("trace")
         # A start from an artifact skips the meta run: the export checked this same graph.
-        result = run_passes(module, weights, pass_names(config), check="none" if config.artifact else "end")
+        result = run_passes(module, weights, variant_passes(BASE, config), check="none" if config.artifact else "end")
         weights, report.records = result.weights, result.records
         lap("passes")
     materialize(module, device)
@@ -97,41 +127,34 @@ def build_models(cfg: ModelConfig, path: str, config: EngineConfig) -> Models:
     else:
         load_checkpoint(module, weights, path, tied_head=cfg.tie_word_embeddings)
     lap("load")
-    lora = lora_buffers = _variant_graph(module, cfg, config, with_lora(pass_names(config), lora_pass(config))) \
-        if config.lora else None
-    if lora is not None:
-        lap("lora_graph")
-    cp = _variant_graph(module, cfg, config, cp_passes(config), lora_buffers) if config.cp else None
-    if cp is not None:
-        lap("cp_graph")
+    models = Models({BASE: module}, report)
+    for variant in graph_variants(config):
+        models.graphs[variant] = _variant_graph(module, cfg, config, variant_passes(variant, config),
+                                                models.lora_buffers)
+        if variant == LORA:
+            models.lora_buffers = models.graphs[variant]
+        lap(f"{_stage(variant)}_graph")
     if use_graph and (config.use_compile or config.artifact):
-        module = _compile(module, cfg, config, report)
-        lap("compile")
-        # Importing Inductor, the artifact load and the split are reported on their own;
-        # "compile" keeps the rest (Inductor, when any piece was compiled), so the stages add up.
-        report.seconds["compile"] -= sum(report.seconds.get(k, 0.0) for k in ("inductor_import", "artifact_load")) \
-            + report.seconds["split"]
-        if lora is not None:
-            from compiled.compilation.inductor import compile_model
-            lora, _, _ = compile_model(lora, config.device, None, config.splitting_ops)
-            lap("compile_lora")
-        if cp is not None:
-            from compiled.compilation.inductor import compile_model
-            from compiled.parallel.ops import CP_SPLITTING_OPS
-            cp, _, _ = compile_model(cp, config.device, None, config.splitting_ops + CP_SPLITTING_OPS)
-            lap("compile_cp")
-    return Models(module, lora, report, lora_buffers, cp)
+        _compile_all(models, cfg, config, lap)
+    return models
 
 
-def lora_pass(config: EngineConfig) -> GraphPass:
-    return lora_delta_pass(config.max_loras_per_batch, config.max_lora_rank)
-
-
-def cp_passes(config: EngineConfig) -> list:
-    """The passes of the context-parallel graph: the engine's (with the LoRA deltas when it serves
-    adapters), then the gathers."""
-    names = with_lora(pass_names(config), lora_pass(config)) if config.lora else pass_names(config)
-    return with_cp(names)
+def _compile_all(models: Models, cfg: ModelConfig, config: EngineConfig, lap) -> None:
+    """Compile every graph of `models` in place: BASE from the artifact when there is one."""
+    from compiled.compilation.inductor import compile_model
+    from compiled.parallel.ops import CP_SPLITTING_OPS
+    report = models.report
+    models.graphs[BASE] = _compile(models.base, cfg, config, report)
+    lap("compile")
+    # Importing Inductor, the artifact load and the split are reported on their own;
+    # "compile" keeps the rest (Inductor, when any piece was compiled), so the stages add up.
+    report.seconds["compile"] -= sum(report.seconds.get(k, 0.0) for k in ("inductor_import", "artifact_load")) \
+        + report.seconds["split"]
+    for variant, graph in list(models.graphs.items()):
+        if variant != BASE:
+            splitting = config.splitting_ops + (CP_SPLITTING_OPS if variant.context_parallel else ())
+            models.graphs[variant], _, _ = compile_model(graph, config.device, None, splitting)
+            lap(f"compile_{_stage(variant)}")
 
 
 def _variant_graph(base: fx.GraphModule, cfg: ModelConfig, config: EngineConfig, passes: list,

@@ -20,6 +20,8 @@ from compiled.runtime.loader import LOAD_FORMATS
 
 # The step's token budget when max_num_batched_tokens is not chosen (and CP does not need more).
 DEFAULT_BATCHED_TOKENS = 8192
+# The op families with a kernel/reference switch: each has a `<family>_backend` field.
+BACKEND_FAMILIES = ("attention", "linear", "moe", "routing", "lora")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -87,6 +89,7 @@ class EngineConfig:
     linear_backend: str = "auto"
     moe_backend: str = "auto"
     routing_backend: str = "auto"
+    lora_backend: str = "auto"       # the multi-LoRA shrink / expand ops
     # Multi-LoRA: adapters to load at start (name -> PEFT folder); enable_lora=None turns LoRA on
     # exactly when some are given. `max_loras_per_batch` GPU slots of rank up to `max_lora_rank`;
     # at most `max_loaded_loras` adapters in the CPU tier (None: no limit).
@@ -196,7 +199,7 @@ class EngineConfig:
             raise _bad("dtype", self.dtype, f"None or one of {', '.join(DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
             raise _bad("load_format", self.load_format, f"one of {', '.join(LOAD_FORMATS)}")
-        for name in ("attention_backend", "linear_backend", "moe_backend", "routing_backend"):
+        for name in (f"{family}_backend" for family in BACKEND_FAMILIES):
             if getattr(self, name) not in BACKENDS:
                 raise _bad(name, getattr(self, name), f"one of {', '.join(BACKENDS)}")
         for name in ("passes", "splitting_ops"):
@@ -238,7 +241,7 @@ class EngineConfig:
     @property
     def backends(self) -> dict[str, str]:
         """Op family -> the configured backend choice."""
-        return {name: getattr(self, f"{name}_backend") for name in ("attention", "linear", "moe", "routing")}
+        return {name: getattr(self, f"{name}_backend") for name in BACKEND_FAMILIES}
 
 
 # Lower bounds of the integer settings. A context of one token could hold a prompt but not the

@@ -11,16 +11,15 @@ workers, so a request's later chunk splits only while nothing before it ran that
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
-from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
-from compiled.linear.lora_slots import token_slots
-from compiled.parallel.context import CPStep, cp_step
+from compiled.attention.context import AttentionContext, AttentionMetadata
+from compiled.forward_context import forward_context
+from compiled.parallel.context import CPStep
 from compiled.parallel.group import CPGroup
 from compiled.parallel.zigzag import ChunkShape, plan
 from compiled.runtime.static_inputs import StaticInputs, write_request_table
@@ -110,9 +109,9 @@ class ContextParallelRunner:
                       self.inputs.positions[:t], self.inputs.out_cache_loc[:t],
                       rows_prefix=dev([s.position - shapes[s.chunk].position for s in segments]),
                       rows_start=dev([shapes[s.chunk].offset for s in segments]))
-        ctx = ForwardContext(meta=meta, kv=self.kv, req_to_token=self.req_pool.table)
-        slots = token_slots(self.inputs.lora_slots[:t][local]) if self.uses_lora else contextlib.nullcontext()
-        with forward_context(ctx), cp_step(step), slots, self.group.collectives():
+        attention = AttentionContext(meta=meta, kv=self.kv, req_to_token=self.req_pool.table)
+        slots = self.inputs.lora_slots[:t][local] if self.uses_lora else None
+        with forward_context(attention, slots, cp=step), self.group.collectives():
             return self.model(self.inputs.input_ids[:t][local], self.inputs.positions[:t][local])
 
     def _stage(self, chunks: list[StepChunk]) -> int:

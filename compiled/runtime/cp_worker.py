@@ -61,7 +61,7 @@ def serve(group: CPGroup, model: str, kwargs: dict) -> None:
     models = build_models(mcfg, path, config)
     kind, slots = group.receive()
     assert kind == "kv_slots", kind
-    engine = Engine(models.base, mcfg, config, slots, None, set(), models.lora, models.lora_buffers)
+    engine = Engine(models.runner_graphs, mcfg, config, slots, None, set(), models.lora_buffers)
     engine.runner.enable_cp(group, models.cp)
     while True:
         message = group.receive()

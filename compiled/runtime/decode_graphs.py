@@ -11,9 +11,9 @@ import contextlib
 import torch
 from torch import nn
 
-from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
+from compiled.attention.context import AttentionContext, AttentionMetadata
 from compiled.compilation.bucket_graphs import BucketGraphs
-from compiled.linear.lora_slots import token_slots
+from compiled.forward_context import forward_context
 from compiled.linear.ops import SkinnyLinear
 from compiled.runtime.argmax import ArgmaxWorkspace, argmax_triton
 from compiled.runtime.static_inputs import StaticInputs, write_request_table
@@ -60,8 +60,7 @@ class DecodeGraphs(BucketGraphs):
         inp.begin()
         inp.pad_decode(0, size, self.req_pool.padding_row)
         inp.upload()
-        with forward_context(ForwardContext(self._meta(size), self.kv, self.req_pool.table)), \
-                token_slots(inp.lora_slots):
+        with forward_context(AttentionContext(self._meta(size), self.kv, self.req_pool.table), inp.lora_slots):
             yield
 
     def step(self, size: int) -> torch.Tensor:

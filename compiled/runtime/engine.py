@@ -35,6 +35,7 @@ from compiled.errors import RequestError
 from compiled.graphs.config import ModelConfig
 from compiled.lora.merged import MergedLoRA
 from compiled.lora.pool import LoRAPool
+from compiled.passes.variant import BASE, LORA, GraphVariant
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.detokenizer import IncrementalDetokenizer, stop_hit
 from compiled.runtime.inflight import InFlight, TokenReadback
@@ -47,10 +48,11 @@ from compiled.runtime.tokenizer import Tokenizer
 
 
 class Engine:
-    def __init__(self, model: nn.Module, mcfg: ModelConfig, cfg: EngineConfig, num_kv_slots: int,
-                 tokenizer: Tokenizer | None, eos_token_ids: set[int], lora_model: nn.Module | None = None,
+    def __init__(self, models: dict[GraphVariant, nn.Module], mcfg: ModelConfig, cfg: EngineConfig,
+                 num_kv_slots: int, tokenizer: Tokenizer | None, eos_token_ids: set[int],
                  lora_buffers: nn.Module | None = None, merged: MergedLoRA | None = None) -> None:
-        self.model, self.model_config, self.cfg = model, mcfg, cfg
+        """`models`: the graphs the runner runs, by variant (`build.Models.runner_graphs`)."""
+        self.model, self.model_config, self.cfg = models[BASE], mcfg, cfg
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
         self._eos_sorted = sorted(eos_token_ids)
         self.kv = KVPool(mcfg.num_hidden_layers, num_kv_slots, mcfg.num_key_value_heads, mcfg.head_dim,
@@ -58,9 +60,9 @@ class Engine:
         self.req_pool = ReqToTokenPool(cfg.max_num_seqs, cfg.max_model_len, cfg.device)
         self.scheduler = Scheduler(self.kv, self.req_pool, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_prefix_caching, cfg.max_mixed_step_tokens)
-        self.runner = ModelRunner(model, cfg, self.kv, self.req_pool, lora_model)
+        self.runner = ModelRunner(models, cfg, self.kv, self.req_pool)
         # lora_buffers: the module that names the LoRA buffers (the LoRA graph before compilation).
-        self.loras = None if lora_model is None else LoRAPool(lora_buffers or lora_model, mcfg, cfg.max_lora_rank,
+        self.loras = None if LORA not in models else LoRAPool(lora_buffers or models[LORA], mcfg, cfg.max_lora_rank,
                                                               cfg.max_loaded_loras)
         if self.loras is not None:
             self.scheduler.admit = self._acquire_adapter

@@ -15,6 +15,7 @@ import torch
 import compiled.envs as envs
 from compiled.errors import ConfigError
 from compiled.json_file import read_json_object
+from compiled.passes.variant import LORA
 from compiled.runtime.build import artifact_manifest, build_models
 from compiled.runtime.engine import Engine
 from compiled.lora.merged import MergedLoRA
@@ -102,11 +103,11 @@ class LLM:
             self.model, self.build_report = models.base, models.report
             start = time.perf_counter()
             # The merge's weight copies before the KV cache takes what memory is left.
-            merged = MergedLoRA(models.lora_buffers or models.lora, self.model_config) \
-                if self.config.merge_lora and models.lora is not None else None
-            self.engine = Engine(self.model, self.model_config, self.config,
+            merged = MergedLoRA(models.lora_buffers or models.graphs[LORA], self.model_config) \
+                if self.config.merge_lora and LORA in models.graphs else None
+            self.engine = Engine(models.runner_graphs, self.model_config, self.config,
                                  num_kv_slots(self.model_config, self.config), self.tokenizer, eos_token_ids,
-                                 models.lora, models.lora_buffers, merged)
+                                 models.lora_buffers, merged)
             self.build_report.seconds["kv_cache"] = time.perf_counter() - start
             if self._cp is not None:
                 self._cp.send(("kv_slots", self.engine.kv.num_slots))

@@ -8,7 +8,6 @@ token count has a bucket."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from collections.abc import Sequence
@@ -18,13 +17,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
+from compiled.attention.context import AttentionContext, AttentionMetadata
 from compiled.attention.kv_cache import KVPool, ReqToTokenPool
 from compiled.compilation.buckets import smallest_bucket
-from compiled.compilation.piecewise_graphs import PiecewiseGraphs, current_mode, piecewise_mode
-from compiled.linear.lora_slots import token_slots
+from compiled.compilation.piecewise_graphs import PiecewiseGraphs
+from compiled.forward_context import PiecewiseMode, current_forward, forward_context
 from compiled.lora.merged import MergedLoRA
 from compiled.parallel.group import CPError
+from compiled.passes.variant import BASE, LORA, GraphVariant
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.context_parallel import ContextParallelRunner, StepMessage, note_step, split_chunks
 from compiled.runtime.decode_graphs import DecodeGraphs, compute_logits
@@ -48,30 +48,42 @@ class StepOutput:
     argmax: torch.Tensor | None = None  # [len(sample_rows)] their argmax, where a decode graph computed it
 
 
-class ModelRunner:
-    """Runs `model`, or `lora_model` (the same weights with the adapters' deltas) for a batch in
-    which some request uses an adapter; each has graphs of its own."""
+@dataclass
+class VariantGraphs:
+    """A graph variant's model and the CUDA graphs captured of it (once captured)."""
+    model: nn.Module
+    decode: DecodeGraphs | None = None
+    piecewise: PiecewiseGraphs | None = None
 
-    def __init__(self, model: nn.Module, cfg: EngineConfig, kv: KVPool, req_pool: ReqToTokenPool,
-                 lora_model: nn.Module | None = None) -> None:
-        self.model, self.cfg, self.kv, self.req_pool = model, cfg, kv, req_pool
-        self.lora_model = lora_model
+
+class ModelRunner:
+    """Runs one of `models`, the graphs of one model by variant (`passes/variant.py`): BASE, and
+    with LoRA on, LORA (the same weights with the adapters' deltas) for a batch in which some
+    request uses an adapter. Each has CUDA graphs of its own, in `variants`."""
+
+    def __init__(self, models: dict[GraphVariant, nn.Module], cfg: EngineConfig, kv: KVPool,
+                 req_pool: ReqToTokenPool) -> None:
+        self.cfg, self.kv, self.req_pool = cfg, kv, req_pool
+        # Capture and warm-up order: BASE first.
+        self.variants = {v: VariantGraphs(models[v]) for v in sorted(models, key=lambda v: v != BASE)}
+        self.serves_lora = LORA in self.variants
         self.merged: MergedLoRA | None = None   # the engine's, with `merge_lora`
         # One request more than the scheduler admits: the padding request of a piecewise bucket.
         self.inputs = StaticInputs(cfg.max_num_batched_tokens, cfg.max_num_seqs + 1, cfg.device)
-        self.graphs = None          # DecodeGraphs once captured
-        self.piecewise = None       # PiecewiseGraphs once captured
-        self.lora_graphs = None     # the same for lora_model
-        self.lora_piecewise = None
         # Token buckets non-decode batches are padded to (with or without captured graphs).
         self.prefill_buckets: list[int] = []
         self._pool = None           # one CUDA-graph memory pool for every graph
         self.cp: ContextParallelRunner | None = None   # with a context-parallel group (`enable_cp`)
 
+    @property
+    def model(self) -> nn.Module:
+        """The BASE graph (its `lm_head` computes every variant's logits)."""
+        return self.variants[BASE].model
+
     def enable_cp(self, group, cp_model: nn.Module) -> None:
         """Run the steps that split (`context_parallel.split_chunks`) over `group` with `cp_model`."""
         self.cp = ContextParallelRunner(group, cp_model, self.kv, self.req_pool, self.inputs,
-                                        uses_lora=self.lora_model is not None)
+                                        uses_lora=self.serves_lora)
 
     def _graph_pool(self):
         if self._pool is None:
@@ -85,33 +97,31 @@ class ModelRunner:
         return isinstance(self.model, CompiledModel)
 
     def capture_graphs(self, buckets: list[int], now: list[int]) -> float:
-        """Set up the decode CUDA graphs of `buckets` (of both models) and capture those of `now`
-        (the others on first use, or by `capture_pending`); returns the seconds it took."""
+        """Set up the decode CUDA graphs of `buckets` (of every variant) and capture those of
+        `now` (the others on first use, or by `capture_pending`); returns the seconds it took."""
         seconds = 0.0
-        for lora in self._variants():
-            graphs = DecodeGraphs(self._model(lora), self.kv, self.req_pool, buckets, self._graph_pool(),
-                                  self.cfg.device)
-            graphs.capture(now)
-            setattr(self, "lora_graphs" if lora else "graphs", graphs)
-            seconds += graphs.capture_seconds
+        for entry in self.variants.values():
+            entry.decode = DecodeGraphs(entry.model, self.kv, self.req_pool, buckets, self._graph_pool(),
+                                        self.cfg.device)
+            entry.decode.capture(now)
+            seconds += entry.decode.capture_seconds
         return seconds
 
     def capture_piecewise(self, buckets: list[int], now: list[int]) -> float:
-        """Set up every compiled piece's graphs per token bucket of `buckets` (of both models) and
-        capture those of `now` (the others as `capture_graphs` leaves them); returns the seconds
-        it took."""
+        """Set up every compiled piece's graphs per token bucket of `buckets` (of every variant)
+        and capture those of `now` (the others as `capture_graphs` leaves them); returns the
+        seconds it took."""
         seconds = 0.0
-        for lora in self._variants():
-            name = "lora_piecewise" if lora else "piecewise"
+        for variant, entry in self.variants.items():
             graphs = PiecewiseGraphs(buckets, self._graph_pool(), [self.inputs.input_ids, self.inputs.positions],
-                                     functools.partial(self._padding_only, lora=lora))
-            graphs.attach(self._model(lora).pieces)
+                                     functools.partial(self._padding_only, variant=variant))
+            graphs.attach(entry.model.pieces)
             self.prefill_buckets = graphs.buckets
-            setattr(self, name, graphs)  # the capture's forwards write attention into its slab too
+            entry.piecewise = graphs   # the capture's forwards write attention into its slab too
             try:
                 graphs.capture(now)
             except BaseException:
-                setattr(self, name, None)
+                entry.piecewise = None
                 raise
             seconds += graphs.capture_seconds
         return seconds
@@ -119,34 +129,28 @@ class ModelRunner:
     def capture_pending(self) -> bool:
         """Capture one bucket not captured yet, decode graphs first, smallest first (call it
         between steps with none in flight); False when there is none."""
-        for graphs in (self.graphs, self.lora_graphs, self.piecewise, self.lora_piecewise):
+        kinds = [e.decode for e in self.variants.values()] + [e.piecewise for e in self.variants.values()]
+        for graphs in kinds:
             if graphs is not None and graphs.pending:
                 graphs.capture(graphs.pending[:1])
                 return True
         return False
 
     def warm_up(self, sizes: list[int]) -> float:
-        """A padding-only batch of each of `sizes` tokens through each model (the compiles and
+        """A padding-only batch of each of `sizes` tokens through each variant (the compiles and
         tuned-config loads those step sizes need); returns the seconds it took."""
         start = time.perf_counter()
-        for lora in self._variants():
+        for variant in self.variants:
             for tokens in sizes:
-                self._padding_only(tokens, lora)
+                self._padding_only(tokens, variant)
         if self.cfg.device.type == "cuda":
             torch.cuda.synchronize(self.cfg.device)
         return time.perf_counter() - start
 
-    def _variants(self) -> tuple[bool, ...]:
-        """The models that run (lora: whether it is the LoRA one): both when adapters are served."""
-        return (False, True) if self.lora_model is not None else (False,)
-
-    def _model(self, lora: bool) -> nn.Module:
-        return self.lora_model if lora else self.model
-
     @torch.inference_mode()
-    def _padding_only(self, tokens: int, lora: bool) -> None:
+    def _padding_only(self, tokens: int, variant: GraphVariant) -> None:
         """A batch of nothing but the padding request, `tokens` long (for capture)."""
-        self._run_model(self._stage([], tokens), tokens, lora)
+        self._run_model(self._stage([], tokens), tokens, variant)
 
     def _stage(self, chunks: list, tokens: int, is_decode: bool = False,
                inputs: StaticInputs | None = None) -> AttentionMetadata:
@@ -162,7 +166,7 @@ class ModelRunner:
             ids += request.token_ids(c.start, end)
             positions += range(c.start, end)
             token_rows += [request.row] * c.length
-            if self.lora_model is not None:   # only the LoRA graph reads them
+            if self.serves_lora:   # only the LoRA graph reads them
                 lora_slots += [request.lora_slot] * c.length
             starts.append(t)
             rows.append(request.row)
@@ -175,7 +179,7 @@ class ModelRunner:
         h["input_ids"][:t] = ids
         h["positions"][:t] = positions
         h["token_rows"][:t] = token_rows
-        if self.lora_model is not None:
+        if self.serves_lora:
             h["lora_slots"][:t] = lora_slots
         if chunks:
             h["out_cache_loc"][:t] = np.concatenate([c.slots for c in chunks])
@@ -198,21 +202,28 @@ class ModelRunner:
             is_decode=is_decode, extend_start_loc=inp.extend_start_loc[:b],
             decode_rows=0 if is_decode else next((i for i, c in enumerate(chunks) if c.length != 1), len(chunks)))
 
-    def _run_model(self, meta: AttentionMetadata, tokens: int, lora: bool = False) -> torch.Tensor:
+    def _run_model(self, meta: AttentionMetadata, tokens: int, variant: GraphVariant = BASE) -> torch.Tensor:
         write_request_table(self.req_pool.table, self.inputs, tokens)
-        pw = self.lora_piecewise if lora else self.piecewise
+        entry = self.variants[variant]
+        pw = entry.piecewise
         graphed = pw is not None and tokens in pw.buckets
-        ctx = ForwardContext(meta=meta, kv=self.kv, req_to_token=self.req_pool.table,
-                             attention_out=pw.attention_out if graphed else None)
-        replay = graphed and current_mode() is None  # else PiecewiseGraphs.capture is running this forward
+        attention = AttentionContext(meta=meta, kv=self.kv, req_to_token=self.req_pool.table,
+                                     attention_out=pw.attention_out if graphed else None)
+        # Outside a capture (PiecewiseGraphs.capture sets its own mode around this forward).
+        replay = graphed and current_forward().piecewise is None
         if replay:
             pw.replays += 1
-        with forward_context(ctx), token_slots(self.inputs.lora_slots) if lora else contextlib.nullcontext(), \
-                piecewise_mode(tokens) if replay else contextlib.nullcontext():
-            return self._model(lora)(self.inputs.input_ids[:tokens], self.inputs.positions[:tokens])
+        with forward_context(attention, self.inputs.lora_slots if variant.lora else None,
+                             piecewise=PiecewiseMode(tokens) if replay else None):
+            return entry.model(self.inputs.input_ids[:tokens], self.inputs.positions[:tokens])
 
-    def _uses_lora(self, batch: Batch) -> bool:
-        return self.lora_model is not None and any(c.request.lora_slot >= 0 for c in batch.chunks)
+    def _variant(self, batch: Batch) -> GraphVariant:
+        """The graph that runs `batch`: LORA when some request of it uses an adapter (unless the
+        merged weights serve it), else BASE."""
+        lora = self.serves_lora and any(c.request.lora_slot >= 0 for c in batch.chunks)
+        if self.merged is not None:   # one adapter folded into the weights runs the base graphs
+            lora = self.merged.prepare([c.request for c in batch.chunks], lora)
+        return LORA if lora else BASE
 
     def _decode_bucket(self, batch: Batch, graphs: DecodeGraphs | None) -> int | None:
         if graphs is None or not batch.is_decode:
@@ -234,10 +245,9 @@ class ModelRunner:
             if out is not None:
                 return out
         t = batch.num_tokens
-        lora = self._uses_lora(batch)
-        if self.merged is not None:   # one adapter folded into the weights runs the base graphs
-            lora = self.merged.prepare([c.request for c in batch.chunks], lora)
-        graphs = self.lora_graphs if lora else self.graphs
+        variant = self._variant(batch)
+        entry = self.variants[variant]
+        graphs = entry.decode
         bucket = self._decode_bucket(batch, graphs)
         if bucket is not None:   # the graphs read their own small buffer: a short upload
             feed = self._capture_first(graphs, bucket, feed)
@@ -246,10 +256,10 @@ class ModelRunner:
             hidden, logits, argmax = graphs.replay(bucket)
             return StepOutput(hidden[:t], _rows(logits, t, sample_rows), _rows(argmax, t, sample_rows))
         tokens = self._prefill_bucket(t)
-        feed = self._capture_first(self.lora_piecewise if lora else self.piecewise, tokens, feed)
+        feed = self._capture_first(entry.piecewise, tokens, feed)
         meta = self._stage(batch.chunks, tokens, is_decode=batch.is_decode and tokens == t)
         self._feed(feed, t, self.inputs)
-        hidden = self._run_model(meta, tokens, lora)[:t]
+        hidden = self._run_model(meta, tokens, variant)[:t]
         rows = _rows(hidden, t, sample_rows)
         return StepOutput(hidden, None if rows is None else self.logits(rows))
 

@@ -253,7 +253,8 @@ def op_case(decode: bool, device="cpu", norm_rope=False, cp=False, layout: str |
     "decode" or "extend" as `decode` says): one of OP_LAYOUTS; in "mixed" and "decode_rows" the
     leading one-token requests are the metadata's `decode_rows` (the decode kernel's)."""
     import compiled.attention.ops as ops
-    from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
+    from compiled.attention.context import AttentionContext, AttentionMetadata
+    from compiled.forward_context import forward_context
     from compiled.attention.kv_cache import KVPool
     hq, hkv, d, layer = 4, 2, 32, 1
     layout = layout or ("decode" if decode else "extend")
@@ -286,7 +287,7 @@ def op_case(decode: bool, device="cpu", norm_rope=False, cp=False, layout: str |
             if cp and backend == "triton":
                 outs.append(cp_step_case(meta, kv, table, q, k, v, layer, rope, prefix, ext))
             else:
-                with forward_context(ForwardContext(meta=meta, kv=kv, req_to_token=table)):
+                with forward_context(AttentionContext(meta=meta, kv=kv, req_to_token=table)):
                     outs.append(torch.ops.compiled.attention(q, k, v, layer, d ** -0.5, *rope))
         finally:
             ops.set_backend("auto")
@@ -300,8 +301,9 @@ def cp_step_case(meta, kv, table, q, k, v, layer, rope, prefix, ext):
     """The op in a context-parallel step of one rank: every request a split chunk cut into its
     two zigzag segments (each attending as a request of its own, the part of its prefix inside
     the step read from the gathered rows), k_full / v_full being the step's own k / v."""
-    from compiled.attention.context import AttentionMetadata, ForwardContext, forward_context
-    from compiled.parallel.context import CPStep, cp_step
+    from compiled.attention.context import AttentionContext, AttentionMetadata
+    from compiled.forward_context import forward_context
+    from compiled.parallel.context import CPStep
     from compiled.parallel.zigzag import ChunkShape, plan
     device, t, d = q.device, q.shape[0], q.shape[-1]
     shapes, offset = [], 0
@@ -324,7 +326,7 @@ def cp_step_case(meta, kv, table, q, k, v, layer, rope, prefix, ext):
                   rows_prefix=dev([s.position - shapes[s.chunk].position for s in segments]),
                   rows_start=dev([shapes[s.chunk].offset for s in segments]))
     k_full, v_full = torch.cat([k, v], 1).chunk(2, 1)   # views of one gathered tensor, as the cp_allgather pass makes
-    with forward_context(ForwardContext(meta=seg_meta, kv=kv, req_to_token=table)), cp_step(step):
+    with forward_context(AttentionContext(meta=seg_meta, kv=kv, req_to_token=table), cp=step):
         return torch.ops.compiled.attention(q, k, v, layer, d ** -0.5, *rope, k_full=k_full, v_full=v_full)
 
 

@@ -12,6 +12,7 @@ import pytest
 from compiled import LLM, SamplingParams
 from compiled.compilation.buckets import smallest_bucket
 from compiled.compilation.inductor import COMPILES
+from compiled.passes.variant import BASE
 from tests.conftest import reduced_real_config
 
 pytestmark = pytest.mark.gpu
@@ -44,12 +45,13 @@ def _step_logprobs(llm: LLM, batch: int, seed: int):
 @pytest.mark.parametrize("batch", [1, 2, 3, 4, 7, 8, 10, 13, 16, 31, 32, 40])
 def test_compiled_graphs_match_uncompiled(pair, batch):
     fast, plain = pair
-    assert fast.engine.runner.graphs is not None and plain.engine.runner.graphs is None
-    assert fast.engine.runner.piecewise is not None and plain.engine.runner.piecewise is None
-    replays = fast.engine.runner.piecewise.replays
+    assert fast.engine.runner.variants[BASE].decode is not None and plain.engine.runner.variants[BASE].decode is None
+    fast_graphs, plain_graphs = fast.engine.runner.variants[BASE], plain.engine.runner.variants[BASE]
+    assert fast_graphs.piecewise is not None and plain_graphs.piecewise is None
+    replays = fast.engine.runner.variants[BASE].piecewise.replays
     a, b = _step_logprobs(fast, batch, batch), _step_logprobs(plain, batch, batch)
     if sum(len(o.prompt_token_ids) for o in a) <= fast.engine.runner.prefill_buckets[-1]:
-        assert fast.engine.runner.piecewise.replays > replays  # the prefill ran piecewise graphs
+        assert fast.engine.runner.variants[BASE].piecewise.replays > replays  # the prefill ran piecewise graphs
     assert_two_steps_close(a, b, batch)
 
 
@@ -78,7 +80,7 @@ def test_decode_graphs_argmax_is_torchs(pair, batch):
     import torch
     fast, _ = pair
     _step_logprobs(fast, batch, 100 + batch)   # its last step replays the batch's decode graph
-    graphs = fast.engine.runner.graphs
+    graphs = fast.engine.runner.variants[BASE].decode
     assert torch.equal(graphs.argmax[:batch], graphs.logits[:batch].argmax(-1))
 
 
@@ -88,7 +90,7 @@ def test_bucket_captured_part_way_through_a_generation(pair):
     prefill's token bucket, unless an earlier test needed it). The tokens equal those of the same
     generate again, which replays them."""
     fast, _ = pair
-    graphs = fast.engine.runner.graphs
+    graphs = fast.engine.runner.variants[BASE].decode
     assert 24 in graphs.pending and 32 not in graphs.pending
     rng = random.Random(7)
     vocab = fast.model_config.vocab_size
@@ -99,12 +101,12 @@ def test_bucket_captured_part_way_through_a_generation(pair):
     before = fast.engine.num_overlapped
     first = fast.generate(prompts, params)
     assert 24 not in graphs.pending and fast.engine.num_overlapped > before
-    assert not fast.engine.runner.piecewise.is_pending(prefill)
+    assert not fast.engine.runner.variants[BASE].piecewise.is_pending(prefill)
     again = fast.generate(prompts, params)
     assert [o.token_ids for o in first] == [o.token_ids for o in again]
-    pending = len(graphs.pending) + len(fast.engine.runner.piecewise.pending)
+    pending = len(graphs.pending) + len(fast.engine.runner.variants[BASE].piecewise.pending)
     assert fast.engine.capture_pending_graphs() == pending > 0
-    assert graphs.pending == [] and fast.engine.runner.piecewise.pending == []
+    assert graphs.pending == [] and fast.engine.runner.variants[BASE].piecewise.pending == []
 
 
 def test_piecewise_graphs_read_every_activation_in_place(pair):

@@ -75,7 +75,7 @@ def norm_case(M, N, K, dtype, config, keep_normed) -> dict:
         ref_y, ref_h, ref_normed = fl.add_rms_norm_linear_ref(x.float(), delta.float(), nw.float(), 1e-6, w.float())
         errs += [max_err(y, ref_y), max_err(h, ref_h)]
         errs.append(max_err(normed, ref_normed) if keep_normed else float(normed is not None))
-    ws = lk._WORKSPACES.get(torch.device("cpu"))
+    ws = lk.workspace.allocated(lk.SKINNY_KERNEL, torch.device("cpu"))
     clean = ws is None or not ws.semaphores.any().item()
     return dict(err=max(errs), tol=TOL[dt], clean=clean)
 
@@ -89,7 +89,7 @@ def silu_case(M, N, K, dtype, config) -> dict:
         gate_up = _randn((M, 2 * K), dt, 10 * call + 1, 2.0)
         w = _randn((N, K), dt, 10 * call + 2)
         errs.append(max_err(lk.silu_mul_linear_triton(gate_up, w, cfg), fl.silu_mul_linear_ref(gate_up.float(), w.float())))
-    ws = lk._WORKSPACES.get(torch.device("cpu"))
+    ws = lk.workspace.allocated(lk.SKINNY_KERNEL, torch.device("cpu"))
     clean = ws is None or not ws.semaphores.any().item()
     return dict(err=max(errs), tol=TOL[dt], clean=clean)
 

@@ -74,7 +74,7 @@ def kernel_case(M: int, N: int, K: int, dtype: str, config) -> dict:
         x = _randn((M, K), dt, 10 * call + 1)
         w = _randn((N, K), dt, 10 * call + 2)
         errs.append(max_err(lk.skinny_linear_triton(x, w, cfg), linear_ref(x.float(), w.float())))
-    ws = lk._WORKSPACES.get(torch.device("cpu"))
+    ws = lk.workspace.allocated(lk.SKINNY_KERNEL, torch.device("cpu"))
     clean = ws is None or not ws.semaphores.any().item()
     return dict(err=max(errs), tol=TOL[dt], clean=clean)
 
@@ -325,7 +325,7 @@ def test_gpu_real_shapes_match_cublas(backend, m, n, k):
         graph.replay()
         assert max_err(y, torch.nn.functional.linear(x.float(), w.float())) <= 1e-2
     from compiled.linear import skinny_kernels as lk
-    ws = lk._WORKSPACES.get(x.device)
+    ws = lk.workspace.allocated(lk.SKINNY_KERNEL, x.device)
     assert ws is None or not ws.semaphores.any().item()
 
 

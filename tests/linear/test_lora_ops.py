@@ -118,7 +118,7 @@ def kernel_case(T, IN, slices, R, S, dtype, slots, shrink_cfg, expand_cfg) -> di
     first_err = max_err(lk.lora_shrink_triton(first, a, slot, scfg), lora_shrink_ref(first, a, slot)) if T else 0.0
     s = lk.lora_shrink_triton(x, a, slot, scfg)
     s_ref = lora_shrink_ref(x, a, slot)
-    ws = lk._WORKSPACES.get(torch.device("cpu"))
+    ws = lk.workspace.allocated(lk.SHRINK_KERNEL, torch.device("cpu"))
     clean = ws is None or not ws.semaphores.any().item()
     out = lk.lora_expand_triton(y, s_ref, b, scale, slot, slices, ecfg)
     out_ref = lora_expand_ref(y, s_ref, b, scale, slot, slices)
@@ -171,7 +171,7 @@ def fused_case(M, K, slices, R, S, dtype, slots, config) -> dict:
     got = sk.skinny_linear_lora_triton(x, w, lk.LoRAArgs.of(s, b, scale, slot, slices), cfg)
     want = lora_expand_ref(linear_ref(x, w), s, b, scale, slot, slices)
     plain = sk.skinny_linear_triton(x, w, cfg)
-    ws = sk._WORKSPACES.get(torch.device("cpu"))
+    ws = sk.workspace.allocated(sk.SKINNY_KERNEL, torch.device("cpu"))
     none = (slot < 0) | (slot >= S)
     ok = (got.dtype == dt and got.shape == want.shape and torch.equal(got[none], plain[none])
           and (ws is None or not ws.semaphores.any().item()))

@@ -11,6 +11,7 @@ import pytest
 from compiled import LLM, SamplingParams
 from compiled.compilation.inductor import COMPILES
 from compiled.lora.random import random_adapter
+from compiled.passes.variant import LORA
 from tests.compilation.test_gpu_compile import assert_two_steps_close
 from tests.conftest import reduced_real_config
 
@@ -49,7 +50,8 @@ def _run(llm: LLM, batch: int, seed: int, names: list[str | None]):
 @pytest.mark.parametrize("batch", [1, 3, 4, 8, 13, 32])
 def test_lora_compiled_graphs_match_uncompiled(pair, batch):
     fast, plain = pair
-    assert fast.engine.runner.lora_graphs is not None and fast.engine.runner.lora_piecewise is not None
+    lora_graphs = fast.engine.runner.variants[LORA]
+    assert lora_graphs.decode is not None and lora_graphs.piecewise is not None
     names = _mix(random.Random(batch), batch)
     names[0] = "a0"   # at least one adapter in the batch: the LoRA graphs run
     assert_two_steps_close(_run(fast, batch, batch, names), _run(plain, batch, batch, names), batch)

@@ -15,6 +15,7 @@ from compiled.passes.base import is_getitem, is_op
 from compiled.passes.manager import DEFAULT_PASSES, run_passes
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.loader import assign_tensors
+from compiled.passes.variant import BASE as BASE_GRAPH
 from compiled.runtime.model_runner import ModelRunner
 from compiled.runtime.request import Request
 from compiled.runtime.sampling_params import SamplingParams
@@ -59,7 +60,7 @@ def _run(module: nn.Module, cfg: ModelConfig, prompts: list[list[int]], decode_t
     kv = KVPool(cfg.num_hidden_layers, 512, cfg.num_key_value_heads, cfg.head_dim, dtype, ecfg.device)
     pool = ReqToTokenPool(8, 128, ecfg.device)
     scheduler = Scheduler(kv, pool, 8, 512)
-    runner = ModelRunner(module, ecfg, kv, pool)
+    runner = ModelRunner({BASE_GRAPH: module}, ecfg, kv, pool)
     requests = [Request(i, None, p, SamplingParams()) for i, p in enumerate(prompts)]
     for r in requests:
         scheduler.add(r)

@@ -80,6 +80,7 @@ def test_llm_rejects_an_unknown_setting_listing_the_valid_ones():
 
 @pytest.mark.parametrize("kwargs, culprit", [
     (dict(attention_backend="cuda"), "attention_backend"),
+    (dict(lora_backend="cuda"), "lora_backend"),
     (dict(load_format="pickle"), "load_format"),
     (dict(dtype="int3"), "dtype"),
     (dict(device="tpu"), "device"),
@@ -89,6 +90,26 @@ def test_bad_settings_are_one_line_errors(kwargs, culprit):
     with pytest.raises(CompiledError) as e:
         EngineConfig(**kwargs).resolve(128)
     assert culprit in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_backend_switch_is_a_config_field_the_engine_applies(monkeypatch):
+    """Each op family's switch is a `<family>_backend` field, applied to that family's ops (the
+    environment variable, when set, wins)."""
+    from compiled.linear import lora
+    from compiled.runtime.backends import FAMILY_MODULES, configure_backends
+    assert set(FAMILY_MODULES) == set(config_module.BACKEND_FAMILIES)
+    assert all(f"{family}_backend" in FIELDS for family in config_module.BACKEND_FAMILIES)
+    monkeypatch.delenv("COMPILED_LORA_BACKEND", raising=False)
+    previous = lora.BACKEND.name
+    try:
+        configure_backends(EngineConfig(lora_backend="torch"))
+        assert lora.BACKEND.name == "torch"
+        monkeypatch.setenv("COMPILED_LORA_BACKEND", "triton")
+        lora.BACKEND.set("auto")
+        configure_backends(EngineConfig(lora_backend="torch"))
+        assert lora.BACKEND.name == "auto"      # unchanged: the environment wins over the config
+    finally:
+        lora.BACKEND.set(previous)
 
 
 def test_environment_is_read_only_in_envs():

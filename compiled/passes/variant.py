@@ -1,0 +1,22 @@
+"""Which graph of a model: the variants a model is built and captured as, beyond the config's own
+pass list (`manager.passes_for` chooses each one's passes; the runner keys its graphs by it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GraphVariant:
+    """One graph of the model. A new axis (a weight quantization, a tensor-parallel world size)
+    is one more field with a default that means "as today", so existing keys keep their meaning."""
+    lora: bool = False               # adds the adapters' deltas (`lora_delta` and its fusions)
+    context_parallel: bool = False   # a context-parallel step's graph: the gathers of `cp_allgather`
+
+    def __str__(self) -> str:
+        parts = [name for name, on in (("lora", self.lora), ("cp", self.context_parallel)) if on]
+        return "+".join(parts) or "base"
+
+
+BASE = GraphVariant()
+LORA = GraphVariant(lora=True)
