@@ -172,3 +172,21 @@ def test_no_words_about_the_making_of_the_project():
 def test_results_are_current_and_short():
     lines = (ROOT / "bench" / "RESULTS.md").read_text().splitlines()
     assert len(lines) < 400, f"bench/RESULTS.md has {len(lines)} lines"
+
+
+def _is_triton_kernel(fn: ast.FunctionDef) -> bool:
+    return any("jit" in ast.unparse(d) for d in fn.decorator_list)
+
+
+def test_no_function_outside_triton_kernels_runs_over_80_lines():
+    """Functions a reader can hold at once: over 80 lines (decorators excluded) only for Triton
+    kernels, whose bodies are one device program."""
+    long = []
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_triton_kernel(node):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > 80:
+                        long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, long

@@ -36,7 +36,7 @@ def _command_defaults(fn) -> dict[str, object]:
 def odd_defaults(monkeypatch):
     """Reload the CLI with DEFAULTS holding unusual values; restore it afterwards."""
     monkeypatch.setattr(config_module, "DEFAULTS", dataclasses.replace(DEFAULTS, **ODD))
-    names = ("cli.engine_options", "cli.run", "cli.export", "cli.bench", "cli.main")
+    names = ("cli.engine_options", "cli.run", "cli.export", "cli.bench", "cli.serve", "cli.main")
     try:
         yield [importlib.reload(importlib.import_module(n)) for n in names]
     finally:
