@@ -30,6 +30,7 @@ from compiled.moe import expert_lora as el
 from compiled.moe import fused_moe as fm
 
 OP = "compiled::moe_add_rms_norm_linear"
+EXPERT_LORA = ("moe_lora_a13", "moe_lora_b13", "moe_lora_a2", "moe_lora_b2", "moe_lora_scale", "lora_slot")
 Tensor = torch.Tensor
 
 
@@ -43,7 +44,7 @@ def _operands(x, moe_x, norm_weight, weight, lora: tuple, expert: tuple) -> tupl
     fused_moe's a13, b13, a2, b2, scale, slot), each None where not given, checked."""
     fused_linear.check_norm(x, moe_x, norm_weight, weight, op=OP, delta_name="moe_x")
     own = lora_operands(OP, *lora)
-    experts_lora = el.lora_operands(OP, *expert) if any(t is not None for t in expert[:5]) else None
+    experts_lora = el.lora_operands(OP, *expert, names=EXPERT_LORA) if any(t is not None for t in expert[:5]) else None
     if own is not None:
         check_lora(OP, x, weight, *own)
     return own, experts_lora

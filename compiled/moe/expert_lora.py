@@ -143,15 +143,16 @@ def fused_moe_lora_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
 
 # ----------------------------------------------------------------------------- shape checks
 
-def lora_operands(op: str, a13, b13, a2, b2, scale, slot) -> tuple | None:
+def lora_operands(op: str, a13, b13, a2, b2, scale, slot, names: tuple[str, ...] = LORA_OPERANDS
+                  ) -> tuple | None:
     """The expert-LoRA operands as (a13, b13, a2, b2, scale, slot), or None where none is given:
-    all or none, else a one-line error naming those missing."""
+    all or none, else a one-line error naming (by `names`, the op's) those missing."""
     given = (a13, b13, a2, b2, scale, slot)
     if all(t is None for t in given):
         return None
-    missing = [name for name, t in zip(LORA_OPERANDS, given) if t is None]
+    missing = [name for name, t in zip(names, given) if t is None]
     if missing:
-        raise ValueError(f"{op}: expert LoRA needs all of {', '.join(LORA_OPERANDS)}; missing {', '.join(missing)}")
+        raise ValueError(f"{op}: expert LoRA needs all of {', '.join(names)}; missing {', '.join(missing)}")
     return given
 
 
