@@ -2,7 +2,7 @@
 of the step's tokens (`compiled/parallel/zigzag.py`) through every layer.
 
     attention(q, k, v, ...)  ->  k_full, v_full = cp_allgather(cat([k, v], 1)).chunk(2, 1)   # one collective
-                                 attention(q, k, v, ..., k_full=k_full, v_full=v_full)
+                                 attention(q, k, v, ..., k_full, v_full)
     return hidden            ->  return cp_allgather(hidden)
 
 Every attention stores the K/V of all the step's tokens (every rank keeps the whole KV cache) and
