@@ -1,4 +1,5 @@
-"""Linears that do the step before them: `compiled::add_rms_norm_linear` and `compiled::silu_mul_linear`.
+"""The bodies of the linears that do the step before them, `compiled::add_rms_norm_linear` and
+`compiled::silu_mul_linear`, without their optional operands (`library.py` registers the ops).
 
 At decode sizes the residual add + RMSNorm in front of a linear, or the SiLU-and-mul in front of
 the down projection, is a launch of its own that moves a few kilobytes. The skinny GEMM does it in
@@ -45,7 +46,6 @@ def check_norm(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, 
         raise ValueError(f"{op}: norm weight {tuple(norm_weight.shape)}, expected ({x.shape[-1]},)")
 
 
-@torch.library.custom_op("compiled::add_rms_norm_linear", mutates_args=())
 def add_rms_norm_linear(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor, keep_normed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x, delta `[T, K]` -> (y `[T, N]`, h = x + delta, normed = RMSNorm(h) or an empty tensor when
@@ -73,13 +73,6 @@ def _add_rms_norm(x, delta, norm_weight, eps):
     return add_rms_norm_ref(x, delta, norm_weight, eps)
 
 
-@add_rms_norm_linear.register_fake
-def _(x, delta, norm_weight, eps, weight, keep_normed):
-    check_norm(x, delta, norm_weight, weight)
-    return x.new_empty((x.shape[0], weight.shape[0])), torch.empty_like(x), \
-        torch.empty_like(x) if keep_normed else x.new_empty(0)
-
-
 def check_silu(gate_up: torch.Tensor, weight: torch.Tensor, op: str = "compiled::silu_mul_linear") -> None:
     if gate_up.dim() != 2 or weight.dim() != 2 or gate_up.shape[-1] != 2 * weight.shape[1]:
         raise ValueError(f"{op}: gate_up {tuple(gate_up.shape)} @ weight "
@@ -88,7 +81,6 @@ def check_silu(gate_up: torch.Tensor, weight: torch.Tensor, op: str = "compiled:
         raise ValueError(f"{op}: gate_up is {gate_up.dtype}, weight is {weight.dtype}")
 
 
-@torch.library.custom_op("compiled::silu_mul_linear", mutates_args=())
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """(silu(gate) * up) @ weight.T for gate_up `[T, 2K]` = [gate | up]."""
     check_silu(gate_up, weight)
@@ -104,9 +96,3 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         from compiled.linear.prologue_kernels import silu_and_mul_triton
         return silu_and_mul_triton(gate_up)
     return silu_and_mul_ref(gate_up)
-
-
-@silu_mul_linear.register_fake
-def _(gate_up, weight):
-    check_silu(gate_up, weight)
-    return gate_up.new_empty((gate_up.shape[0], weight.shape[0]))

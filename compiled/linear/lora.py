@@ -13,8 +13,9 @@ output is N slices (q, k, v -> 3; gate, up -> 2; o, down -> 1) gets its delta in
 the slices' widths, summing to out), y[t, rows_i] + scale[slot[t], i] * s[t, i*R:(i+1)*R] @
 b[slot[t], rows_i, :].T, the sum in fp32 and rounded once; rows without an adapter are y's.
 
-A linear and both ops are one op in `lora_linear.py` (the fuse_lora_linear pass routes the
-graph's triples there): at decode sizes the expand runs in the linear's epilogue.
+A linear and both ops are one op, `compiled::linear` with its LoRA operands (`library.py`,
+`lora_linear.py`; the fuse_lora_linear pass routes the graph's triples there): at decode sizes
+the expand runs in the linear's epilogue.
 
 All are opaque custom ops with fake implementations, so they trace into torch.fx and compile
 under Inductor. Backends (`BACKEND`: the engine config's `lora_backend`, where

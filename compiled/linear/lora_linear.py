@@ -1,15 +1,15 @@
-"""Linears with their multi-LoRA deltas: `compiled::linear_lora` and its prologue forms.
+"""The LoRA bodies of the linear family's ops (`library.py` registers the ops and calls these
+where the LoRA operands are given).
 
-Each op is `lora_expand(linear(x', W), lora_shrink(x', a, slot), b, scale, slot, slices)` for
-the linear's input x' (the ops of `lora.py`; the fuse passes build these from the triples
-lora_delta makes):
+Each is `lora_expand(linear(x', W), lora_shrink(x', a, slot), b, scale, slot, slices)` for the
+linear's input x' (the ops of `lora.py`):
 
     linear_lora(x, W, a, b, scale, slot, slices)                                x' = x
     add_rms_norm_linear_lora(x, delta, norm_w, eps, W, keep_normed, a, ...)     x' = RMSNorm(x + delta)
     silu_mul_linear_lora(gate_up, W, a, ...)                                    x' = silu(gate) * up
 
 `add_rms_norm_linear_lora` returns (y, h, normed) as `add_rms_norm_linear` does. Where the skinny
-GEMM serves the linear, an op is two launches: the shrink (at one row in its GEMV mode, doing
+GEMM serves the linear, a body is two launches: the shrink (at one row in its GEMV mode, doing
 the prologue itself from the op's inputs), then the skinny GEMM with the prologue and the
 expand in its epilogue. So a decode row's delta costs one short launch a linear, not the shrink,
 the expand and, for the prologue forms, the prologue's own launch. A prologue form above one
@@ -21,8 +21,9 @@ H100, 30B at 64 rows, o_proj's delta +9.7 -> +6.9 µs). A linear that cuBLAS doe
 
 `linear_lora_add_rms_norm_linear(x, inp, W_in, a, b, scale, slot, norm_w, eps, W, keep_normed)`
 is `add_rms_norm_linear(x, linear_lora(inp, W_in, ...), norm_w, eps, W, keep_normed)` for a
-one-slice linear (o_proj before the post-attention norm and the router; fuse_lora_norm): at
-17-64 rows the norm's launch adds the deltas and the expand's own launch goes."""
+one-slice linear (o_proj before the post-attention norm and the router: `add_rms_norm_linear`
+with `delta_weight` and its LoRA): at 17-64 rows the norm's launch adds the deltas and the
+expand's own launch goes."""
 
 from __future__ import annotations
 
@@ -49,6 +50,22 @@ def _args(s: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slot: torch.Ten
     return LoRAArgs.of(s, b, scale, slot, list(slices))
 
 
+LORA_OPERANDS = ("lora_a", "lora_b", "lora_scale", "lora_slot", "lora_slices")
+
+
+def lora_operands(op: str, a: torch.Tensor | None, b: torch.Tensor | None, scale: torch.Tensor | None,
+                  slot: torch.Tensor | None, slices: list[int] | None) -> tuple | None:
+    """An op's optional LoRA operands as (a, b, scale, slot, slices), or None where none is given:
+    all or none (the slots alone may serve another operand's LoRA), else a one-line error."""
+    if a is None and b is None and scale is None and slices is None:
+        return None
+    given = (a, b, scale, slot, slices)
+    missing = [name for name, value in zip(LORA_OPERANDS, given) if value is None]
+    if missing:
+        raise ValueError(f"{op}: LoRA needs all of {', '.join(LORA_OPERANDS)}; missing {', '.join(missing)}")
+    return given
+
+
 def check_lora(op: str, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                scale: torch.Tensor, slot: torch.Tensor, slices: list[int]) -> None:
     """One-line errors naming `op` and the tensor at fault; x is the linear's input as the
@@ -65,12 +82,11 @@ def check_lora(op: str, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, 
         T, a.shape[1]), b, scale, slot, slices)
 
 
-@torch.library.custom_op("compiled::linear_lora", mutates_args=())
 def linear_lora(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
                 slot: torch.Tensor, slices: list[int]) -> torch.Tensor:
     """`x @ weight.T` plus each row's LoRA delta (`lora_shrink` by a, `lora_expand` by b), rounded
     as the two ops round."""
-    check_lora("compiled::linear_lora", x, weight, a, b, scale, slot, slices)
+    check_lora("compiled::linear", x, weight, a, b, scale, slot, slices)
     if _in_kernel(x, weight, slices):
         from compiled.linear.skinny_kernels import skinny_linear_lora_triton
         return skinny_linear_lora_triton(x, weight, _args(shrink(x, a, slot), b, scale, slot, slices))
@@ -99,19 +115,12 @@ def _linear_beside_shrink(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor
     return y, s
 
 
-@linear_lora.register_fake
-def _(x, weight, a, b, scale, slot, slices):
-    check_lora("compiled::linear_lora", x, weight, a, b, scale, slot, slices)
-    return x.new_empty((x.shape[0], weight.shape[0]))
-
-
-@torch.library.custom_op("compiled::add_rms_norm_linear_lora", mutates_args=())
 def add_rms_norm_linear_lora(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                              weight: torch.Tensor, keep_normed: bool, a: torch.Tensor, b: torch.Tensor,
                              scale: torch.Tensor, slot: torch.Tensor, slices: list[int]
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`add_rms_norm_linear` whose y has the LoRA deltas of its input, normed."""
-    _check_norm_lora(x, delta, norm_weight, weight, a, b, scale, slot, slices)
+    check_norm_lora(x, delta, norm_weight, weight, a, b, scale, slot, slices)
     if delta.stride(-1) == 1 and _prologue_in_shrink(x, weight, slices):
         from compiled.linear.lora_kernels import shrink_after_norm_triton
         from compiled.linear.skinny_kernels import add_rms_norm_linear_triton
@@ -124,24 +133,16 @@ def add_rms_norm_linear_lora(x: torch.Tensor, delta: torch.Tensor, norm_weight: 
     return y, h, normed if keep_normed else x.new_empty(0)
 
 
-def _check_norm_lora(x, delta, norm_weight, weight, a, b, scale, slot, slices) -> None:
-    op = "compiled::add_rms_norm_linear_lora"
+def check_norm_lora(x, delta, norm_weight, weight, a, b, scale, slot, slices) -> None:
+    op = "compiled::add_rms_norm_linear"
     fused.check_norm(x, delta, norm_weight, weight, op)
     check_lora(op, x, weight, a, b, scale, slot, slices)
 
 
-@add_rms_norm_linear_lora.register_fake
-def _(x, delta, norm_weight, eps, weight, keep_normed, a, b, scale, slot, slices):
-    _check_norm_lora(x, delta, norm_weight, weight, a, b, scale, slot, slices)
-    return x.new_empty((x.shape[0], weight.shape[0])), torch.empty_like(x), \
-        torch.empty_like(x) if keep_normed else x.new_empty(0)
-
-
-@torch.library.custom_op("compiled::silu_mul_linear_lora", mutates_args=())
 def silu_mul_linear_lora(gate_up: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                          scale: torch.Tensor, slot: torch.Tensor, slices: list[int]) -> torch.Tensor:
     """`silu_mul_linear` plus the LoRA deltas of its input, silu(gate) * up."""
-    _check_silu_lora(gate_up, weight, a, b, scale, slot, slices)
+    check_silu_lora(gate_up, weight, a, b, scale, slot, slices)
     if _prologue_in_shrink(gate_up[:, :weight.shape[1]], weight, slices):
         from compiled.linear.lora_kernels import shrink_after_silu_triton
         from compiled.linear.skinny_kernels import silu_mul_linear_triton
@@ -150,18 +151,11 @@ def silu_mul_linear_lora(gate_up: torch.Tensor, weight: torch.Tensor, a: torch.T
     return linear_lora(fused.silu_and_mul(gate_up), weight, a, b, scale, slot, slices)
 
 
-def _check_silu_lora(gate_up, weight, a, b, scale, slot, slices) -> None:
-    fused.check_silu(gate_up, weight, "compiled::silu_mul_linear_lora")
-    check_lora("compiled::silu_mul_linear_lora", gate_up[:, :weight.shape[1]], weight, a, b, scale, slot, slices)
+def check_silu_lora(gate_up, weight, a, b, scale, slot, slices) -> None:
+    fused.check_silu(gate_up, weight, "compiled::silu_mul_linear")
+    check_lora("compiled::silu_mul_linear", gate_up[:, :weight.shape[1]], weight, a, b, scale, slot, slices)
 
 
-@silu_mul_linear_lora.register_fake
-def _(gate_up, weight, a, b, scale, slot, slices):
-    _check_silu_lora(gate_up, weight, a, b, scale, slot, slices)
-    return gate_up.new_empty((gate_up.shape[0], weight.shape[0]))
-
-
-@torch.library.custom_op("compiled::linear_lora_add_rms_norm_linear", mutates_args=())
 def linear_lora_add_rms_norm_linear(x: torch.Tensor, inp: torch.Tensor, w_in: torch.Tensor, a: torch.Tensor,
                                     b: torch.Tensor, scale: torch.Tensor, slot: torch.Tensor,
                                     norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, keep_normed: bool
@@ -170,8 +164,8 @@ def linear_lora_add_rms_norm_linear(x: torch.Tensor, inp: torch.Tensor, w_in: to
     weight, keep_normed)`: a LoRA'd linear of one slice whose output is the residual add's delta
     (o_proj before the post-attention norm and the router). Where cuBLAS runs both linears and the
     norm is a launch of its own, that launch adds the deltas (`prologue_kernels`, LORA): the
-    expand's own launch goes. Elsewhere the two ops run in turn."""
-    _check_lora_norm(x, inp, w_in, a, b, scale, slot, norm_weight, weight)
+    expand's own launch goes. Elsewhere the two run in turn."""
+    check_delta_lora(x, inp, w_in, a, b, scale, slot, norm_weight, weight)
     if _expand_in_norm(x, inp, w_in, weight):
         from compiled.linear.prologue_kernels import add_rms_norm_triton
         y_in, s = _linear_beside_shrink(inp, w_in, a, slot)
@@ -190,15 +184,9 @@ def _expand_in_norm(x: torch.Tensor, inp: torch.Tensor, w_in: torch.Tensor, weig
             and not ops.use_kernel(inp, w_in) and not ops.use_kernel(x, weight))
 
 
-def _check_lora_norm(x, inp, w_in, a, b, scale, slot, norm_weight, weight) -> None:
-    op = "compiled::linear_lora_add_rms_norm_linear"
+def check_delta_lora(x, inp, w_in, a, b, scale, slot, norm_weight, weight) -> None:
+    """The checks of `add_rms_norm_linear` whose delta is `inp`'s LoRA'd linear by w_in."""
+    op = "compiled::add_rms_norm_linear"
     check_lora(op, inp, w_in, a, b, scale, slot, [w_in.shape[0]])
     fused.check_norm(x, x.new_empty(()).expand(inp.shape[0], w_in.shape[0]), norm_weight, weight, op,
-                     delta_name="w_in's output")
-
-
-@linear_lora_add_rms_norm_linear.register_fake
-def _(x, inp, w_in, a, b, scale, slot, norm_weight, eps, weight, keep_normed):
-    _check_lora_norm(x, inp, w_in, a, b, scale, slot, norm_weight, weight)
-    return x.new_empty((x.shape[0], weight.shape[0])), torch.empty_like(x), \
-        torch.empty_like(x) if keep_normed else x.new_empty(0)
+                     delta_name="delta_weight's output")

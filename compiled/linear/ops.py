@@ -1,6 +1,7 @@
-"""`compiled::linear`: `y = x @ weight.T` (a bias-free nn.Linear), Triton's skinny GEMM for a few rows.
+"""The body of `compiled::linear` without LoRA: `y = x @ weight.T` (a bias-free nn.Linear), Triton's
+skinny GEMM for a few rows (`library.py` registers the op with its optional operands).
 
-The skinny_linear pass routes the model's bias-free linears (and the LM head) through this op.
+The skinny_linear pass routes the model's bias-free linears (and the LM head) through the op.
 Decode steps run them at M = 1..16 rows, where the skinny kernel (`skinny_kernels`) streams the
 weight in one launch; anything else (more rows, other dtypes, CPU) goes to `F.linear` (cuBLAS).
 
@@ -60,14 +61,8 @@ def use_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return lk.beats_cublas(lk.skinny_config(M, N, K, sms), N, sms)
 
 
-@torch.library.custom_op("compiled::linear", mutates_args=())
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x `[..., K]`, weight `[N, K]` -> `[..., N]` (the graph's hidden states are `[T, K]`)."""
-    return dispatch(x, weight)
-
-
 def dispatch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The op's body: the skinny kernel where `use_kernel` allows it, F.linear otherwise.
+    """x `[..., K]`, weight `[N, K]` -> `[..., N]` (the graph's hidden states are `[T, K]`): the skinny kernel where `use_kernel` allows it, F.linear otherwise.
     `out` (x `[M, K]` only): a contiguous `[M, N]` tensor the result is written to, in its dtype,
     rounded to x's dtype first (the LM head's bf16 logits into the fp32 logits buffer: the kernel
     stores them there, where a copy after F.linear was a launch of its own)."""
@@ -84,12 +79,6 @@ def dispatch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = N
     from compiled.linear.skinny_kernels import skinny_linear_triton
     y = skinny_linear_triton(x2, weight, out=out)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
-
-
-@linear.register_fake
-def _(x, weight):
-    check_shapes(x, weight)
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 class SkinnyLinear(nn.Linear):

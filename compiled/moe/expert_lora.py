@@ -1,5 +1,5 @@
-"""The fused MoE with per-(token, expert) LoRA deltas: `compiled::fused_moe_lora`, its torch reference
-and Triton path.
+"""The fused MoE with per-(token, expert) LoRA deltas: the body of `compiled::fused_moe` given its
+expert-LoRA operands (`library.py`), its torch reference and Triton path.
 
 The adapters' expert weights sit in a slot pool of S slots, ranks zero-padded to the pool's R;
 each token names its slot (`slot [T]` int32, -1: no adapter):
@@ -44,16 +44,19 @@ MoE's (`fused_moe.BACKEND`, `COMPILED_MOE_BACKEND`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
 
-from compiled.moe.fused_moe import (BACKEND, Blocks, GemmDelta, MoEWorkspace, get_config, launch_gemm1,
+from compiled.moe.fused_moe import (Blocks, GemmDelta, MoEWorkspace, get_config, launch_gemm1,
                                     launch_gemm2, moe_align_block_size, split_config, zeroed)
 from compiled.side_stream import Fork
 from compiled.triton_utils import interpreting, launch_kwargs
 
-OP = "compiled::fused_moe_lora"
+OP = "compiled::fused_moe"
+LORA_OPERANDS = ("lora_a13", "lora_b13", "lora_a2", "lora_b2", "lora_scale", "lora_slot")
 DELTA_IN_16BIT = True  # the GEMMs' delta dots on 16-bit operands (the shrink outputs rounded), else fp32 / TF32
 # Shared memory of an SM (H100, H200). The up GEMM's deltas run after its K loop; a decode-size
 # tuned config whose pipeline fills an SM runs one program there, so each program's delta loads
@@ -81,13 +84,6 @@ PAIR_SHRINK_PROGRAMS = 512
 PAIR_MIN_K_PER_SPLIT = 256
 PAIR_SHRINK_BLOCK_K = 256
 DELTA_IN_K_MIN_PAIRS = 384   # `down_delta_in_k`: 64 tokens of top-8 gained, 32 lost
-
-
-def backend(x: torch.Tensor) -> str:
-    """'triton' or 'torch': the MoE backend's choice, where 'auto' is Triton on CUDA."""
-    if BACKEND.name == "auto":
-        return "triton" if x.is_cuda else "torch"
-    return BACKEND.name
 
 
 # ----------------------------------------------------------------------------- reference
@@ -146,6 +142,19 @@ def fused_moe_lora_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
 
 
 # ----------------------------------------------------------------------------- shape checks
+
+def lora_operands(op: str, a13, b13, a2, b2, scale, slot, names: tuple[str, ...] = LORA_OPERANDS
+                  ) -> tuple | None:
+    """The expert-LoRA operands as (a13, b13, a2, b2, scale, slot), or None where none is given:
+    all or none, else a one-line error naming (by `names`, the op's) those missing."""
+    given = (a13, b13, a2, b2, scale, slot)
+    if all(t is None for t in given):
+        return None
+    missing = [name for name, t in zip(names, given) if t is None]
+    if missing:
+        raise ValueError(f"{op}: expert LoRA needs all of {', '.join(names)}; missing {', '.join(missing)}")
+    return given
+
 
 def check_shapes(x, topk_weights, topk_ids, w13, w2, a13, b13, a2, b2, scale, slot) -> None:
     """One-line errors naming the op and the argument at fault."""
@@ -307,6 +316,64 @@ def _pair_shrink(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, ids: torch
         SCALE_COL=-1 if scale is None else 2, num_warps=8, **pdl)
 
 
+@dataclass
+class _Launches:
+    """What the shrink launches of one `fused_moe_lora_triton` call share."""
+    slot: torch.Tensor
+    ids: torch.Tensor     # the routing's expert ids `[T, k]`
+    ws: MoEWorkspace
+    pdl: dict
+    block_m: int
+    slots: int            # S
+    blocks: Blocks | None = None
+
+    def block_shrink(self, src: torch.Tensor, a: torch.Tensor, dst: torch.Tensor, K: int, gather: bool) -> None:
+        """dst <- the shrink of src's rows by a, a program a (block, slot) (`moe_lora_shrink_kernel`)."""
+        from compiled.moe import expert_lora_kernels as LK
+        blocks, bm, S, numel = self.blocks, self.block_m, self.slots, self.ids.numel()
+        n_blocks = blocks.expert_ids.numel()
+        rows = n_blocks * bm
+        flags = _dot_flags(src.dtype)
+        bk, stages = shrink_tiles(bm, K)
+        NR = a.shape[2]
+        split, sems, partials = _split_scratch(shrink_split(numel, K, bk), dst, n_blocks * S, rows * NR, self.ws,
+                                               "lora_shrink_semaphores", "lora_split")
+        k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
+        LK.moe_lora_shrink_kernel[(n_blocks, S * split)](
+            src, a, dst, self.slot, blocks.sorted_ids, blocks.expert_ids, blocks.num_post, numel, S, NR, K,
+            src.stride(0), a.stride(0), a.stride(1), a.stride(2), dst.stride(0), partials, sems, rows, k_per_split,
+            TOP_K=self.ids.shape[1], GATHER=gather, PRECISION=flags["PRECISION"], DOT_FP32=flags["DOT_FP32"],
+            BLOCK_M=bm, BLOCK_N=max(16, triton.next_power_of_2(NR)), BLOCK_K=bk, EVEN_K=K % bk == 0, SPLIT_K=split,
+            num_warps=4, num_stages=stages, **self.pdl)
+
+    def down_delta(self, inter: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor, scale: torch.Tensor,
+                   consts: dict, down: dict) -> GemmDelta:
+        """The down GEMM's delta: the shrink of the intermediate `[rows, I]` by a2, then b2 in the GEMM."""
+        numel, R, rows = self.ids.numel(), a2.shape[2], inter.shape[0]
+        in_k = down_delta_in_k(numel, self.block_m, down, consts["SLOTS_PAD"], consts["BLOCK_R"])
+        if in_k:   # scaled, in x's dtype: the down GEMM's last K steps read them as its own operands
+            s2 = self.ws.get("lora_s2_scaled", rows * R, inter.dtype, inter.device).view(rows, R)
+        else:
+            s2 = self.ws.get("lora_s2", rows * R, torch.float32, inter.device).view(rows, R)
+        if numel <= PAIR_SHRINK_MAX_PAIRS:
+            _pair_shrink(inter, a2, s2, self.ids, self.slot, self.ws, self.pdl, self.blocks, self.block_m,
+                         scale if in_k else None)
+        else:
+            self.block_shrink(inter, a2, s2, inter.shape[1], False)
+        return GemmDelta(s2, b2, scale, self.slot, consts, in_k=in_k)
+
+
+def _lora_configs(T: int, E: int, I: int, x: torch.Tensor, config: dict | None) -> tuple[dict, dict]:
+    """(up, down) GEMM configs: `config`'s, else the base MoE's tuned entry, its up GEMM fitted to the deltas."""
+    if config is not None:
+        return split_config(config)
+    up, down = split_config(get_config(T, E, I, x.dtype, x.device))
+    up = lora_up_config(up, x.element_size())
+    if x.element_size() > 2:   # 4-byte tiles: the stages plus the delta operands overflow shared memory
+        up, down = (dict(c, num_stages=min(c["num_stages"], FP32_MAX_STAGES)) for c in (up, down))
+    return up, down
+
+
 def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                           w2: torch.Tensor, a13: torch.Tensor, b13: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor,
                           scale: torch.Tensor, slot: torch.Tensor, config: dict | None = None,
@@ -316,7 +383,6 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     through `lora_up_config`): the base grouped GEMMs with the deltas in their epilogues, after
     the shrinks. `sum_slots=False` (top-k > 1): the weighted
     expert outputs `[T*k, H]` unsummed, as `fused_moe_triton`'s, for the norm's kernel to sum."""
-    from compiled.moe import expert_lora_kernels as LK
     from compiled.moe import fused_moe_kernels as K
     T, H = x.shape
     E, I = w13.shape[0], w2.shape[2]
@@ -329,17 +395,10 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         return out if sum_slots else x.new_empty((0, H))
     x, w13, w2, a13, b13, a2, b2 = (t.contiguous() for t in (x, w13, w2, a13, b13, a2, b2))
     weights, ids, scale = topk_weights.contiguous().reshape(-1), topk_ids.contiguous(), scale.contiguous()
-    if config is None:   # the base MoE's tuned entry, its up GEMM fitted to the deltas
-        up, down = split_config(get_config(T, E, I, x.dtype, x.device))
-        up = lora_up_config(up, x.element_size())
-        if x.element_size() > 2:   # 4-byte tiles: the stages plus the delta operands overflow shared memory
-            up, down = (dict(c, num_stages=min(c["num_stages"], FP32_MAX_STAGES)) for c in (up, down))
-    else:
-        up, down = split_config(config)
+    up, down = _lora_configs(T, E, I, x, config)
     bm = up["BLOCK_SIZE_M"]
-    ws = workspace or MoEWorkspace()
-    numel = ids.numel()
-    pdl = launch_kwargs(x.device)
+    call = _Launches(slot, ids, workspace or MoEWorkspace(), launch_kwargs(x.device), bm, S)
+    ws, numel, pdl = call.ws, ids.numel(), call.pdl
     has_delta = bool(S and R)
     fork = None
     if has_delta and numel <= PAIR_SHRINK_MAX_PAIRS:
@@ -347,47 +406,21 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         fork = Fork(x.device)
         with fork.side():
             _pair_shrink(x, a13, s13, ids, slot, ws, pdl)
-    blocks = moe_align_block_size(ids, E, bm, ws)
-    n_blocks = blocks.expert_ids.numel()
-    rows = n_blocks * bm
+    blocks = call.blocks = moe_align_block_size(ids, E, bm, ws)
+    rows = blocks.expert_ids.numel() * bm
     inter = ws.get("inter", rows * I, x.dtype, x.device).view(rows, I)
     y = out if top_k == 1 else ws.get("y", numel * H, x.dtype, x.device).view(numel, H)
-    flags = _dot_flags(x.dtype)
-
-    def shrink(src, a, dst, K, gather):
-        bk, stages = shrink_tiles(bm, K)
-        NR = a.shape[2]
-        split, sems, partials = _split_scratch(shrink_split(numel, K, bk), dst, n_blocks * S, rows * NR, ws,
-                                               "lora_shrink_semaphores", "lora_split")
-        k_per_split = triton.cdiv(triton.cdiv(K, split), bk) * bk
-        LK.moe_lora_shrink_kernel[(n_blocks, S * split)](
-            src, a, dst, slot, blocks.sorted_ids, blocks.expert_ids, blocks.num_post, numel, S, NR, K,
-            src.stride(0), a.stride(0), a.stride(1), a.stride(2), dst.stride(0), partials, sems, rows, k_per_split,
-            TOP_K=top_k, GATHER=gather, PRECISION=flags["PRECISION"], DOT_FP32=flags["DOT_FP32"], BLOCK_M=bm,
-            BLOCK_N=max(16, triton.next_power_of_2(NR)), BLOCK_K=bk, EVEN_K=K % bk == 0, SPLIT_K=split,
-            num_warps=4, num_stages=stages, **pdl)
-
     consts = delta_consts(x.dtype, S, R, bm)
-    delta13 = delta2 = None
+    delta13 = None
     if fork is not None:
         fork.join()
         delta13 = GemmDelta(s13, b13, scale, slot, consts, by_pair=True)
     elif has_delta:
         s13 = ws.get("lora_s13", rows * 2 * R, torch.float32, x.device).view(rows, 2 * R)
-        shrink(x, a13, s13, H, True)
+        call.block_shrink(x, a13, s13, H, True)
         delta13 = GemmDelta(s13, b13, scale, slot, consts)
     launch_gemm1(x, w13, inter, blocks, top_k, up, delta13)
-    if has_delta:
-        in_k = down_delta_in_k(numel, bm, down, consts["SLOTS_PAD"], consts["BLOCK_R"])
-        if in_k:   # scaled, in x's dtype: the down GEMM's last K steps read them as its own operands
-            s2 = ws.get("lora_s2_scaled", rows * R, x.dtype, x.device).view(rows, R)
-        else:
-            s2 = ws.get("lora_s2", rows * R, torch.float32, x.device).view(rows, R)
-        if numel <= PAIR_SHRINK_MAX_PAIRS:
-            _pair_shrink(inter, a2, s2, ids, slot, ws, pdl, blocks, bm, scale if in_k else None)
-        else:
-            shrink(inter, a2, s2, I, False)
-        delta2 = GemmDelta(s2, b2, scale, slot, consts, in_k=in_k)
+    delta2 = call.down_delta(inter, a2, b2, scale, consts, down) if has_delta else None
     launch_gemm2(inter, w2, y, weights, blocks, down, top_k, delta2)
     if not sum_slots:
         return y
@@ -395,22 +428,3 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         bh = min(1024, triton.next_power_of_2(H))
         K.moe_sum_kernel[(T, triton.cdiv(H, bh))](y, out, H, TOP_K=top_k, BLOCK_H=bh, num_warps=4, **pdl)
     return out
-
-
-# ----------------------------------------------------------------------------- the op
-
-@torch.library.custom_op(OP, mutates_args=())
-def fused_moe_lora(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
-                   w2: torch.Tensor, a13: torch.Tensor, b13: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor,
-                   scale: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-    """`compiled::fused_moe` with each pair's gate, up and down LoRA deltas (slot -1: none) -> `[T, H]`."""
-    check_shapes(x, topk_weights, topk_ids, w13, w2, a13, b13, a2, b2, scale, slot)
-    if backend(x) == "triton":
-        return fused_moe_lora_triton(x, topk_weights, topk_ids, w13, w2, a13, b13, a2, b2, scale, slot)
-    return fused_moe_lora_ref(x, topk_weights, topk_ids, w13, w2, a13, b13, a2, b2, scale, slot)
-
-
-@fused_moe_lora.register_fake
-def _(x, topk_weights, topk_ids, w13, w2, a13, b13, a2, b2, scale, slot):
-    check_shapes(x, topk_weights, topk_ids, w13, w2, a13, b13, a2, b2, scale, slot)
-    return torch.empty_like(x)

@@ -1,4 +1,5 @@
-"""Fused MoE over stacked expert weights: `compiled::fused_moe`, its torch reference and Triton path.
+"""Fused MoE over stacked expert weights: the body of `compiled::fused_moe` without expert LoRA, its
+torch reference and Triton path (`library.py` registers the op).
 
 Weights are stacked by the graph pass: `w13 [E, 2I, H]` (gate rows first, then up) and
 `w2 [E, H, I]`. The op takes the routing (`compiled::topk_route`'s fp32 weights and int64 ids) and
@@ -547,7 +548,7 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     return out
 
 
-# ----------------------------------------------------------------------------- the op
+# ----------------------------------------------------------------------------- the backend
 
 BACKEND = BackendChoice("COMPILED_MOE_BACKEND")
 
@@ -557,16 +558,3 @@ def backend(x: torch.Tensor) -> str:
     if BACKEND.name == "auto":
         return "triton" if x.is_cuda else "torch"
     return BACKEND.name
-
-
-@torch.library.custom_op("compiled::fused_moe", mutates_args=())
-def fused_moe(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    if backend(x) == "triton":
-        return fused_moe_triton(x, topk_weights, topk_ids, w13, w2)
-    return fused_moe_ref(x, topk_weights, topk_ids, w13, w2)
-
-
-@fused_moe.register_fake
-def _(x, topk_weights, topk_ids, w13, w2):
-    return torch.empty_like(x)

@@ -15,6 +15,7 @@ import torch
 from torch import fx
 
 from compiled.graphs.weights import WeightMap
+from compiled.passes.calls import getitem_index, operands
 
 
 @dataclass
@@ -54,7 +55,7 @@ class GraphPass:
 @functools.lru_cache(maxsize=None)
 def _source_hash(module: str) -> str:
     digest = hashlib.sha256()
-    for name in (module, __name__, "compiled.passes.linear_fusion"):
+    for name in (module, __name__, "compiled.passes.calls", "compiled.passes.linear_fusion"):
         digest.update(inspect.getsource(importlib.import_module(name)).encode())
     return digest.hexdigest()[:16]
 
@@ -83,27 +84,10 @@ def is_op(node: fx.Node, op) -> bool:
     return node.op == "call_function" and node.target in (op, getattr(op, "default", None))
 
 
-def linear_args(node: fx.Node) -> tuple[object, object] | None:
-    """(x, weight) if `node` is a plain `compiled::linear(x, weight)` call (what skinny_linear
-    leaves), else None: the anchor the fused-linear passes match from."""
-    if not is_op(node, torch.ops.compiled.linear) or node.kwargs or len(node.args) != 2:
-        return None
-    return node.args[0], node.args[1]
-
-
-def linear_and_lora(node: fx.Node) -> tuple[tuple, tuple] | None:
-    """((x, weight), the LoRA arguments after them) of a plain `compiled::linear` (no LoRA: ()) or
-    a `compiled::linear_lora` (from fuse_lora_linear), else None: what the prologue fusions match."""
-    if is_op(node, torch.ops.compiled.linear_lora) and not node.kwargs:
-        return tuple(node.args[:2]), tuple(node.args[2:])
-    args = linear_args(node)
-    return None if args is None else (args, ())
-
-
 def is_getitem(node, index: int) -> bool:
     """Whether `node` is `source[index]` (one output of a node returning a tuple)."""
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem \
-        and node.args[1] == index
+        and getitem_index(node) == index
 
 
 def is_module(gm: fx.GraphModule, node: fx.Node, kind: type) -> bool:
@@ -123,7 +107,7 @@ def note_params(record: PassRecord, created: dict[str, torch.Tensor], removed: d
 
 def is_add(node) -> bool:
     """Whether `node` is `a + b` of two graph values (a residual add)."""
-    return is_call(node, operator.add, 2) and all(isinstance(a, fx.Node) for a in node.args)
+    return is_call(node, operator.add, 2) and all(isinstance(a, fx.Node) for a in operands(node))
 
 
 def match_rms_norm(node) -> tuple[fx.Node, fx.Node, float] | None:
@@ -131,31 +115,32 @@ def match_rms_norm(node) -> tuple[fx.Node, fx.Node, float] | None:
     weight * (h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) with h = x.float()."""
     if not is_call(node, operator.mul, 2):
         return None
-    weight, cast = node.args
+    weight, cast = operands(node)
     if not (isinstance(weight, fx.Node) and weight.op == "get_attr" and is_method(cast, "type_as", 2)):
         return None
-    scaled, x = cast.args
+    scaled, x = operands(cast)
     if not is_call(scaled, operator.mul, 2):
         return None
-    h, rsqrt = scaled.args
-    if not (is_method(h, "float", 1) and h.args[0] is x and is_call(rsqrt, torch.rsqrt, 1)):
+    h, rsqrt = operands(scaled)
+    if not (is_method(h, "float", 1) and operands(h) == (x,) and is_call(rsqrt, torch.rsqrt, 1)):
         return None
-    add = rsqrt.args[0]
-    if not is_call(add, operator.add, 2) or not isinstance(add.args[1], float):
+    (add,) = operands(rsqrt)
+    if not is_call(add, operator.add, 2) or not isinstance(operands(add)[1], float):
         return None
-    mean = add.args[0]
-    if not (is_method(mean, "mean", 2) and mean.args[1] == -1 and mean.kwargs == {"keepdim": True}):
+    mean, eps = operands(add)
+    if not (is_method(mean, "mean", 2) and operands(mean)[1] == -1 and mean.kwargs == {"keepdim": True}):
         return None
-    square = mean.args[0]
-    if not (is_method(square, "pow", 2) and square.args == (h, 2)):
+    square = operands(mean)[0]
+    if not (is_method(square, "pow", 2) and operands(square) == (h, 2)):
         return None
-    return x, weight, add.args[1]
+    return x, weight, eps
 
 
 def is_call(node, target, nargs: int) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target is target \
-        and len(node.args) == nargs
+        and len(operands(node)) == nargs
 
 
 def is_method(node, name: str, nargs: int) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_method" and node.target == name and len(node.args) == nargs
+    return isinstance(node, fx.Node) and node.op == "call_method" and node.target == name \
+        and len(operands(node)) == nargs

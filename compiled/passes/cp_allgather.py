@@ -2,7 +2,7 @@
 of the step's tokens (`compiled/parallel/zigzag.py`) through every layer.
 
     attention(q, k, v, ...)  ->  k_full, v_full = cp_allgather(cat([k, v], 1)).chunk(2, 1)   # one collective
-                                 attention(q, k, v, ..., k_full=k_full, v_full=v_full)
+                                 attention(q, k, v, ..., k_full, v_full)
     return hidden            ->  return cp_allgather(hidden)
 
 Every attention stores the K/V of all the step's tokens (every rank keeps the whole KV cache) and
@@ -22,25 +22,29 @@ import compiled.attention.ops  # noqa: F401  (registers compiled::attention)
 import compiled.parallel.ops  # noqa: F401  (registers compiled::cp_allgather)
 from compiled.graphs.weights import WeightMap
 from compiled.passes.base import GraphPass, PassRecord, is_op
+from compiled.passes.calls import call_args, output_value, update_call
 
 
 def cp_allgather(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
     graph = gm.graph
     gather = torch.ops.compiled.cp_allgather.default
     for node in list(graph.nodes):
-        if not is_op(node, torch.ops.compiled.attention) or "k_full" in node.kwargs:
+        if not is_op(node, torch.ops.compiled.attention):
             continue
-        k, v = node.args[1], node.args[2]
+        attention = call_args(node)
+        if attention["k_full"] is not None:
+            continue
+        k, v = attention["k"], attention["v"]
         with graph.inserting_before(node):
             kv = graph.call_function(torch.ops.aten.cat.default, ([k, v], 1))
             halves = graph.call_function(torch.ops.aten.chunk.default, (graph.call_function(gather, (kv,)), 2, 1))
             k_full = graph.call_function(operator.getitem, (halves, 0))   # K and V have the same heads
             v_full = graph.call_function(operator.getitem, (halves, 1))
-        node.kwargs = {**node.kwargs, "k_full": k_full, "v_full": v_full}
+        update_call(node, k_full=k_full, v_full=v_full)
         record.rewrites += 1
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    output, value = output_value(graph)
     with graph.inserting_before(output):
-        hidden = graph.call_function(gather, (output.args[0],))
+        hidden = graph.call_function(gather, (value,))
     output.args = (hidden,)
     record.rewrites += 1
 

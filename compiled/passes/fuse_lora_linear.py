@@ -1,55 +1,51 @@
-"""fuse_lora_linear: a linear and the LoRA shrink and expand of its delta become one op.
+"""fuse_lora_linear: a linear and the LoRA shrink and expand of its delta become one op, the
+linear's with its LoRA operands set.
 
     y = lora_expand(linear(x, W), lora_shrink(x, A, slot), B, scale, slot, slices)
-        ->  y = linear_lora(x, W, A, B, scale, slot, slices)
+        ->  y = linear(x, W, lora_a=A, lora_b=B, lora_scale=scale, lora_slot=slot, lora_slices=slices)
 
 At decode sizes the skinny GEMM adds the deltas in its epilogue, after the shrink's launch, which
 at a few rows is a short GEMV (compiled/linear/lora_linear.py); elsewhere the op runs the three
-as before. Runs after lora_delta, which makes the triples; fuse_norm_linear and fuse_silu_linear
-then fold a residual add + RMSNorm or a SiLU-and-mul in front into the op. Left alone: a linear reading the RMSNorm
-of a MoE layer's output added to the residual (the 30B's qkv), which fuse_moe_norm folds, expert
-sum included, into one op and fuse_moe_norm_lora then its shrink and expand, and a linear or
-shrink with other readers."""
+as before. Runs after lora_delta, which makes the triples; the fusions after it carry the LoRA
+operands into the ops they build: fuse_norm_linear and fuse_silu_linear fold a residual add +
+RMSNorm or a SiLU-and-mul in front into the op (and a one-slice LoRA'd o_proj into the
+post-attention norm's op), fuse_moe_norm a MoE layer's experts (the next layer's qkv). A linear or
+shrink with other readers is left alone."""
 
 from __future__ import annotations
 
 import torch
 from torch import fx
 
-import compiled.linear.lora_linear  # noqa: F401  (registers compiled::linear_lora)
-import compiled.moe.expert_lora  # noqa: F401  (registers compiled::fused_moe_lora)
+import compiled.linear.library  # noqa: F401  (registers compiled::linear)
 from compiled.graphs.weights import WeightMap
-from compiled.passes.base import GraphPass, PassRecord, is_add, is_op, linear_args, match_rms_norm
+from compiled.passes.base import GraphPass, PassRecord, is_op
+from compiled.passes.calls import build_call, call_args
 
 
 def fuse_lora_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
     for node in list(gm.graph.nodes):
         if not is_op(node, torch.ops.compiled.lora_expand):
             continue
-        y, s, *rest = node.args
-        if not isinstance(y, fx.Node) or linear_args(y) is None or len(y.users) != 1:
+        expand = call_args(node)
+        y, s = expand["y"], expand["s"]
+        if not (isinstance(y, fx.Node) and is_op(y, torch.ops.compiled.linear) and len(y.users) == 1):
             continue
-        x, weight = linear_args(y)
-        if not (is_op(s, torch.ops.compiled.lora_shrink) and s.args[0] is x and len(s.users) == 1):
+        linear = call_args(y)
+        if linear["lora_a"] is not None or not is_op(s, torch.ops.compiled.lora_shrink) or len(s.users) != 1:
             continue
-        if _after_moe(x):
+        shrink = call_args(s)
+        if shrink["x"] is not linear["x"] or shrink["slot"] is not expand["slot"]:
             continue
+        lora = dict(lora_a=shrink["a"], lora_b=expand["b"], lora_scale=expand["scale"], lora_slot=expand["slot"],
+                    lora_slices=expand["slices"])
         with gm.graph.inserting_before(node):
-            fused = gm.graph.call_function(torch.ops.compiled.linear_lora.default, (x, weight, s.args[1], *rest))
+            fused = build_call(gm.graph, torch.ops.compiled.linear, **{**linear, **lora})
         fused.meta = node.meta.copy()
         node.replace_all_uses_with(fused)
         for dead in (node, y, s):
             gm.graph.erase_node(dead)
         record.rewrites += 1
-
-
-def _after_moe(x) -> bool:
-    """Whether x is the RMSNorm of a residual add of a MoE layer's output."""
-    norm = match_rms_norm(x)
-    if norm is None or not is_add(norm[0]):
-        return False
-    return any(is_op(a, torch.ops.compiled.fused_moe) or is_op(a, torch.ops.compiled.fused_moe_lora)
-               for a in norm[0].args)
 
 
 PASS = GraphPass("fuse_lora_linear", fuse_lora_linear, after=("skinny_linear", "lora_delta"))

@@ -4,9 +4,10 @@
         -> y, h, normed = moe_add_rms_norm_linear(x, moe_x, weights, ids, w13, w2, ...)
 
 The op sums each token's k expert outputs inside the norm's kernel (compiled/fusions/moe_norm_linear.py).
-A MoE with expert LoRA (`fused_moe_lora`, from lora_delta) goes in with its LoRA tensors.
-Runs after fuse_w13 and fuse_norm_linear, whose ops it matches; a MoE output with other readers
-(the last layer's, which goes to the final norm) is left alone."""
+The experts' LoRA operands (from lora_delta) go in as the op's `moe_lora_*`, the linear's (the
+next layer's qkv, from fuse_lora_linear) as its `lora_*`: the norm's kernel then also runs the
+qkv's shrink. Runs after fuse_w13 and fuse_norm_linear, whose ops it matches; a MoE output with
+other readers (the last layer's, which goes to the final norm) is left alone."""
 
 from __future__ import annotations
 
@@ -16,24 +17,30 @@ from torch import fx
 import compiled.fusions.moe_norm_linear  # noqa: F401  (registers compiled::moe_add_rms_norm_linear)
 from compiled.graphs.weights import WeightMap
 from compiled.passes.base import GraphPass, PassRecord, is_op
+from compiled.passes.calls import build_call, call_args
+
+EXPERT_LORA = ("lora_a13", "lora_b13", "lora_a2", "lora_b2", "lora_scale")   # fused_moe's, besides lora_slot
 
 
 def fuse_moe_norm(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
     graph = gm.graph
     for node in list(graph.nodes):
-        if not is_op(node, torch.ops.compiled.add_rms_norm_linear) or node.kwargs:
+        if not is_op(node, torch.ops.compiled.add_rms_norm_linear):
             continue
-        x, moe, *rest = node.args
-        if not (isinstance(moe, fx.Node) and len(moe.users) == 1 and not moe.kwargs):
+        norm = call_args(node)
+        moe = norm.pop("delta")
+        if norm["delta_weight"] is not None or not (isinstance(moe, fx.Node) and len(moe.users) == 1
+                                                    and is_op(moe, torch.ops.compiled.fused_moe)):
             continue
-        if is_op(moe, torch.ops.compiled.fused_moe):
-            args = (x, *moe.args, *rest)
-        elif is_op(moe, torch.ops.compiled.fused_moe_lora):
-            args = (x, *moe.args[:5], *rest, *moe.args[5:])
-        else:
-            continue
+        experts = call_args(moe)
+        slot = experts.pop("lora_slot")
+        if slot is not None and norm["lora_slot"] not in (None, slot):
+            continue   # one slot operand serves both LoRAs
+        values = {k: v for k, v in norm.items() if not k.startswith("delta_")}
+        values.update(moe_x=experts.pop("x"), lora_slot=slot if norm["lora_slot"] is None else norm["lora_slot"],
+                      **{f"moe_{k}": experts.pop(k) for k in EXPERT_LORA}, **experts)
         with graph.inserting_before(node):
-            fused = graph.call_function(torch.ops.compiled.moe_add_rms_norm_linear.default, args)
+            fused = build_call(graph, torch.ops.compiled.moe_add_rms_norm_linear, **values)
         fused.meta = node.meta.copy()
         node.replace_all_uses_with(fused)
         graph.erase_node(node)

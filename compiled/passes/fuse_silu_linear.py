@@ -3,34 +3,31 @@
     y = linear(silu_and_mul(gate_up), W)  ->  y = silu_mul_linear(gate_up, W)
 
 At decode sizes, where the skinny GEMM serves the down projection, it computes silu(gate) * up in
-its prologue and the activation's own launch goes (compiled/linear/fused.py). A `linear_lora`
-(from fuse_lora_linear) becomes `silu_mul_linear_lora`. Runs after
-silu_and_mul and skinny_linear, whose ops it matches; an activation with other readers is left
-alone."""
+its prologue and the activation's own launch goes (compiled/linear/fused.py). A linear with LoRA
+operands (from fuse_lora_linear) keeps them. Runs after silu_and_mul and skinny_linear, whose ops
+it matches; an activation with other readers is left alone."""
 
 from __future__ import annotations
 
 import torch
 from torch import fx
 
-import compiled.linear.fused  # noqa: F401  (registers compiled::silu_mul_linear)
-import compiled.linear.lora_linear  # noqa: F401  (registers compiled::silu_mul_linear_lora)
+import compiled.linear.library  # noqa: F401  (registers compiled::silu_mul_linear)
 from compiled.graphs.weights import WeightMap
-from compiled.passes.base import GraphPass, PassRecord, is_op, linear_and_lora
+from compiled.passes.base import GraphPass, PassRecord, is_op
+from compiled.passes.calls import build_call, call_args
 
 
 def fuse_silu_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
     for node in list(gm.graph.nodes):
-        args = linear_and_lora(node)
-        if args is None:
+        if not is_op(node, torch.ops.compiled.linear):
             continue
-        (act, weight), lora = args
-        if not (isinstance(act, fx.Node) and is_op(act, torch.ops.compiled.silu_and_mul)
-                and len(act.users) == 1 and len(act.args) == 1):
+        linear = call_args(node)
+        act = linear.pop("x")
+        if not (isinstance(act, fx.Node) and is_op(act, torch.ops.compiled.silu_and_mul) and len(act.users) == 1):
             continue
-        op = torch.ops.compiled.silu_mul_linear_lora if lora else torch.ops.compiled.silu_mul_linear
         with gm.graph.inserting_before(node):
-            fused = gm.graph.call_function(op.default, (act.args[0], weight, *lora))
+            fused = build_call(gm.graph, torch.ops.compiled.silu_mul_linear, gate_up=call_args(act)["x"], **linear)
         fused.meta = node.meta.copy()
         node.replace_all_uses_with(fused)
         gm.graph.erase_node(node)

@@ -6,8 +6,9 @@ import torch
 from torch import fx, nn
 
 import compiled.moe.experts  # noqa: F401  (registers compiled::moe_experts)
-import compiled.moe.fused_moe  # noqa: F401  (registers compiled::fused_moe)
+import compiled.moe.library  # noqa: F401  (registers compiled::fused_moe)
 from compiled.passes.base import GraphPass, PassRecord, is_op, note_params
+from compiled.passes.calls import build_call, call_args
 from compiled.passes.linear_fusion import fuse_sibling_linears
 from compiled.graphs.weights import WeightMap
 
@@ -22,7 +23,8 @@ def fuse_w13(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None
 
 
 def _stack_experts(gm: fx.GraphModule, weights: WeightMap, record: PassRecord, node: fx.Node) -> None:
-    x, topk_weights, topk_ids, gate, up, down = node.args
+    experts = call_args(node)
+    gate, up, down = experts["gate"], experts["up"], experts["down"]
     if not all(isinstance(a, fx.Node) and a.op == "get_attr" for a in (gate, up, down)):
         return
     owner = gate.target.rpartition(".experts.")[0]          # e.g. model.layers.3.mlp
@@ -40,8 +42,8 @@ def _stack_experts(gm: fx.GraphModule, weights: WeightMap, record: PassRecord, n
     with gm.graph.inserting_before(node):
         w13_node = gm.graph.get_attr(f"{owner}.w13")
         w2_node = gm.graph.get_attr(f"{owner}.w2")
-        fused = gm.graph.call_function(torch.ops.compiled.fused_moe.default,
-                                       (x, topk_weights, topk_ids, w13_node, w2_node))
+        fused = build_call(gm.graph, torch.ops.compiled.fused_moe, x=experts["x"], topk_weights=experts["topk_weights"],
+                           topk_ids=experts["topk_ids"], w13=w13_node, w2=w2_node)
     node.replace_all_uses_with(fused)
     gm.graph.erase_node(node)
     for attr in (gate, up, down):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from compiled.passes.base import is_op
+from compiled.passes.calls import call_args
 
 
 def inline_references(graph: fx.GraphModule) -> None:
@@ -22,7 +23,7 @@ def inline_references(graph: fx.GraphModule) -> None:
         if not is_op(node, torch.ops.compiled.silu_and_mul):
             continue
         with graph.graph.inserting_before(node):
-            halves = graph.graph.call_function(torch.chunk, (node.args[0], 2, -1))
+            halves = graph.graph.call_function(torch.chunk, (call_args(node)["x"], 2, -1))
             gate = graph.graph.call_function(operator.getitem, (halves, 0))
             up = graph.graph.call_function(operator.getitem, (halves, 1))
             act = graph.graph.call_function(F.silu, (gate,))

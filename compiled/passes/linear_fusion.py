@@ -8,6 +8,7 @@ import torch
 from torch import fx, nn
 
 from compiled.passes.base import PassRecord, is_module, note_params
+from compiled.passes.calls import operands
 from compiled.graphs.weights import WeightMap
 
 
@@ -21,7 +22,7 @@ def fuse_sibling_linears(gm: fx.GraphModule, weights: WeightMap, record: PassRec
             continue
         prefix, _, leaf = node.target.rpartition(".")
         if leaf in members:
-            by_input.setdefault((node.args[0], prefix), {})[leaf] = node
+            by_input.setdefault((operands(node)[0], prefix), {})[leaf] = node
     for (x, prefix), found in by_input.items():
         if set(found) != set(members):
             continue

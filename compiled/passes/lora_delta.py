@@ -3,8 +3,9 @@
     y = linear(x, W)  ->  y = lora_expand(linear(x, W), lora_shrink(x, A, slot), B, scale, slot, slices)
 
 One shrink reads the (fused) input once for all N slices of the projection (qkv: 3, w13: 2,
-o / down: 1) and one expand adds each slice's delta. A MoE layer's `fused_moe` becomes
-`fused_moe_lora`, which adds the delta of each token's adapter for each (token, expert) pair.
+o / down: 1) and one expand adds each slice's delta. A MoE layer's `fused_moe` gets its expert-LoRA
+operands (`lora_a13` ... `lora_slot`): it adds the delta of each token's adapter for each (token,
+expert) pair.
 `slot` (`[T]`: the adapter slot of each token, -1 for none) is read once per forward.
 
 The adapters' weights live in buffers this pass registers beside each projection's weight
@@ -24,9 +25,11 @@ from torch import fx, nn
 
 import compiled.linear.lora  # noqa: F401  (registers compiled::lora_shrink / lora_expand)
 import compiled.linear.lora_slots  # noqa: F401  (registers compiled::lora_token_slots)
-import compiled.moe.expert_lora  # noqa: F401  (registers compiled::fused_moe_lora)
+import compiled.linear.library  # noqa: F401  (registers compiled::linear)
+import compiled.moe.library  # noqa: F401  (registers compiled::fused_moe)
 from compiled.graphs.weights import WeightMap
 from compiled.passes.base import GraphPass, PassRecord, is_module, is_op
+from compiled.passes.calls import build_call, call_args, operands, update_call
 
 # Projection module (relative to a decoder layer) -> the checkpoint projections it computes.
 DENSE_TARGETS: dict[str, tuple[str, ...]] = {
@@ -52,7 +55,7 @@ def lora_delta_pass(max_loras: int, max_rank: int) -> GraphPass:
     def lora_delta(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
         slot = _slot_node(gm)
         for node in list(gm.graph.nodes):
-            if node.op == "call_function" and is_op(node, torch.ops.compiled.fused_moe):
+            if is_op(node, torch.ops.compiled.fused_moe) and call_args(node)["lora_a13"] is None:
                 _expert_delta(gm, node, slot, max_loras, max_rank)
                 record.rewrites += 1
             elif (found := _linear(gm, node)) is not None and dense_target(found[1]) is not None:
@@ -71,10 +74,12 @@ def _slot_node(gm: fx.GraphModule) -> fx.Node:
 
 def _linear(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, str] | None:
     """(input, owner module path) of a bias-free linear call, either form."""
-    if is_op(node, torch.ops.compiled.linear) and len(node.args) == 2 and node.args[1].op == "get_attr":
-        return node.args[0], node.args[1].target.removesuffix(".weight")
-    if is_module(gm, node, nn.Linear) and len(node.args) == 1 and gm.get_submodule(node.target).bias is None:
-        return node.args[0], node.target
+    if is_op(node, torch.ops.compiled.linear):
+        linear = call_args(node)
+        if linear["lora_a"] is None and linear["weight"].op == "get_attr":
+            return linear["x"], linear["weight"].target.removesuffix(".weight")
+    elif is_module(gm, node, nn.Linear) and len(operands(node)) == 1 and gm.get_submodule(node.target).bias is None:
+        return operands(node)[0], node.target
     return None
 
 
@@ -95,14 +100,14 @@ def _dense_delta(gm: fx.GraphModule, node: fx.Node, found: tuple[fx.Node, str], 
     graph = gm.graph
     with graph.inserting_before(node.next):   # inserting_after would stack the new nodes in reverse
         a, b, scale = (graph.get_attr(f"{owner}.{n}") for n in ("lora_a", "lora_b", "lora_scale"))
-        shrunk = graph.call_function(torch.ops.compiled.lora_shrink.default, (x, a, slot))
-        expanded = graph.call_function(torch.ops.compiled.lora_expand.default, (node, shrunk, b, scale, slot, slices))
+        shrunk = build_call(graph, torch.ops.compiled.lora_shrink, x=x, a=a, slot=slot)
+        expanded = build_call(graph, torch.ops.compiled.lora_expand, y=node, s=shrunk, b=b, scale=scale, slot=slot,
+                              slices=slices)
     node.replace_all_uses_with(expanded, delete_user_cb=lambda user: user is not expanded)
 
 
 def _expert_delta(gm: fx.GraphModule, node: fx.Node, slot: fx.Node, S: int, R: int) -> None:
-    x, topk_weights, topk_ids, w13_node, w2_node = node.args
-    owner = w13_node.target.removesuffix(".w13")
+    owner = call_args(node)["w13"].target.removesuffix(".w13")
     module = gm.get_submodule(owner)
     w13, w2 = module.w13, module.w2
     E, I2, H = w13.shape
@@ -111,13 +116,9 @@ def _expert_delta(gm: fx.GraphModule, node: fx.Node, slot: fx.Node, S: int, R: i
         _buffer(module, name, shape, w13.dtype, w13.device)
     _buffer(module, "lora_scale", (S, 3), torch.float32, w13.device)
     graph = gm.graph
-    with graph.inserting_before(node):
-        bufs = [graph.get_attr(f"{owner}.{n}") for n in ("lora_a13", "lora_b13", "lora_a2", "lora_b2", "lora_scale")]
-        fused = graph.call_function(torch.ops.compiled.fused_moe_lora.default,
-                                    (x, topk_weights, topk_ids, w13_node, w2_node, *bufs, slot))
-    fused.meta = node.meta.copy()
-    node.replace_all_uses_with(fused)
-    graph.erase_node(node)
+    names = ("lora_a13", "lora_b13", "lora_a2", "lora_b2", "lora_scale")
+    with graph.inserting_before(node):   # the buffers' names are the op's operands'
+        update_call(node, lora_slot=slot, **{n: graph.get_attr(f"{owner}.{n}") for n in names})
 
 
 # The pass by name, for pass lists (one slot of rank 1): the engine builds its own from its config.

@@ -11,21 +11,19 @@ from torch import fx
 from compiled.errors import CompiledError
 from compiled.graphs.trace import example_inputs
 from compiled.passes.base import GraphPass, PassRecord, sweep_dead_nodes
-from compiled.passes import (cp_allgather, fuse_lora_linear, fuse_lora_norm, fuse_moe_norm, fuse_moe_norm_lora,
-                             fuse_norm_linear, fuse_qk_norm_rope, fuse_qkv, fuse_silu_linear, fuse_w13, lora_delta,
-                             silu_and_mul, skinny_linear)
+from compiled.passes import (cp_allgather, fuse_lora_linear, fuse_moe_norm, fuse_norm_linear, fuse_qk_norm_rope,
+                             fuse_qkv, fuse_silu_linear, fuse_w13, lora_delta, silu_and_mul, skinny_linear)
 from compiled.graphs.weights import WeightMap
 from compiled.passes.variant import GraphVariant
 
 # Every pass, in an order that satisfies each pass's `after`.
 REGISTRY: dict[str, GraphPass] = {m.PASS.name: m.PASS for m in (
     fuse_qkv, fuse_w13, silu_and_mul, skinny_linear, lora_delta, fuse_lora_linear, fuse_qk_norm_rope,
-    fuse_norm_linear, fuse_lora_norm, fuse_silu_linear, fuse_moe_norm, fuse_moe_norm_lora, cp_allgather)}
+    fuse_norm_linear, fuse_silu_linear, fuse_moe_norm, cp_allgather)}
 # What a model without LoRA or context parallelism runs; `with_lora` adds the LoRA deltas (and
-# their fusion into the decode linears) and `with_cp` the context-parallel gathers.
-# The LoRA fusions that follow a default pass (they match its ops), placed right after it by `with_lora`.
-LORA_FOLLOWERS = {"fuse_lora_norm": "fuse_norm_linear", "fuse_moe_norm_lora": "fuse_moe_norm"}
-OPTIONAL_PASSES = ("lora_delta", "fuse_lora_linear", *LORA_FOLLOWERS, "cp_allgather")
+# their fusion into the decode linears, whose LoRA operands the default fusions then carry) and
+# `with_cp` the context-parallel gathers.
+OPTIONAL_PASSES = ("lora_delta", "fuse_lora_linear", "cp_allgather")
 DEFAULT_PASSES: tuple[str, ...] = tuple(name for name in REGISTRY if name not in OPTIONAL_PASSES)
 PassList = list[str | GraphPass] | tuple[str | GraphPass, ...]
 CHECKS = ("each", "end", "none")
@@ -60,17 +58,11 @@ def passes_for(variant: GraphVariant, names: PassList | None, max_loras: int = 0
 
 def with_lora(names: PassList | None, lora: GraphPass) -> list[str | GraphPass]:
     """`names` with the LoRA pass `lora` placed after the passes it follows and before the rest,
-    fuse_lora_linear right after it and each of LORA_FOLLOWERS right after its pass (where present)."""
+    fuse_lora_linear right after it."""
     names = list(DEFAULT_PASSES if names is None else names)
-    names = [n for n in names if (n.name if isinstance(n, GraphPass) else n)
-             not in (lora.name, "fuse_lora_linear", *LORA_FOLLOWERS)]
+    names = [n for n in names if (n.name if isinstance(n, GraphPass) else n) not in (lora.name, "fuse_lora_linear")]
     last = max((i for i, n in enumerate(names) if n in lora.after), default=-1)
-    names = names[:last + 1] + [lora, "fuse_lora_linear"] + names[last + 1:]
-    for follower, anchor in LORA_FOLLOWERS.items():
-        if anchor in names:
-            at = names.index(anchor) + 1
-            names = names[:at] + [follower] + names[at:]
-    return names
+    return names[:last + 1] + [lora, "fuse_lora_linear"] + names[last + 1:]
 
 
 def with_cp(names: PassList | None) -> list[str | GraphPass]:

@@ -10,6 +10,7 @@ from torch import fx
 
 import compiled.linear.activation  # noqa: F401  (registers compiled::silu_and_mul)
 from compiled.passes.base import GraphPass, PassRecord, is_getitem
+from compiled.passes.calls import getitem_source, operands
 from compiled.graphs.weights import WeightMap
 
 _MULS = (operator.mul, torch.mul)
@@ -31,18 +32,18 @@ def silu_and_mul(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> 
 
 def _match(mul: fx.Node) -> fx.Node | None:
     """The fused tensor `h` if `mul` is silu(first half of h) * (second half of h)."""
-    if mul.op != "call_function" or mul.target not in _MULS or len(mul.args) != 2:
+    if mul.op != "call_function" or mul.target not in _MULS or len(operands(mul)) != 2:
         return None
-    silu, up = mul.args
+    silu, up = operands(mul)
     if not (isinstance(silu, fx.Node) and silu.op == "call_function" and silu.target in _SILUS):
         return None
-    gate = silu.args[0]
-    if not (is_getitem(gate, 0) and is_getitem(up, 1) and gate.args[0] is up.args[0]):
+    gate = operands(silu)[0]
+    if not (is_getitem(gate, 0) and is_getitem(up, 1) and getitem_source(gate) is getitem_source(up)):
         return None
-    split = gate.args[0]
-    if split.op != "call_function" or split.target is not torch.split:
+    split = getitem_source(gate)
+    if split.op != "call_function" or split.target is not torch.split or len(operands(split)) != 3:
         return None
-    h, sizes, dim = split.args
+    h, sizes, dim = operands(split)
     if dim != -1 or len(sizes) != 2 or sizes[0] != sizes[1] or len(silu.users) != 1:
         return None
     return h

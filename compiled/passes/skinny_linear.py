@@ -11,9 +11,11 @@ from __future__ import annotations
 import torch
 from torch import fx, nn
 
+import compiled.linear.library  # noqa: F401  (registers compiled::linear)
 from compiled.linear.ops import SkinnyLinear
 from compiled.graphs.weights import WeightMap
 from compiled.passes.base import GraphPass, PassRecord, is_module
+from compiled.passes.calls import build_call, operands
 
 
 def skinny_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
@@ -22,11 +24,11 @@ def skinny_linear(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) ->
     for node in list(gm.graph.nodes):
         if not is_module(gm, node, nn.Linear) or gm.get_submodule(node.target).bias is not None:
             continue
-        if node.kwargs or len(node.args) != 1:
+        if node.kwargs or len(operands(node)) != 1:
             continue
         with gm.graph.inserting_before(node):
             weight = gm.graph.get_attr(f"{node.target}.weight")
-            call = gm.graph.call_function(torch.ops.compiled.linear.default, (node.args[0], weight))
+            call = build_call(gm.graph, torch.ops.compiled.linear, x=operands(node)[0], weight=weight)
         call.meta = node.meta.copy()
         node.replace_all_uses_with(call)
         gm.graph.erase_node(node)

@@ -18,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import compiled.linear.library  # noqa: E402,F401  (registers the ops)
 import compiled.linear.ops as lin  # noqa: E402
 from compiled.linear import fused as fl  # noqa: E402
 from tests.linear.test_linear_kernel import TOL, max_err, run_interpreted  # noqa: E402

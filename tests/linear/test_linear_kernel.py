@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import compiled.linear.library  # noqa: E402,F401  (registers the ops)
 import compiled.linear.ops as lin  # noqa: E402
 from compiled.linear.ops import SKINNY_MAX_M, SkinnyLinear, linear_ref  # noqa: E402
 from tests.conftest import assert_same_math  # noqa: E402

@@ -1,5 +1,5 @@
-"""compiled::linear_lora, add_rms_norm_linear_lora, silu_mul_linear_lora: a linear with its LoRA
-shrink and expand, against the three ops' references run in turn.
+"""compiled::linear, add_rms_norm_linear, silu_mul_linear with their LoRA operands: a linear with
+its LoRA shrink and expand, against the three ops' references run in turn.
 
 CPU: the shrink with the linear's prologue and the skinny kernel with the prologue and the
 expand run under `TRITON_INTERPRET=1` in one subprocess (this file run as a script, printing
@@ -22,7 +22,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import compiled.linear.lora as lora  # noqa: E402
-import compiled.linear.lora_linear  # noqa: E402,F401  # registers the ops
+import compiled.linear.library  # noqa: E402,F401  # registers the ops
 from compiled.functional import add_rms_norm_ref, silu_and_mul_ref  # noqa: E402
 from compiled.linear.lora import lora_expand_ref, lora_shrink_ref  # noqa: E402
 from tests.conftest import assert_same_math, capture_without_host_sync  # noqa: E402
@@ -30,6 +30,32 @@ from tests.linear.test_linear_kernel import max_err, run_interpreted  # noqa: E4
 from tests.linear.test_lora_ops import SLOTS_7, TOL, problem  # noqa: E402
 
 EPS = 1e-6
+
+
+def lora_operands(a, b, scale, slot, slices) -> dict:
+    return dict(lora_a=a, lora_b=b, lora_scale=scale, lora_slot=slot, lora_slices=slices)
+
+
+def linear_lora(x, w, a, b, scale, slot, slices):
+    """compiled::linear with its LoRA operands."""
+    return torch.ops.compiled.linear(x, w, **lora_operands(a, b, scale, slot, slices))
+
+
+def add_rms_norm_linear_lora(x, delta, nw, eps, w, keep_normed, a, b, scale, slot, slices):
+    """compiled::add_rms_norm_linear with its linear's LoRA operands."""
+    return torch.ops.compiled.add_rms_norm_linear(x, delta, nw, eps, w, keep_normed,
+                                                  **lora_operands(a, b, scale, slot, slices))
+
+
+def silu_mul_linear_lora(gate_up, w, a, b, scale, slot, slices):
+    """compiled::silu_mul_linear with its LoRA operands."""
+    return torch.ops.compiled.silu_mul_linear(gate_up, w, **lora_operands(a, b, scale, slot, slices))
+
+
+def linear_lora_add_rms_norm_linear(x, inp, w_in, a, b, scale, slot, nw, eps, w, keep_normed):
+    """compiled::add_rms_norm_linear whose delta is inp's one-slice linear by w_in with LoRA."""
+    return torch.ops.compiled.add_rms_norm_linear(x, inp, nw, eps, w, keep_normed, lora_slot=slot, delta_weight=w_in,
+                                                  delta_lora_a=a, delta_lora_b=b, delta_lora_scale=scale)
 
 
 def inputs(kind: str, M: int, K: int, slices, R: int, S: int, dtype, seed: int, slots=None):
@@ -108,9 +134,9 @@ def ops_forced_triton_case() -> dict:
     ops.set_backend("triton")
     errs = []
     for M in (1, 7):
-        for kind, op in (("plain", torch.ops.compiled.linear_lora),
-                         ("norm", torch.ops.compiled.add_rms_norm_linear_lora),
-                         ("silu", torch.ops.compiled.silu_mul_linear_lora)):
+        for kind, op in (("plain", linear_lora),
+                         ("norm", add_rms_norm_linear_lora),
+                         ("silu", silu_mul_linear_lora)):
             head, x_in, a, b, scale, slot = inputs(kind, M, 64, [16, 16], 8, 3, torch.float32, seed=M)
             want = reference(kind, head, x_in, a, b, scale, slot, [16, 16])
             extra = (False,) if kind == "norm" else ()
@@ -177,16 +203,16 @@ def _one_line(fn, match):
 
 def test_ops_on_cpu_are_the_references_in_turn():
     head, x_in, a, b, scale, slot = inputs("plain", 7, 45, [17, 9, 9], 8, 3, torch.float32, 6, SLOTS_7)
-    out = torch.ops.compiled.linear_lora(*head, a, b, scale, slot, [17, 9, 9])
+    out = linear_lora(*head, a, b, scale, slot, [17, 9, 9])
     assert_same_math(out, reference("plain", head, x_in, a, b, scale, slot, [17, 9, 9]))
     head, x_in, a, b, scale, slot = inputs("norm", 7, 45, [17, 9, 9], 8, 3, torch.float32, 7, SLOTS_7)
-    y, h, normed = torch.ops.compiled.add_rms_norm_linear_lora(*head, True, a, b, scale, slot, [17, 9, 9])
+    y, h, normed = add_rms_norm_linear_lora(*head, True, a, b, scale, slot, [17, 9, 9])
     assert_same_math(y, reference("norm", head, x_in, a, b, scale, slot, [17, 9, 9]))
     assert torch.equal(h, head[0] + head[1])                     # one add: IEEE-rounded everywhere
     assert_same_math(normed, x_in)
-    assert torch.ops.compiled.add_rms_norm_linear_lora(*head, False, a, b, scale, slot, [17, 9, 9])[2].numel() == 0
+    assert add_rms_norm_linear_lora(*head, False, a, b, scale, slot, [17, 9, 9])[2].numel() == 0
     head, x_in, a, b, scale, slot = inputs("silu", 7, 45, [35], 8, 3, torch.float32, 8, SLOTS_7)
-    out = torch.ops.compiled.silu_mul_linear_lora(*head, a, b, scale, slot, [35])
+    out = silu_mul_linear_lora(*head, a, b, scale, slot, [35])
     assert_same_math(out, reference("silu", head, x_in, a, b, scale, slot, [35]))
 
 
@@ -209,38 +235,38 @@ def lora_norm_reference(x, inp, w_in, a, b, scale, slot, nw, eps, w):
 
 def test_linear_lora_add_rms_norm_linear_on_cpu_is_the_references_in_turn():
     args = lora_norm_op_inputs(7, 45, 36, 11, torch.float32, 9, SLOTS_7)
-    y, h, normed = torch.ops.compiled.linear_lora_add_rms_norm_linear(*args, True)
+    y, h, normed = linear_lora_add_rms_norm_linear(*args, True)
     for got, want in zip((y, h, normed), lora_norm_reference(*args)):
         assert_same_math(got, want)
-    assert torch.ops.compiled.linear_lora_add_rms_norm_linear(*args, False)[2].numel() == 0
+    assert linear_lora_add_rms_norm_linear(*args, False)[2].numel() == 0
 
 
 def test_bad_lora_arguments_are_one_line_errors_naming_the_op_and_tensor():
     (x, w), _, a, b, scale, slot = inputs("plain", 7, 45, [17, 9, 9], 8, 3, torch.float32, 6, SLOTS_7)
-    op = torch.ops.compiled.linear_lora
+    op = linear_lora
     _one_line(lambda: op(x, w[:, :44], a, b, scale, slot, [17, 9, 9]), r"compiled::linear: x \(7, 45\) @ weight")
     _one_line(lambda: op(x, w, a[:, :, :44], b, scale, slot, [17, 9, 9]), r"lora_shrink: x \(7, 45\), a \(3, 24, 44\)")
     _one_line(lambda: op(x, w, a[:, :16], b, scale, slot, [17, 9, 9]),
-              r"compiled::linear_lora: a \(3, 16, 45\) has 16 rows, expected 3 slices x rank 8")
+              r"compiled::linear: a \(3, 16, 45\) has 16 rows, expected 3 slices x rank 8")
     _one_line(lambda: op(x, w, a, b, scale, slot, [17, 9, 8]), r"lora_expand: slices \[17, 9, 8\] must be positive")
     _one_line(lambda: op(x, w, a, b, scale[:2], slot, [17, 9, 9]), r"scale \(2, 3\) torch.float32, expected \(3, 3\)")
     _one_line(lambda: op(x, w, a, b, scale, slot[:6], [17, 9, 9]), r"slot \(6,\)")
     head, _, a, b, scale, slot = inputs("norm", 7, 45, [17, 9, 9], 8, 3, torch.float32, 7, SLOTS_7)
-    norm = torch.ops.compiled.add_rms_norm_linear_lora
+    norm = add_rms_norm_linear_lora
     _one_line(lambda: norm(head[0], head[1][:, :44], *head[2:], False, a, b, scale, slot, [17, 9, 9]),
-              r"compiled::add_rms_norm_linear_lora: delta \(7, 44\)")
+              r"compiled::add_rms_norm_linear: delta \(7, 44\)")
     _one_line(lambda: norm(*head, False, a.double(), b, scale, slot, [17, 9, 9]), "a is torch.float64")
     (gate_up, w), _, a, b, scale, slot = inputs("silu", 7, 45, [35], 8, 3, torch.float32, 8, SLOTS_7)
-    silu = torch.ops.compiled.silu_mul_linear_lora
+    silu = silu_mul_linear_lora
     _one_line(lambda: silu(gate_up[:, :88], w, a, b, scale, slot, [35]),
-              r"compiled::silu_mul_linear_lora: gate_up \(7, 88\) @ weight \(35, 45\)")
+              r"compiled::silu_mul_linear: gate_up \(7, 88\) @ weight \(35, 45\)")
     _one_line(lambda: silu(gate_up, w, a, b[:, :34], scale, slot, [35]), r"lora_expand: y \(7, 35\), b \(3, 34, 8\)")
     x, inp, w_in, a, b, scale, slot, nw, eps, w = lora_norm_op_inputs(7, 45, 36, 11, torch.float32, 9, SLOTS_7)
-    op = torch.ops.compiled.linear_lora_add_rms_norm_linear
+    op = linear_lora_add_rms_norm_linear
     _one_line(lambda: op(x[:, :35], inp, w_in, a, b, scale, slot, nw, eps, w[:, :35], False),
-              r"compiled::linear_lora_add_rms_norm_linear: w_in's output \(7, 36\) torch.float32 does not match x")
+              r"compiled::add_rms_norm_linear: delta_weight's output \(7, 36\) torch.float32 does not match x")
     _one_line(lambda: op(x, inp, w_in, a, b, scale, slot, nw[:35], eps, w, False),
-              r"compiled::linear_lora_add_rms_norm_linear: norm weight \(35,\)")
+              r"compiled::add_rms_norm_linear: norm weight \(35,\)")
     _one_line(lambda: op(x, inp, w_in, a, b, scale[:2], slot, nw, eps, w, False), r"scale \(2, 1\)")
 
 
@@ -266,8 +292,8 @@ def test_gpu_ops_match_the_references_eager_and_graph(kind, T, IN, slices):
     """The prologue shrink and the epilogue at one row, the shrink and the epilogue (linear_lora) or
     the ops' bodies (the prologue forms) at 8, the ops' bodies at 17:
     against the references, with no host sync and from a CUDA graph over fresh inputs."""
-    op = {"plain": torch.ops.compiled.linear_lora, "norm": torch.ops.compiled.add_rms_norm_linear_lora,
-          "silu": torch.ops.compiled.silu_mul_linear_lora}[kind]
+    op = {"plain": linear_lora, "norm": add_rms_norm_linear_lora,
+          "silu": silu_mul_linear_lora}[kind]
     live = _gpu_inputs(kind, T, IN, slices, seed=T)
     n = len(live) - 5
     extra = (False,) if kind == "norm" else ()
@@ -302,7 +328,7 @@ def test_gpu_linear_lora_add_rms_norm_linear_matches_the_references_eager_and_gr
     """The 30B's o_proj (4,096 -> 2,048) before the post-attention norm and the router (128): the
     two ops in turn at 8 rows (the skinny GEMMs), the expand in the norm's launch at 17 and 64,
     against the references, with no host sync and from a CUDA graph over fresh inputs."""
-    op = torch.ops.compiled.linear_lora_add_rms_norm_linear
+    op = linear_lora_add_rms_norm_linear
 
     def fresh(seed):
         slots = [seed % 8] + [(seed + 3 * i) % 9 - 1 for i in range(1, T)]

@@ -1,4 +1,4 @@
-"""compiled::fused_moe_lora: the torch reference against a naive per-pair loop and against the base
+"""compiled::fused_moe with expert LoRA: the torch reference against a naive per-pair loop and against the base
 fused MoE, the Triton path against the reference, validation and tracing.
 
 CPU: the Triton kernels run under TRITON_INTERPRET=1 in one subprocess (this file run as a script;
@@ -30,6 +30,32 @@ from tests.conftest import (assert_bf16_within_reference, assert_same_math, capt
                             run_cases, same_math_tolerance)
 
 MARK = "@@EXPERT_LORA_CASES@@"
+EXPERT_LORA = ("a13", "b13", "a2", "b2", "scale", "slot")
+
+
+def fused_moe_lora(x, topk_weights, topk_ids, w13, w2, *lora):
+    """compiled::fused_moe with its expert-LoRA operands (a13, b13, a2, b2, scale, slot)."""
+    return torch.ops.compiled.fused_moe(x, topk_weights, topk_ids, w13, w2,
+                                        **{f"lora_{n}": t for n, t in zip(EXPERT_LORA, lora)})
+
+
+def _expert_operands(lora) -> dict:
+    """moe_add_rms_norm_linear's expert-LoRA operands from fused_moe's (a13, b13, a2, b2, scale, slot)."""
+    return {"lora_slot" if n == "slot" else f"moe_lora_{n}": t for n, t in zip(EXPERT_LORA, lora)}
+
+
+def moe_norm_expert_lora(x, moe_x, topk_weights, topk_ids, w13, w2, nw, eps, weight, keep_normed, *lora):
+    """compiled::moe_add_rms_norm_linear with the experts' LoRA operands (in fused_moe's order)."""
+    return torch.ops.compiled.moe_add_rms_norm_linear(x, moe_x, topk_weights, topk_ids, w13, w2, nw, eps, weight,
+                                                      keep_normed, **_expert_operands(lora))
+
+
+def moe_add_rms_norm_linear_lora(x, moe_x, topk_weights, topk_ids, w13, w2, nw, eps, weight, keep_normed, a, b, scale,
+                                 slot, slices, *lora):
+    """compiled::moe_add_rms_norm_linear with the linear's LoRA operands and the experts' (fused_moe's order)."""
+    return torch.ops.compiled.moe_add_rms_norm_linear(
+        x, moe_x, topk_weights, topk_ids, w13, w2, nw, eps, weight, keep_normed, lora_a=a, lora_b=b, lora_scale=scale,
+        lora_slot=slot, lora_slices=slices, **_expert_operands(lora[:5]))   # lora[5]: the same slots
 SLOTS_7 = [0, -1, 2, 1, 0, -1, 2]
 
 
@@ -144,7 +170,7 @@ def case_op_forced_triton_and_workspace_reuse():
     before = fm.BACKEND.name
     fm.BACKEND.set("triton")
     try:
-        out = torch.ops.compiled.fused_moe_lora(*args)
+        out = fused_moe_lora(*args)
     finally:
         fm.BACKEND.set(before)
     torch.testing.assert_close(out, el.fused_moe_lora_ref(*args), atol=2e-5, rtol=1e-5)
@@ -167,7 +193,7 @@ def case_sum_in_the_norm_kernel():
     before = fm.BACKEND.name
     fm.BACKEND.set("triton")
     try:
-        got = torch.ops.compiled.moe_add_rms_norm_linear(x, *args[:5], nw, 1e-6, weight, True, *args[5:])
+        got = moe_norm_expert_lora(x, *args[:5], nw, 1e-6, weight, True, *args[5:])
     finally:
         fm.BACKEND.set(before)
     for g_, ref in zip(got, moe_add_rms_norm_linear_ref(x, *args[:5], nw, 1e-6, weight, *args[5:])):
@@ -210,7 +236,7 @@ def case_qkv_shrink_in_the_norm_kernel():
             g = torch.Generator().manual_seed(14 + T)
             x, nw = torch.randn(T, 45, generator=g), 1 + 0.1 * torch.randn(45, generator=g)
             weight, a, b, scale = qkv_lora(T, 45, slices, 8, 3, seed=15 + T)
-            got = torch.ops.compiled.moe_add_rms_norm_linear_lora(x, *args[:5], nw, 1e-6, weight, True, a, b, scale,
+            got = moe_add_rms_norm_linear_lora(x, *args[:5], nw, 1e-6, weight, True, a, b, scale,
                                                                   args[10], slices, *args[5:])
             for g_, ref in zip(got, moe_norm_lora_ref(x, args, nw, weight, a, b, scale, args[10], slices)):
                 torch.testing.assert_close(g_, ref, atol=1e-4, rtol=1e-4)
@@ -378,21 +404,21 @@ def test_the_norm_op_needs_all_six_lora_tensors_or_none():
     args = problem(3, 6, 2, 16, 8, 4, 2, seed=13)
     x, nw, weight = torch.randn(3, 16), torch.ones(16), torch.randn(5, 16)
     with pytest.raises(ValueError, match=r"compiled::moe_add_rms_norm_linear: expert LoRA needs all of .*; "
-                                         r"missing lora_scale, lora_slot$"):
-        torch.ops.compiled.moe_add_rms_norm_linear(x, *args[:5], nw, 1e-6, weight, False, *args[5:9])
+                                         r"missing moe_lora_scale, lora_slot$"):
+        moe_norm_expert_lora(x, *args[:5], nw, 1e-6, weight, False, *args[5:9])
 
 
 def test_the_norm_op_with_the_linears_lora_on_cpu_is_the_references_in_turn():
     args = problem(5, 6, 2, 16, 8, 4, 2, seed=16)
     x, nw = torch.randn(5, 16), torch.rand(16) + 0.5
     weight, a, b, scale = qkv_lora(5, 16, [8, 4, 4], 4, 2, seed=17)
-    y, h, normed = torch.ops.compiled.moe_add_rms_norm_linear_lora(x, *args[:5], nw, 1e-6, weight, True, a, b, scale,
+    y, h, normed = moe_add_rms_norm_linear_lora(x, *args[:5], nw, 1e-6, weight, True, a, b, scale,
                                                                    args[10], [8, 4, 4], *args[5:])
     for got, want in zip((y, h, normed), moe_norm_lora_ref(x, args, nw, weight, a, b, scale, args[10], [8, 4, 4])):
         assert_same_math(got, want)
-    with pytest.raises(ValueError, match=r"compiled::moe_add_rms_norm_linear_lora: a \(2, 8, 16\) has 8 rows, "
+    with pytest.raises(ValueError, match=r"compiled::moe_add_rms_norm_linear: a \(2, 8, 16\) has 8 rows, "
                                          r"expected 3 slices x rank 4"):
-        torch.ops.compiled.moe_add_rms_norm_linear_lora(x, *args[:5], nw, 1e-6, weight, False, a[:, :8], b, scale,
+        moe_add_rms_norm_linear_lora(x, *args[:5], nw, 1e-6, weight, False, a[:, :8], b, scale,
                                                         args[10], [8, 4, 4], *args[5:])
 
 
@@ -423,18 +449,18 @@ def test_op_on_cpu_is_the_reference_fake_and_trace():
     fm.BACKEND.set("auto")
     try:
         args = problem(7, 6, 3, 45, 19, 8, 3, slots=SLOTS_7, seed=14)
-        assert torch.equal(torch.ops.compiled.fused_moe_lora(*args), el.fused_moe_lora_ref(*args))
+        assert torch.equal(fused_moe_lora(*args), el.fused_moe_lora_ref(*args))
     finally:
         fm.BACKEND.set(before)
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
     real = problem(7, 6, 3, 45, 19, 8, 3, torch.bfloat16, slots=SLOTS_7, seed=15)
     with FakeTensorMode() as mode:
-        out = torch.ops.compiled.fused_moe_lora(*[mode.from_tensor(t) for t in real])
+        out = fused_moe_lora(*[mode.from_tensor(t) for t in real])
     assert out.shape == (7, 45) and out.dtype == torch.bfloat16
-    gm = make_fx(lambda *a: torch.ops.compiled.fused_moe_lora(*a) * 2, tracing_mode="fake")(*real)
+    gm = make_fx(lambda *a: fused_moe_lora(*a) * 2, tracing_mode="fake")(*real)
     assert [str(n.target) for n in gm.graph.nodes if n.op == "call_function"] == [
-        "compiled.fused_moe_lora.default", "aten.mul.Tensor"]
+        "compiled.fused_moe.default", "aten.mul.Tensor"]
     assert el.fused_moe_lora_ref(*[t[:0] if i in (0, 1, 2, 10) else t for i, t in enumerate(real)]).shape == (0, 45)
 
 
@@ -450,8 +476,8 @@ def test_op_on_cpu_is_the_reference_fake_and_trace():
 def test_bad_shapes_are_one_line_errors(index, bad, match):
     args = list(problem(7, 6, 3, 45, 19, 8, 3, slots=SLOTS_7, seed=16))
     args[index] = bad(args[index])
-    with pytest.raises(ValueError, match=r"compiled::fused_moe_lora: " + match) as e:
-        torch.ops.compiled.fused_moe_lora(*args)
+    with pytest.raises(ValueError, match=r"compiled::fused_moe: " + match) as e:
+        fused_moe_lora(*args)
     assert "\n" not in str(e.value)
 
 
@@ -502,7 +528,7 @@ def test_gpu_real_shape_no_host_sync_and_cuda_graph(real_layer, T):
     def run():
         return el.fused_moe_lora_triton(x, w, ids, w13, w2, a13, b13, a2, b2, scale, slot, workspace=ws)
 
-    _check_real(torch.ops.compiled.fused_moe_lora(x, w, ids, w13, w2, a13, b13, a2, b2, scale, slot),
+    _check_real(fused_moe_lora(x, w, ids, w13, w2, a13, b13, a2, b2, scale, slot),
                 x, w, ids, slot, real_layer)
     run()                                                 # compiles outside the checks
     graph, out = capture_without_host_sync(run)
@@ -519,7 +545,7 @@ def test_gpu_real_shape_no_host_sync_and_cuda_graph(real_layer, T):
 def test_gpu_without_adapters_matches_the_base_moe(real_layer, T):
     x, w, ids, slot = _real_inputs(T, seed=50 + T)
     w13, w2, a13, b13, a2, b2, scale = real_layer
-    out = torch.ops.compiled.fused_moe_lora(x, w, ids, w13, w2, a13, b13, a2, b2, scale, torch.full_like(slot, -1))
+    out = fused_moe_lora(x, w, ids, w13, w2, a13, b13, a2, b2, scale, torch.full_like(slot, -1))
     torch.testing.assert_close(out.float(), fm.fused_moe_ref(x, w, ids, w13, w2).float(), atol=3e-2, rtol=3e-2)
 
 
@@ -534,8 +560,8 @@ def test_gpu_sum_in_the_norm_kernel_matches_the_two_ops(real_layer, T):
     nw = (1 + 0.1 * torch.randn(H_REAL, device="cuda", generator=g)).bfloat16()
     weight = (torch.randn(512, H_REAL, device="cuda", generator=g) / H_REAL ** 0.5).bfloat16()
     w13, w2, *lora = real_layer
-    got = torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight, True, *lora, slot)
-    delta = torch.ops.compiled.fused_moe_lora(x_moe, w, ids, w13, w2, *lora, slot)
+    got = moe_norm_expert_lora(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight, True, *lora, slot)
+    delta = fused_moe_lora(x_moe, w, ids, w13, w2, *lora, slot)
     want = torch.ops.compiled.add_rms_norm_linear(x, delta, nw, 1e-6, weight, True)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=3e-2)
@@ -562,13 +588,12 @@ def test_gpu_qkv_shrink_in_the_norm_kernel_matches_the_ops_in_turn(real_layer, T
 
     def run():
         x, x_moe, w, ids, slot = live
-        return torch.ops.compiled.moe_add_rms_norm_linear_lora(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight, True, a,
+        return moe_add_rms_norm_linear_lora(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight, True, a,
                                                                b, scale, slot, slices, *lora, slot)
 
     def check(got):
         x, x_moe, w, ids, slot = live
-        y, h, normed = torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight, True,
-                                                                  *lora, slot)
+        y, h, normed = moe_norm_expert_lora(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight, True, *lora, slot)
         y = torch.ops.compiled.lora_expand(y, torch.ops.compiled.lora_shrink(normed, a, slot), b, scale, slot, slices)
         for got_, want in zip(got, (y, h, normed)):
             torch.testing.assert_close(got_.float(), want.float(), atol=5e-2, rtol=3e-2)

@@ -12,6 +12,7 @@ from compiled.graphs.config import ModelConfig
 from compiled.linear.ops import SkinnyLinear
 from compiled.graphs.trace import materialize, meta_model, trace
 from compiled.passes.base import is_getitem, is_op
+from compiled.passes.calls import call_args
 from compiled.passes.manager import DEFAULT_PASSES, run_passes
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.loader import assign_tensors
@@ -257,31 +258,37 @@ def test_dead_node_sweep_matches_fx_dead_code_elimination(monkeypatch):
     assert passed_code() == code
 
 
+def _lora_set(n: torch.fx.Node, operand: str = "lora_a") -> bool:
+    """Whether the op call `n` has its LoRA operands (the first of them: `operand`) set."""
+    return call_args(n)[operand] is not None
+
+
 def test_with_lora_the_moe_norm_fusion_takes_the_expert_lora_moe_and_the_qkv_lora():
     """With lora_delta, each MoE layer but the last (whose output goes to the final norm) runs as
-    moe_add_rms_norm_linear_lora with its layer's expert-LoRA buffers and the next layer's qkv
-    LoRA buffers (fuse_moe_norm_lora: the norm's kernel runs the qkv's shrink); none is left as
-    fused_moe_lora beside a norm op of its own, and no shrink or expand is left."""
+    moe_add_rms_norm_linear with its layer's expert-LoRA buffers and the next layer's qkv
+    LoRA buffers (the norm's kernel runs the qkv's shrink); none is left as a fused_moe with
+    expert LoRA beside a norm op of its own, and no shrink or expand is left."""
     from compiled.passes.lora_delta import lora_delta_pass
     from compiled.passes.manager import with_lora
     cfg = ModelConfig.from_dict(dict(MOE, num_hidden_layers=3))
     meta = meta_model(cfg, torch.float32)
     gm = run_passes(trace(meta), meta.checkpoint_map(), with_lora(None, lora_delta_pass(2, 4))).gm
-    fused = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.moe_add_rms_norm_linear_lora)]
-    alone = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.fused_moe_lora)]
+    moe_norms = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.moe_add_rms_norm_linear)]
+    fused = [n for n in moe_norms if _lora_set(n)]
+    alone = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.fused_moe) and _lora_set(n, "lora_a13")]
     assert len(fused) == 2 and len(alone) == 1
-    slots = alone[0].args[10]   # the token slots, as the last layer's MoE reads them
+    slots = call_args(alone[0])["lora_slot"]   # the token slots, as the last layer's MoE reads them
     for n in fused:
-        layer = int(n.args[4].target.split(".")[2])
+        args = call_args(n)
+        layer = int(args["w13"].target.split(".")[2])
         qkv = f"model.layers.{layer + 1}.self_attn.qkv_proj"
-        assert n.args[8].target == f"{qkv}.weight" and n.args[9] is False
-        assert [a.target for a in n.args[10:13]] == [f"{qkv}.lora_{t}" for t in ("a", "b", "scale")]
-        assert n.args[13] is slots and n.args[14] == [64, 32, 32]
-        assert [a.target for a in n.args[15:20]] == [f"model.layers.{layer}.mlp.{b}" for b in
-                                                     ("lora_a13", "lora_b13", "lora_a2", "lora_b2", "lora_scale")]
-        assert n.args[20] is slots
+        assert args["weight"].target == f"{qkv}.weight" and args["keep_normed"] is False
+        assert [args[f"lora_{t}"].target for t in ("a", "b", "scale")] == [f"{qkv}.lora_{t}" for t in ("a", "b", "scale")]
+        assert args["lora_slot"] is slots and args["lora_slices"] == [64, 32, 32]
+        assert [args[f"moe_{b}"].target for b in ("lora_a13", "lora_b13", "lora_a2", "lora_b2", "lora_scale")] == \
+            [f"model.layers.{layer}.mlp.{b}" for b in ("lora_a13", "lora_b13", "lora_a2", "lora_b2", "lora_scale")]
     assert not [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.lora_shrink)
-                or is_op(n, torch.ops.compiled.lora_expand) or is_op(n, torch.ops.compiled.moe_add_rms_norm_linear)]
+                or is_op(n, torch.ops.compiled.lora_expand) or n in moe_norms and not _lora_set(n)]
 
 
 def _lora_passed(config: dict):
@@ -294,56 +301,67 @@ def _lora_passed(config: dict):
 
 def test_with_lora_each_dense_projection_is_one_op_with_its_shrink_and_expand():
     """fuse_lora_linear and the prologue fusions after it: in a dense model every LoRA'd linear is
-    one op holding its shrink and expand (o_proj and the first qkv linear_lora, the other qkv and
-    every gate/up add_rms_norm_linear_lora, every down silu_mul_linear_lora), each with its own
-    projection's LoRA buffers; no shrink or expand is left on its own."""
+    one op holding its shrink and expand (o_proj and the first qkv a linear with LoRA, the other
+    qkv and every gate/up an add_rms_norm_linear with LoRA, every down a silu_mul_linear with
+    LoRA), each with its own projection's LoRA buffers; no shrink or expand is left on its own."""
     cfg, gm = _lora_passed(BASE)
-    ops = {torch.ops.compiled.linear_lora: (1, 2), torch.ops.compiled.add_rms_norm_linear_lora: (4, 6),
-           torch.ops.compiled.silu_mul_linear_lora: (1, 2)}   # where the weight and the LoRA tensors are
+    ops = (torch.ops.compiled.linear, torch.ops.compiled.add_rms_norm_linear, torch.ops.compiled.silu_mul_linear)
     found = {}
     for n in gm.graph.nodes:
-        for op, (w, a) in ops.items():
-            if is_op(n, op):
-                owner = n.args[w].target.removesuffix(".weight")
-                assert [t.target for t in n.args[a:a + 3]] == [f"{owner}.lora_{t}" for t in ("a", "b", "scale")]
+        for op in ops:
+            if is_op(n, op) and _lora_set(n):
+                args = call_args(n)
+                owner = args["weight"].target.removesuffix(".weight")
+                assert [args[f"lora_{t}"].target for t in ("a", "b", "scale")] == \
+                    [f"{owner}.lora_{t}" for t in ("a", "b", "scale")]
                 found[owner] = op
     layers = range(cfg.num_hidden_layers)
-    assert found == {**{f"model.layers.{i}.self_attn.o_proj": torch.ops.compiled.linear_lora for i in layers},
-                     **{f"model.layers.{i}.mlp.down_proj": torch.ops.compiled.silu_mul_linear_lora for i in layers},
-                     **{f"model.layers.{i}.mlp.w13": torch.ops.compiled.add_rms_norm_linear_lora for i in layers},
-                     **{f"model.layers.{i}.self_attn.qkv_proj": torch.ops.compiled.add_rms_norm_linear_lora
+    assert found == {**{f"model.layers.{i}.self_attn.o_proj": torch.ops.compiled.linear for i in layers},
+                     **{f"model.layers.{i}.mlp.down_proj": torch.ops.compiled.silu_mul_linear for i in layers},
+                     **{f"model.layers.{i}.mlp.w13": torch.ops.compiled.add_rms_norm_linear for i in layers},
+                     **{f"model.layers.{i}.self_attn.qkv_proj": torch.ops.compiled.add_rms_norm_linear
                         for i in layers[1:]},
-                     "model.layers.0.self_attn.qkv_proj": torch.ops.compiled.linear_lora}
+                     "model.layers.0.self_attn.qkv_proj": torch.ops.compiled.linear}
     assert not [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.lora_shrink)
                 or is_op(n, torch.ops.compiled.lora_expand)]
 
 
 def test_with_lora_a_qkv_after_a_moe_layer_joins_the_moe_norm_fusion():
-    """The qkv reading the norm of a MoE layer's output is moe_add_rms_norm_linear_lora (the expert
-    sum and the qkv's shrink in the norm's kernel); the qkv after a dense MLP layer takes its delta
-    inside add_rms_norm_linear_lora."""
+    """The qkv reading the norm of a MoE layer's output is a moe_add_rms_norm_linear with LoRA (the
+    expert sum and the qkv's shrink in the norm's kernel); the qkv after a dense MLP layer takes its
+    delta inside an add_rms_norm_linear with LoRA."""
     cfg, gm = _lora_passed(dict(MOE, num_hidden_layers=3, mlp_only_layers=[1]))
-    moe_norm = [n.args[8].target for n in gm.graph.nodes if is_op(n, torch.ops.compiled.moe_add_rms_norm_linear_lora)]
+    moe_norm = [call_args(n)["weight"].target for n in gm.graph.nodes
+                if is_op(n, torch.ops.compiled.moe_add_rms_norm_linear) and _lora_set(n)]
     assert moe_norm == ["model.layers.1.self_attn.qkv_proj.weight"]
-    norm_lora = [n.args[4].target for n in gm.graph.nodes if is_op(n, torch.ops.compiled.add_rms_norm_linear_lora)]
+    norm_lora = [call_args(n)["weight"].target for n in gm.graph.nodes
+                 if is_op(n, torch.ops.compiled.add_rms_norm_linear) and _lora_set(n)]
     assert norm_lora == ["model.layers.1.mlp.w13.weight", "model.layers.2.self_attn.qkv_proj.weight"]
     assert not [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.lora_expand)]
 
 
 def test_with_lora_a_moe_layers_o_proj_delta_goes_into_the_post_attention_norm():
-    """fuse_lora_norm: each MoE layer's o_proj and its post-attention norm + router are one op
-    holding o_proj's LoRA buffers and the residual; a dense layer's o_proj (before gate/up's
-    add_rms_norm_linear_lora) stays a linear_lora."""
+    """Each MoE layer's o_proj and its post-attention norm + router are one add_rms_norm_linear
+    holding o_proj's weight and LoRA buffers (`delta_*`) and the residual; a dense layer's o_proj
+    (before gate/up's add_rms_norm_linear with LoRA) stays a linear with LoRA."""
     cfg, gm = _lora_passed(dict(MOE, num_hidden_layers=3, mlp_only_layers=[1]))
-    fused = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.linear_lora_add_rms_norm_linear)]
-    assert [n.args[2].target for n in fused] == [f"model.layers.{i}.self_attn.o_proj.weight" for i in (0, 2)]
+    fused = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.add_rms_norm_linear)
+             and call_args(n)["delta_weight"] is not None]
+    assert [call_args(n)["delta_weight"].target for n in fused] == \
+        [f"model.layers.{i}.self_attn.o_proj.weight" for i in (0, 2)]
     for n in fused:
-        owner = n.args[2].target.removesuffix(".weight")
-        assert [t.target for t in n.args[3:6]] == [f"{owner}.lora_{t}" for t in ("a", "b", "scale")]
+        args = call_args(n)
+        owner = args["delta_weight"].target.removesuffix(".weight")
+        assert [args[f"delta_lora_{t}"].target for t in ("a", "b", "scale")] == \
+            [f"{owner}.lora_{t}" for t in ("a", "b", "scale")]
         layer = owner.split(".")[2]
-        assert n.args[7].target == f"model.layers.{layer}.post_attention_layernorm.weight"
-        assert n.args[9].target == f"model.layers.{layer}.mlp.gate.weight" and n.args[10] is True
-    plain = [n.args[1].target for n in gm.graph.nodes if is_op(n, torch.ops.compiled.linear_lora)]
+        assert args["norm_weight"].target == f"model.layers.{layer}.post_attention_layernorm.weight"
+        assert args["weight"].target == f"model.layers.{layer}.mlp.gate.weight" and args["keep_normed"] is True
+        assert args["lora_a"] is None
+    plain = [call_args(n)["weight"].target for n in gm.graph.nodes
+             if is_op(n, torch.ops.compiled.linear) and _lora_set(n)]
     assert "model.layers.1.self_attn.o_proj.weight" in plain
-    assert not any(is_op(a, torch.ops.compiled.linear_lora) for n in gm.graph.nodes
-                   if is_op(n, torch.ops.compiled.add_rms_norm_linear) for a in n.args)
+    assert not any(isinstance(a, torch.fx.Node) and is_op(a, torch.ops.compiled.linear) and _lora_set(a)
+                   for n in gm.graph.nodes
+                   if is_op(n, torch.ops.compiled.add_rms_norm_linear) and not _lora_set(n)
+                   for a in call_args(n).values())

@@ -190,3 +190,55 @@ def test_no_function_outside_triton_kernels_runs_over_80_lines():
                     if lines > 80:
                         long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
     assert not long, long
+
+
+def _reads_args_by_position(tree: ast.AST) -> list[int]:
+    """Lines that index or slice a `.args` (`node.args[2]`, `moe.args[:5]`), unpack it into a
+    starred expression (`*node.args`) or destructure it (`y, s = node.args`)."""
+    def is_args(node) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "args"
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and is_args(node.value):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Starred) and is_args(node.value):
+            lines.append(node.lineno)
+        elif isinstance(node, (ast.Assign, ast.For)) and is_args(node.value if isinstance(node, ast.Assign)
+                                                                 else node.iter):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, (ast.Tuple, ast.List)) for t in targets):
+                lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_passes_read_op_calls_by_argument_name():
+    """Only passes/calls.py reads a node's arguments by position; every pass goes through it, so an
+    operand added to an op shifts no other silently."""
+    bad = [f"{path.relative_to(ROOT)}:{line}" for path in sorted((ROOT / "compiled" / "passes").glob("*.py"))
+           if path.name != "calls.py" for line in _reads_args_by_position(ast.parse(path.read_text()))]
+    assert not bad, "positional reads of node args (use compiled/passes/calls.py): " + ", ".join(bad)
+
+
+def test_the_check_for_positional_reads_finds_them():
+    code = "a = n.args[2]\nb = m.args[:5]\nf(*n.args)\ny, s, *_ = node.args\nok = len(n.args)\nn.args = (1,)\n"
+    assert _reads_args_by_position(ast.parse(code)) == [1, 2, 3, 4]
+
+
+# The LoRA primitives: ops of their own, which the family ops' LoRA operands are made of.
+LORA_PRIMITIVES = {"lora_shrink", "lora_expand", "lora_token_slots"}
+
+
+def test_no_op_is_a_lora_twin_of_another():
+    """One op a family: LoRA enters an op as optional operands, never as a `*_lora` twin op (only
+    the LoRA primitives carry the word); checked on every op that the modules registering ops
+    register."""
+    import importlib
+
+    import torch
+    for name, path in _modules().items():
+        if "custom_op(" in path.read_text():
+            importlib.import_module(name)
+    names = {n.removeprefix("compiled::") for n in torch._C._dispatch_get_all_op_names() if n.startswith("compiled::")}
+    assert {"linear", "add_rms_norm_linear", "silu_mul_linear", "fused_moe", "moe_add_rms_norm_linear"} <= names
+    twins = sorted(n for n in names if "lora" in n and n not in LORA_PRIMITIVES)
+    assert not twins, f"LoRA twin ops: {twins}"
