@@ -6,6 +6,8 @@
 #   PASSES_B=fuse_qkv,fuse_w13,silu_and_mul,skinny_linear | B_ENV="COMPILED_PDL=0"
 #   B_TREE=out/base (another checkout: mkdir -p out/base && git archive BASE | tar -x -C out/base)
 #   [MODELS="qwen3-30b-a3b:1,8 qwen3-0.6b:1"] [ROUNDS=2]
+#   LORA=8: bench/lora_bench.py with that many random rank-16 adapters on every target instead
+#   (decode and the 2,048-token prefill; no decode profiles)
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
@@ -26,10 +28,15 @@ for entry in ${MODELS:-qwen3-30b-a3b:1,8 qwen3-0.6b:1}; do
       fi
       prof=(); [ "$round" = 1 ] && prof=(--profile-dir "$out/prof_${name}_$side")
       tag="${name}_${side}${round}"
-      env "${envs[@]}" python "$tree/bench/e2e_suite.py" "bench/configs/$name" --out "$out/$tag.json" \
-        --batches "$batches" --max-num-seqs "$(echo "$batches" | tr , '\n' | sort -n | tail -1)" "${passes[@]}" "${prof[@]}" \
-        > "$out/$tag.txt" 2>&1
-      echo "== $tag"; grep -E "^batch|^prefill|Error|error" "$out/$tag.txt" | head -6
+      if [ -n "${LORA:-}" ]; then
+        env "${envs[@]}" python "$tree/bench/lora_bench.py" "bench/configs/$name" --out "$out/$tag.json" \
+          --batches "$batches" --num-loras "$LORA" --rank 16 --skip-idle --profile-batches "" > "$out/$tag.txt" 2>&1
+      else
+        env "${envs[@]}" python "$tree/bench/e2e_suite.py" "bench/configs/$name" --out "$out/$tag.json" \
+          --batches "$batches" --max-num-seqs "$(echo "$batches" | tr , '\n' | sort -n | tail -1)" "${passes[@]}" \
+          "${prof[@]}" > "$out/$tag.txt" 2>&1
+      fi
+      echo "== $tag"; grep -E "^batch|^prefill|adapters batch|adapters prefill|Error|error" "$out/$tag.txt" | head -6
     done
   done
 done
