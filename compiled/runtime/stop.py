@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from compiled.runtime.sampling_params import SamplingParams
+
 __all__ = ["StopChecker", "StopMatch", "find_stop"]
 
 
@@ -42,7 +44,7 @@ class StopChecker:
         object.__setattr__(self, "stop", stop)
 
     @classmethod
-    def of(cls, params) -> StopChecker | None:
+    def of(cls, params: SamplingParams) -> StopChecker | None:
         """The checker of a request's `SamplingParams`; None when it has no stop strings."""
         if not params.stop:
             return None

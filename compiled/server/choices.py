@@ -79,8 +79,8 @@ class ChoiceState:
         """The text not streamed yet, but for what might still begin a stop string (all of it
         once the choice finished)."""
         hold = 0 if self.finished or self.stops is None else self.stops.hold_back_chars
-        upto = len(self.text) - hold
-        delta, self.streamed = self.text[self.streamed:upto], max(self.streamed, upto)
+        upto = max(self.streamed, len(self.text) - hold)
+        delta, self.streamed = self.text[self.streamed:upto], upto
         return delta
 
 

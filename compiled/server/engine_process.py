@@ -18,6 +18,7 @@ import multiprocessing
 import signal
 import threading
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 
 from compiled.server.engine_loop import EngineLoop, picklable
 from compiled.server.messages import (
@@ -31,7 +32,7 @@ class EngineGone(RuntimeError):
     """The engine's process exited."""
 
 
-def serve_engine(make_llm: Callable[[], object], inbox, outbox) -> None:
+def serve_engine(make_llm: Callable[[], object], inbox: Connection, outbox: Connection) -> None:
     """The engine process: build the LLM, say what it serves, run its loop until told to stop."""
     # Ctrl-C at a terminal reaches the whole process group: the front end drains its requests,
     # then stops this process; it must not die under them.
@@ -51,7 +52,7 @@ def serve_engine(make_llm: Callable[[], object], inbox, outbox) -> None:
         llm.shutdown()
 
 
-def _receive(inbox, loop: EngineLoop) -> None:
+def _receive(inbox: Connection, loop: EngineLoop) -> None:
     while True:
         try:
             message = inbox.recv()
@@ -140,7 +141,7 @@ class EngineClient:
         if self._routes.pop(key, None) is not None and self.alive:
             self._post(Abort(key))
 
-    async def call(self, command: Call):
+    async def call(self, command: Call) -> object:
         """Run `command` in the engine loop between two steps; the value it replies, or its error
         raised."""
         if not self.alive:
