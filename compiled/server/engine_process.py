@@ -178,7 +178,11 @@ class EngineClient:
                 return
 
     def _handle(self, message: object) -> None:
-        self._handlers[type(message)](message)
+        handler = self._handlers.get(type(message))
+        if handler is None:
+            log.error("the engine sent an unknown message %r", message)
+        else:
+            handler(message)
 
     def _on_reports(self, message: Reports) -> None:
         self._counts = message.counts

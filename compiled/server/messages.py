@@ -176,9 +176,9 @@ class Reports:
 
     def __reduce__(self) -> tuple:
         # Sent after every step with a report of each running request: pickled as one row of
-        # field values a report (rebuilt by `_reports`), which is several times faster than a
-        # dataclass's own pickling (every report with its class and each field's name) and
-        # keeps the step's host time what it was.
+        # field values a report (rebuilt by `_reports`), several times faster than a dataclass's
+        # own pickling (every report with its class and each field's name), which would add
+        # a few hundred microseconds to a large batch's step.
         rows = [(key, *vars(p).values()) for key, p in self.progress.items()]
         return _reports, (rows, self.counts)
 
