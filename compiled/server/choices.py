@@ -29,6 +29,7 @@ class ChoiceState:
         self.detokenizer = None if tokenizer is None else \
             IncrementalDetokenizer(tokenizer, request.prompt_token_ids, params.skip_special_tokens)
         self.stops = StopChecker.of(params)
+        self._hold_back = 0 if self.stops is None else self.stops.hold_back_chars
         self.text = ""
         self.stop_reason: str | None = None   # the stop string found here that ended the text
         self.tokens: list[int] = []
@@ -78,8 +79,7 @@ class ChoiceState:
     def unsent_text(self) -> str:
         """The text not streamed yet, but for what might still begin a stop string (all of it
         once the choice finished)."""
-        hold = 0 if self.finished or self.stops is None else self.stops.hold_back_chars
-        upto = max(self.streamed, len(self.text) - hold)
+        upto = max(self.streamed, len(self.text) - (0 if self.last is not None else self._hold_back))
         delta, self.streamed = self.text[self.streamed:upto], upto
         return delta
 
@@ -92,21 +92,24 @@ class Generation:
                  tokenizer: Tokenizer | None) -> None:
         self.engine, self.queue = engine, queue
         self.choices = [ChoiceState(r, tokenizer) for r in requests]
+        self.done: set[int] = set()   # the choices finished
         self._watch = asyncio.ensure_future(watch_disconnect(http, queue))
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self.choices)
+        return len(self.done) == len(self.choices)
 
     async def next(self) -> list[tuple[int, Progress]]:
         """The next reports, each folded into its choice: (choice index, report as the client sees it)."""
-        done = {i for i, c in enumerate(self.choices) if c.finished}
         folded = []
-        for i, p in await next_reports(self.queue, done):
+        for i, p in await next_reports(self.queue, self.done):
             choice = self.choices[i]
-            folded.append((i, choice.fold(p)))
-            if choice.stop_reason is not None:   # ended here: the engine drops it
-                self.engine.abort(choice.request.id)
+            p = choice.fold(p)
+            folded.append((i, p))
+            if p.finished:
+                self.done.add(i)
+                if choice.stop_reason is not None:   # ended here: the engine drops it
+                    self.engine.abort(choice.request.id)
         return folded
 
     def close(self) -> None:
