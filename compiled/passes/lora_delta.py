@@ -109,7 +109,7 @@ def _dense_delta(gm: fx.GraphModule, node: fx.Node, found: tuple[fx.Node, str], 
 def _expert_delta(gm: fx.GraphModule, node: fx.Node, slot: fx.Node, S: int, R: int) -> None:
     owner = call_args(node)["w13"].target.removesuffix(".w13")
     module = gm.get_submodule(owner)
-    w13, w2 = module.w13, module.w2
+    w13 = module.w13
     E, I2, H = w13.shape
     for name, shape in (("lora_a13", (S, E, 2 * R, H)), ("lora_b13", (S, E, I2, R)),
                         ("lora_a2", (S, E, R, I2 // 2)), ("lora_b2", (S, E, H, R))):

@@ -11,8 +11,6 @@ workers, so a request's later chunk splits only while nothing before it ran that
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 from torch import nn
@@ -22,28 +20,8 @@ from compiled.forward_context import forward_context
 from compiled.parallel.context import CPStep
 from compiled.parallel.group import CPGroup
 from compiled.parallel.zigzag import ChunkShape, plan
+from compiled.runtime.cp_messages import StepChunk
 from compiled.runtime.static_inputs import StaticInputs, write_request_table
-
-
-@dataclass
-class StepChunk:
-    """What every rank needs of one chunk of a context-parallel step."""
-    row: int                 # the request's row of the request->token table
-    start: int               # position of its first token
-    token_ids: list[int]
-    slots: np.ndarray        # the tokens' KV slots
-    lora_slot: int
-    split: bool
-
-    @property
-    def length(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass
-class StepMessage:
-    chunks: list[StepChunk]
-    adapters: dict[int, str]   # slot -> the adapter it must hold, for the slots the step uses
 
 
 def split_chunks(batch, world: int, min_tokens: int) -> list[StepChunk] | None:

@@ -1,5 +1,6 @@
 """A context-parallel worker: ranks 1..N-1 build the same model and KV cache as rank 0 and run
-the steps rank 0 sends them (`context_parallel.py`), until it says stop or the group fails.
+the steps rank 0 sends them (`context_parallel.py`; the messages in `cp_messages.py`), until it
+says stop or the group fails.
 
 Started by `LLM` (spawned) or by `torchrun` (every rank runs the user's script; on ranks above 0
 `LLM(...)` serves here and exits the process when rank 0 stops)."""
@@ -8,14 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
 from compiled.parallel.group import CPError, CPGroup, init_group
+from compiled.runtime.cp_messages import AddLora, KVSlots, RemoveLora, StepMessage, Stop
 
 log = logging.getLogger(__name__)
-
-STOP = ("stop",)
 
 
 def backend_for(device: torch.device) -> str:
@@ -53,29 +54,46 @@ def serve_then_leave(group: CPGroup, model: str, kwargs: dict) -> None:
 
 
 def serve(group: CPGroup, model: str, kwargs: dict) -> None:
-    """Build the engine as rank 0 does, then run its messages until "stop"."""
+    """Build the engine as rank 0 does, then run its messages until `Stop`."""
     from compiled.runtime.build import build_models
     from compiled.runtime.engine import Engine
     from compiled.runtime.settings import engine_settings
     path, mcfg, config = engine_settings(model, kwargs)
     models = build_models(mcfg, path, config)
-    kind, slots = group.receive()
-    assert kind == "kv_slots", kind
-    engine = Engine(models.runner_graphs, mcfg, config, slots, None, set(), models.lora_buffers)
+    sizes = group.receive()
+    if not isinstance(sizes, KVSlots):
+        raise CPError(f"context-parallel worker {group.rank}: expected the KV cache's size first, got {sizes!r}")
+    engine = Engine(models.runner_graphs, mcfg, config, sizes.num_slots, None, set(), models.lora_buffers)
     engine.runner.enable_cp(group, models.cp)
-    while True:
+    worker = _Worker(engine)
+    while worker.serving:
         message = group.receive()
-        kind = message[0]
-        if kind == "step":
-            step = message[1]
-            for slot, name in step.adapters.items():
-                engine.loras.place(name, slot)
-            engine.runner.cp.run(step.chunks)
-        elif kind == "add_lora":
-            engine.loras.add(message[1], message[2])
-        elif kind == "remove_lora":
-            engine.loras.remove(message[1])
-        elif kind == "stop":
-            return
-        else:
-            raise CPError(f"context-parallel worker {group.rank}: unknown message {kind!r}")
+        handler = worker.handlers.get(type(message))
+        if handler is None:
+            raise CPError(f"context-parallel worker {group.rank}: unknown message {type(message).__name__}")
+        handler(message)
+
+
+class _Worker:
+    """What a worker does with each of rank 0's messages, by type."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.serving = engine, True
+        self.handlers: dict[type, Callable] = {StepMessage: self._step, AddLora: self._add_lora,
+                                               RemoveLora: self._remove_lora, Stop: self._stop}
+
+    def _step(self, message: StepMessage) -> None:
+        for slot, name in message.adapters.items():
+            self.engine.loras.place(name, slot)
+        self.engine.runner.cp.run(message.chunks)
+
+    def _add_lora(self, message: AddLora) -> None:
+        self.engine.loras.add(message.adapter, message.pinned)
+
+    def _remove_lora(self, message: RemoveLora) -> None:
+        self.engine.loras.remove(message.name)
+
+    def _stop(self, _: Stop) -> None:
+        self.serving = False
+
+

@@ -37,13 +37,14 @@ from compiled.lora.merged import MergedLoRA
 from compiled.lora.pool import LoRAPool
 from compiled.passes.variant import BASE, LORA, GraphVariant
 from compiled.runtime.config import EngineConfig
-from compiled.runtime.detokenizer import IncrementalDetokenizer, stop_hit
+from compiled.runtime.detokenizer import IncrementalDetokenizer
 from compiled.runtime.inflight import InFlight, TokenReadback
 from compiled.runtime.model_runner import ModelRunner, StepOutput
 from compiled.runtime.request import Logprobs, Request, check_logit_bias, check_token_ids
 from compiled.runtime.sampler import Sampler, SamplingBatch, batch_top_logprobs
 from compiled.runtime.sampling_params import SamplingParams
 from compiled.runtime.scheduler import Batch, Chunk, Scheduler
+from compiled.runtime.stop import StopChecker
 from compiled.runtime.tokenizer import Tokenizer
 
 
@@ -271,6 +272,7 @@ class Engine:
             request.prompt_logprobs = [None]
         if self.tokenizer is not None and detokenize:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+            request.stops = StopChecker.of(params)
         return request
 
     def add(self, request: Request) -> None:
@@ -456,9 +458,9 @@ class Engine:
             if token in params.stop_token_ids:
                 request.finish_reason, request.stop_reason = "stop", token
                 return
-            hit = stop_hit(request.text, delta, params)
+            hit = request.stops.check(request.text, delta) if request.stops is not None else None
             if hit is not None:
-                request.text, request.stop_reason = hit
+                request.text, request.stop_reason = hit.text, hit.stop_str
                 request.finish_reason = "stop"
                 return
         if n_out >= params.max_new_tokens or request.num_resolved >= self.max_context:

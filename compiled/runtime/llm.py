@@ -17,6 +17,7 @@ from compiled.errors import ConfigError
 from compiled.json_file import read_json_object
 from compiled.passes.variant import LORA
 from compiled.runtime.build import artifact_manifest, build_models
+from compiled.runtime.cp_messages import AddLora, KVSlots, RemoveLora, Stop
 from compiled.runtime.engine import Engine
 from compiled.lora.merged import MergedLoRA
 from compiled.runtime.memory import num_kv_slots
@@ -110,7 +111,7 @@ class LLM:
                                  models.lora_buffers, merged)
             self.build_report.seconds["kv_cache"] = time.perf_counter() - start
             if self._cp is not None:
-                self._cp.send(("kv_slots", self.engine.kv.num_slots))
+                self._cp.send(KVSlots(self.engine.kv.num_slots))
                 self.engine.runner.enable_cp(self._cp, models.cp)
         except BaseException:
             self.shutdown()
@@ -154,11 +155,10 @@ class LLM:
         group, self._cp = self._cp, None
         if group is None:
             return
-        from compiled.runtime.cp_worker import STOP
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.runner.cp = None
-        group.shutdown(STOP)
+        group.shutdown(Stop())
 
     @property
     def context_parallel(self) -> int:
@@ -166,7 +166,7 @@ class LLM:
         stopped (`shutdown`, or a rank that failed)."""
         return 1 if self.engine.runner.cp is None else self.engine.runner.cp.group.world
 
-    def _tell_workers(self, message) -> None:
+    def _tell_workers(self, message: AddLora | RemoveLora) -> None:
         if self.engine.runner.cp is not None:
             self.engine.runner.cp.group.send(message)
 
@@ -274,7 +274,7 @@ class LLM:
         if self.engine.loras is None:
             raise ConfigError("LoRA is off: start the LLM with enable_lora=True (or lora_modules) to load adapters")
         self.engine.loras.add(adapter, pinned, busy=frozenset(self.engine.adapters_in_use()))
-        self._tell_workers(("add_lora", adapter, pinned))
+        self._tell_workers(AddLora(adapter, pinned))
 
     def unload_lora(self, name: str) -> None:
         """Forget adapter `name`. Refused while a queued or running request uses it: those
@@ -288,7 +288,7 @@ class LLM:
         self.engine.loras.remove(name)
         if self.engine.scheduler.cache is not None:   # its cached prefixes were computed with the old weights
             self.engine.scheduler.cache.drop(name)
-        self._tell_workers(("remove_lora", name))
+        self._tell_workers(RemoveLora(name))
 
     @property
     def loras(self) -> list[str]:

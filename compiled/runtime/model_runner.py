@@ -26,7 +26,8 @@ from compiled.lora.merged import MergedLoRA
 from compiled.parallel.group import CPError
 from compiled.passes.variant import BASE, LORA, GraphVariant
 from compiled.runtime.config import EngineConfig
-from compiled.runtime.context_parallel import ContextParallelRunner, StepMessage, note_step, split_chunks
+from compiled.runtime.context_parallel import ContextParallelRunner, note_step, split_chunks
+from compiled.runtime.cp_messages import StepMessage
 from compiled.runtime.decode_graphs import DecodeGraphs, compute_logits
 from compiled.runtime.scheduler import Batch
 from compiled.runtime.static_inputs import StaticInputs, write_request_table
@@ -271,7 +272,7 @@ class ModelRunner:
             return None
         adapters = {c.request.lora_slot: c.request.lora for c in batch.chunks if c.request.lora_slot >= 0}
         try:
-            self.cp.group.send(("step", StepMessage(chunks, adapters)))
+            self.cp.group.send(StepMessage(chunks, adapters))
             hidden = self.cp.run(chunks)
         except CPError:
             # A rank died or hangs: stop them all; later steps run on this process alone.

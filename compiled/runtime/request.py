@@ -49,6 +49,7 @@ class Request:
     logprobs: list[Logprobs] | None = None
     prompt_logprobs: list[Logprobs | None] | None = None
     detokenizer: object | None = None
+    stops: object | None = None         # its StopChecker, with a detokenizer and stop strings
     pending: int = 0                    # tokens sampled on the device, not yet read back (overlap)
     first_launched: float | None = None  # time.perf_counter() when a step first computed its tokens
     num_cached_tokens: int | None = None  # prompt tokens its first admission found cached (None: not yet admitted)

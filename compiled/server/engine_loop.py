@@ -1,6 +1,6 @@
 """The engine's loop in its own process (`engine_process.serve_engine` runs it): messages from the
-front end (requests to add, aborts, calls) go into an inbox that the loop empties between steps,
-and each step's new tokens go back in one message.
+front end (`messages.py`: requests to add, aborts, calls) go into an inbox that the loop empties
+between steps, and each step's new tokens go back in one message.
 
 The front end never waits for a step and never shares a lock (or the GIL) with it: the engine's
 host work runs at its own pace while the HTTP handlers parse, detokenize and stream. The engine is
@@ -17,36 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from compiled.errors import CompiledError
+from compiled.server.messages import (
+    FIRST_TOKEN_PHASES, Abort, Add, Call, Counts, Failures, GetMetrics, Gone, LoadLora, LoraRead, MetricsSnapshot,
+    Progress, Reply, Reports, Stop, UnloadLora,
+)
 
 log = logging.getLogger(__name__)
-
-# A request's time to its first token, in phases, and what each measures.
-FIRST_TOKEN_PHASES = {
-    "inbox": "seconds from a handler's post of a request to the engine's queue",
-    "queue": "seconds from the engine's queue to the first step computing the request",
-    "prefill": "seconds from that step's launch to the first token sent to the front end",
-}
-
-
-@dataclass
-class Progress:
-    """What a request has produced since its last report (in its first report also its prompt's
-    logprobs, when it asked for them: one entry a prompt token, None for the first; and how many
-    prompt tokens came from the prefix cache)."""
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
-    finished: bool
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    cached_tokens: int | None = None   # in its first report: prompt tokens found in the prefix cache
-
-    def followed_by(self, later: Progress) -> Progress:
-        """This report and the next one of the same request as one."""
-        logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
-        cached = self.cached_tokens if self.cached_tokens is not None else later.cached_tokens
-        return Progress(self.token_ids + later.token_ids, logprobs, later.finished, later.finish_reason,
-                        later.stop_reason, self.prompt_logprobs or later.prompt_logprobs, cached)
 
 
 @dataclass
@@ -78,27 +54,32 @@ def picklable(error: BaseException) -> BaseException:
         return RuntimeError(f"{type(error).__name__}: {error}")
 
 
+class _Ended(Exception):
+    """Raised by a handler to end the loop (the front end is gone)."""
+
+
 class EngineLoop:
-    """Steps `llm.engine` while it has work; `send(message)` carries each message to the front end.
+    """Steps `llm.engine` while it has work; `send(message)` carries each message (`messages.py`)
+    to the front end: `Reports` or `Failures` after each step that produced something, a `Reply`
+    for each `Call`. `Stop` ends the loop once what was added finished; `Gone` at once."""
 
-    In: ("add", [(key, prompt ids, SamplingParams, adapter, posted)]), ("abort", key),
-    ("call", call id, name, args), ("stop",) (finish what was added, then return), ("gone",)
-    (the front end went away: drop everything, return). Out: ("reports", [(key, token ids,
-    logprobs, finished, finish reason, stop reason, prompt logprobs or None, cached prompt tokens
-    or None) or (key, error message)], (running, waiting, requests added so far)) after each step
-    that produced something, ("reply", call id, error or None, value) for each call."""
-
-    def __init__(self, llm, send: Callable[[tuple], None]) -> None:
+    def __init__(self, llm, send: Callable[[object], None]) -> None:
         self.llm, self.engine, self._send = llm, llm.engine, send
-        self._inbox: deque[tuple] = deque()
+        self._inbox: deque = deque()
         self._work = threading.Event()          # set when the inbox gets something
         self._tracked: dict[int, _Tracked] = {}  # by the front end's key
         self._added = 0
         self._stopping = False
         self.stats = Stats()
-        self._calls: dict[str, Callable] = {"metrics": self._metrics, "unload_lora": llm.unload_lora}
+        # Every message the loop takes, by type. A call's handler returns its reply's value.
+        self._handlers: dict[type, Callable] = {
+            Add: self._add, Abort: self._abort, Stop: self._stop, Gone: self._gone,
+            LoadLora: self._load_lora, LoraRead: self._add_lora,
+            UnloadLora: self._answering(lambda m: llm.unload_lora(m.name)),
+            GetMetrics: self._answering(lambda m: self._metrics()),
+        }
 
-    def post(self, message: tuple) -> None:
+    def post(self, message: object) -> None:
         """Called from any thread: `message` runs on the loop's thread between two steps."""
         self._inbox.append(message)
         self._work.set()
@@ -132,80 +113,88 @@ class EngineLoop:
         """Handle every queued message; False once the front end is gone."""
         while self._inbox:
             message = self._inbox.popleft()
-            kind = message[0]
             try:
-                if kind == "gone":
-                    return False
-                if kind == "stop":
-                    self._stopping = True
-                elif kind == "add":
-                    self._add(message[1])
-                elif kind == "abort":
-                    self._abort(message[1])
-                elif kind == "call":
-                    self._call(*message[1:])
-                elif kind == "added_lora":
-                    self._add_lora(*message[1:])
+                handler = self._handlers.get(type(message))
+                if handler is not None:
+                    handler(message)
+                elif isinstance(message, Call):
+                    self._reply(message.call_id, KeyError(type(message).__name__), None)
+                else:
+                    log.error("engine loop: unknown message %r", message)
+            except _Ended:
+                return False
             except Exception:   # one bad message must not end the loop every request depends on
-                log.exception("engine loop: handling %r failed", kind)
+                log.exception("engine loop: handling %r failed", type(message).__name__)
         return True
 
-    def _add(self, items: list[tuple]) -> None:
-        errors = []
-        for key, ids, params, lora, posted in items:
+    def _answering(self, compute: Callable[[Call], object]) -> Callable[[Call], None]:
+        """A handler replying to its call with what `compute` returns, or with the error it raised."""
+        def handle(message: Call) -> None:
+            try:
+                value = compute(message)
+            except Exception as e:
+                self._reply(message.call_id, e, None)
+            else:
+                self._reply(message.call_id, None, value)
+        return handle
+
+    def _stop(self, _: Stop) -> None:
+        self._stopping = True
+
+    def _gone(self, _: Gone) -> None:
+        raise _Ended
+
+    def _add(self, message: Add) -> None:
+        errors = {}
+        for r in message.requests:
             self._added += 1
             try:
-                request = self.engine.make_request(0, ids, params, lora, detokenize=False)
+                request = self.engine.make_request(0, r.prompt_token_ids, r.params, r.lora, detokenize=False)
             except (CompiledError, ValueError, TypeError) as e:   # e.g. its adapter was unloaded meanwhile
-                errors.append((key, str(e)))
+                errors[r.id] = str(e)
                 continue
-            self._tracked[key] = _Tracked(request, posted, time.perf_counter())
+            self._tracked[r.id] = _Tracked(request, message.posted, time.perf_counter())
             self.engine.add(request)
         if errors:
-            self._send(("reports", errors, self._counts()))
+            self._send(Failures(errors, self._counts()))
 
-    def _abort(self, key: int) -> None:
-        t = self._tracked.pop(key, None)
+    def _abort(self, message: Abort) -> None:
+        t = self._tracked.pop(message.key, None)
         if t is not None:
             self.engine.abort(t.request.id)
 
-    def _call(self, call_id: int, name: str, args: tuple) -> None:
-        if name == "load_lora":
-            # The adapter's files are read on a thread of their own, beside the steps; the loop
-            # serves it once read.
-            threading.Thread(target=self._read_lora, args=(call_id, *args), daemon=True).start()
-            return
-        try:
-            self._reply(call_id, None, self._calls[name](*args))
-        except Exception as e:
-            self._reply(call_id, e, None)
+    def _load_lora(self, message: LoadLora) -> None:
+        # The adapter's files are read on a thread of their own, beside the steps; the loop
+        # serves it once read.
+        threading.Thread(target=self._read_lora, args=(message,), daemon=True).start()
 
-    def _read_lora(self, call_id: int, name: str, path: str) -> None:
+    def _read_lora(self, message: LoadLora) -> None:
         try:
-            self.post(("added_lora", call_id, self.llm.read_lora(name, path), None))
+            self.post(LoraRead(self.llm.read_lora(message.name, message.path), None, call_id=message.call_id))
         except Exception as e:
-            self.post(("added_lora", call_id, None, e))
+            self.post(LoraRead(None, e, call_id=message.call_id))
 
-    def _add_lora(self, call_id: int, adapter, error: Exception | None) -> None:
+    def _add_lora(self, message: LoraRead) -> None:
+        error = message.error
         if error is None:
             try:
-                self.llm.add_lora(adapter)
+                self.llm.add_lora(message.adapter)
             except Exception as e:
                 error = e
-        self._reply(call_id, error, None)
+        self._reply(message.call_id, error, None)
 
     def _reply(self, call_id: int, error: Exception | None, value) -> None:
-        self._send(("reply", call_id, None if error is None else picklable(error), value))
+        self._send(Reply(call_id, None if error is None else picklable(error), value))
 
     # ---- what goes back ------------------------------------------------------------------------
 
-    def _counts(self) -> tuple[int, int, int]:
+    def _counts(self) -> Counts:
         scheduler = self.engine.scheduler
-        return len(scheduler.running), len(scheduler.waiting), self._added
+        return Counts(len(scheduler.running), len(scheduler.waiting), self._added)
 
     def _report(self, finished: list) -> None:
         done = {r.id for r in finished}
-        items = []
+        progress = {}
         for key, t in list(self._tracked.items()):
             r = t.request
             new = len(r.output_token_ids) - t.sent
@@ -215,16 +204,17 @@ class EngineLoop:
             if first and new:
                 self._first_token(t)
             logprobs = None if r.logprobs is None else r.logprobs[t.sent:]
-            items.append((key, r.output_token_ids[t.sent:], logprobs, r.id in done, r.finish_reason, r.stop_reason,
-                          r.prompt_logprobs if first else None, (r.num_cached_tokens or 0) if first else None))
+            progress[key] = Progress(r.output_token_ids[t.sent:], logprobs, r.id in done, r.finish_reason,
+                                     r.stop_reason, r.prompt_logprobs if first else None,
+                                     (r.num_cached_tokens or 0) if first else None)
             t.sent += new
             self.stats.generation_tokens += new
             if r.id in done:
                 del self._tracked[key]
                 self.stats.requests_finished += 1
                 self.stats.prompt_tokens += len(r.prompt_token_ids)
-        if items:
-            self._send(("reports", items, self._counts()))
+        if progress:
+            self._send(Reports(progress, self._counts()))
 
     def _first_token(self, t: _Tracked) -> None:
         launched = t.request.first_launched
@@ -238,25 +228,25 @@ class EngineLoop:
 
     def _fail_all(self, error: Exception) -> None:
         message = f"{type(error).__name__}: {error}"
-        items = []
+        errors = {}
         for key, t in list(self._tracked.items()):
             self.engine.abort(t.request.id)
-            items.append((key, message))
+            errors[key] = message
         self._tracked.clear()
-        if items:
-            self._send(("reports", items, self._counts()))
+        if errors:
+            self._send(Failures(errors, self._counts()))
 
-    def _metrics(self) -> dict:
-        """What `/metrics` shows of the engine: request counts, KV and prefix-cache use, totals."""
-        running, waiting, _ = self._counts()
+    def _metrics(self) -> MetricsSnapshot:
+        counts = self._counts()
         kv, cache = self.engine.kv, self.engine.scheduler.cache
         st = self.stats
-        return {"running": running, "waiting": waiting,
-                "kv_in_use": (kv.num_used - (cache.num_evictable if cache is not None else 0)) / kv.num_slots,
-                "prefix_cache_tokens": cache.num_cached if cache is not None else 0,
-                "prefix_cache_hit_rate": cache.hit / cache.queried if cache is not None and cache.queried else 0.0,
-                "requests_finished": st.requests_finished, "prompt_tokens": st.prompt_tokens,
-                "generation_tokens": st.generation_tokens,
-                "generation_tokens_per_second": st.generation_tokens / max(time.monotonic() - st.started, 1e-9),
-                "steps": st.steps, "step_seconds": st.step_seconds, "first_tokens": st.first_tokens,
-                "phase_seconds": dict(st.phase_seconds)}
+        return MetricsSnapshot(
+            running=counts.running, waiting=counts.waiting,
+            kv_in_use=(kv.num_used - (cache.num_evictable if cache is not None else 0)) / kv.num_slots,
+            prefix_cache_tokens=cache.num_cached if cache is not None else 0,
+            prefix_cache_hit_rate=cache.hit / cache.queried if cache is not None and cache.queried else 0.0,
+            requests_finished=st.requests_finished, prompt_tokens=st.prompt_tokens,
+            generation_tokens=st.generation_tokens,
+            generation_tokens_per_second=st.generation_tokens / max(time.monotonic() - st.started, 1e-9),
+            steps=st.steps, step_seconds=st.step_seconds, first_tokens=st.first_tokens,
+            phase_seconds=dict(st.phase_seconds))

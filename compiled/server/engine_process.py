@@ -11,51 +11,28 @@ the interpreter lock behind the handlers)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import multiprocessing
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from multiprocessing.connection import Connection
 
-from compiled.runtime.sampling_params import SamplingParams
-from compiled.server.engine_loop import EngineLoop, Progress, picklable
+from compiled.server.engine_loop import EngineLoop, picklable
+from compiled.server.messages import (
+    Abort, Add, Call, Counts, Failures, Gone, ModelInfo, Ready, Reply, Reports, StartFailed, Stop, Submitted,
+)
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the front end knows of the served model, sent by the engine once it is built."""
-    model_path: str
-    max_context: int
-    vocab_size: int
-    tokenizer_path: str | None
-    lora_enabled: bool
-    loras: tuple[str, ...]
-
-    @classmethod
-    def of(cls, llm) -> ModelInfo:
-        tokenizer = (llm.config.tokenizer or llm.model_path) if llm.tokenizer is not None else None
-        return cls(llm.model_path, llm.engine.max_context, llm.model_config.vocab_size, tokenizer,
-                   llm.engine.loras is not None, tuple(llm.loras))
-
-
-@dataclass
-class Submitted:
-    """An engine request as the front end knows it (`id`: its key in both processes)."""
-    id: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    lora: str | None
 
 
 class EngineGone(RuntimeError):
     """The engine's process exited."""
 
 
-def serve_engine(make_llm: Callable[[], object], inbox, outbox) -> None:
+def serve_engine(make_llm: Callable[[], object], inbox: Connection, outbox: Connection) -> None:
     """The engine process: build the LLM, say what it serves, run its loop until told to stop."""
     # Ctrl-C at a terminal reaches the whole process group: the front end drains its requests,
     # then stops this process; it must not die under them.
@@ -64,10 +41,10 @@ def serve_engine(make_llm: Callable[[], object], inbox, outbox) -> None:
     try:
         llm = make_llm()
     except BaseException as e:
-        outbox.send(("start_failed", picklable(e)))
+        outbox.send(StartFailed(picklable(e)))
         return
     loop = EngineLoop(llm, outbox.send)
-    outbox.send(("ready", ModelInfo.of(llm)))
+    outbox.send(Ready(ModelInfo.of(llm)))
     threading.Thread(target=_receive, args=(inbox, loop), name="compiled-engine-inbox", daemon=True).start()
     try:
         loop.run()
@@ -75,12 +52,12 @@ def serve_engine(make_llm: Callable[[], object], inbox, outbox) -> None:
         llm.shutdown()
 
 
-def _receive(inbox, loop: EngineLoop) -> None:
+def _receive(inbox: Connection, loop: EngineLoop) -> None:
     while True:
         try:
             message = inbox.recv()
         except (EOFError, OSError):   # the front end exited without stopping us
-            loop.post(("gone",))
+            loop.post(Gone())
             return
         loop.post(message)
 
@@ -95,7 +72,8 @@ class EngineClient:
         self._routes: dict[int, tuple[asyncio.Queue, int]] = {}   # key -> (its submit's queue, index there)
         self._replies: dict[int, asyncio.Future] = {}
         self._posted = 0                 # requests posted
-        self._counts = (0, 0, 0)         # (running, waiting, added) as the engine last reported
+        self._counts = Counts()          # as the engine last reported them
+        self._handlers = {Reports: self._on_reports, Failures: self._on_failures, Reply: self._on_reply}
         self.alive = False
         self.info: ModelInfo | None = None
 
@@ -110,16 +88,16 @@ class EngineClient:
         inbox.close()
         outbox.close()
         try:
-            kind, value = self._recv_end.recv()
+            started = self._recv_end.recv()
         except EOFError:
             self.process.join()
             raise EngineGone(f"the engine process exited with status {self.process.exitcode} while starting") \
                 from None
-        if kind == "start_failed":
+        if isinstance(started, StartFailed):
             self.process.join()
-            raise value
-        self.alive, self.info = True, value
-        return value
+            raise started.error
+        self.alive, self.info = True, started.info
+        return started.info
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start handing the engine's messages to `loop` (the handlers' event loop)."""
@@ -131,7 +109,7 @@ class EngineClient:
         self.alive = False   # its pipe's end is expected now, not an error
         if self.process.is_alive():
             try:
-                self._send_end.send(("stop",))
+                self._send_end.send(Stop())
             except OSError:
                 pass
             self.process.join(timeout)
@@ -154,31 +132,31 @@ class EngineClient:
         queue: asyncio.Queue = asyncio.Queue()
         for i, r in enumerate(requests):
             self._routes[r.id] = (queue, i)
-        self._post(("add", [(r.id, r.prompt_token_ids, r.params, r.lora, posted) for r in requests]))
+        self._post(Add(list(requests), posted))
         self._posted += len(requests)
         return queue
 
     def abort(self, key: int) -> None:
         """Stop request `key` (a no-op once it finished)."""
         if self._routes.pop(key, None) is not None and self.alive:
-            self._post(("abort", key))
+            self._post(Abort(key))
 
-    async def call(self, name: str, *args):
-        """Run one of the engine loop's calls between two steps; its result, or its error raised."""
+    async def call(self, command: Call) -> object:
+        """Run `command` in the engine loop between two steps; the value it replies, or its error
+        raised."""
         if not self.alive:
             raise EngineGone("the engine process has exited")
-        call_id = next(self._keys)
+        command = dataclasses.replace(command, call_id=next(self._keys))
         future = self._loop.create_future()
-        self._replies[call_id] = future
-        self._post(("call", call_id, name, args))
+        self._replies[command.call_id] = future
+        self._post(command)
         return await future
 
     def waiting(self) -> int:
         """Requests queued in the engine, those posted but not yet received there included."""
-        _, waiting, added = self._counts
-        return waiting + self._posted - added
+        return self._counts.waiting + self._posted - self._counts.added
 
-    def _post(self, message: tuple) -> None:
+    def _post(self, message: object) -> None:
         try:
             self._send_end.send(message)
         except OSError:   # the engine's end is closed: its exit is being reported
@@ -199,31 +177,39 @@ class EngineClient:
             if message is None:
                 return
 
-    def _handle(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "reports":
-            _, items, self._counts = message
-            for item in items:
-                route = self._routes.get(item[0])
-                if route is None:   # aborted here meanwhile
-                    continue
+    def _handle(self, message: object) -> None:
+        handler = self._handlers.get(type(message))
+        if handler is None:
+            log.error("the engine sent an unknown message %r", message)
+        else:
+            handler(message)
+
+    def _on_reports(self, message: Reports) -> None:
+        self._counts = message.counts
+        for key, progress in message.progress.items():
+            route = self._routes.get(key)
+            if route is None:   # aborted here meanwhile
+                continue
+            if progress.finished:
+                del self._routes[key]
+            queue, index = route
+            queue.put_nowait((index, progress))
+
+    def _on_failures(self, message: Failures) -> None:
+        self._counts = message.counts
+        for key, error in message.errors.items():
+            route = self._routes.pop(key, None)
+            if route is not None:   # else aborted here meanwhile
                 queue, index = route
-                if len(item) == 2:
-                    del self._routes[item[0]]
-                    queue.put_nowait((index, RuntimeError(item[1])))
-                    continue
-                key, *progress = item
-                if progress[2]:   # finished
-                    del self._routes[key]
-                queue.put_nowait((index, Progress(*progress)))
-        elif kind == "reply":
-            _, call_id, error, value = message
-            future = self._replies.pop(call_id, None)
-            if future is not None and not future.done():
-                if error is not None:
-                    future.set_exception(error)
-                else:
-                    future.set_result(value)
+                queue.put_nowait((index, RuntimeError(error)))
+
+    def _on_reply(self, message: Reply) -> None:
+        future = self._replies.pop(message.call_id, None)
+        if future is not None and not future.done():
+            if message.error is not None:
+                future.set_exception(message.error)
+            else:
+                future.set_result(message.value)
 
     def _gone(self, _=None) -> None:
         if not self.alive:

@@ -1,6 +1,6 @@
-"""What the HTTP routes share: the served model and the engine's process, the checks that turn a
-request body into engine requests, and the pieces of OpenAI's response bodies (choices, text
-decoded beside the engine, logprobs, usage)."""
+"""What the HTTP routes share (`Server`, the app's state): the served model and the engine's
+process, the checks that turn a request body into engine requests, and the pieces of OpenAI's
+response bodies every route builds the same way (logprobs entries, usage)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ import asyncio
 import time
 
 from compiled.errors import RequestError
-from compiled.runtime.detokenizer import IncrementalDetokenizer, stop_hit
 from compiled.runtime.request import check_logit_bias, check_token_ids
-from compiled.runtime.sampling_params import SamplingParams
 from compiled.runtime.tokenizer import Tokenizer, load_tokenizer
-from compiled.server.engine_loop import Progress
-from compiled.server.engine_process import EngineClient, ModelInfo, Submitted
+from compiled.server.engine_process import EngineClient
+from compiled.server.messages import ModelInfo, Submitted
 from compiled.server.protocol import APIError, Sampling, bad
 
 
 class Server:
+    """The app's state: the engine's process, the served model, its tokenizer and adapters."""
+
     def __init__(self, engine: EngineClient, info: ModelInfo, served_name: str, max_queued: int | None) -> None:
         self.engine, self.info = engine, info
         self.tokenizer: Tokenizer | None = load_tokenizer(info.tokenizer_path) if info.tokenizer_path else None
@@ -83,7 +83,8 @@ class Server:
             raise bad("messages", str(e)) from None
         return self.tokenizer.encode(text)
 
-    def start(self, prompts: list[list[int]], s: Sampling, adapter: str | None) -> tuple[list, asyncio.Queue]:
+    def start(self, prompts: list[list[int]], s: Sampling,
+              adapter: str | None) -> tuple[list[Submitted], asyncio.Queue]:
         """Engine requests for every (prompt, choice); the queue of their reports."""
         posted = time.perf_counter()
         if not self.engine.alive:
@@ -104,29 +105,11 @@ class Server:
             raise APIError(400, str(e), "prompt") from None
         return requests, self.engine.submit(requests, posted)
 
-    def texts(self, requests) -> list[TextSoFar]:
-        """Each request's text, built here from its tokens (beside the engine)."""
-        tok = self.tokenizer
-        return [TextSoFar(None if tok is None else IncrementalDetokenizer(tok, r.prompt_token_ids,
-                                                                          r.params.skip_special_tokens), r.params)
-                for r in requests]
-
-    def advance(self, request, text: TextSoFar, p: Progress) -> Progress:
-        """Fold `p` into the request's text. A stop string completed here ends the request as the
-        engine would have: the engine drops it, and the progress ends after the token that
-        completed the string (tokens the engine made past it are not sent)."""
-        kept = text.update(p)
-        if text.stop_reason is None:
-            return p
-        self.engine.abort(request.id)
-        return Progress(p.token_ids[:kept], None if p.logprobs is None else p.logprobs[:kept], True, "stop",
-                        text.stop_reason, p.prompt_logprobs)
-
     def token_text(self, token: int) -> str:
         tok = self.tokenizer
         return tok.decode([token], skip_special_tokens=False) if tok is not None else str(token)
 
-    def usage(self, requests, n: int, completion_tokens: int, cached: list[int | None]) -> dict:
+    def usage(self, requests: list[Submitted], n: int, completion_tokens: int, cached: list[int | None]) -> dict:
         """OpenAI's usage: each prompt counted once, however many choices it has (`n`), and of its
         tokens those the prefix cache held (`cached`: each request's, from its first report)."""
         prompt = sum(len(r.prompt_token_ids) for r in requests[::n])
@@ -134,7 +117,7 @@ class Server:
                 "total_tokens": prompt + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": sum(c or 0 for c in cached[::n])}}
 
-    def logprobs_entry(self, tokens: list[int], logprobs: list[dict[int, float]], k: int, chat: bool):
+    def logprobs_entry(self, tokens: list[int], logprobs: list[dict[int, float]], k: int, chat: bool) -> list:
         entries = []
         for t, lp in zip(tokens, logprobs):
             top = sorted(lp.items(), key=lambda kv: -kv[1])[:k]
@@ -159,71 +142,3 @@ def _text_content(content) -> str:
         raise bad("messages", f"only text content is served, got parts of type {', '.join(kinds) or 'text'} "
                   "without a string text")
     raise bad("messages", f"a message's content must be a string or a list of text parts, got {content!r}")
-
-
-class TextSoFar:
-    """A request's text decoded here token by token, checked for its stop strings in the order
-    the engine's own check has (`Engine._append`): from `min_new_tokens` on, on tokens the
-    engine did not itself end the request at (its end of sequence and stop token ids come
-    first). Without a tokenizer there is no text."""
-
-    def __init__(self, detokenizer: IncrementalDetokenizer | None, params: SamplingParams) -> None:
-        self.detokenizer, self.params, self.text = detokenizer, params, ""
-        self.tokens = 0
-        self.stop_reason: str | None = None   # the stop string that ended the text
-
-    def update(self, p: Progress) -> int:
-        """Fold in p's tokens; how many of them the request keeps (all but those past a stop string)."""
-        if self.detokenizer is None:
-            return len(p.token_ids)
-        params = self.params
-        for j, token in enumerate(p.token_ids):
-            delta = self.detokenizer.step(token)
-            self.text += delta
-            self.tokens += 1
-            ended_by_engine = p.finished and j == len(p.token_ids) - 1 and p.finish_reason == "stop"
-            hit = stop_hit(self.text, delta, params) \
-                if self.tokens >= params.min_new_tokens and not ended_by_engine else None
-            if hit is not None:
-                self.text, self.stop_reason = hit
-                return j + 1
-        return len(p.token_ids)
-
-
-def with_prompt(server: Server, choice: dict, text: str, ids: list[int], prompt_logprobs, s: Sampling) -> dict:
-    """A completions choice (or a stream's first chunk of one) with its prompt in front, as `echo`
-    asks (in place of what was generated when `prompt_only`): the prompt's text and, with logprobs,
-    its tokens' (None for the first, which nothing predicts)."""
-    generated = {"text": "", "logprobs": None} if s.prompt_only else choice
-    choice["text"] = text + generated["text"]
-    if s.top_logprobs is not None:
-        entries = [(server.token_text(ids[0]), None, None)]
-        entries += server.logprobs_entry(ids[1:], prompt_logprobs[1:], s.top_logprobs, chat=False)
-        logprobs = _completion_logprobs(entries)
-        for key in ("tokens", "token_logprobs", "top_logprobs"):
-            logprobs[key] += (generated["logprobs"] or {}).get(key, [])
-        choice["logprobs"] = logprobs
-    return choice
-
-
-def _completion_logprobs(entries) -> dict:
-    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [v for _, v, _ in entries],
-            "top_logprobs": [top for _, _, top in entries], "text_offset": None}
-
-
-def logprobs_body(server: Server, tokens, logprobs, s: Sampling, chat: bool) -> dict:
-    """A choice's `logprobs` for `tokens` (a whole choice or a streamed chunk's), in chat's or
-    completions' shape."""
-    entries = server.logprobs_entry(tokens, logprobs, s.top_logprobs, chat)
-    return {"content": entries} if chat else _completion_logprobs(entries)
-
-
-def choice_body(server: Server, index: int, p: Progress, text: str, tokens, logprobs, s: Sampling,
-                chat: bool) -> dict:
-    lp = logprobs_body(server, tokens, logprobs, s, chat) if s.top_logprobs is not None else None
-    choice = {"index": index, "finish_reason": p.finish_reason, "stop_reason": p.stop_reason, "logprobs": lp}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-    return choice

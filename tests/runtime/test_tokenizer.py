@@ -13,7 +13,8 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from compiled.runtime.detokenizer import IncrementalDetokenizer, StopChecker, find_stop
+from compiled.runtime.detokenizer import IncrementalDetokenizer
+from compiled.runtime.stop import StopChecker, find_stop
 from compiled.runtime.tokenizer import SentencePieceTokenizer, Tokenizer, has_tokenizer, load_tokenizer
 
 CHAT_TEMPLATE = (

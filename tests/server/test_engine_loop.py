@@ -12,6 +12,7 @@ import functools
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pytest
@@ -19,8 +20,11 @@ import pytest
 from compiled import LLM
 from compiled.errors import ConfigError, RequestError
 from compiled.runtime.sampling_params import SamplingParams
-from compiled.server.engine_loop import EngineLoop, Progress
+from compiled.server.engine_loop import EngineLoop
 from compiled.server.engine_process import EngineClient, EngineGone
+from compiled.server.messages import (
+    Abort, Add, Call, Counts, Failures, GetMetrics, Progress, Reply, Reports, Stop, Submitted,
+)
 
 
 class _Request(SimpleNamespace):
@@ -80,14 +84,39 @@ class _HeldEngine:
         return 0
 
 
-def _item(key: int, max_new_tokens: int = 2, lora=None):
-    return (key, [1, 2, 3], SamplingParams(max_new_tokens=max_new_tokens), lora, 0.0)
+@dataclass
+class _Log(Call):
+    """A call answered with the engine's log (registered by `_loop`)."""
+
+
+@dataclass
+class _Unknown(Call):
+    """A call the loop has no handler for."""
+
+
+def _add(*items: Submitted) -> Add:
+    return Add(list(items), 0.0)
+
+
+def _item(key: int, max_new_tokens: int = 2, lora=None) -> Submitted:
+    return Submitted(key, [1, 2, 3], SamplingParams(max_new_tokens=max_new_tokens), lora)
+
+
+def _items(sent: list) -> list[tuple]:
+    """Every (key, Progress) and (key, error message) the loop sent, in order."""
+    items = []
+    for m in sent:
+        if isinstance(m, Reports):
+            items += m.progress.items()
+        elif isinstance(m, Failures):
+            items += m.errors.items()
+    return items
 
 
 def _loop(engine) -> tuple[EngineLoop, list, threading.Thread]:
-    sent: list[tuple] = []
+    sent: list = []
     loop = EngineLoop(SimpleNamespace(engine=engine, unload_lora=None), sent.append)
-    loop._calls["log"] = lambda: list(engine.log)
+    loop._handlers[_Log] = loop._answering(lambda m: list(engine.log))
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
     return loop, sent, thread
@@ -97,7 +126,7 @@ def _reply(sent: list, call_id: int, timeout: float = 10.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for m in list(sent):
-            if m[0] == "reply" and m[1] == call_id:
+            if isinstance(m, Reply) and m.call_id == call_id:
                 return m
         time.sleep(0.01)
     raise AssertionError(f"no reply to call {call_id} within {timeout} s")
@@ -106,37 +135,38 @@ def _reply(sent: list, call_id: int, timeout: float = 10.0):
 def test_posts_never_wait_for_a_running_step_and_run_in_order_after_it():
     engine = _HeldEngine()
     loop, sent, thread = _loop(engine)
-    loop.post(("add", [_item(1)]))
+    loop.post(_add(_item(1)))
     assert engine.stepping.wait(10), "the engine never stepped"
     # the step is running now (held): posting returns at once, and nothing runs beside the step
-    loop.post(("add", [_item(2)]))
-    loop.post(("abort", 1))
-    loop.post(("call", 50, "log", ()))
-    assert not any(m[0] == "reply" for m in sent), "a call ran beside the step instead of after it"
+    loop.post(_add(_item(2)))
+    loop.post(Abort(1))
+    loop.post(_Log(call_id=50))
+    assert not any(isinstance(m, Reply) for m in sent), "a call ran beside the step instead of after it"
     engine.release.set()
-    assert _reply(sent, 50)[2:] == (None, [("add", 100), ("add", 101), ("abort", 100)])
-    loop.post(("stop",))
+    reply = _reply(sent, 50)
+    assert (reply.error, reply.value) == (None, [("add", 100), ("add", 101), ("abort", 100)])
+    loop.post(Stop())
     thread.join(10)
     assert not thread.is_alive(), "stop did not end the loop once its requests finished"
-    reports = [item for m in sent if m[0] == "reports" for item in m[1]]
+    reports = _items(sent)
     # key 1 got its first token before the abort; key 2 ran to its max_new_tokens
-    assert [r for r in reports if r[0] == 2] == [(2, [7], None, False, None, None, None, 0),
-                                                (2, [7], None, True, "length", None, None, None)]
-    assert sent[-1][0] == "reports" and sent[-1][2] == (0, 0, 2)
+    assert [r for r in reports if r[0] == 2] == [(2, Progress([7], None, False, None, None, None, 0)),
+                                                (2, Progress([7], None, True, "length", None, None, None))]
+    assert isinstance(sent[-1], Reports) and sent[-1].counts == Counts(0, 0, 2)
 
 
 def test_a_request_the_engine_refuses_is_reported_as_an_error_naming_it():
     engine = _HeldEngine()
     engine.release.set()
     loop, sent, thread = _loop(engine)
-    loop.post(("add", [_item(1, lora="gone"), _item(2, max_new_tokens=1)]))
-    loop.post(("call", 9, "nope", ()))
-    loop.post(("stop",))
+    loop.post(_add(_item(1, lora="gone"), _item(2, max_new_tokens=1)))
+    loop.post(_Unknown(call_id=9))
+    loop.post(Stop())
     thread.join(10)
-    items = [item for m in sent if m[0] == "reports" for item in m[1]]
+    items = _items(sent)
     assert (1, "prompt 0 asks for unknown adapter 'gone'") in items
-    assert (2, [7], None, True, "length", None, None, 0) in items
-    error = next(m for m in sent if m[0] == "reply")[2]
+    assert (2, Progress([7], None, True, "length", None, None, 0)) in items
+    error = next(m for m in sent if isinstance(m, Reply)).error
     assert isinstance(error, KeyError)
 
 
@@ -168,18 +198,18 @@ def test_idle_engine_captures_the_buckets_left_for_later_one_at_a_time():
     loop, sent, thread = _loop(engine)
     try:
         assert engine.idle.wait(10), "the idle engine left graph buckets uncaptured"
-        loop.post(("add", [_item(1)]))
-        loop.post(("call", 1, "log", ()))
-        assert _reply(sent, 1)[3][:3] == [("capture", 2), ("capture", 1), ("capture", 0)]
+        loop.post(_add(_item(1)))
+        loop.post(_Log(call_id=1))
+        assert _reply(sent, 1).value[:3] == [("capture", 2), ("capture", 1), ("capture", 0)]
     finally:
-        loop.post(("stop",))
+        loop.post(Stop())
         thread.join(10)
     assert ("step", 1) in engine.log and engine.log.count(("capture", 0)) == 1
 
 
 def _client() -> tuple[EngineClient, list]:
     client = EngineClient(lambda: None)
-    posted: list[tuple] = []
+    posted: list = []
     client._post = posted.append
     client.alive, client.process = True, SimpleNamespace(exitcode=-9)
     return client, posted
@@ -191,19 +221,19 @@ def test_the_client_routes_reports_to_each_request_and_counts_what_waits():
         client._loop = asyncio.get_running_loop()
         a = [SimpleNamespace(id=client.new_key(), prompt_token_ids=[1], params=None, lora=None) for _ in range(2)]
         queue = client.submit(a, 0.0)
-        assert posted[-1][0] == "add" and [i[0] for i in posted[-1][1]] == [r.id for r in a]
+        assert isinstance(posted[-1], Add) and [r.id for r in posted[-1].requests] == [r.id for r in a]
         assert client.waiting() == 2            # posted, not yet seen by the engine
-        client._handle(("reports", [(a[0].id, [5, 6], None, False, None, None, None, 0)], (1, 1, 2)))
+        client._handle(Reports({a[0].id: Progress([5, 6], None, False, None, None, None, 0)}, Counts(1, 1, 2)))
         assert client.waiting() == 1
         client.abort(a[1].id)
-        assert posted[-1] == ("abort", a[1].id)
-        client._handle(("reports", [(a[1].id, [9], None, True, "length", None, None, 0),
-                                    (a[0].id, [7], None, True, "stop", 7, None, None)], (0, 0, 2)))
+        assert posted[-1] == Abort(a[1].id)
+        client._handle(Reports({a[1].id: Progress([9], None, True, "length", None, None, 0),
+                                a[0].id: Progress([7], None, True, "stop", 7, None, None)}, Counts(0, 0, 2)))
         got = [queue.get_nowait() for _ in range(queue.qsize())]
         assert got == [(0, Progress([5, 6], None, False, cached_tokens=0)), (0, Progress([7], None, True, "stop", 7))]
         assert not client._routes
         b = client.submit([SimpleNamespace(id=client.new_key(), prompt_token_ids=[1], params=None, lora=None)], 0.0)
-        call = asyncio.ensure_future(client.call("metrics"))
+        call = asyncio.ensure_future(client.call(GetMetrics()))
         await asyncio.sleep(0)
         client._gone()
         index, error = b.get_nowait()
@@ -266,14 +296,14 @@ class _FailingOnceEngine(_HeldEngine):
 def test_a_failed_step_fails_its_requests_and_the_loop_serves_on():
     engine = _FailingOnceEngine()
     loop, sent, thread = _loop(engine)
-    loop.post(("add", [_item(1)]))
-    loop.post(("call", 1, "log", ()))
+    loop.post(_add(_item(1)))
+    loop.post(_Log(call_id=1))
     _reply(sent, 1)
-    loop.post(("add", [_item(2, max_new_tokens=1)]))
-    loop.post(("stop",))
+    loop.post(_add(_item(2, max_new_tokens=1)))
+    loop.post(Stop())
     thread.join(10)
     assert not thread.is_alive()
-    items = [item for m in sent if m[0] == "reports" for item in m[1]]
+    items = _items(sent)
     assert (1, "RuntimeError: CUDA error: an illegal memory access") in items
-    assert (2, [7], None, True, "length", None, None, 0) in items
+    assert (2, Progress([7], None, True, "length", None, None, 0)) in items
     assert ("abort", 100) in engine.log   # the failed request left the engine

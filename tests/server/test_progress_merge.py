@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from compiled.server.app import _next_reports
-from compiled.server.engine_loop import Progress
+from compiled.server.choices import next_reports
+from compiled.server.messages import Progress
 from compiled.server.protocol import APIError
 
 
@@ -19,7 +19,7 @@ def _reports(*items, done=()):
         q: asyncio.Queue = asyncio.Queue()
         for item in items:
             q.put_nowait(item)
-        return await _next_reports(q, set(done)), q.qsize()
+        return await next_reports(q, set(done)), q.qsize()
     return asyncio.run(run())
 
 

@@ -1,0 +1,54 @@
+"""What rank 0 of a context-parallel group tells its workers, one dataclass a message (broadcast
+as pickled objects on the group's control channel): the KV cache's size once, then steps to run
+and adapters to add or remove, until `Stop`. A worker hands each to its handler through one table
+keyed by the message's type (`cp_worker.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class StepChunk:
+    """What every rank needs of one chunk of a context-parallel step."""
+    row: int                 # the request's row of the request->token table
+    start: int               # position of its first token
+    token_ids: list[int]
+    slots: np.ndarray        # the tokens' KV slots
+    lora_slot: int
+    split: bool
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class KVSlots:
+    """The KV cache's size on rank 0, which every worker's cache takes (sent once, first)."""
+    num_slots: int
+
+
+@dataclass
+class StepMessage:
+    """Run a context-parallel step."""
+    chunks: list[StepChunk]
+    adapters: dict[int, str]   # slot -> the adapter it must hold, for the slots the step uses
+
+
+@dataclass
+class AddLora:
+    adapter: object            # a `compiled.lora.Adapter`
+    pinned: bool
+
+
+@dataclass
+class RemoveLora:
+    name: str
+
+
+@dataclass
+class Stop:
+    """Leave the group: rank 0 is shutting down."""

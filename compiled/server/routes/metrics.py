@@ -1,0 +1,59 @@
+"""`/health`, `/version`, and `/metrics` (Prometheus text) from the engine's `MetricsSnapshot`."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request as HTTPRequest
+from fastapi.responses import PlainTextResponse
+
+from compiled.version import __version__
+from compiled.server.messages import FIRST_TOKEN_PHASES, GetMetrics, MetricsSnapshot
+from compiled.server.protocol import APIError
+from compiled.server.routes.common import server_of
+
+router = APIRouter()
+
+
+@router.get("/health", response_model=None)
+async def health(http: HTTPRequest) -> dict:
+    if not server_of(http).engine.alive:
+        raise APIError(503, "the engine has stopped")
+    return {}
+
+
+@router.get("/version", response_model=None)
+async def version() -> dict:
+    return {"version": __version__}
+
+
+@router.get("/metrics")
+async def metrics(http: HTTPRequest) -> PlainTextResponse:
+    snapshot = await server_of(http).engine.call(GetMetrics())
+    return PlainTextResponse(prometheus_text(snapshot), media_type="text/plain; version=0.0.4")
+
+
+def prometheus_text(m: MetricsSnapshot) -> str:
+    lines = [
+        "# TYPE compiled_requests_running gauge", f"compiled_requests_running {m.running}",
+        "# TYPE compiled_requests_waiting gauge", f"compiled_requests_waiting {m.waiting}",
+        "# HELP compiled_kv_cache_usage share of KV slots held by requests (cached prefixes excluded)",
+        "# TYPE compiled_kv_cache_usage gauge", f"compiled_kv_cache_usage {m.kv_in_use:.6f}",
+        "# TYPE compiled_prefix_cache_tokens gauge", f"compiled_prefix_cache_tokens {m.prefix_cache_tokens}",
+        "# TYPE compiled_prefix_cache_hit_rate gauge",
+        f"compiled_prefix_cache_hit_rate {m.prefix_cache_hit_rate:.6f}",
+        "# TYPE compiled_requests_finished_total counter",
+        f"compiled_requests_finished_total {m.requests_finished}",
+        "# TYPE compiled_prompt_tokens_total counter", f"compiled_prompt_tokens_total {m.prompt_tokens}",
+        "# TYPE compiled_generation_tokens_total counter",
+        f"compiled_generation_tokens_total {m.generation_tokens}",
+        "# TYPE compiled_generation_tokens_per_second gauge",
+        f"compiled_generation_tokens_per_second {m.generation_tokens_per_second:.3f}",
+        "# HELP compiled_engine_step_seconds wall time of the engine's steps",
+        "# TYPE compiled_engine_step_seconds summary",
+        f"compiled_engine_step_seconds_sum {m.step_seconds:.6f}",
+        f"compiled_engine_step_seconds_count {m.steps}",
+    ]
+    for phase, seconds in m.phase_seconds.items():
+        name = f"compiled_first_token_{phase}_seconds"
+        lines += [f"# HELP {name} {FIRST_TOKEN_PHASES[phase]}", f"# TYPE {name} summary",
+                  f"{name}_sum {seconds:.6f}", f"{name}_count {m.first_tokens}"]
+    return "\n".join(lines) + "\n"
