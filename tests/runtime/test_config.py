@@ -46,7 +46,7 @@ def odd_defaults(monkeypatch):
 
 
 def test_cli_commands_take_engine_defaults_from_the_config(odd_defaults):
-    _, run_module, export_module, bench_module, _ = odd_defaults
+    _, run_module, export_module, bench_module, _, _ = odd_defaults
     commands = {"run": run_module.run, "export": export_module.export}
     commands.update({c.callback.__name__: c.callback for c in bench_module.bench_app.registered_commands})
     assert {"latency", "throughput", "serving", "startup"} <= set(commands)
