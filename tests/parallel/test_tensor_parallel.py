@@ -1,0 +1,64 @@
+"""Tensor parallelism on CPU (gloo, fp32): TP=2 gives the prompt logprobs (whole vocabulary) and
+greedy tokens of TP=1 for one batch of prompts of odd lengths, on a dense model and on a MoE with a
+dense layer among its MoE layers; TP=4 on a dense model whose K/V heads are replicated (2 of
+them) and whose vocabulary does not divide by 4. Prefix-cache hits and chunked prefill ride along
+(the 150-token prompt is prefilled in chunks; the repeated prompt starts from its cached prefix)."""
+
+from __future__ import annotations
+
+import pytest
+
+from compiled import LLM, SamplingParams
+from compiled.errors import ConfigError
+from tests.conftest import make_checkpoint
+
+ENGINE = dict(max_num_batched_tokens=64, kv_cache_tokens=2048, max_model_len=256, enable_prefix_caching=True)
+LENGTHS = (37, 3, 50, 150)
+PARAMS = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=-1)
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    return [[(7 * i + 3 * n) % (vocab - 1) + 1 for i in range(n)] for n in LENGTHS]
+
+
+def _run(model: str, world: int):
+    llm = LLM(model, tensor_parallel_size=world, **ENGINE)
+    try:
+        prompts = _prompts(llm.model_config.vocab_size)
+        first = llm.generate(prompts, PARAMS)
+        again = llm.generate(prompts[2:3], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    return first, again
+
+
+def _assert_same(outputs, reference):
+    for out, ref in zip(outputs, reference):
+        assert out.token_ids == ref.token_ids
+        assert len(out.prompt_logprobs) == len(ref.prompt_logprobs)
+        for a, b in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+            assert a.keys() == b.keys()
+            assert max(abs(a[k] - b[k]) for k in a) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp")
+    return {"dense": make_checkpoint(root / "dense", seed=1, num_hidden_layers=2, vocab_size=123),
+            "mixed": make_checkpoint(root / "mixed", moe=True, seed=2, num_hidden_layers=3, mlp_only_layers=[1])}
+
+
+@pytest.mark.parametrize("name, worlds", [("dense", (2, 4)), ("mixed", (2,))])
+def test_tp_equals_tp_1(models, name, worlds, one_intra_op_thread):
+    reference, ref_again = _run(models[name], 1)
+    for world in worlds:
+        outputs, again = _run(models[name], world)
+        _assert_same(outputs, reference)
+        assert again[0].token_ids == ref_again[0].token_ids
+
+
+def test_tp_refuses_what_it_cannot_split(models):
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3 does not divide num_attention_heads=4"):
+        LLM(models["dense"], tensor_parallel_size=3, **ENGINE)
+    with pytest.raises(ConfigError, match="LoRA"):
+        LLM(models["dense"], tensor_parallel_size=2, enable_lora=True, **ENGINE)
