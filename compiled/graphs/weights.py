@@ -61,8 +61,8 @@ class WeightMap:
     def describe(self, target: str) -> str:
         """A readable recipe, e.g. `qkv_proj.weight = cat(q_proj.weight, k_proj.weight, ...)`."""
         pieces = self.pieces[target]
-        if len(pieces) == 1 and pieces[0].source == target and pieces[0].narrow is None:
-            return target
+        if len(pieces) == 1 and pieces[0].source == target:
+            return target + (f" = {target}{_slice(pieces[0])}" if pieces[0].narrow is not None else "")
         experts = {p.expert for p in pieces}
         if experts != {None}:
             per = [p.source for p in pieces if p.expert == min(experts)]

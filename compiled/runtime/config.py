@@ -239,9 +239,6 @@ class EngineConfig:
         if self.enable_lora or self.lora_modules:
             raise _bad("tensor_parallel_size", self.tensor_parallel_size, "1 with LoRA adapters (LoRA is not "
                                                                           "sharded yet)")
-        if self.load_format == "dummy":
-            raise _bad("tensor_parallel_size", self.tensor_parallel_size, "1 with load_format='dummy' (each rank "
-                                                                          "would draw different weights)")
 
     @property
     def world_size(self) -> int:
