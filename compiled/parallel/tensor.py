@@ -15,6 +15,10 @@ import torch.distributed as dist
 
 from compiled.errors import ConfigError
 
+# Checkpoint projections split along their output rows (column-parallel) or input columns (row-parallel).
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -67,6 +71,16 @@ class ShardPlan:
         if self.world <= self.num_kv_heads:
             return self.rank * self.local_kv_heads
         return self.rank * self.num_kv_heads // self.world
+
+    def span(self, proj: str, expert: bool = False) -> tuple[int, int]:
+        """(start, length) of this rank's output rows of column-parallel projection `proj`, or of
+        its input columns of a row-parallel one (an expert's when `expert`)."""
+        hd = self.head_dim
+        if proj in ("q_proj", "o_proj"):
+            return self.first_head * hd, self.local_heads * hd
+        if proj in ("k_proj", "v_proj"):
+            return self.first_kv_head * hd, self.local_kv_heads * hd
+        return self.rows(self.moe_intermediate if expert else self.intermediate)
 
     def rows(self, full: int) -> tuple[int, int]:
         """(start, length) of this rank's share of a dimension of size `full`."""

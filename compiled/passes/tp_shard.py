@@ -19,13 +19,9 @@ from torch import fx, nn
 import compiled.moe.experts  # noqa: F401  (registers compiled::moe_experts)
 import compiled.parallel.ops  # noqa: F401  (registers compiled::all_reduce)
 from compiled.graphs.weights import WeightMap
-from compiled.parallel.tensor import ShardPlan, shard_plan
+from compiled.parallel.tensor import COLUMN_PARALLEL, ROW_PARALLEL, ShardPlan, shard_plan
 from compiled.passes.base import GraphPass, PassRecord, is_module, is_op, note_params
 from compiled.passes.calls import build_call, call_args, operands
-
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW = ("o_proj", "down_proj")
-
 
 def tp_shard_pass(world: int, rank: int) -> GraphPass:
     """The pass of rank `rank` of `world`."""
@@ -34,23 +30,13 @@ def tp_shard_pass(world: int, rank: int) -> GraphPass:
         for node in list(gm.graph.nodes):
             if is_module(gm, node, nn.Linear):
                 leaf = node.target.rpartition(".")[2]
-                if leaf in COLUMN:
-                    _column(gm, weights, record, node, *_span(plan, leaf))
-                elif leaf in ROW:
-                    _row(gm, weights, record, node, *_span(plan, leaf))
+                if leaf in COLUMN_PARALLEL:
+                    _column(gm, weights, record, node, *plan.span(leaf))
+                elif leaf in ROW_PARALLEL:
+                    _row(gm, weights, record, node, *plan.span(leaf))
             elif is_op(node, torch.ops.compiled.moe_experts):
                 _experts(gm, weights, record, node, plan)
     return GraphPass("tp_shard", tp_shard)
-
-
-def _span(plan: ShardPlan, leaf: str) -> tuple[int, int]:
-    """(start, length) of this rank's rows (column-parallel) or columns (row-parallel)."""
-    hd = plan.head_dim
-    if leaf in ("q_proj", "o_proj"):
-        return plan.first_head * hd, plan.local_heads * hd
-    if leaf in ("k_proj", "v_proj"):
-        return plan.first_kv_head * hd, plan.local_kv_heads * hd
-    return plan.rows(plan.intermediate)
 
 
 def _replace_linear(gm: fx.GraphModule, record: PassRecord, target: str, inputs: int, outputs: int,
@@ -104,7 +90,7 @@ def _row(gm: fx.GraphModule, weights: WeightMap, record: PassRecord, node: fx.No
 
 def _experts(gm: fx.GraphModule, weights: WeightMap, record: PassRecord, node: fx.Node, plan: ShardPlan) -> None:
     args = call_args(node)
-    start, length = plan.rows(plan.moe_intermediate)
+    start, length = plan.span("gate_proj", expert=True)
     for name, dim in (("gate", 1), ("up", 1), ("down", 2)):
         attr = args[name]
         owner, _, leaf = attr.target.rpartition(".")

@@ -236,9 +236,9 @@ class EngineConfig:
         if self.context_parallel_size > 1:
             raise _bad("tensor_parallel_size", self.tensor_parallel_size, "1 with context_parallel_size > 1 "
                                                                           "(the two do not combine yet)")
-        if self.enable_lora or self.lora_modules:
-            raise _bad("tensor_parallel_size", self.tensor_parallel_size, "1 with LoRA adapters (LoRA is not "
-                                                                          "sharded yet)")
+        if self.merge_lora:
+            raise _bad("merge_lora", True, "False with tensor_parallel_size > 1 (merging into sharded weights is "
+                                           "not built)")
 
     @property
     def world_size(self) -> int:

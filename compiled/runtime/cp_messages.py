@@ -71,3 +71,4 @@ class TPStep:
     sample_rows: list[int]
     feed: bool                                    # the input ids follow on the data group (overlap scheduling)
     table_writes: list[tuple[int, int, np.ndarray]]   # request-table rows the scheduler pointed at cached K/V
+    adapters: dict[int, str]   # slot -> the adapter it must hold, for the slots the step uses

@@ -69,7 +69,7 @@ def serve(group: CPGroup, model: str, kwargs: dict) -> None:
         raise CPError(f"{group.kind} worker {group.rank}: expected the KV cache's size first, got {sizes!r}")
     engine = Engine(models.runner_graphs, mcfg, config, sizes.num_slots, None, set(), models.lora_buffers)
     if config.tp:
-        engine.runner.enable_tp(group)
+        engine.enable_tp(group)
         if config.use_cuda_graphs:   # as rank 0 does: the captures' forwards all-reduce together
             engine.capture_graphs(config.artifact is not None and models.report.compiled_now == 0)
     else:
@@ -98,6 +98,8 @@ class _Worker:
 
     def _tp_step(self, message: TPStep) -> None:
         runner = self.engine.runner
+        for slot, name in message.adapters.items():
+            self.engine.loras.place(name, slot)
         point_rows(self.engine.req_pool.table, message.table_writes)
         feed = received_feed(self.group, message, self.engine.cfg.device)
         runner.forward(worker_batch(message), message.sample_rows, feed)

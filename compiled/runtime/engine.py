@@ -35,7 +35,7 @@ from compiled.errors import RequestError
 from compiled.graphs.config import ModelConfig
 from compiled.lora.merged import MergedLoRA
 from compiled.lora.pool import LoRAPool
-from compiled.parallel.tensor import local_kv_heads
+from compiled.parallel.tensor import local_kv_heads, shard_plan
 from compiled.passes.variant import BASE, LORA, GraphVariant
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.detokenizer import IncrementalDetokenizer
@@ -86,6 +86,13 @@ class Engine:
         self._held_for_copy: set[int] = set()   # slots whose copy held a request back in the last pass
         self._claimed: set[str] = set()   # adapters given a slot in this scheduling pass (_acquire_adapter)
         self.overlap_schedule = cfg.overlap_schedule  # may be switched between steps
+
+    def enable_tp(self, group) -> None:
+        """Run every step on every rank of tensor-parallel `group` (a `parallel.group.CPGroup`),
+        each serving its share of the adapters."""
+        self.runner.enable_tp(group)
+        if self.loras is not None:
+            self.loras.shard_for(shard_plan(self.model_config, group.world, group.rank))
 
     # ---- adapters ------------------------------------------------------------------------------
 

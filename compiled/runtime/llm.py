@@ -115,7 +115,7 @@ class LLM:
             if self._cp is not None:
                 self._cp.send(KVSlots(self.engine.kv.num_slots))
                 if self.config.tp:
-                    self.engine.runner.enable_tp(self._cp)
+                    self.engine.enable_tp(self._cp)
                 else:
                     self.engine.runner.enable_cp(self._cp, models.cp)
         except BaseException:
@@ -180,8 +180,10 @@ class LLM:
         return 1 if self.engine.runner.cp is None else self.engine.runner.cp.group.world
 
     def _tell_workers(self, message: AddLora | RemoveLora) -> None:
-        if self.engine.runner.cp is not None:
-            self.engine.runner.cp.group.send(message)
+        runner = self.engine.runner
+        group = runner.cp.group if runner.cp is not None else runner.tp
+        if group is not None:
+            group.send(message)
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -280,10 +282,13 @@ class LLM:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"adapter name {name!r}: expected a non-empty string")
         from compiled.lora.adapter import load_adapter
-        return self.engine.loras.prepare(load_adapter(name, path, self.model_config, self.config.max_lora_rank))
+        adapter = load_adapter(name, path, self.model_config, self.config.max_lora_rank)
+        # Tensor-parallel: the whole adapter, which `add_lora` cuts to this rank's share and sends whole to the others.
+        return adapter if self.config.tp else self.engine.loras.prepare(adapter)
 
     def add_lora(self, adapter, pinned: bool = False) -> None:
-        """Serve an adapter already in memory (`compiled.lora.Adapter`, e.g. `lora.random_adapter`)."""
+        """Serve an adapter already in memory (`compiled.lora.Adapter`, e.g. `lora.random_adapter`);
+        tensor-parallel, a whole one (not cut for a rank)."""
         if self.engine.loras is None:
             raise ConfigError("LoRA is off: start the LLM with enable_lora=True (or lora_modules) to load adapters")
         self.engine.loras.add(adapter, pinned, busy=frozenset(self.engine.adapters_in_use()))

@@ -31,7 +31,8 @@ def step_message(batch: Batch, sample_rows: Sequence[int], feed: torch.Tensor | 
     """Rank 0: what the workers need to run `batch`."""
     chunks = [TPChunk(c.request.row, c.start, c.request.token_ids(c.start, c.start + c.length), c.slots,
                       c.request.lora_slot) for c in batch.chunks]
-    return TPStep(chunks, list(sample_rows), feed is not None, table_writes)
+    adapters = {c.request.lora_slot: c.request.lora for c in batch.chunks if c.request.lora_slot >= 0}
+    return TPStep(chunks, list(sample_rows), feed is not None, table_writes, adapters)
 
 
 def send_step(group: CPGroup, message: TPStep, feed: torch.Tensor | None) -> None:

@@ -62,3 +62,26 @@ def test_tp_refuses_what_it_cannot_split(models):
         LLM(models["dense"], tensor_parallel_size=3, **ENGINE)
     with pytest.raises(ConfigError, match="LoRA"):
         LLM(models["dense"], tensor_parallel_size=2, enable_lora=True, **ENGINE)
+
+
+def test_tp_with_a_batch_mixing_lora_adapters_and_base_rows(one_intra_op_thread):
+    """The demo MoE model's adapters (attention, MLP and expert targets) and base rows in one
+    batch: TP=2 (column-parallel B and row-parallel A sharded per rank) gives TP=1's outputs."""
+    from compiled.demo import MOE_ADAPTERS
+    adapters = [None, "upper", "first", "upper"]
+
+    def run(world: int, lora: list[str | None]):
+        llm = LLM(None, tensor_parallel_size=world, lora_modules=dict(MOE_ADAPTERS), **ENGINE)
+        try:
+            projections = {name: llm.engine.loras.adapters[name].projections for name in MOE_ADAPTERS}
+            return llm.generate(_prompts(llm.model_config.vocab_size), PARAMS, lora=lora), projections
+        finally:
+            llm.shutdown()
+    reference, projections = run(1, adapters)
+    assert {"q_proj", "o_proj"} <= projections["first"] and {"gate_proj", "down_proj"} <= projections["upper"]
+    outputs, _ = run(2, adapters)
+    _assert_same(outputs, reference)
+    base, _ = run(2, [None] * len(adapters))
+    for b, r, a in zip(base, reference, adapters):   # the adapters change their rows' logprobs
+        gap = max(abs(x[k] - y[k]) for x, y in zip(b.prompt_logprobs[1:], r.prompt_logprobs[1:]) for k in x)
+        assert (gap > 1e-2) == (a is not None)
