@@ -27,6 +27,7 @@ def _run(model: str, world: int):
         prompts = _prompts(llm.model_config.vocab_size)
         first = llm.generate(prompts, PARAMS)
         again = llm.generate(prompts[2:3], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+        assert llm.engine.num_overlapped > 0   # decode steps whose input ids the workers got from the device
     finally:
         llm.shutdown()
     return first, again
@@ -60,8 +61,8 @@ def test_tp_equals_tp_1(models, name, worlds, one_intra_op_thread):
 def test_tp_refuses_what_it_cannot_split(models):
     with pytest.raises(ConfigError, match="tensor_parallel_size=3 does not divide num_attention_heads=4"):
         LLM(models["dense"], tensor_parallel_size=3, **ENGINE)
-    with pytest.raises(ConfigError, match="LoRA"):
-        LLM(models["dense"], tensor_parallel_size=2, enable_lora=True, **ENGINE)
+    with pytest.raises(ConfigError, match="merge_lora=True: expected False with tensor_parallel_size > 1"):
+        LLM(models["dense"], tensor_parallel_size=2, merge_lora=True, **ENGINE)
 
 
 def test_tp_with_a_batch_mixing_lora_adapters_and_base_rows(one_intra_op_thread):
@@ -70,18 +71,49 @@ def test_tp_with_a_batch_mixing_lora_adapters_and_base_rows(one_intra_op_thread)
     from compiled.demo import MOE_ADAPTERS
     adapters = [None, "upper", "first", "upper"]
 
-    def run(world: int, lora: list[str | None]):
+    def run(world: int, *loras: list[str | None]):
         llm = LLM(None, tensor_parallel_size=world, lora_modules=dict(MOE_ADAPTERS), **ENGINE)
         try:
             projections = {name: llm.engine.loras.adapters[name].projections for name in MOE_ADAPTERS}
-            return llm.generate(_prompts(llm.model_config.vocab_size), PARAMS, lora=lora), projections
+            return [llm.generate(_prompts(llm.model_config.vocab_size), PARAMS, lora=a) for a in loras], projections
         finally:
             llm.shutdown()
-    reference, projections = run(1, adapters)
+    (reference,), projections = run(1, adapters)
     assert {"q_proj", "o_proj"} <= projections["first"] and {"gate_proj", "down_proj"} <= projections["upper"]
-    outputs, _ = run(2, adapters)
+    (outputs, base), _ = run(2, adapters, [None] * len(adapters))
     _assert_same(outputs, reference)
-    base, _ = run(2, [None] * len(adapters))
     for b, r, a in zip(base, reference, adapters):   # the adapters change their rows' logprobs
         gap = max(abs(x[k] - y[k]) for x, y in zip(b.prompt_logprobs[1:], r.prompt_logprobs[1:]) for k in x)
         assert (gap > 1e-2) == (a is not None)
+
+
+def test_a_rank_killed_mid_generate_ends_it_with_a_one_line_error(models, monkeypatch):
+    import os
+    import signal
+    import time
+
+    from compiled.parallel.group import CPError
+    from compiled.runtime.model_runner import ModelRunner
+    llm = LLM(models["dense"], tensor_parallel_size=2, cp_timeout=5.0, **ENGINE)
+    worker = llm.engine.runner.tp.processes[0]
+    forward, steps = ModelRunner._forward, []
+
+    def kill_after_two(self, *args):
+        steps.append(1)
+        if len(steps) == 3:
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.join(10)
+        return forward(self, *args)
+
+    monkeypatch.setattr(ModelRunner, "_forward", kill_after_two)
+    start = time.monotonic()
+    try:
+        with pytest.raises(CPError) as e:
+            llm.generate([list(range(1, 40))], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+        assert time.monotonic() - start < 60
+        assert "\n" not in str(e.value) and "tensor-parallel group of 2" in str(e.value)
+        assert worker.exitcode is not None
+        with pytest.raises(CPError):   # no rank can run without the others' shards
+            llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=1))
+    finally:
+        llm.shutdown()
