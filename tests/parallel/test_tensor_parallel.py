@@ -28,6 +28,7 @@ def _run(model: str, world: int):
         first = llm.generate(prompts, PARAMS)
         again = llm.generate(prompts[2:3], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
         assert llm.engine.num_overlapped > 0   # decode steps whose input ids the workers got from the device
+        assert llm.engine.scheduler.cache.hit >= 48   # the repeated prompt's cached K/V, pointed on every rank
     finally:
         llm.shutdown()
     return first, again
@@ -117,3 +118,31 @@ def test_a_rank_killed_mid_generate_ends_it_with_a_one_line_error(models, monkey
             llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=1))
     finally:
         llm.shutdown()
+
+
+TORCHRUN_SCRIPT = """
+import json
+from compiled import LLM, SamplingParams
+llm = LLM(None, tensor_parallel_size=2, **{engine!r})
+out = llm.generate([{prompt!r}], SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True))
+print("RESULT " + json.dumps({{"tokens": out[0].token_ids, "world": llm.engine.runner.tp.world}}))
+llm.shutdown()
+"""
+
+
+def test_torchrun_ranks_join_the_tensor_parallel_group(tmp_path):
+    import json
+    import subprocess
+    import sys
+    prompt = list(range(3, 40))
+    script = tmp_path / "tp.py"
+    script.write_text(TORCHRUN_SCRIPT.format(engine=ENGINE, prompt=prompt))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1   # rank 1's LLM served as a worker and exited without printing
+    result = json.loads(lines[0][len("RESULT "):])
+    llm = LLM(None, **ENGINE)
+    ref = llm.generate([prompt], SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    assert result["world"] == 2 and result["tokens"] == ref.token_ids
