@@ -36,6 +36,7 @@ ENGINE_OPTIONS: dict[str, tuple[object, str, tuple[str, ...]]] = {
     "merge_lora": (bool, "Fold an adapter into the weights while it is the only one running (base speed; "
                    "costs a copy of the dense weights).", ("--merge-lora/--no-merge-lora",)),
     "context_parallel_size": (int, "Processes (one GPU each) a long prefill is split over; 1: off.", ("--cp",)),
+    "tensor_parallel_size": (int, "Processes (one GPU each) every layer is sharded over; 1: off.", ("--tp",)),
     "cp_min_tokens": (int, "Shortest prefill chunk that is split over the --cp processes.", ()),
     "enable_prefix_caching": (bool, "Start requests from their longest cached prefix (radix prefix cache).",
                               ("--prefix-cache/--no-prefix-cache",)),

@@ -24,6 +24,7 @@ def export(
     buckets: Optional[str] = typer.Option(None, help="Decode CUDA-graph batch buckets, e.g. 1,2,4,8 (recorded)."),
     device: Optional[str] = engine_option("device"),
     dtype: Optional[str] = engine_option("dtype"),
+    tensor_parallel_size: int = engine_option("tensor_parallel_size"),
     load_format: str = typer.Option("dummy", help="Weights do not change the compiled code: dummy (the "
                                     "default here) skips reading them."),
     passes: Optional[str] = typer.Option(None, help="Comma-separated pass list (default: all)."),
@@ -33,7 +34,8 @@ def export(
         bucket_list = parse_buckets(buckets) if buckets else None
         pass_list = [p.strip() for p in passes.split(",") if p.strip()] if passes else None
         start = time.perf_counter()
-        config = engine_config(dict(model=model, device=device, dtype=dtype, load_format=load_format), compile=True,
+        config = engine_config(dict(model=model, device=device, dtype=dtype, load_format=load_format,
+                                    tensor_parallel_size=tensor_parallel_size), compile=True,
                                cuda_graph_buckets=bucket_list, passes=pass_list,
                                max_num_seqs=max(bucket_list) if bucket_list else DEFAULTS.max_num_seqs)
         with empty_triton_cache(resolve_device(config.device)):

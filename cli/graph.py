@@ -27,6 +27,8 @@ def graph(
                                        "lora_delta pass and show what the adapter targets."),
     cp: int = typer.Option(1, "--cp", help="Context-parallel processes: above 1, run the graph with the "
                            "cp_allgather pass and show the gathers it inserts."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel processes: above 1, run the graph of rank 0 with the "
+                           "tp_shard pass and show its shards and all-reduces."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     with fail_cleanly(debug):
@@ -56,7 +58,9 @@ def graph(
             adapter = load_adapter(os.path.basename(os.path.normpath(lora)), lora, cfg, DEFAULTS.max_lora_rank)
         if cp < 1:
             raise ValueError(f"--cp {cp}: expected an int >= 1")
-        variant = GraphVariant(lora=lora is not None, context_parallel=cp > 1)
+        if tp < 1:
+            raise ValueError(f"--tp {tp}: expected an int >= 1")
+        variant = GraphVariant(lora=lora is not None, context_parallel=cp > 1, tp_size=tp)
         names = passes_for(variant, names, DEFAULTS.max_loras_per_batch, DEFAULTS.max_lora_rank)
         result = run_passes(gm, meta.checkpoint_map(), names, on_pass=on_pass)
         console = Console()
@@ -76,7 +80,12 @@ def graph(
             shown = ", ".join(f"{n.name}({n.args[0].name})" for n in gathers[:3])
             console.print(f"  [dim]{len(gathers)} compiled::cp_allgather nodes over {cp} processes: {shown}, ..., "
                           f"{gathers[-1].name}({gathers[-1].args[0].name}) -> output[/dim]", highlight=False)
-        fused = [t for t in result.weights.pieces if len(result.weights.pieces[t]) > 1]
+        if tp > 1:
+            reduces = [n for n in gm.graph.nodes if n.op == "call_function" and "all_reduce" in str(n.target)]
+            console.print(f"  [dim]{len(reduces)} compiled::all_reduce nodes over {tp} processes (rank 0's graph; "
+                          "weights: its slices)[/dim]", highlight=False)
+        pieces = result.weights.pieces
+        fused = [t for t in pieces if len(pieces[t]) > 1 or any(p.narrow is not None for p in pieces[t])]
         layer0 = [t for t in fused if ".layers.0." in t] or fused[:3]
         for target in layer0:
             console.print(f"  [dim]{result.weights.describe(target)}[/dim]", highlight=False)

@@ -22,7 +22,10 @@ MANIFEST = "manifest.json"
 FORMAT = 4  # 3: passes recorded with the hash of their source, splitting ops listed; 4: piece keys
 #              hash the schemas of the project ops a piece calls
 # Fields that must match for the compiled code to be valid here, in the order they are checked.
-CHECKED = ("format", "package", "torch", "triton", "device", "model_config", "passes", "splitting_ops", "dtype")
+# tensor_parallel_size: set only above 1 (absent, as in artifacts written before it, means 1); every
+# rank's graph is the same code over its own slices, so one artifact serves all of them.
+CHECKED = ("format", "package", "torch", "triton", "device", "model_config", "passes", "splitting_ops", "dtype",
+           "tensor_parallel_size")
 
 
 class ArtifactError(CompiledError, ValueError):

@@ -20,6 +20,16 @@ class Piece:
     shape: tuple[int, ...]      # the shape that tensor must have
     expert: int | None = None   # index along a stacked expert dimension, None if not stacked
     row: int = 0                # first row (dim 0, after the expert index) that the source fills
+    # (dim, start, length): the part of the source this rank reads (tensor parallelism); None: all
+    narrow: tuple[int, int, int] | None = None
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape of what the piece reads of its source."""
+        if self.narrow is None:
+            return self.shape
+        dim, _, length = self.narrow
+        return self.shape[:dim] + (length,) + self.shape[dim + 1:]
 
 
 @dataclass
@@ -40,6 +50,11 @@ class WeightMap:
             built += [replace(piece, row=row + piece.row) for piece in self.pieces.pop(name)]
             row += rows
 
+    def shard(self, target: str, dim: int, start: int, length: int) -> None:
+        """Each piece of `target` reads only `[start, start + length)` of its source along `dim`
+        (before any fusing pass: one slice a source)."""
+        self.pieces[target] = [replace(p, narrow=(dim, start, length)) for p in self.pieces[target]]
+
     def by_source(self) -> dict[str, tuple[str, Piece]]:
         return {p.source: (target, p) for target, pieces in self.pieces.items() for p in pieces}
 
@@ -47,12 +62,13 @@ class WeightMap:
         """A readable recipe, e.g. `qkv_proj.weight = cat(q_proj.weight, k_proj.weight, ...)`."""
         pieces = self.pieces[target]
         if len(pieces) == 1 and pieces[0].source == target:
-            return target
+            return target + (f" = {target}{_slice(pieces[0])}" if pieces[0].narrow is not None else "")
         experts = {p.expert for p in pieces}
         if experts != {None}:
             per = [p.source for p in pieces if p.expert == min(experts)]
+            per = [p.source + _slice(p) for p in pieces if p.expert == min(experts)]
             return f"{target} = stack over {len(experts)} experts of cat({', '.join(per)})"
-        return f"{target} = cat({', '.join(p.source for p in pieces)})"
+        return f"{target} = cat({', '.join(p.source + _slice(p) for p in pieces)})"
 
     def extract(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint tensors back out of `module`'s parameters (views, no copies)."""
@@ -60,4 +76,12 @@ class WeightMap:
         for target, pieces in self.pieces.items():
             for piece in pieces:
                 t = params[target] if piece.expert is None else params[target][piece.expert]
-                yield piece.source, t.narrow(0, piece.row, piece.shape[0]) if t.dim() else t
+                yield piece.source, t.narrow(0, piece.row, piece.local_shape[0]) if t.dim() else t
+
+
+def _slice(piece: Piece) -> str:
+    """A piece's slice of its source, e.g. `[:, 64:128]`."""
+    if piece.narrow is None:
+        return ""
+    dim, start, length = piece.narrow
+    return "[" + ", ".join([":"] * dim + [f"{start}:{start + length}"]) + "]"

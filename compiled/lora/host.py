@@ -74,7 +74,7 @@ def pack(adapter: Adapter, dtype: torch.dtype) -> Adapter:
         end += -(-stored_rows(f).numel() * item // ALIGN) * ALIGN
     block = HostBlock(end)
     views = iter(_place(block.data, off, f, dtype, item) for off, f in zip(offsets, factors))
-    packed = Adapter(adapter.name, adapter.path, adapter.rank, host=block)
+    packed = Adapter(adapter.name, adapter.path, adapter.rank, host=block, shard=adapter.shard)
     for key, w in adapter.dense.items():
         packed.dense[key] = LoRAWeight(next(views), next(views), w.scaling)
     for key, w in adapter.experts.items():

@@ -20,7 +20,9 @@ from torch import nn
 from compiled.graphs.config import ModelConfig
 from compiled.lora.host import pack
 from compiled.lora.loader import SlotLoader, SlotWrite, write_now
+from compiled.lora.shard import shard_adapter
 from compiled.lora.weights import Adapter, LoRAError
+from compiled.parallel.tensor import COLUMN_PARALLEL, ShardPlan
 from compiled.passes.lora_delta import dense_target
 
 _EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp$")
@@ -76,6 +78,14 @@ class LoRAPool:
         self.in_slot: list[str | None] = [None] * self.num_slots
         self.slot_order: list[int] = list(range(self.num_slots))    # least recently used first
         self.loader = SlotLoader(first.device)
+        self.plan: ShardPlan | None = None   # a tensor-parallel rank's (`shard_for`)
+
+    def shard_for(self, plan: ShardPlan) -> None:
+        """Serve rank `plan.rank`'s share of every adapter (before any is added): the slots hold
+        the rank's slices of the sharded projections (`shard.py`)."""
+        self.plan = plan
+        for t in self.dense:
+            t.widths = [plan.span(p)[1] if p in COLUMN_PARALLEL else w for p, w in zip(t.projs, t.widths)]
 
     # ---- the CPU tier ------------------------------------------------------------------------
 
@@ -98,6 +108,11 @@ class LoRAPool:
         dtype (a bf16 engine's tier then holds half the bytes of float32, 1.66 GB instead of 3.3
         for an expert adapter of Qwen3-30B-A3B at rank 16, and a load copies them without
         converting), page-locked on a GPU."""
+        if self.plan is not None and adapter.shard is None:
+            adapter = shard_adapter(adapter, self.plan)
+        if self.plan is not None and adapter.shard != (self.plan.world, self.plan.rank):
+            raise LoRAError(f"adapter {adapter.name!r} was cut for tensor-parallel rank {adapter.shard}, not "
+                            f"{(self.plan.world, self.plan.rank)}")
         if adapter.host is None or next(iter(adapter.factors())).dtype != self.dtype:
             adapter = pack(adapter, self.dtype)
         if self.loader.background:

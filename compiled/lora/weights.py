@@ -86,6 +86,7 @@ class Adapter:
     dense: dict[tuple[int, str], LoRAWeight] = field(default_factory=dict)
     experts: dict[tuple[int, str], ExpertLoRAWeight] = field(default_factory=dict)
     host: Any = None   # the `host.HostBlock` its factors live in, once packed for serving
+    shard: tuple[int, int] | None = None   # (world, rank): cut to a tensor-parallel rank's share (`shard.py`)
 
     def factors(self):
         """Every factor, A then B of each projection: dense ones, then the experts'."""

@@ -1,2 +1,2 @@
-"""Context parallelism: one long prefill split over ranks that all hold the whole model.
-The zigzag plan, the per-step context, the collective ops the cp_allgather pass inserts, the group."""
+"""Parallelism: context parallelism (the zigzag plan, per-step context, gathers) and tensor
+parallelism (shard plans, the group); the process group and the collective ops both use."""

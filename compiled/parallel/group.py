@@ -1,5 +1,5 @@
-"""The context-parallel process group: rank 0 (the user's process) and its workers, each holding
-the whole model on its own device.
+"""The process group of context or tensor parallelism: rank 0 (the user's process) and its
+workers, each on its own device (holding the whole model, or its shards of it).
 
 Rank 0 starts the workers itself (`spawn_workers`, torch.multiprocessing with the spawn method)
 or, under `torchrun` (WORLD_SIZE set), every rank is started for it. Tensors travel on the data
@@ -23,7 +23,7 @@ from compiled.errors import CompiledError
 
 
 class CPError(CompiledError, RuntimeError):
-    """A context-parallel rank died, hung or failed."""
+    """A context- or tensor-parallel rank died, hung or failed."""
 
 
 # NVLink multicast stays off for the group's NCCL collectives (the machines it runs on forbid it).
@@ -63,6 +63,7 @@ class CPGroup:
     data: dist.ProcessGroup
     control: dist.ProcessGroup
     processes: list = field(default_factory=list)   # the workers rank 0 started
+    kind: str = "context-parallel"                  # or "tensor-parallel": named in errors
 
     def send(self, message) -> None:
         """Rank 0: hand `message` to every worker."""
@@ -89,7 +90,7 @@ class CPGroup:
         except RuntimeError as e:
             if not (isinstance(e, dist.DistError) or self.dead_workers() or _from_backend(e)):
                 raise
-            raise CPError(f"context-parallel group of {self.world}: {self.describe_failure(e)}") from None
+            raise CPError(f"{self.kind} group of {self.world}: {self.describe_failure(e)}") from None
 
     def dead_workers(self) -> list[str]:
         return [f"rank {i + 1} exited with code {p.exitcode}" for i, p in enumerate(self.processes)
@@ -123,7 +124,8 @@ def _from_backend(error: BaseException) -> bool:
     return any(word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
 
 
-def init_group(rank: int, world: int, backend: str, timeout: float, processes: list | None = None) -> CPGroup:
+def init_group(rank: int, world: int, backend: str, timeout: float, processes: list | None = None,
+               kind: str = "context-parallel") -> CPGroup:
     """Join the group (MASTER_ADDR / MASTER_PORT from the environment)."""
     delta = datetime.timedelta(seconds=timeout)
     if backend == "nccl":
@@ -132,4 +134,4 @@ def init_group(rank: int, world: int, backend: str, timeout: float, processes: l
                 envs.set_for_children(name, value)
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=delta)
     control = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=delta)
-    return CPGroup(rank, world, dist.group.WORLD, control, list(processes or []))
+    return CPGroup(rank, world, dist.group.WORLD, control, list(processes or []), kind)

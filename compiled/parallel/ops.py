@@ -1,19 +1,29 @@
-"""The collective op of context parallelism, opaque so it traces as a single node and the compile
-backend splits the graph at it (`CP_SPLITTING_OPS`):
+"""The collective ops, opaque so each traces as a single node.
+
+Context parallelism's, at which the compile backend splits the graph (`CP_SPLITTING_OPS`):
 
     x_full = compiled::cp_allgather(x)     # [T_local, ...] -> [T, ...]
 
 It returns every rank's rows of the step in batch order (`context.gather_rows`); the cp_allgather
 pass puts it on each attention's K and V and on the final hidden states. Outside a
 context-parallel step (and at world size 1) it returns a copy of x: the reference, and the
-CP=1 path."""
+CP=1 path.
+
+Tensor parallelism's, which the tp_shard pass puts after every row-parallel output:
+
+    y = compiled::all_reduce(x)            # the sum of x over the tensor-parallel group
+
+over the process's group (`tensor.tp_group`); without one (world size 1) it returns a copy of x:
+the reference, and the TP=1 path."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from compiled.forward_context import current_forward
 from compiled.parallel.context import gather_rows
+from compiled.parallel.tensor import tp_group
 
 CP_SPLITTING_OPS: tuple[str, ...] = ("compiled::cp_allgather",)
 
@@ -39,3 +49,18 @@ def _step_tokens(x: torch.Tensor):
         return torch.library.get_ctx().new_dynamic_size()
     except RuntimeError:
         return x.shape[0]
+
+
+@torch.library.custom_op("compiled::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of x over the tensor-parallel group (a new tensor: x is left as it is)."""
+    out = x.clone()
+    group = tp_group()
+    if group is not None and group.world > 1:
+        dist.all_reduce(out, group=group.group)
+    return out
+
+
+@all_reduce.register_fake
+def _(x):
+    return torch.empty_like(x)

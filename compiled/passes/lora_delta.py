@@ -59,7 +59,7 @@ def lora_delta_pass(max_loras: int, max_rank: int) -> GraphPass:
                 _expert_delta(gm, node, slot, max_loras, max_rank)
                 record.rewrites += 1
             elif (found := _linear(gm, node)) is not None and dense_target(found[1]) is not None:
-                _dense_delta(gm, node, found, slot, max_loras, max_rank)
+                _dense_delta(gm, weights, node, found, slot, max_loras, max_rank)
                 record.rewrites += 1
         if not slot.users:
             gm.graph.erase_node(slot)
@@ -87,12 +87,13 @@ def _buffer(module: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.d
     module.register_buffer(name, torch.empty(shape, dtype=dtype, device=device), persistent=False)
 
 
-def _dense_delta(gm: fx.GraphModule, node: fx.Node, found: tuple[fx.Node, str], slot: fx.Node, S: int, R: int) -> None:
+def _dense_delta(gm: fx.GraphModule, weights: WeightMap, node: fx.Node, found: tuple[fx.Node, str], slot: fx.Node,
+                 S: int, R: int) -> None:
     x, owner = found
     _, projs = dense_target(owner)
     module = gm.get_submodule(owner)
     weight = module.weight
-    slices = [gm.config.projection_shape(p)[1] for p in projs]
+    slices = _slices(gm, weights, owner, projs)
     assert sum(slices) == weight.shape[0], f"{owner}: slices {slices} do not add up to {tuple(weight.shape)}"
     _buffer(module, "lora_a", (S, len(projs) * R, weight.shape[1]), weight.dtype, weight.device)
     _buffer(module, "lora_b", (S, weight.shape[0], R), weight.dtype, weight.device)
@@ -104,6 +105,15 @@ def _dense_delta(gm: fx.GraphModule, node: fx.Node, found: tuple[fx.Node, str], 
         expanded = build_call(graph, torch.ops.compiled.lora_expand, y=node, s=shrunk, b=b, scale=scale, slot=slot,
                               slices=slices)
     node.replace_all_uses_with(expanded, delete_user_cb=lambda user: user is not expanded)
+
+
+def _slices(gm: fx.GraphModule, weights: WeightMap, owner: str, projs: tuple[str, ...]) -> list[int]:
+    """Each projection's output rows in the weight: what the weight map built it of (a
+    tensor-parallel rank's share of each), or, for a weight it does not list, the config's."""
+    pieces = weights.pieces.get(f"{owner}.weight", [])
+    if len(pieces) == len(projs):
+        return [p.local_shape[0] for p in pieces]
+    return [gm.config.projection_shape(p)[1] for p in projs]
 
 
 def _expert_delta(gm: fx.GraphModule, node: fx.Node, slot: fx.Node, S: int, R: int) -> None:

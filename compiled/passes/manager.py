@@ -12,7 +12,8 @@ from compiled.errors import CompiledError
 from compiled.graphs.trace import example_inputs
 from compiled.passes.base import GraphPass, PassRecord, sweep_dead_nodes
 from compiled.passes import (cp_allgather, fuse_lora_linear, fuse_moe_norm, fuse_norm_linear, fuse_qk_norm_rope,
-                             fuse_qkv, fuse_silu_linear, fuse_w13, lora_delta, silu_and_mul, skinny_linear)
+                             fuse_qkv, fuse_silu_linear, fuse_w13, lora_delta, silu_and_mul, skinny_linear,
+                             tp_shard)
 from compiled.graphs.weights import WeightMap
 from compiled.passes.variant import GraphVariant
 
@@ -45,8 +46,12 @@ def passes_for(variant: GraphVariant, names: PassList | None, max_loras: int = 0
                max_rank: int = 0) -> list[str | GraphPass]:
     """The pass list of `variant`'s graph, the one place it is chosen: `names` (the config's;
     None: DEFAULT_PASSES), with the LoRA deltas for a pool of `max_loras` slots of rank up to
-    `max_rank` and their fusions for a LoRA variant, then the gathers for a context-parallel one."""
+    `max_rank` and their fusions for a LoRA variant, then the gathers for a context-parallel one;
+    a tensor-parallel variant's sharding runs first."""
     chosen = list(DEFAULT_PASSES if names is None else names)
+    if variant.tp_size > 1:   # first: the other passes fuse the rank's local linears
+        chosen = [tp_shard.tp_shard_pass(variant.tp_size, variant.tp_rank)] + \
+            [n for n in chosen if (n.name if isinstance(n, GraphPass) else n) != "tp_shard"]
     if variant.lora:
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"the {variant} graph needs the LoRA pool's sizes (max_loras, max_rank >= 1)")

@@ -3,7 +3,7 @@ pass list (`manager.passes_for` chooses each one's passes; the runner keys its g
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -12,10 +12,18 @@ class GraphVariant:
     is one more field with a default that means "as today", so existing keys keep their meaning."""
     lora: bool = False               # adds the adapters' deltas (`lora_delta` and its fusions)
     context_parallel: bool = False   # a context-parallel step's graph: the gathers of `cp_allgather`
+    tp_size: int = 1                 # tensor-parallel ranks: > 1 shards the graph (`tp_shard`) for rank tp_rank
+    tp_rank: int = 0
 
     def __str__(self) -> str:
         parts = [name for name, on in (("lora", self.lora), ("cp", self.context_parallel)) if on]
+        if self.tp_size > 1:
+            parts.append(f"tp{self.tp_rank}/{self.tp_size}")
         return "+".join(parts) or "base"
+
+    def at(self, tp_size: int, tp_rank: int) -> GraphVariant:
+        """This variant on rank `tp_rank` of `tp_size` tensor-parallel ranks."""
+        return replace(self, tp_size=tp_size, tp_rank=tp_rank)
 
 
 BASE = GraphVariant()

@@ -74,9 +74,10 @@ def build_model(cfg: ModelConfig, path: str, config: EngineConfig) -> tuple[nn.M
 
 
 def uses_graph(config: EngineConfig) -> bool:
-    """Whether the model runs as the traced graph: LoRA's deltas exist only in the graph, so
-    with LoRA on, `enforce_eager` runs the graph uncompiled rather than the plain module."""
-    return config.use_graph and (config.lora or not config.enforce_eager)
+    """Whether the model runs as the traced graph: LoRA's deltas and tensor parallelism's shards
+    exist only in the graph, so with either, `enforce_eager` runs the graph uncompiled rather
+    than the plain module."""
+    return config.use_graph and (config.lora or config.tp or not config.enforce_eager)
 
 
 def graph_variants(config: EngineConfig) -> list[GraphVariant]:
@@ -88,21 +89,27 @@ def graph_variants(config: EngineConfig) -> list[GraphVariant]:
     return variants
 
 
-def variant_passes(variant: GraphVariant, config: EngineConfig) -> list:
-    """The passes of `variant`'s graph for `config` (`passes.manager.passes_for`)."""
-    return passes_for(variant, pass_names(config), config.max_loras_per_batch, config.max_lora_rank)
+def variant_passes(variant: GraphVariant, config: EngineConfig, tp_rank: int = 0) -> list:
+    """The passes of `variant`'s graph for `config` (`passes.manager.passes_for`) on tensor-parallel
+    rank `tp_rank`. The runner keys a process's graphs by their variant without the world size and
+    rank (every graph of a process has the same), which are applied here."""
+    return passes_for(variant.at(config.tensor_parallel_size, tp_rank), pass_names(config),
+                      config.max_loras_per_batch, config.max_lora_rank)
 
 
 def _stage(variant: GraphVariant) -> str:
     return "cp" if variant.context_parallel else str(variant)
 
 
-def build_models(cfg: ModelConfig, path: str, config: EngineConfig) -> Models:
-    """The models of the checkpoint at `path` as `config` (resolved) asks for them."""
+def build_models(cfg: ModelConfig, path: str, config: EngineConfig, tp_rank: int = 0) -> Models:
+    """The models of the checkpoint at `path` as `config` (resolved) asks for them, on
+    tensor-parallel rank `tp_rank` (its shards of the weights only)."""
     device, dtype = config.device, config.dtype
     use_graph = uses_graph(config)
     if config.lora and not use_graph:
         raise ConfigError("LoRA adapters run in the traced graph: use_graph=False cannot serve them")
+    if config.tp and not use_graph:
+        raise ConfigError("tensor parallelism shards the traced graph: use_graph=False cannot run it")
     report = BuildReport()
     clock = time.perf_counter()
 
@@ -118,7 +125,8 @@ def build_models(cfg: ModelConfig, path: str, config: EngineConfig) -> Models:
         module = trace(module)
         lap("trace")
         # A start from an artifact skips the meta run: the export checked this same graph.
-        result = run_passes(module, weights, variant_passes(BASE, config), check="none" if config.artifact else "end")
+        result = run_passes(module, weights, variant_passes(BASE, config, tp_rank),
+                            check="none" if config.artifact else "end")
         weights, report.records = result.weights, result.records
         lap("passes")
     materialize(module, device)
@@ -129,7 +137,7 @@ def build_models(cfg: ModelConfig, path: str, config: EngineConfig) -> Models:
     lap("load")
     models = Models({BASE: module}, report)
     for variant in graph_variants(config):
-        models.graphs[variant] = _variant_graph(module, cfg, config, variant_passes(variant, config),
+        models.graphs[variant] = _variant_graph(module, cfg, config, variant_passes(variant, config, tp_rank),
                                                 models.lora_buffers)
         if variant == LORA:
             models.lora_buffers = models.graphs[variant]
@@ -211,4 +219,7 @@ def _compile(module: nn.Module, cfg: ModelConfig, config: EngineConfig, report: 
 def artifact_manifest(cfg: ModelConfig, config: EngineConfig) -> dict:
     """What an artifact for this model and config must have been compiled for."""
     from compiled.compilation.artifact import manifest_for
-    return manifest_for(cfg, pass_names(config), config.splitting_ops, config.dtype, config.device)
+    manifest = manifest_for(cfg, pass_names(config), config.splitting_ops, config.dtype, config.device)
+    if config.tp:   # the manifest records the world size (`compilation.artifact.CHECKED`)
+        manifest["tensor_parallel_size"] = config.tensor_parallel_size
+    return manifest

@@ -110,6 +110,11 @@ class EngineConfig:
     context_parallel_size: int = 1
     cp_min_tokens: int = 12288
     cp_timeout: float = 60.0
+    # Tensor parallelism: this many processes (one GPU each) hold a share of every layer (heads,
+    # MLP and expert widths; `passes/tp_shard.py`) and run every step together; 1: off. Rank 0
+    # schedules and sends each step to the others (`runtime/tensor_parallel.py`). A rank that does
+    # not answer within `cp_timeout` seconds counts as dead.
+    tensor_parallel_size: int = 1
     # Without a GPU there is no "memory left" to measure; this many bytes go to the KV cache.
     cpu_kv_cache_bytes: int = 2 << 30
     # Prompt-logprob rows are pushed through the LM head this many at a time to bound memory.
@@ -134,9 +139,10 @@ class EngineConfig:
         self.validate()
         device = resolve_device(self.device)
         max_len = max_position_embeddings if self.max_model_len is None else self.max_model_len
-        if device.type == "cuda" and self.context_parallel_size > torch.cuda.device_count():
-            raise ConfigError(f"context_parallel_size={self.context_parallel_size}: only "
-                              f"{torch.cuda.device_count()} GPU(s) are visible, one per process is needed")
+        for name in ("context_parallel_size", "tensor_parallel_size"):
+            if device.type == "cuda" and getattr(self, name) > torch.cuda.device_count():
+                raise ConfigError(f"{name}={getattr(self, name)}: only {torch.cuda.device_count()} GPU(s) are "
+                                  "visible, one per process is needed")
         if self.context_parallel_size > 1 and self.max_num_batched_tokens is not None \
                 and self.max_num_batched_tokens < self.cp_min_tokens:
             raise ConfigError(f"context_parallel_size={self.context_parallel_size} would never split a prefill: "
@@ -186,6 +192,8 @@ class EngineConfig:
             raise _bad("lora_modules", self.lora_modules, "None or a dict of adapter name -> PEFT folder")
         if self.enable_lora is False and self.lora_modules:
             raise _bad("enable_lora", False, "True (or None) when lora_modules are given")
+        if self.tensor_parallel_size > 1:
+            self._check_tp()
         if self.merge_lora and self.context_parallel_size > 1:
             raise _bad("merge_lora", True, "False with context_parallel_size > 1 (the other ranks hold unmerged "
                                            "weights)")
@@ -223,6 +231,25 @@ class EngineConfig:
             return self.max_num_batched_tokens
         return max(DEFAULT_BATCHED_TOKENS, self.cp_min_tokens) if self.cp else DEFAULT_BATCHED_TOKENS
 
+    def _check_tp(self) -> None:
+        """What tensor parallelism does not combine with yet, refused before anything loads."""
+        if self.context_parallel_size > 1:
+            raise _bad("tensor_parallel_size", self.tensor_parallel_size, "1 with context_parallel_size > 1 "
+                                                                          "(the two do not combine yet)")
+        if self.merge_lora:
+            raise _bad("merge_lora", True, "False with tensor_parallel_size > 1 (merging into sharded weights is "
+                                           "not built)")
+
+    @property
+    def world_size(self) -> int:
+        """The processes of one engine: its context- or tensor-parallel ranks."""
+        return max(self.context_parallel_size, self.tensor_parallel_size)
+
+    @property
+    def tp(self) -> bool:
+        """Whether every layer is sharded over tensor-parallel ranks."""
+        return self.tensor_parallel_size > 1
+
     @property
     def cp(self) -> bool:
         """Whether prefill runs context-parallel."""
@@ -248,7 +275,7 @@ class EngineConfig:
 # token it generates, so max_model_len starts at 2.
 _INT_AT_LEAST = dict(max_num_seqs=1, max_cuda_graph_batch=1, max_piecewise_tokens=1,
                      cpu_kv_cache_bytes=1, logits_chunk=1, max_lora_rank=1, max_loras_per_batch=1,
-                     context_parallel_size=1, cp_min_tokens=1)
+                     context_parallel_size=1, cp_min_tokens=1, tensor_parallel_size=1)
 _OPTIONAL_INT_AT_LEAST = dict(max_num_batched_tokens=1, max_model_len=2, kv_cache_tokens=1, max_loaded_loras=1, max_mixed_step_tokens=1)
 _SEQUENCES = ("passes", "splitting_ops", "cuda_graph_buckets", "piecewise_buckets")
 

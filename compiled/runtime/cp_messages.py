@@ -1,6 +1,6 @@
-"""What rank 0 of a context-parallel group tells its workers, one dataclass a message (broadcast
-as pickled objects on the group's control channel): the KV cache's size once, then steps to run
-and adapters to add or remove, until `Stop`. A worker hands each to its handler through one table
+"""What rank 0 of a context- or tensor-parallel group tells its workers, one dataclass a message
+(broadcast as pickled objects on the group's control channel): the KV cache's size once, then steps
+to run and adapters to add or remove, until `Stop`. A worker hands each to its handler through one table
 keyed by the message's type (`cp_worker.py`)."""
 
 from __future__ import annotations
@@ -52,3 +52,23 @@ class RemoveLora:
 @dataclass
 class Stop:
     """Leave the group: rank 0 is shutting down."""
+
+
+@dataclass
+class TPChunk:
+    """What a tensor-parallel worker needs of one chunk of a step to stage it as rank 0 does."""
+    row: int
+    start: int
+    token_ids: list[int]     # pending tokens (overlap scheduling) read 0, as on rank 0
+    slots: np.ndarray
+    lora_slot: int
+
+
+@dataclass
+class TPStep:
+    """Run one step's forward: every rank of a tensor-parallel group runs each step."""
+    chunks: list[TPChunk]
+    sample_rows: list[int]
+    feed: bool                                    # the input ids follow on the data group (overlap scheduling)
+    table_writes: list[tuple[int, int, np.ndarray]]   # request-table rows the scheduler pointed at cached K/V
+    adapters: dict[int, str]   # slot -> the adapter it must hold, for the slots the step uses

@@ -1,6 +1,7 @@
-"""A context-parallel worker: ranks 1..N-1 build the same model and KV cache as rank 0 and run
-the steps rank 0 sends them (`context_parallel.py`; the messages in `cp_messages.py`), until it
-says stop or the group fails.
+"""A context- or tensor-parallel worker: ranks 1..N-1 build the same model (or, tensor-parallel,
+their shards of it) and KV cache as rank 0 and run the steps rank 0 sends them
+(`context_parallel.py`, `tensor_parallel.py`; the messages in `cp_messages.py`), until it says
+stop or the group fails.
 
 Started by `LLM` (spawned) or by `torchrun` (every rank runs the user's script; on ranks above 0
 `LLM(...)` serves here and exits the process when rank 0 stops)."""
@@ -14,7 +15,8 @@ from collections.abc import Callable
 import torch
 
 from compiled.parallel.group import CPError, CPGroup, init_group
-from compiled.runtime.cp_messages import AddLora, KVSlots, RemoveLora, StepMessage, Stop
+from compiled.runtime.cp_messages import AddLora, KVSlots, RemoveLora, StepMessage, Stop, TPStep
+from compiled.runtime.tensor_parallel import point_rows, received_feed, worker_batch
 
 log = logging.getLogger(__name__)
 
@@ -31,17 +33,19 @@ def worker_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (first + rank) % torch.cuda.device_count())
 
 
-def spawned_worker(rank: int, world: int, model: str, kwargs: dict, device: str, timeout: float) -> None:
+def spawned_worker(rank: int, world: int, model: str, kwargs: dict, device: str, timeout: float,
+                   kind: str = "context-parallel") -> None:
     """The entry point of a worker process rank 0 spawned."""
     dev = worker_device(torch.device(device), rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     try:
-        serve_then_leave(init_group(rank, world, backend_for(dev), timeout), model, dict(kwargs, device=str(dev)))
+        serve_then_leave(init_group(rank, world, backend_for(dev), timeout, kind=kind), model,
+                         dict(kwargs, device=str(dev)))
     except (CPError, KeyboardInterrupt):
         os._exit(1)   # rank 0 is gone or stopping: skip the teardown of a half-closed group
     except Exception:
-        log.exception("context-parallel rank %d failed", rank)
+        log.exception("%s rank %d failed", kind, rank)
         os._exit(1)
 
 
@@ -59,33 +63,46 @@ def serve(group: CPGroup, model: str, kwargs: dict) -> None:
     from compiled.runtime.engine import Engine
     from compiled.runtime.settings import engine_settings
     path, mcfg, config = engine_settings(model, kwargs)
-    models = build_models(mcfg, path, config)
+    models = build_models(mcfg, path, config, tp_rank=group.rank if config.tp else 0)
     sizes = group.receive()
     if not isinstance(sizes, KVSlots):
-        raise CPError(f"context-parallel worker {group.rank}: expected the KV cache's size first, got {sizes!r}")
+        raise CPError(f"{group.kind} worker {group.rank}: expected the KV cache's size first, got {sizes!r}")
     engine = Engine(models.runner_graphs, mcfg, config, sizes.num_slots, None, set(), models.lora_buffers)
-    engine.runner.enable_cp(group, models.cp)
-    worker = _Worker(engine)
+    if config.tp:
+        engine.enable_tp(group)
+        if config.use_cuda_graphs:   # as rank 0 does: the captures' forwards all-reduce together
+            engine.capture_graphs(config.artifact is not None and models.report.compiled_now == 0)
+    else:
+        engine.runner.enable_cp(group, models.cp)
+    worker = _Worker(engine, group)
     while worker.serving:
         message = group.receive()
         handler = worker.handlers.get(type(message))
         if handler is None:
-            raise CPError(f"context-parallel worker {group.rank}: unknown message {type(message).__name__}")
+            raise CPError(f"{group.kind} worker {group.rank}: unknown message {type(message).__name__}")
         handler(message)
 
 
 class _Worker:
     """What a worker does with each of rank 0's messages, by type."""
 
-    def __init__(self, engine) -> None:
-        self.engine, self.serving = engine, True
-        self.handlers: dict[type, Callable] = {StepMessage: self._step, AddLora: self._add_lora,
+    def __init__(self, engine, group: CPGroup) -> None:
+        self.engine, self.group, self.serving = engine, group, True
+        self.handlers: dict[type, Callable] = {StepMessage: self._step, TPStep: self._tp_step, AddLora: self._add_lora,
                                                RemoveLora: self._remove_lora, Stop: self._stop}
 
     def _step(self, message: StepMessage) -> None:
         for slot, name in message.adapters.items():
             self.engine.loras.place(name, slot)
         self.engine.runner.cp.run(message.chunks)
+
+    def _tp_step(self, message: TPStep) -> None:
+        runner = self.engine.runner
+        for slot, name in message.adapters.items():
+            self.engine.loras.place(name, slot)
+        point_rows(self.engine.req_pool.table, message.table_writes)
+        feed = received_feed(self.group, message, self.engine.cfg.device)
+        runner.forward(worker_batch(message), message.sample_rows, feed)
 
     def _add_lora(self, message: AddLora) -> None:
         self.engine.loras.add(message.adapter, message.pinned)

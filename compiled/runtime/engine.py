@@ -35,6 +35,7 @@ from compiled.errors import RequestError
 from compiled.graphs.config import ModelConfig
 from compiled.lora.merged import MergedLoRA
 from compiled.lora.pool import LoRAPool
+from compiled.parallel.tensor import local_kv_heads, shard_plan
 from compiled.passes.variant import BASE, LORA, GraphVariant
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.detokenizer import IncrementalDetokenizer
@@ -56,12 +57,14 @@ class Engine:
         self.model, self.model_config, self.cfg = models[BASE], mcfg, cfg
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
         self._eos_sorted = sorted(eos_token_ids)
-        self.kv = KVPool(mcfg.num_hidden_layers, num_kv_slots, mcfg.num_key_value_heads, mcfg.head_dim,
-                         cfg.dtype, cfg.device)
+        self.kv = KVPool(mcfg.num_hidden_layers, num_kv_slots, local_kv_heads(mcfg, cfg.tensor_parallel_size),
+                         mcfg.head_dim, cfg.dtype, cfg.device)
         self.req_pool = ReqToTokenPool(cfg.max_num_seqs, cfg.max_model_len, cfg.device)
         self.scheduler = Scheduler(self.kv, self.req_pool, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_prefix_caching, cfg.max_mixed_step_tokens)
         self.runner = ModelRunner(models, cfg, self.kv, self.req_pool)
+        if cfg.tp:   # the scheduler's table writes reach the tensor-parallel workers through the runner
+            self.scheduler.pointed = self.runner.pointed
         # lora_buffers: the module that names the LoRA buffers (the LoRA graph before compilation).
         self.loras = None if LORA not in models else LoRAPool(lora_buffers or models[LORA], mcfg, cfg.max_lora_rank,
                                                               cfg.max_loaded_loras)
@@ -83,6 +86,13 @@ class Engine:
         self._held_for_copy: set[int] = set()   # slots whose copy held a request back in the last pass
         self._claimed: set[str] = set()   # adapters given a slot in this scheduling pass (_acquire_adapter)
         self.overlap_schedule = cfg.overlap_schedule  # may be switched between steps
+
+    def enable_tp(self, group) -> None:
+        """Run every step on every rank of tensor-parallel `group` (a `parallel.group.CPGroup`),
+        each serving its share of the adapters."""
+        self.runner.enable_tp(group)
+        if self.loras is not None:
+            self.loras.shard_for(shard_plan(self.model_config, group.world, group.rank))
 
     # ---- adapters ------------------------------------------------------------------------------
 
@@ -207,6 +217,8 @@ class Engine:
         `eager_token_buckets`), at most `at_most` of them; returns how many: none while a step is
         in flight. Call it idle (a server between requests): a step needing a bucket not captured
         otherwise waits for its capture."""
+        if self.runner.tp is not None:
+            return 0   # every rank must capture together: a step's forward captures what it needs
         done = 0
         while not self._unread and (at_most is None or done < at_most) and self.runner.capture_pending():
             done += 1

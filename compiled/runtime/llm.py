@@ -15,6 +15,7 @@ import torch
 import compiled.envs as envs
 from compiled.errors import ConfigError
 from compiled.json_file import read_json_object
+from compiled.parallel.tensor import set_tp_group
 from compiled.passes.variant import LORA
 from compiled.runtime.build import artifact_manifest, build_models
 from compiled.runtime.cp_messages import AddLora, KVSlots, RemoveLora, Stop
@@ -98,7 +99,8 @@ class LLM:
         tok_path = self.config.tokenizer or self.model_path
         self.tokenizer: Tokenizer | None = load_tokenizer(tok_path) if has_tokenizer(tok_path) else None
         eos_token_ids = self._eos_token_ids()  # before the (slow) build: a bad file fails fast
-        self._cp = self._join_cp_group(model, kwargs) if self.config.cp else None   # the group, while it runs
+        # The context- or tensor-parallel group, while it runs.
+        self._cp = self._join_cp_group(model, kwargs) if self.config.world_size > 1 else None
         try:
             models = build_models(self.model_config, self.model_path, self.config)
             self.model, self.build_report = models.base, models.report
@@ -112,7 +114,10 @@ class LLM:
             self.build_report.seconds["kv_cache"] = time.perf_counter() - start
             if self._cp is not None:
                 self._cp.send(KVSlots(self.engine.kv.num_slots))
-                self.engine.runner.enable_cp(self._cp, models.cp)
+                if self.config.tp:
+                    self.engine.enable_tp(self._cp)
+                else:
+                    self.engine.runner.enable_cp(self._cp, models.cp)
         except BaseException:
             self.shutdown()
             raise
@@ -123,41 +128,49 @@ class LLM:
             self.build_report.seconds.update(self.engine.capture_graphs(from_artifact))
 
     def _join_cp_group(self, model: str | None, kwargs: dict):
-        """Rank 0 of the context-parallel group: its workers spawned here, or, under torchrun, the
-        ranks torchrun started (on whose ranks above 0 this serves as a worker, then exits)."""
+        """Rank 0 of the context- or tensor-parallel group: its workers spawned here, or, under
+        torchrun, the ranks torchrun started (on whose ranks above 0 this serves as a worker, then
+        exits)."""
         from compiled.parallel.group import init_group, spawn_workers, torchrun_rank
         from compiled.runtime import cp_worker
-        world, device = self.config.context_parallel_size, self.config.device
+        world, device = self.config.world_size, self.config.device
+        size_name = "tensor_parallel_size" if self.config.tp else "context_parallel_size"
+        kind = "tensor-parallel" if self.config.tp else "context-parallel"
         backend = cp_worker.backend_for(device)
         launched = torchrun_rank()
         if launched is not None:
             rank, size = launched
             if size != world:
-                raise ConfigError(f"context_parallel_size={world} but torchrun started {size} processes")
+                raise ConfigError(f"{size_name}={world} but torchrun started {size} processes")
             if rank > 0:
                 dev = cp_worker.worker_device(device, rank)
                 if dev.type == "cuda":
                     torch.cuda.set_device(dev)
-                cp_worker.serve_then_leave(init_group(rank, world, backend, self.config.cp_timeout),
+                cp_worker.serve_then_leave(init_group(rank, world, backend, self.config.cp_timeout, kind=kind),
                                            self.model_path, dict(kwargs, device=str(dev)))
                 raise SystemExit(0)
             processes = []
         else:
             processes = spawn_workers(world, cp_worker.spawned_worker,
-                                      (self.model_path, kwargs, str(device), self.config.cp_timeout))
-        group = init_group(0, world, backend, self.config.cp_timeout, processes)
+                                      (self.model_path, kwargs, str(device), self.config.cp_timeout, kind))
+        group = init_group(0, world, backend, self.config.cp_timeout, processes, kind)
         atexit.register(self.shutdown)
         return group
 
     def shutdown(self) -> None:
-        """Stop the context-parallel workers (nothing to do without them); the LLM then prefills
-        on this process alone."""
+        """Stop the context- or tensor-parallel workers (nothing to do without them); a
+        context-parallel LLM then prefills on this process alone, a tensor-parallel one cannot
+        run any more."""
         group, self._cp = self._cp, None
         if group is None:
             return
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.runner.cp = None
+            if engine.runner.tp is not None and engine.runner.tp_failure is None:
+                engine.runner.tp_failure = f"the tensor-parallel group of {group.world} was shut down"
+        if self.config.tp:
+            set_tp_group(None)
         group.shutdown(Stop())
 
     @property
@@ -167,8 +180,10 @@ class LLM:
         return 1 if self.engine.runner.cp is None else self.engine.runner.cp.group.world
 
     def _tell_workers(self, message: AddLora | RemoveLora) -> None:
-        if self.engine.runner.cp is not None:
-            self.engine.runner.cp.group.send(message)
+        runner = self.engine.runner
+        group = runner.cp.group if runner.cp is not None else runner.tp
+        if group is not None:
+            group.send(message)
 
     def _eos_token_ids(self) -> set[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -267,10 +282,13 @@ class LLM:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"adapter name {name!r}: expected a non-empty string")
         from compiled.lora.adapter import load_adapter
-        return self.engine.loras.prepare(load_adapter(name, path, self.model_config, self.config.max_lora_rank))
+        adapter = load_adapter(name, path, self.model_config, self.config.max_lora_rank)
+        # Tensor-parallel: the whole adapter, which `add_lora` cuts to this rank's share and sends whole to the others.
+        return adapter if self.config.tp else self.engine.loras.prepare(adapter)
 
     def add_lora(self, adapter, pinned: bool = False) -> None:
-        """Serve an adapter already in memory (`compiled.lora.Adapter`, e.g. `lora.random_adapter`)."""
+        """Serve an adapter already in memory (`compiled.lora.Adapter`, e.g. `lora.random_adapter`);
+        tensor-parallel, a whole one (not cut for a rank)."""
         if self.engine.loras is None:
             raise ConfigError("LoRA is off: start the LLM with enable_lora=True (or lora_modules) to load adapters")
         self.engine.loras.add(adapter, pinned, busy=frozenset(self.engine.adapters_in_use()))

@@ -68,6 +68,8 @@ def assign_tensors(module: nn.Module, weights: WeightMap, tensors: Iterable[tupl
             raise CheckpointError(f"{origin}: tensor {name!r} has shape {list(tensor.shape)}, expected {list(piece.shape)}")
         if not tensor.is_floating_point():
             raise CheckpointError(f"{origin}: tensor {name!r} has non-float dtype {tensor.dtype}")
+        if piece.narrow is not None:   # this rank's slice only (tensor parallelism)
+            tensor = tensor.narrow(*piece.narrow)
         dst = params[target]
         if piece.expert is not None:
             dst = dst[piece.expert]

@@ -6,6 +6,7 @@ import torch
 
 from compiled.attention.kv_cache import kv_slots_for_memory
 from compiled.graphs.config import ModelConfig
+from compiled.parallel.tensor import local_kv_heads
 from compiled.runtime.config import EngineConfig, kv_cache_too_small
 
 
@@ -27,7 +28,8 @@ def num_kv_slots(mcfg: ModelConfig, cfg: EngineConfig) -> int:
         slots = cfg.kv_cache_tokens
         where, fix = f"kv_cache_tokens={slots}", f"raise kv_cache_tokens to at least {cfg.max_model_len}"
     else:
-        per_token = mcfg.kv_bytes_per_token * torch.empty((), dtype=cfg.dtype).element_size()
+        per_token = mcfg.kv_bytes_per_token * torch.empty((), dtype=cfg.dtype).element_size() \
+            * local_kv_heads(mcfg, cfg.tensor_parallel_size) // mcfg.num_key_value_heads   # this rank's heads
         cap = cfg.max_num_seqs * cfg.max_model_len  # more slots than every row can hold are useless
         if cfg.device.type != "cuda":
             slots = min(kv_slots_for_memory(cfg.cpu_kv_cache_bytes, per_token), cap)

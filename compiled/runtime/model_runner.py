@@ -23,7 +23,8 @@ from compiled.compilation.buckets import smallest_bucket
 from compiled.compilation.piecewise_graphs import PiecewiseGraphs
 from compiled.forward_context import PiecewiseMode, current_forward, forward_context
 from compiled.lora.merged import MergedLoRA
-from compiled.parallel.group import CPError
+from compiled.parallel.group import CPError, CPGroup
+from compiled.parallel.tensor import TPGroup, set_tp_group
 from compiled.passes.variant import BASE, LORA, GraphVariant
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.context_parallel import ContextParallelRunner, note_step, split_chunks
@@ -31,6 +32,7 @@ from compiled.runtime.cp_messages import StepMessage
 from compiled.runtime.decode_graphs import DecodeGraphs, compute_logits
 from compiled.runtime.scheduler import Batch
 from compiled.runtime.static_inputs import StaticInputs, write_request_table
+from compiled.runtime.tensor_parallel import send_step, step_message
 
 
 def _rows(x: torch.Tensor, t: int, rows: Sequence[int]) -> torch.Tensor | None:
@@ -75,6 +77,11 @@ class ModelRunner:
         self.prefill_buckets: list[int] = []
         self._pool = None           # one CUDA-graph memory pool for every graph
         self.cp: ContextParallelRunner | None = None   # with a context-parallel group (`enable_cp`)
+        self.tp: CPGroup | None = None   # with a tensor-parallel group (`enable_tp`)
+        self.tp_failure: str | None = None   # why the tensor-parallel group ended, once it has
+        # Rank 0: request-table rows the scheduler pointed at cached K/V since the last step (the
+        # engine shares the list with its scheduler), for the workers' tables.
+        self.pointed: list[tuple[int, int, np.ndarray]] = []
 
     @property
     def model(self) -> nn.Module:
@@ -85,6 +92,12 @@ class ModelRunner:
         """Run the steps that split (`context_parallel.split_chunks`) over `group` with `cp_model`."""
         self.cp = ContextParallelRunner(group, cp_model, self.kv, self.req_pool, self.inputs,
                                         uses_lora=self.serves_lora)
+
+    def enable_tp(self, group: CPGroup) -> None:
+        """Run every step on every rank of `group` (`tensor_parallel.py`), whose data group the
+        all-reduce op reduces over."""
+        self.tp = group
+        set_tp_group(TPGroup(group.data, group.world, group.rank))
 
     def _graph_pool(self):
         if self._pool is None:
@@ -240,6 +253,25 @@ class ModelRunner:
         """Run `batch`; logits only for `sample_rows` (indices into the batch's tokens). `feed`:
         the input ids of a one-token-per-request batch, on the device (overlap scheduling; the
         host does not know them yet)."""
+        if self.tp is None:
+            return self._forward(batch, sample_rows, feed)
+        if self.tp_failure is not None:
+            raise CPError(self.tp_failure)
+        group = self.tp
+        try:
+            if group.rank == 0:   # the workers run the same step (tensor_parallel.py)
+                writes, self.pointed[:] = list(self.pointed), []
+                send_step(group, step_message(batch, sample_rows, feed, writes), feed)
+            with group.collectives():
+                return self._forward(batch, sample_rows, feed)
+        except CPError as e:
+            # A rank died or hangs: no rank can run the model without the others' shards.
+            self.tp_failure = str(e)
+            if group.rank == 0:
+                group.shutdown()
+            raise
+
+    def _forward(self, batch: Batch, sample_rows: Sequence[int], feed: torch.Tensor | None) -> StepOutput:
         if self.cp is not None:
             out = self._forward_cp(batch, sample_rows)
             note_step(batch, on_all_ranks=out is not None)

@@ -68,6 +68,8 @@ class Scheduler:
         # slots); it may prepare the request for running when it says yes. A request it refuses
         # keeps its place and those behind it may go ahead (the engine sees that it gets its turn).
         self.admit: Callable[[Request], bool] = lambda request: True
+        # With tensor-parallel workers, the request-table rows `_point_row` wrote, for them (None: off).
+        self.pointed: list | None = None
         self.running: list[Request] = []
         self.num_retractions = 0
         self._retracted: set[int] = set()   # ids of waiting requests that were retracted
@@ -303,6 +305,8 @@ class Scheduler:
         """Positions start.. of the request->token table's `row` read the KV slots `slots`."""
         table = self.req_pool.table
         table[row, start:start + len(slots)] = torch.from_numpy(slots).to(table.device, table.dtype)
+        if self.pointed is not None:   # tensor-parallel workers point theirs too
+            self.pointed.append((row, start, slots))
 
     def _chunk(self, request: Request, n: int, slots: np.ndarray) -> Chunk:
         chunk = Chunk(request, request.num_computed, n, slots)

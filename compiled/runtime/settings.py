@@ -9,6 +9,7 @@ import torch
 
 from compiled.errors import ConfigError
 from compiled.graphs.config import ModelConfig
+from compiled.parallel.tensor import check_divisible
 from compiled.runtime.backends import configure_backends
 from compiled.runtime.config import EngineConfig
 
@@ -27,6 +28,8 @@ def engine_settings(model: str | None, kwargs: dict) -> tuple[str, ModelConfig, 
         raise ConfigError(f"{path}: model folder not found")
     model_config = ModelConfig.from_pretrained(path)
     config = requested.resolve(model_config.max_position_embeddings)
+    if config.tp:   # heads and widths the ranks cannot share: refused before anything loads
+        check_divisible(model_config, config.tensor_parallel_size)
     configure_backends(config)
     torch.manual_seed(config.seed)
     return path, model_config, config

@@ -57,3 +57,17 @@ def test_graph_cp_shows_the_gathers():
 def test_graph_cp_below_one_is_a_one_line_error():
     result = runner.invoke(app, ["graph", "--cp", "0"])
     assert result.exit_code == 1 and "--cp 0: expected an int >= 1" in result.output
+
+
+def test_graph_tp_shows_the_shards_and_all_reduces():
+    result = runner.invoke(app, ["graph", "--tp", "2"], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert "tp_shard" in result.output
+    # the demo MoE model has 4 layers: after o_proj and after the MLP or experts of each
+    assert "8 compiled::all_reduce nodes over 2 processes" in result.output
+    assert "q_proj.weight[0:128]" in result.output   # rank 0's two of four 64-wide heads
+
+
+def test_graph_tp_that_does_not_divide_the_heads_is_a_one_line_error():
+    result = runner.invoke(app, ["graph", "--tp", "3"])
+    assert result.exit_code == 1 and "tensor_parallel_size=3 does not divide num_attention_heads=4" in result.output

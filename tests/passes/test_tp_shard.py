@@ -1,0 +1,67 @@
+"""tp_shard on the traced graph: each rank's parameters are its share (K/V heads replicated when
+the world exceeds them), an all-reduce follows every row-parallel output, the weight map reads
+only the rank's slices, and the all-reduce op is the identity without a group."""
+
+from __future__ import annotations
+
+import torch
+
+from compiled.graphs.config import ModelConfig
+from compiled.graphs.trace import meta_model, trace
+from compiled.passes.base import GraphPass
+from compiled.passes.manager import DEFAULT_PASSES, passes_for, run_passes
+from compiled.passes.variant import BASE, GraphVariant
+
+CFG = dict(architecture="Qwen3MoeForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
+           rope_theta=1e4, max_position_embeddings=128, tie_word_embeddings=False, num_experts=4,
+           num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[0], attention_bias=True)
+
+
+def _shard(world: int, rank: int):
+    model = meta_model(ModelConfig(**CFG), torch.float32)
+    gm = trace(model)
+    result = run_passes(gm, model.checkpoint_map(), passes_for(GraphVariant(tp_size=world, tp_rank=rank), None),
+                        check="each")
+    return gm, result
+
+
+def test_tp_shard_runs_first_and_only_for_a_world_above_1():
+    names = [p.name if isinstance(p, GraphPass) else p for p in passes_for(GraphVariant(tp_size=2), None)]
+    assert names == ["tp_shard", *DEFAULT_PASSES]
+    assert passes_for(BASE.at(1, 0), None) == list(DEFAULT_PASSES)
+    assert str(GraphVariant(tp_size=4, tp_rank=3)) == "tp3/4"
+
+
+def test_each_rank_holds_its_share_and_reduces_row_parallel_outputs():
+    gm, result = _shard(2, 1)
+    params = dict(gm.named_parameters())
+    assert params["model.layers.0.self_attn.qkv_proj.weight"].shape == (2 * 8 + 2 * 8, 32)   # 2 q + 1 k + 1 v head
+    assert params["model.layers.0.self_attn.o_proj.weight"].shape == (32, 16)
+    assert params["model.layers.0.mlp.w13.weight"].shape == (64, 32)           # [gate; up] of 32 rows each
+    assert params["model.layers.1.mlp.w13"].shape == (4, 16, 32)                # 8 of 16 expert rows, twice
+    assert params["model.layers.1.mlp.w2"].shape == (4, 32, 8)
+    assert params["lm_head.weight"].shape == (64, 32)                           # replicated
+    reduces = [n for n in gm.graph.nodes if "all_reduce" in str(n.target)]
+    assert len(reduces) == 4                                                    # o_proj and the MLP, per layer
+    describe = result.weights.describe
+    assert describe("model.layers.0.self_attn.qkv_proj.weight").endswith(
+        "q_proj.weight[16:32], model.layers.0.self_attn.k_proj.weight[8:16], model.layers.0.self_attn.v_proj.weight[8:16])")
+    assert describe("model.layers.1.mlp.w2").endswith("down_proj.weight[:, 8:16])")
+    # the row-parallel bias is added once, after the sum
+    assert "model.layers.0.self_attn.o_proj_bias" in params
+
+
+def test_kv_heads_are_replicated_past_their_count():
+    for rank, head in ((0, 0), (1, 0), (2, 1), (3, 1)):
+        gm, result = _shard(4, rank)
+        assert dict(gm.named_parameters())["model.layers.0.self_attn.qkv_proj.weight"].shape == (3 * 8, 32)
+        assert f"k_proj.weight[{8 * head}:{8 * head + 8}]" in result.weights.describe(
+            "model.layers.0.self_attn.qkv_proj.weight")
+
+
+def test_all_reduce_is_the_identity_without_a_group():
+    import compiled.parallel.ops  # noqa: F401
+    x = torch.randn(3, 5)
+    y = torch.ops.compiled.all_reduce(x)
+    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
