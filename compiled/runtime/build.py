@@ -125,7 +125,7 @@ def build_models(cfg: ModelConfig, path: str, config: EngineConfig) -> Models:
     if config.load_format == "dummy":
         fill_dummy(module, config.seed)
     else:
-        load_checkpoint(module, weights, path, tied_head=cfg.tie_word_embeddings)
+        load_checkpoint(module, weights, path, tied_head=cfg.tie_word_embeddings, quant=cfg.quantization)
     lap("load")
     models = Models({BASE: module}, report)
     for variant in graph_variants(config):

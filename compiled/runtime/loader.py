@@ -15,6 +15,8 @@ from torch import nn
 
 from compiled.errors import CheckpointError
 from compiled.graphs.weights import WeightMap
+from compiled.quant.config import QuantConfig
+from compiled.quant.loading import dequantized_stream
 from compiled.runtime.safetensors_io import iter_safetensors
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -81,9 +83,11 @@ def assign_tensors(module: nn.Module, weights: WeightMap, tensors: Iterable[tupl
         raise CheckpointError(f"checkpoint is missing tensor {missing[0]!r}{more}")
 
 
-def load_checkpoint(module: nn.Module, weights: WeightMap, path: str, tied_head: bool) -> None:
+def load_checkpoint(module: nn.Module, weights: WeightMap, path: str, tied_head: bool,
+                    quant: QuantConfig | None = None) -> None:
+    """Stream `path`'s tensors into `module`; FP8 weights (`quant`) arrive dequantized."""
     try:
-        assign_tensors(module, weights, iter_checkpoint(path), tied_head)
+        assign_tensors(module, weights, dequantized_stream(iter_checkpoint(path), quant), tied_head)
     except CheckpointError as e:
         if str(e).startswith("checkpoint is missing"):
             raise CheckpointError(f"{path}: {e}") from None

@@ -1,0 +1,74 @@
+"""FP8 checkpoint tensors paired with their scales as they stream from the shards.
+
+A quantized linear arrives as `weight` (float8_e4m3fn) and its scale (`weight_scale_inv` for
+block FP8, `weight_scale` for compressed-tensors), in either order and possibly in different
+shards; each pair leaves as one weight under the linear's `weight` name, so the weight map's
+recipes (fused qkv, stacked experts) place it exactly as they place an unquantized one. Both
+halves stay views of the mapped files until they meet."""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+
+from compiled.errors import CheckpointError, ConfigError
+from compiled.quant.config import QuantConfig
+from compiled.quant.dequant import FP8, dequantize
+
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
+Stream = Iterable[tuple[str, str, torch.Tensor]]
+
+
+def dequantized_stream(tensors: Stream, quant: QuantConfig | None) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(origin, name, tensor) with every FP8 weight and its scale merged into one dequantized
+    float32 weight; float8 tensors without a quantization_config are refused."""
+    if quant is None:
+        for origin, name, tensor in tensors:
+            if tensor.dtype in FLOAT8 or name.endswith(SCALE_SUFFIXES):
+                what = tensor.dtype if tensor.dtype in FLOAT8 else "an FP8 weight scale"
+                raise ConfigError(f"{origin}: tensor {name!r} is {what} but config.json has no "
+                                  f"'quantization_config'")
+            yield origin, name, tensor
+        return
+    weights: dict[str, tuple[str, torch.Tensor]] = {}
+    scales: dict[str, tuple[str, torch.Tensor]] = {}
+    for origin, name, tensor in tensors:
+        module, _, leaf = name.rpartition(".")
+        if not quant.quantizes(module) or leaf not in ("weight", quant.scale_suffix):
+            if tensor.dtype in FLOAT8:
+                raise CheckpointError(f"{origin}: tensor {name!r} is {tensor.dtype} but quantization_config "
+                                      f"leaves {module!r} unquantized")
+            yield origin, name, tensor
+            continue
+        (weights if leaf == "weight" else scales)[module] = (origin, tensor)
+        if module in weights and module in scales:
+            yield weights[module][0], f"{module}.weight", _pair(module, weights.pop(module), scales.pop(module), quant)
+    for module, (origin, _) in weights.items():
+        raise CheckpointError(f"{origin}: missing tensor '{module}.{quant.scale_suffix}' (the scale of "
+                              f"float8 weight '{module}.weight')")
+
+
+def _pair(module: str, weight: tuple[str, torch.Tensor], scale: tuple[str, torch.Tensor],
+          quant: QuantConfig) -> torch.Tensor:
+    (w_origin, w), (s_origin, s) = weight, scale
+    if w.dtype != FP8:
+        raise CheckpointError(f"{w_origin}: tensor '{module}.weight' has dtype {w.dtype}, expected "
+                              f"float8_e4m3fn (quantization_config quantizes {module!r})")
+    if w.dim() != 2:
+        raise CheckpointError(f"{w_origin}: tensor '{module}.weight' has shape {list(w.shape)}, expected 2 dims")
+    expected = quant.scale_shape(*w.shape)
+    if tuple(s.shape) not in _accepted(expected) or not s.is_floating_point() or s.dtype in FLOAT8:
+        raise CheckpointError(f"{s_origin}: tensor '{module}.{quant.scale_suffix}' has shape {list(s.shape)} "
+                              f"and dtype {s.dtype}, expected {list(expected)} floats for weight {list(w.shape)}")
+    return dequantize(w, s, quant, torch.float32)
+
+
+def _accepted(shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """A per-channel scale may also be stored flat ([out]), a per-tensor one as a scalar."""
+    if shape == (1,):
+        return (1,), ()
+    if len(shape) == 2 and shape[1] == 1:
+        return shape, shape[:1]
+    return (shape,)
