@@ -39,6 +39,14 @@ class QuantConfig:
             return False
         return not any(_matches(pattern, module) for pattern in self.ignore)
 
+    @property
+    def op_block(self) -> tuple[int, int]:
+        """The ops' `weight_block` operand: a side of 0 spans the whole dim, so per channel is
+        (1, 0) and per tensor (0, 0)."""
+        if self.scheme == "block":
+            return self.block
+        return (1, 0) if self.scheme == "channel" else (0, 0)
+
     def scale_shape(self, rows: int, cols: int) -> tuple[int, ...]:
         """The scale tensor's shape for a `[rows, cols]` weight (per tensor: one element)."""
         if self.scheme == "block":
