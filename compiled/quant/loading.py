@@ -21,16 +21,13 @@ SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
 Stream = Iterable[tuple[str, str, torch.Tensor]]
 
 
-def dequantized_stream(tensors: Stream, quant: QuantConfig | None) -> Iterator[tuple[str, str, torch.Tensor]]:
+def dequantized_stream(tensors: Stream, quant: QuantConfig | None,
+                       keep: set[str] = frozenset()) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(origin, name, tensor) with every FP8 weight and its scale merged into one dequantized
-    float32 weight; float8 tensors without a quantization_config are refused."""
+    float32 weight, except the weights of `keep` (parameters that stay FP8), which pass as they
+    are with their scales; float8 tensors without a quantization_config are refused."""
     if quant is None:
-        for origin, name, tensor in tensors:
-            if tensor.dtype in FLOAT8 or name.endswith(SCALE_SUFFIXES):
-                what = tensor.dtype if tensor.dtype in FLOAT8 else "an FP8 weight scale"
-                raise ConfigError(f"{origin}: tensor {name!r} is {what} but config.json has no "
-                                  f"'quantization_config'")
-            yield origin, name, tensor
+        yield from _unquantized(tensors)
         return
     weights: dict[str, tuple[str, torch.Tensor]] = {}
     scales: dict[str, tuple[str, torch.Tensor]] = {}
@@ -42,6 +39,11 @@ def dequantized_stream(tensors: Stream, quant: QuantConfig | None) -> Iterator[t
                                       f"leaves {module!r} unquantized")
             yield origin, name, tensor
             continue
+        if leaf == "weight":
+            _check_fp8(origin, module, tensor)
+        if f"{module}.weight" in keep:
+            yield origin, name, tensor
+            continue
         (weights if leaf == "weight" else scales)[module] = (origin, tensor)
         if module in weights and module in scales:
             yield weights[module][0], f"{module}.weight", _pair(module, weights.pop(module), scales.pop(module), quant)
@@ -50,12 +52,23 @@ def dequantized_stream(tensors: Stream, quant: QuantConfig | None) -> Iterator[t
                               f"float8 weight '{module}.weight')")
 
 
+def _unquantized(tensors: Stream) -> Iterator[tuple[str, str, torch.Tensor]]:
+    for origin, name, tensor in tensors:
+        if tensor.dtype in FLOAT8 or name.endswith(SCALE_SUFFIXES):
+            what = tensor.dtype if tensor.dtype in FLOAT8 else "an FP8 weight scale"
+            raise ConfigError(f"{origin}: tensor {name!r} is {what} but config.json has no 'quantization_config'")
+        yield origin, name, tensor
+
+
+def _check_fp8(origin: str, module: str, w: torch.Tensor) -> None:
+    if w.dtype != FP8:
+        raise CheckpointError(f"{origin}: tensor '{module}.weight' has dtype {w.dtype}, expected "
+                              f"float8_e4m3fn (quantization_config quantizes {module!r})")
+
+
 def _pair(module: str, weight: tuple[str, torch.Tensor], scale: tuple[str, torch.Tensor],
           quant: QuantConfig) -> torch.Tensor:
     (w_origin, w), (s_origin, s) = weight, scale
-    if w.dtype != FP8:
-        raise CheckpointError(f"{w_origin}: tensor '{module}.weight' has dtype {w.dtype}, expected "
-                              f"float8_e4m3fn (quantization_config quantizes {module!r})")
     if w.dim() != 2:
         raise CheckpointError(f"{w_origin}: tensor '{module}.weight' has shape {list(w.shape)}, expected 2 dims")
     expected = quant.scale_shape(*w.shape)

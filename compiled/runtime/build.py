@@ -88,9 +88,10 @@ def graph_variants(config: EngineConfig) -> list[GraphVariant]:
     return variants
 
 
-def variant_passes(variant: GraphVariant, config: EngineConfig) -> list:
-    """The passes of `variant`'s graph for `config` (`passes.manager.passes_for`)."""
-    return passes_for(variant, pass_names(config), config.max_loras_per_batch, config.max_lora_rank)
+def variant_passes(variant: GraphVariant, config: EngineConfig, quantized: bool = False) -> list:
+    """The passes of `variant`'s graph for `config` (`passes.manager.passes_for`); `quantized`:
+    the checkpoint has FP8 weights."""
+    return passes_for(variant, pass_names(config), config.max_loras_per_batch, config.max_lora_rank, quantized)
 
 
 def _stage(variant: GraphVariant) -> str:
@@ -114,11 +115,12 @@ def build_models(cfg: ModelConfig, path: str, config: EngineConfig) -> Models:
 
     module: nn.Module = meta_model(cfg, dtype)
     weights = module.checkpoint_map()
+    quantized = cfg.quantization is not None
     if use_graph:
         module = trace(module)
         lap("trace")
         # A start from an artifact skips the meta run: the export checked this same graph.
-        result = run_passes(module, weights, variant_passes(BASE, config), check="none" if config.artifact else "end")
+        result = run_passes(module, weights, variant_passes(BASE, config, quantized), check="none" if config.artifact else "end")
         weights, report.records = result.weights, result.records
         lap("passes")
     materialize(module, device)
@@ -129,7 +131,7 @@ def build_models(cfg: ModelConfig, path: str, config: EngineConfig) -> Models:
     lap("load")
     models = Models({BASE: module}, report)
     for variant in graph_variants(config):
-        models.graphs[variant] = _variant_graph(module, cfg, config, variant_passes(variant, config),
+        models.graphs[variant] = _variant_graph(module, cfg, config, variant_passes(variant, config, quantized),
                                                 models.lora_buffers)
         if variant == LORA:
             models.lora_buffers = models.graphs[variant]

@@ -17,10 +17,12 @@ from tests.quant.checkpoints import BLOCK_FP8, quantize_checkpoint
 SCALE = "model.layers.1.self_attn.k_proj.weight_scale_inv"
 
 
-@pytest.fixture
-def fp8_path(tmp_path) -> str:
+# Block 16x32 keeps the fused qkv FP8 (its scale is a parameter the loader checks); at 128 the
+# 32-row k_proj sits inside q's block, so qkv loads dequantized (the scale is checked there).
+@pytest.fixture(params=[[16, 32], [128, 128]], ids=["fp8-parameter", "dequantized"])
+def fp8_path(tmp_path, request) -> str:
     src = make_checkpoint(tmp_path / "src")
-    return quantize_checkpoint(src, tmp_path / "fp8", tmp_path / "ref", dict(BLOCK_FP8, weight_block_size=[16, 32]))[0]
+    return quantize_checkpoint(src, tmp_path / "fp8", tmp_path / "ref", dict(BLOCK_FP8, weight_block_size=request.param))[0]
 
 
 def _edit(path: str, edit) -> str:
@@ -41,16 +43,24 @@ def _error(path: str, kind: type) -> str:
 
 def test_missing_scale(fp8_path):
     file = _edit(fp8_path, lambda t: t.pop(SCALE))
-    assert _error(fp8_path, CheckpointError) == (
-        f"{file}: missing tensor '{SCALE}' (the scale of float8 weight 'model.layers.1.self_attn.k_proj.weight')")
+    assert _error(fp8_path, CheckpointError) in (
+        f"{file}: missing tensor '{SCALE}' (the scale of float8 weight 'model.layers.1.self_attn.k_proj.weight')",
+        f"{fp8_path}: checkpoint is missing tensor '{SCALE}'")
 
 
 def test_mis_shaped_scale(fp8_path):
     def edit(t):
-        t[SCALE] = torch.ones(3, 2)
+        t[SCALE] = torch.ones(3, 3)
     file = _edit(fp8_path, edit)
-    assert _error(fp8_path, CheckpointError) == (
-        f"{file}: tensor '{SCALE}' has shape [3, 2] and dtype torch.float32, expected [2, 2] floats for weight [32, 64]")
+    expected = [2, 2] if "16" in json.dumps(_quant(fp8_path)["weight_block_size"]) else [1, 1]
+    assert _error(fp8_path, CheckpointError) in (
+        f"{file}: tensor '{SCALE}' has shape [3, 3] and dtype torch.float32, expected {expected} floats for weight [32, 64]",
+        f"{file}: tensor '{SCALE}' has shape [3, 3], expected {expected}")
+
+
+def _quant(path: str) -> dict:
+    with open(os.path.join(path, "config.json")) as f:
+        return json.load(f)["quantization_config"]
 
 
 def test_quantized_weight_stored_unquantized(fp8_path):

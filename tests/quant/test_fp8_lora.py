@@ -29,7 +29,7 @@ def _oracle(reference: str, adapter: str | None, prompt: list[int], new_tokens: 
 def test_mixed_adapter_batch_on_an_fp8_moe_base(tmp_path, one_intra_op_thread):
     src = make_checkpoint(tmp_path / "src", moe=True)
     path, reference = quantize_checkpoint(src, tmp_path / "fp8", tmp_path / "ref",
-                                          dict(BLOCK_FP8, weight_block_size=[24, 40]), torch.bfloat16)
+                                          dict(BLOCK_FP8, weight_block_size=[16, 40]), torch.bfloat16)
     cfg = ModelConfig.from_pretrained(path)
     adapters = {
         "attn_mlp": make_peft_adapter(reference, tmp_path / "a1", seed=1, r=8, lora_alpha=16,
@@ -38,6 +38,8 @@ def test_mixed_adapter_batch_on_an_fp8_moe_base(tmp_path, one_intra_op_thread):
                                  target_modules=["gate_proj", "up_proj", "down_proj"]),
     }
     llm = LLM(path, device="cpu", dtype="float32", lora_modules=adapters, max_loras_per_batch=2)
+    fp8 = {n for n, p in llm.model.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    assert {"model.layers.0.mlp.w13", "model.layers.1.self_attn.qkv_proj.weight"} <= fp8, sorted(fp8)
     names = [None, "attn_mlp", "experts", "attn_mlp"]
     prompts = random_prompts(MOE["vocab_size"], [9, 12, 7, 10])
     params = SamplingParams(max_new_tokens=4, temperature=0.0, prompt_logprobs=-1, ignore_eos=True)
