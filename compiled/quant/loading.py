@@ -14,20 +14,25 @@ import torch
 
 from compiled.errors import CheckpointError, ConfigError
 from compiled.quant.config import QuantConfig
-from compiled.quant.dequant import FP8, dequantize
+from compiled.quant.dequant import FP8, dequantize, quantize
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
 Stream = Iterable[tuple[str, str, torch.Tensor]]
 
 
-def dequantized_stream(tensors: Stream, quant: QuantConfig | None,
-                       keep: set[str] = frozenset()) -> Iterator[tuple[str, str, torch.Tensor]]:
+def dequantized_stream(tensors: Stream, quant: QuantConfig | None, keep: set[str] = frozenset(),
+                       quantize_weights: bool = False) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(origin, name, tensor) with every FP8 weight and its scale merged into one dequantized
     float32 weight, except the weights of `keep` (parameters that stay FP8), which pass as they
-    are with their scales; float8 tensors without a quantization_config are refused."""
+    are with their scales; float8 tensors without a quantization_config are refused. With
+    `quantize_weights` the checkpoint is unquantized and each weight `quant` covers is quantized
+    here, one tensor at a time."""
     if quant is None:
         yield from _unquantized(tensors)
+        return
+    if quantize_weights:
+        yield from _quantized_at_load(tensors, quant, keep)
         return
     weights: dict[str, tuple[str, torch.Tensor]] = {}
     scales: dict[str, tuple[str, torch.Tensor]] = {}
@@ -50,6 +55,20 @@ def dequantized_stream(tensors: Stream, quant: QuantConfig | None,
     for module, (origin, _) in weights.items():
         raise CheckpointError(f"{origin}: missing tensor '{module}.{quant.scale_suffix}' (the scale of "
                               f"float8 weight '{module}.weight')")
+
+
+def _quantized_at_load(tensors: Stream, quant: QuantConfig, keep: set[str]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    for origin, name, tensor in _unquantized(tensors):
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight" or not quant.quantizes(module):
+            yield origin, name, tensor
+            continue
+        q, s = quantize(tensor, quant)
+        if name in keep:
+            yield origin, name, q
+            yield origin, f"{module}.{quant.scale_suffix}", s
+        else:   # a parameter without one block grid: FP8's rounding, the engine dtype
+            yield origin, name, dequantize(q, s, quant, torch.float32)
 
 
 def _unquantized(tensors: Stream) -> Iterator[tuple[str, str, torch.Tensor]]:

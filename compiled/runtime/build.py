@@ -18,6 +18,7 @@ from compiled.graphs.trace import materialize, meta_model, trace
 from compiled.passes.base import PassRecord
 from compiled.passes.manager import DEFAULT_PASSES, passes_for, run_passes
 from compiled.passes.variant import BASE, LORA, GraphVariant
+from compiled.quant.at_load import with_quantization
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.loader import fill_dummy, load_checkpoint
 
@@ -113,6 +114,7 @@ def build_models(cfg: ModelConfig, path: str, config: EngineConfig) -> Models:
         report.seconds[stage] = now - clock
         clock = now
 
+    cfg, quantize_weights = with_quantization(cfg, config.quantization)
     module: nn.Module = meta_model(cfg, dtype)
     weights = module.checkpoint_map()
     quantized = cfg.quantization is not None
@@ -127,7 +129,8 @@ def build_models(cfg: ModelConfig, path: str, config: EngineConfig) -> Models:
     if config.load_format == "dummy":
         fill_dummy(module, config.seed)
     else:
-        load_checkpoint(module, weights, path, tied_head=cfg.tie_word_embeddings, quant=cfg.quantization)
+        load_checkpoint(module, weights, path, tied_head=cfg.tie_word_embeddings, quant=cfg.quantization,
+                        quantize_weights=quantize_weights)
     lap("load")
     models = Models({BASE: module}, report)
     for variant in graph_variants(config):

@@ -85,13 +85,14 @@ def assign_tensors(module: nn.Module, weights: WeightMap, tensors: Iterable[tupl
 
 
 def load_checkpoint(module: nn.Module, weights: WeightMap, path: str, tied_head: bool,
-                    quant: QuantConfig | None = None) -> None:
+                    quant: QuantConfig | None = None, quantize_weights: bool = False) -> None:
     """Stream `path`'s tensors into `module`; FP8 weights (`quant`) stay FP8 where their parameter
-    is float8_e4m3fn, else arrive dequantized."""
+    is float8_e4m3fn, else arrive dequantized (`quantize_weights`: quantized here first)."""
     params = dict(module.named_parameters())
     keep = {p.source for target, pieces in weights.pieces.items() if params[target].dtype == FP8 for p in pieces}
     try:
-        assign_tensors(module, weights, dequantized_stream(iter_checkpoint(path), quant, keep), tied_head)
+        assign_tensors(module, weights, dequantized_stream(iter_checkpoint(path), quant, keep, quantize_weights),
+                       tied_head)
     except CheckpointError as e:
         if str(e).startswith("checkpoint is missing"):
             raise CheckpointError(f"{path}: {e}") from None
