@@ -45,6 +45,10 @@ def linear(x: Tensor, weight: Tensor, lora_a: Tensor | None = None, lora_b: Tens
            weight_block: list[int] | None = None) -> Tensor:
     """x `[..., K]`, weight `[N, K]` -> `[..., N]`; with LoRA (x `[T, K]`) plus each row's delta."""
     lora = lora_operands("compiled::linear", lora_a, lora_b, lora_scale, lora_slot, lora_slices)
+    if lora is None and weight_scale is not None and x.dim() == 2 and ops.BACKEND.name == "triton":
+        check_scale("compiled::linear", "weight_scale", weight, weight_scale, weight_block)
+        from compiled.linear.fp8_kernels import w8a16_linear
+        return w8a16_linear(x, weight, weight_scale, weight_block)
     weight = scaled_weight("compiled::linear", "weight_scale", weight, weight_scale, weight_block, x.dtype)
     if lora is None:
         return ops.dispatch(x, weight)
