@@ -49,3 +49,16 @@ def test_unknown_quantization_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match="quantization") as e:
         LLM(str(tmp_path), device="cpu", quantization="int4")
     assert "\n" not in str(e.value)
+
+
+def test_roofline_counts_fp8_bytes(tmp_path):
+    from cli import roofline
+    from compiled.graphs.config import ModelConfig
+    from compiled.quant.at_load import METHODS
+    from tests.conftest import reduced_real_config
+    cfg = ModelConfig.from_pretrained(reduced_real_config(tmp_path, layers=48))
+    bf16, fp8 = (roofline.decode_bytes(cfg, 1, 0, 2, quant) for quant in (None, METHODS["fp8"]))
+    assert bf16.lm_head == fp8.lm_head and bf16.embedding_rows == fp8.embedding_rows
+    assert fp8.bytes_per_expert == pytest.approx(bf16.bytes_per_expert / 2 * (1 + 4 / 128 ** 2))
+    # the FP8 byte floor at batch 1 on an H200: about 0.78 ms
+    assert 1e3 * fp8.floor_s(4.25e12) == pytest.approx(0.78, abs=0.03)
