@@ -22,17 +22,18 @@ Stream = Iterable[tuple[str, str, torch.Tensor]]
 
 
 def dequantized_stream(tensors: Stream, quant: QuantConfig | None, keep: set[str] = frozenset(),
-                       quantize_weights: bool = False) -> Iterator[tuple[str, str, torch.Tensor]]:
+                       quantize_weights: bool = False, device: torch.device | str = "cpu"
+                       ) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(origin, name, tensor) with every FP8 weight and its scale merged into one dequantized
     float32 weight, except the weights of `keep` (parameters that stay FP8), which pass as they
     are with their scales; float8 tensors without a quantization_config are refused. With
     `quantize_weights` the checkpoint is unquantized and each weight `quant` covers is quantized
-    here, one tensor at a time."""
+    here, one tensor at a time. The arithmetic runs on `device` (the parameters')."""
     if quant is None:
         yield from _unquantized(tensors)
         return
     if quantize_weights:
-        yield from _quantized_at_load(tensors, quant, keep)
+        yield from _quantized_at_load(tensors, quant, keep, device)
         return
     weights: dict[str, tuple[str, torch.Tensor]] = {}
     scales: dict[str, tuple[str, torch.Tensor]] = {}
@@ -51,19 +52,20 @@ def dequantized_stream(tensors: Stream, quant: QuantConfig | None, keep: set[str
             continue
         (weights if leaf == "weight" else scales)[module] = (origin, tensor)
         if module in weights and module in scales:
-            yield weights[module][0], f"{module}.weight", _pair(module, weights.pop(module), scales.pop(module), quant)
+            yield weights[module][0], f"{module}.weight", _pair(module, weights.pop(module), scales.pop(module), quant, device)
     for module, (origin, _) in weights.items():
         raise CheckpointError(f"{origin}: missing tensor '{module}.{quant.scale_suffix}' (the scale of "
                               f"float8 weight '{module}.weight')")
 
 
-def _quantized_at_load(tensors: Stream, quant: QuantConfig, keep: set[str]) -> Iterator[tuple[str, str, torch.Tensor]]:
+def _quantized_at_load(tensors: Stream, quant: QuantConfig, keep: set[str],
+                       device: torch.device | str) -> Iterator[tuple[str, str, torch.Tensor]]:
     for origin, name, tensor in _unquantized(tensors):
         module, _, leaf = name.rpartition(".")
         if leaf != "weight" or not quant.quantizes(module):
             yield origin, name, tensor
             continue
-        q, s = quantize(tensor, quant)
+        q, s = quantize(tensor.to(device), quant)
         if name in keep:
             yield origin, name, q
             yield origin, f"{module}.{quant.scale_suffix}", s
@@ -86,7 +88,7 @@ def _check_fp8(origin: str, module: str, w: torch.Tensor) -> None:
 
 
 def _pair(module: str, weight: tuple[str, torch.Tensor], scale: tuple[str, torch.Tensor],
-          quant: QuantConfig) -> torch.Tensor:
+          quant: QuantConfig, device: torch.device | str) -> torch.Tensor:
     (w_origin, w), (s_origin, s) = weight, scale
     if w.dim() != 2:
         raise CheckpointError(f"{w_origin}: tensor '{module}.weight' has shape {list(w.shape)}, expected 2 dims")
@@ -94,7 +96,7 @@ def _pair(module: str, weight: tuple[str, torch.Tensor], scale: tuple[str, torch
     if tuple(s.shape) not in _accepted(expected) or not s.is_floating_point() or s.dtype in FLOAT8:
         raise CheckpointError(f"{s_origin}: tensor '{module}.{quant.scale_suffix}' has shape {list(s.shape)} "
                               f"and dtype {s.dtype}, expected {list(expected)} floats for weight {list(w.shape)}")
-    return dequantize(w, s, quant, torch.float32)
+    return dequantize(w.to(device), s.to(device), quant, torch.float32)
 
 
 def _accepted(shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:

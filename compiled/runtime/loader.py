@@ -91,7 +91,8 @@ def load_checkpoint(module: nn.Module, weights: WeightMap, path: str, tied_head:
     params = dict(module.named_parameters())
     keep = {p.source for target, pieces in weights.pieces.items() if params[target].dtype == FP8 for p in pieces}
     try:
-        assign_tensors(module, weights, dequantized_stream(iter_checkpoint(path), quant, keep, quantize_weights),
+        assign_tensors(module, weights, dequantized_stream(iter_checkpoint(path), quant, keep, quantize_weights,
+                                                            next(module.parameters()).device),
                        tied_head)
     except CheckpointError as e:
         if str(e).startswith("checkpoint is missing"):
