@@ -115,6 +115,8 @@ def build_models(cfg: ModelConfig, path: str, config: EngineConfig) -> Models:
         clock = now
 
     cfg, quantize_weights = with_quantization(cfg, config.quantization)
+    if config.merge_lora and cfg.quantization is not None:
+        raise ConfigError("merge_lora=True: FP8 weights cannot hold a merged adapter (its deltas are added unmerged)")
     module: nn.Module = meta_model(cfg, dtype)
     weights = module.checkpoint_map()
     quantized = cfg.quantization is not None

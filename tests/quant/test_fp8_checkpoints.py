@@ -48,3 +48,18 @@ def test_fp8_checkpoint_matches_the_dequantized_model(tmp_path, case, one_intra_
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)[0]
         assert_prompt_logprobs_match(out, torch.log_softmax(logits, -1))
         assert out.token_ids == ref[len(prompt):].tolist()
+
+
+def test_eager_module_loads_an_fp8_checkpoint_dequantized(tmp_path, one_intra_op_thread):
+    """Without the graph (enforce_eager, no LoRA) there is no fp8_weights pass: every FP8 weight
+    loads dequantized into the plain module, with the same outputs."""
+    src = make_checkpoint(tmp_path / "src", moe=True)
+    path, reference = quantize_checkpoint(src, tmp_path / "fp8", tmp_path / "ref",
+                                          dict(BLOCK_FP8, weight_block_size=[16, 40]))
+    llm = LLM(path, device="cpu", dtype="float32", enforce_eager=True)
+    assert all(p.dtype == torch.float32 for p in llm.model.parameters())
+    prompt = random_prompts(DENSE["vocab_size"], [10])[0]
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=1, prompt_logprobs=-1))[0]
+    with torch.no_grad():
+        logits = hf_model(reference)(torch.tensor([prompt])).logits[0].float()
+    assert_prompt_logprobs_match(out, torch.log_softmax(logits, -1))

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import torch
 
+import pytest
+
 from compiled import LLM, SamplingParams
+from compiled.errors import ConfigError
 from compiled.graphs.config import ModelConfig
 from compiled.lora.adapter import load_adapter
 from compiled.lora.merge import merge_into
@@ -47,3 +50,10 @@ def test_mixed_adapter_batch_on_an_fp8_moe_base(tmp_path, one_intra_op_thread):
         logprobs, greedy = _oracle(reference, adapters.get(name), prompt, 4)
         assert_prompt_logprobs_match(out, logprobs)
         assert out.token_ids == greedy, name
+
+
+def test_merge_lora_is_refused_on_fp8_weights(tmp_path):
+    src = make_checkpoint(tmp_path / "src")
+    with pytest.raises(ConfigError, match="merge_lora=True: FP8 weights cannot hold a merged adapter"):
+        LLM(src, device="cpu", quantization="fp8", merge_lora=True,
+            lora_modules={"a": make_peft_adapter(src, tmp_path / "a", r=4, target_modules=ATTN)})
