@@ -45,25 +45,32 @@ def _readers_take_scales(node: fx.Node) -> bool:
     return True
 
 
+def _fp8_slots(node: fx.Node, chosen: set[str]) -> set[str]:
+    """The weight operands of the op call `node` whose parameters are in `chosen`."""
+    slots = SCALED.get(_op_name(node), {})
+    args = call_args(node) if slots else {}
+    return {slot for slot in slots if isinstance(args[slot], fx.Node) and args[slot].target in chosen}
+
+
 def fp8_weights(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
+    """Quantized checkpoint: FP8 parameters + scale operands wherever a weight has one block grid
+    and only scale-taking ops read it; no-op for an unquantized model."""
     quant = getattr(gm.config, "quantization", None)
     if quant is None:
         return
     recipes = scale_recipes(weights, quant)
-    chosen: dict[str, fx.Node] = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and f"{node.target}_scale" in recipes.shapes and _readers_take_scales(node):
-            chosen[node.target] = node
+    attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and f"{n.target}_scale" in recipes.shapes]
+    chosen = {n.target for n in attrs} - {n.target for n in attrs if not _readers_take_scales(n)}
+    for node in gm.graph.nodes:   # expert stacks: both FP8 or neither, before any op is rewritten
+        fp8 = _fp8_slots(node, chosen)
+        if set(TOGETHER) & fp8 and not set(TOGETHER) <= fp8:
+            args = call_args(node)
+            chosen -= {args[s].target for s in TOGETHER if isinstance(args[s], fx.Node)}
     for node in list(gm.graph.nodes):
-        slots = SCALED.get(_op_name(node))
-        if slots is None:
-            continue
-        args = call_args(node)
-        fp8 = {slot for slot in slots if isinstance(args[slot], fx.Node) and args[slot].target in chosen}
-        if set(TOGETHER) & set(slots) and not set(TOGETHER) <= fp8:
-            fp8 -= set(TOGETHER)   # both expert stacks FP8, or neither
+        fp8 = _fp8_slots(node, chosen)
         if not fp8:
             continue
+        slots, args = SCALED[_op_name(node)], call_args(node)
         _make_fp8(gm, weights, recipes, record, [args[s].target for s in fp8])
         with gm.graph.inserting_before(node):
             scales = {slots[s]: gm.graph.get_attr(f"{args[s].target}_scale") for s in fp8}
