@@ -62,3 +62,17 @@ def test_roofline_counts_fp8_bytes(tmp_path):
     assert fp8.bytes_per_expert == pytest.approx(bf16.bytes_per_expert / 2 * (1 + 4 / 128 ** 2))
     # the issue's FP8 byte floor at batch 1 on an H200: about 0.78 ms
     assert 1e3 * fp8.floor_s(4.25e12) == pytest.approx(0.78, abs=0.03)
+
+
+def test_demo_moe_quantized_at_load_keeps_its_greedy_tokens(one_intra_op_thread):
+    """FP8's rounding on the trained demo model: its greedy outputs survive (measured: 192 of 192
+    tokens over 8 prompts; the largest prompt-logprob difference over the vocabulary 0.74)."""
+    from compiled.demo import MOE_MODEL
+    prompts = ["count 95:", "copy Bird wax:", "COPY jam:", "count 31:"]
+    sampling = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for quantization in (None, "fp8"):
+        llm = LLM(MOE_MODEL, device="cpu", dtype="float32", quantization=quantization)
+        outs[quantization] = [o.token_ids for o in llm.generate([llm.tokenizer.encode(p) for p in prompts], sampling)]
+    same = sum(a == b for x, y in zip(outs[None], outs["fp8"]) for a, b in zip(x, y))
+    assert same >= 0.9 * 16 * len(prompts), outs
