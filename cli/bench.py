@@ -43,7 +43,7 @@ def _opt(name: str, annotation, default, help: str, *decls: str) -> inspect.Para
 
 
 COMMON = [
-    *(engine_parameter(name) for name in ("device", "dtype", "load_format", "max_model_len", "max_num_seqs",
+    *(engine_parameter(name) for name in ("device", "dtype", "load_format", "quantization", "max_model_len", "max_num_seqs",
                                           "max_num_batched_tokens", "max_mixed_step_tokens", "kv_cache_tokens",
                                           "mem_fraction", "enforce_eager", "compile", "artifact", "overlap_schedule",
                                           "context_parallel_size", "cp_min_tokens", "enable_prefix_caching",

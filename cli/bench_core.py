@@ -364,7 +364,9 @@ def roofline(llm, batch: int, input_len: int, output_len: int, decode_p50_ms: fl
     against the median step."""
     from cli.roofline import decode_bytes
     context = input_len + output_len // 2
-    b = decode_bytes(llm.model_config, batch, context, llm.config.dtype.itemsize)
+    from compiled.quant.at_load import METHODS
+    quant = llm.model_config.quantization or METHODS.get(llm.config.quantization)
+    b = decode_bytes(llm.model_config, batch, context, llm.config.dtype.itemsize, quant)
     floor_ms = 1e3 * b.floor_s(bw.bytes_per_s)
     return {
         "context": context, "bytes_per_step": b.total, "bytes": b.as_dict(),

@@ -16,6 +16,8 @@ ENGINE_OPTIONS: dict[str, tuple[object, str, tuple[str, ...]]] = {
     "device": (Optional[str], "cpu or cuda (default: cuda when available).", ()),
     "dtype": (Optional[str], "float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu).", ()),
     "load_format": (str, "auto (safetensors) or dummy (random weights in the real shapes).", ()),
+    "quantization": (Optional[str], "fp8: quantize an unquantized checkpoint to block FP8 while loading (FP8 "
+                     "checkpoints load as FP8 without it).", ()),
     "seed": (int, "Seed of the dummy weights and of the engine.", ()),
     "max_model_len": (Optional[int], "Context length (default: the model's).", ()),
     "max_num_seqs": (int, "Most requests in one step.", ()),

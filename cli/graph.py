@@ -61,7 +61,8 @@ def graph(
         if tp < 1:
             raise ValueError(f"--tp {tp}: expected an int >= 1")
         variant = GraphVariant(lora=lora is not None, context_parallel=cp > 1, tp_size=tp)
-        names = passes_for(variant, names, DEFAULTS.max_loras_per_batch, DEFAULTS.max_lora_rank)
+        names = passes_for(variant, names, DEFAULTS.max_loras_per_batch, DEFAULTS.max_lora_rank,
+                           quantized=cfg.quantization is not None)
         result = run_passes(gm, meta.checkpoint_map(), names, on_pass=on_pass)
         console = Console()
         table = Table(title=f"passes over {os.path.basename(os.path.normpath(path))} "

@@ -10,7 +10,8 @@ the KV cache of every request. For a batch of B tokens this is
   + the KV cache: context tokens × 2 (K, V) × layers × kv_heads × head_dim × element size
 
 (uniform routing: each token picks k of E experts, so an expert is missed by all B tokens with
-probability (1 - k/E)^B). Dividing by the device bandwidth, measured as (bytes read + bytes
+probability (1 - k/E)^B). With FP8 weights the projections and experts count one byte an element
+plus their fp32 block scales; embeddings, norms, routers and the LM head keep the engine dtype. Dividing by the device bandwidth, measured as (bytes read + bytes
 written) / time of a large copy, gives the floor time of one step.
 
 `device_bandwidth` measures that copy once per device and caches it in
@@ -30,6 +31,7 @@ import torch
 
 import compiled.envs as envs
 from compiled.graphs.config import ModelConfig
+from compiled.quant.config import QuantConfig
 
 # ---- bytes per decode step ---------------------------------------------------------------
 
@@ -64,6 +66,26 @@ def num_moe_layers(cfg: ModelConfig) -> int:
     return sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
 
 
+def projection_params(cfg: ModelConfig) -> int:
+    """The q/k/v/o weights of one layer (what FP8 quantizes of attention)."""
+    h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    return h * (q + 2 * kv) + q * h
+
+
+def fp8_bytes_per_element(quant: QuantConfig | None, dtype_bytes: int) -> float:
+    """Bytes an element of a quantized linear costs: the fp8 byte plus its share of a 4-byte scale."""
+    if quant is None:
+        return float(dtype_bytes)
+    return 1.0 + (4.0 / (quant.block[0] * quant.block[1]) if quant.scheme == "block" else 0.0)
+
+
+def non_expert_bytes(cfg: ModelConfig, dtype_bytes: int, quant: QuantConfig | None) -> float:
+    """`non_expert_params` in bytes, the projections and dense MLPs at their FP8 size under `quant`."""
+    linear = cfg.num_hidden_layers * projection_params(cfg) + \
+        (cfg.num_hidden_layers - num_moe_layers(cfg)) * dense_mlp_params(cfg)
+    return (non_expert_params(cfg) - linear) * dtype_bytes + linear * fp8_bytes_per_element(quant, dtype_bytes)
+
+
 def non_expert_params(cfg: ModelConfig) -> int:
     """Every per-layer weight that is not an expert (attention, norms, routers, dense MLPs) plus
     the final norm; the embedding and LM head are counted separately."""
@@ -86,13 +108,13 @@ class DecodeBytes:
     """Bytes one decode step reads, by kind (see the module docstring)."""
     batch: int
     context: int                 # tokens in the KV cache per request
-    non_expert: int
+    non_expert: float
     lm_head: int
     embedding_rows: int
     experts: float
     kv: int
     experts_per_layer: float
-    bytes_per_expert: int
+    bytes_per_expert: float
 
     @property
     def weights(self) -> float:
@@ -110,18 +132,20 @@ class DecodeBytes:
         return dict(asdict(self), weights=self.weights, total=self.total)
 
 
-def decode_bytes(cfg: ModelConfig, batch: int, context: int | list[int], dtype_bytes: int = 2) -> DecodeBytes:
+def decode_bytes(cfg: ModelConfig, batch: int, context: int | list[int], dtype_bytes: int = 2,
+                 quant: QuantConfig | None = None) -> DecodeBytes:
     """Bytes read by one decode step of `batch` requests, each with `context` tokens of KV (or a
-    list of per-request contexts), with weights and KV in a `dtype_bytes`-sized dtype."""
+    list of per-request contexts), with weights and KV in a `dtype_bytes`-sized dtype (the
+    quantized linears of `quant` in FP8)."""
     contexts = [context] * batch if isinstance(context, int) else list(context)
     if len(contexts) != batch:
         raise ValueError(f"got {len(contexts)} contexts for a batch of {batch}")
-    per_expert = expert_params(cfg) * dtype_bytes
+    per_expert = expert_params(cfg) * fp8_bytes_per_element(quant, dtype_bytes)
     experts = expected_experts(cfg.num_experts, cfg.num_experts_per_tok, batch) if cfg.is_moe else 0.0
     return DecodeBytes(
         batch=batch,
         context=round(sum(contexts) / batch) if batch else 0,
-        non_expert=non_expert_params(cfg) * dtype_bytes,
+        non_expert=non_expert_bytes(cfg, dtype_bytes, quant),
         lm_head=cfg.vocab_size * cfg.hidden_size * dtype_bytes,
         embedding_rows=batch * cfg.hidden_size * dtype_bytes,
         experts=num_moe_layers(cfg) * experts * per_expert,

@@ -33,7 +33,9 @@ class ArtifactError(CompiledError, ValueError):
 
 
 def config_hash(cfg: ModelConfig) -> str:
-    fields = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "source"}
+    # An unquantized model hashes as it did before the quantization field existed.
+    fields = {k: v for k, v in dataclasses.asdict(cfg).items()
+              if k != "source" and not (k == "quantization" and v is None)}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
 

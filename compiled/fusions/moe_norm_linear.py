@@ -7,7 +7,8 @@ them and the linear that reads the norm (the next layer's qkv), as one op.
 Its optional operands, None by default, come last: the linear's own LoRA (`lora_a`, `lora_b`,
 `lora_scale`, `lora_slot`, `lora_slices`, as `compiled::add_rms_norm_linear`'s) and the experts'
 (`moe_lora_a13`, `moe_lora_b13`, `moe_lora_a2`, `moe_lora_b2`, `moe_lora_scale`: `compiled::fused_moe`'s
-`lora_*`, the same `lora_slot`), each set all or none.
+`lora_*`, the same `lora_slot`), each set all or none; then the FP8 scales (`weight_scale` of the
+linear, `w13_scale` / `w2_scale` of the experts, one `weight_block`, as the two ops take them).
 
 Alone, the experts' k weighted outputs per token are summed by a kernel of their own
 (`moe_sum_kernel`), and the norm's kernel reads the sum back. Here one kernel does both
@@ -28,6 +29,7 @@ from compiled.linear.lora_linear import check_lora, linear_then_expand, lora_ope
 from compiled.linear.ops import dispatch
 from compiled.moe import expert_lora as el
 from compiled.moe import fused_moe as fm
+from compiled.quant.dequant import check_scale, scaled_weight
 
 OP = "compiled::moe_add_rms_norm_linear"
 EXPERT_LORA = ("moe_lora_a13", "moe_lora_b13", "moe_lora_a2", "moe_lora_b2", "moe_lora_scale", "lora_slot")
@@ -57,10 +59,13 @@ def moe_add_rms_norm_linear(x: Tensor, moe_x: Tensor, topk_weights: Tensor, topk
                             lora_scale: Tensor | None = None, lora_slot: Tensor | None = None,
                             lora_slices: list[int] | None = None, moe_lora_a13: Tensor | None = None,
                             moe_lora_b13: Tensor | None = None, moe_lora_a2: Tensor | None = None,
-                            moe_lora_b2: Tensor | None = None, moe_lora_scale: Tensor | None = None
+                            moe_lora_b2: Tensor | None = None, moe_lora_scale: Tensor | None = None,
+                            weight_scale: Tensor | None = None, w13_scale: Tensor | None = None,
+                            w2_scale: Tensor | None = None, weight_block: list[int] | None = None
                             ) -> tuple[Tensor, Tensor, Tensor]:
     """`add_rms_norm_linear(x, fused_moe(moe_x, ...), norm_weight, eps, weight, keep_normed)`, with
-    the experts' and the linear's LoRA where given."""
+    the experts' and the linear's LoRA where given. FP8 weights run dequantized (the reference)."""
+    weight, w13, w2 = _dequantized(x.dtype, weight, w13, w2, weight_scale, w13_scale, w2_scale, weight_block)
     own, expert = _operands(x, moe_x, norm_weight, weight, (lora_a, lora_b, lora_scale, lora_slot, lora_slices),
                             (moe_lora_a13, moe_lora_b13, moe_lora_a2, moe_lora_b2, moe_lora_scale, lora_slot))
     args = (x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight)
@@ -117,11 +122,29 @@ def shrink_in_norm(T: int) -> bool:
 @moe_add_rms_norm_linear.register_fake
 def _(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, keep_normed, lora_a=None, lora_b=None,
       lora_scale=None, lora_slot=None, lora_slices=None, moe_lora_a13=None, moe_lora_b13=None, moe_lora_a2=None,
-      moe_lora_b2=None, moe_lora_scale=None):
+      moe_lora_b2=None, moe_lora_scale=None, weight_scale=None, w13_scale=None, w2_scale=None, weight_block=None):
+    _check_fp8(weight, w13, w2, weight_scale, w13_scale, w2_scale, weight_block)
+    if weight_scale is not None:
+        weight = weight.new_empty(weight.shape, dtype=x.dtype)
     _operands(x, moe_x, norm_weight, weight, (lora_a, lora_b, lora_scale, lora_slot, lora_slices),
               (moe_lora_a13, moe_lora_b13, moe_lora_a2, moe_lora_b2, moe_lora_scale, lora_slot))
     return x.new_empty((x.shape[0], weight.shape[0])), torch.empty_like(x), \
         torch.empty_like(x) if keep_normed else x.new_empty(0)
+
+
+def _check_fp8(weight, w13, w2, weight_scale, w13_scale, w2_scale, weight_block) -> None:
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError(f"{OP}: w13_scale and w2_scale go together (got only one)")
+    for name, w, s in (("weight_scale", weight, weight_scale), ("w13_scale", w13, w13_scale), ("w2_scale", w2, w2_scale)):
+        if s is not None:
+            check_scale(OP, name, w, s, weight_block)
+
+
+def _dequantized(dtype, weight, w13, w2, weight_scale, w13_scale, w2_scale, weight_block) -> tuple[Tensor, ...]:
+    """The linear's and the experts' weights, each dequantized where it has a scale."""
+    _check_fp8(weight, w13, w2, weight_scale, w13_scale, w2_scale, weight_block)
+    return tuple(w if s is None else scaled_weight(OP, name, w, s, weight_block, dtype) for name, w, s in
+                 (("weight_scale", weight, weight_scale), ("w13_scale", w13, w13_scale), ("w2_scale", w2, w2_scale)))
 
 
 def moe_add_rms_norm_linear_ref(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, *lora):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from compiled.errors import ConfigError
 from compiled.json_file import read_json_object
+from compiled.quant.config import QuantConfig, parse_quantization
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 # model_type -> architecture, for a config.json without "architectures" (what a bare
@@ -37,6 +38,8 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
+    # FP8 weights (`quantization_config`); None: every weight in the engine dtype.
+    quantization: QuantConfig | None = None
     source: str = field(default="", compare=False)
 
     @property
@@ -200,6 +203,7 @@ def _parse(raw: dict, source: str) -> ModelConfig:
         attention_bias=f.get("attention_bias", bool, False),
         mlp_only_layers=_int_list(f, "mlp_only_layers"),
         eos_token_ids=_int_list(f, "eos_token_id"),
+        quantization=parse_quantization(raw.get("quantization_config"), f.fail),
         source=source,
         **moe,
     )

@@ -1,11 +1,14 @@
 """The linear family's custom ops, one op a family, what changes a computation entering as optional
 operands rather than as a twin op:
 
-    compiled::linear(x, weight, lora_a, lora_b, lora_scale, lora_slot, lora_slices)
+    compiled::linear(x, weight, lora_a, lora_b, lora_scale, lora_slot, lora_slices, weight_scale,
+                     weight_block)
     compiled::add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed, lora_a, lora_b,
                                   lora_scale, lora_slot, lora_slices, delta_weight, delta_lora_a,
-                                  delta_lora_b, delta_lora_scale)
-    compiled::silu_mul_linear(gate_up, weight, lora_a, lora_b, lora_scale, lora_slot, lora_slices)
+                                  delta_lora_b, delta_lora_scale, weight_scale, delta_weight_scale,
+                                  weight_block)
+    compiled::silu_mul_linear(gate_up, weight, lora_a, lora_b, lora_scale, lora_slot, lora_slices,
+                              weight_scale, weight_block)
 
 The optional operands come last, None by default (torch.library takes no keyword-only tensors),
 and the passes build and read the calls by name (passes/calls.py), so that one added later (a
@@ -17,6 +20,9 @@ residual's delta is itself a linear's output, `linear(delta, delta_weight)` with
 Its home is add_rms_norm_linear because what the fusion changes is how the op gets its delta: the
 norm's launch adds that linear's LoRA deltas (`lora_linear.linear_lora_add_rms_norm_linear`),
 while the op's outputs, (y, h, normed), stay the family's.
+`weight_scale` (and `delta_weight_scale`) make the weight FP8: float8_e4m3fn times a scale per
+`weight_block` [rows, cols] block (`quant/dequant.py`; a scale per channel is the block [1, K]).
+Until an FP8 kernel serves them the op computes with the dequantized weight, the torch reference.
 
 Each op dispatches to the bodies it ran as separate ops: without operands `ops.dispatch` or
 `fused`'s, with LoRA `lora_linear`'s, so the kernels and the rounding are the ones they were."""
@@ -27,6 +33,7 @@ import torch
 
 from compiled.linear import fused, lora_linear, ops
 from compiled.linear.lora_linear import lora_operands
+from compiled.quant.dequant import check_scale, scaled_weight
 
 Tensor = torch.Tensor
 
@@ -34,17 +41,25 @@ Tensor = torch.Tensor
 @torch.library.custom_op("compiled::linear", mutates_args=())
 def linear(x: Tensor, weight: Tensor, lora_a: Tensor | None = None, lora_b: Tensor | None = None,
            lora_scale: Tensor | None = None, lora_slot: Tensor | None = None,
-           lora_slices: list[int] | None = None) -> Tensor:
+           lora_slices: list[int] | None = None, weight_scale: Tensor | None = None,
+           weight_block: list[int] | None = None) -> Tensor:
     """x `[..., K]`, weight `[N, K]` -> `[..., N]`; with LoRA (x `[T, K]`) plus each row's delta."""
     lora = lora_operands("compiled::linear", lora_a, lora_b, lora_scale, lora_slot, lora_slices)
+    if lora is None and weight_scale is not None and x.dim() == 2 and ops.BACKEND.name == "triton":
+        check_scale("compiled::linear", "weight_scale", weight, weight_scale, weight_block)
+        from compiled.linear.fp8_kernels import w8a16_linear
+        return w8a16_linear(x, weight, weight_scale, weight_block)
+    weight = scaled_weight("compiled::linear", "weight_scale", weight, weight_scale, weight_block, x.dtype)
     if lora is None:
         return ops.dispatch(x, weight)
     return lora_linear.linear_lora(x, weight, *lora)
 
 
 @linear.register_fake
-def _(x, weight, lora_a=None, lora_b=None, lora_scale=None, lora_slot=None, lora_slices=None):
+def _(x, weight, lora_a=None, lora_b=None, lora_scale=None, lora_slot=None, lora_slices=None, weight_scale=None,
+      weight_block=None):
     lora = lora_operands("compiled::linear", lora_a, lora_b, lora_scale, lora_slot, lora_slices)
+    weight = _fake_weight("compiled::linear", "weight_scale", weight, weight_scale, weight_block, x.dtype)
     if lora is None:
         ops.check_shapes(x, weight)
     else:
@@ -58,10 +73,19 @@ def add_rms_norm_linear(x: Tensor, delta: Tensor, norm_weight: Tensor, eps: floa
                         lora_scale: Tensor | None = None, lora_slot: Tensor | None = None,
                         lora_slices: list[int] | None = None, delta_weight: Tensor | None = None,
                         delta_lora_a: Tensor | None = None, delta_lora_b: Tensor | None = None,
-                        delta_lora_scale: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                        delta_lora_scale: Tensor | None = None, weight_scale: Tensor | None = None,
+                        delta_weight_scale: Tensor | None = None,
+                        weight_block: list[int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """x, delta `[T, K]` -> (y `[T, N]`, h = x + delta, normed = RMSNorm(h) or an empty tensor when
     not keep_normed). h is what the residual stream carries on; normed is for other readers. With
     `delta_weight`, delta is the input of the linear whose output the add takes."""
+    op = "compiled::add_rms_norm_linear"
+    weight = scaled_weight(op, "weight_scale", weight, weight_scale, _block(weight_scale, weight_block), x.dtype)
+    if delta_weight is not None:
+        delta_weight = scaled_weight(op, "delta_weight_scale", delta_weight, delta_weight_scale,
+                                     _block(delta_weight_scale, weight_block), x.dtype)
+    elif delta_weight_scale is not None:
+        raise ValueError(f"{op}: delta_weight_scale without delta_weight")
     lora, delta_lora = _norm_operands(lora_a, lora_b, lora_scale, lora_slot, lora_slices, delta_weight,
                                       delta_lora_a, delta_lora_b, delta_lora_scale)
     if delta_weight is not None:
@@ -90,7 +114,13 @@ def _norm_operands(lora_a, lora_b, lora_scale, lora_slot, lora_slices, delta_wei
 
 @add_rms_norm_linear.register_fake
 def _(x, delta, norm_weight, eps, weight, keep_normed, lora_a=None, lora_b=None, lora_scale=None, lora_slot=None,
-      lora_slices=None, delta_weight=None, delta_lora_a=None, delta_lora_b=None, delta_lora_scale=None):
+      lora_slices=None, delta_weight=None, delta_lora_a=None, delta_lora_b=None, delta_lora_scale=None,
+      weight_scale=None, delta_weight_scale=None, weight_block=None):
+    op = "compiled::add_rms_norm_linear"
+    weight = _fake_weight(op, "weight_scale", weight, weight_scale, _block(weight_scale, weight_block), x.dtype)
+    if delta_weight is not None:
+        delta_weight = _fake_weight(op, "delta_weight_scale", delta_weight, delta_weight_scale,
+                                    _block(delta_weight_scale, weight_block), x.dtype)
     lora, delta_lora = _norm_operands(lora_a, lora_b, lora_scale, lora_slot, lora_slices, delta_weight,
                                       delta_lora_a, delta_lora_b, delta_lora_scale)
     if delta_weight is not None:
@@ -108,19 +138,39 @@ def _(x, delta, norm_weight, eps, weight, keep_normed, lora_a=None, lora_b=None,
 @torch.library.custom_op("compiled::silu_mul_linear", mutates_args=())
 def silu_mul_linear(gate_up: Tensor, weight: Tensor, lora_a: Tensor | None = None, lora_b: Tensor | None = None,
                     lora_scale: Tensor | None = None, lora_slot: Tensor | None = None,
-                    lora_slices: list[int] | None = None) -> Tensor:
+                    lora_slices: list[int] | None = None, weight_scale: Tensor | None = None,
+                    weight_block: list[int] | None = None) -> Tensor:
     """(silu(gate) * up) @ weight.T for gate_up `[T, 2K]` = [gate | up], with LoRA its deltas."""
     lora = lora_operands("compiled::silu_mul_linear", lora_a, lora_b, lora_scale, lora_slot, lora_slices)
+    weight = scaled_weight("compiled::silu_mul_linear", "weight_scale", weight, weight_scale, weight_block,
+                           gate_up.dtype)
     if lora is None:
         return fused.silu_mul_linear(gate_up, weight)
     return lora_linear.silu_mul_linear_lora(gate_up, weight, *lora)
 
 
 @silu_mul_linear.register_fake
-def _(gate_up, weight, lora_a=None, lora_b=None, lora_scale=None, lora_slot=None, lora_slices=None):
+def _(gate_up, weight, lora_a=None, lora_b=None, lora_scale=None, lora_slot=None, lora_slices=None,
+      weight_scale=None, weight_block=None):
     lora = lora_operands("compiled::silu_mul_linear", lora_a, lora_b, lora_scale, lora_slot, lora_slices)
+    weight = _fake_weight("compiled::silu_mul_linear", "weight_scale", weight, weight_scale, weight_block,
+                          gate_up.dtype)
     if lora is None:
         fused.check_silu(gate_up, weight)
     else:
         lora_linear.check_silu_lora(gate_up, weight, *lora)
     return gate_up.new_empty((gate_up.shape[0], weight.shape[0]))
+
+
+def _block(scale: Tensor | None, block: list[int] | None) -> list[int] | None:
+    """The shared weight_block of an op with two weights, for the one whose scale is given."""
+    return block if scale is not None else None
+
+
+def _fake_weight(op: str, name: str, weight: Tensor, scale: Tensor | None, block: list[int] | None,
+                 dtype: torch.dtype) -> Tensor:
+    """The weight the shape checks see: with a scale, a checked stand-in in the activations' dtype."""
+    if scale is None:
+        return weight
+    check_scale(op, name, weight, scale, block)
+    return weight.new_empty(weight.shape, dtype=dtype)

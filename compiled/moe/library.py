@@ -1,5 +1,10 @@
 """`compiled::fused_moe(x, topk_weights, topk_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
-lora_scale, lora_slot)`: the MoE experts over stacked weights, one op with or without expert LoRA.
+lora_scale, lora_slot, w13_scale, w2_scale, weight_block)`: the MoE experts over stacked weights,
+one op with or without expert LoRA, with or without FP8 experts.
+
+`w13_scale` `[E, ceil(2I/bo), ceil(H/bi)]` and `w2_scale` make the stacked weights FP8 (float8_e4m3fn
+times a scale per `weight_block` [bo, bi] block, `quant/dequant.py`); until an FP8 kernel serves
+them the op computes with the dequantized experts, the torch reference.
 
 The LoRA operands come last, None by default, all or none (`expert_lora.py` says what each holds);
 the passes build and read the call by name, so that an operand added later (a weight scale, an
@@ -12,6 +17,7 @@ import torch
 
 from compiled.moe import expert_lora as el
 from compiled.moe import fused_moe as fm
+from compiled.quant.dequant import check_scale, scaled_weight
 
 Tensor = torch.Tensor
 
@@ -20,9 +26,14 @@ Tensor = torch.Tensor
 def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor,
               lora_a13: Tensor | None = None, lora_b13: Tensor | None = None, lora_a2: Tensor | None = None,
               lora_b2: Tensor | None = None, lora_scale: Tensor | None = None,
-              lora_slot: Tensor | None = None) -> Tensor:
+              lora_slot: Tensor | None = None, w13_scale: Tensor | None = None, w2_scale: Tensor | None = None,
+              weight_block: list[int] | None = None) -> Tensor:
     """x `[T, H]` routed by topk `[T, k]` over w13 `[E, 2I, H]`, w2 `[E, H, I]` -> `[T, H]`; with
     expert LoRA, each pair's gate, up and down deltas (slot -1: none)."""
+    _check_fp8(w13, w2, w13_scale, w2_scale, weight_block)
+    if w13_scale is not None:
+        w13 = scaled_weight(el.OP, "w13_scale", w13, w13_scale, weight_block, x.dtype)
+        w2 = scaled_weight(el.OP, "w2_scale", w2, w2_scale, weight_block, x.dtype)
     lora = el.lora_operands(el.OP, lora_a13, lora_b13, lora_a2, lora_b2, lora_scale, lora_slot)
     if lora is None:
         if fm.backend(x) == "triton":
@@ -36,8 +47,24 @@ def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2
 
 @fused_moe.register_fake
 def _(x, topk_weights, topk_ids, w13, w2, lora_a13=None, lora_b13=None, lora_a2=None, lora_b2=None, lora_scale=None,
-      lora_slot=None):
+      lora_slot=None, w13_scale=None, w2_scale=None, weight_block=None):
+    _check_fp8(w13, w2, w13_scale, w2_scale, weight_block)
     lora = el.lora_operands(el.OP, lora_a13, lora_b13, lora_a2, lora_b2, lora_scale, lora_slot)
     if lora is not None:
+        if w13_scale is not None:
+            w13, w2 = w13.new_empty(w13.shape, dtype=x.dtype), w2.new_empty(w2.shape, dtype=x.dtype)
         el.check_shapes(x, topk_weights, topk_ids, w13, w2, *lora)
     return torch.empty_like(x)
+
+
+def _check_fp8(w13: Tensor, w2: Tensor, w13_scale: Tensor | None, w2_scale: Tensor | None,
+               weight_block: list[int] | None) -> None:
+    """Both scales or neither, each fitting its stacked weight."""
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError(f"{el.OP}: w13_scale and w2_scale go together (got only one)")
+    if w13_scale is None:
+        if weight_block is not None:
+            raise ValueError(f"{el.OP}: weight_block without w13_scale / w2_scale")
+        return
+    check_scale(el.OP, "w13_scale", w13, w13_scale, weight_block)
+    check_scale(el.OP, "w2_scale", w2, w2_scale, weight_block)

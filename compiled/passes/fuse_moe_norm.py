@@ -37,6 +37,8 @@ def fuse_moe_norm(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) ->
         if slot is not None and norm["lora_slot"] not in (None, slot):
             continue   # one slot operand serves both LoRAs
         values = {k: v for k, v in norm.items() if not k.startswith("delta_")}
+        # One weight_block serves the linear's and the experts' scales (the checkpoint's block).
+        experts["weight_block"] = experts["weight_block"] or norm["weight_block"]
         values.update(moe_x=experts.pop("x"), lora_slot=slot if norm["lora_slot"] is None else norm["lora_slot"],
                       **{f"moe_{k}": experts.pop(k) for k in EXPERT_LORA}, **experts)
         with graph.inserting_before(node):

@@ -18,6 +18,7 @@ from compiled.graphs.trace import materialize, meta_model, trace
 from compiled.passes.base import PassRecord
 from compiled.passes.manager import DEFAULT_PASSES, passes_for, run_passes
 from compiled.passes.variant import BASE, LORA, GraphVariant
+from compiled.quant.at_load import with_quantization
 from compiled.runtime.config import EngineConfig
 from compiled.runtime.loader import fill_dummy, load_checkpoint
 
@@ -89,12 +90,13 @@ def graph_variants(config: EngineConfig) -> list[GraphVariant]:
     return variants
 
 
-def variant_passes(variant: GraphVariant, config: EngineConfig, tp_rank: int = 0) -> list:
+def variant_passes(variant: GraphVariant, config: EngineConfig, tp_rank: int = 0, quantized: bool = False) -> list:
     """The passes of `variant`'s graph for `config` (`passes.manager.passes_for`) on tensor-parallel
-    rank `tp_rank`. The runner keys a process's graphs by their variant without the world size and
-    rank (every graph of a process has the same), which are applied here."""
+    rank `tp_rank`; `quantized`: the checkpoint has FP8 weights. The runner keys a process's graphs
+    by their variant without the world size and rank (every graph of a process has the same),
+    which are applied here."""
     return passes_for(variant.at(config.tensor_parallel_size, tp_rank), pass_names(config),
-                      config.max_loras_per_batch, config.max_lora_rank)
+                      config.max_loras_per_batch, config.max_lora_rank, quantized)
 
 
 def _stage(variant: GraphVariant) -> str:
@@ -119,13 +121,17 @@ def build_models(cfg: ModelConfig, path: str, config: EngineConfig, tp_rank: int
         report.seconds[stage] = now - clock
         clock = now
 
+    cfg, quantize_weights = with_quantization(cfg, config.quantization)
+    if config.merge_lora and cfg.quantization is not None:
+        raise ConfigError("merge_lora=True: FP8 weights cannot hold a merged adapter (its deltas are added unmerged)")
     module: nn.Module = meta_model(cfg, dtype)
     weights = module.checkpoint_map()
+    quantized = cfg.quantization is not None
     if use_graph:
         module = trace(module)
         lap("trace")
         # A start from an artifact skips the meta run: the export checked this same graph.
-        result = run_passes(module, weights, variant_passes(BASE, config, tp_rank),
+        result = run_passes(module, weights, variant_passes(BASE, config, tp_rank, quantized),
                             check="none" if config.artifact else "end")
         weights, report.records = result.weights, result.records
         lap("passes")
@@ -133,11 +139,13 @@ def build_models(cfg: ModelConfig, path: str, config: EngineConfig, tp_rank: int
     if config.load_format == "dummy":
         fill_dummy(module, config.seed)
     else:
-        load_checkpoint(module, weights, path, tied_head=cfg.tie_word_embeddings)
+        load_checkpoint(module, weights, path, tied_head=cfg.tie_word_embeddings, quant=cfg.quantization,
+                        quantize_weights=quantize_weights)
     lap("load")
     models = Models({BASE: module}, report)
     for variant in graph_variants(config):
-        models.graphs[variant] = _variant_graph(module, cfg, config, variant_passes(variant, config, tp_rank),
+        passes = variant_passes(variant, config, tp_rank, quantized)
+        models.graphs[variant] = _variant_graph(module, cfg, config, passes,
                                                 models.lora_buffers)
         if variant == LORA:
             models.lora_buffers = models.graphs[variant]

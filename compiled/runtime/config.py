@@ -16,6 +16,7 @@ import torch
 from compiled.compilation.split import SPLITTING_OPS
 from compiled.envs import BACKENDS
 from compiled.errors import ConfigError
+from compiled.quant.at_load import METHODS as QUANTIZE_AT_LOAD
 from compiled.runtime.loader import LOAD_FORMATS
 
 # The step's token budget when max_num_batched_tokens is not chosen (and CP does not need more).
@@ -38,6 +39,9 @@ class EngineConfig:
     dtype: str | torch.dtype | None = None
     # "auto" reads safetensors; "dummy" fills the real shapes with random weights.
     load_format: str = "auto"
+    # "fp8": quantize an unquantized checkpoint to block FP8 while loading (quant/at_load.py);
+    # None: weights as the checkpoint stores them (an FP8 checkpoint stays FP8 either way).
+    quantization: str | None = None
     # None: the model's max_position_embeddings.
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -207,6 +211,8 @@ class EngineConfig:
             raise _bad("dtype", self.dtype, f"None or one of {', '.join(DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
             raise _bad("load_format", self.load_format, f"one of {', '.join(LOAD_FORMATS)}")
+        if self.quantization not in (None, *QUANTIZE_AT_LOAD):
+            raise _bad("quantization", self.quantization, f"None or one of {', '.join(QUANTIZE_AT_LOAD)}")
         for name in (f"{family}_backend" for family in BACKEND_FAMILIES):
             if getattr(self, name) not in BACKENDS:
                 raise _bad(name, getattr(self, name), f"one of {', '.join(BACKENDS)}")
@@ -239,6 +245,9 @@ class EngineConfig:
         if self.merge_lora:
             raise _bad("merge_lora", True, "False with tensor_parallel_size > 1 (merging into sharded weights is "
                                            "not built)")
+        if self.quantization is not None:
+            raise _bad("quantization", self.quantization, "None with tensor_parallel_size > 1 (FP8 weights are "
+                                                          "not sharded yet)")
 
     @property
     def world_size(self) -> int:

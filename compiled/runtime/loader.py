@@ -15,6 +15,9 @@ from torch import nn
 
 from compiled.errors import CheckpointError
 from compiled.graphs.weights import WeightMap
+from compiled.quant.config import QuantConfig
+from compiled.quant.dequant import FP8
+from compiled.quant.loading import dequantized_stream
 from compiled.runtime.safetensors_io import iter_safetensors
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -83,9 +86,16 @@ def assign_tensors(module: nn.Module, weights: WeightMap, tensors: Iterable[tupl
         raise CheckpointError(f"checkpoint is missing tensor {missing[0]!r}{more}")
 
 
-def load_checkpoint(module: nn.Module, weights: WeightMap, path: str, tied_head: bool) -> None:
+def load_checkpoint(module: nn.Module, weights: WeightMap, path: str, tied_head: bool,
+                    quant: QuantConfig | None = None, quantize_weights: bool = False) -> None:
+    """Stream `path`'s tensors into `module`; FP8 weights (`quant`) stay FP8 where their parameter
+    is float8_e4m3fn, else arrive dequantized (`quantize_weights`: quantized here first)."""
+    params = dict(module.named_parameters())
+    keep = {p.source for target, pieces in weights.pieces.items() if params[target].dtype == FP8 for p in pieces}
     try:
-        assign_tensors(module, weights, iter_checkpoint(path), tied_head)
+        assign_tensors(module, weights, dequantized_stream(iter_checkpoint(path), quant, keep, quantize_weights,
+                                                            next(module.parameters()).device),
+                       tied_head)
     except CheckpointError as e:
         if str(e).startswith("checkpoint is missing"):
             raise CheckpointError(f"{path}: {e}") from None
@@ -96,8 +106,13 @@ def fill_dummy(module: nn.Module, seed: int = 0) -> None:
     """Random weights in the real shapes, generated on the target device (no files read)."""
     device = next(module.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
+    fp8_names = {name for name, param in module.named_parameters() if param.dtype == FP8}
     for name, param in module.named_parameters():
         if name.endswith("norm.weight"):
             param.data.fill_(1.0)
+        elif param.dtype == FP8:   # N(0, 1) in fp8 times a scale of 0.02 (its `_scale` parameter)
+            param.data.copy_(torch.empty(param.shape, device=device).normal_(0.0, 1.0, generator=gen))
+        elif name.endswith("_scale") and name[:-len("_scale")] in fp8_names:
+            param.data.fill_(0.02)
         else:
             param.data.normal_(0.0, 0.02, generator=gen)

@@ -23,7 +23,7 @@ def test_a_call_without_optional_operands_reads_as_before_they_existed():
     call = build_call(graph, torch.ops.compiled.linear, weight=w, x=x)
     assert call.target is torch.ops.compiled.linear.default and call.args == (x, w) and call.kwargs == {}
     assert call_args(call) == dict(x=x, weight=w, lora_a=None, lora_b=None, lora_scale=None, lora_slot=None,
-                                   lora_slices=None)
+                                   lora_slices=None, weight_scale=None, weight_block=None)
 
 
 def test_optional_operands_go_in_order_then_by_name_after_a_gap():

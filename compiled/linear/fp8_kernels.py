@@ -1,0 +1,56 @@
+"""W8A16 linear (Triton): `y = x @ (w * scale).T` reading the float8_e4m3fn weight itself.
+
+Decode is memory-bound, so a step should read the FP8 bytes and nothing more: each program
+dequantizes its weight tile in registers (a scale per [bo, bi] block, gathered per element, so
+partial edge blocks, per-channel (1, K) and per-tensor (N, K) blocks take the same path) and
+multiplies in the activations' dtype with fp32 accumulation. The torch reference is the op's
+dequantize-then-F.linear (`quant/dequant.py`); this kernel runs where the linear backend is
+forced to 'triton' until it is measured against it on the GPU."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from compiled.quant.dequant import resolve_block
+
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
+
+
+@triton.jit
+def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym, BO, BI,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x_mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
+        w_mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=w_mask, other=0.0)
+        s = tl.load(s_ptr + (offs_n // BO)[:, None] * stride_sn + (offs_k // BI)[None, :], mask=w_mask, other=0.0)
+        b = (w.to(tl.float32) * s.to(tl.float32)).to(x.dtype)
+        if IEEE:
+            acc += tl.dot(x, tl.trans(b), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(b))
+    y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: list[int]) -> torch.Tensor:
+    """x `[M, K]` (rows contiguous) @ (weight `[N, K]` fp8 x its block `scale`).T -> `[M, N]` in x's dtype."""
+    M, K = x.shape
+    N = weight.shape[0]
+    bo, bi = resolve_block(block, N, K)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    weight, scale = weight.contiguous(), scale.contiguous()
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(M, BLOCK_M))
+    _w8a16_kernel[grid](x, weight, scale, y, M, N, K, x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
+                        bo, bi, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IEEE=x.dtype == torch.float32)
+    return y

@@ -1,0 +1,108 @@
+"""FP8 checkpoint tensors paired with their scales as they stream from the shards.
+
+A quantized linear arrives as `weight` (float8_e4m3fn) and its scale (`weight_scale_inv` for
+block FP8, `weight_scale` for compressed-tensors), in either order and possibly in different
+shards; each pair leaves as one weight under the linear's `weight` name, so the weight map's
+recipes (fused qkv, stacked experts) place it exactly as they place an unquantized one. Both
+halves stay views of the mapped files until they meet."""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+
+from compiled.errors import CheckpointError, ConfigError
+from compiled.quant.config import QuantConfig
+from compiled.quant.dequant import FP8, dequantize, quantize
+
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
+Stream = Iterable[tuple[str, str, torch.Tensor]]
+
+
+def dequantized_stream(tensors: Stream, quant: QuantConfig | None, keep: set[str] = frozenset(),
+                       quantize_weights: bool = False, device: torch.device | str = "cpu"
+                       ) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(origin, name, tensor) with every FP8 weight and its scale merged into one dequantized
+    float32 weight, except the weights of `keep` (parameters that stay FP8), which pass as they
+    are with their scales; float8 tensors without a quantization_config are refused. With
+    `quantize_weights` the checkpoint is unquantized and each weight `quant` covers is quantized
+    here, one tensor at a time. The arithmetic runs on `device` (the parameters')."""
+    if quant is None:
+        yield from _unquantized(tensors)
+        return
+    if quantize_weights:
+        yield from _quantized_at_load(tensors, quant, keep, device)
+        return
+    weights: dict[str, tuple[str, torch.Tensor]] = {}
+    scales: dict[str, tuple[str, torch.Tensor]] = {}
+    for origin, name, tensor in tensors:
+        module, _, leaf = name.rpartition(".")
+        if not quant.quantizes(module) or leaf not in ("weight", quant.scale_suffix):
+            if tensor.dtype in FLOAT8:
+                raise CheckpointError(f"{origin}: tensor {name!r} is {tensor.dtype} but quantization_config "
+                                      f"leaves {module!r} unquantized")
+            yield origin, name, tensor
+            continue
+        if leaf == "weight":
+            _check_fp8(origin, module, tensor)
+        if f"{module}.weight" in keep:
+            yield origin, name, tensor
+            continue
+        (weights if leaf == "weight" else scales)[module] = (origin, tensor)
+        if module in weights and module in scales:
+            yield weights[module][0], f"{module}.weight", _pair(module, weights.pop(module), scales.pop(module), quant, device)
+    for module, (origin, _) in weights.items():
+        raise CheckpointError(f"{origin}: missing tensor '{module}.{quant.scale_suffix}' (the scale of "
+                              f"float8 weight '{module}.weight')")
+
+
+def _quantized_at_load(tensors: Stream, quant: QuantConfig, keep: set[str],
+                       device: torch.device | str) -> Iterator[tuple[str, str, torch.Tensor]]:
+    for origin, name, tensor in _unquantized(tensors):
+        module, _, leaf = name.rpartition(".")
+        if leaf != "weight" or not quant.quantizes(module):
+            yield origin, name, tensor
+            continue
+        q, s = quantize(tensor.to(device), quant)
+        if name in keep:
+            yield origin, name, q
+            yield origin, f"{module}.{quant.scale_suffix}", s
+        else:   # a parameter without one block grid: FP8's rounding, the engine dtype
+            yield origin, name, dequantize(q, s, quant, torch.float32)
+
+
+def _unquantized(tensors: Stream) -> Iterator[tuple[str, str, torch.Tensor]]:
+    for origin, name, tensor in tensors:
+        if tensor.dtype in FLOAT8 or name.endswith(SCALE_SUFFIXES):
+            what = tensor.dtype if tensor.dtype in FLOAT8 else "an FP8 weight scale"
+            raise ConfigError(f"{origin}: tensor {name!r} is {what} but config.json has no 'quantization_config'")
+        yield origin, name, tensor
+
+
+def _check_fp8(origin: str, module: str, w: torch.Tensor) -> None:
+    if w.dtype != FP8:
+        raise CheckpointError(f"{origin}: tensor '{module}.weight' has dtype {w.dtype}, expected "
+                              f"float8_e4m3fn (quantization_config quantizes {module!r})")
+
+
+def _pair(module: str, weight: tuple[str, torch.Tensor], scale: tuple[str, torch.Tensor],
+          quant: QuantConfig, device: torch.device | str) -> torch.Tensor:
+    (w_origin, w), (s_origin, s) = weight, scale
+    if w.dim() != 2:
+        raise CheckpointError(f"{w_origin}: tensor '{module}.weight' has shape {list(w.shape)}, expected 2 dims")
+    expected = quant.scale_shape(*w.shape)
+    if tuple(s.shape) not in _accepted(expected) or not s.is_floating_point() or s.dtype in FLOAT8:
+        raise CheckpointError(f"{s_origin}: tensor '{module}.{quant.scale_suffix}' has shape {list(s.shape)} "
+                              f"and dtype {s.dtype}, expected {list(expected)} floats for weight {list(w.shape)}")
+    return dequantize(w.to(device), s.to(device), quant, torch.float32)
+
+
+def _accepted(shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """A per-channel scale may also be stored flat ([out]), a per-tensor one as a scalar."""
+    if shape == (1,):
+        return (1,), ()
+    if len(shape) == 2 and shape[1] == 1:
+        return shape, shape[:1]
+    return (shape,)

@@ -1,0 +1,47 @@
+"""FP8 test checkpoints: a small random HF checkpoint quantized into float8_e4m3fn + scales, and
+beside it the same model holding the dequantized weights (the oracle HF transformers loads)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from compiled.errors import ConfigError
+from compiled.quant.config import parse_quantization
+from compiled.quant.dequant import dequantize, quantize
+
+BLOCK_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def compressed_tensors(strategy: str = "channel", ignore=("lm_head",)) -> dict:
+    weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False}
+    acts = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": list(ignore),
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
+
+
+def quantize_checkpoint(src: str, dst: str, reference: str, quant_config: dict,
+                        scale_dtype: torch.dtype = torch.float32) -> tuple[str, str]:
+    """Write `src` (a single-file checkpoint) quantized to `dst` and its dequantized twin to
+    `reference`; return both paths."""
+    quant = parse_quantization(quant_config, ConfigError)
+    quantized, dequantized = {}, {}
+    for name, tensor in load_file(os.path.join(src, "model.safetensors")).items():
+        module = name.rpartition(".")[0]
+        if name.endswith(".weight") and quant.quantizes(module):
+            q, s = quantize(tensor, quant, scale_dtype)
+            quantized[name], quantized[f"{module}.{quant.scale_suffix}"] = q, s
+            dequantized[name] = dequantize(q, s, quant, torch.float32)
+        else:
+            quantized[name] = dequantized[name] = tensor
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    for folder, tensors, extra in ((dst, quantized, {"quantization_config": quant_config}), (reference, dequantized, {})):
+        os.makedirs(folder, exist_ok=True)
+        save_file(tensors, os.path.join(folder, "model.safetensors"))
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(dict(config, **extra), f)
+    return str(dst), str(reference)
