@@ -103,6 +103,22 @@ def assert_bf16_within_reference(out: torch.Tensor, ref: torch.Tensor, exact: to
     torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
 
 
+def torchrun_result(tmp_path, code: str, nproc: int = 2) -> dict:
+    """Run `code` under `torchrun --nproc-per-node nproc` and return the JSON its rank 0 printed
+    after "RESULT " (the other ranks' LLMs serve as workers and print nothing)."""
+    import json
+    import subprocess
+    import sys
+    script = tmp_path / "ranks.py"
+    script.write_text(code)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(script)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, proc.stdout[-3000:]
+    return json.loads(lines[0][len("RESULT "):])
+
+
 # Units in the last place that two orderings of one formula may differ by, per dtype: fp32 sums
 # of a few hundred terms drift by tens of ulps between BLAS kernels; a bf16 result rounds once more.
 SAME_MATH_ULPS = {torch.float32: 64, torch.float64: 64, torch.bfloat16: 2, torch.float16: 2}

@@ -133,18 +133,9 @@ llm.shutdown()
 
 
 def test_torchrun_ranks_join_the_tensor_parallel_group(tmp_path):
-    import json
-    import subprocess
-    import sys
+    from tests.conftest import torchrun_result
     prompt = list(range(3, 40))
-    script = tmp_path / "tp.py"
-    script.write_text(TORCHRUN_SCRIPT.format(engine=ENGINE, prompt=prompt))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(lines) == 1   # rank 1's LLM served as a worker and exited without printing
-    result = json.loads(lines[0][len("RESULT "):])
+    result = torchrun_result(tmp_path, TORCHRUN_SCRIPT.format(engine=ENGINE, prompt=prompt))
     llm = LLM(None, **ENGINE)
     ref = llm.generate([prompt], SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True))[0]
     assert result["world"] == 2 and result["tokens"] == ref.token_ids
