@@ -103,6 +103,17 @@ def assert_bf16_within_reference(out: torch.Tensor, ref: torch.Tensor, exact: to
     torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)
 
 
+def assert_same_outputs(outputs, reference, tol: float = 1e-4) -> None:
+    """Two runs of the same requests (a parallel engine against one process): the same tokens and
+    prompt logprobs over the same entries within `tol`."""
+    for out, ref in zip(outputs, reference):
+        assert out.token_ids == ref.token_ids
+        assert len(out.prompt_logprobs) == len(ref.prompt_logprobs)
+        for a, b in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+            assert a.keys() == b.keys()
+            assert max(abs(a[k] - b[k]) for k in a) < tol
+
+
 def torchrun_result(tmp_path, code: str, nproc: int = 2) -> dict:
     """Run `code` under `torchrun --nproc-per-node nproc` and return the JSON its rank 0 printed
     after "RESULT " (the other ranks' LLMs serve as workers and print nothing)."""

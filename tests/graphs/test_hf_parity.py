@@ -24,6 +24,20 @@ def random_prompts(vocab: int, lengths: list[int], seed: int = 1) -> list[list[i
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+def assert_generate_matches_hf(llm, hf, prompts: list[list[int]], new_tokens: int) -> None:
+    """The engine's prompt logprobs over the whole vocabulary (within 1e-4) and greedy tokens
+    against HF model `hf` on the same prompts."""
+    from compiled import SamplingParams
+    sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, prompt_logprobs=-1, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, sampling)):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt])).logits[0].float()
+            greedy = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 do_sample=False)[0]
+        assert_prompt_logprobs_match(out, torch.log_softmax(logits, -1))
+        assert out.token_ids == greedy[len(prompt):].tolist()
+
+
 def assert_prompt_logprobs_match(out, ref_logprobs: torch.Tensor, tol: float = 1e-4) -> None:
     assert out.prompt_logprobs[0] is None
     assert len(out.prompt_logprobs) == len(out.prompt_token_ids)

@@ -8,7 +8,7 @@ import pytest
 
 from compiled import LLM, SamplingParams
 from compiled.demo import MOE_ADAPTERS
-from tests.conftest import make_checkpoint
+from tests.conftest import assert_same_outputs, make_checkpoint
 
 # 64-token steps: the 150-token prompt is prefilled in three chunks, each over the ones before it.
 ENGINE = dict(max_num_batched_tokens=64, cp_min_tokens=8, kv_cache_tokens=2048, max_model_len=256)
@@ -34,15 +34,6 @@ def _run(model: str | None, world: int, lora: str | None = None, **extra):
     return outputs, steps
 
 
-def _assert_same(outputs, reference):
-    for out, ref in zip(outputs, reference):
-        assert out.token_ids == ref.token_ids
-        assert len(out.prompt_logprobs) == len(ref.prompt_logprobs)
-        for a, b in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
-            assert a.keys() == b.keys()
-            assert max(abs(a[k] - b[k]) for k in a) < 1e-4
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("cp")
@@ -56,7 +47,7 @@ def test_cp_2_and_3_equal_cp_1(models, name):
     reference, _ = _run(models[name], 1)
     for world in (2, 3):
         outputs, (steps, split_tokens) = _run(models[name], world)
-        _assert_same(outputs, reference)
+        assert_same_outputs(outputs, reference)
         # 37 + 50 + the 150-token prompt's three chunks split; the 3-token prompt does not
         assert steps >= 2 and split_tokens == 37 + 50 + 150
 
@@ -66,7 +57,7 @@ def test_cp_with_a_lora_adapter():
     reference, _ = _run(None, 1, lora="upper", **lora)
     outputs, (steps, _) = _run(None, 2, lora="upper", **lora)
     assert steps >= 2
-    _assert_same(outputs, reference)
+    assert_same_outputs(outputs, reference)
     base, _ = _run(None, 1)
     assert [o.token_ids for o in base] != [o.token_ids for o in reference]   # the adapter changes the output
 

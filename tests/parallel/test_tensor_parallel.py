@@ -10,7 +10,7 @@ import pytest
 
 from compiled import LLM, SamplingParams
 from compiled.errors import ConfigError
-from tests.conftest import make_checkpoint
+from tests.conftest import assert_same_outputs, make_checkpoint
 
 ENGINE = dict(max_num_batched_tokens=64, kv_cache_tokens=2048, max_model_len=256, enable_prefix_caching=True)
 LENGTHS = (37, 3, 50, 150)
@@ -34,15 +34,6 @@ def _run(model: str, world: int):
     return first, again
 
 
-def _assert_same(outputs, reference):
-    for out, ref in zip(outputs, reference):
-        assert out.token_ids == ref.token_ids
-        assert len(out.prompt_logprobs) == len(ref.prompt_logprobs)
-        for a, b in zip(out.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
-            assert a.keys() == b.keys()
-            assert max(abs(a[k] - b[k]) for k in a) < 1e-4
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
@@ -55,7 +46,7 @@ def test_tp_equals_tp_1(models, name, worlds, one_intra_op_thread):
     reference, ref_again = _run(models[name], 1)
     for world in worlds:
         outputs, again = _run(models[name], world)
-        _assert_same(outputs, reference)
+        assert_same_outputs(outputs, reference)
         assert again[0].token_ids == ref_again[0].token_ids
 
 
@@ -84,7 +75,7 @@ def test_tp_with_a_batch_mixing_lora_adapters_and_base_rows(one_intra_op_thread)
     (reference,), projections = run(1, adapters)
     assert {"q_proj", "o_proj"} <= projections["first"] and {"gate_proj", "down_proj"} <= projections["upper"]
     (outputs, base), _ = run(2, adapters, [None] * len(adapters))
-    _assert_same(outputs, reference)
+    assert_same_outputs(outputs, reference)
     for b, r, a in zip(base, reference, adapters):   # the adapters change their rows' logprobs
         gap = max(abs(x[k] - y[k]) for x, y in zip(b.prompt_logprobs[1:], r.prompt_logprobs[1:]) for k in x)
         assert (gap > 1e-2) == (a is not None)

@@ -9,7 +9,7 @@ import torch
 
 from compiled import LLM, SamplingParams
 from tests.conftest import DENSE, hf_model, make_checkpoint
-from tests.graphs.test_hf_parity import assert_prompt_logprobs_match, random_prompts
+from tests.graphs.test_hf_parity import assert_generate_matches_hf, assert_prompt_logprobs_match, random_prompts
 from tests.quant.checkpoints import BLOCK_FP8, compressed_tensors, quantize_checkpoint
 
 CASES = {
@@ -40,14 +40,7 @@ def test_fp8_checkpoint_matches_the_dequantized_model(tmp_path, case, one_intra_
         assert {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.1.mlp.w2" if moe else
                 "model.layers.1.mlp.down_proj.weight"} <= fp8, sorted(fp8)
     hf = hf_model(reference)
-    prompts = random_prompts(DENSE["vocab_size"], [9, 14])
-    sampling = SamplingParams(max_new_tokens=6, temperature=0.0, prompt_logprobs=-1, ignore_eos=True)
-    for prompt, out in zip(prompts, llm.generate(prompts, sampling)):
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt])).logits[0].float()
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)[0]
-        assert_prompt_logprobs_match(out, torch.log_softmax(logits, -1))
-        assert out.token_ids == ref[len(prompt):].tolist()
+    assert_generate_matches_hf(llm, hf, random_prompts(DENSE["vocab_size"], [9, 14]), 6)
 
 
 def test_eager_module_loads_an_fp8_checkpoint_dequantized(tmp_path, one_intra_op_thread):

@@ -9,7 +9,7 @@ import torch
 from compiled import LLM, SamplingParams
 from compiled.errors import ConfigError
 from tests.conftest import MOE, hf_model, make_checkpoint
-from tests.graphs.test_hf_parity import assert_prompt_logprobs_match, random_prompts
+from tests.graphs.test_hf_parity import assert_generate_matches_hf, random_prompts
 from tests.quant.checkpoints import BLOCK_FP8, quantize_checkpoint
 
 
@@ -23,14 +23,7 @@ def test_quantize_at_load_matches_the_quantized_dequantized_model(tmp_path, one_
     llm = LLM(src, device="cpu", dtype="float32", quantization="fp8")
     assert "model.layers.0.self_attn.o_proj.weight" in _fp8_params(llm)   # one partial 128 block
     hf = hf_model(reference)
-    prompts = random_prompts(MOE["vocab_size"], [11, 8])
-    sampling = SamplingParams(max_new_tokens=5, temperature=0.0, prompt_logprobs=-1, ignore_eos=True)
-    for prompt, out in zip(prompts, llm.generate(prompts, sampling)):
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt])).logits[0].float()
-            greedy = hf.generate(torch.tensor([prompt]), max_new_tokens=5, min_new_tokens=5, do_sample=False)[0]
-        assert_prompt_logprobs_match(out, torch.log_softmax(logits, -1))
-        assert out.token_ids == greedy[len(prompt):].tolist()
+    assert_generate_matches_hf(llm, hf, random_prompts(MOE["vocab_size"], [11, 8]), 5)
 
 
 def test_quantize_at_load_with_dummy_weights(tmp_path):
@@ -60,7 +53,7 @@ def test_roofline_counts_fp8_bytes(tmp_path):
     bf16, fp8 = (roofline.decode_bytes(cfg, 1, 0, 2, quant) for quant in (None, METHODS["fp8"]))
     assert bf16.lm_head == fp8.lm_head and bf16.embedding_rows == fp8.embedding_rows
     assert fp8.bytes_per_expert == pytest.approx(bf16.bytes_per_expert / 2 * (1 + 4 / 128 ** 2))
-    # the FP8 byte floor at batch 1 on an H200: about 0.78 ms
+    # the FP8 byte floor at batch 1 on an H200: about 0.78 ms
     assert 1e3 * fp8.floor_s(4.25e12) == pytest.approx(0.78, abs=0.03)
 
 
