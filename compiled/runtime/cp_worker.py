@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable
 
 import torch
@@ -43,18 +44,27 @@ def spawned_worker(rank: int, world: int, model: str, kwargs: dict, device: str,
         serve_then_leave(init_group(rank, world, backend_for(dev), timeout, kind=kind), model,
                          dict(kwargs, device=str(dev)))
     except (CPError, KeyboardInterrupt):
-        os._exit(1)   # rank 0 is gone or stopping: skip the teardown of a half-closed group
+        exit_now(1)   # rank 0 is gone or stopping: skip the teardown of a half-closed group
     except Exception:
         log.exception("%s rank %d failed", kind, rank)
-        os._exit(1)
+        exit_now(1)
 
 
 def serve_then_leave(group: CPGroup, model: str, kwargs: dict) -> None:
-    """`serve` until rank 0 says stop, then leave the process group, as rank 0 does after sending
-    it: a worker spawned by `LLM` and one torchrun started end the same way."""
+    """`serve` until rank 0 says stop, leave the process group, as rank 0 does after sending it,
+    and end the process: a worker spawned by `LLM` and one torchrun started end the same way."""
     import torch.distributed as dist
     serve(group, model, kwargs)
     dist.destroy_process_group()
+    exit_now(0)
+
+
+def exit_now(code: int) -> None:
+    """End a worker without the interpreter's teardown: C++ threads of the process group (gloo's)
+    destroyed at exit can abort it ("terminate called without an active exception") on a busy host."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def serve(group: CPGroup, model: str, kwargs: dict) -> None:

@@ -148,7 +148,6 @@ class LLM:
                     torch.cuda.set_device(dev)
                 cp_worker.serve_then_leave(init_group(rank, world, backend, self.config.cp_timeout, kind=kind),
                                            self.model_path, dict(kwargs, device=str(dev)))
-                raise SystemExit(0)
             processes = []
         else:
             processes = spawn_workers(world, cp_worker.spawned_worker,

@@ -13,6 +13,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
+from compiled.structured.spec import StructuredOutputs
+
 # torch.Generator.manual_seed accepts exactly this range; checking it here turns
 # a late, cryptic overflow inside the engine into an error naming the field.
 _SEED_MIN = -(2**63)
@@ -120,6 +122,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same, for every prompt position
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # The output must match a JSON schema, regex, choice or grammar (a dict of its fields is taken)
+    structured_outputs: StructuredOutputs | dict | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -180,6 +184,7 @@ class SamplingParams:
         self.prompt_logprobs = _check_top_n("prompt_logprobs", self.prompt_logprobs)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check_bool(name, getattr(self, name))
+        self.structured_outputs = StructuredOutputs.from_value(self.structured_outputs)
 
     @property
     def max_tokens(self) -> int:
