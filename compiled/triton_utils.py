@@ -1,6 +1,6 @@
 """Triton helpers shared by the kernels of several op folders: the device checks (Hopper or newer,
 the CPU interpreter), the SM count, TMA descriptors, programmatic dependent launch, and the
-@triton.jit pieces more than one kernel calls (weight tiles; the residual add, RMSNorm and
+@triton.jit pieces more than one kernel calls (weight tiles, FP8 ones scaled; the residual add, RMSNorm and
 SiLU-and-mul arithmetic, each rounded where torch rounds it).
 
 Programmatic dependent launch (Hopper+): a decode step's small Triton kernels overlap their
@@ -133,6 +133,19 @@ def weight_tile(w_ptrs, mask_n, mask_k, EVEN_K: tl.constexpr):
     """One `[BLOCK_N, BLOCK_K]` weight tile; EVEN_K: no mask along K (the loads stay vectorised)."""
     mask = mask_n[:, None] if EVEN_K else mask_n[:, None] & mask_k[None, :]
     return tl.load(w_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def scaled_tile(w, s_ptr, rows, cols, ok, stride_sn, BO, BI, dtype, FP8: tl.constexpr):
+    """A weight tile as the dot reads it: w itself, or with FP8 (w float8_e4m3fn) w times its
+    block scale `s_ptr[rows // BO, cols // BI]` gathered per element (rows and cols broadcast to
+    the tile's shape, `ok` its loadable elements), rounded to `dtype` as the dequantized weight
+    of the torch reference is. A gather per element serves partial edge blocks, per-channel and
+    per-tensor scales alike; a tile's scales are a few cache lines."""
+    if FP8:
+        s = tl.load(s_ptr + (rows // BO) * stride_sn + cols // BI, mask=ok, other=0.0)
+        return (w.to(tl.float32) * s.to(tl.float32)).to(dtype)
+    return w
 
 
 @triton.jit

@@ -29,6 +29,7 @@ from compiled.linear.lora_linear import check_lora, linear_then_expand, lora_ope
 from compiled.linear.ops import dispatch
 from compiled.moe import expert_lora as el
 from compiled.moe import fused_moe as fm
+from compiled.moe.library import expert_weights
 from compiled.quant.dequant import check_scale, scaled_weight
 
 OP = "compiled::moe_add_rms_norm_linear"
@@ -64,38 +65,43 @@ def moe_add_rms_norm_linear(x: Tensor, moe_x: Tensor, topk_weights: Tensor, topk
                             w2_scale: Tensor | None = None, weight_block: list[int] | None = None
                             ) -> tuple[Tensor, Tensor, Tensor]:
     """`add_rms_norm_linear(x, fused_moe(moe_x, ...), norm_weight, eps, weight, keep_normed)`, with
-    the experts' and the linear's LoRA where given. FP8 weights run dequantized (the reference)."""
-    weight, w13, w2 = _dequantized(x.dtype, weight, w13, w2, weight_scale, w13_scale, w2_scale, weight_block)
+    the experts' and the linear's LoRA where given. FP8 experts run as `fused_moe` runs them; an FP8
+    linear weight runs dequantized (the reference)."""
+    weight = _dequantized(x.dtype, weight, w13, w2, weight_scale, w13_scale, w2_scale, weight_block)
     own, expert = _operands(x, moe_x, norm_weight, weight, (lora_a, lora_b, lora_scale, lora_slot, lora_slices),
                             (moe_lora_a13, moe_lora_b13, moe_lora_a2, moe_lora_b2, moe_lora_scale, lora_slot))
+    w13, w2, scales = expert_weights(moe_x, w13, w2, w13_scale, w2_scale, weight_block)
     args = (x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight)
     if own is None:
-        return _moe_norm_linear(*args, keep_normed, expert)
-    return _moe_norm_linear_lora(*args, keep_normed, expert, own)
+        return _moe_norm_linear(*args, keep_normed, expert, scales)
+    return _moe_norm_linear_lora(*args, keep_normed, expert, own, scales)
 
 
 def _moe_norm_linear(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, keep_normed: bool,
-                     expert: tuple | None) -> tuple[Tensor, Tensor, Tensor]:
+                     expert: tuple | None, scales: fm.ExpertScales | None) -> tuple[Tensor, Tensor, Tensor]:
     """The op without the linear's LoRA."""
     if not sums_in_norm(x, moe_x, topk_ids):
         lora = {} if expert is None else dict(zip(el.LORA_OPERANDS, expert))
-        delta = torch.ops.compiled.fused_moe(moe_x, topk_weights, topk_ids, w13, w2, **lora)
+        fp8 = {} if scales is None else dict(w13_scale=scales.w13, w2_scale=scales.w2, weight_block=scales.block)
+        delta = torch.ops.compiled.fused_moe(moe_x, topk_weights, topk_ids, w13, w2, **lora, **fp8)
         return torch.ops.compiled.add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed)
-    pairs = _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert)
+    pairs = _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert, scales)
     h, normed = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps)
     return dispatch(normed, weight), h, normed if keep_normed else x.new_empty(0)
 
 
-def _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert: tuple | None) -> torch.Tensor:
+def _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert: tuple | None,
+           scales: fm.ExpertScales | None) -> torch.Tensor:
     """The Triton MoE's weighted expert outputs `[T*k, H]`, not summed (the norm's kernel sums them)."""
     if expert is None:
-        return fm.fused_moe_triton(moe_x, topk_weights, topk_ids, w13, w2, sum_slots=False)
+        return fm.fused_moe_triton(moe_x, topk_weights, topk_ids, w13, w2, sum_slots=False, scales=scales)
     el.check_shapes(moe_x, topk_weights, topk_ids, w13, w2, *expert)
-    return el.fused_moe_lora_triton(moe_x, topk_weights, topk_ids, w13, w2, *expert, sum_slots=False)
+    return el.fused_moe_lora_triton(moe_x, topk_weights, topk_ids, w13, w2, *expert, sum_slots=False, scales=scales)
 
 
 def _moe_norm_linear_lora(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, keep_normed: bool,
-                          expert: tuple | None, own: tuple) -> tuple[Tensor, Tensor, Tensor]:
+                          expert: tuple | None, own: tuple, scales: fm.ExpertScales | None
+                          ) -> tuple[Tensor, Tensor, Tensor]:
     """The op whose linear (the next layer's qkv) has LoRA deltas: y = lora_expand(linear(normed),
     lora_shrink(normed, a, slot), b, scale, slot, slices). Where the norm's kernel sums the
     experts, at the sizes of `shrink_in_norm`, it also runs the shrink of each normed row (no
@@ -103,10 +109,10 @@ def _moe_norm_linear_lora(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight
     a, b, scale, slot, slices = own
     if not (shrink_in_norm(x.shape[0]) and sums_in_norm(x, moe_x, topk_ids) and linear_lora.use_kernel(x)):
         y, h, normed = _moe_norm_linear(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, True,
-                                        expert)
+                                        expert, scales)
         y = linear_lora.expand(y, linear_lora.shrink(normed, a, slot), b, scale, slot, slices)
     else:
-        pairs = _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert)
+        pairs = _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert, scales)
         h, normed, s = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps, shrink=(a.contiguous(), slot))
         y = linear_then_expand(normed, weight, s, b, scale, slot, slices)
     return y, h, normed if keep_normed else x.new_empty(0)
@@ -140,11 +146,12 @@ def _check_fp8(weight, w13, w2, weight_scale, w13_scale, w2_scale, weight_block)
             check_scale(OP, name, w, s, weight_block)
 
 
-def _dequantized(dtype, weight, w13, w2, weight_scale, w13_scale, w2_scale, weight_block) -> tuple[Tensor, ...]:
-    """The linear's and the experts' weights, each dequantized where it has a scale."""
+def _dequantized(dtype, weight, w13, w2, weight_scale, w13_scale, w2_scale, weight_block) -> Tensor:
+    """The linear's weight, dequantized where it has a scale, after every scale is checked (the
+    experts' FP8 weights go to `expert_weights`)."""
     _check_fp8(weight, w13, w2, weight_scale, w13_scale, w2_scale, weight_block)
-    return tuple(w if s is None else scaled_weight(OP, name, w, s, weight_block, dtype) for name, w, s in
-                 (("weight_scale", weight, weight_scale), ("w13_scale", w13, w13_scale), ("w2_scale", w2, w2_scale)))
+    return weight if weight_scale is None else scaled_weight(OP, "weight_scale", weight, weight_scale, weight_block,
+                                                              dtype)
 
 
 def moe_add_rms_norm_linear_ref(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, *lora):

@@ -50,8 +50,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from compiled.moe.fused_moe import (Blocks, GemmDelta, MoEWorkspace, get_config, launch_gemm1,
+from compiled.moe.fused_moe import (Blocks, ExpertScales, GemmDelta, MoEWorkspace, get_config, launch_gemm1,
                                     launch_gemm2, moe_align_block_size, split_config, zeroed)
+from compiled.quant.dequant import FP8
 from compiled.side_stream import Fork
 from compiled.triton_utils import interpreting, launch_kwargs
 
@@ -177,7 +178,7 @@ def check_shapes(x, topk_weights, topk_ids, w13, w2, a13, b13, a2, b2, scale, sl
             raise ValueError(f"{OP}: {name} {tuple(t.shape)}, expected {want} (S={S} slots, E={E}, rank R={R}, "
                              f"H={H}, I={I})")
     for name, t in (("w13", w13), ("w2", w2), ("a13", a13), ("b13", b13), ("a2", a2), ("b2", b2)):
-        if t.dtype != x.dtype:
+        if t.dtype != x.dtype and not (name in ("w13", "w2") and t.dtype == FP8):   # FP8 experts: their scales' op checks
             raise ValueError(f"{OP}: {name} is {t.dtype}, x is {x.dtype}")
     if scale.shape != (S, 3) or scale.dtype != torch.float32:
         raise ValueError(f"{OP}: scale {tuple(scale.shape)} {scale.dtype}, expected ({S}, 3) torch.float32 "
@@ -347,10 +348,11 @@ class _Launches:
             num_warps=4, num_stages=stages, **self.pdl)
 
     def down_delta(self, inter: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor, scale: torch.Tensor,
-                   consts: dict, down: dict) -> GemmDelta:
-        """The down GEMM's delta: the shrink of the intermediate `[rows, I]` by a2, then b2 in the GEMM."""
+                   consts: dict, down: dict, may_run_in_k: bool = True) -> GemmDelta:
+        """The down GEMM's delta: the shrink of the intermediate `[rows, I]` by a2, then b2 in the GEMM
+        (in its K loop where `down_delta_in_k` says so and `may_run_in_k`: not over FP8 tiles)."""
         numel, R, rows = self.ids.numel(), a2.shape[2], inter.shape[0]
-        in_k = down_delta_in_k(numel, self.block_m, down, consts["SLOTS_PAD"], consts["BLOCK_R"])
+        in_k = may_run_in_k and down_delta_in_k(numel, self.block_m, down, consts["SLOTS_PAD"], consts["BLOCK_R"])
         if in_k:   # scaled, in x's dtype: the down GEMM's last K steps read them as its own operands
             s2 = self.ws.get("lora_s2_scaled", rows * R, inter.dtype, inter.device).view(rows, R)
         else:
@@ -377,12 +379,13 @@ def _lora_configs(T: int, E: int, I: int, x: torch.Tensor, config: dict | None) 
 def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                           w2: torch.Tensor, a13: torch.Tensor, b13: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor,
                           scale: torch.Tensor, slot: torch.Tensor, config: dict | None = None,
-                          workspace: MoEWorkspace | None = None, sum_slots: bool = True) -> torch.Tensor:
+                          workspace: MoEWorkspace | None = None, sum_slots: bool = True,
+                          scales: ExpertScales | None = None) -> torch.Tensor:
     """The op's Triton path (shapes as `check_shapes`); `config` as `fused_moe_triton`'s (its
     tiles, TMA and part-height options and "down" overrides; None: the tuned entry, its up GEMM
     through `lora_up_config`): the base grouped GEMMs with the deltas in their epilogues, after
-    the shrinks. `sum_slots=False` (top-k > 1): the weighted
-    expert outputs `[T*k, H]` unsummed, as `fused_moe_triton`'s, for the norm's kernel to sum."""
+    the shrinks. `sum_slots=False` (top-k > 1): the weighted expert outputs `[T*k, H]` unsummed,
+    as `fused_moe_triton`'s, for the norm's kernel to sum. `scales`: the experts are FP8."""
     from compiled.moe import fused_moe_kernels as K
     T, H = x.shape
     E, I = w13.shape[0], w2.shape[2]
@@ -419,9 +422,9 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         s13 = ws.get("lora_s13", rows * 2 * R, torch.float32, x.device).view(rows, 2 * R)
         call.block_shrink(x, a13, s13, H, True)
         delta13 = GemmDelta(s13, b13, scale, slot, consts)
-    launch_gemm1(x, w13, inter, blocks, top_k, up, delta13)
-    delta2 = call.down_delta(inter, a2, b2, scale, consts, down) if has_delta else None
-    launch_gemm2(inter, w2, y, weights, blocks, down, top_k, delta2)
+    launch_gemm1(x, w13, inter, blocks, top_k, up, delta13, scales)
+    delta2 = call.down_delta(inter, a2, b2, scale, consts, down, scales is None) if has_delta else None
+    launch_gemm2(inter, w2, y, weights, blocks, down, top_k, delta2, scales)
     if not sum_slots:
         return y
     if top_k > 1:

@@ -38,6 +38,7 @@ import compiled.envs as envs
 from compiled.backend import BackendChoice
 from compiled.functional import add_rms_norm_ref
 from compiled.moe.experts import expert_loop
+from compiled.quant.dequant import resolve_block
 from compiled.triton_utils import interpreting, launch_kwargs, row_warps, tma_descriptor
 
 log = logging.getLogger(__name__)
@@ -295,6 +296,26 @@ class GemmDelta:
     in_k: bool = False
 
 
+@dataclass(frozen=True)
+class ExpertScales:
+    """FP8 experts (w13 and w2 float8_e4m3fn): their block scales `[E, rows / bo, cols / bi]` at
+    `block` [bo, bi] (a side of 0: the whole dim), read by the kernels' K loops."""
+    w13: torch.Tensor
+    w2: torch.Tensor
+    block: tuple[int, int] | list[int]
+
+
+def fp8_kwargs(scales: ExpertScales | None, name: str, w: torch.Tensor) -> dict:
+    """A kernel's scale arguments for the stacked weight `w` (`name`: w13 or w2): its block
+    scale's pointer, strides and block sides with FP8=True; without `scales`, placeholders the
+    kernels compiled with FP8=False never read."""
+    if scales is None:
+        return dict(S=w, stride_se=0, stride_sn=0, BO=1, BI=1, FP8=False)
+    bo, bi = resolve_block(scales.block, w.shape[1], w.shape[2])
+    scale = getattr(scales, name).contiguous()
+    return dict(S=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1), BO=bo, BI=bi, FP8=True)
+
+
 def _delta_args(delta: GemmDelta | None, like: torch.Tensor) -> tuple[tuple, dict]:
     """The grouped kernels' LoRA arguments and constants; without a delta, placeholders the
     kernel compiled with LORA=False never reads."""
@@ -308,14 +329,15 @@ def _delta_args(delta: GemmDelta | None, like: torch.Tensor) -> tuple[tuple, dic
 
 
 def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks: Blocks, top_k: int,
-                  cfg: dict, delta: GemmDelta | None = None) -> None:
+                  cfg: dict, delta: GemmDelta | None = None, scales: ExpertScales | None = None) -> None:
     """inter (block order) <- silu(gate) * up for every pair of `blocks`; x `[T, H]`; with
-    `delta`, each pair's gate and up LoRA deltas added before silu."""
+    `delta`, each pair's gate and up LoRA deltas added before silu; with `scales`, w13 is FP8."""
     from compiled.moe import fused_moe_kernels as K
     I, H = w13.shape[1] // 2, w13.shape[2]
     bn, bk = cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
     grid = (blocks.expert_ids.numel() * triton.cdiv(I, bn),)
-    desc = weight_desc(w13, bn, bk) if cfg.get("TMA") else None
+    # FP8 tiles are scaled after their pointer loads: no TMA for the weights
+    desc = weight_desc(w13, bn, bk) if cfg.get("TMA") and scales is None else None
     lora_args, lora_consts = _delta_args(delta, w13)
     K.moe_gemm1_kernel[grid](
         x, w13, desc, inter, blocks.sorted_ids, blocks.expert_ids, blocks.num_post, x.shape[0] * top_k, I, H,
@@ -323,20 +345,24 @@ def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks
         TOP_K=top_k, **_dot_flags(x.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=H % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None, **lora_consts,
-        SHRINK_BY_PAIR=delta is not None and delta.by_pair,
+        SHRINK_BY_PAIR=delta is not None and delta.by_pair, **fp8_kwargs(scales, "w13", w13),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(x.device),
         **dict(zip(_LORA_ARGS, lora_args)))
 
 
 def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, blocks: Blocks,
-                  cfg: dict, top_k: int = 1, delta: GemmDelta | None = None) -> None:
+                  cfg: dict, top_k: int = 1, delta: GemmDelta | None = None,
+                  scales: ExpertScales | None = None) -> None:
     """y `[T*k, H]` <- each pair's routing weight (`weights`, `[T*k]`) times its row of inter . w2
-    (plus, with `delta`, its down LoRA delta; `top_k` maps the pairs to their tokens' slots)."""
+    (plus, with `delta`, its down LoRA delta; `top_k` maps the pairs to their tokens' slots; with
+    `scales`, w2 is FP8, and a delta must not run in the K loop)."""
     from compiled.moe import fused_moe_kernels as K
     H, I = w2.shape[1], w2.shape[2]
     bn, bk = cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
     grid = (blocks.expert_ids.numel() * triton.cdiv(H, bn),)
-    desc = weight_desc(w2, bn, bk) if cfg.get("TMA") else None
+    if scales is not None and delta is not None and delta.in_k:
+        raise ValueError("launch_gemm2: an FP8 w2 takes its LoRA delta in the epilogue, not in the K loop")
+    desc = weight_desc(w2, bn, bk) if cfg.get("TMA") and scales is None else None
     # The intermediate's full-height tiles through TMA wherever the weights' go.
     a_desc = tma_descriptor(inter, [cfg["BLOCK_SIZE_M"], bk]) if cfg.get("TMA") else None
     lora_args, lora_consts = _delta_args(delta, w2)
@@ -347,7 +373,7 @@ def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=I % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None, A_TMA=a_desc is not None,
         TOP_K=top_k, **lora_consts, DELTA_IN_K=delta is not None and delta.in_k,
-        R_FULL=delta is not None and delta.b.shape[3] == lora_consts["BLOCK_R"],
+        R_FULL=delta is not None and delta.b.shape[3] == lora_consts["BLOCK_R"], **fp8_kwargs(scales, "w2", w2),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(inter.device),
         **dict(zip(_LORA_ARGS, lora_args)))
 
@@ -398,6 +424,7 @@ class MoECall:
     w2: torch.Tensor
     ws: MoEWorkspace
     y: torch.Tensor
+    scales: ExpertScales | None = None
 
     @property
     def top_k(self) -> int:
@@ -409,12 +436,13 @@ class MoECall:
         return self.ws.get("inter", rows * I, self.x.dtype, self.x.device).view(rows, I)
 
 
-def _plan(x, topk_weights, topk_ids, w13, w2, ws: MoEWorkspace, out: torch.Tensor | None) -> MoECall:
+def _plan(x, topk_weights, topk_ids, w13, w2, ws: MoEWorkspace, out: torch.Tensor | None,
+          scales: ExpertScales | None) -> MoECall:
     numel, H = topk_ids.numel(), x.shape[1]
     x = x.contiguous()
     y = out if topk_ids.shape[1] == 1 else ws.get("y", numel * H, x.dtype, x.device).view(numel, H)
     return MoECall(x, topk_weights.contiguous().reshape(-1), topk_ids.contiguous(), w13.contiguous(),
-                   w2.contiguous(), ws, y)
+                   w2.contiguous(), ws, y, scales)
 
 
 def _launch_gemv(call: MoECall, tiles: dict) -> None:
@@ -429,11 +457,11 @@ def _launch_gemv(call: MoECall, tiles: dict) -> None:
     G.moe_gemv_up_kernel[(k * triton.cdiv(I, up["BLOCK_N"]),)](
         x, w13, ids, inter, I, H, w13.stride(0), w13.stride(1), inter.stride(0),
         BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], EVEN_K=H % up["BLOCK_K"] == 0, num_warps=up["num_warps"],
-        num_stages=1, **launch_kwargs(x.device))
+        num_stages=1, **fp8_kwargs(call.scales, "w13", w13), **launch_kwargs(x.device))
     G.moe_gemv_down_kernel[(k * triton.cdiv(H, down["BLOCK_N"]),)](
         inter, w2, ids, call.weights, call.y, H, I, inter.stride(0), w2.stride(0), w2.stride(1), call.y.stride(0),
         BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], EVEN_K=I % down["BLOCK_K"] == 0,
-        num_warps=down["num_warps"], num_stages=1, **launch_kwargs(x.device))
+        num_warps=down["num_warps"], num_stages=1, **fp8_kwargs(call.scales, "w2", w2), **launch_kwargs(x.device))
 
 
 def _launch_grouped(call: MoECall, config: dict) -> None:
@@ -443,8 +471,8 @@ def _launch_grouped(call: MoECall, config: dict) -> None:
     block_m = up["BLOCK_SIZE_M"]
     blocks = moe_align_block_size(call.ids, call.w13.shape[0], block_m, call.ws)
     inter = call.inter(blocks.expert_ids.numel() * block_m)
-    launch_gemm1(call.x, call.w13, inter, blocks, call.top_k, up)
-    launch_gemm2(inter, call.w2, call.y, call.weights, blocks, down, call.top_k)
+    launch_gemm1(call.x, call.w13, inter, blocks, call.top_k, up, scales=call.scales)
+    launch_gemm2(inter, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales)
 
 
 def _launch_sum(y, out, top_k):
@@ -518,12 +546,13 @@ def _check_shapes(x, topk_weights, topk_ids, w13, w2) -> None:
 def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                      w13: torch.Tensor, w2: torch.Tensor, config: dict | None = None,
                      workspace: MoEWorkspace | None = None, out: torch.Tensor | None = None,
-                     sum_slots: bool = True, gemv_tiles: dict | None = None) -> torch.Tensor:
+                     sum_slots: bool = True, gemv_tiles: dict | None = None,
+                     scales: ExpertScales | None = None) -> torch.Tensor:
     """The Triton path of `compiled::fused_moe`: one token as two GEMVs (`gemv_tiles`, else
     GEMV_TILES), more as the two grouped GEMMs (`config`, else the tuned or default config), then
     the top-k sum as a kernel of its own. `sum_slots=False` (top-k > 1): returns the weighted
     expert outputs `[T*k, H]` unsummed, for a kernel after it to sum them
-    (`moe_sum_add_rms_norm_triton`); `out` is then unused."""
+    (`moe_sum_add_rms_norm_triton`); `out` is then unused. `scales`: the experts are FP8."""
     _check_shapes(x, topk_weights, topk_ids, w13, w2)
     T, H = x.shape
     top_k = topk_ids.shape[1]
@@ -535,7 +564,7 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
         raise ValueError("fused_moe_triton: sum_slots=False needs top-k > 1")
     if T == 0:
         return out if sum_slots else x.new_empty((0, H))
-    call = _plan(x, topk_weights, topk_ids, w13, w2, workspace or MoEWorkspace(), out)
+    call = _plan(x, topk_weights, topk_ids, w13, w2, workspace or MoEWorkspace(), out, scales)
     if T == 1:
         _launch_gemv(call, gemv_tiles or GEMV_TILES)
     else:

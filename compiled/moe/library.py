@@ -3,8 +3,9 @@ lora_scale, lora_slot, w13_scale, w2_scale, weight_block)`: the MoE experts over
 one op with or without expert LoRA, with or without FP8 experts.
 
 `w13_scale` `[E, ceil(2I/bo), ceil(H/bi)]` and `w2_scale` make the stacked weights FP8 (float8_e4m3fn
-times a scale per `weight_block` [bo, bi] block, `quant/dequant.py`); until an FP8 kernel serves
-them the op computes with the dequantized experts, the torch reference.
+times a scale per `weight_block` [bo, bi] block, `quant/dequant.py`): the Triton kernels read the
+FP8 bytes and scale each tile in registers; the torch path computes with the dequantized experts,
+the reference.
 
 The LoRA operands come last, None by default, all or none (`expert_lora.py` says what each holds);
 the passes build and read the call by name, so that an operand added later (a weight scale, an
@@ -17,7 +18,7 @@ import torch
 
 from compiled.moe import expert_lora as el
 from compiled.moe import fused_moe as fm
-from compiled.quant.dequant import check_scale, scaled_weight
+from compiled.quant.dequant import FP8, check_scale, scaled_weight
 
 Tensor = torch.Tensor
 
@@ -31,18 +32,30 @@ def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2
     """x `[T, H]` routed by topk `[T, k]` over w13 `[E, 2I, H]`, w2 `[E, H, I]` -> `[T, H]`; with
     expert LoRA, each pair's gate, up and down deltas (slot -1: none)."""
     _check_fp8(w13, w2, w13_scale, w2_scale, weight_block)
-    if w13_scale is not None:
-        w13 = scaled_weight(el.OP, "w13_scale", w13, w13_scale, weight_block, x.dtype)
-        w2 = scaled_weight(el.OP, "w2_scale", w2, w2_scale, weight_block, x.dtype)
     lora = el.lora_operands(el.OP, lora_a13, lora_b13, lora_a2, lora_b2, lora_scale, lora_slot)
+    if lora is not None:
+        el.check_shapes(x, topk_weights, topk_ids, w13, w2, *lora)
+    w13, w2, scales = expert_weights(x, w13, w2, w13_scale, w2_scale, weight_block)
     if lora is None:
         if fm.backend(x) == "triton":
-            return fm.fused_moe_triton(x, topk_weights, topk_ids, w13, w2)
+            return fm.fused_moe_triton(x, topk_weights, topk_ids, w13, w2, scales=scales)
         return fm.fused_moe_ref(x, topk_weights, topk_ids, w13, w2)
-    el.check_shapes(x, topk_weights, topk_ids, w13, w2, *lora)
     if fm.backend(x) == "triton":
-        return el.fused_moe_lora_triton(x, topk_weights, topk_ids, w13, w2, *lora)
+        return el.fused_moe_lora_triton(x, topk_weights, topk_ids, w13, w2, *lora, scales=scales)
     return el.fused_moe_lora_ref(x, topk_weights, topk_ids, w13, w2, *lora)
+
+
+def expert_weights(x: Tensor, w13: Tensor, w2: Tensor, w13_scale: Tensor | None, w2_scale: Tensor | None,
+                   weight_block: list[int] | None) -> tuple[Tensor, Tensor, fm.ExpertScales | None]:
+    """The stacked weights the experts compute with: FP8 ones stay FP8 on the Triton path, whose
+    kernels scale each tile as they read it, with their `ExpertScales`; the torch path computes
+    with the dequantized weights (the reference)."""
+    if w13_scale is None:
+        return w13, w2, None
+    if fm.backend(x) == "triton":
+        return w13, w2, fm.ExpertScales(w13_scale, w2_scale, weight_block)
+    return (scaled_weight(el.OP, "w13_scale", w13, w13_scale, weight_block, x.dtype),
+            scaled_weight(el.OP, "w2_scale", w2, w2_scale, weight_block, x.dtype), None)
 
 
 @fused_moe.register_fake
@@ -51,20 +64,21 @@ def _(x, topk_weights, topk_ids, w13, w2, lora_a13=None, lora_b13=None, lora_a2=
     _check_fp8(w13, w2, w13_scale, w2_scale, weight_block)
     lora = el.lora_operands(el.OP, lora_a13, lora_b13, lora_a2, lora_b2, lora_scale, lora_slot)
     if lora is not None:
-        if w13_scale is not None:
-            w13, w2 = w13.new_empty(w13.shape, dtype=x.dtype), w2.new_empty(w2.shape, dtype=x.dtype)
         el.check_shapes(x, topk_weights, topk_ids, w13, w2, *lora)
     return torch.empty_like(x)
 
 
 def _check_fp8(w13: Tensor, w2: Tensor, w13_scale: Tensor | None, w2_scale: Tensor | None,
                weight_block: list[int] | None) -> None:
-    """Both scales or neither, each fitting its stacked weight."""
+    """Both scales or neither, each fitting its stacked weight; FP8 weights only with their scales."""
     if (w13_scale is None) != (w2_scale is None):
         raise ValueError(f"{el.OP}: w13_scale and w2_scale go together (got only one)")
     if w13_scale is None:
         if weight_block is not None:
             raise ValueError(f"{el.OP}: weight_block without w13_scale / w2_scale")
+        for name, w in (("w13", w13), ("w2", w2)):
+            if w.dtype == FP8:
+                raise ValueError(f"{el.OP}: {name} is float8_e4m3fn without {name}_scale")
         return
     check_scale(el.OP, "w13_scale", w13, w13_scale, weight_block)
     check_scale(el.OP, "w2_scale", w2, w2_scale, weight_block)

@@ -1,5 +1,7 @@
-"""The W8A16 Triton linear against the dequantize-then-linear reference: on CPU under
-TRITON_INTERPRET=1 (one subprocess), block scales with partial edges, per channel, per tensor."""
+"""The W8A16 Triton kernels against the dequantize-then-compute references: on CPU under
+TRITON_INTERPRET=1 (one subprocess), block scales with partial edges, per channel, per tensor.
+The linear; the fused MoE's GEMVs (one token) and grouped GEMMs, with and without expert LoRA,
+through `compiled::fused_moe` and `compiled::moe_add_rms_norm_linear`."""
 
 from __future__ import annotations
 
@@ -35,6 +37,69 @@ def kernel_case(M: int, N: int, K: int, quant: QuantConfig) -> dict:
     return dict(err=err, tol=1e-4)
 
 
+MOE_CASES = [("moe_gemv_block16x24", 1, QuantConfig("fp8", "block", (16, 24)), torch.float32, False),
+             ("moe_grouped_block16x24", 7, QuantConfig("fp8", "block", (16, 24)), torch.float32, False),
+             ("moe_grouped_block128_bf16", 5, QuantConfig("fp8", "block", (128, 128)), torch.bfloat16, False),
+             ("moe_grouped_channel", 9, QuantConfig("compressed-tensors", "channel"), torch.float32, False),
+             ("moe_lora_block16x24", 6, QuantConfig("fp8", "block", (16, 24)), torch.float32, True),
+             ("moe_lora_gemv_block16x24", 1, QuantConfig("fp8", "block", (16, 24)), torch.float32, True)]
+
+
+def _stacked_fp8(w: torch.Tensor, quant: QuantConfig) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    rows, cols = w.shape[1:]
+    bo, bi = resolve_block(list(quant.op_block), rows, cols)
+    pairs = [quantize(m, quant) for m in w]
+    scales = torch.stack([p[1].reshape(-(-rows // bo), -(-cols // bi)) for p in pairs])
+    # blocks of very different scales, so that a tile scaled by a neighbouring block's scale is far off
+    spread = 0.25 + 1.75 * torch.rand(scales.shape, generator=torch.Generator().manual_seed(rows * cols))
+    return torch.stack([p[0] for p in pairs]), scales * spread, list(quant.op_block)
+
+
+def _expert_lora(g: torch.Generator, T: int, E: int, H: int, I: int, dtype: torch.dtype) -> tuple:
+    S, R = 2, 4
+    a13, b13 = torch.randn(S, E, 2 * R, H, generator=g) / 4, torch.randn(S, E, 2 * I, R, generator=g) / 4
+    a2, b2 = torch.randn(S, E, R, I, generator=g) / 4, torch.randn(S, E, H, R, generator=g) / 4
+    slot = torch.tensor([i % (S + 1) - 1 for i in range(T)], dtype=torch.int32)
+    return tuple(t.to(dtype) for t in (a13, b13, a2, b2)) + (torch.rand(S, 3, generator=g) + 0.5, slot)
+
+
+def moe_case(T: int, quant: QuantConfig, dtype: torch.dtype, lora: bool) -> dict:
+    """The op on its Triton path (FP8 tiles scaled in the kernels) against the torch reference
+    over the dequantized experts; and the fused norm op beside the two ops it fuses."""
+    import compiled.fusions.moe_norm_linear  # noqa: F401
+    from compiled.moe import fused_moe as fm
+    E, H, I, k = 4, 48, 40, 2
+    g = torch.Generator().manual_seed(T * 31 + len(quant.op_block))
+    x = torch.randn(T, H, generator=g).to(dtype)
+    topk_weights = torch.rand(T, k, generator=g)
+    topk_ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    q13, s13, block = _stacked_fp8(torch.randn(E, 2 * I, H, generator=g) / H ** 0.5, quant)
+    q2, s2, _ = _stacked_fp8(torch.randn(E, H, I, generator=g) / I ** 0.5, quant)
+    extra = dict(zip(("lora_a13", "lora_b13", "lora_a2", "lora_b2", "lora_scale", "lora_slot"),
+                     _expert_lora(g, T, E, H, I, dtype))) if lora else {}
+    fp8 = dict(w13_scale=s13, w2_scale=s2, weight_block=block)
+    w13, w2 = dequantize_blocks(q13, s13, block, dtype), dequantize_blocks(q2, s2, block, dtype)
+    # fp32: the torch reference; 16-bit: the Triton path over the dequantized weights, which rounds
+    # where the FP8 path does (the reference's own rounding differs from both by more)
+    fm.BACKEND.set("torch" if dtype == torch.float32 else "triton")
+    ref = torch.ops.compiled.fused_moe(x, topk_weights, topk_ids, w13, w2, **extra).float()
+    fm.BACKEND.set("triton")
+    got = torch.ops.compiled.fused_moe(x, topk_weights, topk_ids, q13, q2, **extra, **fp8).float()
+    err = (got - ref).abs().max().item()
+    norm, resid, w = torch.rand(H, generator=g) + 0.5, torch.randn(T, H, generator=g).to(dtype), torch.randn(24, H)
+    moe_lora = {"moe_" + name: t for name, t in extra.items() if name != "lora_slot"}
+    moe_lora.update({"lora_slot": extra["lora_slot"]} if lora else {})
+    fused = torch.ops.compiled.moe_add_rms_norm_linear(resid, x, topk_weights, topk_ids, q13, q2, norm, 1e-6,
+                                                       w.to(dtype), True, **moe_lora, **fp8)
+    fm.BACKEND.set("torch" if dtype == torch.float32 else "triton")
+    want = torch.ops.compiled.moe_add_rms_norm_linear(resid, x, topk_weights, topk_ids, w13, w2, norm, 1e-6,
+                                                      w.to(dtype), True, **moe_lora)
+    # relative to each output's largest magnitude: bf16 rounds the paths' sums differently
+    rel = max([err / ref.abs().max().item()]
+              + [((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(fused, want)])
+    return dict(err=rel, tol=1e-5 if dtype == torch.float32 else 0.02, scale=ref.abs().max().item())
+
+
 @pytest.fixture(scope="module")
 def interpreted():
     from tests.linear.test_linear_kernel import run_interpreted
@@ -45,6 +110,12 @@ def interpreted():
 def test_interpreted_w8a16_matches_reference(interpreted, name):
     r = interpreted[name]
     assert r["err"] <= r["tol"], r
+
+
+@pytest.mark.parametrize("name", [c[0] for c in MOE_CASES])
+def test_interpreted_fp8_moe_matches_dequantized_reference(interpreted, name):
+    r = interpreted[name]
+    assert r["scale"] > 0.1 and r["err"] <= r["tol"], r
 
 
 @pytest.mark.gpu
@@ -60,6 +131,28 @@ def test_gpu_w8a16_matches_reference_in_bf16(m):
     assert (w8a16_linear(x, q, s, [128, 128]).float() - ref).abs().max() <= 0.05 * ref.abs().max()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [1, 8, 64])
+def test_gpu_fp8_moe_matches_dequantized_in_bf16(T):
+    """The 30B's expert shapes at block 128: the FP8 kernels against the bf16 kernels over the
+    dequantized experts."""
+    from compiled.moe import fused_moe as fm
+    E, H, I, k = 128, 2048, 768, 8
+    quant = QuantConfig("fp8", "block", (128, 128))
+    q13, s13, block = _stacked_fp8(torch.randn(E, 2 * I, H) / H ** 0.5, quant)
+    q2, s2, _ = _stacked_fp8(torch.randn(E, H, I) / I ** 0.5, quant)
+    q13, s13, q2, s2 = (t.cuda() for t in (q13, s13, q2, s2))
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    topk_weights, topk_ids = torch.rand(T, E, device="cuda").softmax(-1).topk(k)
+    w13, w2 = dequantize_blocks(q13, s13, block, torch.bfloat16), dequantize_blocks(q2, s2, block, torch.bfloat16)
+    want = fm.fused_moe_triton(x, topk_weights, topk_ids, w13, w2).float()
+    got = fm.fused_moe_triton(x, topk_weights, topk_ids, q13, q2, scales=fm.ExpertScales(s13, s2, block)).float()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
 if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
     os.environ.setdefault("COMPILED_LINEAR_BACKEND", "auto")
-    print(json.dumps({name: kernel_case(M, N, K, quant) for name, M, N, K, quant in CASES}))
+    results = {name: kernel_case(M, N, K, quant) for name, M, N, K, quant in CASES}
+    results.update({name: moe_case(T, quant, dtype, lora) for name, T, quant, dtype, lora in MOE_CASES})
+    print(json.dumps(results))
