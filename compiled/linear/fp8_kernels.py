@@ -1,11 +1,12 @@
 """W8A16 linear (Triton): `y = x @ (w * scale).T` reading the float8_e4m3fn weight itself.
 
 Decode is memory-bound, so a step should read the FP8 bytes and nothing more: each program
-dequantizes its weight tile in registers (a scale per [bo, bi] block, gathered per element, so
-partial edge blocks, per-channel (1, K) and per-tensor (N, K) blocks take the same path) and
-multiplies in the activations' dtype with fp32 accumulation. The torch reference is the op's
-dequantize-then-F.linear (`quant/dequant.py`); this kernel runs where the linear backend is
-forced to 'triton' until it is measured against it on the GPU."""
+dequantizes its weight tile in registers (`triton_utils.scaled_tile`: a scale per [bo, bi] block,
+gathered per element, so partial edge blocks, per-channel (1, K) and per-tensor (N, K) blocks
+take the same path) and multiplies in the activations' dtype with fp32 accumulation. The torch
+reference is the op's dequantize-then-F.linear (`quant/dequant.py`). A few rows take the skinny
+GEMM's FP8 path instead (`skinny_kernels`); this kernel serves more rows where the linear backend
+is forced to 'triton', until it is measured against dequantize + cuBLAS on the GPU."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import triton
 import triton.language as tl
 
 from compiled.quant.dequant import resolve_block
+from compiled.triton_utils import scaled_tile
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 
@@ -32,8 +34,7 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, str
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
         w_mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=w_mask, other=0.0)
-        s = tl.load(s_ptr + (offs_n // BO)[:, None] * stride_sn + (offs_k // BI)[None, :], mask=w_mask, other=0.0)
-        b = (w.to(tl.float32) * s.to(tl.float32)).to(x.dtype)
+        b = scaled_tile(w, s_ptr, offs_n[:, None], offs_k[None, :], w_mask, stride_sn, BO, BI, x.dtype, True)
         if IEEE:
             acc += tl.dot(x, tl.trans(b), input_precision="ieee")
         else:

@@ -22,7 +22,9 @@ norm's launch adds that linear's LoRA deltas (`lora_linear.linear_lora_add_rms_n
 while the op's outputs, (y, h, normed), stay the family's.
 `weight_scale` (and `delta_weight_scale`) make the weight FP8: float8_e4m3fn times a scale per
 `weight_block` [rows, cols] block (`quant/dequant.py`; a scale per channel is the block [1, K]).
-Until an FP8 kernel serves them the op computes with the dequantized weight, the torch reference.
+Where the skinny kernel serves the op (a few rows; `ops.use_kernel`), it reads the FP8 bytes and
+scales each tile in registers; elsewhere, and with LoRA, the op computes with the dequantized
+weight, the torch reference (the forced 'triton' backend: the W8A16 kernel of `fp8_kernels.py`).
 
 Each op dispatches to the bodies it ran as separate ops: without operands `ops.dispatch` or
 `fused`'s, with LoRA `lora_linear`'s, so the kernels and the rounding are the ones they were."""
@@ -45,14 +47,35 @@ def linear(x: Tensor, weight: Tensor, lora_a: Tensor | None = None, lora_b: Tens
            weight_block: list[int] | None = None) -> Tensor:
     """x `[..., K]`, weight `[N, K]` -> `[..., N]`; with LoRA (x `[T, K]`) plus each row's delta."""
     lora = lora_operands("compiled::linear", lora_a, lora_b, lora_scale, lora_slot, lora_slices)
-    if lora is None and weight_scale is not None and x.dim() == 2 and ops.BACKEND.name == "triton":
-        check_scale("compiled::linear", "weight_scale", weight, weight_scale, weight_block)
-        from compiled.linear.fp8_kernels import w8a16_linear
-        return w8a16_linear(x, weight, weight_scale, weight_block)
-    weight = scaled_weight("compiled::linear", "weight_scale", weight, weight_scale, weight_block, x.dtype)
     if lora is None:
-        return ops.dispatch(x, weight)
+        return _plain_linear(x, weight, weight_scale, weight_block, "weight_scale")
+    weight = scaled_weight("compiled::linear", "weight_scale", weight, weight_scale, weight_block, x.dtype)
     return lora_linear.linear_lora(x, weight, *lora)
+
+
+def _plain_linear(x: Tensor, weight: Tensor, scale: Tensor | None, block: list[int] | None, name: str) -> Tensor:
+    """x @ weight.T without LoRA, FP8 where a kernel reads the FP8 bytes (the skinny GEMM; the
+    W8A16 kernel under the forced 'triton' backend), else with the weight dequantized."""
+    fp8 = _skinny_fp8(x, weight, scale, block, "compiled::linear", name)
+    if fp8 is not None:
+        from compiled.linear.skinny_kernels import skinny_linear_triton
+        ops.check_shapes(x, _fake_weight("compiled::linear", name, weight, scale, block, x.dtype))
+        return skinny_linear_triton(x, weight, fp8=fp8)
+    if scale is not None and x.dim() == 2 and ops.BACKEND.name == "triton":
+        check_scale("compiled::linear", name, weight, scale, block)
+        from compiled.linear.fp8_kernels import w8a16_linear
+        return w8a16_linear(x, weight, scale, block)
+    return ops.dispatch(x, scaled_weight("compiled::linear", name, weight, scale, block, x.dtype))
+
+
+def _skinny_fp8(x: Tensor, weight: Tensor, scale: Tensor | None, block: list[int] | None, op: str, name: str):
+    """The FP8 weight's `WeightScale` where the skinny kernel serves x @ weight.T (`ops.use_kernel`),
+    else None: no scale, or the caller computes with the dequantized weight."""
+    if scale is None or x.dim() != 2 or not ops.use_kernel(x, weight, fp8=True):
+        return None
+    from compiled.linear.skinny_kernels import WeightScale
+    check_scale(op, name, weight, scale, block)
+    return WeightScale(scale, block)
 
 
 @linear.register_fake
@@ -80,20 +103,30 @@ def add_rms_norm_linear(x: Tensor, delta: Tensor, norm_weight: Tensor, eps: floa
     not keep_normed). h is what the residual stream carries on; normed is for other readers. With
     `delta_weight`, delta is the input of the linear whose output the add takes."""
     op = "compiled::add_rms_norm_linear"
-    weight = scaled_weight(op, "weight_scale", weight, weight_scale, _block(weight_scale, weight_block), x.dtype)
-    if delta_weight is not None:
-        delta_weight = scaled_weight(op, "delta_weight_scale", delta_weight, delta_weight_scale,
-                                     _block(delta_weight_scale, weight_block), x.dtype)
-    elif delta_weight_scale is not None:
+    if delta_weight is None and delta_weight_scale is not None:
         raise ValueError(f"{op}: delta_weight_scale without delta_weight")
     lora, delta_lora = _norm_operands(lora_a, lora_b, lora_scale, lora_slot, lora_slices, delta_weight,
                                       delta_lora_a, delta_lora_b, delta_lora_scale)
+    delta_block = _block(delta_weight_scale, weight_block)
+    if delta_weight is not None and delta_lora is None:   # the delta linear without LoRA: FP8 where it can
+        delta = _plain_linear(delta, delta_weight, delta_weight_scale, delta_block, "delta_weight_scale")
+        delta_weight = None
+    elif delta_weight is not None:
+        delta_weight = scaled_weight(op, "delta_weight_scale", delta_weight, delta_weight_scale, delta_block, x.dtype)
+    block = _block(weight_scale, weight_block)
+    fp8 = _skinny_fp8(x, weight, weight_scale, block, op, "weight_scale") if lora is None and delta_weight is None \
+        and delta.stride(-1) == 1 else None
+    if fp8 is not None:
+        from compiled.linear.skinny_kernels import add_rms_norm_linear_triton
+        fused.check_norm(x, delta, norm_weight, _fake_weight(op, "weight_scale", weight, weight_scale, block, x.dtype))
+        y, h, normed = add_rms_norm_linear_triton(x, delta, norm_weight, eps, weight, keep_normed, fp8=fp8)
+        return y, h, normed if keep_normed else x.new_empty(0)
+    weight = scaled_weight(op, "weight_scale", weight, weight_scale, block, x.dtype)
     if delta_weight is not None:
-        if lora is None and delta_lora is not None:
+        if lora is None:
             return lora_linear.linear_lora_add_rms_norm_linear(x, delta, delta_weight, *delta_lora[:4], norm_weight,
                                                                eps, weight, keep_normed)
-        delta = ops.dispatch(delta, delta_weight) if delta_lora is None else \
-            lora_linear.linear_lora(delta, delta_weight, *delta_lora)
+        delta = lora_linear.linear_lora(delta, delta_weight, *delta_lora)
     if lora is None:
         return fused.add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed)
     return lora_linear.add_rms_norm_linear_lora(x, delta, norm_weight, eps, weight, keep_normed, *lora)
@@ -141,9 +174,15 @@ def silu_mul_linear(gate_up: Tensor, weight: Tensor, lora_a: Tensor | None = Non
                     lora_slices: list[int] | None = None, weight_scale: Tensor | None = None,
                     weight_block: list[int] | None = None) -> Tensor:
     """(silu(gate) * up) @ weight.T for gate_up `[T, 2K]` = [gate | up], with LoRA its deltas."""
-    lora = lora_operands("compiled::silu_mul_linear", lora_a, lora_b, lora_scale, lora_slot, lora_slices)
-    weight = scaled_weight("compiled::silu_mul_linear", "weight_scale", weight, weight_scale, weight_block,
-                           gate_up.dtype)
+    op = "compiled::silu_mul_linear"
+    lora = lora_operands(op, lora_a, lora_b, lora_scale, lora_slot, lora_slices)
+    inner = gate_up[:, :weight.shape[1]] if gate_up.dim() == 2 else gate_up
+    fp8 = _skinny_fp8(inner, weight, weight_scale, weight_block, op, "weight_scale") if lora is None else None
+    if fp8 is not None:
+        from compiled.linear.skinny_kernels import silu_mul_linear_triton
+        fused.check_silu(gate_up, _fake_weight(op, "weight_scale", weight, weight_scale, weight_block, gate_up.dtype))
+        return silu_mul_linear_triton(gate_up, weight, fp8=fp8)
+    weight = scaled_weight(op, "weight_scale", weight, weight_scale, weight_block, gate_up.dtype)
     if lora is None:
         return fused.silu_mul_linear(gate_up, weight)
     return lora_linear.silu_mul_linear_lora(gate_up, weight, *lora)

@@ -44,8 +44,9 @@ def check_shapes(x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"compiled::linear: x is {x.dtype}, weight is {weight.dtype}")
 
 
-def use_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the skinny kernel serves x `[M, K]` @ weight.T under the current backend."""
+def use_kernel(x: torch.Tensor, weight: torch.Tensor, fp8: bool = False) -> bool:
+    """Whether the skinny kernel serves x `[M, K]` @ weight.T under the current backend. An FP8
+    weight (`fp8`) takes it at every size it fits: the other path dequantizes the whole weight."""
     if BACKEND.name == "torch":
         return False
     if BACKEND.name == "auto" and not (x.is_cuda and x.dtype in KERNEL_DTYPES):
@@ -54,7 +55,7 @@ def use_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
     N = weight.shape[0]
     fits = (0 < M <= SKINNY_MAX_M and K > 0 and N > 0 and x.dtype in FORCED_DTYPES
             and x.stride(1) == 1 and weight.stride(1) == 1 and x.device == weight.device)
-    if not fits or BACKEND.name == "triton":
+    if not fits or BACKEND.name == "triton" or fp8:
         return fits
     from compiled.linear import skinny_kernels as lk
     sms = lk.num_sms(x.device)

@@ -30,9 +30,10 @@ import triton.language as tl
 
 from compiled.linear import SKINNY_MAX_M, workspace
 from compiled.linear.lora_kernels import LoRAArgs, add_slice_deltas, fma_delta_apply, fma_delta_operands, token_slots
+from compiled.quant.dequant import resolve_block
 from compiled.triton_utils import (DEFAULT_NUM_SMS, interpreter_upcast, launch_kwargs, num_sms, pdl_let_next_in,
-                                   pdl_wait, pdl_wait_only, residual_add, rms_normed, silu_mul, weight_tile,
-                                   weighted_rows)
+                                   pdl_wait, pdl_wait_only, residual_add, rms_normed, scaled_tile, silu_mul,
+                                   weight_tile, weighted_rows)
 
 BLOCK_M = max(16, triton.next_power_of_2(SKINNY_MAX_M))  # one tile for every row (tl.dot needs >= 16)
 MIN_BLOCK = 16             # smallest BLOCK_N / BLOCK_K (tl.dot's minimum)
@@ -206,7 +207,7 @@ def _skinny_kernel(
     PDL: tl.constexpr,
     LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3, stride_ls, stride_lbs, stride_lbn, stride_lsc,
     LORA: tl.constexpr, LORA_N: tl.constexpr, LBLOCK_R: tl.constexpr, LSLOTS_PAD: tl.constexpr, LKC: tl.constexpr,
-    LORA_FP32: tl.constexpr,
+    LORA_FP32: tl.constexpr, WS, stride_wsn, BO, BI, FP8: tl.constexpr,
 ):
     """EVEN_K (K a multiple of BLOCK_K, so every split is whole tiles): no mask along K, which
     keeps the weight loads vectorised. Y may be wider than X (fp32 logits): the output is rounded
@@ -230,7 +231,10 @@ def _skinny_kernel(
     weight tile goes straight into registers and is multiplied by each row into an fp32
     `[BLOCK_N, BLOCK_K]` accumulator (`[BLOCK_M, BLOCK_N, BLOCK_K]` for several rows), reduced
     along K once after the loop; everything else (prologues, splits, the epilogue) is the same
-    code."""
+    code.
+
+    FP8: W is float8_e4m3fn and each tile is scaled by its blocks of WS (`[N / BO, K / BI]`) in
+    registers as it is used (`scaled_tile`), so the kernel reads the FP8 bytes."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -295,18 +299,20 @@ def _skinny_kernel(
             a, b = a_next, b_next
         else:
             x = tl.load(X + offs_m[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
+        wq = scaled_tile(w, WS, offs_n[:, None], ks[None, :], mask_n[:, None] & (ks < k_end)[None, :], stride_wsn, BO,
+                         BI, X.dtype.element_ty, FP8)
         if GEMV:
             if BLOCK_M == 1:
-                acc_k += w.to(tl.float32) * x.to(tl.float32)
+                acc_k += wq.to(tl.float32) * x.to(tl.float32)
             else:
-                acc_k += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+                acc_k += x.to(tl.float32)[:, None, :] * wq.to(tl.float32)[None, :, :]
             if k0 + BLOCK_K < k_end:
                 w = weight_tile(w_ptrs + BLOCK_K, mask_n, ks + BLOCK_K < k_end, EVEN_K)
         else:
             if UPCAST:  # see interpreter_upcast()
                 x = x.to(tl.float32)
-                w = w.to(tl.float32)
-            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+                wq = wq.to(tl.float32)
+            acc += tl.dot(x, tl.trans(wq), input_precision=DOT_PRECISION)
         w_ptrs += BLOCK_K
     if GEMV:
         if BLOCK_M == 1:
@@ -366,15 +372,29 @@ def _skinny_kernel(
             tl.atomic_xchg(Semaphores + pid_n, 0)
 
 
+class WeightScale(NamedTuple):
+    """An FP8 weight's block scale `[ceil(N/bo), ceil(K/bi)]` and its block [bo, bi] (0: the whole dim)."""
+    scale: torch.Tensor
+    block: list[int]
+
+
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, fp8: WeightScale | None = None) -> torch.Tensor:
     """x `[M, K]` (M <= SKINNY_MAX_M, last dim contiguous), weight `[N, K]` (last dim contiguous)
     -> `[M, N]` in x's dtype, or into `out` (`[M, N]`, rows contiguous, any float dtype: the
     result is rounded to x's dtype, then stored in out's). `config` overrides the heuristic
-    (tests, the benchmark's sweep)."""
+    (tests, the benchmark's sweep). `fp8`: weight is float8_e4m3fn with this block scale."""
     y = x.new_empty((x.shape[0], weight.shape[0])) if out is None else out
-    _launch(x, weight, y, config, {})
+    _launch(x, weight, y, config, {}, fp8=fp8)
     return y
+
+
+def _fp8_args(y: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None) -> dict:
+    if fp8 is None:   # placeholders, never read
+        return dict(WS=y, stride_wsn=0, BO=1, BI=1, FP8=False)
+    bo, bi = resolve_block(fp8.block, *weight.shape)
+    scale = fp8.scale.contiguous()
+    return dict(WS=scale, stride_wsn=scale.stride(0), BO=bo, BI=bi, FP8=True)
 
 
 def _lora_args(y: torch.Tensor, lora: LoRAArgs | None) -> dict:
@@ -401,33 +421,36 @@ def skinny_linear_lora_triton(x: torch.Tensor, weight: torch.Tensor, lora: LoRAA
 
 def add_rms_norm_linear_triton(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                                weight: torch.Tensor, keep_normed: bool, config: SkinnyConfig | None = None,
-                               lora: LoRAArgs | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                               lora: LoRAArgs | None = None, fp8: WeightScale | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """h = x + delta, normed = RMSNorm(h) * norm_weight, y = normed @ weight.T in one launch:
     returns (y, h, normed if keep_normed else None). x and delta `[M, K]`, last dims contiguous.
-    `lora`: LoRA deltas added in the epilogue, as `skinny_linear_lora_triton`'s."""
+    `lora`: LoRA deltas added in the epilogue, as `skinny_linear_lora_triton`'s; `fp8` as
+    `skinny_linear_triton`'s."""
     M, K = x.shape
     y = x.new_empty((M, weight.shape[0]))
     h = x.new_empty((M, K))
     normed = x.new_empty((M, K)) if keep_normed else None
     _launch(x, weight, y, config, dict(
         D=delta, NW=norm_weight, H=h, NORMED=normed if keep_normed else y, eps=eps,
-        stride_dm=delta.stride(0), stride_hm=K, stride_nm=K, ADD_NORM=True, KEEP_NORMED=keep_normed), lora)
+        stride_dm=delta.stride(0), stride_hm=K, stride_nm=K, ADD_NORM=True, KEEP_NORMED=keep_normed), lora, fp8)
     return y, h, normed
 
 
 def silu_mul_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None,
-                           lora: LoRAArgs | None = None) -> torch.Tensor:
+                           lora: LoRAArgs | None = None, fp8: WeightScale | None = None) -> torch.Tensor:
     """(silu(gate) * up) @ weight.T in one launch; gate_up `[M, 2K]` holds [gate | up], weight `[N, K]`.
-    `lora`: LoRA deltas added in the epilogue, as `skinny_linear_lora_triton`'s."""
+    `lora`: LoRA deltas added in the epilogue, as `skinny_linear_lora_triton`'s; `fp8` as
+    `skinny_linear_triton`'s."""
     y = gate_up.new_empty((gate_up.shape[0], weight.shape[0]))
-    _launch(gate_up, weight, y, config, dict(SILU_MUL=True), lora)
+    _launch(gate_up, weight, y, config, dict(SILU_MUL=True), lora, fp8)
     return y
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: SkinnyConfig | None,
-            prologue: dict, lora: LoRAArgs | None = None) -> None:
+            prologue: dict, lora: LoRAArgs | None = None, fp8: WeightScale | None = None) -> None:
     """One launch writing y; `prologue`: the ADD_NORM / SILU_MUL arguments that differ from none;
-    `lora`: the epilogue's deltas."""
+    `lora`: the epilogue's deltas; `fp8`: the weight's block scale."""
     M = x.shape[0]
     N, K = weight.shape
     if config is None:
@@ -447,6 +470,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
                 ADD_NORM=False, SILU_MUL=False, KEEP_NORMED=False)
     args.update(prologue)
     args.update(_lora_args(y, lora))
+    args.update(_fp8_args(y, weight, fp8))
     _skinny_kernel[grid](
         x, weight, y, partials, semaphores, M, N, K, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         Sums=sums, NORMED_CHUNK=triton.cdiv(K, grid[0]), **args,

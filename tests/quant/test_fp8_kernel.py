@@ -37,6 +37,38 @@ def kernel_case(M: int, N: int, K: int, quant: QuantConfig) -> dict:
     return dict(err=err, tol=1e-4)
 
 
+SKINNY_CASES = [("skinny_gemv_block16x24", 1, None, QuantConfig("fp8", "block", (16, 24))),
+                 ("skinny_tile_split_block16x24", 5, (16, 32, 2), QuantConfig("fp8", "block", (16, 24))),
+                 ("skinny_gemv_split_channel", 1, (2, 64, 3), QuantConfig("compressed-tensors", "channel")),
+                 ("skinny_tile_block128", 9, (32, 64, 1), QuantConfig("fp8", "block", (128, 128)))]
+
+
+def skinny_case(M: int, config: tuple | None, quant: QuantConfig) -> dict:
+    """The skinny GEMM reading FP8 tiles (plain, RMSNorm and SiLU prologues; GEMV and tensor-core
+    tiles, split K) against the references over the dequantized weight."""
+    from compiled.linear import fused as fl
+    from compiled.linear.skinny_kernels import (SkinnyConfig, WeightScale, add_rms_norm_linear_triton,
+                                                silu_mul_linear_triton, skinny_linear_triton)
+    N, K = 52, 200
+    g = torch.Generator().manual_seed(M * 7 + N)
+    x, delta, nw = torch.randn(M, K, generator=g), torch.randn(M, K, generator=g), torch.rand(K, generator=g) + 0.5
+    q, s, block = _stacked_fp8(torch.randn(1, N, K, generator=g) / K ** 0.5, quant)
+    q, s = q[0], s[0]
+    w = dequantize_blocks(q, s, block, torch.float32)
+    cfg = None if config is None else SkinnyConfig(*config, gemv=config[0] <= 2)
+    fp8 = WeightScale(s, block)
+    errs = [(skinny_linear_triton(x, q, cfg, fp8=fp8) - x @ w.T).abs().max() / (x @ w.T).abs().max()]
+    y, h, normed = add_rms_norm_linear_triton(x, delta, nw, 1e-6, q, True, cfg, fp8=fp8)
+    ry, rh, rn = fl.add_rms_norm_linear_ref(x, delta, nw, 1e-6, w)
+    errs += [(y - ry).abs().max() / ry.abs().max(), (normed - rn).abs().max() / rn.abs().max()]
+    q2, s2, _ = _stacked_fp8(torch.randn(1, N, K // 2, generator=g), quant)
+    w2 = dequantize_blocks(q2[0], s2[0], block, torch.float32)
+    got = silu_mul_linear_triton(x, q2[0], cfg, fp8=WeightScale(s2[0], block))
+    want = fl.silu_mul_linear_ref(x, w2)
+    errs.append((got - want).abs().max() / want.abs().max())
+    return dict(err=max(e.item() for e in errs), tol=1e-5, scale=1.0)
+
+
 MOE_CASES = [("moe_gemv_block16x24", 1, QuantConfig("fp8", "block", (16, 24)), torch.float32, False),
              ("moe_grouped_block16x24", 7, QuantConfig("fp8", "block", (16, 24)), torch.float32, False),
              ("moe_grouped_block128_bf16", 5, QuantConfig("fp8", "block", (128, 128)), torch.bfloat16, False),
@@ -112,6 +144,12 @@ def test_interpreted_w8a16_matches_reference(interpreted, name):
     assert r["err"] <= r["tol"], r
 
 
+@pytest.mark.parametrize("name", [c[0] for c in SKINNY_CASES])
+def test_interpreted_fp8_skinny_matches_dequantized_reference(interpreted, name):
+    r = interpreted[name]
+    assert r["err"] <= r["tol"], r
+
+
 @pytest.mark.parametrize("name", [c[0] for c in MOE_CASES])
 def test_interpreted_fp8_moe_matches_dequantized_reference(interpreted, name):
     r = interpreted[name]
@@ -129,6 +167,21 @@ def test_gpu_w8a16_matches_reference_in_bf16(m):
     x = torch.randn(m, 768, device="cuda", dtype=torch.bfloat16)
     ref = torch.nn.functional.linear(x.float(), dequantize_blocks(q, s, [128, 128], torch.float32))
     assert (w8a16_linear(x, q, s, [128, 128]).float() - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("M", [1, 8, 16])
+@pytest.mark.parametrize("N,K", [(5120, 2048), (2048, 4096)])
+def test_gpu_fp8_skinny_linear_matches_dequantized_in_bf16(M, N, K):
+    """The 30B's qkv and o_proj at block 128 through the op (the skinny FP8 path on CUDA)."""
+    import compiled.linear.library  # noqa: F401
+    q, s, block = _stacked_fp8(torch.randn(1, N, K) / K ** 0.5, QuantConfig("fp8", "block", (128, 128)))
+    q, s = q[0].cuda(), s[0].cuda()
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    want = x.float() @ dequantize_blocks(q, s, block, torch.float32).T
+    got = torch.ops.compiled.linear(x, q, weight_scale=s, weight_block=block).float()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
 
 
 @pytest.mark.gpu
@@ -155,4 +208,5 @@ if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
     os.environ.setdefault("COMPILED_LINEAR_BACKEND", "auto")
     results = {name: kernel_case(M, N, K, quant) for name, M, N, K, quant in CASES}
     results.update({name: moe_case(T, quant, dtype, lora) for name, T, quant, dtype, lora in MOE_CASES})
+    results.update({name: skinny_case(M, config, quant) for name, M, config, quant in SKINNY_CASES})
     print(json.dumps(results))
