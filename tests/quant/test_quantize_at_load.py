@@ -58,8 +58,8 @@ def test_roofline_counts_fp8_bytes(tmp_path):
 
 
 def test_demo_moe_quantized_at_load_keeps_its_greedy_tokens(one_intra_op_thread):
-    """FP8's rounding on the trained demo model: its greedy outputs survive (measured: 192 of 192
-    tokens over 8 prompts; the largest prompt-logprob difference over the vocabulary 0.74)."""
+    """FP8's rounding on the trained demo model: its greedy outputs survive (the measure of the
+    rounding, `bench/fp8_quality.py`, is in bench/RESULTS.md)."""
     from compiled.demo import MOE_MODEL
     prompts = ["count 95:", "copy Bird wax:", "COPY jam:", "count 31:"]
     sampling = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
