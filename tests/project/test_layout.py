@@ -169,9 +169,14 @@ def test_no_words_about_the_making_of_the_project():
     assert not hits, "\n".join(hits[:40]) + f"\n({len(hits)} in all)"
 
 
+# RESULTS.md holds the current figures and one line per tuning decision: past this many lines it
+# has become a diary (condense it, drop what the code no longer does).
+RESULTS_MAX_LINES = 450
+
+
 def test_results_are_current_and_short():
     lines = (ROOT / "bench" / "RESULTS.md").read_text().splitlines()
-    assert len(lines) < 400, f"bench/RESULTS.md has {len(lines)} lines"
+    assert len(lines) < RESULTS_MAX_LINES, f"bench/RESULTS.md has {len(lines)} lines"
 
 
 def _is_triton_kernel(fn: ast.FunctionDef) -> bool:
