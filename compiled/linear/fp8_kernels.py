@@ -5,8 +5,8 @@ dequantizes its weight tile in registers (`triton_utils.scaled_tile`: a scale pe
 gathered per element, so partial edge blocks, per-channel (1, K) and per-tensor (N, K) blocks
 take the same path) and multiplies in the activations' dtype with fp32 accumulation. The torch
 reference is the op's dequantize-then-F.linear (`quant/dequant.py`). A few rows take the skinny
-GEMM's FP8 path instead (`skinny_kernels`); this kernel serves more rows where the linear backend
-is forced to 'triton', until it is measured against dequantize + cuBLAS on the GPU."""
+GEMM's FP8 path instead (`skinny_kernels`); this kernel serves decode batches above them, up to
+W8A16_MAX_M rows (`library.py` routes the calls)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import triton.language as tl
 from compiled.quant.dequant import resolve_block
 from compiled.triton_utils import scaled_tile
 
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
+BLOCK_N, BLOCK_K = 64, 64
+MAX_BLOCK_M = 64   # up to 64 rows one row tile: the weight is read once
 
 
 @triton.jit
@@ -51,7 +52,8 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
     x = x if x.stride(1) == 1 else x.contiguous()
     weight, scale = weight.contiguous(), scale.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(M, BLOCK_M))
+    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(M)))
+    grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(M, block_m))
     _w8a16_kernel[grid](x, weight, scale, y, M, N, K, x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
-                        bo, bi, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IEEE=x.dtype == torch.float32)
+                        bo, bi, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, IEEE=x.dtype == torch.float32)
     return y

@@ -55,7 +55,7 @@ def add_rms_norm_linear(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch
         from compiled.linear.skinny_kernels import add_rms_norm_linear_triton
         y, h, normed = add_rms_norm_linear_triton(x, delta, norm_weight, eps, weight, keep_normed)
     else:
-        h, normed = _add_rms_norm(x, delta, norm_weight, eps)
+        h, normed = add_rms_norm(x, delta, norm_weight, eps)
         y = F.linear(normed, weight)
     return y, h, normed if keep_normed else x.new_empty(0)
 
@@ -66,7 +66,10 @@ def own_launch(*tensors: torch.Tensor) -> bool:
     return BACKEND.name != "torch" and all(t.is_cuda and t.stride(-1) == 1 for t in tensors)
 
 
-def _add_rms_norm(x, delta, norm_weight, eps):
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h = x + delta, RMSNorm(h) * norm_weight): the prologue alone, as its own launch where
+    `own_launch` says so."""
     if own_launch(x, delta):
         from compiled.linear.prologue_kernels import add_rms_norm_triton
         return add_rms_norm_triton(x, delta, norm_weight, eps)

@@ -22,9 +22,9 @@ norm's launch adds that linear's LoRA deltas (`lora_linear.linear_lora_add_rms_n
 while the op's outputs, (y, h, normed), stay the family's.
 `weight_scale` (and `delta_weight_scale`) make the weight FP8: float8_e4m3fn times a scale per
 `weight_block` [rows, cols] block (`quant/dequant.py`; a scale per channel is the block [1, K]).
-Where the skinny kernel serves the op (a few rows; `ops.use_kernel`), it reads the FP8 bytes and
-scales each tile in registers; elsewhere, and with LoRA, the op computes with the dequantized
-weight, the torch reference (the forced 'triton' backend: the W8A16 kernel of `fp8_kernels.py`).
+On CUDA the skinny GEMM (a few rows; `ops.use_kernel`) and, up to W8A16_MAX_M rows, the W8A16
+kernel of `fp8_kernels.py` read the FP8 bytes and scale each tile in registers; elsewhere (prefill,
+the CPU) and with LoRA the op computes with the dequantized weight, the torch reference.
 
 Each op dispatches to the bodies it ran as separate ops: without operands `ops.dispatch` or
 `fused`'s, with LoRA `lora_linear`'s, so the kernels and the rounding are the ones they were."""
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from compiled.linear import fused, lora_linear, ops
+from compiled.linear import W8A16_MAX_M, fused, lora_linear, ops
 from compiled.linear.lora_linear import lora_operands
 from compiled.quant.dequant import check_scale, scaled_weight
 
@@ -54,28 +54,37 @@ def linear(x: Tensor, weight: Tensor, lora_a: Tensor | None = None, lora_b: Tens
 
 
 def _plain_linear(x: Tensor, weight: Tensor, scale: Tensor | None, block: list[int] | None, name: str) -> Tensor:
-    """x @ weight.T without LoRA, FP8 where a kernel reads the FP8 bytes (the skinny GEMM; the
-    W8A16 kernel under the forced 'triton' backend), else with the weight dequantized."""
-    fp8 = _skinny_fp8(x, weight, scale, block, "compiled::linear", name)
-    if fp8 is not None:
-        from compiled.linear.skinny_kernels import skinny_linear_triton
+    """x @ weight.T without LoRA: an FP8 weight where a kernel reads its bytes (`_fp8_kernel`),
+    else with the weight dequantized."""
+    kernel = _fp8_kernel(x, weight, scale, block, "compiled::linear", name)
+    if kernel is not None:
         ops.check_shapes(x, _fake_weight("compiled::linear", name, weight, scale, block, x.dtype))
-        return skinny_linear_triton(x, weight, fp8=fp8)
-    if scale is not None and x.dim() == 2 and ops.BACKEND.name == "triton":
-        check_scale("compiled::linear", name, weight, scale, block)
-        from compiled.linear.fp8_kernels import w8a16_linear
-        return w8a16_linear(x, weight, scale, block)
+        return _fp8_linear(kernel, x, weight, scale, block)
     return ops.dispatch(x, scaled_weight("compiled::linear", name, weight, scale, block, x.dtype))
 
 
-def _skinny_fp8(x: Tensor, weight: Tensor, scale: Tensor | None, block: list[int] | None, op: str, name: str):
-    """The FP8 weight's `WeightScale` where the skinny kernel serves x @ weight.T (`ops.use_kernel`),
-    else None: no scale, or the caller computes with the dequantized weight."""
-    if scale is None or x.dim() != 2 or not ops.use_kernel(x, weight, fp8=True):
+def _fp8_kernel(x: Tensor, weight: Tensor, scale: Tensor | None, block: list[int] | None, op: str,
+                name: str) -> str | None:
+    """The kernel that reads this FP8 weight's bytes for x @ weight.T: 'skinny' (a few rows,
+    `ops.use_kernel`), 'w8a16' (up to W8A16_MAX_M rows on CUDA, any under the forced 'triton'
+    backend), or None: no scale, or the dequantized weight (the reference, prefill's cuBLAS)."""
+    if scale is None or x.dim() != 2:
         return None
-    from compiled.linear.skinny_kernels import WeightScale
     check_scale(op, name, weight, scale, block)
-    return WeightScale(scale, block)
+    if ops.use_kernel(x, weight, fp8=True):
+        return "skinny"
+    if ops.BACKEND.name == "triton" or (ops.BACKEND.name == "auto" and x.is_cuda and x.dtype in ops.KERNEL_DTYPES
+                                        and x.shape[0] <= W8A16_MAX_M):
+        return "w8a16"
+    return None
+
+
+def _fp8_linear(kernel: str, x: Tensor, weight: Tensor, scale: Tensor, block: list[int]) -> Tensor:
+    if kernel == "skinny":
+        from compiled.linear.skinny_kernels import WeightScale, skinny_linear_triton
+        return skinny_linear_triton(x, weight, fp8=WeightScale(scale, block))
+    from compiled.linear.fp8_kernels import w8a16_linear
+    return w8a16_linear(x, weight, scale, block)
 
 
 @linear.register_fake
@@ -114,13 +123,11 @@ def add_rms_norm_linear(x: Tensor, delta: Tensor, norm_weight: Tensor, eps: floa
     elif delta_weight is not None:
         delta_weight = scaled_weight(op, "delta_weight_scale", delta_weight, delta_weight_scale, delta_block, x.dtype)
     block = _block(weight_scale, weight_block)
-    fp8 = _skinny_fp8(x, weight, weight_scale, block, op, "weight_scale") if lora is None and delta_weight is None \
-        and delta.stride(-1) == 1 else None
-    if fp8 is not None:
-        from compiled.linear.skinny_kernels import add_rms_norm_linear_triton
+    kernel = _fp8_kernel(x, weight, weight_scale, block, op, "weight_scale") if lora is None \
+        and delta_weight is None else None
+    if kernel is not None:
         fused.check_norm(x, delta, norm_weight, _fake_weight(op, "weight_scale", weight, weight_scale, block, x.dtype))
-        y, h, normed = add_rms_norm_linear_triton(x, delta, norm_weight, eps, weight, keep_normed, fp8=fp8)
-        return y, h, normed if keep_normed else x.new_empty(0)
+        return _fp8_norm_linear(kernel, x, delta, norm_weight, eps, weight, keep_normed, weight_scale, block)
     weight = scaled_weight(op, "weight_scale", weight, weight_scale, block, x.dtype)
     if delta_weight is not None:
         if lora is None:
@@ -130,6 +137,20 @@ def add_rms_norm_linear(x: Tensor, delta: Tensor, norm_weight: Tensor, eps: floa
     if lora is None:
         return fused.add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed)
     return lora_linear.add_rms_norm_linear_lora(x, delta, norm_weight, eps, weight, keep_normed, *lora)
+
+
+def _fp8_norm_linear(kernel: str, x: Tensor, delta: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+                     keep_normed: bool, scale: Tensor, block: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+    """add_rms_norm_linear over an FP8 weight: the skinny GEMM with the norm as its prologue, or
+    the norm's own launch, then the FP8 linear."""
+    if kernel == "skinny" and delta.stride(-1) == 1:
+        from compiled.linear.skinny_kernels import WeightScale, add_rms_norm_linear_triton
+        y, h, normed = add_rms_norm_linear_triton(x, delta, norm_weight, eps, weight, keep_normed,
+                                                  fp8=WeightScale(scale, block))
+    else:
+        h, normed = fused.add_rms_norm(x, delta, norm_weight, eps)
+        y = _fp8_linear(kernel, normed, weight, scale, block)
+    return y, h, normed if keep_normed else x.new_empty(0)
 
 
 def _norm_operands(lora_a, lora_b, lora_scale, lora_slot, lora_slices, delta_weight, delta_lora_a, delta_lora_b,
@@ -177,11 +198,13 @@ def silu_mul_linear(gate_up: Tensor, weight: Tensor, lora_a: Tensor | None = Non
     op = "compiled::silu_mul_linear"
     lora = lora_operands(op, lora_a, lora_b, lora_scale, lora_slot, lora_slices)
     inner = gate_up[:, :weight.shape[1]] if gate_up.dim() == 2 else gate_up
-    fp8 = _skinny_fp8(inner, weight, weight_scale, weight_block, op, "weight_scale") if lora is None else None
-    if fp8 is not None:
-        from compiled.linear.skinny_kernels import silu_mul_linear_triton
+    kernel = _fp8_kernel(inner, weight, weight_scale, weight_block, op, "weight_scale") if lora is None else None
+    if kernel is not None:
         fused.check_silu(gate_up, _fake_weight(op, "weight_scale", weight, weight_scale, weight_block, gate_up.dtype))
-        return silu_mul_linear_triton(gate_up, weight, fp8=fp8)
+        if kernel == "skinny":
+            from compiled.linear.skinny_kernels import WeightScale, silu_mul_linear_triton
+            return silu_mul_linear_triton(gate_up, weight, fp8=WeightScale(weight_scale, weight_block))
+        return _fp8_linear(kernel, fused.silu_and_mul(gate_up), weight, weight_scale, weight_block)
     weight = scaled_weight(op, "weight_scale", weight, weight_scale, weight_block, gate_up.dtype)
     if lora is None:
         return fused.silu_mul_linear(gate_up, weight)

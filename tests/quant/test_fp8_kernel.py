@@ -34,6 +34,17 @@ def kernel_case(M: int, N: int, K: int, quant: QuantConfig) -> dict:
     err = (w8a16_linear(x, q, s, block) - ref).abs().max().item()
     lin.set_backend("triton")   # the op's dispatch to the kernel
     err = max(err, (torch.ops.compiled.linear(x, q, weight_scale=s, weight_block=block) - ref).abs().max().item())
+    if M > 16:   # the fused ops past the skinny GEMM's rows: their prologue's launch, then this kernel
+        from compiled.linear import fused as fl
+        delta, nw = torch.randn(M, K, generator=g), torch.rand(K, generator=g) + 0.5
+        w = dequantize_blocks(q, s, block, torch.float32)
+        y, h, _ = torch.ops.compiled.add_rms_norm_linear(x, delta, nw, 1e-6, q, False, weight_scale=s,
+                                                          weight_block=block)
+        ry, rh, _ = fl.add_rms_norm_linear_ref(x, delta, nw, 1e-6, w)
+        gate_up = torch.randn(M, 2 * K, generator=g)
+        got = torch.ops.compiled.silu_mul_linear(gate_up, q, weight_scale=s, weight_block=block)
+        err = max(err, (y - ry).abs().max().item(), (h - rh).abs().max().item(),
+                  (got - fl.silu_mul_linear_ref(gate_up, w)).abs().max().item())
     return dict(err=err, tol=1e-4)
 
 
