@@ -26,16 +26,18 @@ On CUDA the skinny GEMM (a few rows; `ops.use_kernel`) and, up to W8A16_MAX_M ro
 kernel of `fp8_kernels.py` read the FP8 bytes and scale each tile in registers; elsewhere (prefill,
 the CPU) and with LoRA the op computes with the dequantized weight, the torch reference.
 
-Each op dispatches to the bodies it ran as separate ops: without operands `ops.dispatch` or
-`fused`'s, with LoRA `lora_linear`'s, so the kernels and the rounding are the ones they were."""
+Each op dispatches to the bodies it ran as separate ops: without LoRA `fp8.py`'s (`ops.dispatch`
+or `fused`'s for a weight in the activations' dtype), with LoRA `lora_linear`'s, so the kernels
+and the rounding are the ones they were; an FP8 weight travels with its `WeightScale`."""
 
 from __future__ import annotations
 
 import torch
 
-from compiled.linear import W8A16_MAX_M, fused, lora_linear, ops
+from compiled.linear import fp8 as fp8_linear
+from compiled.linear import fused, lora_linear, ops
 from compiled.linear.lora_linear import lora_operands
-from compiled.quant.dequant import check_scale, scaled_weight
+from compiled.quant.dequant import WeightScale, check_scale
 
 Tensor = torch.Tensor
 
@@ -47,44 +49,21 @@ def linear(x: Tensor, weight: Tensor, lora_a: Tensor | None = None, lora_b: Tens
            weight_block: list[int] | None = None) -> Tensor:
     """x `[..., K]`, weight `[N, K]` -> `[..., N]`; with LoRA (x `[T, K]`) plus each row's delta."""
     lora = lora_operands("compiled::linear", lora_a, lora_b, lora_scale, lora_slot, lora_slices)
+    fp8 = _fp8("compiled::linear", "weight_scale", weight, weight_scale, weight_block)
     if lora is None:
-        return _plain_linear(x, weight, weight_scale, weight_block, "weight_scale")
-    weight = scaled_weight("compiled::linear", "weight_scale", weight, weight_scale, weight_block, x.dtype)
-    return lora_linear.linear_lora(x, weight, *lora)
+        return fp8_linear.linear(x, weight, fp8)
+    return lora_linear.linear_lora(x, weight, *lora, fp8=fp8)
 
 
-def _plain_linear(x: Tensor, weight: Tensor, scale: Tensor | None, block: list[int] | None, name: str) -> Tensor:
-    """x @ weight.T without LoRA: an FP8 weight where a kernel reads its bytes (`_fp8_kernel`),
-    else with the weight dequantized."""
-    kernel = _fp8_kernel(x, weight, scale, block, "compiled::linear", name)
-    if kernel is not None:
-        ops.check_shapes(x, _fake_weight("compiled::linear", name, weight, scale, block, x.dtype))
-        return _fp8_linear(kernel, x, weight, scale, block)
-    return ops.dispatch(x, scaled_weight("compiled::linear", name, weight, scale, block, x.dtype))
-
-
-def _fp8_kernel(x: Tensor, weight: Tensor, scale: Tensor | None, block: list[int] | None, op: str,
-                name: str) -> str | None:
-    """The kernel that reads this FP8 weight's bytes for x @ weight.T: 'skinny' (a few rows,
-    `ops.use_kernel`), 'w8a16' (up to W8A16_MAX_M rows on CUDA, any under the forced 'triton'
-    backend), or None: no scale, or the dequantized weight (the reference, prefill's cuBLAS)."""
-    if scale is None or x.dim() != 2:
+def _fp8(op: str, name: str, weight: Tensor | None, scale: Tensor | None, block: list[int] | None
+         ) -> WeightScale | None:
+    """The weight's checked `WeightScale` when it is FP8 (a scale operand given), else None."""
+    if scale is None:
+        if block is not None:
+            raise ValueError(f"{op}: weight_block without {name}")
         return None
     check_scale(op, name, weight, scale, block)
-    if ops.use_kernel(x, weight, fp8=True):
-        return "skinny"
-    if ops.BACKEND.name == "triton" or (ops.BACKEND.name == "auto" and x.is_cuda and x.dtype in ops.KERNEL_DTYPES
-                                        and x.shape[0] <= W8A16_MAX_M):
-        return "w8a16"
-    return None
-
-
-def _fp8_linear(kernel: str, x: Tensor, weight: Tensor, scale: Tensor, block: list[int]) -> Tensor:
-    if kernel == "skinny":
-        from compiled.linear.skinny_kernels import WeightScale, skinny_linear_triton
-        return skinny_linear_triton(x, weight, fp8=WeightScale(scale, block))
-    from compiled.linear.fp8_kernels import w8a16_linear
-    return w8a16_linear(x, weight, scale, block)
+    return WeightScale(scale, block)
 
 
 @linear.register_fake
@@ -116,41 +95,18 @@ def add_rms_norm_linear(x: Tensor, delta: Tensor, norm_weight: Tensor, eps: floa
         raise ValueError(f"{op}: delta_weight_scale without delta_weight")
     lora, delta_lora = _norm_operands(lora_a, lora_b, lora_scale, lora_slot, lora_slices, delta_weight,
                                       delta_lora_a, delta_lora_b, delta_lora_scale)
-    delta_block = _block(delta_weight_scale, weight_block)
-    if delta_weight is not None and delta_lora is None:   # the delta linear without LoRA: FP8 where it can
-        delta = _plain_linear(delta, delta_weight, delta_weight_scale, delta_block, "delta_weight_scale")
-        delta_weight = None
-    elif delta_weight is not None:
-        delta_weight = scaled_weight(op, "delta_weight_scale", delta_weight, delta_weight_scale, delta_block, x.dtype)
-    block = _block(weight_scale, weight_block)
-    kernel = _fp8_kernel(x, weight, weight_scale, block, op, "weight_scale") if lora is None \
-        and delta_weight is None else None
-    if kernel is not None:
-        fused.check_norm(x, delta, norm_weight, _fake_weight(op, "weight_scale", weight, weight_scale, block, x.dtype))
-        return _fp8_norm_linear(kernel, x, delta, norm_weight, eps, weight, keep_normed, weight_scale, block)
-    weight = scaled_weight(op, "weight_scale", weight, weight_scale, block, x.dtype)
+    fp8 = _fp8(op, "weight_scale", weight, weight_scale, _block(weight_scale, weight_block))
     if delta_weight is not None:
-        if lora is None:
+        delta_fp8 = _fp8(op, "delta_weight_scale", delta_weight, delta_weight_scale,
+                         _block(delta_weight_scale, weight_block))
+        if lora is None and delta_lora is not None:
             return lora_linear.linear_lora_add_rms_norm_linear(x, delta, delta_weight, *delta_lora[:4], norm_weight,
-                                                               eps, weight, keep_normed)
-        delta = lora_linear.linear_lora(delta, delta_weight, *delta_lora)
+                                                               eps, weight, keep_normed, delta_fp8, fp8)
+        delta = fp8_linear.linear(delta, delta_weight, delta_fp8) if delta_lora is None else \
+            lora_linear.linear_lora(delta, delta_weight, *delta_lora, fp8=delta_fp8)
     if lora is None:
-        return fused.add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed)
-    return lora_linear.add_rms_norm_linear_lora(x, delta, norm_weight, eps, weight, keep_normed, *lora)
-
-
-def _fp8_norm_linear(kernel: str, x: Tensor, delta: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
-                     keep_normed: bool, scale: Tensor, block: list[int]) -> tuple[Tensor, Tensor, Tensor]:
-    """add_rms_norm_linear over an FP8 weight: the skinny GEMM with the norm as its prologue, or
-    the norm's own launch, then the FP8 linear."""
-    if kernel == "skinny" and delta.stride(-1) == 1:
-        from compiled.linear.skinny_kernels import WeightScale, add_rms_norm_linear_triton
-        y, h, normed = add_rms_norm_linear_triton(x, delta, norm_weight, eps, weight, keep_normed,
-                                                  fp8=WeightScale(scale, block))
-    else:
-        h, normed = fused.add_rms_norm(x, delta, norm_weight, eps)
-        y = _fp8_linear(kernel, normed, weight, scale, block)
-    return y, h, normed if keep_normed else x.new_empty(0)
+        return fp8_linear.add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed, fp8)
+    return lora_linear.add_rms_norm_linear_lora(x, delta, norm_weight, eps, weight, keep_normed, *lora, fp8=fp8)
 
 
 def _norm_operands(lora_a, lora_b, lora_scale, lora_slot, lora_slices, delta_weight, delta_lora_a, delta_lora_b,
@@ -197,18 +153,10 @@ def silu_mul_linear(gate_up: Tensor, weight: Tensor, lora_a: Tensor | None = Non
     """(silu(gate) * up) @ weight.T for gate_up `[T, 2K]` = [gate | up], with LoRA its deltas."""
     op = "compiled::silu_mul_linear"
     lora = lora_operands(op, lora_a, lora_b, lora_scale, lora_slot, lora_slices)
-    inner = gate_up[:, :weight.shape[1]] if gate_up.dim() == 2 else gate_up
-    kernel = _fp8_kernel(inner, weight, weight_scale, weight_block, op, "weight_scale") if lora is None else None
-    if kernel is not None:
-        fused.check_silu(gate_up, _fake_weight(op, "weight_scale", weight, weight_scale, weight_block, gate_up.dtype))
-        if kernel == "skinny":
-            from compiled.linear.skinny_kernels import WeightScale, silu_mul_linear_triton
-            return silu_mul_linear_triton(gate_up, weight, fp8=WeightScale(weight_scale, weight_block))
-        return _fp8_linear(kernel, fused.silu_and_mul(gate_up), weight, weight_scale, weight_block)
-    weight = scaled_weight(op, "weight_scale", weight, weight_scale, weight_block, gate_up.dtype)
+    fp8 = _fp8(op, "weight_scale", weight, weight_scale, weight_block)
     if lora is None:
-        return fused.silu_mul_linear(gate_up, weight)
-    return lora_linear.silu_mul_linear_lora(gate_up, weight, *lora)
+        return fp8_linear.silu_mul_linear(gate_up, weight, fp8)
+    return lora_linear.silu_mul_linear_lora(gate_up, weight, *lora, fp8=fp8)
 
 
 @silu_mul_linear.register_fake

@@ -30,19 +30,23 @@ from __future__ import annotations
 import torch
 
 from compiled.linear import LORA_MAX_SLICES, NORM_LORA_MAX_T, fused, lora, ops
+from compiled.linear import fp8 as fp8_linear
+from compiled.linear.fp8 import stand_in
 from compiled.linear.lora import check_expand, check_shrink, expand, shrink
+from compiled.quant.dequant import WeightScale
 from compiled.side_stream import Fork
 
 
-def _in_kernel(x: torch.Tensor, weight: torch.Tensor, slices: list[int]) -> bool:
+def _in_kernel(x: torch.Tensor, weight: torch.Tensor, slices: list[int], fp8: WeightScale | None = None) -> bool:
     """Whether the skinny GEMM adds the deltas (both backends allow kernels, it serves the linear)."""
-    return lora.use_kernel(x) and len(slices) <= LORA_MAX_SLICES and ops.use_kernel(x, weight)
+    return lora.use_kernel(x) and len(slices) <= LORA_MAX_SLICES and ops.use_kernel(x, weight, fp8 is not None)
 
 
-def _prologue_in_shrink(x: torch.Tensor, weight: torch.Tensor, slices: list[int]) -> bool:
+def _prologue_in_shrink(x: torch.Tensor, weight: torch.Tensor, slices: list[int],
+                        fp8: WeightScale | None = None) -> bool:
     """Whether the shrink does the linear's prologue itself (its GEMV mode's rows)."""
     from compiled.linear.lora_kernels import GEMV_MAX_T
-    return x.shape[0] <= GEMV_MAX_T and _in_kernel(x, weight, slices)
+    return x.shape[0] <= GEMV_MAX_T and _in_kernel(x, weight, slices, fp8)
 
 
 def _args(s: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, slot: torch.Tensor, slices: list[int]):
@@ -83,14 +87,14 @@ def check_lora(op: str, x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, 
 
 
 def linear_lora(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
-                slot: torch.Tensor, slices: list[int]) -> torch.Tensor:
+                slot: torch.Tensor, slices: list[int], fp8: WeightScale | None = None) -> torch.Tensor:
     """`x @ weight.T` plus each row's LoRA delta (`lora_shrink` by a, `lora_expand` by b), rounded
-    as the two ops round."""
-    check_lora("compiled::linear", x, weight, a, b, scale, slot, slices)
-    if _in_kernel(x, weight, slices):
+    as the two ops round. `fp8`: the weight is FP8 with this scale (`fp8.py`)."""
+    check_lora("compiled::linear", x, stand_in(weight, fp8, x.dtype), a, b, scale, slot, slices)
+    if _in_kernel(x, weight, slices, fp8):
         from compiled.linear.skinny_kernels import skinny_linear_lora_triton
-        return skinny_linear_lora_triton(x, weight, _args(shrink(x, a, slot), b, scale, slot, slices))
-    y, s = _linear_beside_shrink(x, weight, a, slot)
+        return skinny_linear_lora_triton(x, weight, _args(shrink(x, a, slot), b, scale, slot, slices), fp8=fp8)
+    y, s = _linear_beside_shrink(x, weight, a, slot, fp8)
     return expand(y, s, b, scale, slot, slices)
 
 
@@ -104,31 +108,35 @@ def linear_then_expand(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, b
     return expand(ops.dispatch(x, weight), s, b, scale, slot, slices)
 
 
-def _linear_beside_shrink(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, slot: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+def _linear_beside_shrink(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, slot: torch.Tensor,
+                          fp8: WeightScale | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the base linear, the shrink): the shrink, a few SMs' work, on the side stream beside the GEMM."""
     fork = Fork(x.device)
     with fork.side():
         s = shrink(x, a, slot)
-    y = ops.dispatch(x, weight)
+    y = fp8_linear.linear(x, weight, fp8)
     fork.join()
     return y, s
 
 
 def add_rms_norm_linear_lora(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                              weight: torch.Tensor, keep_normed: bool, a: torch.Tensor, b: torch.Tensor,
-                             scale: torch.Tensor, slot: torch.Tensor, slices: list[int]
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`add_rms_norm_linear` whose y has the LoRA deltas of its input, normed."""
-    check_norm_lora(x, delta, norm_weight, weight, a, b, scale, slot, slices)
-    if delta.stride(-1) == 1 and _prologue_in_shrink(x, weight, slices):
+                             scale: torch.Tensor, slot: torch.Tensor, slices: list[int],
+                             fp8: WeightScale | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`add_rms_norm_linear` whose y has the LoRA deltas of its input, normed; `fp8` as `linear_lora`'s."""
+    check_norm_lora(x, delta, norm_weight, stand_in(weight, fp8, x.dtype), a, b, scale, slot, slices)
+    if delta.stride(-1) == 1 and _prologue_in_shrink(x, weight, slices, fp8):
         from compiled.linear.lora_kernels import shrink_after_norm_triton
         from compiled.linear.skinny_kernels import add_rms_norm_linear_triton
         s = shrink_after_norm_triton(x, delta, norm_weight, eps, a, slot)
         y, h, normed = add_rms_norm_linear_triton(x, delta, norm_weight, eps, weight, keep_normed,
-                                                  lora=_args(s, b, scale, slot, slices))
+                                                  lora=_args(s, b, scale, slot, slices), fp8=fp8)
     else:
-        y, h, normed = fused.add_rms_norm_linear(x, delta, norm_weight, eps, weight, True)
+        if fp8 is None:
+            y, h, normed = fused.add_rms_norm_linear(x, delta, norm_weight, eps, weight, True)
+        else:
+            h, normed = fused.add_rms_norm(x, delta, norm_weight, eps)
+            y = fp8_linear.linear(normed, weight, fp8)
         y = expand(y, shrink(normed, a, slot), b, scale, slot, slices)
     return y, h, normed if keep_normed else x.new_empty(0)
 
@@ -140,15 +148,16 @@ def check_norm_lora(x, delta, norm_weight, weight, a, b, scale, slot, slices) ->
 
 
 def silu_mul_linear_lora(gate_up: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                         scale: torch.Tensor, slot: torch.Tensor, slices: list[int]) -> torch.Tensor:
-    """`silu_mul_linear` plus the LoRA deltas of its input, silu(gate) * up."""
-    check_silu_lora(gate_up, weight, a, b, scale, slot, slices)
-    if _prologue_in_shrink(gate_up[:, :weight.shape[1]], weight, slices):
+                         scale: torch.Tensor, slot: torch.Tensor, slices: list[int],
+                         fp8: WeightScale | None = None) -> torch.Tensor:
+    """`silu_mul_linear` plus the LoRA deltas of its input, silu(gate) * up; `fp8` as `linear_lora`'s."""
+    check_silu_lora(gate_up, stand_in(weight, fp8, gate_up.dtype), a, b, scale, slot, slices)
+    if _prologue_in_shrink(gate_up[:, :weight.shape[1]], weight, slices, fp8):
         from compiled.linear.lora_kernels import shrink_after_silu_triton
         from compiled.linear.skinny_kernels import silu_mul_linear_triton
         s = shrink_after_silu_triton(gate_up, a, slot)
-        return silu_mul_linear_triton(gate_up, weight, lora=_args(s, b, scale, slot, slices))
-    return linear_lora(fused.silu_and_mul(gate_up), weight, a, b, scale, slot, slices)
+        return silu_mul_linear_triton(gate_up, weight, lora=_args(s, b, scale, slot, slices), fp8=fp8)
+    return linear_lora(fused.silu_and_mul(gate_up), weight, a, b, scale, slot, slices, fp8)
 
 
 def check_silu_lora(gate_up, weight, a, b, scale, slot, slices) -> None:
@@ -158,30 +167,34 @@ def check_silu_lora(gate_up, weight, a, b, scale, slot, slices) -> None:
 
 def linear_lora_add_rms_norm_linear(x: torch.Tensor, inp: torch.Tensor, w_in: torch.Tensor, a: torch.Tensor,
                                     b: torch.Tensor, scale: torch.Tensor, slot: torch.Tensor,
-                                    norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, keep_normed: bool
+                                    norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, keep_normed: bool,
+                                    w_in_fp8: WeightScale | None = None, fp8: WeightScale | None = None
                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`add_rms_norm_linear(x, linear_lora(inp, w_in, a, b, scale, slot, [N]), norm_weight, eps,
     weight, keep_normed)`: a LoRA'd linear of one slice whose output is the residual add's delta
     (o_proj before the post-attention norm and the router). Where cuBLAS runs both linears and the
     norm is a launch of its own, that launch adds the deltas (`prologue_kernels`, LORA): the
-    expand's own launch goes. Elsewhere the two run in turn."""
-    check_delta_lora(x, inp, w_in, a, b, scale, slot, norm_weight, weight)
-    if _expand_in_norm(x, inp, w_in, weight):
+    expand's own launch goes. Elsewhere the two run in turn. `w_in_fp8`, `fp8`: either weight FP8
+    (`fp8.py`)."""
+    check_delta_lora(x, inp, stand_in(w_in, w_in_fp8, x.dtype), a, b, scale, slot, norm_weight,
+                     stand_in(weight, fp8, x.dtype))
+    if _expand_in_norm(x, inp, w_in, weight, w_in_fp8 is not None, fp8 is not None):
         from compiled.linear.prologue_kernels import add_rms_norm_triton
-        y_in, s = _linear_beside_shrink(inp, w_in, a, slot)
+        y_in, s = _linear_beside_shrink(inp, w_in, a, slot, w_in_fp8)
         h, normed = add_rms_norm_triton(x, y_in, norm_weight, eps, lora=_args(s, b, scale, slot, [w_in.shape[0]]))
-        y = ops.dispatch(normed, weight)
+        y = fp8_linear.linear(normed, weight, fp8)
     else:
-        delta = linear_lora(inp, w_in, a, b, scale, slot, [w_in.shape[0]])
-        y, h, normed = fused.add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed)
+        delta = linear_lora(inp, w_in, a, b, scale, slot, [w_in.shape[0]], w_in_fp8)
+        y, h, normed = fp8_linear.add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed, fp8)
     return y, h, normed if keep_normed else x.new_empty(0)
 
 
-def _expand_in_norm(x: torch.Tensor, inp: torch.Tensor, w_in: torch.Tensor, weight: torch.Tensor) -> bool:
+def _expand_in_norm(x: torch.Tensor, inp: torch.Tensor, w_in: torch.Tensor, weight: torch.Tensor,
+                    w_in_fp8: bool = False, fp8: bool = False) -> bool:
     """Whether the norm's launch adds the deltas: decode sizes, the LoRA and norm kernels allowed,
     neither linear the skinny GEMM's (it has the expand, or the norm, in its own launch)."""
     return (inp.shape[0] <= NORM_LORA_MAX_T and lora.use_kernel(inp) and fused.own_launch(x)
-            and not ops.use_kernel(inp, w_in) and not ops.use_kernel(x, weight))
+            and not ops.use_kernel(inp, w_in, w_in_fp8) and not ops.use_kernel(x, weight, fp8))
 
 
 def check_delta_lora(x, inp, w_in, a, b, scale, slot, norm_weight, weight) -> None:

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from compiled.linear import SKINNY_MAX_M, workspace
 from compiled.linear.lora_kernels import LoRAArgs, add_slice_deltas, fma_delta_apply, fma_delta_operands, token_slots
-from compiled.quant.dequant import resolve_block
+from compiled.quant.dequant import WeightScale, resolve_block
 from compiled.triton_utils import (DEFAULT_NUM_SMS, interpreter_upcast, launch_kwargs, num_sms, pdl_let_next_in,
                                    pdl_wait, pdl_wait_only, residual_add, rms_normed, scaled_tile, silu_mul,
                                    weight_tile, weighted_rows)
@@ -372,12 +372,6 @@ def _skinny_kernel(
             tl.atomic_xchg(Semaphores + pid_n, 0)
 
 
-class WeightScale(NamedTuple):
-    """An FP8 weight's block scale `[ceil(N/bo), ceil(K/bi)]` and its block [bo, bi] (0: the whole dim)."""
-    scale: torch.Tensor
-    block: list[int]
-
-
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None,
                          out: torch.Tensor | None = None, fp8: WeightScale | None = None) -> torch.Tensor:
     """x `[M, K]` (M <= SKINNY_MAX_M, last dim contiguous), weight `[N, K]` (last dim contiguous)
@@ -411,11 +405,11 @@ def _lora_args(y: torch.Tensor, lora: LoRAArgs | None) -> dict:
 
 
 def skinny_linear_lora_triton(x: torch.Tensor, weight: torch.Tensor, lora: LoRAArgs,
-                              config: SkinnyConfig | None = None) -> torch.Tensor:
+                              config: SkinnyConfig | None = None, fp8: WeightScale | None = None) -> torch.Tensor:
     """`lora_expand(x @ weight.T, ...)` in one launch: the LoRA deltas of `lora` (the expand's
-    arguments) added in the epilogue, rounded as the two ops round."""
+    arguments) added in the epilogue, rounded as the two ops round; `fp8` as `skinny_linear_triton`'s."""
     y = x.new_empty((x.shape[0], weight.shape[0]))
-    _launch(x, weight, y, config, {}, lora)
+    _launch(x, weight, y, config, {}, lora, fp8)
     return y
 
 

@@ -5,11 +5,20 @@ exact), then cast to the dtype asked for; the oracle and the CPU path share thes
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from compiled.quant.config import QuantConfig
 
 FP8 = torch.float8_e4m3fn
+
+
+class WeightScale(NamedTuple):
+    """An FP8 weight's block scale `[ceil(N/bo), ceil(K/bi)]` and its block [bo, bi] (0: the whole
+    dim), as the linear kernels take it beside the weight."""
+    scale: torch.Tensor
+    block: list[int]
 
 
 def expand_block_scale(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:

@@ -58,8 +58,9 @@ def skinny_case(M: int, config: tuple | None, quant: QuantConfig) -> dict:
     """The skinny GEMM reading FP8 tiles (plain, RMSNorm and SiLU prologues; GEMV and tensor-core
     tiles, split K) against the references over the dequantized weight."""
     from compiled.linear import fused as fl
-    from compiled.linear.skinny_kernels import (SkinnyConfig, WeightScale, add_rms_norm_linear_triton,
-                                                silu_mul_linear_triton, skinny_linear_triton)
+    from compiled.quant.dequant import WeightScale
+    from compiled.linear.skinny_kernels import (SkinnyConfig, add_rms_norm_linear_triton, silu_mul_linear_triton,
+                                                skinny_linear_triton)
     N, K = 52, 200
     g = torch.Generator().manual_seed(M * 7 + N)
     x, delta, nw = torch.randn(M, K, generator=g), torch.randn(M, K, generator=g), torch.rand(K, generator=g) + 0.5
@@ -78,6 +79,44 @@ def skinny_case(M: int, config: tuple | None, quant: QuantConfig) -> dict:
     want = fl.silu_mul_linear_ref(x, w2)
     errs.append((got - want).abs().max() / want.abs().max())
     return dict(err=max(e.item() for e in errs), tol=1e-5, scale=1.0)
+
+
+LORA_CASES = [("lora_gemv", 1), ("lora_skinny_tile", 5), ("lora_w8a16", 20)]
+
+
+def lora_case(M: int) -> dict:
+    """The linear family's LoRA bodies over an FP8 weight on the Triton path (the skinny GEMM with
+    the deltas in its epilogue, the shrink doing the prologue; the W8A16 kernel beside the shrink)
+    against the torch path over the dequantized weight."""
+    from compiled.linear import lora as lora_ops
+    from compiled.linear import ops as lin
+    quant = QuantConfig("fp8", "block", (16, 24))
+    N, K, S, R = 48, 64, 3, 8
+    g = torch.Generator().manual_seed(M)
+    x, delta, nw = torch.randn(M, K, generator=g), torch.randn(M, K, generator=g), torch.rand(K, generator=g) + 0.5
+    q, s, block = _stacked_fp8(torch.randn(1, N, K, generator=g) / K ** 0.5, quant)
+    q, s = q[0], s[0]
+    w = dequantize_blocks(q, s, block, torch.float32)
+    lora = dict(lora_a=torch.randn(S, 2 * R, K, generator=g) / 4, lora_b=torch.randn(S, N, R, generator=g) / 4,
+                lora_scale=torch.rand(S, 2, generator=g) + 0.5,
+                lora_slot=torch.tensor([i % (S + 1) - 1 for i in range(M)], dtype=torch.int32),
+                lora_slices=[N // 2, N // 2])
+    q2, s2, _ = _stacked_fp8(torch.randn(1, N, K // 2, generator=g) / K ** 0.5, quant)
+    w2 = dequantize_blocks(q2[0], s2[0], block, torch.float32)
+    lora2 = dict(lora, lora_a=torch.randn(S, 2 * R, K // 2, generator=g) / 4)
+    calls = [lambda wt, fp8: torch.ops.compiled.linear(x, wt, **lora, **fp8),
+             lambda wt, fp8: torch.ops.compiled.add_rms_norm_linear(x, delta, nw, 1e-6, wt, True, **lora, **fp8)[0],
+             lambda wt, fp8: torch.ops.compiled.silu_mul_linear(x, wt, **lora2, **fp8)]
+    errs = []
+    for call, (qw, sw, dw) in zip(calls, [(q, s, w), (q, s, w), (q2[0], s2[0], w2)]):
+        lin.set_backend("torch")
+        lora_ops.set_backend("torch")
+        want = call(dw, {})
+        lin.set_backend("triton")
+        lora_ops.set_backend("triton")
+        got = call(qw, dict(weight_scale=sw, weight_block=block))
+        errs.append(((got - want).abs().max() / want.abs().max()).item())
+    return dict(err=max(errs), tol=1e-5, scale=1.0)
 
 
 MOE_CASES = [("moe_gemv_block16x24", 1, QuantConfig("fp8", "block", (16, 24)), torch.float32, False),
@@ -161,6 +200,12 @@ def test_interpreted_fp8_skinny_matches_dequantized_reference(interpreted, name)
     assert r["err"] <= r["tol"], r
 
 
+@pytest.mark.parametrize("name", [c[0] for c in LORA_CASES])
+def test_interpreted_fp8_lora_linears_match_dequantized_reference(interpreted, name):
+    r = interpreted[name]
+    assert r["err"] <= r["tol"], r
+
+
 @pytest.mark.parametrize("name", [c[0] for c in MOE_CASES])
 def test_interpreted_fp8_moe_matches_dequantized_reference(interpreted, name):
     r = interpreted[name]
@@ -220,4 +265,5 @@ if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
     results = {name: kernel_case(M, N, K, quant) for name, M, N, K, quant in CASES}
     results.update({name: moe_case(T, quant, dtype, lora) for name, T, quant, dtype, lora in MOE_CASES})
     results.update({name: skinny_case(M, config, quant) for name, M, config, quant in SKINNY_CASES})
+    results.update({name: lora_case(M) for name, M in LORA_CASES})
     print(json.dumps(results))

@@ -1,0 +1,82 @@
+"""Where an FP8 linear runs: which kernel reads the float8_e4m3fn bytes for x @ W.T, or the
+dequantized weight where none does (prefill's cuBLAS GEMMs, the CPU: the torch reference).
+
+`WeightScale` carries an FP8 weight's block scale beside the weight through the linear bodies
+(plain, fused, LoRA); `linear`, `add_rms_norm_linear` and `silu_mul_linear` are the family's
+bodies without LoRA, for a weight in the activations' dtype or an FP8 one."""
+
+from __future__ import annotations
+
+import torch
+
+from compiled.linear import W8A16_MAX_M, fused, ops
+from compiled.quant.dequant import WeightScale, dequantize_blocks
+
+
+def kernel_for(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None) -> str | None:
+    """The kernel that reads the FP8 weight's bytes for x @ weight.T: 'skinny' (a few rows,
+    `ops.use_kernel`), 'w8a16' (up to W8A16_MAX_M rows on CUDA, any under the forced 'triton'
+    backend), or None: not FP8, or computed with the dequantized weight."""
+    if fp8 is None or x.dim() != 2:
+        return None
+    if ops.use_kernel(x, weight, fp8=True):
+        return "skinny"
+    backend = ops.BACKEND.name
+    if backend == "triton" or (backend == "auto" and x.is_cuda and x.dtype in ops.KERNEL_DTYPES
+                               and x.shape[0] <= W8A16_MAX_M):
+        return "w8a16"
+    return None
+
+
+def dequantized(weight: torch.Tensor, fp8: WeightScale | None, dtype: torch.dtype) -> torch.Tensor:
+    """The weight in `dtype` (itself when not FP8)."""
+    return weight if fp8 is None else dequantize_blocks(weight, fp8.scale, fp8.block, dtype)
+
+
+def stand_in(weight: torch.Tensor, fp8: WeightScale | None, dtype: torch.dtype) -> torch.Tensor:
+    """What the shape and dtype checks of the linear bodies see: the weight, or for an FP8 one a
+    view of its shape in `dtype` (no memory)."""
+    return weight if fp8 is None else torch.empty((), dtype=dtype, device=weight.device).expand(weight.shape)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None = None) -> torch.Tensor:
+    """x @ weight.T: `ops.dispatch`'s for a weight in x's dtype; an FP8 one (`fp8`) through the
+    kernel `kernel_for` names, else dequantized."""
+    if fp8 is not None:
+        ops.check_shapes(x, stand_in(weight, fp8, x.dtype))
+    kernel = kernel_for(x, weight, fp8)
+    if kernel == "skinny":
+        from compiled.linear.skinny_kernels import skinny_linear_triton
+        return skinny_linear_triton(x, weight, fp8=fp8)
+    if kernel == "w8a16":
+        from compiled.linear.fp8_kernels import w8a16_linear
+        return w8a16_linear(x, weight, fp8.scale, fp8.block)
+    return ops.dispatch(x, dequantized(weight, fp8, x.dtype))
+
+
+def add_rms_norm_linear(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, keep_normed: bool, fp8: WeightScale | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`fused.add_rms_norm_linear`, the weight FP8 where `fp8` is given: the skinny GEMM with the
+    norm as its prologue, or the norm's own launch and then `linear`."""
+    if fp8 is None:
+        return fused.add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed)
+    fused.check_norm(x, delta, norm_weight, stand_in(weight, fp8, x.dtype))
+    if kernel_for(x, weight, fp8) == "skinny" and delta.stride(-1) == 1:
+        from compiled.linear.skinny_kernels import add_rms_norm_linear_triton
+        y, h, normed = add_rms_norm_linear_triton(x, delta, norm_weight, eps, weight, keep_normed, fp8=fp8)
+    else:
+        h, normed = fused.add_rms_norm(x, delta, norm_weight, eps)
+        y = linear(normed, weight, fp8)
+    return y, h, normed if keep_normed else x.new_empty(0)
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None = None) -> torch.Tensor:
+    """`fused.silu_mul_linear`, the weight FP8 where `fp8` is given (as `add_rms_norm_linear`)."""
+    if fp8 is None:
+        return fused.silu_mul_linear(gate_up, weight)
+    fused.check_silu(gate_up, stand_in(weight, fp8, gate_up.dtype))
+    if kernel_for(gate_up[:, :weight.shape[1]], weight, fp8) == "skinny":
+        from compiled.linear.skinny_kernels import silu_mul_linear_triton
+        return silu_mul_linear_triton(gate_up, weight, fp8=fp8)
+    return linear(fused.silu_and_mul(gate_up), weight, fp8)
