@@ -136,7 +136,7 @@ def weight_tile(w_ptrs, mask_n, mask_k, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def scaled_tile(w, s_ptr, rows, cols, ok, stride_sn, BO, BI, dtype, FP8: tl.constexpr):
+def scaled_tile(w, s_ptr, rows, cols, ok, stride_sn, BO, BI, dtype: tl.constexpr, FP8: tl.constexpr):
     """A weight tile as the dot reads it: w itself, or with FP8 (w float8_e4m3fn) w times its
     block scale `s_ptr[rows // BO, cols // BI]` gathered per element (rows and cols broadcast to
     the tile's shape, `ok` its loadable elements), rounded to `dtype` as the dequantized weight
