@@ -100,6 +100,8 @@ def graph(
         fused = [t for t in pieces if len(pieces[t]) > 1 or any(p.narrow is not None for p in pieces[t])]
         layer0 = [t for t in fused if ".layers.0." in t] or fused[:3]
         layer0 += [t for t in ("model.embed_tokens.weight", "lm_head.weight") if tp > 1 and t in fused]
+        if tp > 1 and expert_parallel:   # rank 0's experts
+            layer0 += [t for t in fused if t.endswith(".mlp.w13")][:1]
         for target in layer0:
             console.print(f"  [dim]{result.weights.describe(target)}[/dim]", highlight=False)
         if dump is not None:
