@@ -32,7 +32,8 @@ def _prompts(vocab: int) -> list[list[int]]:
 def _run(model: str, world: int, expert_parallel: bool = False):
     llm = LLM(model, tensor_parallel_size=world, enable_expert_parallel=expert_parallel, **ENGINE)
     try:
-        prompts = _prompts(llm.model_config.vocab_size)
+        # a tokenizer may know fewer ids than the vocabulary has rows (the demo's)
+        prompts = _prompts(len(llm.tokenizer) if llm.tokenizer is not None else llm.model_config.vocab_size)
         first = llm.generate(prompts, PARAMS)
         vocab = llm.model_config.vocab_size   # every position's logprobs cover the whole vocabulary
         assert all(len(entry) == vocab for out in first for entry in out.prompt_logprobs[1:])
