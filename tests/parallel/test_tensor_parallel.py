@@ -19,7 +19,8 @@ from compiled import LLM, SamplingParams
 from compiled.errors import ConfigError
 from tests.conftest import assert_same_outputs, make_checkpoint
 
-ENGINE = dict(max_num_batched_tokens=64, kv_cache_tokens=2048, max_model_len=256, enable_prefix_caching=True)
+ENGINE = dict(max_num_batched_tokens=64, kv_cache_tokens=2048, max_model_len=256, enable_prefix_caching=True,
+              logits_chunk=40)   # a 64-token chunk's prompt logprobs in two pieces, joined by every rank
 LENGTHS = (37, 3, 50, 150)
 PARAMS = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=-1)
 
