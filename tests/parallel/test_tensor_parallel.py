@@ -77,7 +77,7 @@ def _config_only(folder, model: str, **changes) -> str:
     return str(folder)
 
 
-def test_tp_refuses_what_it_cannot_split(models, tmp_path):
+def test_tp_refuses_what_it_cannot_split(models, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="tensor_parallel_size=3 does not divide num_attention_heads=4"):
         LLM(models["dense"], tensor_parallel_size=3, **ENGINE)
     with pytest.raises(ConfigError, match="merge_lora=True: expected False with tensor_parallel_size > 1"):
@@ -93,6 +93,10 @@ def test_tp_refuses_what_it_cannot_split(models, tmp_path):
         LLM(narrow, tensor_parallel_size=4, **ENGINE)
     with pytest.raises(ConfigError, match="enable_expert_parallel='yes': expected True or False"):
         LLM(narrow, tensor_parallel_size=4, enable_expert_parallel="yes", **ENGINE)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # a host of two GPUs, for the check alone
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match="^tensor_parallel_size=4: only 2 GPU\\(s\\) are visible, one per process"):
+        LLM(models["dense"], device="cuda", tensor_parallel_size=4, **ENGINE)
 
 
 def _per_expert_adapter(folder, cfg, seed: int = 5) -> str:
