@@ -47,7 +47,7 @@ COMMON = [
                                           "max_num_batched_tokens", "max_mixed_step_tokens", "kv_cache_tokens",
                                           "mem_fraction", "enforce_eager", "compile", "artifact", "overlap_schedule",
                                           "context_parallel_size", "cp_min_tokens", "enable_prefix_caching",
-                                          "tensor_parallel_size")),
+                                          "tensor_parallel_size", "enable_expert_parallel")),
     _opt("seed", int, DEFAULTS.seed, "Seed for weights (dummy), prompts and arrival times."),
     _opt("num_loras", int, 0, "Random adapters in the model's real shapes (no files); 0: no LoRA."),
     _opt("lora_rank", int, 16, "Rank of the random adapters."),

@@ -39,6 +39,8 @@ ENGINE_OPTIONS: dict[str, tuple[object, str, tuple[str, ...]]] = {
                    "costs a copy of the dense weights).", ("--merge-lora/--no-merge-lora",)),
     "context_parallel_size": (int, "Processes (one GPU each) a long prefill is split over; 1: off.", ("--cp",)),
     "tensor_parallel_size": (int, "Processes (one GPU each) every layer is sharded over; 1: off.", ("--tp",)),
+    "enable_expert_parallel": (bool, "With --tp: each process holds 1/N of the experts whole instead of 1/N of "
+                               "every expert's width.", ("--enable-expert-parallel/--no-enable-expert-parallel",)),
     "cp_min_tokens": (int, "Shortest prefill chunk that is split over the --cp processes.", ()),
     "enable_prefix_caching": (bool, "Start requests from their longest cached prefix (radix prefix cache).",
                               ("--prefix-cache/--no-prefix-cache",)),

@@ -25,6 +25,7 @@ def export(
     device: Optional[str] = engine_option("device"),
     dtype: Optional[str] = engine_option("dtype"),
     tensor_parallel_size: int = engine_option("tensor_parallel_size"),
+    enable_expert_parallel: bool = engine_option("enable_expert_parallel"),
     load_format: str = typer.Option("dummy", help="Weights do not change the compiled code: dummy (the "
                                     "default here) skips reading them."),
     passes: Optional[str] = typer.Option(None, help="Comma-separated pass list (default: all)."),
@@ -35,7 +36,8 @@ def export(
         pass_list = [p.strip() for p in passes.split(",") if p.strip()] if passes else None
         start = time.perf_counter()
         config = engine_config(dict(model=model, device=device, dtype=dtype, load_format=load_format,
-                                    tensor_parallel_size=tensor_parallel_size), compile=True,
+                                    tensor_parallel_size=tensor_parallel_size,
+                                    enable_expert_parallel=enable_expert_parallel), compile=True,
                                cuda_graph_buckets=bucket_list, passes=pass_list,
                                max_num_seqs=max(bucket_list) if bucket_list else DEFAULTS.max_num_seqs)
         with empty_triton_cache(resolve_device(config.device)):

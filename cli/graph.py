@@ -29,6 +29,9 @@ def graph(
                            "cp_allgather pass and show the gathers it inserts."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel processes: above 1, run the graph of rank 0 with the "
                            "tp_shard pass and show its shards and all-reduces."),
+    expert_parallel: bool = typer.Option(DEFAULTS.enable_expert_parallel,
+                                         "--enable-expert-parallel/--no-enable-expert-parallel",
+                                         help="With --tp: each rank holds 1/N of the experts whole."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     with fail_cleanly(debug):
@@ -60,7 +63,8 @@ def graph(
             raise ValueError(f"--cp {cp}: expected an int >= 1")
         if tp < 1:
             raise ValueError(f"--tp {tp}: expected an int >= 1")
-        variant = GraphVariant(lora=lora is not None, context_parallel=cp > 1, tp_size=tp)
+        variant = GraphVariant(lora=lora is not None, context_parallel=cp > 1, tp_size=tp,
+                               expert_parallel=expert_parallel)
         names = passes_for(variant, names, DEFAULTS.max_loras_per_batch, DEFAULTS.max_lora_rank,
                            quantized=cfg.quantization is not None)
         result = run_passes(gm, meta.checkpoint_map(), names, on_pass=on_pass)
@@ -76,20 +80,35 @@ def graph(
         console.print(table)
         if lora is not None:
             console.print(f"  [dim]{adapter!r}[/dim]", highlight=False)
-        if cp > 1:
-            gathers = [n for n in gm.graph.nodes if n.op == "call_function" and "cp_allgather" in str(n.target)]
-            shown = ", ".join(f"{n.name}({n.args[0].name})" for n in gathers[:3])
-            console.print(f"  [dim]{len(gathers)} compiled::cp_allgather nodes over {cp} processes: {shown}, ..., "
-                          f"{gathers[-1].name}({gathers[-1].args[0].name}) -> output[/dim]", highlight=False)
-        if tp > 1:
-            reduces = [n for n in gm.graph.nodes if n.op == "call_function" and "all_reduce" in str(n.target)]
-            console.print(f"  [dim]{len(reduces)} compiled::all_reduce nodes over {tp} processes (rank 0's graph; "
-                          "weights: its slices)[/dim]", highlight=False)
+        _show_parallel(console, gm, cfg, cp, tp, expert_parallel)
         pieces = result.weights.pieces
         fused = [t for t in pieces if len(pieces[t]) > 1 or any(p.narrow is not None for p in pieces[t])]
         layer0 = [t for t in fused if ".layers.0." in t] or fused[:3]
+        layer0 += [t for t in ("model.embed_tokens.weight", "lm_head.weight") if tp > 1 and t in fused]
+        if tp > 1 and expert_parallel:   # rank 0's experts
+            layer0 += [t for t in fused if t.endswith(".mlp.w13")][:1]
         for target in layer0:
             console.print(f"  [dim]{result.weights.describe(target)}[/dim]", highlight=False)
         if dump is not None:
             (dump / "weights.txt").write_text("\n".join(result.weights.describe(t) for t in result.weights.pieces) + "\n")
             console.print(f"wrote {len(steps)} graphs and weights.txt to {dump}")
+
+
+def _show_parallel(console: Console, gm, cfg, cp: int, tp: int, expert_parallel: bool) -> None:
+    """The collectives a context- or tensor-parallel graph holds, and what a rank keeps."""
+    if cp > 1:
+        gathers = [n for n in gm.graph.nodes if n.op == "call_function" and "cp_allgather" in str(n.target)]
+        shown = ", ".join(f"{n.name}({n.args[0].name})" for n in gathers[:3])
+        console.print(f"  [dim]{len(gathers)} compiled::cp_allgather nodes over {cp} processes: {shown}, ..., "
+                      f"{gathers[-1].name}({gathers[-1].args[0].name}) -> output[/dim]", highlight=False)
+    if tp > 1:
+        reduces = [n for n in gm.graph.nodes if n.op == "call_function" and "all_reduce" in str(n.target)]
+        console.print(f"  [dim]{len(reduces)} compiled::all_reduce nodes over {tp} processes (rank 0's graph; "
+                      "weights: its slices)[/dim]", highlight=False)
+        head = gm.lm_head
+        console.print(f"  [dim]vocab-parallel embedding and LM head: {head.weight.shape[0]} of "
+                      f"{head.out_features} vocabulary rows a rank (padded), logits gathered by "
+                      f"compiled::all_gather[/dim]", highlight=False)
+        if expert_parallel and cfg.num_experts:
+            console.print(f"  [dim]expert-parallel: {cfg.num_experts // tp} of {cfg.num_experts} experts a "
+                          "rank, routed by compiled::local_experts[/dim]", highlight=False)

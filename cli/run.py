@@ -52,7 +52,8 @@ def lora_modules(specs: list[str], model: str | None) -> dict[str, str]:
 
 @with_engine_options("max_lora_rank", "max_loras_per_batch", "max_loaded_loras", "merge_lora", "device", "dtype",
                      "load_format", "quantization", "max_model_len", "enforce_eager", "overlap_schedule", "artifact",
-                     "recompile_on_mismatch", "context_parallel_size", "cp_min_tokens", "tensor_parallel_size")
+                     "recompile_on_mismatch", "context_parallel_size", "cp_min_tokens", "tensor_parallel_size",
+                     "enable_expert_parallel")
 def run(
     engine: dict,
     model: Optional[str] = typer.Argument(None, help="HF model folder; default: the shipped demo MoE model."),

@@ -16,7 +16,7 @@ from cli.run import lora_modules
 @with_engine_options("device", "dtype", "load_format", "quantization", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                     "max_mixed_step_tokens", "kv_cache_tokens", "enforce_eager", "artifact", "max_lora_rank",
                     "max_loras_per_batch", "max_loaded_loras", "merge_lora", "context_parallel_size",
-                    "tensor_parallel_size")
+                    "tensor_parallel_size", "enable_expert_parallel")
 def serve(
     engine: dict,
     model: Optional[str] = typer.Argument(None, help="HF model folder; default: the demo MoE model."),

@@ -24,8 +24,9 @@ FORMAT = 4  # 3: passes recorded with the hash of their source, splitting ops li
 # Fields that must match for the compiled code to be valid here, in the order they are checked.
 # tensor_parallel_size: set only above 1 (absent, as in artifacts written before it, means 1); every
 # rank's graph is the same code over its own slices, so one artifact serves all of them.
+# enable_expert_parallel: set only when true, with tensor_parallel_size above 1.
 CHECKED = ("format", "package", "torch", "triton", "device", "model_config", "passes", "splitting_ops", "dtype",
-           "tensor_parallel_size")
+           "tensor_parallel_size", "enable_expert_parallel")
 
 
 class ArtifactError(CompiledError, ValueError):

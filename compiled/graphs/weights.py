@@ -7,7 +7,7 @@ each checkpoint tensor straight into its slice of the final parameter."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
@@ -35,6 +35,8 @@ class Piece:
 @dataclass
 class WeightMap:
     pieces: dict[str, list[Piece]]  # final parameter name -> the checkpoint tensors that build it
+    # checkpoint tensors this graph does not read (another expert-parallel rank's experts)
+    skipped: set[str] = field(default_factory=set)
 
     @classmethod
     def identity(cls, shapes: dict[str, tuple[int, ...]]) -> "WeightMap":
@@ -54,6 +56,17 @@ class WeightMap:
         """Each piece of `target` reads only `[start, start + length)` of its source along `dim`
         (before any fusing pass: one slice a source)."""
         self.pieces[target] = [replace(p, narrow=(dim, start, length)) for p in self.pieces[target]]
+
+    def keep_experts(self, target: str, first: int, count: int) -> None:
+        """`target` (an expert stack) keeps experts [first, first + count), renumbered from 0; the
+        others' tensors are skipped."""
+        kept = []
+        for p in self.pieces[target]:
+            if first <= p.expert < first + count:
+                kept.append(replace(p, expert=p.expert - first))
+            else:
+                self.skipped.add(p.source)
+        self.pieces[target] = kept
 
     def by_source(self) -> dict[str, tuple[str, Piece]]:
         return {p.source: (target, p) for target, pieces in self.pieces.items() for p in pieces}

@@ -1,2 +1,2 @@
 """Parallelism: context parallelism (the zigzag plan, per-step context, gathers) and tensor
-parallelism (shard plans, the group); the process group and the collective ops both use."""
+parallelism (shard plans, the group, the vocab-parallel head); the process group and the collective ops."""

@@ -13,8 +13,10 @@ Tensor parallelism's, which the tp_shard pass puts after every row-parallel outp
 
     y = compiled::all_reduce(x)            # the sum of x over the tensor-parallel group
 
-over the process's group (`tensor.tp_group`); without one (world size 1) it returns a copy of x:
-the reference, and the TP=1 path."""
+    y = compiled::all_gather(x)            # every rank's x side by side along the last dimension
+
+over the process's group (`tensor.tp_group`); without one (world size 1) each returns a copy of
+x: the reference, and the TP=1 path. The vocab-parallel LM head gathers its logits with the second."""
 
 from __future__ import annotations
 
@@ -64,3 +66,21 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
 @all_reduce.register_fake
 def _(x):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("compiled::all_gather", mutates_args=())
+def all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's x concatenated along the last dimension, rank 0's first."""
+    group = tp_group()
+    if group is None or group.world == 1:
+        return x.clone()
+    parts = [torch.empty_like(x) for _ in range(group.world)]
+    dist.all_gather(parts, x.contiguous(), group=group.group)
+    return torch.cat(parts, dim=-1)
+
+
+@all_gather.register_fake
+def _(x):
+    group = tp_group()
+    world = 1 if group is None else group.world
+    return x.new_empty((*x.shape[:-1], x.shape[-1] * world))

@@ -40,6 +40,12 @@ def tp_group() -> TPGroup | None:
     return _group
 
 
+def tp_rank() -> int:
+    """This process's tensor-parallel rank (0 without a group): the ops that differ by rank read
+    it at run time, so every rank's graph is the same code."""
+    return 0 if _group is None else _group.rank
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """What rank `rank` of `world` holds of a model: attention heads (K/V heads replicated when
@@ -51,6 +57,29 @@ class ShardPlan:
     head_dim: int
     intermediate: int       # dense MLP width (0 when the model has none)
     moe_intermediate: int   # expert width (0 without experts)
+    vocab_size: int = 0
+    num_experts: int = 0
+    expert_parallel: bool = False   # each rank holds num_experts / world whole experts
+
+    @property
+    def vocab_rows(self) -> int:
+        """The embedding and LM head rows each rank holds: the vocabulary over the world, rounded
+        up (the last ranks' rows past the vocabulary are padding that no token id reads)."""
+        return -(-self.vocab_size // self.world)
+
+    @property
+    def vocab_span(self) -> tuple[int, int]:
+        """(first token id, how many real rows) of this rank's vocabulary shard."""
+        start = min(self.rank * self.vocab_rows, self.vocab_size)
+        return start, min(self.vocab_rows, self.vocab_size - start)
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.world if self.expert_parallel else self.num_experts
+
+    @property
+    def first_expert(self) -> int:
+        return self.rank * self.local_experts if self.expert_parallel else 0
 
     @property
     def local_heads(self) -> int:
@@ -80,6 +109,8 @@ class ShardPlan:
             return self.first_head * hd, self.local_heads * hd
         if proj in ("k_proj", "v_proj"):
             return self.first_kv_head * hd, self.local_kv_heads * hd
+        if expert and self.expert_parallel:   # whole experts: every row of the rank's own
+            return 0, self.moe_intermediate
         return self.rows(self.moe_intermediate if expert else self.intermediate)
 
     def rows(self, full: int) -> tuple[int, int]:
@@ -88,12 +119,17 @@ class ShardPlan:
         return self.rank * share, share
 
 
-def shard_plan(cfg, world: int, rank: int) -> ShardPlan:
-    """The shard plan of model config `cfg` (a `graphs.config.ModelConfig`) at `world` ranks;
-    what `world` does not divide is a one-line ConfigError."""
-    check_divisible(cfg, world)
+def shard_plan(cfg, world: int, rank: int, expert_parallel: bool = False) -> ShardPlan:
+    """The shard plan of model config `cfg` (a `graphs.config.ModelConfig`) at `world` ranks (whole
+    experts per rank with `expert_parallel`); what `world` does not divide is a one-line ConfigError."""
+    check_divisible(cfg, world, expert_parallel)
     return ShardPlan(world, rank, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                     cfg.intermediate_size, cfg.moe_intermediate_size)
+                     cfg.intermediate_size, cfg.moe_intermediate_size, cfg.vocab_size,
+                     cfg.num_experts if _has_moe(cfg) else 0, expert_parallel and _has_moe(cfg))
+
+
+def _has_moe(cfg) -> bool:
+    return any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
 
 
 def local_kv_heads(cfg, world: int) -> int:
@@ -101,9 +137,10 @@ def local_kv_heads(cfg, world: int) -> int:
     return max(1, cfg.num_key_value_heads // world)
 
 
-def check_divisible(cfg, world: int) -> None:
+def check_divisible(cfg, world: int, expert_parallel: bool = False) -> None:
     """Heads, K/V heads and widths must split evenly over `world` ranks (K/V heads may instead be
-    replicated: `world` a multiple of them)."""
+    replicated: `world` a multiple of them); with `expert_parallel`, the experts instead of their
+    width. The vocabulary need not divide (its shards are padded)."""
     def need(what: str, value: int) -> None:
         if value % world:
             raise ConfigError(f"tensor_parallel_size={world} does not divide {what}={value}")
@@ -114,5 +151,9 @@ def check_divisible(cfg, world: int) -> None:
                           f"by it")
     if any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
         need("intermediate_size", cfg.intermediate_size)
-    if any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
+    if _has_moe(cfg) and expert_parallel:
+        if cfg.num_experts % world:
+            raise ConfigError(f"tensor_parallel_size={world} with enable_expert_parallel does not divide "
+                              f"num_experts={cfg.num_experts}")
+    elif _has_moe(cfg):
         need("moe_intermediate_size", cfg.moe_intermediate_size)

@@ -50,7 +50,7 @@ def passes_for(variant: GraphVariant, names: PassList | None, max_loras: int = 0
     a tensor-parallel variant's sharding runs first."""
     chosen = list(DEFAULT_PASSES if names is None else names)
     if variant.tp_size > 1:   # first: the other passes fuse the rank's local linears
-        chosen = [tp_shard.tp_shard_pass(variant.tp_size, variant.tp_rank)] + \
+        chosen = [tp_shard.tp_shard_pass(variant.tp_size, variant.tp_rank, variant.expert_parallel)] + \
             [n for n in chosen if (n.name if isinstance(n, GraphPass) else n) != "tp_shard"]
     if variant.lora:
         if max_loras < 1 or max_rank < 1:

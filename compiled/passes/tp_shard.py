@@ -3,32 +3,44 @@
     q/k/v, gate/up (column-parallel)  ->  this rank's output rows: its heads, its intermediate share
     o_proj, down (row-parallel)       ->  its input columns, then  y = all_reduce(linear(x)) (+ bias)
     moe_experts(x, ..., gate, up, down) -> every expert's share of the width, then all_reduce
+      (expert-parallel: the rank's whole experts, the routing made local, then all_reduce)
+    embed_tokens(ids) (vocab-parallel)  ->  all_reduce(vocab_embedding(ids, its rows))
+    lm_head (beside the graph)          ->  a VocabParallelHead over its rows, gathering the logits
 
 Query heads split evenly; K/V heads split too, or are replicated when the world exceeds them
 (rank r reads K/V head r * kv // world, the one its query heads use). The heads' views and the
-attention op see the local head counts; the router, norms, embedding and LM head stay whole on
-every rank. The weight map records each rank's slice of every checkpoint tensor, so the loader
-reads only that (`WeightMap.shard`). Runs first: the fusing passes then fuse the local linears,
-and a LoRA delta on a row-parallel output lands before its all-reduce."""
+attention op see the local head counts; the router and norms stay whole on every rank. The
+vocabulary is cut in `vocab_rows` per rank, the last shard padded (a tied head shares the
+embedding's shard). The weight map records each rank's slice of every checkpoint tensor, so the
+loader reads only that (`WeightMap.shard`, and under expert parallelism `keep_experts`). Runs
+first: the fusing passes then fuse the local linears, and a LoRA delta on a row-parallel output
+lands before its all-reduce."""
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch import fx, nn
 
 import compiled.moe.experts  # noqa: F401  (registers compiled::moe_experts)
+import compiled.moe.expert_parallel  # noqa: F401  (registers compiled::local_experts)
 import compiled.parallel.ops  # noqa: F401  (registers compiled::all_reduce)
+import compiled.parallel.vocab  # noqa: F401  (registers compiled::vocab_embedding)
 from compiled.graphs.weights import WeightMap
 from compiled.parallel.tensor import COLUMN_PARALLEL, ROW_PARALLEL, ShardPlan, shard_plan
+from compiled.parallel.vocab import VocabParallelHead
 from compiled.passes.base import GraphPass, PassRecord, is_module, is_op, note_params
-from compiled.passes.calls import build_call, call_args, operands
+from compiled.passes.calls import build_call, call_args, operands, update_call
 
-def tp_shard_pass(world: int, rank: int) -> GraphPass:
-    """The pass of rank `rank` of `world`."""
+def tp_shard_pass(world: int, rank: int, expert_parallel: bool = False) -> GraphPass:
+    """The pass of rank `rank` of `world` (whole experts per rank with `expert_parallel`)."""
     def tp_shard(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> None:
-        plan = shard_plan(gm.config, world, rank)
+        plan = shard_plan(gm.config, world, rank, expert_parallel)
         for node in list(gm.graph.nodes):
-            if is_module(gm, node, nn.Linear):
+            if is_module(gm, node, nn.Embedding):
+                _embedding(gm, weights, record, node, plan)
+            elif is_module(gm, node, nn.Linear):
                 leaf = node.target.rpartition(".")[2]
                 if leaf in COLUMN_PARALLEL:
                     _column(gm, weights, record, node, *plan.span(leaf))
@@ -36,6 +48,7 @@ def tp_shard_pass(world: int, rank: int) -> GraphPass:
                     _row(gm, weights, record, node, *plan.span(leaf))
             elif is_op(node, torch.ops.compiled.moe_experts):
                 _experts(gm, weights, record, node, plan)
+        _lm_head(gm, weights, record, plan)
     return GraphPass("tp_shard", tp_shard)
 
 
@@ -96,12 +109,56 @@ def _experts(gm: fx.GraphModule, weights: WeightMap, record: PassRecord, node: f
         owner, _, leaf = attr.target.rpartition(".")
         old = getattr(gm.get_submodule(owner), leaf)
         shape = list(old.shape)
-        shape[dim] = length
+        shape[0], shape[dim] = plan.local_experts, length
         new = nn.Parameter(torch.empty(shape, device=old.device, dtype=old.dtype), requires_grad=False)
         setattr(gm.get_submodule(owner), leaf, new)
         note_params(record, {attr.target: new}, {attr.target: old})
-        weights.shard(attr.target, dim - 1, start, length)   # the source is one expert's [rows, cols]
+        if plan.expert_parallel:
+            weights.keep_experts(attr.target, plan.first_expert, plan.local_experts)
+        else:
+            weights.shard(attr.target, dim - 1, start, length)   # the source is one expert's [rows, cols]
+    if plan.expert_parallel:   # the routing stays whole; the rank's experts see their pairs only
+        with gm.graph.inserting_before(node):
+            local = build_call(gm.graph, torch.ops.compiled.local_experts, topk_weights=args["topk_weights"],
+                               topk_ids=args["topk_ids"], count=plan.local_experts)
+            weights_node = gm.graph.call_function(operator.getitem, (local, 0))
+            ids_node = gm.graph.call_function(operator.getitem, (local, 1))
+        update_call(node, topk_weights=weights_node, topk_ids=ids_node)
     _all_reduce_after(gm.graph, node)
+    record.rewrites += 1
+
+
+def _embedding(gm: fx.GraphModule, weights: WeightMap, record: PassRecord, node: fx.Node, plan: ShardPlan) -> None:
+    """The rank's rows of the vocabulary, looked up where the id is one of them, summed over the ranks."""
+    old: nn.Embedding = gm.get_submodule(node.target)
+    new = nn.Embedding(plan.vocab_rows, old.embedding_dim, device=old.weight.device, dtype=old.weight.dtype)
+    gm.add_submodule(node.target, new)
+    name = f"{node.target}.weight"
+    note_params(record, {name: new.weight}, {name: old.weight})
+    start, rows = plan.vocab_span
+    weights.shard(name, 0, start, rows)
+    (ids,) = operands(node)
+    with gm.graph.inserting_before(node):
+        weight = gm.graph.get_attr(name)
+        lookup = build_call(gm.graph, torch.ops.compiled.vocab_embedding, ids=ids, weight=weight)
+    node.replace_all_uses_with(lookup)
+    gm.graph.erase_node(node)
+    _all_reduce_after(gm.graph, lookup)
+    record.rewrites += 1
+
+
+def _lm_head(gm: fx.GraphModule, weights: WeightMap, record: PassRecord, plan: ShardPlan) -> None:
+    """The head beside the graph holds the rank's vocabulary rows (the embedding's, when tied)."""
+    old = getattr(gm, "lm_head", None)
+    if old is None:
+        return
+    if gm.config.tie_word_embeddings:
+        weight = gm.get_submodule("model.embed_tokens").weight
+    else:
+        weight = nn.Parameter(old.weight.new_empty((plan.vocab_rows, old.weight.shape[1])), requires_grad=False)
+        note_params(record, {"lm_head.weight": weight}, {"lm_head.weight": old.weight})
+        weights.shard("lm_head.weight", 0, *plan.vocab_span)
+    gm.lm_head = VocabParallelHead(weight, plan.vocab_size)
     record.rewrites += 1
 
 

@@ -14,16 +14,18 @@ class GraphVariant:
     context_parallel: bool = False   # a context-parallel step's graph: the gathers of `cp_allgather`
     tp_size: int = 1                 # tensor-parallel ranks: > 1 shards the graph (`tp_shard`) for rank tp_rank
     tp_rank: int = 0
+    expert_parallel: bool = False    # with tp_size > 1: each rank holds whole experts (`tp_shard`)
 
     def __str__(self) -> str:
         parts = [name for name, on in (("lora", self.lora), ("cp", self.context_parallel)) if on]
         if self.tp_size > 1:
-            parts.append(f"tp{self.tp_rank}/{self.tp_size}")
+            parts.append(f"tp{self.tp_rank}/{self.tp_size}" + ("+ep" if self.expert_parallel else ""))
         return "+".join(parts) or "base"
 
-    def at(self, tp_size: int, tp_rank: int) -> GraphVariant:
-        """This variant on rank `tp_rank` of `tp_size` tensor-parallel ranks."""
-        return replace(self, tp_size=tp_size, tp_rank=tp_rank)
+    def at(self, tp_size: int, tp_rank: int, expert_parallel: bool = False) -> GraphVariant:
+        """This variant on rank `tp_rank` of `tp_size` tensor-parallel ranks (whole experts per
+        rank with `expert_parallel`)."""
+        return replace(self, tp_size=tp_size, tp_rank=tp_rank, expert_parallel=expert_parallel)
 
 
 BASE = GraphVariant()

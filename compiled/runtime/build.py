@@ -95,7 +95,8 @@ def variant_passes(variant: GraphVariant, config: EngineConfig, tp_rank: int = 0
     rank `tp_rank`; `quantized`: the checkpoint has FP8 weights. The runner keys a process's graphs
     by their variant without the world size and rank (every graph of a process has the same),
     which are applied here."""
-    return passes_for(variant.at(config.tensor_parallel_size, tp_rank), pass_names(config),
+    return passes_for(variant.at(config.tensor_parallel_size, tp_rank, config.enable_expert_parallel),
+                      pass_names(config),
                       config.max_loras_per_batch, config.max_lora_rank, quantized)
 
 
@@ -230,4 +231,6 @@ def artifact_manifest(cfg: ModelConfig, config: EngineConfig) -> dict:
     manifest = manifest_for(cfg, pass_names(config), config.splitting_ops, config.dtype, config.device)
     if config.tp:   # the manifest records the world size (`compilation.artifact.CHECKED`)
         manifest["tensor_parallel_size"] = config.tensor_parallel_size
+        if config.enable_expert_parallel:
+            manifest["enable_expert_parallel"] = True
     return manifest

@@ -119,6 +119,9 @@ class EngineConfig:
     # schedules and sends each step to the others (`runtime/tensor_parallel.py`). A rank that does
     # not answer within `cp_timeout` seconds counts as dead.
     tensor_parallel_size: int = 1
+    # With tensor_parallel_size > 1: each rank holds num_experts / N whole experts instead of every
+    # expert's 1/N of the width (attention stays tensor-parallel, routing is replicated).
+    enable_expert_parallel: bool = False
     # Without a GPU there is no "memory left" to measure; this many bytes go to the KV cache.
     cpu_kv_cache_bytes: int = 2 << 30
     # Prompt-logprob rows are pushed through the LM head this many at a time to bound memory.
@@ -183,7 +186,7 @@ class EngineConfig:
         if not _is_int(self.seed):
             raise _bad("seed", self.seed, "an int")
         for name in ("use_graph", "enforce_eager", "overlap_schedule", "recompile_on_mismatch",
-                     "enable_prefix_caching", "merge_lora"):
+                     "enable_prefix_caching", "merge_lora", "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "True or False")
         if self.compile is not None and not isinstance(self.compile, bool):

@@ -5,7 +5,7 @@ keyed by the message's type (`cp_worker.py`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -72,3 +72,6 @@ class TPStep:
     feed: bool                                    # the input ids follow on the data group (overlap scheduling)
     table_writes: list[tuple[int, int, np.ndarray]]   # request-table rows the scheduler pointed at cached K/V
     adapters: dict[int, str]   # slot -> the adapter it must hold, for the slots the step uses
+    # rows of the step's hidden states whose logits rank 0 computes after it (prompt logprobs), in
+    # order: every rank computes its vocabulary shard's of each, for the gather
+    logit_rows: list[tuple[int, int]] = field(default_factory=list)

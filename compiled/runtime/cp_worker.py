@@ -112,7 +112,9 @@ class _Worker:
             self.engine.loras.place(name, slot)
         point_rows(self.engine.req_pool.table, message.table_writes)
         feed = received_feed(self.group, message, self.engine.cfg.device)
-        runner.forward(worker_batch(message), message.sample_rows, feed)
+        out = runner.forward(worker_batch(message), message.sample_rows, feed)
+        for start, stop in message.logit_rows:   # rank 0's prompt logprobs: the head gathers every shard's
+            runner.logits(out.hidden[start:stop])
 
     def _add_lora(self, message: AddLora) -> None:
         self.engine.loras.add(message.adapter, message.pinned)

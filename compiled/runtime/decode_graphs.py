@@ -23,7 +23,7 @@ def compute_logits(head: nn.Module, hidden: torch.Tensor, out: torch.Tensor | No
     """The LM head's logits of `hidden` `[T, H]` in fp32 (into `out` if given), rounded to the
     model's dtype as HF's are. A SkinnyLinear head writes them in fp32 itself (no cast launch)."""
     if out is None:
-        out = hidden.new_empty((hidden.shape[0], head.weight.shape[0]), dtype=torch.float32)
+        out = hidden.new_empty((hidden.shape[0], head.out_features), dtype=torch.float32)
     if isinstance(head, SkinnyLinear):
         return head.forward_into(hidden, out)
     return out.copy_(head(hidden))
@@ -41,7 +41,7 @@ class DecodeGraphs(BucketGraphs):
         super().__init__(buckets, pool)
         self.model, self.kv, self.req_pool = model, kv, req_pool
         self.inputs = StaticInputs(self.max_batch, self.max_batch, device)
-        self.logits = torch.empty(self.max_batch, model.lm_head.weight.shape[0], dtype=torch.float32, device=device)
+        self.logits = torch.empty(self.max_batch, model.lm_head.out_features, dtype=torch.float32, device=device)
         self.argmax = torch.empty(self.max_batch, dtype=torch.int64, device=device)
         self.argmax_workspace = ArgmaxWorkspace(self.max_batch, device)
 

@@ -92,7 +92,8 @@ class Engine:
         each serving its share of the adapters."""
         self.runner.enable_tp(group)
         if self.loras is not None:
-            self.loras.shard_for(shard_plan(self.model_config, group.world, group.rank))
+            self.loras.shard_for(shard_plan(self.model_config, group.world, group.rank,
+                                            self.cfg.enable_expert_parallel))
 
     # ---- adapters ------------------------------------------------------------------------------
 
@@ -360,9 +361,11 @@ class Engine:
         Its requests take the results (a pending token each, prompt logprobs) only once all of it
         ran; if any of it raises, the batch is rolled back."""
         sampling = [(c, row) for c, row in zip(batch.chunks, _last_rows(batch)) if c.samples]
+        plan = self._prompt_logprob_plan(batch)
         try:
-            out = self.runner.forward(batch, [row for _, row in sampling], feed)
-            prompt_logprobs = self._prompt_logprobs(batch, out.hidden)
+            out = self.runner.forward(batch, [row for _, row in sampling], feed,
+                                      logit_rows=[rows for _, _, chunks in plan for rows in chunks])
+            prompt_logprobs = self._prompt_logprobs(plan, out.hidden)
             launched = self._sample(out, [c.request for c, _ in sampling]) if sampling else None
         except BaseException:
             self.scheduler.rollback(batch)
@@ -429,26 +432,37 @@ class Engine:
                 and n_out < p.max_new_tokens and len(request.prompt_token_ids) + n_out < self.max_context
                 and not p.has_repetition_penalty and not p.has_presence_frequency_penalty)
 
-    def _prompt_logprobs(self, batch: Batch, hidden: torch.Tensor) -> list[tuple[Request, list[Logprobs]]]:
-        """The prompt logprobs `batch` adds, per request; stored by the caller once the step ran."""
-        added, offset = [], 0
+    def _prompt_logprob_plan(self, batch: Batch) -> list[tuple[Request, range, list[tuple[int, int]]]]:
+        """Per request whose prompt logprobs `batch` adds: the prompt positions, and the rows of the
+        step's hidden states that give them, `logits_chunk` at a time (a tensor-parallel worker
+        computes its share of the same rows' logits: the runner sends them with the step)."""
+        plan, offset, step = [], 0, self.cfg.logits_chunk
         for c in batch.chunks:
             positions = _missing_prompt_logprobs(c)
             if positions:
-                rows = hidden[offset + positions.start - c.start:offset + positions.stop - c.start]
-                added.append((c.request, self._prompt_logprob_entries(c.request, rows, positions)))
+                first = offset + positions.start - c.start
+                chunks = [(first + i, first + min(i + step, len(positions))) for i in range(0, len(positions), step)]
+                plan.append((c.request, positions, chunks))
             offset += c.length
-        return added
+        return plan
 
-    def _prompt_logprob_entries(self, request: Request, hidden: torch.Tensor, positions: range) -> list[Logprobs]:
+    def _prompt_logprobs(self, plan: list[tuple[Request, range, list[tuple[int, int]]]],
+                         hidden: torch.Tensor) -> list[tuple[Request, list[Logprobs]]]:
+        """The prompt logprobs of `plan` (`_prompt_logprob_plan`), per request; stored by the caller
+        once the step ran."""
+        return [(request, self._prompt_logprob_entries(request, hidden, positions, chunks))
+                for request, positions, chunks in plan]
+
+    def _prompt_logprob_entries(self, request: Request, hidden: torch.Tensor, positions: range,
+                                chunks: list[tuple[int, int]]) -> list[Logprobs]:
         # Row p predicts prompt token p + 1.
         targets = torch.tensor(request.prompt_token_ids[positions.start + 1:positions.stop + 1])
-        k, step = request.params.prompt_logprobs, self.cfg.logits_chunk
+        k, first = request.params.prompt_logprobs, chunks[0][0]
         entries: list[Logprobs] = []
-        for i in range(0, len(positions), step):
-            rows = hidden[i:i + step]
+        for start, stop in chunks:
+            rows = hidden[start:stop]
             logprobs = torch.log_softmax(self.runner.logits(rows), dim=-1)
-            entries += batch_top_logprobs(logprobs, [k] * len(rows), targets[i:i + len(rows)].to(rows.device))
+            entries += batch_top_logprobs(logprobs, [k] * len(rows), targets[start - first:stop - first].to(rows.device))
         return entries
 
     def _append(self, request: Request, token: int, logprobs: dict | None) -> None:

@@ -64,6 +64,8 @@ def assign_tensors(module: nn.Module, weights: WeightMap, tensors: Iterable[tupl
     for origin, name, tensor in tensors:
         if tied_head and name == "lm_head.weight":
             continue  # some tied checkpoints store the head too; the embedding wins, as in HF
+        if name in weights.skipped:
+            continue  # another rank's (expert parallelism): never read
         if name not in by_source:
             raise CheckpointError(f"{origin}: unexpected tensor {name!r}")
         target, piece = by_source[name]

@@ -249,10 +249,12 @@ class ModelRunner:
         return smallest_bucket(self.prefill_buckets, tokens) or tokens
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, sample_rows: Sequence[int] = (), feed: torch.Tensor | None = None) -> StepOutput:
+    def forward(self, batch: Batch, sample_rows: Sequence[int] = (), feed: torch.Tensor | None = None,
+                logit_rows: Sequence[tuple[int, int]] = ()) -> StepOutput:
         """Run `batch`; logits only for `sample_rows` (indices into the batch's tokens). `feed`:
         the input ids of a one-token-per-request batch, on the device (overlap scheduling; the
-        host does not know them yet)."""
+        host does not know them yet). `logit_rows`: the (start, stop) rows of the hidden states
+        whose `logits` the caller asks for next, in order (a tensor-parallel worker joins each)."""
         if self.tp is None:
             return self._forward(batch, sample_rows, feed)
         if self.tp_failure is not None:
@@ -261,7 +263,7 @@ class ModelRunner:
         try:
             if group.rank == 0:   # the workers run the same step (tensor_parallel.py)
                 writes, self.pointed[:] = list(self.pointed), []
-                send_step(group, step_message(batch, sample_rows, feed, writes), feed)
+                send_step(group, step_message(batch, sample_rows, feed, writes, logit_rows), feed)
             with group.collectives():
                 return self._forward(batch, sample_rows, feed)
         except CPError as e:
@@ -334,4 +336,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return compute_logits(self.model.lm_head, hidden)
+        if self.tp is None:
+            return compute_logits(self.model.lm_head, hidden)
+        with self.tp.collectives():   # a vocab-parallel head gathers every rank's logits
+            return compute_logits(self.model.lm_head, hidden)

@@ -27,12 +27,13 @@ from compiled.runtime.scheduler import Batch, Chunk
 
 
 def step_message(batch: Batch, sample_rows: Sequence[int], feed: torch.Tensor | None,
-                 table_writes: list[tuple[int, int, np.ndarray]]) -> TPStep:
-    """Rank 0: what the workers need to run `batch`."""
+                 table_writes: list[tuple[int, int, np.ndarray]],
+                 logit_rows: Sequence[tuple[int, int]] = ()) -> TPStep:
+    """Rank 0: what the workers need to run `batch` (and the logits asked of it after)."""
     chunks = [TPChunk(c.request.row, c.start, c.request.token_ids(c.start, c.start + c.length), c.slots,
                       c.request.lora_slot) for c in batch.chunks]
     adapters = {c.request.lora_slot: c.request.lora for c in batch.chunks if c.request.lora_slot >= 0}
-    return TPStep(chunks, list(sample_rows), feed is not None, table_writes, adapters)
+    return TPStep(chunks, list(sample_rows), feed is not None, table_writes, adapters, list(logit_rows))
 
 
 def send_step(group: CPGroup, message: TPStep, feed: torch.Tensor | None) -> None:

@@ -63,9 +63,19 @@ def test_graph_tp_shows_the_shards_and_all_reduces():
     result = runner.invoke(app, ["graph", "--tp", "2"], env={"COLUMNS": "300"})
     assert result.exit_code == 0, result.output
     assert "tp_shard" in result.output
-    # the demo MoE model has 4 layers: after o_proj and after the MLP or experts of each
-    assert "8 compiled::all_reduce nodes over 2 processes" in result.output
+    # the demo MoE model has 4 layers: after o_proj and after the MLP or experts of each, and the embedding's
+    assert "9 compiled::all_reduce nodes over 2 processes" in result.output
     assert "q_proj.weight[0:128]" in result.output   # rank 0's two of four 64-wide heads
+    assert "144 of 288 vocabulary rows a rank" in result.output
+    assert "model.embed_tokens.weight = model.embed_tokens.weight[0:144]" in result.output
+    assert "lm_head.weight = lm_head.weight[0:144]" in result.output
+
+
+def test_graph_expert_parallel_shows_whole_experts_per_rank():
+    result = runner.invoke(app, ["graph", "--tp", "2", "--enable-expert-parallel"], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    assert "expert-parallel: 4 of 8 experts a rank, routed by compiled::local_experts" in result.output
+    assert "stack over 4 experts of cat(model.layers.1.mlp.experts.0.gate_proj.weight, " in result.output
 
 
 def test_graph_tp_that_does_not_divide_the_heads_is_a_one_line_error():

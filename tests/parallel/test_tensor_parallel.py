@@ -1,31 +1,43 @@
-"""Tensor parallelism on CPU (gloo, fp32): TP=2 gives the prompt logprobs (whole vocabulary) and
-greedy tokens of TP=1 for one batch of prompts of odd lengths, on a dense model and on a MoE with a
-dense layer among its MoE layers; TP=4 on a dense model whose K/V heads are replicated (2 of
-them) and whose vocabulary does not divide by 4. Prefix-cache hits and chunked prefill ride along
-(the 150-token prompt is prefilled in chunks; the repeated prompt starts from its cached prefix)."""
+"""Tensor parallelism on CPU (gloo, fp32): TP=2 and TP=4 give the prompt logprobs (whole
+vocabulary) and greedy tokens of TP=1 for one batch of prompts of odd lengths: on a dense model
+whose K/V heads are replicated at TP=4 (2 of them) and whose vocabulary (123) divides by neither
+2 nor 4 (padded vocab-parallel shards), on a MoE with a dense layer among its MoE layers (TP=2,
+and TP=4 with expert parallelism), and on the demo dense model, whose LM head is tied to its
+embedding. Prefix-cache hits and chunked prefill ride along (the 150-token prompt is prefilled in
+chunks; the repeated prompt starts from its cached prefix). A batch mixing LoRA adapters
+(attention-only, experts in PEFT's fused layout, experts per expert) and base rows runs under TP
+and under TP+EP."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 from compiled import LLM, SamplingParams
 from compiled.errors import ConfigError
 from tests.conftest import assert_same_outputs, make_checkpoint
 
-ENGINE = dict(max_num_batched_tokens=64, kv_cache_tokens=2048, max_model_len=256, enable_prefix_caching=True)
+ENGINE = dict(max_num_batched_tokens=64, kv_cache_tokens=2048, max_model_len=256, enable_prefix_caching=True,
+              logits_chunk=40)   # a 64-token chunk's prompt logprobs in two pieces, joined by every rank
 LENGTHS = (37, 3, 50, 150)
 PARAMS = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, prompt_logprobs=-1)
 
 
 def _prompts(vocab: int) -> list[list[int]]:
+    # the ids reach the vocabulary's last (the last shard's) rows
     return [[(7 * i + 3 * n) % (vocab - 1) + 1 for i in range(n)] for n in LENGTHS]
 
 
-def _run(model: str, world: int):
-    llm = LLM(model, tensor_parallel_size=world, **ENGINE)
+def _run(model: str, world: int, expert_parallel: bool = False):
+    llm = LLM(model, tensor_parallel_size=world, enable_expert_parallel=expert_parallel, **ENGINE)
     try:
-        prompts = _prompts(llm.model_config.vocab_size)
+        # a tokenizer may know fewer ids than the vocabulary has rows (the demo's)
+        prompts = _prompts(len(llm.tokenizer) if llm.tokenizer is not None else llm.model_config.vocab_size)
         first = llm.generate(prompts, PARAMS)
+        vocab = llm.model_config.vocab_size   # every position's logprobs cover the whole vocabulary
+        assert all(len(entry) == vocab for out in first for entry in out.prompt_logprobs[1:])
         again = llm.generate(prompts[2:3], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
         assert llm.engine.num_overlapped > 0   # decode steps whose input ids the workers got from the device
         assert llm.engine.scheduler.cache.hit >= 48   # the repeated prompt's cached K/V, pointed on every rank
@@ -36,49 +48,112 @@ def _run(model: str, world: int):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
+    from compiled.demo import DENSE_MODEL
     root = tmp_path_factory.mktemp("tp")
     return {"dense": make_checkpoint(root / "dense", seed=1, num_hidden_layers=2, vocab_size=123),
-            "mixed": make_checkpoint(root / "mixed", moe=True, seed=2, num_hidden_layers=3, mlp_only_layers=[1])}
+            "mixed": make_checkpoint(root / "mixed", moe=True, seed=2, num_hidden_layers=3, mlp_only_layers=[1]),
+            "demo_dense": DENSE_MODEL}
 
 
-@pytest.mark.parametrize("name, worlds", [("dense", (2, 4)), ("mixed", (2,))])
+@pytest.mark.parametrize("name, worlds", [("dense", ((2, False), (4, False))), ("mixed", ((2, False), (4, True))),
+                                          ("demo_dense", ((2, False),))])
 def test_tp_equals_tp_1(models, name, worlds, one_intra_op_thread):
     reference, ref_again = _run(models[name], 1)
-    for world in worlds:
-        outputs, again = _run(models[name], world)
+    for world, expert_parallel in worlds:
+        outputs, again = _run(models[name], world, expert_parallel)
         assert_same_outputs(outputs, reference)
         assert again[0].token_ids == ref_again[0].token_ids
 
 
-def test_tp_refuses_what_it_cannot_split(models):
+def _config_only(folder, model: str, **changes) -> str:
+    """A folder with only `model`'s config.json, changed (enough for the checks made before
+    anything loads)."""
+    import json
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(dict(cfg, **changes), f)
+    return str(folder)
+
+
+def test_tp_refuses_what_it_cannot_split(models, tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="tensor_parallel_size=3 does not divide num_attention_heads=4"):
         LLM(models["dense"], tensor_parallel_size=3, **ENGINE)
     with pytest.raises(ConfigError, match="merge_lora=True: expected False with tensor_parallel_size > 1"):
         LLM(models["dense"], tensor_parallel_size=2, merge_lora=True, **ENGINE)
     with pytest.raises(ConfigError, match="quantization='fp8': expected None with tensor_parallel_size > 1"):
         LLM(models["dense"], tensor_parallel_size=2, quantization="fp8", **ENGINE)
+    six = _config_only(tmp_path / "six", models["mixed"], num_experts=6)
+    with pytest.raises(ConfigError, match="^tensor_parallel_size=4 with enable_expert_parallel does not divide "
+                                          "num_experts=6$"):
+        LLM(six, tensor_parallel_size=4, enable_expert_parallel=True, **ENGINE)
+    narrow = _config_only(tmp_path / "narrow", models["mixed"], moe_intermediate_size=30)
+    with pytest.raises(ConfigError, match="^tensor_parallel_size=4 does not divide moe_intermediate_size=30$"):
+        LLM(narrow, tensor_parallel_size=4, **ENGINE)
+    with pytest.raises(ConfigError, match="enable_expert_parallel='yes': expected True or False"):
+        LLM(narrow, tensor_parallel_size=4, enable_expert_parallel="yes", **ENGINE)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # a host of two GPUs, for the check alone
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match="^tensor_parallel_size=4: only 2 GPU\\(s\\) are visible, one per process"):
+        LLM(models["dense"], device="cuda", tensor_parallel_size=4, **ENGINE)
 
 
-def test_tp_with_a_batch_mixing_lora_adapters_and_base_rows(one_intra_op_thread):
-    """The demo MoE model's adapters (attention, MLP and expert targets) and base rows in one
-    batch: TP=2 (column-parallel B and row-parallel A sharded per rank) gives TP=1's outputs."""
-    from compiled.demo import MOE_ADAPTERS
-    adapters = [None, "upper", "first", "upper"]
+def _per_expert_adapter(folder, cfg, seed: int = 5) -> str:
+    """A LoRA of every expert's gate, up and down projections in the per-expert layout
+    (`mlp.experts.{e}.{proj}`), random."""
+    import json
 
-    def run(world: int, *loras: list[str | None]):
-        llm = LLM(None, tensor_parallel_size=world, lora_modules=dict(MOE_ADAPTERS), **ENGINE)
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(seed)
+    h, inter, r = cfg.hidden_size, cfg.moe_intermediate_size, 4
+    tensors = {}
+    for layer in (i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)):
+        for e in range(cfg.num_experts):
+            for proj, (i, o) in {"gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}.items():
+                key = f"base_model.model.model.layers.{layer}.mlp.experts.{e}.{proj}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(r, i, generator=g) * 0.2
+                tensors[f"{key}.lora_B.weight"] = torch.randn(o, r, generator=g) * 0.2
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": 8, "bias": "none",
+                   "target_modules": ["gate_proj", "up_proj", "down_proj"]}, f)
+    return str(folder)
+
+
+def test_tp_and_ep_with_a_batch_mixing_lora_adapters_and_base_rows(tmp_path, one_intra_op_thread):
+    """The demo MoE model's adapters ("first": attention; "upper": MLP and experts in PEFT's fused
+    layout) and one of experts in the per-expert layout, with base rows, in one batch: TP=2
+    (column-parallel B and row-parallel A sharded per rank) and TP=2 with expert parallelism (each
+    rank holding its own experts' factors only) give TP=1's outputs."""
+    from compiled.demo import MOE_ADAPTERS, MOE_MODEL
+    from compiled.graphs.config import ModelConfig
+    cfg = ModelConfig.from_pretrained(MOE_MODEL)
+    modules = dict(MOE_ADAPTERS, per=_per_expert_adapter(tmp_path / "per", cfg))
+    adapters = [None, "upper", "first", "per"]
+
+    def run(world: int, expert_parallel: bool, *loras: list[str | None]):
+        llm = LLM(None, tensor_parallel_size=world, enable_expert_parallel=expert_parallel, lora_modules=modules,
+                  **ENGINE)
         try:
-            projections = {name: llm.engine.loras.adapters[name].projections for name in MOE_ADAPTERS}
-            return [llm.generate(_prompts(llm.model_config.vocab_size), PARAMS, lora=a) for a in loras], projections
+            held = {name: llm.engine.loras.adapters[name] for name in modules}
+            return [llm.generate(_prompts(llm.model_config.vocab_size), PARAMS, lora=a) for a in loras], held
         finally:
             llm.shutdown()
-    (reference,), projections = run(1, adapters)
-    assert {"q_proj", "o_proj"} <= projections["first"] and {"gate_proj", "down_proj"} <= projections["upper"]
-    (outputs, base), _ = run(2, adapters, [None] * len(adapters))
+    (reference,), held = run(1, False, adapters)
+    assert {"q_proj", "o_proj"} <= held["first"].projections and {"gate_proj", "down_proj"} <= held["upper"].projections
+    assert held["per"].projections == {"gate_proj", "up_proj", "down_proj"}
+    (outputs, base), _ = run(2, False, adapters, [None] * len(adapters))
     assert_same_outputs(outputs, reference)
     for b, r, a in zip(base, reference, adapters):   # the adapters change their rows' logprobs
         gap = max(abs(x[k] - y[k]) for x, y in zip(b.prompt_logprobs[1:], r.prompt_logprobs[1:]) for k in x)
         assert (gap > 1e-2) == (a is not None)
+    (outputs,), held = run(2, True, adapters)
+    assert_same_outputs(outputs, reference)
+    for name in ("upper", "per"):   # rank 0 holds experts 0-3 of 8, whole
+        w = held[name].experts[(1, "down_proj")]
+        assert w.a.shape[0] == w.b.shape[0] == 4 and w.a.shape[2] == cfg.moe_intermediate_size
 
 
 def test_a_rank_killed_mid_generate_ends_it_with_a_one_line_error(models, monkeypatch):

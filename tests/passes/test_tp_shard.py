@@ -1,6 +1,8 @@
 """tp_shard on the traced graph: each rank's parameters are its share (K/V heads replicated when
-the world exceeds them), an all-reduce follows every row-parallel output, the weight map reads
-only the rank's slices, and the all-reduce op is the identity without a group."""
+the world exceeds them; vocabulary rows padded when the world does not divide them; whole
+experts under expert parallelism), an all-reduce follows every row-parallel output and the
+embedding, the weight map reads only the rank's slices, and the collectives are the identity
+without a group."""
 
 from __future__ import annotations
 
@@ -18,11 +20,11 @@ CFG = dict(architecture="Qwen3MoeForCausalLM", vocab_size=64, hidden_size=32, in
            num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[0], attention_bias=True)
 
 
-def _shard(world: int, rank: int):
-    model = meta_model(ModelConfig(**CFG), torch.float32)
+def _shard(world: int, rank: int, expert_parallel: bool = False, **overrides):
+    model = meta_model(ModelConfig(**dict(CFG, **overrides)), torch.float32)
     gm = trace(model)
-    result = run_passes(gm, model.checkpoint_map(), passes_for(GraphVariant(tp_size=world, tp_rank=rank), None),
-                        check="each")
+    variant = GraphVariant(tp_size=world, tp_rank=rank, expert_parallel=expert_parallel)
+    result = run_passes(gm, model.checkpoint_map(), passes_for(variant, None), check="each")
     return gm, result
 
 
@@ -41,9 +43,10 @@ def test_each_rank_holds_its_share_and_reduces_row_parallel_outputs():
     assert params["model.layers.0.mlp.w13.weight"].shape == (64, 32)           # [gate; up] of 32 rows each
     assert params["model.layers.1.mlp.w13"].shape == (4, 16, 32)                # 8 of 16 expert rows, twice
     assert params["model.layers.1.mlp.w2"].shape == (4, 32, 8)
-    assert params["lm_head.weight"].shape == (64, 32)                           # replicated
+    assert params["lm_head.weight"].shape == (32, 32)                           # half the vocabulary
+    assert params["model.embed_tokens.weight"].shape == (32, 32)
     reduces = [n for n in gm.graph.nodes if "all_reduce" in str(n.target)]
-    assert len(reduces) == 4                                                    # o_proj and the MLP, per layer
+    assert len(reduces) == 5                                                    # o_proj and the MLP, per layer; the embedding
     describe = result.weights.describe
     assert describe("model.layers.0.self_attn.qkv_proj.weight").endswith(
         "q_proj.weight[16:32], model.layers.0.self_attn.k_proj.weight[8:16], model.layers.0.self_attn.v_proj.weight[8:16])")
@@ -65,3 +68,45 @@ def test_all_reduce_is_the_identity_without_a_group():
     x = torch.randn(3, 5)
     y = torch.ops.compiled.all_reduce(x)
     assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
+
+
+def test_the_vocabulary_is_padded_when_the_world_does_not_divide_it():
+    for rank, (start, rows) in ((0, (0, 32)), (1, (32, 31))):
+        gm, result = _shard(2, rank, vocab_size=63)
+        assert dict(gm.named_parameters())["model.embed_tokens.weight"].shape == (32, 32)
+        assert result.weights.describe("lm_head.weight") == f"lm_head.weight = lm_head.weight[{start}:{start + rows}]"
+        assert gm.lm_head.out_features == 63 and gm.lm_head.weight.shape == (32, 32)
+    gm, _ = _shard(2, 1, vocab_size=63, tie_word_embeddings=True)   # a tied head shares the embedding's shard
+    assert gm.lm_head.weight is gm.get_submodule("model.embed_tokens").weight
+
+
+def test_expert_parallel_ranks_hold_whole_experts_and_skip_the_others():
+    gm, result = _shard(2, 1, expert_parallel=True)
+    params = dict(gm.named_parameters())
+    assert params["model.layers.1.mlp.w13"].shape == (2, 32, 32)                # 2 of 4 experts, whole
+    assert params["model.layers.1.mlp.w2"].shape == (2, 32, 16)
+    assert params["model.layers.0.mlp.w13.weight"].shape == (64, 32)           # the dense layer stays TP
+    pieces = result.weights.pieces["model.layers.1.mlp.w2"]
+    assert [(p.source, p.expert) for p in pieces] == [("model.layers.1.mlp.experts.2.down_proj.weight", 0),
+                                                     ("model.layers.1.mlp.experts.3.down_proj.weight", 1)]
+    assert "model.layers.1.mlp.experts.0.gate_proj.weight" in result.weights.skipped
+    assert not any(".experts.2." in s or ".experts.3." in s for s in result.weights.skipped)
+    assert sum("local_experts" in str(n.target) for n in gm.graph.nodes) == 1
+
+
+def test_the_vocab_and_expert_ops_follow_the_rank():
+    import compiled.moe.expert_parallel  # noqa: F401
+    import compiled.parallel.vocab  # noqa: F401
+    from compiled.parallel.tensor import TPGroup, set_tp_group
+    weight = torch.randn(4, 3)
+    ids = torch.tensor([0, 3, 4, 7, 8])
+    gathered = torch.ops.compiled.all_gather(weight)
+    assert torch.equal(gathered, weight) and gathered.data_ptr() != weight.data_ptr()
+    set_tp_group(TPGroup(None, 2, 1))   # rank 1 of 2 (no collective runs below)
+    try:
+        rows = torch.ops.compiled.vocab_embedding(ids, weight)
+        w, e = torch.ops.compiled.local_experts(torch.tensor([[0.75, 0.25]]), torch.tensor([[3, 1]]), 2)
+    finally:
+        set_tp_group(None)
+    assert torch.equal(rows, torch.stack([torch.zeros(3), torch.zeros(3), weight[0], weight[3], torch.zeros(3)]))
+    assert w.tolist() == [[0.75, 0.0]] and e.tolist() == [[1, 0]]   # expert 3 is local 1; expert 1 adds nothing
