@@ -73,6 +73,8 @@ def assign_tensors(module: nn.Module, weights: WeightMap, tensors: Iterable[tupl
             raise CheckpointError(f"{origin}: tensor {name!r} has non-float dtype {tensor.dtype}")
         if piece.narrow is not None:   # this rank's slice only (tensor parallelism)
             tensor = tensor.narrow(*piece.narrow)
+        if piece.grid is not None:     # the scale blocks of this rank's slice, on its grid
+            tensor = piece.grid.take(tensor)
         dst = params[target]
         if piece.expert is not None:
             dst = dst[piece.expert]
