@@ -55,8 +55,6 @@ def test_tp_refuses_what_it_cannot_split(models):
         LLM(models["dense"], tensor_parallel_size=3, **ENGINE)
     with pytest.raises(ConfigError, match="merge_lora=True: expected False with tensor_parallel_size > 1"):
         LLM(models["dense"], tensor_parallel_size=2, merge_lora=True, **ENGINE)
-    with pytest.raises(ConfigError, match="quantization='fp8': expected None with tensor_parallel_size > 1"):
-        LLM(models["dense"], tensor_parallel_size=2, quantization="fp8", **ENGINE)
 
 
 def test_tp_with_a_batch_mixing_lora_adapters_and_base_rows(one_intra_op_thread):
