@@ -87,11 +87,11 @@ class WeightMap:
 
 
 def _slice(piece: Piece) -> str:
-    """A piece's slice of its source, e.g. `[:, 64:128]`, or of a scale's blocks, e.g.
-    `[blocks 1,2,2 x 0,1 on 64x128]`."""
+    """A piece's slice of its source, e.g. `[:, 64:128]`, or the scale blocks it gathers onto a
+    rank's grid, e.g. `[1:3, 0:16 on 64x64]`."""
     if piece.grid is not None:
-        rows, cols = (",".join(map(str, piece.grid.indices(d))) for d in (0, 1))
-        return f"[blocks {rows} x {cols} on {piece.grid.fine[0]}x{piece.grid.fine[1]}]"
+        rows, cols = (piece.grid.indices(d) for d in (0, 1))
+        return f"[{rows[0]}:{rows[-1] + 1}, {cols[0]}:{cols[-1] + 1} on {piece.grid.fine[0]}x{piece.grid.fine[1]}]"
     if piece.narrow is None:
         return ""
     dim, start, length = piece.narrow

@@ -85,3 +85,22 @@ def test_every_rank_holds_the_dequantized_slices_of_its_weights(tmp_path, case):
         rank_shapes = ({n: tuple(p.shape) for n, p in params.items()}, block)
         assert shapes in (None, rank_shapes)
         shapes = rank_shapes
+
+
+def test_qwen3_30b_at_tp_4_shares_one_64x64_grid(tmp_path):
+    """192 expert rows a rank (768 / 4) start inside 128 blocks: rows and columns refine to 64."""
+    from compiled.graphs.trace import meta_model, trace
+    from compiled.passes.manager import run_passes
+    from compiled.passes.tp_shard import tp_shard_pass
+    from compiled.quant.recipes import scale_recipes
+    from tests.conftest import reduced_real_config
+    meta = meta_model(ModelConfig.from_pretrained(reduced_real_config(tmp_path, layers=1)))
+    weights = run_passes(trace(meta), meta.checkpoint_map(), [tp_shard_pass(4, 1), "fuse_qkv", "fuse_w13"],
+                         check="none").weights
+    recipes = scale_recipes(weights, QuantConfig("fp8", "block", (128, 128)))
+    assert recipes.block == (64, 64) and not recipes.dequantized
+    assert recipes.shapes["model.layers.0.mlp.w13_scale"] == (128, 6, 32)   # 2 x 192 rows, 2048 columns
+    assert recipes.shapes["model.layers.0.mlp.w2_scale"] == (128, 32, 3)
+    assert recipes.shapes["model.layers.0.self_attn.qkv_proj.weight_scale"] == (20, 32)   # 8 + 1 + 1 heads of 128
+    gate = recipes.scales.pieces["model.layers.0.mlp.w13_scale"][0].grid
+    assert gate.indices(0) == [1, 2, 2] and gate.indices(1) == [i // 2 for i in range(32)]
