@@ -15,6 +15,7 @@ from torch import nn
 
 from compiled.errors import CheckpointError
 from compiled.graphs.weights import WeightMap
+from compiled.quant.at_load import rank_parts
 from compiled.quant.config import QuantConfig
 from compiled.quant.dequant import FP8
 from compiled.quant.loading import dequantized_stream
@@ -94,9 +95,10 @@ def load_checkpoint(module: nn.Module, weights: WeightMap, path: str, tied_head:
     is float8_e4m3fn, else arrive dequantized (`quantize_weights`: quantized here first)."""
     params = dict(module.named_parameters())
     keep = {p.source for target, pieces in weights.pieces.items() if params[target].dtype == FP8 for p in pieces}
+    weights, parts = rank_parts(weights, keep, quant) if quantize_weights else (weights, {})
     try:
         assign_tensors(module, weights, dequantized_stream(iter_checkpoint(path), quant, keep, quantize_weights,
-                                                            next(module.parameters()).device),
+                                                            next(module.parameters()).device, parts),
                        tied_head)
     except CheckpointError as e:
         if str(e).startswith("checkpoint is missing"):

@@ -46,34 +46,40 @@ def test_the_grid_reads_only_the_blocks_the_slice_touches():
     assert grid.take(scale).tolist() == [[2, 3], [4, 5], [4, 5]]
 
 
-def _rank_params(path: str, world: int, rank: int):
+def _rank_params(path: str, world: int, rank: int, **kwargs):
     cfg = ModelConfig.from_pretrained(path)
     config = EngineConfig.from_kwargs(model=path, device="cpu", dtype="float32", tensor_parallel_size=world,
-                                      enforce_eager=True).resolve(cfg.max_position_embeddings)
+                                      enforce_eager=True, **kwargs).resolve(cfg.max_position_embeddings)
     models = build_models(cfg, path, config, tp_rank=rank)
     return {n: p.detach() for n, p in models.base.named_parameters()}, models.base
 
 
 CASES = {
     # w13 of 48 a rank: the up slice starts inside a 32 block; o_proj/down columns inside 40 blocks
-    "moe-block32x40-tp2": (True, dict(BLOCK_FP8, weight_block_size=[32, 40]), 2),
+    "moe-block32x40-tp2": (True, dict(BLOCK_FP8, weight_block_size=[32, 40]), 2, False),
     # 24-wide MLP slices and one-head q/k/v slices (K/V replicated) inside 128 blocks
-    "dense-block128-tp4": (False, BLOCK_FP8, 4),
-    "moe-channel-tp2": (True, compressed_tensors(), 2),
+    "dense-block128-tp4": (False, BLOCK_FP8, 4, False),
+    "moe-channel-tp2": (True, compressed_tensors(), 2, False),
+    # quantization="fp8" at TP=3 (3 heads of 16, 3 K/V heads, 405 MLP rows): each rank quantizes
+    # only the 128 blocks its 135-row slice touches (rank 1's [135, 270): the 256 rows [128, 384))
+    "dense-at-load-tp3": (False, BLOCK_FP8, 3, True),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_every_rank_holds_the_dequantized_slices_of_its_weights(tmp_path, case):
-    """Rank r of an FP8 checkpoint, its FP8 parameters dequantized at the graph's weight_block,
-    equals rank r of the dequantized checkpoint; every rank has the same shapes and block."""
-    moe, quant_config, world = CASES[case]
+def test_every_rank_holds_the_dequantized_slices_of_its_weights(tmp_path, case, monkeypatch):
+    """Rank r of an FP8 checkpoint (or of its source quantized at load), its FP8 parameters
+    dequantized at the graph's weight_block, equals rank r of the dequantized checkpoint; every
+    rank has the same shapes and block."""
+    moe, quant_config, world, at_load = CASES[case]
+    sizes = dict(num_attention_heads=3, num_key_value_heads=3, intermediate_size=405) if at_load else {}
     src = make_checkpoint(tmp_path / "src", moe=moe, moe_intermediate_size=48, num_hidden_layers=2,
-                          mlp_only_layers=[1] if moe else [])
+                          mlp_only_layers=[1] if moe else [], **sizes)
     path, reference = quantize_checkpoint(src, tmp_path / "fp8", tmp_path / "ref", quant_config)
+    quantized = _recording_quantize(monkeypatch)
     shapes = None
     for rank in range(world):
-        params, gm = _rank_params(path, world, rank)
+        params, gm = _rank_params(src, world, rank, quantization="fp8") if at_load else _rank_params(path, world, rank)
         want, _ = _rank_params(reference, world, rank)
         fp8 = sorted(n for n, p in params.items() if p.dtype == FP8)
         assert len(fp8) == 8, fp8   # qkv, o_proj, w13 and w2 / down of both layers stay FP8
@@ -85,6 +91,21 @@ def test_every_rank_holds_the_dequantized_slices_of_its_weights(tmp_path, case):
         rank_shapes = ({n: tuple(p.shape) for n, p in params.items()}, block)
         assert shapes in (None, rank_shapes)
         shapes = rank_shapes
+    if at_load:   # the MLP's 405 rows / columns: [0, 256), [0, 256), [256, 405); q/k/v/o: 48, one block
+        assert {s[0] for s in quantized if s[1] == 64} == {256, 149, 48}   # gate, up (and q, k, v) rows
+        assert {s[1] for s in quantized if s[0] == 64} == {256, 149, 48}   # down's (and o_proj's) columns
+
+
+def _recording_quantize(monkeypatch) -> list[tuple[int, ...]]:
+    """The shapes of the tensors quantized at load, from here on."""
+    import compiled.quant.loading as loading
+    shapes, quantize_at_load = [], loading.quantize
+
+    def recording(weight, *args, **kwargs):
+        shapes.append(tuple(weight.shape))
+        return quantize_at_load(weight, *args, **kwargs)
+    monkeypatch.setattr(loading, "quantize", recording)
+    return shapes
 
 
 def test_qwen3_30b_at_tp_4_shares_one_64x64_grid(tmp_path):
