@@ -6,7 +6,6 @@ block boundaries), with a batch mixing LoRA adapters and base rows; compressed-t
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from compiled import LLM, SamplingParams

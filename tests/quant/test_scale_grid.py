@@ -125,3 +125,22 @@ def test_qwen3_30b_at_tp_4_shares_one_64x64_grid(tmp_path):
     assert recipes.shapes["model.layers.0.self_attn.qkv_proj.weight_scale"] == (20, 32)   # 8 + 1 + 1 heads of 128
     gate = recipes.scales.pieces["model.layers.0.mlp.w13_scale"][0].grid
     assert gate.indices(0) == [1, 2, 2] and gate.indices(1) == [i // 2 for i in range(32)]
+
+
+@pytest.mark.parametrize("broken", ["missing", "mis-shaped"])
+def test_a_bad_scale_on_a_rank_is_one_line_naming_it(tmp_path, broken):
+    from safetensors.torch import load_file, save_file
+    from compiled.errors import CheckpointError
+    path, _ = quantize_checkpoint(make_checkpoint(tmp_path / "src"), tmp_path / "fp8", tmp_path / "ref",
+                                  dict(BLOCK_FP8, weight_block_size=[32, 32]))
+    name, file = "model.layers.1.mlp.up_proj.weight_scale_inv", str(tmp_path / "fp8" / "model.safetensors")
+    tensors = load_file(file)
+    if broken == "missing":
+        tensors.pop(name)
+    else:
+        tensors[name] = torch.ones(2, 2)
+    save_file(tensors, file)
+    with pytest.raises(CheckpointError) as e:
+        _rank_params(path, 2, 1)
+    assert "\n" not in str(e.value) and name in str(e.value)
+    assert ("missing" if broken == "missing" else "has shape [2, 2], expected [3, 2]") in str(e.value)
