@@ -38,8 +38,8 @@ class ScaleGrid:
         return len(self.indices(0)), len(self.indices(1))
 
     def take(self, scale: torch.Tensor) -> torch.Tensor:
-        """The fine scale of the rank's slice from the checkpoint's `scale` (a per-channel scale
-        may be stored flat, a per-tensor one as one element)."""
+        """The fine scale of the rank's slice from the checkpoint's `scale` (a per-tensor one is
+        stored as one element)."""
         s = scale.reshape(-1, 1) if scale.dim() == 1 else scale
         rows, cols = (torch.tensor(self.indices(d), device=s.device) for d in (0, 1))
         return s.index_select(0, rows).index_select(1, cols)
