@@ -8,10 +8,13 @@ each checkpoint tensor straight into its slice of the final parameter."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from compiled.quant.grid import ScaleGrid
 
 
 @dataclass(frozen=True)
@@ -22,10 +25,14 @@ class Piece:
     row: int = 0                # first row (dim 0, after the expert index) that the source fills
     # (dim, start, length): the part of the source this rank reads (tensor parallelism); None: all
     narrow: tuple[int, int, int] | None = None
+    # A block scale gathered onto a rank's grid (`quant/grid.py`); None: the source as it is
+    grid: ScaleGrid | None = None
 
     @property
     def local_shape(self) -> tuple[int, ...]:
         """The shape of what the piece reads of its source."""
+        if self.grid is not None:
+            return self.grid.shape
         if self.narrow is None:
             return self.shape
         dim, _, length = self.narrow
@@ -93,7 +100,11 @@ class WeightMap:
 
 
 def _slice(piece: Piece) -> str:
-    """A piece's slice of its source, e.g. `[:, 64:128]`."""
+    """A piece's slice of its source, e.g. `[:, 64:128]`, or the scale blocks it gathers onto a
+    rank's grid, e.g. `[1:3, 0:16 on 64x64]`."""
+    if piece.grid is not None:
+        rows, cols = (piece.grid.indices(d) for d in (0, 1))
+        return f"[{rows[0]}:{rows[-1] + 1}, {cols[0]}:{cols[-1] + 1} on {piece.grid.fine[0]}x{piece.grid.fine[1]}]"
     if piece.narrow is None:
         return ""
     dim, start, length = piece.narrow

@@ -74,7 +74,7 @@ def fp8_weights(gm: fx.GraphModule, weights: WeightMap, record: PassRecord) -> N
         _make_fp8(gm, weights, recipes, record, [args[s].target for s in fp8])
         with gm.graph.inserting_before(node):
             scales = {slots[s]: gm.graph.get_attr(f"{args[s].target}_scale") for s in fp8}
-        update_call(node, **scales, weight_block=list(quant.op_block))
+        update_call(node, **scales, weight_block=list(recipes.block))
         record.rewrites += 1
 
 

@@ -8,7 +8,7 @@ halves stay views of the mapped files until they meet."""
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 
@@ -16,24 +16,29 @@ from compiled.errors import CheckpointError, ConfigError
 from compiled.quant.config import QuantConfig
 from compiled.quant.dequant import FP8, dequantize, quantize
 
+if TYPE_CHECKING:
+    from compiled.quant.at_load import Part
+
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")
 Stream = Iterable[tuple[str, str, torch.Tensor]]
 
 
 def dequantized_stream(tensors: Stream, quant: QuantConfig | None, keep: set[str] = frozenset(),
-                       quantize_weights: bool = False, device: torch.device | str = "cpu"
+                       quantize_weights: bool = False, device: torch.device | str = "cpu",
+                       parts: dict[str, Part] | None = None
                        ) -> Iterator[tuple[str, str, torch.Tensor]]:
     """(origin, name, tensor) with every FP8 weight and its scale merged into one dequantized
     float32 weight, except the weights of `keep` (parameters that stay FP8), which pass as they
     are with their scales; float8 tensors without a quantization_config are refused. With
     `quantize_weights` the checkpoint is unquantized and each weight `quant` covers is quantized
-    here, one tensor at a time. The arithmetic runs on `device` (the parameters')."""
+    here, one tensor at a time (of those in `parts`, only the blocks a tensor-parallel rank's
+    slice touches: `at_load.rank_parts`). The arithmetic runs on `device` (the parameters')."""
     if quant is None:
         yield from _unquantized(tensors)
         return
     if quantize_weights:
-        yield from _quantized_at_load(tensors, quant, keep, device)
+        yield from _quantized_at_load(tensors, quant, keep, device, parts or {})
         return
     weights: dict[str, tuple[str, torch.Tensor]] = {}
     scales: dict[str, tuple[str, torch.Tensor]] = {}
@@ -58,13 +63,19 @@ def dequantized_stream(tensors: Stream, quant: QuantConfig | None, keep: set[str
                               f"float8 weight '{module}.weight')")
 
 
-def _quantized_at_load(tensors: Stream, quant: QuantConfig, keep: set[str],
-                       device: torch.device | str) -> Iterator[tuple[str, str, torch.Tensor]]:
+def _quantized_at_load(tensors: Stream, quant: QuantConfig, keep: set[str], device: torch.device | str,
+                       parts: dict[str, Part]) -> Iterator[tuple[str, str, torch.Tensor]]:
     for origin, name, tensor in _unquantized(tensors):
         module, _, leaf = name.rpartition(".")
         if leaf != "weight" or not quant.quantizes(module):
             yield origin, name, tensor
             continue
+        part = parts.get(name)
+        if part is not None:
+            if tuple(tensor.shape) != part.shape:
+                raise CheckpointError(f"{origin}: tensor {name!r} has shape {list(tensor.shape)}, expected "
+                                      f"{list(part.shape)}")
+            tensor = tensor.narrow(part.dim, part.start, part.length)
         q, s = quantize(tensor.to(device), quant)
         if name in keep:
             yield origin, name, q

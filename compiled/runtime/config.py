@@ -248,9 +248,6 @@ class EngineConfig:
         if self.merge_lora:
             raise _bad("merge_lora", True, "False with tensor_parallel_size > 1 (merging into sharded weights is "
                                            "not built)")
-        if self.quantization is not None:
-            raise _bad("quantization", self.quantization, "None with tensor_parallel_size > 1 (FP8 weights are "
-                                                          "not sharded yet)")
 
     @property
     def world_size(self) -> int:

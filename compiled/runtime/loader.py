@@ -15,6 +15,7 @@ from torch import nn
 
 from compiled.errors import CheckpointError
 from compiled.graphs.weights import WeightMap
+from compiled.quant.at_load import rank_parts
 from compiled.quant.config import QuantConfig
 from compiled.quant.dequant import FP8
 from compiled.quant.loading import dequantized_stream
@@ -75,6 +76,8 @@ def assign_tensors(module: nn.Module, weights: WeightMap, tensors: Iterable[tupl
             raise CheckpointError(f"{origin}: tensor {name!r} has non-float dtype {tensor.dtype}")
         if piece.narrow is not None:   # this rank's slice only (tensor parallelism)
             tensor = tensor.narrow(*piece.narrow)
+        if piece.grid is not None:     # the scale blocks of this rank's slice, on its grid
+            tensor = piece.grid.take(tensor)
         dst = params[target]
         if piece.expert is not None:
             dst = dst[piece.expert]
@@ -94,9 +97,10 @@ def load_checkpoint(module: nn.Module, weights: WeightMap, path: str, tied_head:
     is float8_e4m3fn, else arrive dequantized (`quantize_weights`: quantized here first)."""
     params = dict(module.named_parameters())
     keep = {p.source for target, pieces in weights.pieces.items() if params[target].dtype == FP8 for p in pieces}
+    weights, parts = rank_parts(weights, keep, quant) if quantize_weights else (weights, {})
     try:
         assign_tensors(module, weights, dequantized_stream(iter_checkpoint(path), quant, keep, quantize_weights,
-                                                            next(module.parameters()).device),
+                                                            next(module.parameters()).device, parts),
                        tied_head)
     except CheckpointError as e:
         if str(e).startswith("checkpoint is missing"):

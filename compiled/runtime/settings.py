@@ -30,9 +30,6 @@ def engine_settings(model: str | None, kwargs: dict) -> tuple[str, ModelConfig, 
     config = requested.resolve(model_config.max_position_embeddings)
     if config.tp:   # heads and widths the ranks cannot share: refused before anything loads
         check_divisible(model_config, config.tensor_parallel_size, config.enable_expert_parallel)
-        if model_config.quantization is not None:
-            raise ConfigError(f"{path}: an FP8 checkpoint with tensor_parallel_size={config.tensor_parallel_size}: "
-                              "FP8 weights are not sharded yet")
     configure_backends(config)
     torch.manual_seed(config.seed)
     return path, model_config, config

@@ -82,8 +82,6 @@ def test_tp_refuses_what_it_cannot_split(models, tmp_path, monkeypatch):
         LLM(models["dense"], tensor_parallel_size=3, **ENGINE)
     with pytest.raises(ConfigError, match="merge_lora=True: expected False with tensor_parallel_size > 1"):
         LLM(models["dense"], tensor_parallel_size=2, merge_lora=True, **ENGINE)
-    with pytest.raises(ConfigError, match="quantization='fp8': expected None with tensor_parallel_size > 1"):
-        LLM(models["dense"], tensor_parallel_size=2, quantization="fp8", **ENGINE)
     six = _config_only(tmp_path / "six", models["mixed"], num_experts=6)
     with pytest.raises(ConfigError, match="^tensor_parallel_size=4 with enable_expert_parallel does not divide "
                                           "num_experts=6$"):
