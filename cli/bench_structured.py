@@ -48,6 +48,9 @@ _PUNCTUATION = ['"', ",", ":", "{", "}", "[", "]", '":', '",', '":"', '"}', '"]'
 
 def stand_in_vocabulary(size: int, stop_token_ids: list[int], seed: int = 0) -> Vocabulary:
     """`size` tokens as described above; the stop ids are special tokens."""
+    if size < 512:
+        raise ValueError(f"--structured: the model has no tokenizer and its vocabulary of {size} ids is too small for "
+                         "a stand-in one (at least 512: the 256 bytes and more)")
     rng = random.Random(seed)
     tokens, seen = [bytes([b]) for b in range(256)], set()
     while len(tokens) < size:
