@@ -269,8 +269,7 @@ def latency(
     bandwidth: Annotated[Optional[float], typer.Option(
         help="Device bandwidth in GB/s for the floor (default: measured once, cached in ~/.cache/compiled).")] = None,
     structured: Annotated[Optional[str], typer.Option(
-        help="json: one JSON schema (cli/bench_structured.py) on every request; reports mask and compile "
-             "times.")] = None,
+        help="json: one JSON schema on every request; adds mask and grammar compile times.")] = None,
 ) -> None:
     from cli import bench_core as core
     from cli import bench_structured
@@ -279,8 +278,7 @@ def latency(
         _at_least(o, name, low)
     _check(o.batch_size <= o.max_num_seqs, f"--batch-size {o.batch_size} exceeds --max-num-seqs {o.max_num_seqs}")
     _check(o.bandwidth is None or o.bandwidth > 0, f"--bandwidth must be positive, got {o.bandwidth}")
-    _check(o.structured in (None, *bench_structured.STRUCTURED),
-           f"--structured {o.structured!r}: choose from {', '.join(bench_structured.STRUCTURED)}")
+    bench_structured.check(o.structured)
     bw = core.bandwidth(resolve_device(o.device), o.bandwidth)   # before the model takes the memory
     run = _build("latency", o)
     context = run.llm.engine.max_context
@@ -337,13 +335,16 @@ def latency(
     if res["retractions"]:
         rows.append(("retractions (KV full)", str(res["retractions"]), "", ""))
     if spec is not None:
-        res["structured"] = st = bench_structured.results(run.llm.engine)
-        rows += [("structured outputs", f"{o.structured} schema on every request", "", ""),
-                 ("  mask fill per step p50 / p99 (ms)", f"{_ms(st['mask_ms']['p50'])} / {_ms(st['mask_ms']['p99'])}",
-                  "", ""),
-                 ("  grammar compile p50 / max (ms)",
-                  f"{_ms(st['compile_ms']['p50'])} / {_ms(st['compile_ms']['max'])} ({st['compiles']} compiled)", "", "")]
+        res["structured"] = bench_structured.results(run.llm.engine)
+        rows += _structured_rows(o.structured, res["structured"])
     run.finish(f"batch {o.batch_size}, input {o.input_len}, output {o.output_len}", _metric_table(rows, bool(hf)))
+
+
+def _structured_rows(kind: str, st: dict) -> list[tuple]:
+    return [("structured outputs", f"{kind} schema on every request", "", ""),
+            ("  mask fill per step p50 / p99 (ms)", f"{_ms(st['mask_ms']['p50'])} / {_ms(st['mask_ms']['p99'])}", "", ""),
+            ("  grammar compile p50 / max (ms)",
+             f"{_ms(st['compile_ms']['p50'])} / {_ms(st['compile_ms']['max'])} ({st['compiles']} compiled)", "", "")]
 
 
 # ---- throughput and serving: a workload of many requests --------------------------------------

@@ -72,13 +72,17 @@ def stand_in_vocabulary(size: int, stop_token_ids: list[int], seed: int = 0) -> 
     return Vocabulary(info, xgr.GrammarCompiler(info, max_threads=8), tokens[:size])
 
 
+def check(kind: str | None) -> None:
+    if kind not in (None, *STRUCTURED):
+        raise ValueError(f"--structured {kind!r}: choose from {', '.join(STRUCTURED)}")
+
+
 def prepare(llm, kind: str | None, seed: int) -> dict | None:
     """The `structured_outputs` every request of the run carries (None without `--structured`);
     gives a model without a tokenizer the stand-in vocabulary."""
+    check(kind)
     if kind is None:
         return None
-    if kind not in STRUCTURED:
-        raise ValueError(f"--structured {kind!r}: choose from {', '.join(STRUCTURED)}")
     engine = llm.engine
     if engine.constraints.make_vocabulary is None:
         size, stops = llm.model_config.vocab_size, sorted(engine.eos_token_ids)
