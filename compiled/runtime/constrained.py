@@ -118,7 +118,3 @@ class Constraints:
 
     def stats(self) -> StructuredStats:
         return StructuredStats() if self._cache is None else self._cache.stats.snapshot()
-
-    def close(self) -> None:
-        if self._cache is not None:
-            self._cache.close()
