@@ -43,8 +43,7 @@ class Constraints:
         self._max_rows = max_rows
         self._host: list[torch.Tensor] = []       # two host bitmasks used in turn (pinned on CUDA)
         self._turn = 0
-        # Half the host's cores at most: the engine's own thread and the compiles need some.
-        self._filler = xgr.BatchGrammarMatcher(max(1, min(FILL_THREADS, (os.cpu_count() or 1) // 2)))
+        self._filler: xgr.BatchGrammarMatcher | None = None   # its threads start with the first mask
         self.compiling: list[Request] = []        # queued requests whose grammar is not compiled yet
         self.live = 0                             # constrained requests added and not finished
 
@@ -110,6 +109,8 @@ class Constraints:
 
     def _host_bitmask(self) -> torch.Tensor:
         if not self._host:
+            # Half the host's cores at most: the engine's own thread and the compiles need some.
+            self._filler = xgr.BatchGrammarMatcher(max(1, min(FILL_THREADS, (os.cpu_count() or 1) // 2)))
             width = bitmask_width(self._grammars().vocabulary().size)
             self._host = [torch.zeros(self._max_rows, width, dtype=torch.int32,
                                       pin_memory=self._device.type == "cuda") for _ in range(2)]

@@ -173,6 +173,14 @@ def test_bad_specs_are_refused_before_anything_runs(llm, spec, field):
     assert llm.generate(["count 5:"], _params("choice"))[0].text in CHOICES
 
 
+def test_a_model_without_a_tokenizer_refuses_structured_outputs(tmp_path):
+    from tests.conftest import make_checkpoint
+    llm = LLM(make_checkpoint(tmp_path / "ckpt"), device="cpu", dtype="float32")
+    with pytest.raises(RequestError, match="^prompt 0: structured_outputs needs the model's tokenizer"):
+        llm.generate([[5, 6, 7]], _params("regex"))
+    assert llm.generate([[5, 6, 7]], _params(None, 3))[0].finish_reason == "length"
+
+
 def test_a_grammar_that_fails_to_compile_ends_its_request_alone(llm, monkeypatch):
     to_grammar = compiler.to_grammar
 
