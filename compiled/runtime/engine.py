@@ -38,6 +38,7 @@ from compiled.lora.pool import LoRAPool
 from compiled.parallel.tensor import local_kv_heads, shard_plan
 from compiled.passes.variant import BASE, LORA, GraphVariant
 from compiled.runtime.config import EngineConfig
+from compiled.runtime.constrained import Constraints
 from compiled.runtime.detokenizer import IncrementalDetokenizer
 from compiled.runtime.inflight import InFlight, TokenReadback
 from compiled.runtime.model_runner import ModelRunner, StepOutput
@@ -47,6 +48,7 @@ from compiled.runtime.sampling_params import SamplingParams
 from compiled.runtime.scheduler import Batch, Chunk, Scheduler
 from compiled.runtime.stop import StopChecker
 from compiled.runtime.tokenizer import Tokenizer
+from compiled.structured.stats import StructuredStats
 
 
 class Engine:
@@ -68,12 +70,14 @@ class Engine:
         # lora_buffers: the module that names the LoRA buffers (the LoRA graph before compilation).
         self.loras = None if LORA not in models else LoRAPool(lora_buffers or models[LORA], mcfg, cfg.max_lora_rank,
                                                               cfg.max_loaded_loras)
-        if self.loras is not None:
-            self.scheduler.admit = self._acquire_adapter
+        self.scheduler.admit = self._admit
         if merged is not None:   # merges the pool's adapters into the weights (lora/merged.py)
             merged.adapters = self.loras.adapters
             self.runner.merged = merged
         self.sampler = Sampler()
+        # Requests with structured_outputs: their grammars, compiled on background threads, and masks.
+        self.constraints = Constraints(tokenizer.hf if tokenizer is not None else None, mcfg.vocab_size,
+                                       eos_token_ids, cfg.max_num_seqs, torch.device(cfg.device))
         # A request can never outgrow the context nor the whole KV cache.
         self.max_context = min(cfg.max_model_len, num_kv_slots)
         self._ids = itertools.count()
@@ -103,6 +107,13 @@ class Engine:
     def adapters_in_use(self) -> set[str]:
         """The adapters of the requests that are running or queued."""
         return {r.lora for r in self._live.values() if r.lora is not None}
+
+    def _admit(self, request: Request) -> bool:
+        """Whether a queued request may start: its grammar compiled (a failed one is ended by the
+        next step) and its adapter in a slot."""
+        if request.grammar is not None and (not request.grammar.ready or request.grammar.error is not None):
+            return False
+        return self.loras is None or self._acquire_adapter(request)
 
     def _acquire_adapter(self, request: Request) -> bool:
         """Give `request` its adapter's slot, starting the copy of the adapter if needed; False
@@ -285,11 +296,19 @@ class Engine:
         if self.tokenizer is not None and detokenize:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
             request.stops = StopChecker.of(params)
+        if params.structured_outputs is not None:   # last: its compilation starts now
+            request.grammar = self.constraints.make(index, params.structured_outputs)
         return request
 
     def add(self, request: Request) -> None:
         self._live[request.id] = request
+        if request.grammar is not None:
+            self.constraints.added(request)
         self.scheduler.add(request)
+
+    def structured_stats(self) -> StructuredStats:
+        """Grammar compile times, per-step mask times and counts, so far."""
+        return self.constraints.stats()
 
     def abort(self, request_id: int) -> bool:
         """Stop serving a request now, wherever it is: waiting, part-way through its prompt,
@@ -303,6 +322,8 @@ class Engine:
         request.finish_reason = "abort"
         request.pending = 0
         self.scheduler.abort(request)
+        if request.grammar is not None:
+            self.constraints.ended(request)
         # A step launched ahead is still read back for its other rows; one with none is dropped.
         self._unread = deque(s for s in self._unread if not all(r.finished for r in s.requests))
         return True
@@ -331,10 +352,14 @@ class Engine:
                 return self._take_finished()
             if self.loras is not None and self.scheduler.waiting:
                 self._prefetch_adapters()
+            if self.constraints.compiling:
+                self._end_failed_grammars()
             self._draining = None   # chosen afresh by each step's admissions
             batch = self._schedule()
             while batch is None and self._wait_for_adapter():   # each wait lands a copy
                 batch = self._schedule()
+            if batch is None and self.constraints.wait():
+                return self._take_finished()   # only grammars being compiled: the caller comes back
             if batch is None:
                 raise RuntimeError("scheduler found nothing to run although requests are waiting")
         launched = self._launch(batch, None if ahead is None else ahead.token_ids)
@@ -351,6 +376,15 @@ class Engine:
             self._read_oldest()
         return self._take_finished()
 
+    def _end_failed_grammars(self) -> None:
+        """End the queued requests whose grammar did not compile, each with its error."""
+        for request in self.constraints.failed():
+            self.scheduler.abort(request)
+            self._live.pop(request.id, None)
+            self.constraints.ended(request)
+            request.finish_reason, request.error = "abort", request.grammar.error
+            self._finished.append(request)
+
     def _take_finished(self) -> list[Request]:
         finished, self._finished = self._finished, []
         return finished
@@ -363,6 +397,11 @@ class Engine:
         try:
             out = self.runner.forward(batch, [row for _, row in sampling], feed)
             prompt_logprobs = self._prompt_logprobs(batch, out.hidden)
+            if self.constraints.live and self._unread and any(c.request.grammar is not None for c, _ in sampling):
+                # Masks need every earlier token in the matchers: the step ahead is read now,
+                # while this one's forward runs.
+                while self._unread:
+                    self._read_oldest()
             launched = self._sample(out, [c.request for c, _ in sampling]) if sampling else None
         except BaseException:
             self.scheduler.rollback(batch)
@@ -375,17 +414,19 @@ class Engine:
         for request, entries in prompt_logprobs:
             request.prompt_logprobs += entries
         for request in launched.requests if launched is not None else ():
-            request.pending += 1
+            if not request.finished:   # a row the step ahead finished (read above) computes for nothing
+                request.pending += 1
         return launched
 
     def _sample(self, out: StepOutput, requests: list[Request]) -> InFlight:
+        mask = self.constraints.mask(requests) if self.constraints.live else None
         sampled = self.sampler(out.logits, SamplingBatch(
             params=[r.params for r in requests],
             output_token_ids=[r.output_token_ids for r in requests],
             prompt_token_ids=[r.prompt_token_ids for r in requests],
             generators=[r.generator for r in requests],
             eos_token_ids=self._eos_sorted,
-        ), argmax=out.argmax)
+        ), argmax=out.argmax, grammar=mask)
         return self._readback.start(requests, sampled.token_ids, sampled.logprobs)
 
     def _read_oldest(self) -> None:
@@ -407,6 +448,8 @@ class Engine:
 
     def _finish(self, request: Request) -> None:
         request.pending = 0
+        if request.grammar is not None:
+            self.constraints.ended(request)
         self.scheduler.finish(request)
         self._live.pop(request.id, None)
         self._finished.append(request)
@@ -460,6 +503,11 @@ class Engine:
         if request.detokenizer is not None:
             delta = request.detokenizer.step(token)
             request.text += delta
+        grammar = request.grammar
+        if grammar is not None and not grammar.accept(token):
+            request.finish_reason = "abort"
+            request.error = f"token {token} is not allowed by the request's structured_outputs.{grammar.spec.kind}"
+            return
         n_out = len(request.output_token_ids)
         if n_out >= params.min_new_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
@@ -475,7 +523,9 @@ class Engine:
                 request.text, request.stop_reason = hit.text, hit.stop_str
                 request.finish_reason = "stop"
                 return
-        if n_out >= params.max_new_tokens or request.num_resolved >= self.max_context:
+        if grammar is not None and grammar.terminated:   # the grammar took a stop token
+            request.finish_reason, request.stop_reason = "stop", None
+        elif n_out >= params.max_new_tokens or request.num_resolved >= self.max_context:
             request.finish_reason = "length"
 
 

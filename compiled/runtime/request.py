@@ -26,6 +26,7 @@ class RequestOutput:
     logprobs: list[Logprobs] | None = None
     prompt_logprobs: list[Logprobs | None] | None = None
     num_cached_tokens: int = 0   # prompt tokens its first admission found in the prefix cache (as vLLM's)
+    error: str | None = None     # why it ended early (finish_reason "abort"), e.g. its grammar did not compile
 
 
 @dataclass
@@ -53,6 +54,8 @@ class Request:
     pending: int = 0                    # tokens sampled on the device, not yet read back (overlap)
     first_launched: float | None = None  # time.perf_counter() when a step first computed its tokens
     num_cached_tokens: int | None = None  # prompt tokens its first admission found cached (None: not yet admitted)
+    grammar: object | None = None       # its structured.matcher.RequestGrammar, with structured_outputs
+    error: str | None = None            # why it ended without finishing (finish_reason "abort")
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without concatenating the whole sequence.
@@ -85,7 +88,7 @@ class Request:
             request_id=self.id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             token_ids=list(self.output_token_ids), text=self.text, finish_reason=self.finish_reason,
             stop_reason=self.stop_reason, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,
-            num_cached_tokens=self.num_cached_tokens or 0,
+            num_cached_tokens=self.num_cached_tokens or 0, error=self.error,
         )
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from compiled.structured.bitmask import GrammarMask
+
 from .sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -478,9 +480,13 @@ class Sampler:
     """Stateless: all per-request state arrives in the SamplingBatch."""
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, argmax: torch.Tensor | None = None) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, argmax: torch.Tensor | None = None,
+                 grammar: GrammarMask | None = None) -> SamplerOutput:
         """`argmax`: each row's argmax of `logits`, if the step computed it already (the decode
-        graphs do); taken for greedy rows when no penalty or mask changes the logits."""
+        graphs do); taken for greedy rows when no penalty or mask changes the logits. `grammar`:
+        the tokens its rows may take, applied after every other processing (in place on `logits`
+        when nothing else changed them and no row asks for logprobs, which come from the raw
+        logits); the masked rows' argmax is taken afresh."""
         if logits.dim() != 2 or logits.shape[0] != len(batch):
             raise ValueError(
                 f"Sampler: logits must be [{len(batch)}, vocab] (one row per request), got {tuple(logits.shape)}"
@@ -492,7 +498,13 @@ class Sampler:
         # All-greedy batches without penalties (the common case) need no per-row upload.
         row = _RowTensors.build(batch.params, plan, raw.device) if plan.needs_rows else None
         processed = apply_min_new_tokens(apply_logit_bias(self._penalise(raw, batch, plan, row), batch), batch)
-        token_ids = self._choose(processed, batch, plan, row, argmax if processed is raw else None)
+        argmax = argmax if processed is raw else None
+        if grammar is not None:
+            if processed is raw and any(p.logprobs is not None for p in batch.params):
+                processed = raw.clone()
+            grammar.apply(processed)
+            argmax = None if argmax is None else grammar.patch_argmax(processed, argmax)
+        token_ids = self._choose(processed, batch, plan, row, argmax)
         return SamplerOutput(token_ids, self._logprobs(raw, token_ids, batch))
 
     @staticmethod
