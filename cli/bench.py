@@ -463,6 +463,9 @@ def serving(
              "so that one process reading many streams does not delay the sends.")] = 1,
     api_key: Annotated[Optional[str], typer.Option(
         help="With --url: sent as `Authorization: Bearer KEY` (a server started with --api-key).")] = None,
+    structured: Annotated[Optional[str], typer.Option(
+        help="json: every request's output must match a JSON schema (an object holding an array of "
+             "integers), decoded under its grammar's token masks.")] = None,
 ) -> None:
     from cli import bench_core as core
     _check(o.compare is None, "--compare hf is available for latency, throughput and startup, not serving")
@@ -472,11 +475,14 @@ def serving(
     _check(o.client_processes == 1 or o.url is not None, "--client-processes needs --url (an engine in this "
            "process has no HTTP clients)")
     _check(o.api_key is None or o.url is not None, "--api-key needs --url (it is what a server asks of its clients)")
+    _check(o.structured in (None, *core.STRUCTURED), f"--structured {o.structured}: expected one of "
+           f"{', '.join(core.STRUCTURED)}")
     _check_workload(o)
     if o.url is not None:
         return _serving_http(o)
     run = _build("serving", o)
     items, workload = _workload(run)
+    _with_structured(items, o.structured)
     with _progress("serving") as bar:
         task = bar.add_task("requests", total=len(items))
         res = run.results = core.serving(run.llm, items, o.request_rate, o.max_concurrency, o.seed,
@@ -484,6 +490,13 @@ def serving(
     run.run_profile(items[:o.max_num_seqs], skip_prefill=False)
     rate = "inf" if math.isinf(o.request_rate) else f"{o.request_rate:g}/s"
     run.finish(f"{workload} at {rate}", *_serving_table(res, rate, _kv_cell(res)))
+
+
+def _with_structured(items: list, kind: str | None) -> None:
+    """Every request under `--structured`'s constraint (after the warm-up, which runs without)."""
+    from cli import bench_core as core
+    for item in items:
+        item.structured = core.STRUCTURED[kind] if kind is not None else None
 
 
 def _serving_table(res: dict, rate: str, kv: str | None) -> tuple[Table, Table]:
@@ -517,6 +530,7 @@ def _serving_http(o: SimpleNamespace) -> None:
     _check(len(adapters) == o.num_loras, f"--num-loras {o.num_loras}: the server serves {len(adapters)} adapters")
     for item, lora in zip(items, core.assign_loras(len(items), adapters, o.lora_dist, o.seed)):
         item.lora = lora
+    _with_structured(items, o.structured)
     with _progress("serving") as bar:
         task = bar.add_task("requests", total=len(items))
         res = serving_http(o.url, items, o.request_rate, o.max_concurrency, o.seed,

@@ -4,9 +4,8 @@ one `StructuredOutputs`; an invalid schema, regex or grammar is a 400 naming the
 
 from __future__ import annotations
 
-import re
-
 from compiled.server.protocol import bad
+from compiled.structured.grammar import check
 from compiled.structured.spec import KINDS, StructuredOutputs
 
 
@@ -71,26 +70,7 @@ def request_constraint(body: dict) -> StructuredOutputs | None:
 def checked(spec: StructuredOutputs, field: str) -> StructuredOutputs:
     """`spec` once its schema, regex or grammar parses; else a 400 naming `field`."""
     try:
-        _parse(spec)
-    except (RuntimeError, ValueError, TypeError) as e:
-        raise bad(field, _one_line(e)) from None
+        check(spec)
+    except ValueError as e:   # named as `structured_outputs.<kind>: ...`: the request's field is `field`
+        raise bad(field, str(e).removeprefix(f"structured_outputs.{spec.kind}: ")) from None
     return spec
-
-
-def _parse(spec: StructuredOutputs) -> None:
-    """Parse `spec`'s schema, regex or grammar (not compiled against a vocabulary: that is the
-    engine's, and it is cached there)."""
-    import xgrammar
-    kind, text = spec.key()
-    if kind == "json":
-        xgrammar.Grammar.from_json_schema(text, any_whitespace=False)
-    elif kind == "regex":
-        xgrammar.Grammar.from_regex(text)
-    elif kind == "grammar":
-        xgrammar.Grammar.from_ebnf(text)
-
-
-def _one_line(e: BaseException) -> str:
-    """xgrammar's message without its timestamp and source location, on one line."""
-    text = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip())
-    return " ".join(text.split()) or type(e).__name__

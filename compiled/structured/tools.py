@@ -9,6 +9,9 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from compiled.structured.grammar import check
+from compiled.structured.spec import StructuredOutputs
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -27,14 +30,12 @@ def call_schema(tool: Tool) -> dict:
 
 def check_parameters(schema: dict) -> None:
     """Raise a ValueError (one line) when `schema` is not a JSON schema the grammar can use."""
-    import xgrammar
     if not isinstance(schema, dict):
         raise ValueError(f"expected a JSON schema object, got {schema!r}")
     try:
-        xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-    except RuntimeError as e:
-        message = str(e).strip().split(": ", 1)[-1] if str(e).startswith("[") else str(e)
-        raise ValueError(" ".join(message.split())) from None
+        check(StructuredOutputs(json=schema))
+    except ValueError as e:
+        raise ValueError(str(e).removeprefix("structured_outputs.json: ")) from None
 
 
 def tool_call_grammar(tools: Sequence[Tool], several: bool) -> str:
