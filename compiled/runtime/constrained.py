@@ -57,8 +57,7 @@ class Constraints:
 
     def added(self, request: Request) -> None:
         self.live += 1
-        if not request.grammar.ready:
-            self.compiling.append(request)
+        self.compiling.append(request)   # until a step sees it compiled (or failed)
 
     def ended(self, request: Request) -> None:
         self.live -= 1
