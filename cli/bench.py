@@ -7,6 +7,7 @@ file holds the command surface and the tables."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import os
@@ -487,6 +488,8 @@ def serving(
         task = bar.add_task("requests", total=len(items))
         res = run.results = core.serving(run.llm, items, o.request_rate, o.max_concurrency, o.seed,
                                          on_finish=lambda n: bar.advance(task, n))
+    if o.structured is not None:   # what the constraint cost: grammar compiles, each step's masks
+        res["structured"] = dataclasses.asdict(run.llm.engine.structured_stats())
     run.run_profile(items[:o.max_num_seqs], skip_prefill=False)
     rate = "inf" if math.isinf(o.request_rate) else f"{o.request_rate:g}/s"
     run.finish(f"{workload} at {rate}", *_serving_table(res, rate, _kv_cell(res)))
@@ -505,6 +508,12 @@ def _serving_table(res: dict, rate: str, kv: str | None) -> tuple[Table, Table]:
             ("duration (s)", f"{res['duration_s']:.2f}"),
             ("requests/s", _rate(res["requests_per_s"])), ("output tokens/s", _rate(res["output_tokens_per_s"])),
             ("total tokens/s", _rate(res["total_tokens_per_s"]))] + ([("peak KV", kv)] if kv else [])
+    if "structured" in res:
+        st = res["structured"]
+        rows += [("grammar compile p50 / p99 (ms)", f"{_ms(st['compile_seconds_p50'] * 1e3)} / "
+                  f"{_ms(st['compile_seconds_p99'] * 1e3)}"),
+                 ("step mask p50 / p99 (ms)", f"{_ms(st['mask_seconds_p50'] * 1e3)} / "
+                  f"{_ms(st['mask_seconds_p99'] * 1e3)}")]
     percentiles = Table(title="latency percentiles (ms)", title_justify="left")
     for col in ("metric", "mean", "p50", "p90", "p99"):
         percentiles.add_column(col, justify="left" if col == "metric" else "right")
