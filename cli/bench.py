@@ -269,24 +269,30 @@ def latency(
     num_iters_warmup: Annotated[int, typer.Option(help="Untimed runs of the whole batch first.")] = 5,
     bandwidth: Annotated[Optional[float], typer.Option(
         help="Device bandwidth in GB/s for the floor (default: measured once, cached in ~/.cache/compiled).")] = None,
+    structured: Annotated[Optional[str], typer.Option(
+        help="json: one JSON schema on every request; adds mask and grammar compile times.")] = None,
 ) -> None:
     from cli import bench_core as core
+    from cli import bench_structured
     from compiled.runtime.config import resolve_device
     for name, low in (("batch_size", 1), ("input_len", 1), ("output_len", 1), ("num_iters", 1), ("num_iters_warmup", 0)):
         _at_least(o, name, low)
     _check(o.batch_size <= o.max_num_seqs, f"--batch-size {o.batch_size} exceeds --max-num-seqs {o.max_num_seqs}")
     _check(o.bandwidth is None or o.bandwidth > 0, f"--bandwidth must be positive, got {o.bandwidth}")
+    bench_structured.check(o.structured)
     bw = core.bandwidth(resolve_device(o.device), o.bandwidth)   # before the model takes the memory
     run = _build("latency", o)
     context = run.llm.engine.max_context
     _check(o.input_len + o.output_len <= context, f"--input-len {o.input_len} + --output-len {o.output_len} exceed "
                                                   f"the context of {context} tokens (raise --max-model-len)")
     core.check_batch_fits(run.llm.engine, o.batch_size, o.input_len, o.output_len)
+    spec = bench_structured.prepare(run.llm, o.structured, o.seed)
     with _progress("latency") as bar:
         task = bar.add_task("steps", total=o.num_iters * o.output_len)
         loras = core.assign_loras(o.batch_size, run.loras, o.lora_dist, o.seed)
         res, prompts = core.latency(run.llm, o.batch_size, o.input_len, o.output_len, o.num_iters,
-                                    o.num_iters_warmup, o.seed, on_step=lambda: bar.advance(task), loras=loras)
+                                    o.num_iters_warmup, o.seed, on_step=lambda: bar.advance(task), loras=loras,
+                                    structured=spec)
         run.lora_requests = _lora_counts(loras)
     res["roofline"] = core.roofline(run.llm, o.batch_size, o.input_len, o.output_len,
                                     _p(res["decode_step_ms"]), bw)
@@ -329,7 +335,17 @@ def latency(
         rows.append(("steps below the batch (not timed)", str(res["decode_steps_not_full"]), "", ""))
     if res["retractions"]:
         rows.append(("retractions (KV full)", str(res["retractions"]), "", ""))
+    if spec is not None:
+        res["structured"] = bench_structured.results(run.llm.engine)
+        rows += _structured_rows(o.structured, res["structured"])
     run.finish(f"batch {o.batch_size}, input {o.input_len}, output {o.output_len}", _metric_table(rows, bool(hf)))
+
+
+def _structured_rows(kind: str, st: dict) -> list[tuple]:
+    return [("structured outputs", f"{kind} schema on every request", "", ""),
+            ("  mask fill per step p50 / p99 (ms)", f"{_ms(st['mask_ms']['p50'])} / {_ms(st['mask_ms']['p99'])}", "", ""),
+            ("  grammar compile p50 / max (ms)",
+             f"{_ms(st['compile_ms']['p50'])} / {_ms(st['compile_ms']['max'])} ({st['compiles']} compiled)", "", "")]
 
 
 # ---- throughput and serving: a workload of many requests --------------------------------------

@@ -73,8 +73,8 @@ def free_memory(device: torch.device) -> None:
 # ---- the engine -------------------------------------------------------------------------------
 
 
-def greedy(output_len: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
+def greedy(output_len: int, structured: dict | None = None) -> SamplingParams:
+    return SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True, structured_outputs=structured)
 
 
 def check_idle(engine) -> None:
@@ -239,7 +239,7 @@ def check_batch_fits(engine, batch: int, input_len: int, output_len: int) -> Non
 
 
 def latency_once(llm, prompts: list[Prompt], output_len: int, on_step: StepHook = None,
-                 loras: list[str | None] | None = None) -> LatencyRun:
+                 loras: list[str | None] | None = None, structured: dict | None = None) -> LatencyRun:
     """One batch: prefill every prompt (TTFT: until each has its first token), then time
     `output_len - 1` decode steps of the whole batch, at the batch size asked for.
 
@@ -251,13 +251,14 @@ def latency_once(llm, prompts: list[Prompt], output_len: int, on_step: StepHook 
     that reads back two steps' tokens (under overlap) counts as two steps of half its time;
     prefill steps do not count the decode step launched ahead while the first tokens were read.
     A call in which the requests did not all get the same number of tokens (a retraction) is
-    counted in `steps_not_full` instead."""
+    counted in `steps_not_full` instead. `structured`: every request's structured_outputs."""
     engine = llm.engine
     check_idle(engine)
     retractions = engine.scheduler.num_retractions
     loras = loras or [None] * len(prompts)
     longest = max(len(p) for p in prompts)
-    params = greedy(min(output_len + fill_headroom(engine, len(prompts), longest), engine.max_context - longest))
+    params = greedy(min(output_len + fill_headroom(engine, len(prompts), longest), engine.max_context - longest),
+                    structured)
     requests = [engine.make_request(i, p, params, a) for i, (p, a) in enumerate(zip(prompts, loras))]
     sync(llm.config.device)
     t0 = time.perf_counter()
@@ -303,14 +304,16 @@ def _timed_decode(engine, requests: list, count: int, on_step: StepHook) -> tupl
 
 
 def latency(llm, batch: int, input_len: int, output_len: int, iters: int, warmup: int, seed: int,
-            on_step: StepHook = None, loras: list[str | None] | None = None) -> tuple[dict, list[list[int]]]:
-    """`loras`: the adapter of each of the `batch` requests (None: the base model). A batch that
-    does not fit the KV cache is an error before anything runs (`check_batch_fits`)."""
+            on_step: StepHook = None, loras: list[str | None] | None = None,
+            structured: dict | None = None) -> tuple[dict, list[list[int]]]:
+    """`loras`: the adapter of each of the `batch` requests (None: the base model); `structured`:
+    the structured_outputs of every request. A batch that does not fit the KV cache is an error
+    before anything runs (`check_batch_fits`)."""
     check_batch_fits(llm.engine, batch, input_len, output_len)
     prompts = random_ids(batch, input_len, llm.model_config.vocab_size, seed)
     for _ in range(warmup):
-        latency_once(llm, prompts, output_len, loras=loras)
-    runs = [latency_once(llm, prompts, output_len, on_step, loras) for _ in range(iters)]
+        latency_once(llm, prompts, output_len, loras=loras, structured=structured)
+    runs = [latency_once(llm, prompts, output_len, on_step, loras, structured) for _ in range(iters)]
     steps = [s for r in runs for s in r.step_s]
     elapsed = sum(r.elapsed_s for r in runs)
     out_tokens = sum(r.output_tokens for r in runs)

@@ -7,15 +7,17 @@ exactly those of an engine that knows nothing of grammars."""
 
 from __future__ import annotations
 
+import os
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
+import xgrammar as xgr
 
 from compiled.errors import RequestError
 from compiled.runtime.request import Request
 from compiled.structured.bitmask import GrammarMask, bitmask_width
-from compiled.structured.compiler import GrammarCache, vocabulary
+from compiled.structured.compiler import GrammarCache, Vocabulary, vocabulary
 from compiled.structured.grammar import check
 from compiled.structured.matcher import RequestGrammar
 from compiled.structured.spec import StructuredOutputs
@@ -23,30 +25,38 @@ from compiled.structured.stats import StructuredStats
 
 # The engine waits this long for a compile when nothing else can run, then returns to its caller.
 COMPILE_POLL_SECONDS = 0.05
+# Host threads filling a step's masks (a JSON row takes from microseconds to milliseconds).
+FILL_THREADS = 8
 
 
 class Constraints:
     def __init__(self, hf_tokenizer: Any | None, vocab_size: int, eos_token_ids: Sequence[int],
                  max_rows: int, device: torch.device) -> None:
-        self._hf, self._vocab_size, self._eos = hf_tokenizer, vocab_size, sorted(eos_token_ids)
+        # What builds the vocabulary's token table (None: no tokenizer, no constrained requests);
+        # a benchmark of a model without one may set its own before the first constrained request.
+        self.make_vocabulary: Callable[[], Vocabulary] | None = None
+        if hf_tokenizer is not None:
+            eos = sorted(eos_token_ids)
+            self.make_vocabulary = lambda: vocabulary(hf_tokenizer, vocab_size, eos)
         self._device = device
         self._cache: GrammarCache | None = None   # made with the first constrained request
         self._max_rows = max_rows
         self._host: list[torch.Tensor] = []       # two host bitmasks used in turn (pinned on CUDA)
         self._turn = 0
+        # Half the host's cores at most: the engine's own thread and the compiles need some.
+        self._filler = xgr.BatchGrammarMatcher(max(1, min(FILL_THREADS, (os.cpu_count() or 1) // 2)))
         self.compiling: list[Request] = []        # queued requests whose grammar is not compiled yet
         self.live = 0                             # constrained requests added and not finished
 
     def _grammars(self) -> GrammarCache:
         if self._cache is None:
-            hf, size, eos = self._hf, self._vocab_size, self._eos
-            self._cache = GrammarCache(lambda: vocabulary(hf, size, eos))
+            self._cache = GrammarCache(self.make_vocabulary)
         return self._cache
 
     def make(self, index: int, spec: StructuredOutputs) -> RequestGrammar:
         """Check prompt `index`'s spec (a one-line RequestError naming the field) and start its
         compilation."""
-        if self._hf is None:
+        if self.make_vocabulary is None:
             raise RequestError(f"prompt {index}: structured_outputs needs the model's tokenizer, which it has not")
         try:
             check(spec)
@@ -89,8 +99,11 @@ class Constraints:
             return None
         start = time.perf_counter()
         host = self._host_bitmask()[:len(requests)]
-        for i in rows:
-            requests[i].grammar.fill(host, i)
+        matchers = [requests[i].grammar.matcher for i in rows]
+        if len(rows) == 1:
+            matchers[0].fill_next_token_bitmask(host, rows[0])
+        else:   # on xgrammar's threads, without the GIL
+            self._filler.batch_fill_next_token_bitmask(matchers, host, rows)
         on_device = host if self._device.type != "cuda" else host.to(self._device, non_blocking=True)
         self._cache.stats.masked(len(rows), time.perf_counter() - start)
         return GrammarMask(on_device, rows)
@@ -105,7 +118,3 @@ class Constraints:
 
     def stats(self) -> StructuredStats:
         return StructuredStats() if self._cache is None else self._cache.stats.snapshot()
-
-    def close(self) -> None:
-        if self._cache is not None:
-            self._cache.close()

@@ -1,9 +1,10 @@
 """Token bitmasks: int32 words, bit j of word w allowing token 32 * w + j, one row per logits row.
 
-`apply_bitmask_` sets every disallowed logit of the given rows to -inf in place, with xgrammar's
-kernel (CUDA on the GPU, C++ on the CPU); logits past the bitmask's width (a model vocabulary
-larger than the one the mask was built for) are disallowed too. `apply_bitmask_ref` is the torch
-reference it is tested against."""
+`apply_bitmask_` sets every disallowed logit of the given rows to -inf in place: on the GPU one
+Triton launch (`apply_bitmask_triton`: a program per row and 4096 logits, writing only the
+disallowed ones), on the CPU xgrammar's C++ kernel. Logits past the bitmask's width (a model
+vocabulary larger than the one the mask was built for) are disallowed too. `apply_bitmask_ref`
+is the torch reference both are tested against."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import triton
+import triton.language as tl
 import xgrammar as xgr
 
 _NEG_INF = float("-inf")
+BLOCK = 4096   # logits a program masks
 
 
 def bitmask_width(vocab_size: int) -> int:
@@ -39,11 +43,37 @@ def apply_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequenc
     logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~allowed, _NEG_INF))
 
 
+@triton.jit
+def _apply_bitmask_kernel(Logits, Bitmask, Rows, V, W, stride_logits, stride_bitmask, BLOCK: tl.constexpr):
+    row = tl.load(Rows + tl.program_id(0)).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    word = offs // 32
+    words = tl.load(Bitmask + row * stride_bitmask + word, mask=(offs < V) & (word < W), other=0)
+    allowed = ((words >> (offs % 32)) & 1) != 0
+    tl.store(Logits + row * stride_logits + offs, float("-inf"), mask=(offs < V) & ~allowed)
+
+
+def apply_bitmask_triton(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """As `apply_bitmask_ref`; `rows`: int32 or int64 row indices on the logits' device."""
+    if logits.stride(-1) != 1 or bitmask.stride(-1) != 1 or bitmask.dtype != torch.int32:
+        raise ValueError(f"apply_bitmask: logits {tuple(logits.shape)} and an int32 bitmask {tuple(bitmask.shape)} "
+                         f"({bitmask.dtype}) need a contiguous last dim")
+    V, W = logits.shape[1], bitmask.shape[1]
+    if len(rows) == 0:
+        return
+    _apply_bitmask_kernel[(len(rows), triton.cdiv(V, BLOCK))](logits, bitmask, rows, V, W, logits.stride(0),
+                                                             bitmask.stride(0), BLOCK=BLOCK, num_warps=4)
+
+
 def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
-    """As `apply_bitmask_ref`, with xgrammar's kernel. `bitmask` on the logits' device."""
+    """As `apply_bitmask_ref`. `bitmask` on the logits' device."""
     if not rows:
         return
     rows = list(rows)
+    if logits.device.type == "cuda":
+        index = torch.tensor(rows, dtype=torch.int32, pin_memory=True).to(logits.device, non_blocking=True)
+        apply_bitmask_triton(logits, bitmask, index)
+        return
     covered = min(logits.shape[1], bitmask.shape[1] * 32)
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=covered, indices=rows)
     if covered < logits.shape[1]:

@@ -91,6 +91,3 @@ class GrammarCache:
             with self._lock:
                 if self._compiled.get(key) is future:
                     del self._compiled[key]
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-import torch
 import xgrammar as xgr
 
 from compiled.structured.compiler import Vocabulary
@@ -76,7 +75,3 @@ class RequestGrammar:
             self._seen = b""
         else:
             self._seen = seen[-(len(self._after) - 1):] if len(self._after) > 1 else b""
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into `bitmask[row]` (a set bit allows the token)."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)

@@ -3,6 +3,7 @@ kept over a bounded window for percentiles, as a snapshot a server reports in /m
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ def percentile(samples, q: float) -> float:
     ordered = sorted(samples)
     if not ordered:
         return 0.0
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+    return ordered[min(len(ordered), max(1, math.ceil(q / 100 * len(ordered)))) - 1]
 
 
 class StatsRecorder:

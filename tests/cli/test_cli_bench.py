@@ -369,3 +369,20 @@ def test_startup_with_fresh_caches(model_args, tmp_path, monkeypatch):
     assert rec["results"]["fresh_caches"] is True
     for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
         assert os.environ[name] != str(tmp_path / "warm") and os.path.isdir(os.environ[name])
+
+
+@pytest.mark.parametrize("tokenizer", [True, False], ids=["demo-tokenizer", "stand-in-vocabulary"])
+def test_latency_with_a_json_schema_on_every_request(model_args, tmp_path, tokenizer):
+    """--structured json: every step of every row is masked (the schema cannot end within the
+    output), and the mask and compile times are reported beside the step time."""
+    model = model_args if tokenizer else [make_checkpoint(tmp_path / "ckpt", moe=True, vocab_size=600)]
+    out = tmp_path / "structured.json"
+    rec = _bench("latency", *model, *SMALL, "--batch-size", "2", "--input-len", "8", "--output-len", "6",
+                 "--num-iters", "2", "--num-iters-warmup", "1", "--structured", "json", "--json", str(out))
+    r, st = rec["results"], rec["results"]["structured"]
+    assert r["decode_steps"] == 2 * 5 and r["decode_steps_not_full"] == 0
+    assert st["requests"] == 3 * 2 and st["compiles"] == 1 and st["compile_cache_hits"] == 5
+    assert st["mask_rows"] >= 3 * 2 * 6 and 0 < st["mask_ms"]["p50"] <= st["mask_ms"]["p99"]
+    assert 0 < st["compile_ms"]["p50"] <= st["compile_ms"]["max"]
+    result = runner.invoke(app, ["bench", "latency", *SMALL, "--structured", "yaml"])
+    assert result.exit_code != 0 and "--structured 'yaml': choose from json" in result.output

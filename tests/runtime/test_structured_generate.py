@@ -246,3 +246,18 @@ def test_prefix_cache_reuse_under_a_schema():
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert any(o.num_cached_tokens for o in outs)
     assert all(_valid("small", o.text) for o in outs[:2])
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_decode_graphs_logits_are_masked_as_on_the_cpu(llm):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    gpu = LLM(MOE_MODEL, device="cuda", dtype="float32")
+    kinds = ["small", None, "regex", "choice", "grammar", None]
+    params = [_params(k, 12 if k is None else 60) for k in kinds]
+    prompts = EXAMPLE_PROMPTS[:len(kinds)]
+    outs = gpu.generate(prompts, params)
+    assert gpu.engine.structured_stats().mask_steps > 0
+    for kind, out, ref in zip(kinds, outs, llm.generate(prompts, params)):
+        assert out.token_ids == ref.token_ids, kind
+        assert kind is None or (_valid(kind, out.text) and out.finish_reason == "stop")

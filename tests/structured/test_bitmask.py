@@ -1,5 +1,7 @@
-"""The bitmask op (xgrammar's kernel) against its torch reference, on random masks and logits of
-vocabulary sizes that are and are not multiples of 32, for every row or a few."""
+"""The bitmask op against its torch reference, on random masks and logits of vocabulary sizes that
+are and are not multiples of 32, for every row or a few: on the CPU xgrammar's kernel, and the
+Triton kernel the GPU runs under `TRITON_INTERPRET=1` (in a subprocess); on the GPU at the 30B's
+vocabulary."""
 
 from __future__ import annotations
 
@@ -73,3 +75,36 @@ def test_kernel_equals_reference_on_cuda():
         apply_bitmask_ref(expected, bitmask, rows)
         apply_bitmask_(got, bitmask, rows)
         assert torch.equal(got, expected)
+
+
+def interpreted() -> dict:
+    """The Triton kernel on random masks (run under TRITON_INTERPRET=1 by the fixture below)."""
+    from compiled.structured.bitmask import apply_bitmask_triton
+    results = {}
+    g = torch.Generator().manual_seed(1)
+    for vocab, width, rows in ((33, 2, [0, 2]), (269, 9, [1]), (4099, 129, [0, 1, 2]), (300, 5, [2, 0])):
+        logits = torch.randn(3, vocab, generator=g)
+        bitmask = _random_bitmask(3, width * 32, g, density=0.5)   # width * 32 < vocab: the rest is masked
+        expected, got = logits.clone(), logits.clone()
+        apply_bitmask_ref(expected, bitmask, rows)
+        apply_bitmask_triton(got, bitmask, torch.tensor(rows))
+        results[f"{vocab}/{width}/{rows}"] = torch.equal(got, expected)
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreted_results() -> dict:
+    from tests.linear.test_linear_kernel import run_interpreted
+    return run_interpreted(__file__)
+
+
+def test_interpreted_triton_kernel_equals_reference(interpreted_results):
+    assert len(interpreted_results) == 4 and all(interpreted_results.values()), interpreted_results
+
+
+if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
+    import json
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    print(json.dumps(interpreted()))

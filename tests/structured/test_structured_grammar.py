@@ -103,3 +103,14 @@ def test_a_spec_compiles_once(vocab):
     stats = cache.stats.snapshot()
     assert (stats.requests, stats.compiles, stats.compile_cache_hits) == (2, 1, 1)
     assert stats.compile_seconds_p50 > 0
+
+
+def test_stats_percentiles_are_nearest_rank_over_the_latest_samples():
+    from compiled.structured.stats import WINDOW, StatsRecorder, percentile
+    assert (percentile(range(1, 101), 50), percentile(range(1, 101), 99), percentile([], 50)) == (50, 99, 0.0)
+    recorder = StatsRecorder()
+    for i in range(WINDOW + 100):
+        recorder.masked(2, 1.0 if i < 100 else 0.001 * (i % 10))
+    s = recorder.snapshot()
+    assert (s.mask_steps, s.mask_rows) == (WINDOW + 100, 2 * (WINDOW + 100))
+    assert s.mask_seconds_p99 == pytest.approx(0.009) and s.mask_seconds_p50 == pytest.approx(0.004)
