@@ -7,7 +7,6 @@ file holds the command surface and the tables."""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 import os
@@ -481,10 +480,11 @@ def serving(
     api_key: Annotated[Optional[str], typer.Option(
         help="With --url: sent as `Authorization: Bearer KEY` (a server started with --api-key).")] = None,
     structured: Annotated[Optional[str], typer.Option(
-        help="json: every request's output must match a JSON schema (an object holding an array of "
-             "integers), decoded under its grammar's token masks.")] = None,
+        help="json: one JSON schema on every request (in-process or over --url); adds mask and grammar "
+             "compile times.")] = None,
 ) -> None:
     from cli import bench_core as core
+    from cli import bench_structured
     _check(o.compare is None, "--compare hf is available for latency, throughput and startup, not serving")
     _check(o.request_rate > 0, f"--request-rate must be positive (or inf), got {o.request_rate}")
     _at_least(o, "max_concurrency", 1)
@@ -492,44 +492,38 @@ def serving(
     _check(o.client_processes == 1 or o.url is not None, "--client-processes needs --url (an engine in this "
            "process has no HTTP clients)")
     _check(o.api_key is None or o.url is not None, "--api-key needs --url (it is what a server asks of its clients)")
-    _check(o.structured in (None, *core.STRUCTURED), f"--structured {o.structured}: expected one of "
-           f"{', '.join(core.STRUCTURED)}")
+    bench_structured.check(o.structured)
     _check_workload(o)
     if o.url is not None:
         return _serving_http(o)
     run = _build("serving", o)
     items, workload = _workload(run)
-    _with_structured(items, o.structured)
+    _with_structured(items, bench_structured.prepare(run.llm, o.structured, o.seed))
     with _progress("serving") as bar:
         task = bar.add_task("requests", total=len(items))
         res = run.results = core.serving(run.llm, items, o.request_rate, o.max_concurrency, o.seed,
                                          on_finish=lambda n: bar.advance(task, n))
     if o.structured is not None:   # what the constraint cost: grammar compiles, each step's masks
-        res["structured"] = dataclasses.asdict(run.llm.engine.structured_stats())
+        res["structured"] = bench_structured.results(run.llm.engine)
     run.run_profile(items[:o.max_num_seqs], skip_prefill=False)
     rate = "inf" if math.isinf(o.request_rate) else f"{o.request_rate:g}/s"
-    run.finish(f"{workload} at {rate}", *_serving_table(res, rate, _kv_cell(res)))
+    run.finish(f"{workload} at {rate}", *_serving_table(res, rate, _kv_cell(res), o.structured))
 
 
-def _with_structured(items: list, kind: str | None) -> None:
+def _with_structured(items: list, spec: dict | None) -> None:
     """Every request under `--structured`'s constraint (after the warm-up, which runs without)."""
-    from cli import bench_core as core
     for item in items:
-        item.structured = core.STRUCTURED[kind] if kind is not None else None
+        item.structured = spec
 
 
-def _serving_table(res: dict, rate: str, kv: str | None) -> tuple[Table, Table]:
+def _serving_table(res: dict, rate: str, kv: str | None, structured: str | None = None) -> tuple[Table, Table]:
     rows = [("request rate / max concurrency", f"{rate} / {res['max_concurrency'] or '-'}"),
             ("input / output tokens", f"{res['input_tokens']:,} / {res['output_tokens']:,}"),
             ("duration (s)", f"{res['duration_s']:.2f}"),
             ("requests/s", _rate(res["requests_per_s"])), ("output tokens/s", _rate(res["output_tokens_per_s"])),
             ("total tokens/s", _rate(res["total_tokens_per_s"]))] + ([("peak KV", kv)] if kv else [])
     if "structured" in res:
-        st = res["structured"]
-        rows += [("grammar compile p50 / p99 (ms)", f"{_ms(st['compile_seconds_p50'] * 1e3)} / "
-                  f"{_ms(st['compile_seconds_p99'] * 1e3)}"),
-                 ("step mask p50 / p99 (ms)", f"{_ms(st['mask_seconds_p50'] * 1e3)} / "
-                  f"{_ms(st['mask_seconds_p99'] * 1e3)}")]
+        rows += [row[:2] for row in _structured_rows(structured, res["structured"])]
     percentiles = Table(title="latency percentiles (ms)", title_justify="left")
     for col in ("metric", "mean", "p50", "p90", "p99"):
         percentiles.add_column(col, justify="left" if col == "metric" else "right")
@@ -555,7 +549,7 @@ def _serving_http(o: SimpleNamespace) -> None:
     _check(len(adapters) == o.num_loras, f"--num-loras {o.num_loras}: the server serves {len(adapters)} adapters")
     for item, lora in zip(items, core.assign_loras(len(items), adapters, o.lora_dist, o.seed)):
         item.lora = lora
-    _with_structured(items, o.structured)
+    _with_structured(items, {"json": bench_structured.SCHEMA} if o.structured else None)
     with _progress("serving") as bar:
         task = bar.add_task("requests", total=len(items))
         res = serving_http(o.url, items, o.request_rate, o.max_concurrency, o.seed,

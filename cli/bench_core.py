@@ -17,7 +17,7 @@ import random
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
 
@@ -28,7 +28,6 @@ from cli.engine_options import build_llm
 from compiled.passes.variant import BASE
 from compiled.runtime.config import EngineConfig, resolve_device
 from compiled.runtime.sampling_params import SamplingParams
-from compiled.structured.spec import StructuredOutputs
 
 Prompt = str | list[int]
 StepHook = Callable[[], None] | None
@@ -106,14 +105,7 @@ class Item:
     prompt: Prompt
     output_len: int
     lora: str | None = None      # the adapter the request runs with
-    structured: StructuredOutputs | None = None   # what its output must match
-
-
-# `--structured json`: the schema every request's output must match. Its array is unbounded, so
-# a request still runs to its output length (unless the model closes the object).
-STRUCTURED = {"json": StructuredOutputs(json={
-    "type": "object", "properties": {"values": {"type": "array", "items": {"type": "integer"}}},
-    "required": ["values"]})}
+    structured: dict | None = None   # its structured_outputs (what its output must match)
 
 
 LORA_DISTS = ("uniform", "zipf", "one", "none")
@@ -184,8 +176,8 @@ def read_dataset(path: Path, output_len: int, output_len_max: int | None, seed: 
 
 def make_requests(engine, items: Sequence[Item]) -> list:
     """Validate and tokenize every item (a bad one fails before anything is queued)."""
-    requests = [engine.make_request(i, it.prompt, replace(greedy(it.output_len), structured_outputs=it.structured),
-                                    it.lora) for i, it in enumerate(items)]
+    requests = [engine.make_request(i, it.prompt, greedy(it.output_len, it.structured), it.lora)
+                for i, it in enumerate(items)]
     for i, (r, it) in enumerate(zip(requests, items)):
         if len(r.prompt_token_ids) + it.output_len > engine.max_context:
             raise ValueError(f"request {i}: input {len(r.prompt_token_ids)} + output {it.output_len} tokens "
