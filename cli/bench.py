@@ -537,6 +537,7 @@ def _serving_http(o: SimpleNamespace) -> None:
     """The serving workload sent to `--url` (no engine here): random prompts over MODEL's vocabulary."""
     from cli import bench_core as core
     from cli.bench_http import served_adapters, serving_http
+    from cli.bench_structured import SCHEMA
     from compiled.graphs.config import ModelConfig
     from compiled.runtime.settings import default_model
     if o.dataset is not None:
@@ -549,7 +550,7 @@ def _serving_http(o: SimpleNamespace) -> None:
     _check(len(adapters) == o.num_loras, f"--num-loras {o.num_loras}: the server serves {len(adapters)} adapters")
     for item, lora in zip(items, core.assign_loras(len(items), adapters, o.lora_dist, o.seed)):
         item.lora = lora
-    _with_structured(items, {"json": bench_structured.SCHEMA} if o.structured else None)
+    _with_structured(items, {"json": SCHEMA} if o.structured else None)
     with _progress("serving") as bar:
         task = bar.add_task("requests", total=len(items))
         res = serving_http(o.url, items, o.request_rate, o.max_concurrency, o.seed,
