@@ -479,8 +479,12 @@ def serving(
              "so that one process reading many streams does not delay the sends.")] = 1,
     api_key: Annotated[Optional[str], typer.Option(
         help="With --url: sent as `Authorization: Bearer KEY` (a server started with --api-key).")] = None,
+    structured: Annotated[Optional[str], typer.Option(
+        help="json: one JSON schema on every request (in-process or over --url); adds mask and grammar "
+             "compile times.")] = None,
 ) -> None:
     from cli import bench_core as core
+    from cli import bench_structured
     _check(o.compare is None, "--compare hf is available for latency, throughput and startup, not serving")
     _check(o.request_rate > 0, f"--request-rate must be positive (or inf), got {o.request_rate}")
     _at_least(o, "max_concurrency", 1)
@@ -488,26 +492,38 @@ def serving(
     _check(o.client_processes == 1 or o.url is not None, "--client-processes needs --url (an engine in this "
            "process has no HTTP clients)")
     _check(o.api_key is None or o.url is not None, "--api-key needs --url (it is what a server asks of its clients)")
+    bench_structured.check(o.structured)
     _check_workload(o)
     if o.url is not None:
         return _serving_http(o)
     run = _build("serving", o)
     items, workload = _workload(run)
+    _with_structured(items, bench_structured.prepare(run.llm, o.structured, o.seed))
     with _progress("serving") as bar:
         task = bar.add_task("requests", total=len(items))
         res = run.results = core.serving(run.llm, items, o.request_rate, o.max_concurrency, o.seed,
                                          on_finish=lambda n: bar.advance(task, n))
+    if o.structured is not None:   # what the constraint cost: grammar compiles, each step's masks
+        res["structured"] = bench_structured.results(run.llm.engine)
     run.run_profile(items[:o.max_num_seqs], skip_prefill=False)
     rate = "inf" if math.isinf(o.request_rate) else f"{o.request_rate:g}/s"
-    run.finish(f"{workload} at {rate}", *_serving_table(res, rate, _kv_cell(res)))
+    run.finish(f"{workload} at {rate}", *_serving_table(res, rate, _kv_cell(res), o.structured))
 
 
-def _serving_table(res: dict, rate: str, kv: str | None) -> tuple[Table, Table]:
+def _with_structured(items: list, spec: dict | None) -> None:
+    """Every request under `--structured`'s constraint (after the warm-up, which runs without)."""
+    for item in items:
+        item.structured = spec
+
+
+def _serving_table(res: dict, rate: str, kv: str | None, structured: str | None = None) -> tuple[Table, Table]:
     rows = [("request rate / max concurrency", f"{rate} / {res['max_concurrency'] or '-'}"),
             ("input / output tokens", f"{res['input_tokens']:,} / {res['output_tokens']:,}"),
             ("duration (s)", f"{res['duration_s']:.2f}"),
             ("requests/s", _rate(res["requests_per_s"])), ("output tokens/s", _rate(res["output_tokens_per_s"])),
             ("total tokens/s", _rate(res["total_tokens_per_s"]))] + ([("peak KV", kv)] if kv else [])
+    if "structured" in res:
+        rows += [row[:2] for row in _structured_rows(structured, res["structured"])]
     percentiles = Table(title="latency percentiles (ms)", title_justify="left")
     for col in ("metric", "mean", "p50", "p90", "p99"):
         percentiles.add_column(col, justify="left" if col == "metric" else "right")
@@ -521,6 +537,7 @@ def _serving_http(o: SimpleNamespace) -> None:
     """The serving workload sent to `--url` (no engine here): random prompts over MODEL's vocabulary."""
     from cli import bench_core as core
     from cli.bench_http import served_adapters, serving_http
+    from cli.bench_structured import SCHEMA
     from compiled.graphs.config import ModelConfig
     from compiled.runtime.settings import default_model
     if o.dataset is not None:
@@ -533,6 +550,7 @@ def _serving_http(o: SimpleNamespace) -> None:
     _check(len(adapters) == o.num_loras, f"--num-loras {o.num_loras}: the server serves {len(adapters)} adapters")
     for item, lora in zip(items, core.assign_loras(len(items), adapters, o.lora_dist, o.seed)):
         item.lora = lora
+    _with_structured(items, {"json": SCHEMA} if o.structured else None)
     with _progress("serving") as bar:
         task = bar.add_task("requests", total=len(items))
         res = serving_http(o.url, items, o.request_rate, o.max_concurrency, o.seed,

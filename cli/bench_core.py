@@ -105,6 +105,7 @@ class Item:
     prompt: Prompt
     output_len: int
     lora: str | None = None      # the adapter the request runs with
+    structured: dict | None = None   # its structured_outputs (what its output must match)
 
 
 LORA_DISTS = ("uniform", "zipf", "one", "none")
@@ -175,7 +176,8 @@ def read_dataset(path: Path, output_len: int, output_len_max: int | None, seed: 
 
 def make_requests(engine, items: Sequence[Item]) -> list:
     """Validate and tokenize every item (a bad one fails before anything is queued)."""
-    requests = [engine.make_request(i, it.prompt, greedy(it.output_len), it.lora) for i, it in enumerate(items)]
+    requests = [engine.make_request(i, it.prompt, greedy(it.output_len, it.structured), it.lora)
+                for i, it in enumerate(items)]
     for i, (r, it) in enumerate(zip(requests, items)):
         if len(r.prompt_token_ids) + it.output_len > engine.max_context:
             raise ValueError(f"request {i}: input {len(r.prompt_token_ids)} + output {it.output_len} tokens "

@@ -42,6 +42,8 @@ def served_adapters(url: str, api_key: str | None = None) -> list[str]:
 async def _one(client: httpx.AsyncClient, url: str, model: str, item: Item, trace: Trace, start: float) -> int:
     body = {"model": item.lora or model, "prompt": item.prompt, "max_tokens": item.output_len, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if item.structured is not None:   # vLLM's field, which this server reads too
+        body["structured_outputs"] = item.structured
     tokens = 0
     async with client.stream("POST", url + "/v1/completions", json=body) as response:
         if response.status_code != 200:

@@ -33,15 +33,23 @@ def serve(
                                          "starting from the longest cached prefix."),
     api_key: Optional[str] = typer.Option(None, help="Answer only /v1 requests carrying `Authorization: Bearer "
                                           "KEY` (default: COMPILED_API_KEY; unset: no key)."),
+    tool_call_parser: str = typer.Option("hermes", help="How tool calls are read from a chat's output when the "
+                                         "request gives tools: hermes (Qwen3's <tool_call> blocks; also named "
+                                         "qwen3)."),
+    reasoning_parser: Optional[str] = typer.Option(None, help="qwen3: a chat output's <think>...</think> becomes "
+                                                   "the message's reasoning_content, and a request's grammar "
+                                                   "applies after it (default: none)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
     with fail_cleanly(debug):
         import compiled.envs as envs
         from compiled.server.app import Server, create_app
+        from compiled.server.chat_output import ChatOptions
         from compiled.server.engine_process import EngineClient
         from compiled.server.listen import listen
         if max_queued_requests is not None and max_queued_requests < 1:
             raise ValueError(f"--max-queued-requests {max_queued_requests}: expected an int >= 1")
+        chat = ChatOptions(tool_call_parser, reasoning_parser)   # checked before the engine starts
         modules = lora_modules(lora, model) or None
         config = engine_config(dict(engine, model=model, lora_modules=modules,
                                     enable_lora=True if enable_lora or modules else None,
@@ -51,6 +59,6 @@ def serve(
         info = engine.start()
         try:
             name = served_model_name or os.path.basename(os.path.normpath(info.model_path))
-            listen(create_app(Server(engine, info, name, max_queued_requests), key), host, port)
+            listen(create_app(Server(engine, info, name, max_queued_requests, chat), key), host, port)
         finally:
             engine.stop()

@@ -53,13 +53,39 @@ KEYWORDS = ("count", "copy", "COPY")
 TASK_WEIGHTS = {"count": 0.3, "copy": 0.5, "COPY": 0.2}  # count is learned much faster than copy
 MAX_START = 899  # count prompts start at 0..MAX_START
 MIN_COUNT, MAX_COUNT = 12, 26  # numbers shown per count training sample (the answer itself never ends)
+# The chat template: plain turns as `<|user|>PROMPT<|assistant|>ANSWER` + EOS (what the models
+# were trained on); tools, tool calls and tool results as Qwen3's template writes them (a
+# `<tools>` block of the tools' JSON before the first turn, each call a `<tool_call>` block,
+# results in one user turn of `<tool_response>` blocks), and `enable_thinking=False` as Qwen3's
+# empty think block. Qwen3's instructions around the `<tools>` block are cut to one line: its
+# prose alone would fill most of the demo models' 512 positions.
 CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{%- if messages[0]['role'] == 'system' -%}{{ messages[0]['content'] + '\\n\\n' }}{%- endif -%}"
+    "{{- '# Tools\\n\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{ '\\n' }}{{ tool | tojson }}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nA call: <tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call>' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'user' -%}<|user|>{{ message['content'] }}"
-    "{%- elif message['role'] == 'assistant' -%}<|assistant|>{{ message['content'] }}{{ eos_token }}"
+    "{%- elif message['role'] == 'assistant' -%}<|assistant|>{{ message['content'] }}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "{%- if not loop.first or message['content'] -%}{{ '\\n' }}{%- endif -%}"
+    "{%- set call = call['function'] if call['function'] is defined else call -%}"
+    "{{ '<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{{- call['arguments'] if call['arguments'] is string else call['arguments'] | tojson -}}"
+    "{{ '}\\n</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ eos_token }}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}<|user|>{%- endif -%}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
     "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}"
+    "{%- endif -%}"
 )
 USER, ASSISTANT = "<|user|>", "<|assistant|>"
 N_TRAILING_EOS = 3  # EOS repeats after the answer that carry loss

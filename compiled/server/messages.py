@@ -8,10 +8,11 @@ after steps, and `Reply`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from compiled.runtime.sampling_params import SamplingParams
+from compiled.structured.stats import StructuredStats
 
 if TYPE_CHECKING:
     from compiled.runtime.llm import LLM
@@ -97,6 +98,7 @@ class MetricsSnapshot:
     step_seconds: float                 # engine.step wall time, summed
     first_tokens: int                   # requests whose first token was sent (phase_seconds sums over them)
     phase_seconds: dict[str, float]     # by FIRST_TOKEN_PHASES
+    structured: StructuredStats = field(default_factory=StructuredStats)   # grammar compiles, masks
 
 
 # ---- down: the front end to the engine ---------------------------------------------------------

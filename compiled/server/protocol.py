@@ -1,7 +1,9 @@
 """OpenAI's request fields, checked and turned into the engine's `SamplingParams`, and OpenAI's
 error body. Fields outside OpenAI's schema that vLLM accepts at the top level (`top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`, ...) are read the same way. An invalid value is a 400 whose
-message names the field, and so is a field this server does not serve (`suffix`, tools)."""
+`repetition_penalty`, `ignore_eos`, `structured_outputs`, ...) are read the same way. An invalid
+value is a 400 whose message names the field, and so is a field this server does not serve
+(`suffix`, `functions`) or does not know (`known_fields`: a misspelt or another server's field
+is refused rather than answered as if it were not there)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from compiled.runtime.sampling_params import SamplingParams
+from compiled.structured.spec import StructuredOutputs
 
 
 class APIError(Exception):
@@ -66,8 +69,36 @@ def _int(body: dict, name: str) -> int | None:
 
 # OpenAI's fields that change what a request returns and that this server does not serve, each
 # with its no-op values: set to anything else it is a 400 naming it, not an answer made without it.
-_UNSERVED = {"suffix": ("",), "tools": ([],), "functions": ([],),
-             "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "prediction": ()}
+_UNSERVED = {"suffix": ("",), "functions": ([],), "function_call": ("none", "auto"), "prediction": (),
+             "audio": (), "modalities": (["text"],), "web_search_options": ()}
+
+# Every field a request may carry: OpenAI's (those in `_UNSERVED` with their no-op values only;
+# `user`, `metadata`, `store`, `service_tier` and the like change nothing here) and vLLM's read here.
+_COMMON = {"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed", "stop",
+           "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "user", "response_format",
+           "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
+           "include_stop_str_in_output", "stop_token_ids", "structured_outputs", "echo",
+           "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention"}
+_KNOWN = {
+    False: _COMMON | {"prompt", "best_of", "suffix"},
+    True: _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                     "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort", "verbosity",
+                     "functions", "function_call", "prediction", "audio", "modalities", "web_search_options"},
+}
+# Fields other servers read, with what serves them here.
+_INSTEAD = {"guided_json": "structured_outputs.json", "guided_regex": "structured_outputs.regex",
+            "guided_choice": "structured_outputs.choice", "guided_grammar": "structured_outputs.grammar",
+            "guided_decoding_backend": "nothing (xgrammar is the only backend)"}
+
+
+def known_fields(body: dict, chat: bool) -> None:
+    """A 400 naming the request's fields this server does not read (vLLM logs and ignores them:
+    a request answered as if a misspelt constraint were not there returns output unchecked)."""
+    unknown = sorted(set(body) - _KNOWN[chat])
+    if unknown:
+        hint = "; ".join(f"{f}: use {_INSTEAD[f]}" for f in unknown if f in _INSTEAD)
+        raise bad(unknown[0], f"unknown field(s) {', '.join(unknown)} for "
+                  f"{'chat completions' if chat else 'completions'}" + (f" ({hint})" if hint else ""))
 
 
 def check_served(body: dict, n: int, chat: bool) -> None:
@@ -84,9 +115,11 @@ def check_served(body: dict, n: int, chat: bool) -> None:
         raise bad("best_of", f"only best_of = n ({n}) is served, got {best_of!r}")
 
 
-def sampling(body: dict, prompt_len: int, context: int, chat: bool) -> Sampling:
+def sampling(body: dict, prompt_len: int, context: int, chat: bool,
+             structured: StructuredOutputs | None = None) -> Sampling:
     """The request's sampling, checked against the context: a prompt plus `max_tokens` beyond it
-    is a 400 naming max_tokens (not a silent cut); no `max_tokens`: up to the context."""
+    is a 400 naming max_tokens (not a silent cut); no `max_tokens`: up to the context.
+    `structured`: what every choice's output must match."""
     room = context - prompt_len
     if room <= 0:
         raise bad("prompt" if not chat else "messages", f"{prompt_len} tokens leave no room in the context of "
@@ -109,7 +142,7 @@ def sampling(body: dict, prompt_len: int, context: int, chat: bool) -> Sampling:
     if n < 1:
         raise bad("n", f"expected an integer >= 1, got {n}")
     check_served(body, n, chat)
-    kwargs: dict = {"max_new_tokens": max_tokens}
+    kwargs: dict = {"max_new_tokens": max_tokens, "structured_outputs": structured}
     for name, field_name in _NUMBERS.items():
         if (v := _number(body, name)) is not None:
             kwargs[field_name] = v
@@ -146,12 +179,7 @@ def sampling(body: dict, prompt_len: int, context: int, chat: bool) -> Sampling:
         raise bad("echo", f"expected true or false, got {echo!r}")
     if echo and top_logprobs is not None:
         kwargs["prompt_logprobs"] = top_logprobs
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad("stream", f"expected true or false, got {stream!r}")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise bad("stream_options", f"expected an object, got {options!r}")
+    stream, include_usage = _streaming(body)
     params = []
     for i in range(n):
         choice = dict(kwargs)
@@ -162,7 +190,18 @@ def sampling(body: dict, prompt_len: int, context: int, chat: bool) -> Sampling:
         except (ValueError, TypeError) as e:   # SamplingParams names its own field: give the request's
             field = re.match(r"SamplingParams\.(\w+)", str(e))
             raise APIError(400, str(e), _REQUEST_FIELD.get(field[1], field[1]) if field else None) from None
-    return Sampling(params, stream, bool(options.get("include_usage")), top_logprobs, echo, prompt_only)
+    return Sampling(params, stream, include_usage, top_logprobs, echo, prompt_only)
+
+
+def _streaming(body: dict) -> tuple[bool, bool]:
+    """Whether the request streams, and whether its stream ends with the usage."""
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("stream", f"expected true or false, got {stream!r}")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad("stream_options", f"expected an object, got {options!r}")
+    return stream, bool(options.get("include_usage"))
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

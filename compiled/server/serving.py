@@ -7,9 +7,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+import jinja2
+
 from compiled.errors import RequestError
 from compiled.runtime.request import check_logit_bias, check_token_ids
 from compiled.runtime.tokenizer import Tokenizer, load_tokenizer
+from compiled.server.chat_messages import chat_messages
+from compiled.server.chat_output import ChatOptions
 from compiled.server.engine_process import EngineClient
 from compiled.server.messages import ModelInfo, Submitted
 from compiled.server.protocol import APIError, Sampling, bad
@@ -18,8 +22,10 @@ from compiled.server.protocol import APIError, Sampling, bad
 class Server:
     """The app's state: the engine's process, the served model, its tokenizer and adapters."""
 
-    def __init__(self, engine: EngineClient, info: ModelInfo, served_name: str, max_queued: int | None) -> None:
+    def __init__(self, engine: EngineClient, info: ModelInfo, served_name: str, max_queued: int | None,
+                 chat: ChatOptions | None = None) -> None:
         self.engine, self.info = engine, info
+        self.chat = chat or ChatOptions()   # how chat outputs are read: tool calls, reasoning
         self.tokenizer: Tokenizer | None = load_tokenizer(info.tokenizer_path) if info.tokenizer_path else None
         self.loras = list(info.loras)   # the adapters served, as loaded and unloaded through this server
         self.served_name, self.max_queued = served_name, max_queued
@@ -64,23 +70,22 @@ class Server:
         return [self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
                 for ids in prompts]
 
-    def chat_prompt(self, body: dict) -> list[int]:
-        """The chat's prompt ids: its messages through the chat template, with the request's
-        `chat_template_kwargs` (vLLM's; e.g. Qwen3's `enable_thinking`) as template variables."""
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
-            raise bad("messages", "expected a non-empty list of {\"role\", \"content\"} objects")
-        messages = [{**m, "content": _text_content(m.get("content"))} for m in messages]
+    def chat_prompt(self, body: dict, tools: list[dict] | None = None) -> list[int]:
+        """The chat's prompt ids: its messages (and `tools`, when given) through the chat
+        template, with the request's `chat_template_kwargs` (vLLM's; e.g. Qwen3's
+        `enable_thinking`) as template variables."""
+        messages = chat_messages(body.get("messages"))
         template_kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(template_kwargs, dict):
             raise bad("chat_template_kwargs", f"expected an object, got {template_kwargs!r}")
         if self.tokenizer is None:
             raise bad("messages", "the model has no tokenizer, so no chat template")
+        if tools:
+            template_kwargs = {**template_kwargs, "tools": tools}
         try:
             text = self.tokenizer.apply_chat_template(messages, **template_kwargs)
-        except (ValueError, TypeError) as e:
-            raise bad("messages", str(e)) from None
+        except (ValueError, TypeError, jinja2.TemplateError) as e:
+            raise bad("messages", f"the chat template failed: {e}") from None
         return self.tokenizer.encode(text)
 
     def start(self, prompts: list[list[int]], s: Sampling,
@@ -129,16 +134,3 @@ class Server:
                 entries.append((self.token_text(t), lp[t], {self.token_text(i): v for i, v in top}))
         return entries
 
-
-def _text_content(content) -> str:
-    """A message's content as text: a string, or OpenAI's list of parts, of which only text ones
-    are served (joined by newlines, as vLLM joins them)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        if all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            return "\n".join(p["text"] for p in content)
-        kinds = sorted({str(p.get("type")) for p in content if p.get("type") != "text"})
-        raise bad("messages", f"only text content is served, got parts of type {', '.join(kinds) or 'text'} "
-                  "without a string text")
-    raise bad("messages", f"a message's content must be a string or a list of text parts, got {content!r}")

@@ -301,6 +301,17 @@ def test_serving(model_args, tmp_path):
     assert sent == sorted(sent) and sent[-1] > 0          # Poisson arrivals, not all at once
 
 
+def test_serving_under_a_json_schema_reports_compile_and_mask_times(tmp_path):
+    out = tmp_path / "serving.json"
+    rec = _bench("serving", *SMALL, "--num-prompts", "3", "--input-len", "8", "--output-len", "6",
+                 "--structured", "json", "--json", str(out))
+    st = rec["results"]["structured"]
+    assert st["requests"] == 3 and st["compiles"] == 1 and st["compile_cache_hits"] == 2
+    # the schema cannot end within 6 tokens: every row of every step is masked
+    assert rec["results"]["output_tokens"] == 18 and st["mask_rows"] >= 18
+    assert 0 < st["mask_ms"]["p50"] <= st["mask_ms"]["p99"] and st["compile_ms"]["p50"] > 0
+
+
 def test_startup(model_args, tmp_path):
     out = tmp_path / "startup.json"
     rec = _bench("startup", *model_args, *SMALL, "--json", str(out))
@@ -324,6 +335,7 @@ def test_startup(model_args, tmp_path):
     (["serving", "--client-processes", "2"], "--client-processes needs --url"),
     (["serving", "--url", "http://127.0.0.1:1", "--client-processes", "0"], "--client-processes"),
     (["serving", "--api-key", "k"], "--api-key needs --url"),
+    (["serving", "--structured", "yaml"], "--structured 'yaml'"),
     (["throughput", "--input-len", "16", "--input-len-max", "8"], "--input-len-max"),
     (["throughput", "--dataset", "/nonexistent.jsonl"], "/nonexistent.jsonl"),
     (["startup", "--load-format", "pickle"], "pickle"),

@@ -9,7 +9,8 @@ from fastapi.responses import StreamingResponse
 from compiled.server.choices import ChoiceState
 from compiled.server.protocol import Sampling
 from compiled.server.routes.common import body_of
-from compiled.server.routes.generate import Run, generate
+from compiled.server.constraints import request_constraint
+from compiled.server.routes.generate import Prepared, Run, generate
 from compiled.server.serving import Server
 
 router = APIRouter()
@@ -20,8 +21,8 @@ class Completions:
     id_prefix = "cmpl"
     object = chunk_object = "text_completion"
 
-    def prompts(self, server: Server, body: dict) -> list[list[int]]:
-        return server.prompts_of(body)
+    def prepare(self, server: Server, body: dict) -> Prepared:
+        return Prepared(server.prompts_of(body), request_constraint(body))
 
     def logprobs(self, server: Server, tokens: list[int], logprobs: list, s: Sampling) -> dict:
         return _logprobs_body(server.logprobs_entry(tokens, logprobs, s.top_logprobs, chat=False))

@@ -16,11 +16,22 @@ from typing import Protocol
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
+from compiled.server.chat_output import ChatOutput, ChatStream
 from compiled.server.choices import ChoiceState, Generation
 from compiled.server.messages import Progress, Submitted
-from compiled.server.protocol import Sampling, sampling
+from compiled.server.protocol import Sampling, known_fields, sampling
 from compiled.server.routes.common import server_of
 from compiled.server.serving import Server
+from compiled.structured.spec import StructuredOutputs
+
+
+@dataclass
+class Prepared:
+    """What a request's body makes for the engine and for reading its output: its prompts (token
+    ids), what the output must match, and how a chat's output is read."""
+    prompts: list[list[int]]
+    structured: StructuredOutputs | None = None
+    output: ChatOutput | None = None
 
 
 class Format(Protocol):
@@ -30,7 +41,7 @@ class Format(Protocol):
     object: str          # the response's `object`
     chunk_object: str    # a streamed chunk's
 
-    def prompts(self, server: Server, body: dict) -> list[list[int]]: ...
+    def prepare(self, server: Server, body: dict) -> Prepared: ...
 
     def logprobs(self, server: Server, tokens: list[int], logprobs: list, s: Sampling) -> dict: ...
 
@@ -54,6 +65,8 @@ class Run:
     queue: asyncio.Queue
     model: str
     echoed: list[str] | None     # each choice's prompt text, with `echo`
+    output: ChatOutput | None = None   # a chat's: how its choices are read
+    streams: dict[int, ChatStream] = field(default_factory=dict)   # a streamed chat's, by choice
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -76,14 +89,16 @@ class Run:
 async def generate(http: HTTPRequest, body: dict, fmt: Format) -> dict | StreamingResponse:
     """The response to a completion request: a JSON body, or a stream of events."""
     server = server_of(http)
+    known_fields(body, fmt.chat)
     adapter = server.adapter_of(body)
-    prompts = fmt.prompts(server, body)
-    s = sampling(body, max(len(p) for p in prompts), server.info.max_context, fmt.chat)
+    prepared = fmt.prepare(server, body)
+    prompts = prepared.prompts
+    s = sampling(body, max(len(p) for p in prompts), server.info.max_context, fmt.chat, prepared.structured)
     requests, queue = server.start(prompts, s, adapter)
     model = body.get("model") or server.served_name
     # echo: each choice's prompt text (requests run prompt by prompt, n choices each)
     echoed = [t for t in server.prompt_texts(body, prompts) for _ in s.params] if s.echo else None
-    run = Run(server, fmt, s, requests, queue, model, echoed)
+    run = Run(server, fmt, s, requests, queue, model, echoed, prepared.output)
     if s.stream:
         return StreamingResponse(_stream(http, run), media_type="text/event-stream")
     return await _whole(http, run)

@@ -9,6 +9,7 @@ from compiled.version import __version__
 from compiled.server.messages import FIRST_TOKEN_PHASES, GetMetrics, MetricsSnapshot
 from compiled.server.protocol import APIError
 from compiled.server.routes.common import server_of
+from compiled.structured.stats import StructuredStats
 
 router = APIRouter()
 
@@ -56,4 +57,25 @@ def prometheus_text(m: MetricsSnapshot) -> str:
         name = f"compiled_first_token_{phase}_seconds"
         lines += [f"# HELP {name} {FIRST_TOKEN_PHASES[phase]}", f"# TYPE {name} summary",
                   f"{name}_sum {seconds:.6f}", f"{name}_count {m.first_tokens}"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _structured_lines(m.structured)) + "\n"
+
+
+def _structured_lines(s: StructuredStats) -> list[str]:
+    """Constrained decoding: grammar compiles (cache hits, failures) and their time, and the host
+    time of each step's masks (p50 and p99 over the latest samples)."""
+    lines = []
+    for name, value, help_text in (
+            ("structured_requests_total", s.requests, "requests with a grammar"),
+            ("grammar_compiles_total", s.compiles, "grammars compiled"),
+            ("grammar_compile_cache_hits_total", s.compile_cache_hits, "requests whose grammar was cached"),
+            ("grammar_compile_failures_total", s.compile_failures, "requests ended by a grammar that failed"),
+            ("grammar_mask_steps_total", s.mask_steps, "steps that masked a row"),
+            ("grammar_mask_rows_total", s.mask_rows, "rows masked, over those steps")):
+        lines += [f"# HELP compiled_{name} {help_text}", f"# TYPE compiled_{name} counter",
+                  f"compiled_{name} {value}"]
+    for name, p50, p99, help_text in (
+            ("grammar_compile_seconds", s.compile_seconds_p50, s.compile_seconds_p99, "a grammar's compile time"),
+            ("grammar_mask_seconds", s.mask_seconds_p50, s.mask_seconds_p99, "host time of a step's masks")):
+        lines += [f"# HELP compiled_{name} {help_text}", f"# TYPE compiled_{name} summary",
+                  f'compiled_{name}{{quantile="0.5"}} {p50:.6f}', f'compiled_{name}{{quantile="0.99"}} {p99:.6f}']
+    return lines

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request as HTTPRequest
 
 from compiled.server.protocol import bad
 from compiled.server.routes.common import body_of, server_of
+from compiled.server.tool_request import tool_request
 
 router = APIRouter()
 
@@ -15,7 +16,7 @@ router = APIRouter()
 async def tokenize(http: HTTPRequest) -> dict:
     server, body = server_of(http), await body_of(http)
     if "messages" in body:
-        ids = server.chat_prompt(body)
+        ids = server.chat_prompt(body, tool_request(body).tools)   # the prompt a chat request with them gets
     else:
         if isinstance(body.get("prompt"), list):
             raise bad("prompt", "expected a string")
