@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import socket
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -60,8 +61,8 @@ def spawn_workers(world: int, target, args: tuple) -> list:
 class CPGroup:
     rank: int
     world: int
-    data: dist.ProcessGroup
-    control: dist.ProcessGroup
+    data: dist.ProcessGroup | None       # None once shut down
+    control: dist.ProcessGroup | None
     processes: list = field(default_factory=list)   # the workers rank 0 started
     kind: str = "context-parallel"                  # or "tensor-parallel": named in errors
 
@@ -117,6 +118,11 @@ class CPGroup:
                 p.join(timeout=5)
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Free the groups now, while the interpreter is whole: a gloo group still alive at
+        # interpreter exit (this object held it) joins its worker threads during finalization,
+        # which can abort the process ("terminate called without an active exception").
+        self.data = self.control = None
+        gc.collect()
 
 
 def _from_backend(error: BaseException) -> bool:
