@@ -117,7 +117,8 @@ class EngineConfig:
     # Tensor parallelism: this many processes (one GPU each) hold a share of every layer (heads,
     # MLP and expert widths; `passes/tp_shard.py`) and run every step together; 1: off. Rank 0
     # schedules and sends each step to the others (`runtime/tensor_parallel.py`). A rank that does
-    # not answer within `cp_timeout` seconds counts as dead.
+    # not answer within `cp_timeout` seconds counts as dead. With context_parallel_size > 1 as well,
+    # each context-parallel rank is such a group (T x C processes; `parallel/mesh.py`).
     tensor_parallel_size: int = 1
     # With tensor_parallel_size > 1: each rank holds num_experts / N whole experts instead of every
     # expert's 1/N of the width (attention stays tensor-parallel, routing is replicated).

@@ -3,7 +3,7 @@ gives one process's prompt logprobs (whole vocabulary) and greedy tokens, for on
 of odd lengths whose long ones split over the context-parallel ranks (each a tensor-parallel
 group): a random dense model whose vocabulary (123) does not divide by 2, spawned, with a prompt
 starting from its cached prefix (run by rank 0's tensor-parallel group alone) and a killed rank;
-the demo MoE under torchrun (WORLD_SIZE = 4)."""
+the demo MoE under torchrun (WORLD_SIZE = 4); more processes than visible GPUs refused."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from compiled import LLM, SamplingParams
+from compiled.errors import ConfigError
 from compiled.parallel.group import CPError
 from tests.conftest import assert_same_outputs, make_checkpoint, torchrun_result
 
@@ -88,3 +89,11 @@ def test_torchrun_ranks_form_tp_2_by_cp_2_on_the_demo_moe(tmp_path):
     assert (result["tp"], result["cp"]) == (2, 2) and result["steps"] >= 2
     outputs = [SimpleNamespace(token_ids=t, prompt_logprobs=p) for t, p in torch.load(path)]
     assert_same_outputs(outputs, reference)
+
+
+def test_more_processes_than_visible_gpus_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # a host of three GPUs, for the check alone
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    with pytest.raises(ConfigError, match="^tensor_parallel_size=2 x context_parallel_size=2: only 3 GPU\\(s\\) "
+                                          "are visible, one per process is needed$"):
+        LLM(None, device="cuda", tensor_parallel_size=2, context_parallel_size=2, **ENGINE)
