@@ -65,6 +65,13 @@ class CPGroup:
     control: dist.ProcessGroup | None
     processes: list = field(default_factory=list)   # the workers rank 0 started
     kind: str = "context-parallel"                  # or "tensor-parallel": named in errors
+    # The whole group this one is a subgroup of (`mesh.py`): its rank 0 schedules, its errors are named.
+    parent: CPGroup | None = None
+
+    @property
+    def schedules(self) -> bool:
+        """Whether this process is rank 0 of the whole group, which schedules and sends every step."""
+        return (self.parent or self).rank == 0
 
     def send(self, message) -> None:
         """Rank 0: hand `message` to every worker."""
@@ -91,7 +98,8 @@ class CPGroup:
         except RuntimeError as e:
             if not (isinstance(e, dist.DistError) or self.dead_workers() or _from_backend(e)):
                 raise
-            raise CPError(f"{self.kind} group of {self.world}: {self.describe_failure(e)}") from None
+            whole = self.parent or self
+            raise CPError(f"{whole.kind} group of {whole.world}: {self.describe_failure(e)}") from None
 
     def dead_workers(self) -> list[str]:
         return [f"rank {i + 1} exited with code {p.exitcode}" for i, p in enumerate(self.processes)

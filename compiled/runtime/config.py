@@ -117,7 +117,8 @@ class EngineConfig:
     # Tensor parallelism: this many processes (one GPU each) hold a share of every layer (heads,
     # MLP and expert widths; `passes/tp_shard.py`) and run every step together; 1: off. Rank 0
     # schedules and sends each step to the others (`runtime/tensor_parallel.py`). A rank that does
-    # not answer within `cp_timeout` seconds counts as dead.
+    # not answer within `cp_timeout` seconds counts as dead. With context_parallel_size > 1 as well,
+    # each context-parallel rank is such a group (T x C processes; `parallel/mesh.py`).
     tensor_parallel_size: int = 1
     # With tensor_parallel_size > 1: each rank holds num_experts / N whole experts instead of every
     # expert's 1/N of the width (attention stays tensor-parallel, routing is replicated).
@@ -150,6 +151,10 @@ class EngineConfig:
             if device.type == "cuda" and getattr(self, name) > torch.cuda.device_count():
                 raise ConfigError(f"{name}={getattr(self, name)}: only {torch.cuda.device_count()} GPU(s) are "
                                   "visible, one per process is needed")
+        if device.type == "cuda" and self.world_size > torch.cuda.device_count():
+            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} x context_parallel_size="
+                              f"{self.context_parallel_size}: only {torch.cuda.device_count()} GPU(s) are visible, "
+                              "one per process is needed")
         if self.context_parallel_size > 1 and self.max_num_batched_tokens is not None \
                 and self.max_num_batched_tokens < self.cp_min_tokens:
             raise ConfigError(f"context_parallel_size={self.context_parallel_size} would never split a prefill: "
@@ -242,17 +247,14 @@ class EngineConfig:
 
     def _check_tp(self) -> None:
         """What tensor parallelism does not combine with yet, refused before anything loads."""
-        if self.context_parallel_size > 1:
-            raise _bad("tensor_parallel_size", self.tensor_parallel_size, "1 with context_parallel_size > 1 "
-                                                                          "(the two do not combine yet)")
         if self.merge_lora:
             raise _bad("merge_lora", True, "False with tensor_parallel_size > 1 (merging into sharded weights is "
                                            "not built)")
 
     @property
     def world_size(self) -> int:
-        """The processes of one engine: its context- or tensor-parallel ranks."""
-        return max(self.context_parallel_size, self.tensor_parallel_size)
+        """The processes of one engine: each context-parallel rank is a tensor-parallel group."""
+        return self.context_parallel_size * self.tensor_parallel_size
 
     @property
     def tp(self) -> bool:

@@ -36,6 +36,13 @@ class StepMessage:
     """Run a context-parallel step."""
     chunks: list[StepChunk]
     adapters: dict[int, str]   # slot -> the adapter it must hold, for the slots the step uses
+    # Each context-parallel rank a tensor-parallel group (`parallel/mesh.py`): the request-table rows
+    # the scheduler pointed at cached K/V, and the rows of the step's hidden states whose logits
+    # rank 0 computes after it (sampled rows, then prompt logprobs' (start, stop) rows), which rank
+    # 0's tensor-parallel group computes together (their vocabulary shards are gathered).
+    table_writes: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    logit_rows: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

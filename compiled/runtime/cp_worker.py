@@ -16,7 +16,9 @@ from collections.abc import Callable
 import torch
 
 from compiled.parallel.group import CPError, CPGroup, init_group
+from compiled.parallel.mesh import roles
 from compiled.runtime.cp_messages import AddLora, KVSlots, RemoveLora, StepMessage, Stop, TPStep
+from compiled.runtime.model_runner import select_rows
 from compiled.runtime.tensor_parallel import point_rows, received_feed, worker_batch
 
 log = logging.getLogger(__name__)
@@ -73,17 +75,18 @@ def serve(group: CPGroup, model: str, kwargs: dict) -> None:
     from compiled.runtime.engine import Engine
     from compiled.runtime.settings import engine_settings
     path, mcfg, config = engine_settings(model, kwargs)
-    models = build_models(mcfg, path, config, tp_rank=group.rank if config.tp else 0)
+    tp, cp = roles(group, config.tensor_parallel_size, config.context_parallel_size, config.cp_timeout)
+    models = build_models(mcfg, path, config, tp_rank=tp.rank if tp is not None else 0)
     sizes = group.receive()
     if not isinstance(sizes, KVSlots):
         raise CPError(f"{group.kind} worker {group.rank}: expected the KV cache's size first, got {sizes!r}")
     engine = Engine(models.runner_graphs, mcfg, config, sizes.num_slots, None, set(), models.lora_buffers)
-    if config.tp:
-        engine.enable_tp(group)
+    if tp is not None:
+        engine.enable_tp(tp)
         if config.use_cuda_graphs:   # as rank 0 does: the captures' forwards all-reduce together
             engine.capture_graphs(config.artifact is not None and models.report.compiled_now == 0)
-    else:
-        engine.runner.enable_cp(group, models.cp)
+    if cp is not None:
+        engine.runner.enable_cp(cp, models.cp)
     worker = _Worker(engine, group)
     while worker.serving:
         message = group.receive()
@@ -102,16 +105,26 @@ class _Worker:
                                                RemoveLora: self._remove_lora, Stop: self._stop}
 
     def _step(self, message: StepMessage) -> None:
-        for slot, name in message.adapters.items():
-            self.engine.loras.place(name, slot)
-        self.engine.runner.cp.run(message.chunks)
-
-    def _tp_step(self, message: TPStep) -> None:
         runner = self.engine.runner
         for slot, name in message.adapters.items():
             self.engine.loras.place(name, slot)
         point_rows(self.engine.req_pool.table, message.table_writes)
-        feed = received_feed(self.group, message, self.engine.cfg.device)
+        hidden = runner.cp.run(message.chunks)
+        if runner.tp is not None and runner.cp.group.rank == 0:
+            # rank 0's tensor-parallel group: the logits rank 0 computes next gather every shard's
+            if message.sample_rows:
+                runner.logits(select_rows(hidden, len(hidden), message.sample_rows))
+            for start, stop in message.logit_rows:
+                runner.logits(hidden[start:stop])
+
+    def _tp_step(self, message: TPStep) -> None:
+        runner = self.engine.runner
+        if runner.cp is not None and runner.cp.group.rank > 0:
+            return   # a step that does not split runs on rank 0's tensor-parallel group alone
+        for slot, name in message.adapters.items():
+            self.engine.loras.place(name, slot)
+        point_rows(self.engine.req_pool.table, message.table_writes)
+        feed = received_feed(runner.tp, message, self.engine.cfg.device)
         out = runner.forward(worker_batch(message), message.sample_rows, feed)
         for start, stop in message.logit_rows:   # rank 0's prompt logprobs: the head gathers every shard's
             runner.logits(out.hidden[start:stop])

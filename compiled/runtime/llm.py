@@ -15,6 +15,7 @@ import torch
 import compiled.envs as envs
 from compiled.errors import ConfigError
 from compiled.json_file import read_json_object
+from compiled.parallel.mesh import roles
 from compiled.parallel.tensor import set_tp_group
 from compiled.passes.variant import LORA
 from compiled.runtime.build import artifact_manifest, build_models
@@ -102,6 +103,8 @@ class LLM:
         # The context- or tensor-parallel group, while it runs.
         self._cp = self._join_cp_group(model, kwargs) if self.config.world_size > 1 else None
         try:
+            tp, cp = (None, None) if self._cp is None else roles(
+                self._cp, self.config.tensor_parallel_size, self.config.context_parallel_size, self.config.cp_timeout)
             models = build_models(self.model_config, self.model_path, self.config)
             self.model, self.build_report = models.base, models.report
             start = time.perf_counter()
@@ -114,10 +117,10 @@ class LLM:
             self.build_report.seconds["kv_cache"] = time.perf_counter() - start
             if self._cp is not None:
                 self._cp.send(KVSlots(self.engine.kv.num_slots))
-                if self.config.tp:
-                    self.engine.enable_tp(self._cp)
-                else:
-                    self.engine.runner.enable_cp(self._cp, models.cp)
+                if tp is not None:
+                    self.engine.enable_tp(tp)
+                if cp is not None:
+                    self.engine.runner.enable_cp(cp, models.cp)
         except BaseException:
             self.shutdown()
             raise
@@ -134,14 +137,16 @@ class LLM:
         from compiled.parallel.group import init_group, spawn_workers, torchrun_rank
         from compiled.runtime import cp_worker
         world, device = self.config.world_size, self.config.device
-        size_name = "tensor_parallel_size" if self.config.tp else "context_parallel_size"
-        kind = "tensor-parallel" if self.config.tp else "context-parallel"
+        sizes = [name for name in ("tensor_parallel_size", "context_parallel_size") if getattr(self.config, name) > 1]
+        size_name = " x ".join(f"{name}={getattr(self.config, name)}" for name in sizes)
+        kind = {(True, False): "tensor-parallel", (False, True): "context-parallel",
+                (True, True): "tensor- and context-parallel"}[(self.config.tp, self.config.cp)]
         backend = cp_worker.backend_for(device)
         launched = torchrun_rank()
         if launched is not None:
             rank, size = launched
             if size != world:
-                raise ConfigError(f"{size_name}={world} but torchrun started {size} processes")
+                raise ConfigError(f"{size_name} takes {world} processes but torchrun started {size}")
             if rank > 0:
                 dev = cp_worker.worker_device(device, rank)
                 if dev.type == "cuda":

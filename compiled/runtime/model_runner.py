@@ -35,7 +35,7 @@ from compiled.runtime.static_inputs import StaticInputs, write_request_table
 from compiled.runtime.tensor_parallel import send_step, step_message
 
 
-def _rows(x: torch.Tensor, t: int, rows: Sequence[int]) -> torch.Tensor | None:
+def select_rows(x: torch.Tensor, t: int, rows: Sequence[int]) -> torch.Tensor | None:
     """`x[rows]` without a gather when `rows` is every one of the first `t` rows; None for none."""
     if not rows:
         return None
@@ -256,29 +256,46 @@ class ModelRunner:
         host does not know them yet). `logit_rows`: the (start, stop) rows of the hidden states
         whose `logits` the caller asks for next, in order (a tensor-parallel worker joins each)."""
         if self.tp is None:
-            return self._forward(batch, sample_rows, feed)
+            out = self._split(batch, sample_rows)
+            return out if out is not None else self._forward(batch, sample_rows, feed)
         if self.tp_failure is not None:
             raise CPError(self.tp_failure)
         group = self.tp
         try:
-            if group.rank == 0:   # the workers run the same step (tensor_parallel.py)
-                writes, self.pointed[:] = list(self.pointed), []
-                send_step(group, step_message(batch, sample_rows, feed, writes, logit_rows), feed)
             with group.collectives():
+                if group.schedules:
+                    return self._lead(batch, sample_rows, feed, logit_rows)
                 return self._forward(batch, sample_rows, feed)
         except CPError as e:
             # A rank died or hangs: no rank can run the model without the others' shards.
             self.tp_failure = str(e)
-            if group.rank == 0:
+            if group.schedules:
                 group.shutdown()
             raise
 
+    def _lead(self, batch: Batch, sample_rows: Sequence[int], feed: torch.Tensor | None,
+              logit_rows: Sequence[tuple[int, int]]) -> StepOutput:
+        """Rank 0 of a tensor-parallel group: the batch split over the context-parallel ranks (each
+        a tensor-parallel group) when a chunk of it splits, else run by this tensor-parallel group,
+        its workers told first (tensor_parallel.py)."""
+        out = self._split(batch, sample_rows, logit_rows)
+        if out is not None:
+            return out
+        writes, self.pointed[:] = list(self.pointed), []
+        send_step(self.tp, step_message(batch, sample_rows, feed, writes, logit_rows), feed)
+        return self._forward(batch, sample_rows, feed)
+
+    def _split(self, batch: Batch, sample_rows: Sequence[int],
+               logit_rows: Sequence[tuple[int, int]] = ()) -> StepOutput | None:
+        """Rank 0 with a context-parallel group: the batch as a context-parallel step; None when
+        there is no group or no chunk of the batch splits (it then runs without the other ranks)."""
+        if self.cp is None:
+            return None
+        out = self._forward_cp(batch, sample_rows, logit_rows)
+        note_step(batch, on_all_ranks=out is not None)
+        return out
+
     def _forward(self, batch: Batch, sample_rows: Sequence[int], feed: torch.Tensor | None) -> StepOutput:
-        if self.cp is not None:
-            out = self._forward_cp(batch, sample_rows)
-            note_step(batch, on_all_ranks=out is not None)
-            if out is not None:
-                return out
         t = batch.num_tokens
         variant = self._variant(batch)
         entry = self.variants[variant]
@@ -289,31 +306,38 @@ class ModelRunner:
             self._stage(batch.chunks, bucket, is_decode=True, inputs=graphs.inputs)
             self._feed(feed, t, graphs.inputs)
             hidden, logits, argmax = graphs.replay(bucket)
-            return StepOutput(hidden[:t], _rows(logits, t, sample_rows), _rows(argmax, t, sample_rows))
+            return StepOutput(hidden[:t], select_rows(logits, t, sample_rows), select_rows(argmax, t, sample_rows))
         tokens = self._prefill_bucket(t)
         feed = self._capture_first(entry.piecewise, tokens, feed)
         meta = self._stage(batch.chunks, tokens, is_decode=batch.is_decode and tokens == t)
         self._feed(feed, t, self.inputs)
         hidden = self._run_model(meta, tokens, variant)[:t]
-        rows = _rows(hidden, t, sample_rows)
+        rows = select_rows(hidden, t, sample_rows)
         return StepOutput(hidden, None if rows is None else self.logits(rows))
 
-    def _forward_cp(self, batch: Batch, sample_rows: Sequence[int]) -> StepOutput | None:
+    def _forward_cp(self, batch: Batch, sample_rows: Sequence[int],
+                    logit_rows: Sequence[tuple[int, int]]) -> StepOutput | None:
         """Rank 0: the batch as a context-parallel step, the workers told first; None when no
-        chunk of it splits (it then runs here alone)."""
+        chunk of it splits."""
         chunks = split_chunks(batch, self.cp.group.world, self.cfg.cp_min_tokens)
         if chunks is None:
             return None
         adapters = {c.request.lora_slot: c.request.lora for c in batch.chunks if c.request.lora_slot >= 0}
+        message = StepMessage(chunks, adapters)
+        if self.tp is not None:   # every worker points its table; rank 0's tensor-parallel group joins the logits
+            message.table_writes, self.pointed[:] = list(self.pointed), []
+            message.sample_rows, message.logit_rows = list(sample_rows), list(logit_rows)
         try:
-            self.cp.group.send(StepMessage(chunks, adapters))
+            self.cp.group.send(message)
             hidden = self.cp.run(chunks)
         except CPError:
-            # A rank died or hangs: stop them all; later steps run on this process alone.
+            # A rank died or hangs: stop them all (`forward` does, tensor-parallel); later steps
+            # run on this process alone, or, tensor-parallel, not at all.
             group, self.cp = self.cp.group, None
-            group.shutdown()
+            if self.tp is None:
+                group.shutdown()
             raise
-        rows = _rows(hidden, batch.num_tokens, sample_rows)
+        rows = select_rows(hidden, batch.num_tokens, sample_rows)
         return StepOutput(hidden, None if rows is None else self.logits(rows))
 
     @staticmethod
