@@ -169,13 +169,17 @@ class LLM:
         if group is None:
             return
         engine = getattr(self, "engine", None)
+        tp = engine.runner.tp if engine is not None else None
         if engine is not None:
             engine.runner.cp = None
-            if engine.runner.tp is not None and engine.runner.tp_failure is None:
+            if tp is not None and engine.runner.tp_failure is None:
                 engine.runner.tp_failure = f"the tensor-parallel group of {group.world} was shut down"
         if self.config.tp:
             set_tp_group(None)
         group.shutdown(Stop())
+        if tp is not None and tp is not group:   # a subgroup view (`mesh.py`): freed as the group is
+            tp.data = tp.control = None
+            gc.collect()
 
     @property
     def context_parallel(self) -> int:
