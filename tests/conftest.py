@@ -47,6 +47,16 @@ def hf_model(path: str, dtype=torch.float32):
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_dropped_engines():
+    """After each test module, the engines it dropped are freed: `LLM` freezes the start-up heap
+    (the collector skips it), so a dropped engine's reference cycles, its KV cache included, would
+    otherwise stay for the rest of the session (the whole suite runs in one process)."""
+    yield
+    from compiled.runtime.llm import release_frozen_heap
+    release_frozen_heap()
+
+
 @pytest.fixture(scope="module")
 def one_intra_op_thread():
     """One intra-op thread for a module of tiny models: as fast, and it does not collapse (spinning
