@@ -158,6 +158,7 @@ def main() -> None:
     ap.add_argument("--export", type=Path, default=None, help="write the compiled artifact here")
     ap.add_argument("--artifact", type=Path, default=None, help="warm start from this artifact only")
     ap.add_argument("--passes", default=None, help="comma-separated graph passes (default: all)")
+    ap.add_argument("--quantization", default=None, help="quantize the weights at load (fp8)")
     ap.add_argument("--profile-dir", type=Path, default=None)
     ap.add_argument("--cprofile", type=Path, default=None,
                     help="profile the start-up's Python (cProfile); the top functions go to this file")
@@ -166,7 +167,7 @@ def main() -> None:
     a = ap.parse_args()
 
     args = EngineConfig(model=a.model, load_format="dummy", max_model_len=a.max_model_len,
-                        max_num_seqs=a.max_num_seqs, artifact=None if a.artifact is None else str(a.artifact),
+                        max_num_seqs=a.max_num_seqs, quantization=a.quantization, artifact=None if a.artifact is None else str(a.artifact),
                         passes=None if a.passes is None else tuple(p for p in a.passes.split(",") if p))
     compiles_before = COMPILES["count"]
     if a.cprofile is None:

@@ -93,6 +93,7 @@ def main() -> None:
     ap.add_argument("--skip-idle", action="store_true", help="with adapters: skip the idle measurement")
     ap.add_argument("--merge-lora", action="store_true", help="fold a batch's one adapter into the weights "
                     "(merge_lora)")
+    ap.add_argument("--quantization", default=None, help="quantize the weights at load (fp8)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
@@ -100,7 +101,7 @@ def main() -> None:
     start = time.perf_counter()
     lora = {} if a.base else dict(enable_lora=True, max_lora_rank=a.rank, max_loras_per_batch=a.num_loras,
                                   merge_lora=a.merge_lora)
-    llm = LLM(a.model, load_format="dummy", max_num_seqs=max(batches),
+    llm = LLM(a.model, load_format="dummy", max_num_seqs=max(batches), quantization=a.quantization,
               max_model_len=max(a.input_len + a.output_len, a.prefill_len) + 16, **lora)
     names = [] if a.base else core.add_random_loras(llm, a.num_loras, a.rank, a.targets, seed=0)
     record = {"model": a.model, "environment": core.environment(llm.config.device),

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The feature figures on one GPU, in one go: the GPU tests of FP8, structured outputs and the
+# tensor-parallel graph at a world of one; then, on the Qwen3-30B-A3B shape (dummy weights),
+# bench/e2e_suite.py with bf16 and with FP8 weights (quantized at load) beside each other (decode
+# at batch 1, 8, 64 and the 2,048-token prefill), and `compiled bench latency` at batch 64 without
+# and with a JSON schema on every row. Results in ${OUT:-out}/; a summary last.
+#   PARTS (default "tests structured fp8"): which of the three to run; STEP_TIMEOUT (s, default 240).
+set -uo pipefail
+out=${OUT:-out}; mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
+model=${MODEL:-bench/configs/qwen3-30b-a3b}
+limit=${STEP_TIMEOUT:-240}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
+parts=" ${PARTS:-tests structured fp8} "
+if [[ $parts == *" tests "* ]]; then
+  timeout "$limit" python -m pytest -m gpu -q -x ${GPU_TESTS:-tests/quant tests/structured \
+    tests/runtime/test_structured_generate.py tests/parallel/test_tp_world_of_one.py} > "$out/gpu_tests.txt" 2>&1
+  echo "== gpu tests (exit $?)"; tail -15 "$out/gpu_tests.txt"
+fi
+if [[ $parts == *" structured "* ]]; then
+  for kind in none json; do
+    flags=(); [ "$kind" = json ] && flags=(--structured json)
+    timeout "$limit" python -m cli.main bench latency "$model" --load-format dummy --batch-size 64 --input-len 512 \
+      --output-len 64 --num-iters 3 --num-iters-warmup 1 "${flags[@]}" --json "$out/structured_$kind.json" \
+      > "$out/structured_$kind.txt" 2>&1
+    echo "== structured $kind (exit $?)"
+    grep -E "decode step|structured|grammar|mask|rror" "$out/structured_$kind.txt"
+  done
+fi
+if [[ $parts == *" fp8 "* ]]; then
+  for q in fp8 bf16; do
+    flags=(); [ "$q" = fp8 ] && flags=(--quantization fp8)
+    timeout "$limit" python bench/e2e_suite.py "$model" --out "$out/e2e_$q.json" "${flags[@]}" > "$out/e2e_$q.txt" 2>&1
+    echo "== e2e $q (exit $?)"; grep -E "^batch|^prefill|rror" "$out/e2e_$q.txt"
+  done
+fi
