@@ -142,10 +142,13 @@ def scaled_tile(w, s_ptr, rows, cols, ok, stride_sn, BO, BI, dtype: tl.constexpr
     the tile's shape, `ok` its loadable elements), rounded to `dtype` as the dequantized weight
     of the torch reference is. A gather per element serves partial edge blocks, per-channel and
     per-tensor scales alike; a tile's scales are a few cache lines."""
+    # one return: a constexpr branch is compiled alone, but returns of two dtypes are refused
     if FP8:
         s = tl.load(s_ptr + (rows // BO) * stride_sn + cols // BI, mask=ok, other=0.0)
-        return (w.to(tl.float32) * s.to(tl.float32)).to(dtype)
-    return w
+        tile = (w.to(tl.float32) * s.to(tl.float32)).to(dtype)
+    else:
+        tile = w
+    return tile
 
 
 @triton.jit
