@@ -3,15 +3,18 @@
 # tensor-parallel graph at a world of one; then, on the Qwen3-30B-A3B shape (dummy weights),
 # bench/e2e_suite.py with bf16 and with FP8 weights (quantized at load) beside each other (decode
 # at batch 1, 8, 64 and the 2,048-token prefill), and `compiled bench latency` at batch 64 without
-# and with a JSON schema on every row. Results in ${OUT:-out}/; a summary last.
-#   PARTS (default "tests structured fp8"): which of the three to run; STEP_TIMEOUT (s, default 240).
+# and with a JSON schema on every row; with FP8 weights, bench/lora_bench.py at batch 64 (8
+# rank-16 adapters on every target, then the base) and the serving workload of
+# bench/serving_suite.sh (random 2,048 in / 1,024 out at concurrency 10). Results in ${OUT:-out}/.
+#   PARTS (default "tests structured fp8 lora serving"): which to run; STEP_TIMEOUT (s, default 240);
+#   QUANTS (default "fp8 bf16"): the e2e runs.
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
 model=${MODEL:-bench/configs/qwen3-30b-a3b}
 limit=${STEP_TIMEOUT:-240}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
-parts=" ${PARTS:-tests structured fp8} "
+parts=" ${PARTS:-tests structured fp8 lora serving} "
 if [[ $parts == *" tests "* ]]; then
   timeout "$limit" python -m pytest -m gpu -q -x ${GPU_TESTS:-tests/quant tests/structured \
     tests/runtime/test_structured_generate.py tests/parallel/test_tp_world_of_one.py} > "$out/gpu_tests.txt" 2>&1
@@ -28,9 +31,20 @@ if [[ $parts == *" structured "* ]]; then
   done
 fi
 if [[ $parts == *" fp8 "* ]]; then
-  for q in fp8 bf16; do
+  for q in ${QUANTS:-fp8 bf16}; do
     flags=(); [ "$q" = fp8 ] && flags=(--quantization fp8)
     timeout "$limit" python bench/e2e_suite.py "$model" --out "$out/e2e_$q.json" "${flags[@]}" > "$out/e2e_$q.txt" 2>&1
     echo "== e2e $q (exit $?)"; grep -E "^batch|^prefill|rror" "$out/e2e_$q.txt"
   done
+fi
+if [[ $parts == *" lora "* ]]; then
+  for side in lora base; do
+    flags=(--num-loras 8 --rank 16 --skip-idle); [ "$side" = base ] && flags=(--base)
+    timeout "$limit" python bench/lora_bench.py "$model" --quantization fp8 --batches 64 --prefill-reps 3 \
+      --profile-batches "" "${flags[@]}" --out "$out/lora_fp8_$side.json" > "$out/lora_fp8_$side.txt" 2>&1
+    echo "== lora fp8 $side (exit $?)"; grep -E "batch 64|prefill|rror" "$out/lora_fp8_$side.txt"
+  done
+fi
+if [[ $parts == *" serving "* ]]; then
+  OUT=$out/serving PARTS=random ENGINE_FLAGS="--quantization fp8" timeout $((2 * limit)) bash bench/serving_suite.sh
 fi
