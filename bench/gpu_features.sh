@@ -6,21 +6,20 @@
 # and with a JSON schema on every row; with FP8 weights, bench/lora_bench.py at batch 64 (8
 # rank-16 adapters on every target, then the base) and the serving workload of
 # bench/serving_suite.sh (random 2,048 in / 1,024 out at concurrency 10). Results in ${OUT:-out}/.
-#   PARTS (default "tests structured fp8 lora serving"): which to run; STEP_TIMEOUT (s, default 240);
-#   QUANTS (default "fp8 bf16"): the e2e runs.
+#   PARTS (default "tests structured fp8 lora serving"): which to run, in that order; STEP_TIMEOUT (s, default 240);
+#   QUANTS (default "fp8 bf16"): the e2e runs (each with its decode and prefill profiles).
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
 model=${MODEL:-bench/configs/qwen3-30b-a3b}
 limit=${STEP_TIMEOUT:-240}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
-parts=" ${PARTS:-tests structured fp8 lora serving} "
-if [[ $parts == *" tests "* ]]; then
+tests() {
   timeout "$limit" python -m pytest -m gpu -q -x ${GPU_TESTS:-tests/quant tests/structured \
     tests/runtime/test_structured_generate.py tests/parallel/test_tp_world_of_one.py} > "$out/gpu_tests.txt" 2>&1
   echo "== gpu tests (exit $?)"; tail -15 "$out/gpu_tests.txt"
-fi
-if [[ $parts == *" structured "* ]]; then
+}
+structured() {
   for kind in none json; do
     flags=(); [ "$kind" = json ] && flags=(--structured json)
     timeout "$limit" python -m cli.main bench latency "$model" --load-format dummy --batch-size 64 --input-len 512 \
@@ -29,22 +28,23 @@ if [[ $parts == *" structured "* ]]; then
     echo "== structured $kind (exit $?)"
     grep -E "decode step|structured|grammar|mask|rror" "$out/structured_$kind.txt"
   done
-fi
-if [[ $parts == *" fp8 "* ]]; then
+}
+fp8() {
   for q in ${QUANTS:-fp8 bf16}; do
-    flags=(); [ "$q" = fp8 ] && flags=(--quantization fp8)
+    flags=(--profile-dir "$(mktemp -d)"); [ "$q" = fp8 ] && flags+=(--quantization fp8)
     timeout "$limit" python bench/e2e_suite.py "$model" --out "$out/e2e_$q.json" "${flags[@]}" > "$out/e2e_$q.txt" 2>&1
     echo "== e2e $q (exit $?)"; grep -E "^batch|^prefill|rror" "$out/e2e_$q.txt"
   done
-fi
-if [[ $parts == *" lora "* ]]; then
+}
+lora() {
   for side in lora base; do
     flags=(--num-loras 8 --rank 16 --skip-idle); [ "$side" = base ] && flags=(--base)
     timeout "$limit" python bench/lora_bench.py "$model" --quantization fp8 --batches 64 --prefill-reps 3 \
       --profile-batches "" "${flags[@]}" --out "$out/lora_fp8_$side.json" > "$out/lora_fp8_$side.txt" 2>&1
     echo "== lora fp8 $side (exit $?)"; grep -E "batch 64|prefill|rror" "$out/lora_fp8_$side.txt"
   done
-fi
-if [[ $parts == *" serving "* ]]; then
+}
+serving() {
   OUT=$out/serving PARTS=random ENGINE_FLAGS="--quantization fp8" timeout $((2 * limit)) bash bench/serving_suite.sh
-fi
+}
+for part in ${PARTS:-tests structured fp8 lora serving}; do "$part"; done

@@ -152,6 +152,15 @@ def scaled_tile(w, s_ptr, rows, cols, ok, stride_sn, BO, BI, dtype: tl.constexpr
 
 
 @triton.jit
+def col_scaled(w, s_ptr, cols, k0, stride_sn, BO, BI, dtype: tl.constexpr):
+    """`scaled_tile` for a tile w `[BLOCK_K, BLOCK_N]` (K down, weight rows across) whose K range
+    starting at k0 lies inside one scale block: one scale per weight row `cols` (every row valid),
+    a vector load instead of a gather per element."""
+    s = tl.load(s_ptr + (cols // BO) * stride_sn + k0 // BI)
+    return (w.to(tl.float32) * s.to(tl.float32)[None, :]).to(dtype)
+
+
+@triton.jit
 def residual_add(x, d):
     """x + d rounded to x's dtype, as torch's add of two 16-bit tensors rounds it."""
     return (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)

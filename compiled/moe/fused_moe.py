@@ -305,15 +305,28 @@ class ExpertScales:
     block: tuple[int, int] | list[int]
 
 
-def fp8_kwargs(scales: ExpertScales | None, name: str, w: torch.Tensor) -> dict:
+def fp8_kwargs(scales: ExpertScales | None, name: str, w: torch.Tensor, block_k: int | None = None) -> dict:
     """A kernel's scale arguments for the stacked weight `w` (`name`: w13 or w2): its block
-    scale's pointer, strides and block sides with FP8=True; without `scales`, placeholders the
-    kernels compiled with FP8=False never read."""
+    scale's pointer, strides and block sides with FP8 set; without `scales`, placeholders the
+    kernels compiled with FP8=0 never read. FP8 is 2 where K tiles of `block_k` never straddle a
+    scale block (one scale per weight row a tile, `col_scaled`), else 1 (a gather per element)."""
     if scales is None:
-        return dict(S=w, stride_se=0, stride_sn=0, BO=1, BI=1, FP8=False)
+        return dict(S=w, stride_se=0, stride_sn=0, BO=1, BI=1, FP8=0)
     bo, bi = resolve_block(scales.block, w.shape[1], w.shape[2])
     scale = getattr(scales, name).contiguous()
-    return dict(S=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1), BO=bo, BI=bi, FP8=True)
+    per_row = block_k is not None and bi % block_k == 0
+    return dict(S=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1), BO=bo, BI=bi, FP8=2 if per_row else 1)
+
+
+def fp8_block_k(scales: ExpertScales | None, w: torch.Tensor, block_k: int) -> int:
+    """A grouped GEMM's K tile over the FP8 weight `w`: halved (not below 16) until it divides
+    the scale block, so that each tile reads one scale per weight row."""
+    if scales is None:
+        return block_k
+    bi = resolve_block(scales.block, w.shape[1], w.shape[2])[1]
+    while bi % block_k and block_k > 16:
+        block_k //= 2
+    return block_k
 
 
 def _delta_args(delta: GemmDelta | None, like: torch.Tensor) -> tuple[tuple, dict]:
@@ -334,7 +347,7 @@ def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks
     `delta`, each pair's gate and up LoRA deltas added before silu; with `scales`, w13 is FP8."""
     from compiled.moe import fused_moe_kernels as K
     I, H = w13.shape[1] // 2, w13.shape[2]
-    bn, bk = cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
+    bn, bk = cfg["BLOCK_SIZE_N"], fp8_block_k(scales, w13, cfg["BLOCK_SIZE_K"])
     grid = (blocks.expert_ids.numel() * triton.cdiv(I, bn),)
     # FP8 tiles are scaled after their pointer loads: no TMA for the weights
     desc = weight_desc(w13, bn, bk) if cfg.get("TMA") and scales is None else None
@@ -345,7 +358,7 @@ def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks
         TOP_K=top_k, **_dot_flags(x.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=H % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None, **lora_consts,
-        SHRINK_BY_PAIR=delta is not None and delta.by_pair, **fp8_kwargs(scales, "w13", w13),
+        SHRINK_BY_PAIR=delta is not None and delta.by_pair, **fp8_kwargs(scales, "w13", w13, bk),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(x.device),
         **dict(zip(_LORA_ARGS, lora_args)))
 
@@ -358,7 +371,7 @@ def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights
     `scales`, w2 is FP8, and a delta must not run in the K loop)."""
     from compiled.moe import fused_moe_kernels as K
     H, I = w2.shape[1], w2.shape[2]
-    bn, bk = cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]
+    bn, bk = cfg["BLOCK_SIZE_N"], fp8_block_k(scales, w2, cfg["BLOCK_SIZE_K"])
     grid = (blocks.expert_ids.numel() * triton.cdiv(H, bn),)
     if scales is not None and delta is not None and delta.in_k:
         raise ValueError("launch_gemm2: an FP8 w2 takes its LoRA delta in the epilogue, not in the K loop")
@@ -373,7 +386,7 @@ def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=I % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None, A_TMA=a_desc is not None,
         TOP_K=top_k, **lora_consts, DELTA_IN_K=delta is not None and delta.in_k,
-        R_FULL=delta is not None and delta.b.shape[3] == lora_consts["BLOCK_R"], **fp8_kwargs(scales, "w2", w2),
+        R_FULL=delta is not None and delta.b.shape[3] == lora_consts["BLOCK_R"], **fp8_kwargs(scales, "w2", w2, bk),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(inter.device),
         **dict(zip(_LORA_ARGS, lora_args)))
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, one_slot_dot, one_slot_operands, pdl_wait,
-                                   row_shrink, scaled_tile, slot_bits, slot_stacked_delta)
+from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, col_scaled, one_slot_dot, one_slot_operands,
+                                   pdl_wait, row_shrink, scaled_tile, slot_bits, slot_stacked_delta)
 
 
 @triton.jit
@@ -274,7 +274,10 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
             k_ok = offs_k < K - k * BLOCK_K
             g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-        if FP8:
+        if FP8 == 2:
+            g = col_scaled(g, S + expert * stride_se, offs_nw, k * BLOCK_K, stride_sn, BO, BI, a.dtype)
+            u = col_scaled(u, S + expert * stride_se, offs_nw + N, k * BLOCK_K, stride_sn, BO, BI, a.dtype)
+        elif FP8:
             kk = (k * BLOCK_K + offs_k)[:, None]
             g = scaled_tile(g, S + expert * stride_se, offs_nw[None, :], kk, kk < K, stride_sn, BO, BI, a.dtype, FP8)
             u = scaled_tile(u, S + expert * stride_se, (offs_nw + N)[None, :], kk, kk < K, stride_sn, BO, BI, a.dtype,
@@ -403,7 +406,9 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
                 b = tl.load(b_ptrs)
             else:
                 b = tl.load(b_ptrs, mask=(offs_k < K - k * BLOCK_K)[:, None], other=0.0)
-        if FP8:
+        if FP8 == 2:
+            b = col_scaled(b, S + expert * stride_se, offs_nw, k * BLOCK_K, stride_sn, BO, BI, a.dtype)
+        elif FP8:
             kk = (k * BLOCK_K + offs_k)[:, None]
             b = scaled_tile(b, S + expert * stride_se, offs_nw[None, :], kk, kk < K, stride_sn, BO, BI, a.dtype, FP8)
         if DOT_FP32:
@@ -460,7 +465,8 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
     w is `[E, 2N, K]` (`[gate; up]`), out `[blocks * BLOCK_M, N]`; N = I, K = H. HALF_M (0, 1 or
     2): a block whose real rows fit in half (a quarter) of BLOCK_M runs a tile of that height
     (_tile_rows). LORA: each pair's gate and up LoRA deltas added (`_up_tile`; SHRINK_BY_PAIR: where
-    its shrink outputs are). FP8: w float8_e4m3fn, scaled by S (`_up_tile`)."""
+    its shrink outputs are). FP8 (0, 1, 2): w float8_e4m3fn, scaled by S, a gather per element (1) or
+    one scale per weight row a K tile (2; `fused_moe.fp8_kwargs`)."""
     pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
