@@ -5,12 +5,12 @@
 # first. Results in ${OUT:-out}/.
 #   PASSES_B=fuse_qkv,fuse_w13,silu_and_mul,skinny_linear | B_ENV="COMPILED_PDL=0"
 #   B_TREE=out/base (another checkout: mkdir -p out/base && git archive BASE | tar -x -C out/base)
-#   [MODELS="qwen3-30b-a3b:1,8 qwen3-0.6b:1"] [ROUNDS=2]
+#   [MODELS="qwen3-30b-a3b:1,8 qwen3-0.6b:1"] [ROUNDS=2] [PREFILL_REPS=7: 2,048-token prefills timed a run]
 #   LORA=8: bench/lora_bench.py with that many random rank-16 adapters on every target instead
 #   (decode and the 2,048-token prefill; no decode profiles)
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
 export PYTHONPYCACHEPREFIX=$(mktemp -d); unset PYTHONDONTWRITEBYTECODE
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
 if [ -n "${GPU_TESTS:-}" ]; then
@@ -34,6 +34,7 @@ for entry in ${MODELS:-qwen3-30b-a3b:1,8 qwen3-0.6b:1}; do
       else
         env "${envs[@]}" python "$tree/bench/e2e_suite.py" "bench/configs/$name" --out "$out/$tag.json" \
           --batches "$batches" --max-num-seqs "$(echo "$batches" | tr , '\n' | sort -n | tail -1)" "${passes[@]}" \
+          --prefill-reps "${PREFILL_REPS:-7}" \
           "${prof[@]}" > "$out/$tag.txt" 2>&1
       fi
       echo "== $tag"; grep -E "^batch|^prefill|adapters batch|adapters prefill|Error|error" "$out/$tag.txt" | head -6
