@@ -25,12 +25,13 @@ import compiled.linear.library  # noqa: F401  (registers compiled::add_rms_norm_
 import compiled.moe.library  # noqa: F401  (registers compiled::fused_moe)
 from compiled.linear import NORM_LORA_MAX_T, SKINNY_MAX_M, fused as fused_linear
 from compiled.linear import lora as linear_lora
+from compiled.linear import fp8 as fp8_linear
+from compiled.linear.fp8 import stand_in
 from compiled.linear.lora_linear import check_lora, linear_then_expand, lora_operands
-from compiled.linear.ops import dispatch
 from compiled.moe import expert_lora as el
 from compiled.moe import fused_moe as fm
 from compiled.moe.library import expert_weights
-from compiled.quant.dequant import check_scale, scaled_weight
+from compiled.quant.dequant import WeightScale, check_scale
 
 OP = "compiled::moe_add_rms_norm_linear"
 EXPERT_LORA = ("moe_lora_a13", "moe_lora_b13", "moe_lora_a2", "moe_lora_b2", "moe_lora_scale", "lora_slot")
@@ -65,29 +66,34 @@ def moe_add_rms_norm_linear(x: Tensor, moe_x: Tensor, topk_weights: Tensor, topk
                             w2_scale: Tensor | None = None, weight_block: list[int] | None = None
                             ) -> tuple[Tensor, Tensor, Tensor]:
     """`add_rms_norm_linear(x, fused_moe(moe_x, ...), norm_weight, eps, weight, keep_normed)`, with
-    the experts' and the linear's LoRA where given. FP8 experts run as `fused_moe` runs them; an FP8
-    linear weight runs dequantized (the reference)."""
-    weight = _dequantized(x.dtype, weight, w13, w2, weight_scale, w13_scale, w2_scale, weight_block)
-    own, expert = _operands(x, moe_x, norm_weight, weight, (lora_a, lora_b, lora_scale, lora_slot, lora_slices),
+    the experts' and the linear's LoRA where given. FP8 experts run as `fused_moe` runs them, an FP8
+    linear weight as `compiled::linear` runs it (`linear/fp8.py`)."""
+    _check_fp8(weight, w13, w2, weight_scale, w13_scale, w2_scale, weight_block)
+    fp8 = None if weight_scale is None else WeightScale(weight_scale, weight_block)
+    own, expert = _operands(x, moe_x, norm_weight, stand_in(weight, fp8, x.dtype),
+                            (lora_a, lora_b, lora_scale, lora_slot, lora_slices),
                             (moe_lora_a13, moe_lora_b13, moe_lora_a2, moe_lora_b2, moe_lora_scale, lora_slot))
     w13, w2, scales = expert_weights(moe_x, w13, w2, w13_scale, w2_scale, weight_block)
     args = (x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight)
     if own is None:
-        return _moe_norm_linear(*args, keep_normed, expert, scales)
-    return _moe_norm_linear_lora(*args, keep_normed, expert, own, scales)
+        return _moe_norm_linear(*args, keep_normed, expert, scales, fp8)
+    return _moe_norm_linear_lora(*args, keep_normed, expert, own, scales, fp8)
 
 
 def _moe_norm_linear(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, keep_normed: bool,
-                     expert: tuple | None, scales: fm.ExpertScales | None) -> tuple[Tensor, Tensor, Tensor]:
+                     expert: tuple | None, scales: fm.ExpertScales | None,
+                     fp8: WeightScale | None) -> tuple[Tensor, Tensor, Tensor]:
     """The op without the linear's LoRA."""
     if not sums_in_norm(x, moe_x, topk_ids):
         lora = {} if expert is None else dict(zip(el.LORA_OPERANDS, expert))
-        fp8 = {} if scales is None else dict(w13_scale=scales.w13, w2_scale=scales.w2, weight_block=scales.block)
-        delta = torch.ops.compiled.fused_moe(moe_x, topk_weights, topk_ids, w13, w2, **lora, **fp8)
-        return torch.ops.compiled.add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed)
+        experts_fp8 = {} if scales is None else dict(w13_scale=scales.w13, w2_scale=scales.w2,
+                                                     weight_block=scales.block)
+        delta = torch.ops.compiled.fused_moe(moe_x, topk_weights, topk_ids, w13, w2, **lora, **experts_fp8)
+        own_fp8 = {} if fp8 is None else dict(weight_scale=fp8.scale, weight_block=fp8.block)
+        return torch.ops.compiled.add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed, **own_fp8)
     pairs = _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert, scales)
     h, normed = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps)
-    return dispatch(normed, weight), h, normed if keep_normed else x.new_empty(0)
+    return fp8_linear.linear(normed, weight, fp8), h, normed if keep_normed else x.new_empty(0)
 
 
 def _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert: tuple | None,
@@ -100,7 +106,7 @@ def _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert: tuple | None,
 
 
 def _moe_norm_linear_lora(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, keep_normed: bool,
-                          expert: tuple | None, own: tuple, scales: fm.ExpertScales | None
+                          expert: tuple | None, own: tuple, scales: fm.ExpertScales | None, fp8: WeightScale | None
                           ) -> tuple[Tensor, Tensor, Tensor]:
     """The op whose linear (the next layer's qkv) has LoRA deltas: y = lora_expand(linear(normed),
     lora_shrink(normed, a, slot), b, scale, slot, slices). Where the norm's kernel sums the
@@ -109,12 +115,12 @@ def _moe_norm_linear_lora(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight
     a, b, scale, slot, slices = own
     if not (shrink_in_norm(x.shape[0]) and sums_in_norm(x, moe_x, topk_ids) and linear_lora.use_kernel(x)):
         y, h, normed = _moe_norm_linear(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, True,
-                                        expert, scales)
+                                        expert, scales, fp8)
         y = linear_lora.expand(y, linear_lora.shrink(normed, a, slot), b, scale, slot, slices)
     else:
         pairs = _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert, scales)
         h, normed, s = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps, shrink=(a.contiguous(), slot))
-        y = linear_then_expand(normed, weight, s, b, scale, slot, slices)
+        y = linear_then_expand(normed, weight, s, b, scale, slot, slices, fp8)
     return y, h, normed if keep_normed else x.new_empty(0)
 
 
@@ -141,17 +147,11 @@ def _(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, keep_
 def _check_fp8(weight, w13, w2, weight_scale, w13_scale, w2_scale, weight_block) -> None:
     if (w13_scale is None) != (w2_scale is None):
         raise ValueError(f"{OP}: w13_scale and w2_scale go together (got only one)")
+    if weight_block is not None and weight_scale is None and w13_scale is None:
+        raise ValueError(f"{OP}: weight_block without weight_scale or w13_scale / w2_scale")
     for name, w, s in (("weight_scale", weight, weight_scale), ("w13_scale", w13, w13_scale), ("w2_scale", w2, w2_scale)):
         if s is not None:
             check_scale(OP, name, w, s, weight_block)
-
-
-def _dequantized(dtype, weight, w13, w2, weight_scale, w13_scale, w2_scale, weight_block) -> Tensor:
-    """The linear's weight, dequantized where it has a scale, after every scale is checked (the
-    experts' FP8 weights go to `expert_weights`)."""
-    _check_fp8(weight, w13, w2, weight_scale, w13_scale, w2_scale, weight_block)
-    return weight if weight_scale is None else scaled_weight(OP, "weight_scale", weight, weight_scale, weight_block,
-                                                              dtype)
 
 
 def moe_add_rms_norm_linear_ref(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, *lora):

@@ -99,13 +99,15 @@ def linear_lora(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch
 
 
 def linear_then_expand(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, b: torch.Tensor,
-                       scale: torch.Tensor, slot: torch.Tensor, slices: list[int]) -> torch.Tensor:
+                       scale: torch.Tensor, slot: torch.Tensor, slices: list[int],
+                       fp8: WeightScale | None = None) -> torch.Tensor:
     """The linear of x plus the deltas of shrink outputs s made elsewhere: the skinny GEMM's
-    epilogue adds them where it serves the linear, the expand's launch otherwise."""
-    if _in_kernel(x, weight, slices):
+    epilogue adds them where it serves the linear, the expand's launch otherwise; `fp8` as
+    `linear_lora`'s."""
+    if _in_kernel(x, weight, slices, fp8):
         from compiled.linear.skinny_kernels import skinny_linear_lora_triton
-        return skinny_linear_lora_triton(x, weight, _args(s, b, scale, slot, slices))
-    return expand(ops.dispatch(x, weight), s, b, scale, slot, slices)
+        return skinny_linear_lora_triton(x, weight, _args(s, b, scale, slot, slices), fp8=fp8)
+    return expand(fp8_linear.linear(x, weight, fp8), s, b, scale, slot, slices)
 
 
 def _linear_beside_shrink(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, slot: torch.Tensor,

@@ -170,12 +170,20 @@ def moe_case(T: int, quant: QuantConfig, dtype: torch.dtype, lora: bool) -> dict
     err = (got - ref).abs().max().item()
     norm, resid, w = torch.rand(H, generator=g) + 0.5, torch.randn(T, H, generator=g).to(dtype), torch.randn(24, H)
     moe_lora = {"moe_" + name: t for name, t in extra.items() if name != "lora_slot"}
-    moe_lora.update({"lora_slot": extra["lora_slot"]} if lora else {})
+    if lora:   # and the linear's own adapters (2 slots, rank 4), on the FP8 weight below
+        moe_lora.update(lora_slot=extra["lora_slot"], lora_a=(torch.randn(2, 4, H, generator=g) / 4).to(dtype),
+                        lora_b=(torch.randn(2, 24, 4, generator=g) / 4).to(dtype),
+                        lora_scale=torch.rand(2, 1, generator=g) + 0.5, lora_slices=[24])
+    # the fused op's linear (the next layer's qkv) FP8 as well, through its kernel
+    from compiled.linear import ops as lin
+    qw, sw, _ = _stacked_fp8(w[None], quant)
+    lin.set_backend("triton")
     fused = torch.ops.compiled.moe_add_rms_norm_linear(resid, x, topk_weights, topk_ids, q13, q2, norm, 1e-6,
-                                                       w.to(dtype), True, **moe_lora, **fp8)
+                                                       qw[0], True, **moe_lora, **fp8, weight_scale=sw[0])
+    lin.set_backend("torch")
     fm.BACKEND.set("torch" if dtype == torch.float32 else "triton")
     want = torch.ops.compiled.moe_add_rms_norm_linear(resid, x, topk_weights, topk_ids, w13, w2, norm, 1e-6,
-                                                      w.to(dtype), True, **moe_lora)
+                                                      dequantize_blocks(qw[0], sw[0], block, dtype), True, **moe_lora)
     # relative to each output's largest magnitude: bf16 rounds the paths' sums differently
     rel = max([err / ref.abs().max().item()]
               + [((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(fused, want)])
