@@ -152,6 +152,24 @@ def scaled_tile(w, s_ptr, rows, cols, ok, stride_sn, BO, BI, dtype: tl.constexpr
 
 
 @triton.jit
+def row_scaled(w, s_ptr, rows, row_ok, k0, K, stride_sn, BO, BI, dtype: tl.constexpr, KB: tl.constexpr):
+    """`scaled_tile` for a tile w `[R, BLOCK_K]` (weight rows `rows` down, K across from k0) with
+    one scale per row and scale block (`quant.dequant.scale_tiling`): KB = 1, the tile inside one
+    block; KB > 1, the tile KB whole blocks (BLOCK_K = KB * BI). R * KB scale loads a tile, not
+    one per element."""
+    if KB == 1:
+        s = tl.load(s_ptr + (rows // BO) * stride_sn + k0 // BI, mask=row_ok, other=0.0)
+        tile = (w.to(tl.float32) * s.to(tl.float32)[:, None]).to(dtype)
+    else:
+        kb = k0 // BI + tl.arange(0, KB)
+        s = tl.load(s_ptr + (rows // BO)[:, None] * stride_sn + kb[None, :],
+                    mask=row_ok[:, None] & (kb * BI < K)[None, :], other=0.0)
+        w3 = tl.reshape(w, (w.shape[0], KB, w.shape[1] // KB)).to(tl.float32)
+        tile = tl.reshape((w3 * s.to(tl.float32)[:, :, None]).to(dtype), (w.shape[0], w.shape[1]))
+    return tile
+
+
+@triton.jit
 def col_scaled(w, s_ptr, cols, k0, stride_sn, BO, BI, dtype: tl.constexpr):
     """`scaled_tile` for a tile w `[BLOCK_K, BLOCK_N]` (K down, weight rows across) whose K range
     starting at k0 lies inside one scale block: one scale per weight row `cols` (every row valid),

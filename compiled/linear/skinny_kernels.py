@@ -30,10 +30,10 @@ import triton.language as tl
 
 from compiled.linear import SKINNY_MAX_M, workspace
 from compiled.linear.lora_kernels import LoRAArgs, add_slice_deltas, fma_delta_apply, fma_delta_operands, token_slots
-from compiled.quant.dequant import WeightScale, resolve_block
+from compiled.quant.dequant import WeightScale, resolve_block, scale_tiling
 from compiled.triton_utils import (DEFAULT_NUM_SMS, interpreter_upcast, launch_kwargs, num_sms, pdl_let_next_in,
-                                   pdl_wait, pdl_wait_only, residual_add, rms_normed, scaled_tile, silu_mul,
-                                   weight_tile, weighted_rows)
+                                   pdl_wait, pdl_wait_only, residual_add, rms_normed, row_scaled, scaled_tile,
+                                   silu_mul, weight_tile, weighted_rows)
 
 BLOCK_M = max(16, triton.next_power_of_2(SKINNY_MAX_M))  # one tile for every row (tl.dot needs >= 16)
 MIN_BLOCK = 16             # smallest BLOCK_N / BLOCK_K (tl.dot's minimum)
@@ -207,7 +207,7 @@ def _skinny_kernel(
     PDL: tl.constexpr,
     LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3, stride_ls, stride_lbs, stride_lbn, stride_lsc,
     LORA: tl.constexpr, LORA_N: tl.constexpr, LBLOCK_R: tl.constexpr, LSLOTS_PAD: tl.constexpr, LKC: tl.constexpr,
-    LORA_FP32: tl.constexpr, WS, stride_wsn, BO, BI, FP8: tl.constexpr,
+    LORA_FP32: tl.constexpr, WS, stride_wsn, BO, BI, FP8: tl.constexpr, KB: tl.constexpr,
 ):
     """EVEN_K (K a multiple of BLOCK_K, so every split is whole tiles): no mask along K, which
     keeps the weight loads vectorised. Y may be wider than X (fp32 logits): the output is rounded
@@ -233,8 +233,9 @@ def _skinny_kernel(
     along K once after the loop; everything else (prologues, splits, the epilogue) is the same
     code.
 
-    FP8: W is float8_e4m3fn and each tile is scaled by its blocks of WS (`[N / BO, K / BI]`) in
-    registers as it is used (`scaled_tile`), so the kernel reads the FP8 bytes."""
+    FP8 (`quant.dequant.scale_tiling`): W is float8_e4m3fn and each tile is scaled by its blocks of
+    WS (`[N / BO, K / BI]`) in registers as it is used, so the kernel reads the FP8 bytes: one
+    scale per row and block (`row_scaled`, KB blocks a tile), or one per element (`scaled_tile`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -299,8 +300,11 @@ def _skinny_kernel(
             a, b = a_next, b_next
         else:
             x = tl.load(X + offs_m[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
-        wq = scaled_tile(w, WS, offs_n[:, None], ks[None, :], mask_n[:, None] & (ks < k_end)[None, :], stride_wsn, BO,
-                         BI, X.dtype.element_ty, FP8)
+        if FP8 == 2:
+            wq = row_scaled(w, WS, offs_n, mask_n, k0, K, stride_wsn, BO, BI, X.dtype.element_ty, KB)
+        else:
+            wq = scaled_tile(w, WS, offs_n[:, None], ks[None, :], mask_n[:, None] & (ks < k_end)[None, :], stride_wsn,
+                             BO, BI, X.dtype.element_ty, FP8)
         if GEMV:
             if BLOCK_M == 1:
                 acc_k += wq.to(tl.float32) * x.to(tl.float32)
@@ -383,12 +387,13 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyCo
     return y
 
 
-def _fp8_args(y: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None) -> dict:
+def _fp8_args(y: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None, block_k: int) -> dict:
     if fp8 is None:   # placeholders, never read
-        return dict(WS=y, stride_wsn=0, BO=1, BI=1, FP8=False)
+        return dict(WS=y, stride_wsn=0, BO=1, BI=1, FP8=0, KB=1)
     bo, bi = resolve_block(fp8.block, *weight.shape)
+    mode, kb = scale_tiling(bi, block_k)
     scale = fp8.scale.contiguous()
-    return dict(WS=scale, stride_wsn=scale.stride(0), BO=bo, BI=bi, FP8=True)
+    return dict(WS=scale, stride_wsn=scale.stride(0), BO=bo, BI=bi, FP8=mode, KB=kb)
 
 
 def _lora_args(y: torch.Tensor, lora: LoRAArgs | None) -> dict:
@@ -464,7 +469,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
                 ADD_NORM=False, SILU_MUL=False, KEEP_NORMED=False)
     args.update(prologue)
     args.update(_lora_args(y, lora))
-    args.update(_fp8_args(y, weight, fp8))
+    args.update(_fp8_args(y, weight, fp8, block_k))
     _skinny_kernel[grid](
         x, weight, y, partials, semaphores, M, N, K, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         Sums=sums, NORMED_CHUNK=triton.cdiv(K, grid[0]), **args,

@@ -38,7 +38,7 @@ import compiled.envs as envs
 from compiled.backend import BackendChoice
 from compiled.functional import add_rms_norm_ref
 from compiled.moe.experts import expert_loop
-from compiled.quant.dequant import resolve_block
+from compiled.quant.dequant import fit_block_k, resolve_block, scale_tiling
 from compiled.triton_utils import interpreting, launch_kwargs, row_warps, tma_descriptor
 
 log = logging.getLogger(__name__)
@@ -305,28 +305,25 @@ class ExpertScales:
     block: tuple[int, int] | list[int]
 
 
-def fp8_kwargs(scales: ExpertScales | None, name: str, w: torch.Tensor, block_k: int | None = None) -> dict:
-    """A kernel's scale arguments for the stacked weight `w` (`name`: w13 or w2): its block
-    scale's pointer, strides and block sides with FP8 set; without `scales`, placeholders the
-    kernels compiled with FP8=0 never read. FP8 is 2 where K tiles of `block_k` never straddle a
-    scale block (one scale per weight row a tile, `col_scaled`), else 1 (a gather per element)."""
+def fp8_kwargs(scales: ExpertScales | None, name: str, w: torch.Tensor, block_k: int, gemv: bool = False) -> dict:
+    """A kernel's scale arguments for the stacked weight `w` (`name`: w13 or w2) read in K tiles
+    of `block_k`: its block scale's pointer, strides, block sides and FP8 mode
+    (`quant.dequant.scale_tiling`; the grouped GEMMs' tiles take one block at most, the GEMVs'
+    `gemv` several, KB); without `scales`, placeholders the kernels compiled with FP8=0 never read."""
     if scales is None:
-        return dict(S=w, stride_se=0, stride_sn=0, BO=1, BI=1, FP8=0)
+        return dict(S=w, stride_se=0, stride_sn=0, BO=1, BI=1, FP8=0, **({"KB": 1} if gemv else {}))
     bo, bi = resolve_block(scales.block, w.shape[1], w.shape[2])
+    mode, kb = scale_tiling(bi, block_k, many=gemv)
     scale = getattr(scales, name).contiguous()
-    per_row = block_k is not None and bi % block_k == 0
-    return dict(S=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1), BO=bo, BI=bi, FP8=2 if per_row else 1)
+    return dict(S=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1), BO=bo, BI=bi, FP8=mode,
+                **({"KB": kb} if gemv else {}))
 
 
 def fp8_block_k(scales: ExpertScales | None, w: torch.Tensor, block_k: int) -> int:
-    """A grouped GEMM's K tile over the FP8 weight `w`: halved (not below 16) until it divides
-    the scale block, so that each tile reads one scale per weight row."""
+    """A grouped GEMM's K tile over the FP8 weight `w` (`quant.dequant.fit_block_k`)."""
     if scales is None:
         return block_k
-    bi = resolve_block(scales.block, w.shape[1], w.shape[2])[1]
-    while bi % block_k and block_k > 16:
-        block_k //= 2
-    return block_k
+    return fit_block_k(resolve_block(scales.block, w.shape[1], w.shape[2])[1], block_k)
 
 
 def _delta_args(delta: GemmDelta | None, like: torch.Tensor) -> tuple[tuple, dict]:
@@ -470,11 +467,12 @@ def _launch_gemv(call: MoECall, tiles: dict) -> None:
     G.moe_gemv_up_kernel[(k * triton.cdiv(I, up["BLOCK_N"]),)](
         x, w13, ids, inter, I, H, w13.stride(0), w13.stride(1), inter.stride(0),
         BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], EVEN_K=H % up["BLOCK_K"] == 0, num_warps=up["num_warps"],
-        num_stages=1, **fp8_kwargs(call.scales, "w13", w13), **launch_kwargs(x.device))
+        num_stages=1, **fp8_kwargs(call.scales, "w13", w13, up["BLOCK_K"], gemv=True), **launch_kwargs(x.device))
     G.moe_gemv_down_kernel[(k * triton.cdiv(H, down["BLOCK_N"]),)](
         inter, w2, ids, call.weights, call.y, H, I, inter.stride(0), w2.stride(0), w2.stride(1), call.y.stride(0),
         BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], EVEN_K=I % down["BLOCK_K"] == 0,
-        num_warps=down["num_warps"], num_stages=1, **fp8_kwargs(call.scales, "w2", w2), **launch_kwargs(x.device))
+        num_warps=down["num_warps"], num_stages=1, **fp8_kwargs(call.scales, "w2", w2, down["BLOCK_K"], gemv=True),
+        **launch_kwargs(x.device))
 
 
 def _launch_grouped(call: MoECall, config: dict) -> None:

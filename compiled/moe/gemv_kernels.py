@@ -14,23 +14,25 @@ reduced along K once after the loop:
 Each rounds where the tile kernels (`fused_moe_kernels._up_tile`, `_down_tile`) round, so the
 results differ from theirs only in the order of the fp32 sums. The torch reference is
 `fused_moe.fused_moe_ref`. FP8 (float8_e4m3fn experts): each weight tile is scaled in registers
-(`triton_utils.scaled_tile`, scales `S [E, rows / BO, K / BI]`), so a step reads the FP8 bytes."""
+(scales `S [E, rows / BO, K / BI]`; `triton_utils.row_scaled`, or `scaled_tile` for blocks the
+tiles do not align with), so a step reads the FP8 bytes."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from compiled.triton_utils import pdl_wait, scaled_tile, weight_tile
+from compiled.triton_utils import pdl_wait, row_scaled, scaled_tile, weight_tile
 
 
 @triton.jit
 def _rows_dot(a_ptr, w_ptr, rows, row_ok, K, stride_wn, second, s_ptr, stride_sn, BO, BI,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PAIRED: tl.constexpr,
-              FP8: tl.constexpr):
+              FP8: tl.constexpr, KB: tl.constexpr):
     """`[BLOCK_N]` fp32: the weight rows `rows` (from w_ptr) dotted with the vector at a_ptr, and
     with PAIRED the rows `second` further on too, in the same K loop (without: the first twice,
-    no second reduction). FP8: the rows scaled by their blocks of s_ptr."""
+    no second reduction). FP8: the rows scaled by their blocks of s_ptr (2: `row_scaled`, KB
+    blocks a tile; 1: `scaled_tile`)."""
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -43,12 +45,18 @@ def _rows_dot(a_ptr, w_ptr, rows, row_ok, K, stride_wn, second, s_ptr, stride_sn
             a = tl.load(a_ptr + k0 + offs_k, mask=k_ok, other=0.0)
         ok = row_ok[:, None] & k_ok[None, :]
         w = weight_tile(w_ptrs, row_ok, k_ok, EVEN_K)
-        w = scaled_tile(w, s_ptr, rows[:, None], (k0 + offs_k)[None, :], ok, stride_sn, BO, BI, a.dtype, FP8)
+        if FP8 == 2:
+            w = row_scaled(w, s_ptr, rows, row_ok, k0, K, stride_sn, BO, BI, a.dtype, KB)
+        else:
+            w = scaled_tile(w, s_ptr, rows[:, None], (k0 + offs_k)[None, :], ok, stride_sn, BO, BI, a.dtype, FP8)
         acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
         if PAIRED:
             w2 = weight_tile(w_ptrs + second * stride_wn, row_ok, k_ok, EVEN_K)
-            w2 = scaled_tile(w2, s_ptr, (rows + second)[:, None], (k0 + offs_k)[None, :], ok, stride_sn, BO, BI,
-                             a.dtype, FP8)
+            if FP8 == 2:
+                w2 = row_scaled(w2, s_ptr, rows + second, row_ok, k0, K, stride_sn, BO, BI, a.dtype, KB)
+            else:
+                w2 = scaled_tile(w2, s_ptr, (rows + second)[:, None], (k0 + offs_k)[None, :], ok, stride_sn, BO, BI,
+                                 a.dtype, FP8)
             acc2 += w2.to(tl.float32) * a.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
     total = tl.sum(acc, axis=1)
@@ -73,13 +81,13 @@ def _pair_block(ids_ptr, N, BLOCK_N: tl.constexpr):
 def moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_wn, stride_om,
                        S, stride_se, stride_sn, BO, BI,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
-                       PDL: tl.constexpr):
+                       KB: tl.constexpr, PDL: tl.constexpr):
     """out[p, n] = silu(x . w[e, n]) * (x . w[e, N + n]), e = ids[p], for the token x `[K]`."""
     pdl_wait(PDL)
     pair, offs_n, n_ok, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
     w_e = w_ptr + expert * stride_we
     gate, up = _rows_dot(x_ptr, w_e, rows, n_ok, K, stride_wn, N, S + expert * stride_se, stride_sn, BO, BI,
-                         BLOCK_N, BLOCK_K, EVEN_K, True, FP8)
+                         BLOCK_N, BLOCK_K, EVEN_K, True, FP8, KB)
     # round like the unfused model: gate/up in the activation dtype, silu, product
     dt = out_ptr.dtype.element_ty
     gate = gate.to(dt).to(tl.float32)
@@ -91,12 +99,12 @@ def moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_w
 @triton.jit
 def moe_gemv_down_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_am, stride_we, stride_wn,
                          stride_om, S, stride_se, stride_sn, BO, BI, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+                         EVEN_K: tl.constexpr, FP8: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr):
     """out[p, n] = weight[p] * (a[p] . w[e, n]), e = ids[p]."""
     pdl_wait(PDL)
     pair, offs_n, n_ok, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
     acc, _ = _rows_dot(a_ptr + pair * stride_am, w_ptr + expert * stride_we, rows, n_ok, K, stride_wn, 0,
-                       S + expert * stride_se, stride_sn, BO, BI, BLOCK_N, BLOCK_K, EVEN_K, False, FP8)
+                       S + expert * stride_se, stride_sn, BO, BI, BLOCK_N, BLOCK_K, EVEN_K, False, FP8, KB)
     dt = out_ptr.dtype.element_ty
     w = tl.load(weights_ptr + pair).to(dt).to(tl.float32)
     tl.store(out_ptr + pair * stride_om + offs_n, (acc.to(dt).to(tl.float32) * w).to(dt), mask=n_ok)

@@ -38,6 +38,30 @@ def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[in
     return (weight.to(torch.float64) * full).to(dtype)
 
 
+# How an FP8 kernel applies a block scale to its weight tiles (its FP8 constexpr; 0: no scale):
+FP8_GATHER = 1   # a scale gathered per element: any block, any tiling
+FP8_BLOCKS = 2   # one scale per row and scale block the tile covers, loaded once a tile
+
+
+def scale_tiling(bi: int, block_k: int, many: bool = True) -> tuple[int, int]:
+    """(FP8 mode, KB) for K tiles `block_k` wide, each starting at a multiple of `block_k`, over
+    scale blocks `bi` wide: FP8_BLOCKS with KB = 1 where every tile lies inside one block, with
+    KB = block_k / bi where it covers whole blocks (kernels that take `many`), else FP8_GATHER."""
+    if bi % block_k == 0:
+        return FP8_BLOCKS, 1
+    if many and block_k % bi == 0:
+        return FP8_BLOCKS, block_k // bi
+    return FP8_GATHER, 1
+
+
+def fit_block_k(bi: int, block_k: int) -> int:
+    """A K tile up to `block_k`, halved (not below tl.dot's 16) until it divides the scale block
+    `bi`, so that each tile takes one scale per weight row."""
+    while bi % block_k and block_k > 16:
+        block_k //= 2
+    return block_k
+
+
 def resolve_block(block: tuple[int, int] | list[int], rows: int, cols: int) -> tuple[int, int]:
     """The block's sides for a `[rows, cols]` weight (0: the whole dim)."""
     return (block[0] or rows, block[1] or cols)

@@ -120,6 +120,8 @@ def lora_case(M: int) -> dict:
 
 
 MOE_CASES = [("moe_gemv_block16x24", 1, QuantConfig("fp8", "block", (16, 24)), torch.float32, False),
+             ("moe_gemv_block16x16", 1, QuantConfig("fp8", "block", (16, 16)), torch.float32, False),   # KB > 1
+             ("moe_gemv_block128_bf16", 1, QuantConfig("fp8", "block", (128, 128)), torch.bfloat16, False),
              ("moe_grouped_block16x24", 7, QuantConfig("fp8", "block", (16, 24)), torch.float32, False),
              ("moe_grouped_block128_bf16", 5, QuantConfig("fp8", "block", (128, 128)), torch.bfloat16, False),
              ("moe_grouped_channel", 9, QuantConfig("compressed-tensors", "channel"), torch.float32, False),
