@@ -29,8 +29,13 @@ def kernel_for(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None) -
 
 
 def dequantized(weight: torch.Tensor, fp8: WeightScale | None, dtype: torch.dtype) -> torch.Tensor:
-    """The weight in `dtype` (itself when not FP8)."""
-    return weight if fp8 is None else dequantize_blocks(weight, fp8.scale, fp8.block, dtype)
+    """The weight in `dtype` (itself when not FP8): on CUDA in one Triton pass, else the reference."""
+    if fp8 is None:
+        return weight
+    if weight.is_cuda:
+        from compiled.quant.dequant_kernel import dequantize_triton
+        return dequantize_triton(weight, fp8.scale, fp8.block, dtype)
+    return dequantize_blocks(weight, fp8.scale, fp8.block, dtype)
 
 
 def stand_in(weight: torch.Tensor, fp8: WeightScale | None, dtype: torch.dtype) -> torch.Tensor:

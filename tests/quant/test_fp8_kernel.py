@@ -147,6 +147,25 @@ def _expert_lora(g: torch.Generator, T: int, E: int, H: int, I: int, dtype: torc
     return tuple(t.to(dtype) for t in (a13, b13, a2, b2)) + (torch.rand(S, 3, generator=g) + 0.5, slot)
 
 
+DEQUANT_CASES = [("dequant_block16x24", 37, 50, [16, 24], torch.float32),
+                 ("dequant_block128_bf16", 130, 257, [128, 128], torch.bfloat16),
+                 ("dequant_channel", 45, 70, [1, 0], torch.float32), ("dequant_tensor", 19, 33, [0, 0], torch.bfloat16)]
+
+
+def dequant_case(rows: int, cols: int, block: list[int], dtype: torch.dtype) -> dict:
+    """The Triton dequantization (prefill's FP8 linears on CUDA) against the float64 reference."""
+    from compiled.quant.dequant_kernel import dequantize_triton
+    g = torch.Generator().manual_seed(rows * cols)
+    q = (torch.randn(rows, cols, generator=g) * 100).to(torch.float8_e4m3fn)
+    bo, bi = resolve_block(block, rows, cols)
+    scale = torch.rand(-(-rows // bo), -(-cols // bi), generator=g) + 0.01
+    want = dequantize_blocks(q, scale, block, dtype).float()
+    got = dequantize_triton(q, scale, block, dtype).float()
+    # fp32 products rounded once more than the exact ones: a last-bit difference at most
+    return dict(err=((got - want).abs() / want.abs().clamp_min(1e-30)).max().item(),
+                tol=1e-6 if dtype == torch.float32 else 2 ** -7)
+
+
 def moe_case(T: int, quant: QuantConfig, dtype: torch.dtype, lora: bool) -> dict:
     """The op on its Triton path (FP8 tiles scaled in the kernels) against the torch reference
     over the dequantized experts; and the fused norm op beside the two ops it fuses."""
@@ -222,6 +241,12 @@ def test_interpreted_fp8_moe_matches_dequantized_reference(interpreted, name):
     assert r["scale"] > 0.1 and r["err"] <= r["tol"], r
 
 
+@pytest.mark.parametrize("name", [c[0] for c in DEQUANT_CASES])
+def test_interpreted_dequantization_matches_reference(interpreted, name):
+    r = interpreted[name]
+    assert r["err"] <= r["tol"], r
+
+
 def test_interpreted_launches_compile_for_hopper(interpreted):
     """Every FP8 kernel launch above, compiled by Triton for sm_90: the interpreter runs code the
     compiler refuses."""
@@ -287,5 +312,6 @@ if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
         results.update({name: moe_case(T, quant, dtype, lora) for name, T, quant, dtype, lora in MOE_CASES})
         results.update({name: skinny_case(M, config, quant) for name, M, config, quant in SKINNY_CASES})
         results.update({name: lora_case(M) for name, M in LORA_CASES})
+        results.update({name: dequant_case(*case) for name, *case in DEQUANT_CASES})
     results["launches"] = launches
     print(json.dumps(results))
