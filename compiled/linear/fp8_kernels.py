@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compiled.quant.dequant import fit_block_k, resolve_block, scale_tiling
+from compiled.quant.dequant import fit_block_k, kernel_scale, resolve_block
 from compiled.triton_utils import row_scaled, scaled_tile
 
 BLOCK_N, MAX_BLOCK_K = 32, 128
@@ -54,15 +54,14 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
     """x `[M, K]` (rows contiguous) @ (weight `[N, K]` fp8 x its block `scale`).T -> `[M, N]` in x's dtype."""
     M, K = x.shape
     N = weight.shape[0]
-    bo, bi = resolve_block(block, N, K)
+    block_k = fit_block_k(resolve_block(block, N, K)[1], MAX_BLOCK_K)
+    ks = kernel_scale(scale, block, N, K, block_k, many=False)
     x = x if x.stride(1) == 1 else x.contiguous()
-    weight, scale = weight.contiguous(), scale.contiguous()
+    weight = weight.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(M)))
-    block_k = fit_block_k(bi, MAX_BLOCK_K)
-    mode, _ = scale_tiling(bi, block_k, many=False)
     grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(M, block_m))
-    _w8a16_kernel[grid](x, weight, scale, y, M, N, K, x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
-                        bo, bi, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, IEEE=x.dtype == torch.float32,
-                        FP8=mode, num_warps=4, num_stages=4)
+    _w8a16_kernel[grid](x, weight, ks.scale, y, M, N, K, x.stride(0), weight.stride(0), ks.scale.stride(0),
+                        y.stride(0), ks.bo, ks.bi, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+                        IEEE=x.dtype == torch.float32, FP8=ks.mode, num_warps=4, num_stages=4)
     return y

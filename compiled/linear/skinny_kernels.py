@@ -30,7 +30,7 @@ import triton.language as tl
 
 from compiled.linear import SKINNY_MAX_M, workspace
 from compiled.linear.lora_kernels import LoRAArgs, add_slice_deltas, fma_delta_apply, fma_delta_operands, token_slots
-from compiled.quant.dequant import WeightScale, resolve_block, scale_tiling
+from compiled.quant.dequant import WeightScale, kernel_scale
 from compiled.triton_utils import (DEFAULT_NUM_SMS, interpreter_upcast, launch_kwargs, num_sms, pdl_let_next_in,
                                    pdl_wait, pdl_wait_only, residual_add, rms_normed, row_scaled, scaled_tile,
                                    silu_mul, weight_tile, weighted_rows)
@@ -390,10 +390,8 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyCo
 def _fp8_args(y: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None, block_k: int) -> dict:
     if fp8 is None:   # placeholders, never read
         return dict(WS=y, stride_wsn=0, BO=1, BI=1, FP8=0, KB=1)
-    bo, bi = resolve_block(fp8.block, *weight.shape)
-    mode, kb = scale_tiling(bi, block_k)
-    scale = fp8.scale.contiguous()
-    return dict(WS=scale, stride_wsn=scale.stride(0), BO=bo, BI=bi, FP8=mode, KB=kb)
+    ks = kernel_scale(fp8.scale, fp8.block, *weight.shape, block_k)
+    return dict(WS=ks.scale, stride_wsn=ks.scale.stride(0), BO=ks.bo, BI=ks.bi, FP8=ks.mode, KB=ks.kb)
 
 
 def _lora_args(y: torch.Tensor, lora: LoRAArgs | None) -> dict:

@@ -38,7 +38,7 @@ import compiled.envs as envs
 from compiled.backend import BackendChoice
 from compiled.functional import add_rms_norm_ref
 from compiled.moe.experts import expert_loop
-from compiled.quant.dequant import fit_block_k, resolve_block, scale_tiling
+from compiled.quant.dequant import fit_block_k, kernel_scale, resolve_block
 from compiled.triton_utils import interpreting, launch_kwargs, row_warps, tma_descriptor
 
 log = logging.getLogger(__name__)
@@ -312,11 +312,9 @@ def fp8_kwargs(scales: ExpertScales | None, name: str, w: torch.Tensor, block_k:
     `gemv` several, KB); without `scales`, placeholders the kernels compiled with FP8=0 never read."""
     if scales is None:
         return dict(S=w, stride_se=0, stride_sn=0, BO=1, BI=1, FP8=0, **({"KB": 1} if gemv else {}))
-    bo, bi = resolve_block(scales.block, w.shape[1], w.shape[2])
-    mode, kb = scale_tiling(bi, block_k, many=gemv)
-    scale = getattr(scales, name).contiguous()
-    return dict(S=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1), BO=bo, BI=bi, FP8=mode,
-                **({"KB": kb} if gemv else {}))
+    ks = kernel_scale(getattr(scales, name), scales.block, w.shape[1], w.shape[2], block_k, many=gemv)
+    return dict(S=ks.scale, stride_se=ks.scale.stride(0), stride_sn=ks.scale.stride(1), BO=ks.bo, BI=ks.bi,
+                FP8=ks.mode, **({"KB": ks.kb} if gemv else {}))
 
 
 def fp8_block_k(scales: ExpertScales | None, w: torch.Tensor, block_k: int) -> int:

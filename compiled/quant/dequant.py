@@ -54,6 +54,24 @@ def scale_tiling(bi: int, block_k: int, many: bool = True) -> tuple[int, int]:
     return FP8_GATHER, 1
 
 
+class KernelScale(NamedTuple):
+    """A block scale as a Triton kernel takes it for its weight tiles: the scale (contiguous), the
+    block's sides (no zeros) and the FP8 mode and KB of `scale_tiling`."""
+    scale: torch.Tensor
+    bo: int
+    bi: int
+    mode: int
+    kb: int
+
+
+def kernel_scale(scale: torch.Tensor, block: tuple[int, int] | list[int], rows: int, cols: int, block_k: int,
+                 many: bool = True) -> KernelScale:
+    """`scale` of a `[..., rows, cols]` FP8 weight at `block`, for a kernel reading K tiles of
+    `block_k` (`many`: its tiles may cover several blocks)."""
+    bo, bi = resolve_block(block, rows, cols)
+    return KernelScale(scale.contiguous(), bo, bi, *scale_tiling(bi, block_k, many))
+
+
 def fit_block_k(bi: int, block_k: int) -> int:
     """A K tile up to `block_k`, halved (not below tl.dot's 16) until it divides the scale block
     `bi`, so that each tile takes one scale per weight row."""
