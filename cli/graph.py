@@ -110,5 +110,6 @@ def _show_parallel(console: Console, gm, cfg, cp: int, tp: int, expert_parallel:
                       f"{head.out_features} vocabulary rows a rank (padded), logits gathered by "
                       f"compiled::all_gather[/dim]", highlight=False)
         if expert_parallel and cfg.num_experts:
-            console.print(f"  [dim]expert-parallel: {cfg.num_experts // tp} of {cfg.num_experts} experts a "
-                          "rank, routed by compiled::local_experts[/dim]", highlight=False)
+            local = cfg.num_experts // tp
+            console.print(f"  [dim]expert-parallel: {local} of {cfg.num_experts} experts a rank, routed by "
+                          f"compiled::topk_route(local_experts={local})[/dim]", highlight=False)

@@ -1,2 +1,2 @@
-"""Mixture-of-experts custom ops: softmax-top-k routing and the fused experts (expert LoRA as optional
-operands), their Triton kernels for CUDA and their torch references."""
+"""Mixture-of-experts custom ops: softmax-top-k routing (a rank's own experts) and the fused experts
+(expert LoRA), options as optional operands; their Triton kernels for CUDA and torch references."""

@@ -1,6 +1,12 @@
 """Expert routing: softmax over all experts in fp32, top-k, then renormalise if asked.
 
 This is the order HF and SGLang use (one reference document describes it the other way round).
+With `local_experts=count` (expert parallelism: rank r holds experts [r * count, (r + 1) * count)
+whole) the op then keeps each (token, expert) pair of a local expert, its id made local, and turns
+every other pair into one of local expert 0 with weight 0: it adds nothing, so the expert ops
+(reference and Triton kernels alike) need no notion of a pair to skip; the cost is those pairs'
+compute. The rank is the process's (`parallel.tensor.tp_rank`, read at run time), so every rank's
+graph is the same code; without the operand (None) the op routes over all experts as before.
 On CUDA the op runs one Triton kernel (`routing_kernels.py`). `BACKEND` ('auto': the kernel on
 CUDA, the reference elsewhere; from `COMPILED_ROUTING_BACKEND`, read at import, or the engine
 config) set to 'torch' forces the torch reference, 'triton' the kernel (also on CPU under
@@ -16,20 +22,28 @@ import torch
 import triton
 
 from compiled.backend import BackendChoice
+from compiled.parallel.tensor import tp_rank
 
 BACKEND = BackendChoice("COMPILED_ROUTING_BACKEND")
 
 
-def topk_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits `[T, E]` -> (weights `[T, k]` fp32, expert ids `[T, k]` int64)."""
+def topk_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                   local_experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits `[T, E]` -> (weights `[T, k]` fp32, expert ids `[T, k]` int64); with
+    `local_experts`, the pairs of this rank's experts only (the module docstring says how)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    if local_experts is None:
+        return weights, ids
+    local = ids - tp_rank() * local_experts
+    mine = (local >= 0) & (local < local_experts)
+    return torch.where(mine, weights, 0.0), torch.where(mine, local, 0)
 
 
-def topk_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                      local_experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The same contract in one Triton launch (ties pick the lower expert index)."""
     from compiled.moe.routing_kernels import topk_route_kernel
     from compiled.triton_utils import launch_kwargs
@@ -43,9 +57,11 @@ def topk_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool
     e_pad = max(16, triton.next_power_of_2(E))
     # few rows a program: the k rounds of max/argmin are a serial chain, keep each step short
     rows = max(2, min(4, 512 // e_pad))
+    first = 0 if local_experts is None else tp_rank() * local_experts
     topk_route_kernel[(triton.cdiv(T, rows),)](
-        logits, weights, ids, T, E, logits.stride(0), TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)),
-        E_PAD=e_pad, ROWS=rows, RENORM=bool(renormalize), num_warps=4, **launch_kwargs(logits.device))
+        logits, weights, ids, T, E, logits.stride(0), first, E if local_experts is None else local_experts,
+        TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), E_PAD=e_pad, ROWS=rows,
+        RENORM=bool(renormalize), LOCAL=local_experts is not None, num_warps=4, **launch_kwargs(logits.device))
     return weights, ids
 
 
@@ -56,14 +72,15 @@ def _routing_backend(router_logits: torch.Tensor) -> str:
 
 
 @torch.library.custom_op("compiled::topk_route", mutates_args=())
-def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+               local_experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if _routing_backend(router_logits) == "triton":
-        return topk_route_triton(router_logits, top_k, renormalize)
-    return topk_route_ref(router_logits, top_k, renormalize)
+        return topk_route_triton(router_logits, top_k, renormalize, local_experts)
+    return topk_route_ref(router_logits, top_k, renormalize, local_experts)
 
 
 @topk_route.register_fake
-def _(router_logits, top_k, renormalize):
+def _(router_logits, top_k, renormalize, local_experts=None):
     shape = (router_logits.shape[0], top_k)
     return (router_logits.new_empty(shape, dtype=torch.float32),
             router_logits.new_empty(shape, dtype=torch.int64))

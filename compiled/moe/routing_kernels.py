@@ -1,7 +1,8 @@
 """Triton kernel for `compiled::topk_route`: fp32 softmax over all experts, top-k, renormalise.
 
 One launch instead of softmax + topk + sum + div; ROWS tokens per program. Ties pick the lower
-expert index."""
+expert index. With LOCAL (expert parallelism) it keeps the pairs of experts
+[first, first + count), ids made local, and gives the others local expert 0 and weight 0."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from compiled.triton_utils import pdl_wait
 
 
 @triton.jit
-def topk_route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_t,
+def topk_route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_t, first, count,
                       TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                      ROWS: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+                      ROWS: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, E_PAD)
@@ -39,6 +40,11 @@ def topk_route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_t,
         probs = tl.where(cols[None, :] == arg[:, None], -1.0, probs)
     if RENORM:
         vals = vals / tl.sum(vals, axis=1)[:, None]
+    if LOCAL:   # after the renormalisation: the weights stay those of the whole routing
+        local = idxs - first
+        mine = (local >= 0) & (local < count)
+        vals = tl.where(mine, vals, 0.0)
+        idxs = tl.where(mine, local, 0)
     out_ok = row_ok[:, None] & (slots[None, :] < TOP_K)
     offs = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
     tl.store(weights_ptr + offs, vals, mask=out_ok)

@@ -3,7 +3,8 @@
     q/k/v, gate/up (column-parallel)  ->  this rank's output rows: its heads, its intermediate share
     o_proj, down (row-parallel)       ->  its input columns, then  y = all_reduce(linear(x)) (+ bias)
     moe_experts(x, ..., gate, up, down) -> every expert's share of the width, then all_reduce
-      (expert-parallel: the rank's whole experts, the routing made local, then all_reduce)
+      (expert-parallel: the rank's whole experts, then all_reduce; the topk_route feeding them
+       gets local_experts=count, so it keeps only the pairs of the rank's experts)
     embed_tokens(ids) (vocab-parallel)  ->  all_reduce(vocab_embedding(ids, its rows))
     lm_head (beside the graph)          ->  a VocabParallelHead over its rows, gathering the logits
 
@@ -18,20 +19,18 @@ lands before its all-reduce."""
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch import fx, nn
 
 import compiled.moe.experts  # noqa: F401  (registers compiled::moe_experts)
-import compiled.moe.expert_parallel  # noqa: F401  (registers compiled::local_experts)
+import compiled.moe.routing  # noqa: F401  (registers compiled::topk_route)
 import compiled.parallel.ops  # noqa: F401  (registers compiled::all_reduce)
 import compiled.parallel.vocab  # noqa: F401  (registers compiled::vocab_embedding)
 from compiled.graphs.weights import WeightMap
 from compiled.parallel.tensor import COLUMN_PARALLEL, ROW_PARALLEL, ShardPlan, shard_plan
 from compiled.parallel.vocab import VocabParallelHead
-from compiled.passes.base import GraphPass, PassRecord, is_module, is_op, note_params
-from compiled.passes.calls import build_call, call_args, operands, update_call
+from compiled.passes.base import GraphPass, PassRecord, is_getitem, is_module, is_op, note_params
+from compiled.passes.calls import build_call, call_args, getitem_source, operands, update_call
 
 def tp_shard_pass(world: int, rank: int, expert_parallel: bool = False) -> GraphPass:
     """The pass of rank `rank` of `world` (whole experts per rank with `expert_parallel`)."""
@@ -117,15 +116,21 @@ def _experts(gm: fx.GraphModule, weights: WeightMap, record: PassRecord, node: f
             weights.keep_experts(attr.target, plan.first_expert, plan.local_experts)
         else:
             weights.shard(attr.target, dim - 1, start, length)   # the source is one expert's [rows, cols]
-    if plan.expert_parallel:   # the routing stays whole; the rank's experts see their pairs only
-        with gm.graph.inserting_before(node):
-            local = build_call(gm.graph, torch.ops.compiled.local_experts, topk_weights=args["topk_weights"],
-                               topk_ids=args["topk_ids"], count=plan.local_experts)
-            weights_node = gm.graph.call_function(operator.getitem, (local, 0))
-            ids_node = gm.graph.call_function(operator.getitem, (local, 1))
-        update_call(node, topk_weights=weights_node, topk_ids=ids_node)
+    if plan.expert_parallel:
+        _route_locally(node, plan.local_experts)
     _all_reduce_after(gm.graph, node)
     record.rewrites += 1
+
+
+def _route_locally(experts: fx.Node, count: int) -> None:
+    """The routing stays whole (every rank's router sees every expert); the topk_route feeding
+    `experts` gives the rank's experts their pairs only."""
+    args = call_args(experts)
+    weights, ids = args["topk_weights"], args["topk_ids"]
+    route = getitem_source(weights) if is_getitem(weights, 0) and is_getitem(ids, 1) else None
+    if route is None or getitem_source(ids) is not route or not is_op(route, torch.ops.compiled.topk_route):
+        raise TypeError(f"tp_shard: {experts.format_node()} is not routed by one compiled::topk_route")
+    update_call(route, local_experts=count)
 
 
 def _embedding(gm: fx.GraphModule, weights: WeightMap, record: PassRecord, node: fx.Node, plan: ShardPlan) -> None:

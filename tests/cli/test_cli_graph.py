@@ -74,7 +74,7 @@ def test_graph_tp_shows_the_shards_and_all_reduces():
 def test_graph_expert_parallel_shows_whole_experts_per_rank():
     result = runner.invoke(app, ["graph", "--tp", "2", "--enable-expert-parallel"], env={"COLUMNS": "300"})
     assert result.exit_code == 0, result.output
-    assert "expert-parallel: 4 of 8 experts a rank, routed by compiled::local_experts" in result.output
+    assert "expert-parallel: 4 of 8 experts a rank, routed by compiled::topk_route(local_experts=4)" in result.output
     assert "stack over 4 experts of cat(model.layers.1.mlp.experts.0.gate_proj.weight, " in result.output
 
 

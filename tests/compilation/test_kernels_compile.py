@@ -7,10 +7,10 @@ into a warm-up (compile, no launch), with PDL and TMA on as on Hopper; then a sm
 model with a dense layer runs a prefill and a decode step through the Triton backends (every
 pass on: fused linears, q/k norm + RoPE in attention), and the fused MoE is called at decode and
 prefill sizes with the H100's tuned configs (TMA, part-height tiles) and as the one-token GEMVs;
-the launches those leave out (the routing kernel, the prologues' own launches, the plain K/V
-store, extend attention with TMA, the greedy argmax, the skinny GEMM's one-row GEMV mode, the
-multi-LoRA kernels, the norm kernels doing LoRA work and the fused MoE with expert LoRA) are
-called directly.
+the launches those leave out (the routing kernel, over all experts and over a rank's, the
+prologues' own launches, the plain K/V store, extend attention with TMA, the greedy argmax, the
+skinny GEMM's one-row GEMV mode, the multi-LoRA kernels, the norm kernels doing LoRA work and the
+fused MoE with expert LoRA) are called directly.
 Outputs are never computed, so nothing is compared: the test is that every kernel compiles."""
 
 from __future__ import annotations
@@ -127,6 +127,7 @@ def _other_calls() -> None:
     store_kv_triton(k_cache, k_cache.clone(), torch.arange(5), torch.randn(5, 2, 128).bfloat16(),
                     torch.randn(5, 2, 128).bfloat16())
     topk_route_triton(torch.randn(24, 128).bfloat16(), 8, True)
+    topk_route_triton(torch.randn(24, 128).bfloat16(), 8, True, local_experts=32)
     from compiled.runtime.argmax import ArgmaxWorkspace, argmax_triton
     argmax_triton(torch.randn(2, 10000), ArgmaxWorkspace(2, torch.device("cpu")))
     x = torch.randn(24, 2048).bfloat16()

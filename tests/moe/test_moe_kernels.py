@@ -287,11 +287,37 @@ def case_routing_kernel_vs_softmax_topk():
         torch.testing.assert_close(w_op, topk_route_ref(logits, k, True)[0], atol=1e-6, rtol=1e-5)
 
 
+def case_routing_kernel_keeps_the_ranks_experts():
+    """local_experts: each rank's pairs (ids made local, the others local 0 with weight 0) are the
+    whole routing's, mapped; the kernel matches the reference on every rank."""
+    from compiled.moe.routing import topk_route_triton
+    from compiled.parallel.tensor import TPGroup, set_tp_group
+    g = torch.Generator().manual_seed(16)
+    T, E, k, count = 37, 60, 6, 15
+    logits = torch.randn(T, E, generator=g)
+    whole_w, whole_ids = topk_route_triton(logits, k, True)
+    seen = torch.zeros(T, k, dtype=torch.int64)
+    for rank in range(E // count):
+        set_tp_group(TPGroup(None, E // count, rank))
+        try:
+            w, ids = topk_route_triton(logits, k, True, local_experts=count)
+            ref_w, ref_ids = topk_route_ref(logits, k, True, local_experts=count)
+        finally:
+            set_tp_group(None)
+        mine = (whole_ids >= rank * count) & (whole_ids < (rank + 1) * count)
+        torch.testing.assert_close(w, torch.where(mine, whole_w, 0.0), atol=1e-6, rtol=1e-5)
+        assert torch.equal(ids, torch.where(mine, whole_ids - rank * count, 0))
+        torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-5)
+        assert torch.equal(ids, ref_ids)
+        seen += mine
+    assert torch.equal(seen, torch.ones(T, k, dtype=torch.int64))   # every pair on exactly one rank
+
+
 GROUPS = {
     "a": [case_two_tokens_e128_k8_default_config, case_one_token_gemv_odd_sizes_slots_and_sum,
           case_t300_e8_k2_two_k_steps_grouped_half_and_quarter_tiles,
           case_t150_e8_k2_half_tiles_up_only, case_t37_e128_k8_unused_experts_fp16, case_t5_e60_k6_uneven_k_and_n,
-          case_routing_kernel_vs_softmax_topk],
+          case_routing_kernel_vs_softmax_topk, case_routing_kernel_keeps_the_ranks_experts],
     "b": [case_t128_e16_k1_no_sum, case_t61_e33_k3_bf16, case_t2_e8_k8_all_experts_down_override,
           case_op_dispatch_and_workspace, case_align_multi_chunk_e128_k8, case_align_counted_by_every_program_and_unused_experts,
           case_tma_weight_tiles_bf16_n_and_k_tails, case_tma_intermediate_tiles_full_blocks_bf16,

@@ -10,7 +10,8 @@ import torch
 
 from compiled.graphs.config import ModelConfig
 from compiled.graphs.trace import meta_model, trace
-from compiled.passes.base import GraphPass
+from compiled.passes.base import GraphPass, is_op
+from compiled.passes.calls import call_args
 from compiled.passes.manager import DEFAULT_PASSES, passes_for, run_passes
 from compiled.passes.variant import BASE, GraphVariant
 
@@ -91,11 +92,42 @@ def test_expert_parallel_ranks_hold_whole_experts_and_skip_the_others():
                                                      ("model.layers.1.mlp.experts.3.down_proj.weight", 1)]
     assert "model.layers.1.mlp.experts.0.gate_proj.weight" in result.weights.skipped
     assert not any(".experts.2." in s or ".experts.3." in s for s in result.weights.skipped)
-    assert sum("local_experts" in str(n.target) for n in gm.graph.nodes) == 1
+    # the routing keeps the rank's pairs itself: no node added, the experts read the router's outputs
+    routes = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.topk_route)]
+    assert len(routes) == 1 and call_args(routes[0])["local_experts"] == 2
+    assert not any("local_experts" in str(n.target) for n in gm.graph.nodes)
+    readers = {reader for output in routes[0].users for reader in output.users}
+    assert [str(r.target) for r in readers] == ["compiled.fused_moe.default"]
+    plain, _ = _shard(2, 1)   # without expert parallelism the routing call is the traced one
+    (route,) = [n for n in plain.graph.nodes if is_op(n, torch.ops.compiled.topk_route)]
+    assert call_args(route)["local_experts"] is None and not route.kwargs and len(route.args) == 3
+    assert len(plain.graph.nodes) == len(gm.graph.nodes)
+
+
+def test_expert_parallel_routing_keeps_the_ranks_pairs():
+    """topk_route(local_experts=2) on 4 experts, rank 0 and 1 of 2, against the mapping by hand."""
+    import compiled.moe.routing  # noqa: F401
+    from compiled.parallel.tensor import TPGroup, set_tp_group
+    # top-2 of token 0: experts 3 (0.4) and 2 (0.3); of token 1: experts 0 (0.4) and 2 (0.3)
+    logits = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.4, 0.1, 0.3, 0.2]]).log()
+    whole_w, whole_ids = torch.ops.compiled.topk_route(logits, 2, True)
+    assert whole_ids.tolist() == [[3, 2], [0, 2]]
+    torch.testing.assert_close(whole_w, torch.tensor([[4 / 7, 3 / 7], [4 / 7, 3 / 7]]))
+    expected = {0: ([[0.0, 0.0], [4 / 7, 0.0]], [[0, 0], [0, 0]]),     # only expert 0 is rank 0's
+                1: ([[4 / 7, 3 / 7], [0.0, 3 / 7]], [[1, 0], [0, 0]])}  # 3 -> local 1, 2 -> local 0
+    for rank, (weights, ids) in expected.items():
+        set_tp_group(TPGroup(None, 2, rank))   # no collective runs below
+        try:
+            w, e = torch.ops.compiled.topk_route(logits, 2, True, local_experts=2)
+            unnormalised, _ = torch.ops.compiled.topk_route(logits, 2, False, local_experts=2)
+        finally:
+            set_tp_group(None)
+        torch.testing.assert_close(w, torch.tensor(weights))
+        assert e.tolist() == ids and e.dtype == torch.int64
+        torch.testing.assert_close(unnormalised, torch.tensor(weights) * 0.7)
 
 
 def test_the_vocab_and_expert_ops_follow_the_rank():
-    import compiled.moe.expert_parallel  # noqa: F401
     import compiled.parallel.vocab  # noqa: F401
     from compiled.parallel.tensor import TPGroup, set_tp_group
     weight = torch.randn(4, 3)
@@ -105,8 +137,6 @@ def test_the_vocab_and_expert_ops_follow_the_rank():
     set_tp_group(TPGroup(None, 2, 1))   # rank 1 of 2 (no collective runs below)
     try:
         rows = torch.ops.compiled.vocab_embedding(ids, weight)
-        w, e = torch.ops.compiled.local_experts(torch.tensor([[0.75, 0.25]]), torch.tensor([[3, 1]]), 2)
     finally:
         set_tp_group(None)
     assert torch.equal(rows, torch.stack([torch.zeros(3), torch.zeros(3), weight[0], weight[3], torch.zeros(3)]))
-    assert w.tolist() == [[0.75, 0.0]] and e.tolist() == [[1, 0]]   # expert 3 is local 1; expert 1 adds nothing
