@@ -10,7 +10,9 @@ prefill sizes with the H100's tuned configs (TMA, part-height tiles) and as the 
 the launches those leave out (the routing kernel, over all experts and over a rank's, the
 prologues' own launches, the plain K/V store, extend attention with TMA, the greedy argmax, the
 skinny GEMM's one-row GEMV mode, the multi-LoRA kernels, the norm kernels doing LoRA work and the
-fused MoE with expert LoRA) are called directly.
+fused MoE with expert LoRA) are called directly, and so are the FP8 paths (each scale mode of the
+fused MoE's GEMVs and grouped GEMMs with and without expert LoRA, of the skinny GEMM with its
+prologues and LoRA epilogue, the W8A16 GEMM and the dequantization kernel).
 Outputs are never computed, so nothing is compared: the test is that every kernel compiles."""
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ EXPECTED = {"_skinny_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel", "_deco
             "_norm_rope_store_kernel", "topk_route_kernel", "align_count_kernel", "align_place_kernel",
             "moe_gemm1_kernel", "moe_gemm2_kernel", "moe_sum_kernel",
             "moe_sum_add_rms_norm_kernel", "_argmax_kernel", "moe_gemv_up_kernel", "moe_gemv_down_kernel",
-            "_lora_shrink_kernel", "_lora_expand_kernel", "moe_lora_shrink_kernel"}
+            "_lora_shrink_kernel", "_lora_expand_kernel", "moe_lora_shrink_kernel", "_w8a16_kernel",
+            "_dequant_kernel"}
 CONFIG = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=97, hidden_size=256, intermediate_size=384,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
               max_position_embeddings=128, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
@@ -187,10 +190,56 @@ def _norm_lora_calls() -> None:
                                     shrink=(torch.randn(8, 48, 2048).bfloat16(), slot))
 
 
+def _fp8(rows: int, cols: int, block: list[int], lead: tuple = ()):
+    """A float8 weight `[*lead, rows, cols]` and its block scale."""
+    from compiled.quant.dequant import resolve_block
+    bo, bi = resolve_block(block, rows, cols)
+    return (torch.randn(*lead, rows, cols).to(torch.float8_e4m3fn),
+            torch.rand(*lead, -(-rows // bo), -(-cols // bi)) + 0.5)
+
+
+def _fp8_calls() -> None:
+    """The FP8 kernels in each scale mode (`quant.dequant.scale_tiling`): 128 x 128 blocks (one
+    scale per row a tile, several blocks a GEMV tile) and 16 x 24 blocks (a gather per element)."""
+    import compiled.moe.fused_moe as fm
+    from compiled.linear import skinny_kernels as lk
+    from compiled.linear.fp8_kernels import w8a16_linear
+    from compiled.linear.lora_kernels import LoRAArgs
+    from compiled.moe.expert_lora import fused_moe_lora_triton
+    from compiled.quant.dequant import WeightScale
+    from compiled.quant.dequant_kernel import dequantize_triton
+    E, H, I, k, R, S = 128, 256, 128, 8, 16, 4
+    table = fm.load_configs(E, 768, "NVIDIA_H100_80GB_HBM3", "bfloat16")
+    lora = [torch.randn(*shape).bfloat16() for shape in ((S, E, 2 * R, H), (S, E, 2 * I, R), (S, E, R, I),
+                                                         (S, E, H, R))]
+    for block in ([128, 128], [16, 24]):
+        (q13, s13), (q2, s2) = _fp8(2 * I, H, block, (E,)), _fp8(H, I, block, (E,))
+        scales = fm.ExpertScales(s13, s2, block)
+        for T in (1, 8, 64, 512):
+            x, weights, ids = torch.randn(T, H).bfloat16(), torch.rand(T, k), torch.randint(0, E, (T, k))
+            config = table[min(table, key=lambda m: abs(m - T))]
+            fm.fused_moe_triton(x, weights, ids, q13, q2, config=config, scales=scales)
+            fused_moe_lora_triton(x, weights, ids, q13, q2, *lora, torch.ones(S, 3), torch.zeros(T, dtype=torch.int32),
+                                  config=config, scales=scales)
+        q, s = _fp8(512, 2048, block)
+        fp8 = WeightScale(s, block)
+        x = torch.randn(64, 2048).bfloat16()
+        for rows in (1, 4, 16):
+            lk.skinny_linear_triton(x[:rows], q, fp8=fp8)
+            lk.add_rms_norm_linear_triton(x[:rows], x[:rows], torch.ones(2048).bfloat16(), 1e-6, q, True, fp8=fp8)
+            slot = torch.zeros(rows, dtype=torch.int32)
+            la = LoRAArgs.of(torch.randn(rows, 16), torch.randn(8, 512, 16).bfloat16(), torch.ones(8, 1), slot, [512])
+            lk.skinny_linear_lora_triton(x[:rows], q, la, fp8=fp8)
+        lk.silu_mul_linear_triton(torch.randn(1, 4096).bfloat16(), q, fp8=fp8)
+        w8a16_linear(x, q, s, block)
+        dequantize_triton(q, s, block, torch.bfloat16)
+
+
 if __name__ == "__main__":   # run by the test above, without the interpreter
     launched = _stand_in_hopper()
     _model_steps()
     _moe_calls()
     _other_calls()
     _lora_calls()
+    _fp8_calls()
     print(json.dumps(sorted(set(launched))))
