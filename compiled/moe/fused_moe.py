@@ -8,7 +8,10 @@ returns `[T, H]` in x's dtype. On CUDA it runs the Triton kernels of `fused_moe_
 `silu(gate) * up` in its epilogue, grouped GEMM over `w2` with the routing weight in its epilogue,
 sum over the top-k. No host syncs and fixed-size buffers, so it can be captured in a CUDA graph.
 One token runs as two GEMVs instead (`gemv_kernels.py`: no 16-row tensor-core tile for one live
-row).
+row). FP8 experts (`ExpertScales`) are scaled in the kernels' K loops (W8A16); from
+W8A8_MIN_TOKENS on, where the K tiles fit the scale blocks, the grouped GEMMs run W8A8 instead: x
+and then the intermediate quantized per token and scale block (`quant.act_quant`), fp8 x fp8 dots.
+Expert-LoRA calls (`expert_lora.py`) stay W8A16.
 
 Kernel configs (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages, optional HALF_M and TMA per
 token count, and an optional "down" override of N/K/GROUP/warps/stages/HALF_M/TMA for the second
@@ -55,6 +58,7 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 # activations' quantization pass costs more than the dots save. A starting point to measure (the
 # H200's 2,048-token prefill spends 29 ms in the W8A16 GEMMs against 16 in bf16), not a tuned value.
 W8A8_MIN_TOKENS = 256
+FP8_DOT_MIN_K = 32   # tl.dot on fp8 operands takes K tiles of 32 or more (Hopper's fp8 MMA)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -323,9 +327,9 @@ def fp8_kwargs(scales: ExpertScales | None, name: str, w: torch.Tensor, block_k:
     ks = kernel_scale(getattr(scales, name), scales.block, w.shape[1], w.shape[2], block_k, many=gemv)
     mode = ks.mode
     if w8a8:
-        if (ks.mode, ks.kb) != (FP8_BLOCKS, 1):
-            raise ValueError(f"fused_moe: W8A8 needs K tiles inside the scale blocks of {name}; "
-                             f"BLOCK_K {block_k} does not divide the block width {ks.bi}")
+        if (ks.mode, ks.kb) != (FP8_BLOCKS, 1) or block_k < FP8_DOT_MIN_K:
+            raise ValueError(f"fused_moe: W8A8 needs K tiles of {FP8_DOT_MIN_K} or more inside the scale blocks "
+                             f"of {name}; got BLOCK_K {block_k} for the block width {ks.bi}")
         mode = FP8_W8A8
     return dict(S=ks.scale, stride_se=ks.scale.stride(0), stride_sn=ks.scale.stride(1), BO=ks.bo, BI=ks.bi,
                 FP8=mode, **({"KB": ks.kb} if gemv else {}))
@@ -341,14 +345,15 @@ def _act_kwargs(a_scale: torch.Tensor | None, like: torch.Tensor) -> dict:
 def w8a8_groups(scales: ExpertScales | None, w13: torch.Tensor, w2: torch.Tensor, T: int, up: dict,
                 down: dict) -> tuple[int, int] | None:
     """The activations' group widths (w13's and w2's scale block widths) where the grouped GEMMs
-    run W8A8: FP8 experts, T >= W8A8_MIN_TOKENS, and K tiles (`fp8_block_k`) that each lie inside
-    one scale block of both weights; else None (W8A16)."""
+    run W8A8: FP8 experts, T >= W8A8_MIN_TOKENS, and K tiles (`fp8_block_k`) of FP8_DOT_MIN_K or
+    more that each lie inside one scale block of both weights; else None (W8A16)."""
     if scales is None or T < W8A8_MIN_TOKENS:
         return None
     groups = []
     for w, cfg in ((w13, up), (w2, down)):
         bi = resolve_block(scales.block, w.shape[1], w.shape[2])[1]
-        if bi % fp8_block_k(scales, w, cfg["BLOCK_SIZE_K"]):
+        bk = fp8_block_k(scales, w, cfg["BLOCK_SIZE_K"])
+        if bk < FP8_DOT_MIN_K or bi % bk:
             return None
         groups.append(bi)
     return groups[0], groups[1]

@@ -29,7 +29,7 @@ EXPECTED = {"_skinny_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel", "_deco
             "_norm_rope_store_kernel", "topk_route_kernel", "align_count_kernel", "align_place_kernel",
             "moe_gemm1_kernel", "moe_gemm2_kernel", "moe_sum_kernel",
             "moe_sum_add_rms_norm_kernel", "_argmax_kernel", "moe_gemv_up_kernel", "moe_gemv_down_kernel",
-            "_lora_shrink_kernel", "_lora_expand_kernel", "moe_lora_shrink_kernel"}
+            "_lora_shrink_kernel", "_lora_expand_kernel", "moe_lora_shrink_kernel", "_quant_group_kernel"}
 CONFIG = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=97, hidden_size=256, intermediate_size=384,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
               max_position_embeddings=128, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
@@ -102,7 +102,8 @@ def _model_steps() -> None:
 
 
 def _moe_calls() -> None:
-    """The fused MoE at 2 to 512 tokens with the H100's tuned configs, and the one-token GEMVs."""
+    """The fused MoE at 2 to 512 tokens with the H100's tuned configs, and the one-token GEMVs;
+    FP8 experts at 512 tokens (W8A8: the activations' quantization and the fp8 x fp8 GEMMs)."""
     import compiled.moe.fused_moe as fm
     E, H, I, k = 128, 256, 128, 8
     table = fm.load_configs(E, 768, "NVIDIA_H100_80GB_HBM3", "bfloat16")
@@ -113,6 +114,10 @@ def _moe_calls() -> None:
         weights = torch.rand(T, k)
         config = table[min(table, key=lambda m: abs(m - T))]
         fm.fused_moe_triton(x, weights, ids, w13, w2, config=config)
+    fp8 = fm.ExpertScales(torch.rand(E, 2 * I // 128, H // 128), torch.rand(E, H // 128, I // 128), [128, 128])
+    assert T >= fm.W8A8_MIN_TOKENS
+    fm.fused_moe_triton(x, weights, ids, w13.to(torch.float8_e4m3fn), w2.to(torch.float8_e4m3fn), config=config,
+                        scales=fp8)
     fm.fused_moe_triton(x[:1], weights[:1], ids[:1], w13, w2)
 
 

@@ -238,7 +238,7 @@ def act_quant_case(T: int, K: int, group: int, dtype: torch.dtype) -> dict:
 W8A8_CASES = [("w8a8_block16x32", 37, 72, 40, QuantConfig("fp8", "block", (16, 32)), torch.float32),
               ("w8a8_block128", 33, 200, 136, QuantConfig("fp8", "block", (128, 128)), torch.float32),
               ("w8a8_block128_bf16", 33, 200, 136, QuantConfig("fp8", "block", (128, 128)), torch.bfloat16),
-              ("w8a8_channel", 20, 80, 48, QuantConfig("compressed-tensors", "channel"), torch.float32)]
+              ("w8a8_channel", 20, 96, 64, QuantConfig("compressed-tensors", "channel"), torch.float32)]
 
 
 def w8a8_ref(x, topk_weights, topk_ids, w13, w2, groups: tuple[int, int]) -> torch.Tensor:
@@ -356,7 +356,9 @@ def test_w8a8_runs_only_where_it_applies():
     assert fm.w8a8_groups(None, w13, w2, T, cfg, cfg) is None
     odd = fm.ExpertScales(torch.ones(E, 24, 11), torch.ones(E, 16, 8), [16, 24])   # K tiles of 16 straddle 24
     assert fm.w8a8_groups(odd, w13, w2, T, cfg, cfg) is None
-    with pytest.raises(ValueError, match="W8A8 needs K tiles inside the scale blocks of w13"):
+    narrow = fm.ExpertScales(torch.ones(E, 24, 16), torch.ones(E, 16, 12), [16, 16])   # K tiles of 16: no fp8 dot
+    assert fm.w8a8_groups(narrow, w13, w2, T, cfg, cfg) is None
+    with pytest.raises(ValueError, match="W8A8 needs K tiles of 32 or more inside the scale blocks of w13"):
         fm.fp8_kwargs(odd, "w13", w13, 16, w8a8=True)
     delta = fm.GemmDelta(*(torch.zeros(1),) * 4, consts={})
     with pytest.raises(ValueError, match="launch_gemm1: a_scale .W8A8. needs FP8 experts .scales. and no LoRA"):
