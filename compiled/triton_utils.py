@@ -1,7 +1,7 @@
 """Triton helpers shared by the kernels of several op folders: the device checks (Hopper or newer,
 the CPU interpreter), the SM count, TMA descriptors, programmatic dependent launch, and the
-@triton.jit pieces more than one kernel calls (weight tiles, FP8 ones scaled; the residual add, RMSNorm and
-SiLU-and-mul arithmetic, each rounded where torch rounds it).
+@triton.jit pieces more than one kernel calls (weight tiles, FP8 ones scaled, FP8 x FP8 K steps; the
+residual add, RMSNorm and SiLU-and-mul arithmetic, each rounded where torch rounds it).
 
 Programmatic dependent launch (Hopper+): a decode step's small Triton kernels overlap their
 launch with the kernel before them. A kernel launched with `launch_pdl=True` may start while the
@@ -176,6 +176,16 @@ def col_scaled(w, s_ptr, cols, k0, stride_sn, BO, BI, dtype: tl.constexpr):
     a vector load instead of a gather per element."""
     s = tl.load(s_ptr + (cols // BO) * stride_sn + k0 // BI)
     return (w.to(tl.float32) * s.to(tl.float32)[None, :]).to(dtype)
+
+
+@triton.jit
+def w8a8_step(acc, a, w, sa, s_ptr, cols, k0, stride_sn, BO, BI, PRECISION: tl.constexpr):
+    """acc + one K step of an FP8 x FP8 GEMM: a `[M, BLOCK_K]` (activations quantized per token
+    and group, `sa` the rows' group scales) times w `[BLOCK_K, BLOCK_N]` (a weight tile inside one
+    scale block from k0, one scale per weight row `cols`), products exact and summed in fp32 on the
+    tensor cores, then scaled by both."""
+    sw = tl.load(s_ptr + (cols // BO) * stride_sn + k0 // BI).to(tl.float32)
+    return acc + tl.dot(a, w, input_precision=PRECISION) * (sa.to(tl.float32)[:, None] * sw[None, :])
 
 
 @triton.jit

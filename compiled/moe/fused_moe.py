@@ -8,7 +8,10 @@ returns `[T, H]` in x's dtype. On CUDA it runs the Triton kernels of `fused_moe_
 `silu(gate) * up` in its epilogue, grouped GEMM over `w2` with the routing weight in its epilogue,
 sum over the top-k. No host syncs and fixed-size buffers, so it can be captured in a CUDA graph.
 One token runs as two GEMVs instead (`gemv_kernels.py`: no 16-row tensor-core tile for one live
-row).
+row). FP8 experts (`ExpertScales`) are scaled in the kernels' K loops (W8A16); from
+W8A8_MIN_TOKENS on, where the K tiles fit the scale blocks, the grouped GEMMs run W8A8 instead: x
+and then the intermediate quantized per token and scale block (`quant.act_quant`), fp8 x fp8 dots.
+Expert-LoRA calls (`expert_lora.py`) stay W8A16.
 
 Kernel configs (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages, optional HALF_M and TMA per
 token count, and an optional "down" override of N/K/GROUP/warps/stages/HALF_M/TMA for the second
@@ -38,7 +41,8 @@ import compiled.envs as envs
 from compiled.backend import BackendChoice
 from compiled.functional import add_rms_norm_ref
 from compiled.moe.experts import expert_loop
-from compiled.quant.dequant import fit_block_k, kernel_scale, resolve_block
+from compiled.quant.act_quant import quantize_per_token_group
+from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, fit_block_k, kernel_scale, resolve_block
 from compiled.triton_utils import interpreting, launch_kwargs, row_warps, tma_descriptor
 
 log = logging.getLogger(__name__)
@@ -49,6 +53,12 @@ OPTIONAL_KEYS = ("HALF_M", "TMA")  # 0 when absent
 MAX_HALVINGS = 2  # HALF_M: partial blocks run tiles of down to a quarter of BLOCK_SIZE_M
 DOWN_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", *OPTIONAL_KEYS)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+# FP8 experts at this many tokens or more run the grouped GEMMs W8A8 (activations quantized to FP8
+# per token and scale block, fp8 x fp8 dots on the tensor cores); fewer stay W8A16, where the
+# activations' quantization pass costs more than the dots save. A starting point to measure (the
+# H200's 2,048-token prefill spends 29 ms in the W8A16 GEMMs against 16 in bf16), not a tuned value.
+W8A8_MIN_TOKENS = 256
+FP8_DOT_MIN_K = 32   # tl.dot on fp8 operands takes K tiles of 32 or more (Hopper's fp8 MMA)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -305,16 +315,48 @@ class ExpertScales:
     block: tuple[int, int] | list[int]
 
 
-def fp8_kwargs(scales: ExpertScales | None, name: str, w: torch.Tensor, block_k: int, gemv: bool = False) -> dict:
+def fp8_kwargs(scales: ExpertScales | None, name: str, w: torch.Tensor, block_k: int, gemv: bool = False,
+               w8a8: bool = False) -> dict:
     """A kernel's scale arguments for the stacked weight `w` (`name`: w13 or w2) read in K tiles
     of `block_k`: its block scale's pointer, strides, block sides and FP8 mode
     (`quant.dequant.scale_tiling`; the grouped GEMMs' tiles take one block at most, the GEMVs'
-    `gemv` several, KB); without `scales`, placeholders the kernels compiled with FP8=0 never read."""
+    `gemv` several, KB; `w8a8`: FP8_W8A8, whose tiles must each lie inside one block); without
+    `scales`, placeholders the kernels compiled with FP8=0 never read."""
     if scales is None:
         return dict(S=w, stride_se=0, stride_sn=0, BO=1, BI=1, FP8=0, **({"KB": 1} if gemv else {}))
     ks = kernel_scale(getattr(scales, name), scales.block, w.shape[1], w.shape[2], block_k, many=gemv)
+    mode = ks.mode
+    if w8a8:
+        if (ks.mode, ks.kb) != (FP8_BLOCKS, 1) or block_k < FP8_DOT_MIN_K:
+            raise ValueError(f"fused_moe: W8A8 needs K tiles of {FP8_DOT_MIN_K} or more inside the scale blocks "
+                             f"of {name}; got BLOCK_K {block_k} for the block width {ks.bi}")
+        mode = FP8_W8A8
     return dict(S=ks.scale, stride_se=ks.scale.stride(0), stride_sn=ks.scale.stride(1), BO=ks.bo, BI=ks.bi,
-                FP8=ks.mode, **({"KB": ks.kb} if gemv else {}))
+                FP8=mode, **({"KB": ks.kb} if gemv else {}))
+
+
+def _act_kwargs(a_scale: torch.Tensor | None, like: torch.Tensor) -> dict:
+    """The grouped kernels' activation scales (W8A8: `[rows, groups]` fp32), or a placeholder."""
+    if a_scale is None:
+        return dict(AS=like, stride_as=0)
+    return dict(AS=a_scale, stride_as=a_scale.stride(0))
+
+
+def w8a8_groups(scales: ExpertScales | None, w13: torch.Tensor, w2: torch.Tensor, T: int, up: dict,
+                down: dict) -> tuple[int, int] | None:
+    """The activations' group widths (w13's and w2's scale block widths) where the grouped GEMMs
+    run W8A8: FP8 experts, T >= W8A8_MIN_TOKENS, and K tiles (`fp8_block_k`) of FP8_DOT_MIN_K or
+    more that each lie inside one scale block of both weights; else None (W8A16)."""
+    if scales is None or T < W8A8_MIN_TOKENS:
+        return None
+    groups = []
+    for w, cfg in ((w13, up), (w2, down)):
+        bi = resolve_block(scales.block, w.shape[1], w.shape[2])[1]
+        bk = fp8_block_k(scales, w, cfg["BLOCK_SIZE_K"])
+        if bk < FP8_DOT_MIN_K or bi % bk:
+            return None
+        groups.append(bi)
+    return groups[0], groups[1]
 
 
 def fp8_block_k(scales: ExpertScales | None, w: torch.Tensor, block_k: int) -> int:
@@ -336,11 +378,21 @@ def _delta_args(delta: GemmDelta | None, like: torch.Tensor) -> tuple[tuple, dic
              b.stride(2)), dict(LORA=True, **delta.consts))
 
 
+def _check_w8a8(op: str, a_scale: torch.Tensor | None, scales: ExpertScales | None,
+                delta: GemmDelta | None) -> None:
+    if a_scale is not None and (scales is None or delta is not None):
+        raise ValueError(f"{op}: a_scale (W8A8) needs FP8 experts (scales) and no LoRA delta")
+
+
 def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks: Blocks, top_k: int,
-                  cfg: dict, delta: GemmDelta | None = None, scales: ExpertScales | None = None) -> None:
+                  cfg: dict, delta: GemmDelta | None = None, scales: ExpertScales | None = None,
+                  a_scale: torch.Tensor | None = None) -> None:
     """inter (block order) <- silu(gate) * up for every pair of `blocks`; x `[T, H]`; with
-    `delta`, each pair's gate and up LoRA deltas added before silu; with `scales`, w13 is FP8."""
+    `delta`, each pair's gate and up LoRA deltas added before silu; with `scales`, w13 is FP8;
+    with `a_scale` too (W8A8, no delta), x is float8_e4m3fn and `a_scale` its group scales
+    (`quant.act_quant`, groups of w13's block width)."""
     from compiled.moe import fused_moe_kernels as K
+    _check_w8a8("launch_gemm1", a_scale, scales, delta)
     I, H = w13.shape[1] // 2, w13.shape[2]
     bn, bk = cfg["BLOCK_SIZE_N"], fp8_block_k(scales, w13, cfg["BLOCK_SIZE_K"])
     grid = (blocks.expert_ids.numel() * triton.cdiv(I, bn),)
@@ -353,18 +405,21 @@ def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks
         TOP_K=top_k, **_dot_flags(x.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=H % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None, **lora_consts,
-        SHRINK_BY_PAIR=delta is not None and delta.by_pair, **fp8_kwargs(scales, "w13", w13, bk),
+        SHRINK_BY_PAIR=delta is not None and delta.by_pair,
+        **fp8_kwargs(scales, "w13", w13, bk, w8a8=a_scale is not None), **_act_kwargs(a_scale, x),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(x.device),
         **dict(zip(_LORA_ARGS, lora_args)))
 
 
 def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, blocks: Blocks,
                   cfg: dict, top_k: int = 1, delta: GemmDelta | None = None,
-                  scales: ExpertScales | None = None) -> None:
+                  scales: ExpertScales | None = None, a_scale: torch.Tensor | None = None) -> None:
     """y `[T*k, H]` <- each pair's routing weight (`weights`, `[T*k]`) times its row of inter . w2
     (plus, with `delta`, its down LoRA delta; `top_k` maps the pairs to their tokens' slots; with
-    `scales`, w2 is FP8, and a delta must not run in the K loop)."""
+    `scales`, w2 is FP8, and a delta must not run in the K loop; with `a_scale` too (W8A8, no
+    delta), inter is float8_e4m3fn and `a_scale` its rows' group scales)."""
     from compiled.moe import fused_moe_kernels as K
+    _check_w8a8("launch_gemm2", a_scale, scales, delta)
     H, I = w2.shape[1], w2.shape[2]
     bn, bk = cfg["BLOCK_SIZE_N"], fp8_block_k(scales, w2, cfg["BLOCK_SIZE_K"])
     grid = (blocks.expert_ids.numel() * triton.cdiv(H, bn),)
@@ -381,7 +436,8 @@ def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=I % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None, A_TMA=a_desc is not None,
         TOP_K=top_k, **lora_consts, DELTA_IN_K=delta is not None and delta.in_k,
-        R_FULL=delta is not None and delta.b.shape[3] == lora_consts["BLOCK_R"], **fp8_kwargs(scales, "w2", w2, bk),
+        R_FULL=delta is not None and delta.b.shape[3] == lora_consts["BLOCK_R"],
+        **fp8_kwargs(scales, "w2", w2, bk, w8a8=a_scale is not None), **_act_kwargs(a_scale, inter),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(inter.device),
         **dict(zip(_LORA_ARGS, lora_args)))
 
@@ -443,6 +499,15 @@ class MoECall:
         I = self.w2.shape[2]
         return self.ws.get("inter", rows * I, self.x.dtype, self.x.device).view(rows, I)
 
+    def quantized(self, name: str, a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`a [rows, K]` quantized per token in groups of `group` (W8A8) into the workspace's
+        `{name}_q` and `{name}_s`."""
+        rows, K = a.shape
+        G = triton.cdiv(K, group)
+        q = self.ws.get(name + "_q", rows * K, torch.float8_e4m3fn, a.device).view(rows, K)
+        s = self.ws.get(name + "_s", rows * G, torch.float32, a.device).view(rows, G)
+        return quantize_per_token_group(a, group, out=q, scale_out=s)
+
 
 def _plan(x, topk_weights, topk_ids, w13, w2, ws: MoEWorkspace, out: torch.Tensor | None,
           scales: ExpertScales | None) -> MoECall:
@@ -480,8 +545,16 @@ def _launch_grouped(call: MoECall, config: dict) -> None:
     block_m = up["BLOCK_SIZE_M"]
     blocks = moe_align_block_size(call.ids, call.w13.shape[0], block_m, call.ws)
     inter = call.inter(blocks.expert_ids.numel() * block_m)
-    launch_gemm1(call.x, call.w13, inter, blocks, call.top_k, up, scales=call.scales)
-    launch_gemm2(inter, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales)
+    groups = w8a8_groups(call.scales, call.w13, call.w2, call.x.shape[0], up, down)
+    if groups is None:
+        launch_gemm1(call.x, call.w13, inter, blocks, call.top_k, up, scales=call.scales)
+        launch_gemm2(inter, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales)
+        return
+    xq, xs = call.quantized("x", call.x, groups[0])
+    launch_gemm1(xq, call.w13, inter, blocks, call.top_k, up, scales=call.scales, a_scale=xs)
+    # every intermediate row, padding rows too (their products are never stored)
+    iq, is_ = call.quantized("inter", inter, groups[1])
+    launch_gemm2(iq, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales, a_scale=is_)
 
 
 def _launch_sum(y, out, top_k):
@@ -539,7 +612,11 @@ def moe_sum_add_rms_norm_triton(pairs: torch.Tensor, x: torch.Tensor, norm_weigh
 
 
 def _dot_flags(dtype: torch.dtype) -> dict:
-    """fp32 stays fp32 (no tf32); under the CPU interpreter 16-bit operands are upcast for tl.dot."""
+    """fp32 stays fp32 (no tf32); under the CPU interpreter 16-bit operands are upcast for tl.dot.
+    FP8 operands (W8A8) go to tl.dot as they are, on the GPU and under the interpreter (whose fp8
+    dot is exact); "tf32", tl.dot's default, is ignored for them."""
+    if dtype == torch.float8_e4m3fn:
+        return dict(PRECISION="tf32", DOT_FP32=False)
     interp = interpreting()
     fp32 = dtype == torch.float32 or interp
     return dict(PRECISION="ieee" if fp32 else "tf32", DOT_FP32=interp and dtype != torch.float32)

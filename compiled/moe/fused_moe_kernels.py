@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, col_scaled, one_slot_dot, one_slot_operands,
-                                   pdl_wait, row_shrink, scaled_tile, slot_bits, slot_stacked_delta)
+                                   pdl_wait, row_shrink, scaled_tile, slot_bits, slot_stacked_delta, w8a8_step)
 
 
 @triton.jit
@@ -225,7 +225,7 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
              TMA: tl.constexpr, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
              LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
              DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
-             SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, FP8: tl.constexpr):
+             SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr):
     """silu(gate) * up for the TILE_M rows `pair` (a power of two >= 16) and one N tile. TMA: the
     weight tiles come through `w_desc` (w as `[E * 2N, K]`, block `[BLOCK_N, BLOCK_K]`); rows past
     the tile's N read the neighbouring rows (or zeros past the end), whose columns are not stored.
@@ -277,7 +277,7 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
         if FP8 == 2:
             g = col_scaled(g, S + expert * stride_se, offs_nw, k * BLOCK_K, stride_sn, BO, BI, a.dtype)
             u = col_scaled(u, S + expert * stride_se, offs_nw + N, k * BLOCK_K, stride_sn, BO, BI, a.dtype)
-        elif FP8:
+        elif FP8 == 1:
             kk = (k * BLOCK_K + offs_k)[:, None]
             g = scaled_tile(g, S + expert * stride_se, offs_nw[None, :], kk, kk < K, stride_sn, BO, BI, a.dtype, FP8)
             u = scaled_tile(u, S + expert * stride_se, (offs_nw + N)[None, :], kk, kk < K, stride_sn, BO, BI, a.dtype,
@@ -286,8 +286,15 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
             a = a.to(tl.float32)
             g = g.to(tl.float32)
             u = u.to(tl.float32)
-        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        if FP8 == 3:
+            sa = tl.load(AS + token * stride_as + (k * BLOCK_K) // BI)
+            acc_g = w8a8_step(acc_g, a, g, sa, S + expert * stride_se, offs_nw, k * BLOCK_K, stride_sn, BO, BI,
+                              PRECISION)
+            acc_u = w8a8_step(acc_u, a, u, sa, S + expert * stride_se, offs_nw + N, k * BLOCK_K, stride_sn, BO, BI,
+                              PRECISION)
+        else:
+            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -350,8 +357,8 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
                L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K: tl.constexpr,
                LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
                DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
-               DELTA_IN_K: tl.constexpr, R_FULL: tl.constexpr, S, stride_se, stride_sn, BO, BI,
-               FP8: tl.constexpr):
+               DELTA_IN_K: tl.constexpr, R_FULL: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS,
+               stride_as, FP8: tl.constexpr):
     """weight * (a . w2[e]) for the TILE_M rows `pair` and one N tile. TMA as in _up_tile
     (w as `[E * N, K]`). a holds the rows in block order: this tile's are the TILE_M from
     `first_pos` (padding rows hold anything; their outputs are not stored), through `a_desc`
@@ -408,13 +415,17 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
                 b = tl.load(b_ptrs, mask=(offs_k < K - k * BLOCK_K)[:, None], other=0.0)
         if FP8 == 2:
             b = col_scaled(b, S + expert * stride_se, offs_nw, k * BLOCK_K, stride_sn, BO, BI, a.dtype)
-        elif FP8:
+        elif FP8 == 1:
             kk = (k * BLOCK_K + offs_k)[:, None]
             b = scaled_tile(b, S + expert * stride_se, offs_nw[None, :], kk, kk < K, stride_sn, BO, BI, a.dtype, FP8)
         if DOT_FP32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if FP8 == 3:
+            sa = tl.load(AS + pos.to(tl.int64) * stride_as + (k * BLOCK_K) // BI)
+            acc = w8a8_step(acc, a, b, sa, S + expert * stride_se, offs_nw, k * BLOCK_K, stride_sn, BO, BI, PRECISION)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if LORA and not DELTA_FIRST and not DELTA_IN_K:
@@ -456,7 +467,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
                      DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
-                     SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, FP8: tl.constexpr,
+                     SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
                      PDL: tl.constexpr):
     """out[row, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs,
     row = the pair's position in the sorted order (block b's rows are b * BLOCK_M onwards, padding
@@ -466,7 +477,9 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
     2): a block whose real rows fit in half (a quarter) of BLOCK_M runs a tile of that height
     (_tile_rows). LORA: each pair's gate and up LoRA deltas added (`_up_tile`; SHRINK_BY_PAIR: where
     its shrink outputs are). FP8 (0, 1, 2): w float8_e4m3fn, scaled by S, a gather per element (1) or
-    one scale per weight row a K tile (2; `fused_moe.fp8_kwargs`)."""
+    one scale per weight row a K tile (2; `fused_moe.fp8_kwargs`); 3 (W8A8, `quant.dequant.FP8_W8A8`):
+    x float8_e4m3fn too, its tokens' group scales at AS (`[T, K / BI]`), each K step's fp8 x fp8 dot
+    scaled by both (`triton_utils.w8a8_step`)."""
     pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
@@ -481,7 +494,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
-                     S, stride_se, stride_sn, BO, BI, FP8)
+                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
         elif height == BLOCK_M // 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2),
                      first + tl.arange(0, BLOCK_M // 2), expert,
@@ -489,7 +502,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
-                     S, stride_se, stride_sn, BO, BI, FP8)
+                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
         elif HALF_M >= 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4),
                      first + tl.arange(0, BLOCK_M // 4), expert,
@@ -497,7 +510,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
-                     S, stride_se, stride_sn, BO, BI, FP8)
+                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
 
 
 @triton.jit(do_not_specialize=["num_valid"])
@@ -511,12 +524,13 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
                      TOP_K: tl.constexpr,
                      LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
                      DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
-                     DELTA_IN_K: tl.constexpr, R_FULL: tl.constexpr, S, stride_se, stride_sn, BO, BI,
-                     FP8: tl.constexpr, PDL: tl.constexpr):
+                     DELTA_IN_K: tl.constexpr, R_FULL: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS,
+                     stride_as, FP8: tl.constexpr, PDL: tl.constexpr):
     """out[pair, n] = weight[pair] * (a[row] . w[e, n]), the block's rows of a in block order (as
     moe_gemm1_kernel writes them); w is `[E, N, K]` (N = H, K = I). A_TMA: full-height tiles of a
     come through `a_desc`. HALF_M as in moe_gemm1_kernel; LORA: each pair's down delta (`_down_tile`;
-    DELTA_IN_K: as the K loop's last steps); FP8 as in moe_gemm1_kernel."""
+    DELTA_IN_K: as the K loop's last steps); FP8 as in moe_gemm1_kernel (3: a float8_e4m3fn, its
+    rows' group scales at AS, `[rows, K / BI]`)."""
     pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
@@ -531,7 +545,7 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
                        PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, A_TMA,
                        L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                        TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
-                       DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, FP8)
+                       DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
         elif height == BLOCK_M // 2:
             _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr,
                        _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2), first, expert, pid_n,
@@ -539,7 +553,7 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
                        PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA, False,
                        L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                        TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
-                       DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, FP8)
+                       DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
         elif HALF_M >= 2:
             _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr,
                        _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4), first, expert, pid_n,
@@ -547,7 +561,7 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
                        PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA, False,
                        L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                        TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
-                       DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, FP8)
+                       DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
 
 
 @triton.jit

@@ -1,2 +1,2 @@
-"""FP8 weight formats (Qwen block FP8, compressed-tensors): their config, scale shapes, recipes and
-per-rank scale grids, loading and quantize-at-load, and the dequantization references ops and tests share."""
+"""FP8 weight formats (Qwen block FP8, compressed-tensors): config, scale shapes, recipes, per-rank scale grids,
+loading, quantize-at-load, the dequantization references, and activations quantized per token group (W8A8)."""

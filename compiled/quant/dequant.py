@@ -41,6 +41,10 @@ def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[in
 # How an FP8 kernel applies a block scale to its weight tiles (its FP8 constexpr; 0: no scale):
 FP8_GATHER = 1   # a scale gathered per element: any block, any tiling
 FP8_BLOCKS = 2   # one scale per row and scale block the tile covers, loaded once a tile
+# W8A8: FP8_BLOCKS' tiles (each inside one scale block) times activations quantized to FP8 per
+# token in groups of the block's width (`quant.act_quant`), the K step's fp8 x fp8 product scaled
+# by the row's group scale and the weight row's block scale (the fused MoE's grouped GEMMs)
+FP8_W8A8 = 3
 
 
 def scale_tiling(bi: int, block_k: int, many: bool = True) -> tuple[int, int]:

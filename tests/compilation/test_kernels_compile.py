@@ -32,7 +32,7 @@ EXPECTED = {"_skinny_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel", "_deco
             "moe_gemm1_kernel", "moe_gemm2_kernel", "moe_sum_kernel",
             "moe_sum_add_rms_norm_kernel", "_argmax_kernel", "moe_gemv_up_kernel", "moe_gemv_down_kernel",
             "_lora_shrink_kernel", "_lora_expand_kernel", "moe_lora_shrink_kernel", "_w8a16_kernel",
-            "_dequant_kernel"}
+            "_dequant_kernel", "_quant_group_kernel"}
 CONFIG = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=97, hidden_size=256, intermediate_size=384,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
               max_position_embeddings=128, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
@@ -200,7 +200,8 @@ def _fp8(rows: int, cols: int, block: list[int], lead: tuple = ()):
 
 def _fp8_calls() -> None:
     """The FP8 kernels in each scale mode (`quant.dequant.scale_tiling`): 128 x 128 blocks (one
-    scale per row a tile, several blocks a GEMV tile) and 16 x 24 blocks (a gather per element)."""
+    scale per row a tile, several blocks a GEMV tile; at 512 tokens W8A8, the activations'
+    quantization and the fp8 x fp8 GEMMs) and 16 x 24 blocks (a gather per element)."""
     import compiled.moe.fused_moe as fm
     from compiled.linear import skinny_kernels as lk
     from compiled.linear.fp8_kernels import w8a16_linear
@@ -215,7 +216,7 @@ def _fp8_calls() -> None:
     for block in ([128, 128], [16, 24]):
         (q13, s13), (q2, s2) = _fp8(2 * I, H, block, (E,)), _fp8(H, I, block, (E,))
         scales = fm.ExpertScales(s13, s2, block)
-        for T in (1, 8, 64, 512):
+        for T in (1, 8, 64, 512):   # 512 >= W8A8_MIN_TOKENS
             x, weights, ids = torch.randn(T, H).bfloat16(), torch.rand(T, k), torch.randint(0, E, (T, k))
             config = table[min(table, key=lambda m: abs(m - T))]
             fm.fused_moe_triton(x, weights, ids, q13, q2, config=config, scales=scales)

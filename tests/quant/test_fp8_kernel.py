@@ -1,7 +1,9 @@
 """The W8A16 Triton kernels against the dequantize-then-compute references: on CPU under
 TRITON_INTERPRET=1 (one subprocess), block scales with partial edges, per channel, per tensor.
 The linear; the fused MoE's GEMVs (one token) and grouped GEMMs, with and without expert LoRA,
-through `compiled::fused_moe` and `compiled::moe_add_rms_norm_linear`."""
+through `compiled::fused_moe` and `compiled::moe_add_rms_norm_linear`. The W8A8 grouped GEMMs
+(prefill sizes) and their activations' quantization kernel, against the references over the
+dequantized experts and activations (the interpreter's fp8 x fp8 tl.dot is exact)."""
 
 from __future__ import annotations
 
@@ -211,6 +213,87 @@ def moe_case(T: int, quant: QuantConfig, dtype: torch.dtype, lora: bool) -> dict
     return dict(err=rel, tol=1e-5 if dtype == torch.float32 else 0.02, scale=ref.abs().max().item())
 
 
+ACT_QUANT_CASES = [("act_quant_bf16_group128", 5, 200, 128, torch.bfloat16),
+                   ("act_quant_fp32_group32", 7, 75, 32, torch.float32),
+                   ("act_quant_fp32_group16", 3, 50, 16, torch.float32)]
+
+
+def act_quant_case(T: int, K: int, group: int, dtype: torch.dtype) -> dict:
+    """The activations' per-token-group FP8 quantization kernel against its torch reference: rows
+    of very different magnitudes, a partial last group, an all-zero group (row 1's first)."""
+    from compiled.quant.act_quant import quantize_per_token_group, quantize_per_token_group_ref
+    g = torch.Generator().manual_seed(T * K + group)
+    x = (torch.randn(T, K, generator=g) * (torch.rand(T, 1, generator=g) * 100 + 0.01)).to(dtype)
+    x[1, :group] = 0
+    q, s = quantize_per_token_group(x, group)
+    rq, rs = quantize_per_token_group_ref(x, group)
+    scale_err = ((s - rs).abs() / rs).max().item()
+    # a value rounded the other way across a tie is one e4m3 step (2^-3 relative, 2^-9 subnormal) off
+    steps = ((q.float() - rq.float()).abs() / (rq.float().abs() * 2 ** -3 + 2 ** -9)).max().item()
+    zero_ok = bool(torch.isfinite(s[1, 0]) and s[1, 0] > 0 and (q[1, :group].float() == 0).all())
+    return dict(err=max(scale_err / 1e-6, steps), tol=1.0, zero_group=zero_ok, shape=list(s.shape),
+                want_shape=[T, -(-K // group)])
+
+
+W8A8_CASES = [("w8a8_block16x32", 37, 72, 40, QuantConfig("fp8", "block", (16, 32)), torch.float32),
+              ("w8a8_block128", 33, 200, 136, QuantConfig("fp8", "block", (128, 128)), torch.float32),
+              ("w8a8_block128_bf16", 33, 200, 136, QuantConfig("fp8", "block", (128, 128)), torch.bfloat16),
+              ("w8a8_channel", 20, 96, 64, QuantConfig("compressed-tensors", "channel"), torch.float32)]
+
+
+def w8a8_ref(x, topk_weights, topk_ids, w13, w2, groups: tuple[int, int]) -> torch.Tensor:
+    """The W8A8 GEMMs' oracle: the expert loop over the dequantized experts, computed in fp32, its
+    inputs (x, then the intermediate) quantized per token and group by the torch reference and
+    dequantized; gate/up, silu, the intermediate and the outputs rounded to x's dtype where the
+    kernels round them."""
+    import torch.nn.functional as F
+    from compiled.moe.experts import expert_loop
+    from compiled.quant.act_quant import dequantize_per_token_group, quantize_per_token_group_ref
+    I, dt = w2.shape[2], x.dtype
+
+    def qdq(a: torch.Tensor, group: int) -> torch.Tensor:
+        return dequantize_per_token_group(*quantize_per_token_group_ref(a, group), group, torch.float32)
+
+    def expert(e: int, h: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(qdq(h, groups[0]), w13[e].float()).to(dt).split(I, dim=-1)
+        inter = (F.silu(gate.float()).to(dt).float() * up.float()).to(dt)
+        return F.linear(qdq(inter, groups[1]), w2[e].float()).to(dt)
+    return expert_loop(x, topk_weights, topk_ids, w13.shape[0], expert)
+
+
+def w8a8_case(T: int, H: int, I: int, quant: QuantConfig, dtype: torch.dtype) -> dict:
+    """`fused_moe_triton` on FP8 experts above W8A8_MIN_TOKENS (lowered to T here): against the
+    oracle over the dequantized experts and activations (tight), and against the torch reference
+    over the dequantized experts alone (loose: the activations' quantization error)."""
+    from compiled.moe import fused_moe as fm
+    from compiled.quant.dequant import resolve_block
+    E, k = 5, 2
+    g = torch.Generator().manual_seed(T * H + I)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    topk_weights = torch.rand(T, k, generator=g)
+    topk_ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    q13, s13, block = _stacked_fp8(torch.randn(E, 2 * I, H, generator=g) / H ** 0.5, quant)
+    q2, s2, _ = _stacked_fp8(torch.randn(E, H, I, generator=g) / I ** 0.5, quant)
+    w13, w2 = dequantize_blocks(q13, s13, block, torch.float32), dequantize_blocks(q2, s2, block, torch.float32)
+    groups = (resolve_block(block, 2 * I, H)[1], resolve_block(block, H, I)[1])
+    saved, fm.W8A8_MIN_TOKENS = fm.W8A8_MIN_TOKENS, T
+    try:
+        got = fm.fused_moe_triton(x, topk_weights, topk_ids, q13, q2, scales=fm.ExpertScales(s13, s2, block)).float()
+    finally:
+        fm.W8A8_MIN_TOKENS = saved
+    want = w8a8_ref(x, topk_weights, topk_ids, w13, w2, groups).float()
+    plain = fm.fused_moe_ref(x.float(), topk_weights, topk_ids, w13, w2)
+    scale = plain.abs().max().item()
+    loose = (got - plain).abs().max().item() / scale
+    if dtype == torch.float32:
+        return dict(err=(got - want).abs().max().item() / scale, tol=1e-3, loose_err=loose, loose_tol=0.06,
+                    scale=scale)
+    # bf16: the interpreter's bf16 stores round otherwise than torch (its bf16 Triton path over
+    # bf16 experts is 2% off torch's on average), and each such difference in the intermediate can
+    # move a value a whole fp8 step before the down GEMM: the loose check alone, with that margin
+    return dict(err=loose, tol=0.08, loose_err=loose, loose_tol=0.08, scale=scale)
+
+
 @pytest.fixture(scope="module")
 def interpreted():
     from tests.linear.test_linear_kernel import run_interpreted
@@ -245,6 +328,43 @@ def test_interpreted_fp8_moe_matches_dequantized_reference(interpreted, name):
 def test_interpreted_dequantization_matches_reference(interpreted, name):
     r = interpreted[name]
     assert r["err"] <= r["tol"], r
+
+
+@pytest.mark.parametrize("name", [c[0] for c in ACT_QUANT_CASES])
+def test_interpreted_activation_quantization_matches_reference(interpreted, name):
+    r = interpreted[name]
+    assert r["err"] <= r["tol"] and r["zero_group"] and r["shape"] == r["want_shape"], r
+
+
+@pytest.mark.parametrize("name", [c[0] for c in W8A8_CASES])
+def test_interpreted_w8a8_moe_matches_quantized_activation_reference(interpreted, name):
+    r = interpreted[name]
+    assert r["scale"] > 0.1 and r["err"] <= r["tol"] and r["loose_err"] <= r["loose_tol"], r
+
+
+def test_w8a8_runs_only_where_it_applies():
+    """W8A8 at T >= W8A8_MIN_TOKENS with K tiles inside the scale blocks of both weights; W8A16
+    (None) below, for other blocks, and for bf16 experts; LoRA calls and misaligned tiles refused."""
+    from compiled.moe import fused_moe as fm
+    E, H, I = 2, 256, 192
+    w13, w2 = torch.zeros(E, 2 * I, H, dtype=torch.float8_e4m3fn), torch.zeros(E, H, I, dtype=torch.float8_e4m3fn)
+    cfg = dict(BLOCK_SIZE_K=64)
+    scales = fm.ExpertScales(torch.ones(E, 3, 2), torch.ones(E, 2, 2), [128, 128])
+    T = fm.W8A8_MIN_TOKENS
+    assert fm.w8a8_groups(scales, w13, w2, T, cfg, cfg) == (128, 128)
+    assert fm.w8a8_groups(scales, w13, w2, T - 1, cfg, cfg) is None
+    assert fm.w8a8_groups(None, w13, w2, T, cfg, cfg) is None
+    odd = fm.ExpertScales(torch.ones(E, 24, 11), torch.ones(E, 16, 8), [16, 24])   # K tiles of 16 straddle 24
+    assert fm.w8a8_groups(odd, w13, w2, T, cfg, cfg) is None
+    narrow = fm.ExpertScales(torch.ones(E, 24, 16), torch.ones(E, 16, 12), [16, 16])   # K tiles of 16: no fp8 dot
+    assert fm.w8a8_groups(narrow, w13, w2, T, cfg, cfg) is None
+    with pytest.raises(ValueError, match="W8A8 needs K tiles of 32 or more inside the scale blocks of w13"):
+        fm.fp8_kwargs(odd, "w13", w13, 16, w8a8=True)
+    delta = fm.GemmDelta(*(torch.zeros(1),) * 4, consts={})
+    with pytest.raises(ValueError, match="launch_gemm1: a_scale .W8A8. needs FP8 experts .scales. and no LoRA"):
+        fm.launch_gemm1(w13[0], w13, None, None, 1, cfg, delta=delta, scales=scales, a_scale=torch.ones(1, 2))
+    with pytest.raises(ValueError, match="launch_gemm2: a_scale"):
+        fm.launch_gemm2(w2[0], w2, None, None, None, cfg, a_scale=torch.ones(1, 2))
 
 
 @pytest.mark.gpu
@@ -295,6 +415,28 @@ def test_gpu_fp8_moe_matches_dequantized_in_bf16(T):
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [512, 2048])
+def test_gpu_w8a8_moe_matches_dequantized_in_bf16(T):
+    """The 30B's expert shapes at block 128 and prefill token counts (W8A8 from
+    W8A8_MIN_TOKENS on): against the bf16 kernels over the dequantized experts, within the
+    activations' quantization error."""
+    from compiled.moe import fused_moe as fm
+    E, H, I, k = 128, 2048, 768, 8
+    assert T >= fm.W8A8_MIN_TOKENS
+    quant = QuantConfig("fp8", "block", (128, 128))
+    q13, s13, block = _stacked_fp8(torch.randn(E, 2 * I, H) / H ** 0.5, quant)
+    q2, s2, _ = _stacked_fp8(torch.randn(E, H, I) / I ** 0.5, quant)
+    q13, s13, q2, s2 = (t.cuda() for t in (q13, s13, q2, s2))
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    topk_weights, topk_ids = torch.rand(T, E, device="cuda").softmax(-1).topk(k)
+    w13, w2 = dequantize_blocks(q13, s13, block, torch.bfloat16), dequantize_blocks(q2, s2, block, torch.bfloat16)
+    want = fm.fused_moe_triton(x, topk_weights, topk_ids, w13, w2).float()
+    got = fm.fused_moe_triton(x, topk_weights, topk_ids, q13, q2, scales=fm.ExpertScales(s13, s2, block)).float()
+    assert (got - want).abs().max() <= 0.06 * want.abs().max()
+
+
 if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
     os.environ.setdefault("COMPILED_LINEAR_BACKEND", "auto")
     results = {name: kernel_case(M, N, K, quant) for name, M, N, K, quant in CASES}
@@ -302,4 +444,6 @@ if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
     results.update({name: skinny_case(M, config, quant) for name, M, config, quant in SKINNY_CASES})
     results.update({name: lora_case(M) for name, M in LORA_CASES})
     results.update({name: dequant_case(*case) for name, *case in DEQUANT_CASES})
+    results.update({name: act_quant_case(*case) for name, *case in ACT_QUANT_CASES})
+    results.update({name: w8a8_case(*case) for name, *case in W8A8_CASES})
     print(json.dumps(results))

@@ -1,0 +1,87 @@
+"""Activations quantized to float8_e4m3fn per token in groups of K (the W8A8 grouped GEMMs' A
+operand): each row's columns in groups of `group` (the weight's scale block width, so that a K
+tile lies inside one group), each group with an fp32 scale max|x_group| / 448.
+
+Values are rounded to the e4m3 grid in fp32 arithmetic (to nearest, ties to even, as torch's cast
+rounds) before the cast, so the cast itself is exact: Triton's CPU interpreter casts to float8
+without carrying a rounded-up mantissa into the exponent, and the GPU gives the same result
+either way. An all-zero group takes the scale ACT_EPS / 448 and quantizes to zeros."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from compiled.triton_utils import launch_kwargs, pdl_wait
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+ACT_EPS = 1e-10   # the smallest group maximum: a zero group gets a finite, nonzero scale
+
+
+def quantize_per_token_group_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq `[T, K]` float8_e4m3fn, xs `[T, ceil(K/group)]` fp32) with x ~ xq * xs repeated over
+    each group (the last group may be partial)."""
+    T, K = x.shape
+    G = -(-K // group)
+    padded = torch.zeros(T, G * group, dtype=torch.float32, device=x.device)
+    padded[:, :K] = x.float()
+    amax = padded.view(T, G, group).abs().amax(dim=2).clamp(min=ACT_EPS)
+    xs = amax / FP8_MAX
+    y = (padded.view(T, G, group) / xs[:, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    return y.reshape(T, G * group)[:, :K].to(FP8), xs
+
+
+def dequantize_per_token_group(xq: torch.Tensor, xs: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """xq times its group scales, in `dtype` (the oracle of the W8A8 GEMMs' activations)."""
+    K = xq.shape[1]
+    return (xq.double() * xs.double().repeat_interleave(group, dim=1)[:, :K]).to(dtype)
+
+
+@triton.jit
+def _round_e4m3(y):
+    """y (fp32, |y| <= 448) rounded to the nearest float8_e4m3fn value, ties to even: adding and
+    subtracting 1.5 * 2^23 ulps, where ulp is the e4m3 spacing at y (2^-9 below 2^-6)."""
+    bits = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    magic = ulp * 12582912.0   # 1.5 * 2^23: the sum stays in one binade whose fp32 spacing is ulp
+    return (y + magic) - magic
+
+
+@triton.jit
+def _quant_group_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, GROUP, EPS, FMAX,
+                        G_PAD: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr):
+    """One program a row: its groups as a `[G_PAD, BLOCK_G]` tile, each group's max, scale and
+    rounded values."""
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, G_PAD)
+    c = tl.arange(0, BLOCK_G)
+    cols = g[:, None] * GROUP + c[None, :]
+    ok = (c < GROUP)[None, :] & (cols < K)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), EPS)
+    scale = amax / FMAX
+    y = tl.minimum(tl.maximum(x / scale[:, None], -FMAX), FMAX)
+    tl.store(q_ptr + row * stride_q + cols, _round_e4m3(y).to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + row * stride_s + g, scale, mask=g * GROUP < K)
+
+
+def quantize_per_token_group(x: torch.Tensor, group: int, out: torch.Tensor | None = None,
+                             scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_per_token_group_ref` in one Triton launch; x `[T, K]` with unit last stride.
+    `out` `[T, K]` float8_e4m3fn and `scale_out` `[T, ceil(K/group)]` fp32 (contiguous): where
+    to write (a workspace's), else new tensors."""
+    T, K = x.shape
+    G = triton.cdiv(K, group)
+    if x.stride(1) != 1:
+        raise ValueError(f"quantize_per_token_group: x needs unit last stride, got strides {list(x.stride())}")
+    q = torch.empty(T, K, dtype=FP8, device=x.device) if out is None else out
+    s = torch.empty(T, G, dtype=torch.float32, device=x.device) if scale_out is None else scale_out
+    if T:
+        _quant_group_kernel[(T,)](x, q, s, K, x.stride(0), q.stride(0), s.stride(0), group, ACT_EPS, FP8_MAX,
+                                  G_PAD=triton.next_power_of_2(G), BLOCK_G=triton.next_power_of_2(group),
+                                  num_warps=4, **launch_kwargs(x.device))
+    return q, s
