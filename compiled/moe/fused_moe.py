@@ -55,8 +55,8 @@ DOWN_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_s
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 # FP8 experts at this many tokens or more run the grouped GEMMs W8A8 (activations quantized to FP8
 # per token and scale block, fp8 x fp8 dots on the tensor cores); fewer stay W8A16, where the
-# activations' quantization pass costs more than the dots save. A starting point to measure (the
-# H200's 2,048-token prefill spends 29 ms in the W8A16 GEMMs against 16 in bf16), not a tuned value.
+# activations' quantization pass costs more than the dots save. A starting point to measure
+# (bench/RESULTS.md, FP8 weights), not a tuned value.
 W8A8_MIN_TOKENS = 256
 FP8_DOT_MIN_K = 32   # tl.dot on fp8 operands takes K tiles of 32 or more (Hopper's fp8 MMA)
 
