@@ -300,46 +300,16 @@ def interpreted():
     return run_interpreted(__file__)
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CASES])
-def test_interpreted_w8a16_matches_reference(interpreted, name):
+ALL_CASES = CASES + SKINNY_CASES + LORA_CASES + MOE_CASES + DEQUANT_CASES + ACT_QUANT_CASES + W8A8_CASES
+
+
+@pytest.mark.parametrize("name", [c[0] for c in ALL_CASES])
+def test_interpreted_kernel_matches_its_reference(interpreted, name):
+    """Each case above against its reference within its tolerance; the MoE cases' outputs far from
+    zero, the activation quantization's zero group and shapes, W8A8's loose bound too."""
     r = interpreted[name]
-    assert r["err"] <= r["tol"], r
-
-
-@pytest.mark.parametrize("name", [c[0] for c in SKINNY_CASES])
-def test_interpreted_fp8_skinny_matches_dequantized_reference(interpreted, name):
-    r = interpreted[name]
-    assert r["err"] <= r["tol"], r
-
-
-@pytest.mark.parametrize("name", [c[0] for c in LORA_CASES])
-def test_interpreted_fp8_lora_linears_match_dequantized_reference(interpreted, name):
-    r = interpreted[name]
-    assert r["err"] <= r["tol"], r
-
-
-@pytest.mark.parametrize("name", [c[0] for c in MOE_CASES])
-def test_interpreted_fp8_moe_matches_dequantized_reference(interpreted, name):
-    r = interpreted[name]
-    assert r["scale"] > 0.1 and r["err"] <= r["tol"], r
-
-
-@pytest.mark.parametrize("name", [c[0] for c in DEQUANT_CASES])
-def test_interpreted_dequantization_matches_reference(interpreted, name):
-    r = interpreted[name]
-    assert r["err"] <= r["tol"], r
-
-
-@pytest.mark.parametrize("name", [c[0] for c in ACT_QUANT_CASES])
-def test_interpreted_activation_quantization_matches_reference(interpreted, name):
-    r = interpreted[name]
-    assert r["err"] <= r["tol"] and r["zero_group"] and r["shape"] == r["want_shape"], r
-
-
-@pytest.mark.parametrize("name", [c[0] for c in W8A8_CASES])
-def test_interpreted_w8a8_moe_matches_quantized_activation_reference(interpreted, name):
-    r = interpreted[name]
-    assert r["scale"] > 0.1 and r["err"] <= r["tol"] and r["loose_err"] <= r["loose_tol"], r
+    assert r["err"] <= r["tol"] and r.get("scale", 1.0) > 0.1 and r.get("zero_group", True), r
+    assert r.get("shape") == r.get("want_shape") and r.get("loose_err", 0.0) <= r.get("loose_tol", 0.0), r
 
 
 def test_w8a8_runs_only_where_it_applies():
@@ -397,10 +367,11 @@ def test_gpu_fp8_skinny_linear_matches_dequantized_in_bf16(M, N, K):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("T", [1, 8, 64])
+@pytest.mark.parametrize("T", [1, 8, 64, 512, 2048])
 def test_gpu_fp8_moe_matches_dequantized_in_bf16(T):
     """The 30B's expert shapes at block 128: the FP8 kernels against the bf16 kernels over the
-    dequantized experts."""
+    dequantized experts; from W8A8_MIN_TOKENS on (W8A8) within the activations' quantization
+    error too."""
     from compiled.moe import fused_moe as fm
     E, H, I, k = 128, 2048, 768, 8
     quant = QuantConfig("fp8", "block", (128, 128))
@@ -412,29 +383,8 @@ def test_gpu_fp8_moe_matches_dequantized_in_bf16(T):
     w13, w2 = dequantize_blocks(q13, s13, block, torch.bfloat16), dequantize_blocks(q2, s2, block, torch.bfloat16)
     want = fm.fused_moe_triton(x, topk_weights, topk_ids, w13, w2).float()
     got = fm.fused_moe_triton(x, topk_weights, topk_ids, q13, q2, scales=fm.ExpertScales(s13, s2, block)).float()
-    assert (got - want).abs().max() <= 0.02 * want.abs().max()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("T", [512, 2048])
-def test_gpu_w8a8_moe_matches_dequantized_in_bf16(T):
-    """The 30B's expert shapes at block 128 and prefill token counts (W8A8 from
-    W8A8_MIN_TOKENS on): against the bf16 kernels over the dequantized experts, within the
-    activations' quantization error."""
-    from compiled.moe import fused_moe as fm
-    E, H, I, k = 128, 2048, 768, 8
-    assert T >= fm.W8A8_MIN_TOKENS
-    quant = QuantConfig("fp8", "block", (128, 128))
-    q13, s13, block = _stacked_fp8(torch.randn(E, 2 * I, H) / H ** 0.5, quant)
-    q2, s2, _ = _stacked_fp8(torch.randn(E, H, I) / I ** 0.5, quant)
-    q13, s13, q2, s2 = (t.cuda() for t in (q13, s13, q2, s2))
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    topk_weights, topk_ids = torch.rand(T, E, device="cuda").softmax(-1).topk(k)
-    w13, w2 = dequantize_blocks(q13, s13, block, torch.bfloat16), dequantize_blocks(q2, s2, block, torch.bfloat16)
-    want = fm.fused_moe_triton(x, topk_weights, topk_ids, w13, w2).float()
-    got = fm.fused_moe_triton(x, topk_weights, topk_ids, q13, q2, scales=fm.ExpertScales(s13, s2, block)).float()
-    assert (got - want).abs().max() <= 0.06 * want.abs().max()
+    tol = 0.06 if T >= fm.W8A8_MIN_TOKENS else 0.02
+    assert (got - want).abs().max() <= tol * want.abs().max()
 
 
 if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
