@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from cli.engine_options import DEFAULTS
+from cli.engine_options import DEFAULTS, ENGINE_OPTIONS
 from cli.errors import fail_cleanly
 
 
@@ -23,6 +23,9 @@ def graph(
     passes: Optional[str] = typer.Option(None, help="Comma-separated pass list, 'none' for none; default: all."),
     dump: Optional[Path] = typer.Option(None, help="Write the graph's Python code before and after each pass here."),
     dtype: str = typer.Option("bfloat16", help="Parameter dtype, for the byte counts."),
+    quantization: Optional[str] = typer.Option(None, "--quantization",
+                                               help=ENGINE_OPTIONS["quantization"][1] + " The graph then ends "
+                                               "with the fp8_weights pass and its scale operands."),
     lora: Optional[str] = typer.Option(None, "--lora", help="A PEFT adapter folder: run the graph with the "
                                        "lora_delta pass and show what the adapter targets."),
     cp: int = typer.Option(1, "--cp", help="Context-parallel processes: above 1, run the graph with the "
@@ -39,11 +42,12 @@ def graph(
         from compiled.graphs.trace import meta_model, trace
         from compiled.passes.manager import passes_for, run_passes
         from compiled.passes.variant import GraphVariant
+        from compiled.quant.at_load import with_quantization
         from compiled.runtime.config import resolve_dtype
         from compiled.runtime.settings import default_model
 
         path = model or default_model()
-        cfg = ModelConfig.from_pretrained(path)
+        cfg, _ = with_quantization(ModelConfig.from_pretrained(path), quantization)
         names = None if passes is None else ([] if passes == "none" else [p.strip() for p in passes.split(",") if p.strip()])
         if dump is not None:
             dump.mkdir(parents=True, exist_ok=True)

@@ -81,3 +81,17 @@ def test_graph_expert_parallel_shows_whole_experts_per_rank():
 def test_graph_tp_that_does_not_divide_the_heads_is_a_one_line_error():
     result = runner.invoke(app, ["graph", "--tp", "3"])
     assert result.exit_code == 1 and "tensor_parallel_size=3 does not divide num_attention_heads=4" in result.output
+
+
+def test_graph_quantized_at_load_shows_the_scale_operands(tmp_path):
+    result = runner.invoke(app, ["graph", "--quantization", "fp8", "--dump", str(tmp_path)], env={"COLUMNS": "160"})
+    assert result.exit_code == 0, result.output
+    assert "fp8_weights" in result.output
+    last = sorted(tmp_path.glob("*_fp8_weights.py"))[-1].read_text()
+    # the demo's linears take their scales (its experts, off the 128 x 128 grid, load dequantized)
+    assert "weight_scale = model_layers_0_self_attn_qkv_proj_weight_scale" in last and "weight_block = [128, 128]" in last
+
+
+def test_graph_unknown_quantization_is_a_one_line_error():
+    result = runner.invoke(app, ["graph", "--quantization", "int3"])
+    assert result.exit_code == 1 and "quantization='int3'" in result.output and "Traceback" not in result.output
