@@ -352,7 +352,7 @@ def w8a8_groups(scales: ExpertScales | None, w13: torch.Tensor, w2: torch.Tensor
     groups = []
     for w, cfg in ((w13, up), (w2, down)):
         bi = resolve_block(scales.block, w.shape[1], w.shape[2])[1]
-        bk = fp8_block_k(scales, w, cfg["BLOCK_SIZE_K"])
+        bk = fit_block_k(bi, cfg["BLOCK_SIZE_K"])
         if bk < FP8_DOT_MIN_K or bi % bk:
             return None
         groups.append(bi)

@@ -8,28 +8,22 @@ from __future__ import annotations
 
 import torch
 
-from compiled import LLM, SamplingParams
-from compiled.graphs.config import ModelConfig
+from compiled import LLM
 from tests.conftest import DENSE, hf_model, make_checkpoint
-from tests.graphs.test_hf_parity import assert_generate_matches_hf, assert_prompt_logprobs_match, random_prompts
-from tests.lora.test_adapter import ATTN, MLP, make_peft_adapter, per_expert_tensors, write_adapter
+from tests.graphs.test_hf_parity import assert_generate_matches_hf, random_prompts
 from tests.quant.checkpoints import BLOCK_FP8, compressed_tensors, quantize_checkpoint
-from tests.quant.test_fp8_lora import _oracle
+from tests.quant.test_fp8_lora import assert_mixed_batch_matches_merged, fp8_params, mixed_adapters
 
 ENGINE = dict(device="cpu", dtype="float32", tensor_parallel_size=2, max_model_len=128, kv_cache_tokens=1024)
 # 48 expert rows a rank: rank 1's gate and up slices start at row 24 of a 32-row block
 MOE = dict(moe=True, moe_intermediate_size=48, num_hidden_layers=3, mlp_only_layers=[1])
 
 
-def _fp8(llm) -> set[str]:
-    return {n for n, p in llm.model.named_parameters() if p.dtype == torch.float8_e4m3fn}
-
-
 def _generate_matches_hf(path: str, reference: str, **kwargs) -> set[str]:
     llm = LLM(path, **ENGINE, **kwargs)
     try:
         assert_generate_matches_hf(llm, hf_model(reference), random_prompts(DENSE["vocab_size"], [9, 14]), 5)
-        return _fp8(llm)
+        return fp8_params(llm)
     finally:
         llm.shutdown()
 
@@ -55,21 +49,10 @@ def test_block_fp8_moe_with_a_batch_mixing_lora_adapters(tmp_path, one_intra_op_
     src = make_checkpoint(tmp_path / "src", **MOE)
     path, reference = quantize_checkpoint(src, tmp_path / "fp8", tmp_path / "ref",
                                           dict(BLOCK_FP8, weight_block_size=[32, 40]), torch.bfloat16)
-    adapters = {
-        "attn_mlp": make_peft_adapter(reference, tmp_path / "a1", seed=1, r=8, lora_alpha=16,
-                                      target_modules=ATTN + MLP),
-        "experts": write_adapter(tmp_path / "a2", per_expert_tensors(ModelConfig.from_pretrained(path), 4, seed=2),
-                                 r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"]),
-    }
+    adapters = mixed_adapters(path, reference, tmp_path)
     llm = LLM(path, **ENGINE, lora_modules=adapters, max_loras_per_batch=2)
     try:
-        assert {"model.layers.0.mlp.w13", "model.layers.2.mlp.w2", "model.layers.1.mlp.w13.weight"} <= _fp8(llm)
-        names = [None, "attn_mlp", "experts", "attn_mlp"]
-        prompts = random_prompts(DENSE["vocab_size"], [9, 12, 7, 10])
-        params = SamplingParams(max_new_tokens=4, temperature=0.0, prompt_logprobs=-1, ignore_eos=True)
-        for prompt, name, out in zip(prompts, names, llm.generate(prompts, params, lora=names)):
-            logprobs, greedy = _oracle(reference, adapters.get(name), prompt, 4)
-            assert_prompt_logprobs_match(out, logprobs)
-            assert out.token_ids == greedy, name
+        assert {"model.layers.0.mlp.w13", "model.layers.2.mlp.w2", "model.layers.1.mlp.w13.weight"} <= fp8_params(llm)
+        assert_mixed_batch_matches_merged(llm, reference, adapters)
     finally:
         llm.shutdown()
