@@ -141,6 +141,10 @@ def _from_backend(error: BaseException) -> bool:
 def init_group(rank: int, world: int, backend: str, timeout: float, processes: list | None = None,
                kind: str = "context-parallel") -> CPGroup:
     """Join the group (MASTER_ADDR / MASTER_PORT from the environment)."""
+    # Imported before the group exists: its functions take `group=WORLD` as a default argument,
+    # which, bound after (torch.compile imports it), would keep the group alive until the
+    # interpreter's finalization, whose teardown of a gloo group can abort the process.
+    import torch.distributed.nn  # noqa: F401
     delta = datetime.timedelta(seconds=timeout)
     if backend == "nccl":
         for name, value in MULTICAST_OFF.items():
