@@ -124,6 +124,14 @@ def assert_same_outputs(outputs, reference, tol: float = 1e-4) -> None:
             assert max(abs(a[k] - b[k]) for k in a) < tol
 
 
+def rank_routing(weights: torch.Tensor, ids: torch.Tensor, first: int, count: int):
+    """A routing over all experts as the rank holding experts [first, first + count) sees it
+    under expert parallelism (`compiled::topk_route(local_experts=count)`): (its weights, 0 for
+    the other ranks' pairs; its ids, made local, -1 for the others; which pairs are its)."""
+    mine = (ids >= first) & (ids < first + count)
+    return torch.where(mine, weights, 0.0), torch.where(mine, ids - first, -1), mine
+
+
 def torchrun_result(tmp_path, code: str, nproc: int = 2) -> dict:
     """Run `code` under `torchrun --nproc-per-node nproc` and return the JSON its rank 0 printed
     after "RESULT " (the other ranks' LLMs serve as workers and print nothing)."""

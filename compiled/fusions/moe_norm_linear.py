@@ -92,7 +92,7 @@ def _moe_norm_linear(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps
         own_fp8 = {} if fp8 is None else dict(weight_scale=fp8.scale, weight_block=fp8.block)
         return torch.ops.compiled.add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed, **own_fp8)
     pairs = _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert, scales)
-    h, normed = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps)
+    h, normed = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps, ids=topk_ids)
     return fp8_linear.linear(normed, weight, fp8), h, normed if keep_normed else x.new_empty(0)
 
 
@@ -119,7 +119,8 @@ def _moe_norm_linear_lora(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight
         y = linear_lora.expand(y, linear_lora.shrink(normed, a, slot), b, scale, slot, slices)
     else:
         pairs = _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert, scales)
-        h, normed, s = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps, shrink=(a.contiguous(), slot))
+        h, normed, s = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps, shrink=(a.contiguous(), slot),
+                                                      ids=topk_ids)
         y = linear_then_expand(normed, weight, s, b, scale, slot, slices, fp8)
     return y, h, normed if keep_normed else x.new_empty(0)
 

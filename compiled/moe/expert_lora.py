@@ -51,7 +51,7 @@ import torch.nn.functional as F
 import triton
 
 from compiled.moe.fused_moe import (Blocks, ExpertScales, GemmDelta, MoEWorkspace, get_config, launch_gemm1,
-                                    launch_gemm2, moe_align_block_size, split_config, zeroed)
+                                    launch_gemm2, launch_sum, moe_align_block_size, split_config, zeroed)
 from compiled.quant.dequant import FP8
 from compiled.side_stream import Fork
 from compiled.triton_utils import interpreting, launch_kwargs
@@ -98,7 +98,8 @@ def fused_moe_lora_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
                        scale: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """`[T, H]` in x's dtype. `fused_moe_ref`'s loop (transformers' eager experts: per expert,
     linear, silu * up, linear, times the routing weight in x's dtype, index_add in expert order),
-    each expert's pairs sorted by slot so that each slot's rows get their delta as one product."""
+    each expert's pairs sorted by slot so that each slot's rows get their delta as one product.
+    Pairs of id -1 (another rank's expert) sort first and are skipped."""
     out = torch.zeros_like(x)
     T = x.shape[0]
     if T == 0:
@@ -109,12 +110,14 @@ def fused_moe_lora_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
     token_slot = torch.where((slot >= 0) & (slot < S), slot.long(), -1)
     pair_slot = token_slot.repeat_interleave(top_k)
     flat_ids = topk_ids.reshape(-1).long()
-    key = flat_ids * (S + 1) + pair_slot + 1      # expert-major, then no adapter, slot 0, 1, ...
+    # expert-major (id -1 first), then no adapter, slot 0, 1, ...
+    key = torch.where(flat_ids >= 0, flat_ids * (S + 1) + pair_slot + 1, -1)
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=E * (S + 1)).view(E, S + 1).tolist()
+    skipped, *counts = torch.bincount(key + 1, minlength=E * (S + 1) + 1).tolist()
+    counts = [counts[e * (S + 1):(e + 1) * (S + 1)] for e in range(E)]
     token_of = order // top_k
     weight_of = topk_weights.reshape(-1)[order].to(x.dtype)
-    start = 0
+    start = skipped
     for e in range(E):
         n = sum(counts[e])
         if n == 0:
@@ -386,7 +389,6 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     through `lora_up_config`): the base grouped GEMMs with the deltas in their epilogues, after
     the shrinks. `sum_slots=False` (top-k > 1): the weighted expert outputs `[T*k, H]` unsummed,
     as `fused_moe_triton`'s, for the norm's kernel to sum. `scales`: the experts are FP8."""
-    from compiled.moe import fused_moe_kernels as K
     T, H = x.shape
     E, I = w13.shape[0], w2.shape[2]
     S, R = a2.shape[0], a2.shape[2]
@@ -412,7 +414,10 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     blocks = call.blocks = moe_align_block_size(ids, E, bm, ws)
     rows = blocks.expert_ids.numel() * bm
     inter = ws.get("inter", rows * I, x.dtype, x.device).view(rows, I)
-    y = out if top_k == 1 else ws.get("y", numel * H, x.dtype, x.device).view(numel, H)
+    if top_k == 1:   # the down GEMM writes the placed pairs' rows only: another rank's stay zero
+        y = out.zero_()
+    else:
+        y = ws.get("y", numel * H, x.dtype, x.device).view(numel, H)
     consts = delta_consts(x.dtype, S, R, bm)
     delta13 = None
     if fork is not None:
@@ -428,6 +433,5 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     if not sum_slots:
         return y
     if top_k > 1:
-        bh = min(1024, triton.next_power_of_2(H))
-        K.moe_sum_kernel[(T, triton.cdiv(H, bh))](y, out, H, TOP_K=top_k, BLOCK_H=bh, num_warps=4, **pdl)
+        launch_sum(y, ids, out, pdl)
     return out

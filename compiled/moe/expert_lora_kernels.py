@@ -100,6 +100,8 @@ def moe_lora_pair_shrink_kernel(X, A, OUT, IDS, SLOT, num_pairs, S, NR, K, strid
     if not BY_POSITION:
         x_row = token
     s = tl.load(SLOT + token, mask=live, other=-1)
+    if not BY_POSITION:   # a pair of id < 0 (another rank's expert) is never placed: no row to shrink
+        s = tl.where(tl.load(IDS + p, mask=live, other=0) >= 0, s, -1)
     if live & (s >= 0) & (s < S):
         if BY_POSITION:
             expert = tl.load(expert_ids_ptr + p // BLOCK_M).to(tl.int64)

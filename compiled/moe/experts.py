@@ -15,17 +15,18 @@ import torch.nn.functional as F
 def expert_loop(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
                 expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """HF's expert loop: for each expert with tokens, `expert(e, x[tokens])` times the routing
-    weight cast to x's dtype, added into the output in x's dtype in expert order."""
+    weight cast to x's dtype, added into the output in x's dtype in expert order. Pairs of id -1
+    (another rank's expert, `routing.NOT_LOCAL`) sort first and are skipped."""
     out = torch.zeros_like(x)
     if x.shape[0] == 0:
         return out
     top_k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    skipped, *counts = torch.bincount(flat_ids + 1, minlength=num_experts + 1).tolist()
     token_of = order // top_k
     weight_of = topk_weights.reshape(-1)[order].to(x.dtype)
-    start = 0
+    start = skipped
     for e, n in enumerate(counts):
         if n == 0:
             continue

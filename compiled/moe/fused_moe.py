@@ -557,21 +557,26 @@ def _launch_grouped(call: MoECall, config: dict) -> None:
     launch_gemm2(iq, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales, a_scale=is_)
 
 
-def _launch_sum(y, out, top_k):
+def launch_sum(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, pdl: dict | None = None) -> None:
+    """out `[T, H]` <- each token's top-k sum of y `[T*k, H]` (`moe_sum_kernel`), the pairs of id
+    < 0 (ids `[T, k]`, contiguous) left out."""
     from compiled.moe import fused_moe_kernels as K
     T, H = out.shape
     bh = min(1024, triton.next_power_of_2(H))
-    K.moe_sum_kernel[(T, triton.cdiv(H, bh))](y, out, H, TOP_K=top_k, BLOCK_H=bh, num_warps=4,
-                                              **launch_kwargs(y.device))
+    K.moe_sum_kernel[(T, triton.cdiv(H, bh))](y, ids, out, H, TOP_K=ids.shape[1], BLOCK_H=bh, num_warps=4,
+                                              **(pdl if pdl is not None else launch_kwargs(y.device)))
 
 
-def moe_sum_add_rms_norm_ref(pairs: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor,
-                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, normed) from gemm2's weighted expert outputs `pairs [T*k, H]`: their top-k sum in fp32,
-    rounded to x's dtype (as the sum kernel stores it), then `add_rms_norm_ref(x, sum)`."""
+def moe_sum_add_rms_norm_ref(pairs: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                             ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, normed) from gemm2's weighted expert outputs `pairs [T*k, H]`: their top-k sum in fp32
+    (with `ids [T, k]`, of the pairs of id >= 0 only), rounded to x's dtype (as the sum kernel
+    stores it), then `add_rms_norm_ref(x, sum)`."""
     T, H = x.shape
-    moe_out = pairs.view(T, -1, H).float().sum(1).to(x.dtype)
-    return add_rms_norm_ref(x, moe_out, norm_weight, eps)
+    pairs = pairs.view(T, -1, H).float()
+    if ids is not None:
+        pairs = torch.where((ids >= 0)[:, :, None], pairs, 0.0)
+    return add_rms_norm_ref(x, pairs.sum(1).to(x.dtype), norm_weight, eps)
 
 
 # The norm kernel's LoRA shrink of the next linear (`moe_sum_add_rms_norm_triton`): a program
@@ -589,12 +594,16 @@ def shrink_outputs_a_program(T: int) -> int:
 
 
 def moe_sum_add_rms_norm_triton(pairs: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                                shrink: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+                                shrink: tuple[torch.Tensor, torch.Tensor] | None = None,
+                                ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The reference's contract in one launch (`moe_sum_add_rms_norm_kernel`); x's last dim
     contiguous. `shrink` (a `[S, NR, H]` with its last dim contiguous, slot `[T]`): also the next
-    linear's LoRA shrink of normed, `lora_shrink(normed, a, slot)` `[T, NR]` fp32, as a third output."""
+    linear's LoRA shrink of normed, `lora_shrink(normed, a, slot)` `[T, NR]` fp32, as a third output.
+    `ids` (the routing's `[T, k]`): the pairs of id < 0 are left out of the sum; None: none is."""
     from compiled.moe import fused_moe_kernels as K
     T, H = x.shape
+    top_k = pairs.shape[0] // T if T else 1
+    ids = ids.contiguous() if ids is not None else torch.zeros((T, top_k), dtype=torch.int64, device=x.device)
     h, normed = x.new_empty((T, H)), x.new_empty((T, H))
     if shrink is None:   # the shrink's arguments are never read (one kernel variant at every T)
         a, slot, s, n_per, splits, args = x, x, x, 1, 1, (0, 0, 0, 0)
@@ -606,7 +615,7 @@ def moe_sum_add_rms_norm_triton(pairs: torch.Tensor, x: torch.Tensor, norm_weigh
     if T:
         block = triton.next_power_of_2(H)
         K.moe_sum_add_rms_norm_kernel[(T, splits)](
-            pairs, x, norm_weight, h, normed, H, eps, x.stride(0), a, s, slot, *args, TOP_K=pairs.shape[0] // T,
+            pairs, ids, x, norm_weight, h, normed, H, eps, x.stride(0), a, s, slot, *args, TOP_K=top_k,
             BLOCK_H=block, SHRINK=shrink is not None, N_PER=n_per, num_warps=row_warps(block), **launch_kwargs(x.device))
     return (h, normed) if shrink is None else (h, normed, s)
 
@@ -654,12 +663,14 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     if T == 1:
         _launch_gemv(call, gemv_tiles or GEMV_TILES)
     else:
+        if top_k == 1:   # the down GEMM writes the placed pairs' rows only: another rank's stay zero
+            out.zero_()
         _launch_grouped(call, config if config is not None else get_config(T, w13.shape[0], w2.shape[2], x.dtype,
                                                                             x.device))
     if not sum_slots:
         return call.y
     if top_k > 1:
-        _launch_sum(call.y, out, top_k)
+        launch_sum(call.y, call.ids, out)
     return out
 
 

@@ -8,14 +8,16 @@ Design (after SGLang/vLLM's fused_moe, written from scratch):
   and the whole thing can be captured in a CUDA graph. A chunk's offset inside each expert segment
   comes from an atomic add (so chunks land in arrival order), ranks inside a chunk from a one-hot
   prefix sum. The order of rows inside a segment does not change any result: every GEMM row is
-  computed on its own and the top-k sum runs in slot order.
+  computed on its own and the top-k sum runs in slot order. A pair of id < 0 (expert parallelism:
+  another rank's expert) matches no expert, so it is never placed and no GEMM computes it.
 * `moe_gemm1_kernel`: one program per (block, N tile); gathers the block's token rows of x, multiplies
   by the gate and the up tile of its expert's `w13` and writes `silu(gate) * up` (fused epilogue)
   in block order, so that each block's rows are one contiguous tile for the next GEMM.
 * `moe_gemm2_kernel`: same grid over `w2`, reading those tiles (through TMA on Hopper); the epilogue
   multiplies by the routing weight.
-* `moe_sum_kernel`: the sum of every token's k weighted expert outputs, in fp32 and slot order
-  (`moe_sum_add_rms_norm_kernel`: with the residual add + RMSNorm of the layer after it).
+* `moe_sum_kernel`: the sum of every token's k weighted expert outputs, in fp32 and slot order,
+  leaving out the pairs of id < 0 (`moe_sum_add_rms_norm_kernel`: with the residual add + RMSNorm
+  of the layer after it).
 
 Blocks past the padded total (and so experts without tokens) exit at once. DOT_FP32 upcasts the
 operands of `tl.dot` (exact products, fp32 sums): only for the CPU interpreter, whose bf16 dot is
@@ -90,7 +92,7 @@ def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, exp
         onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
         incl = tl.cumsum(onehot, axis=0)
         slot = tl.sum(onehot * (incl - 1 + cursor[None, :]), axis=1)
-        tl.store(sorted_ptr + slot, offs, mask=m)
+        tl.store(sorted_ptr + slot, offs, mask=m & (ids >= 0))   # id < 0: no slot (its sum is 0)
         cursor += tl.sum(onehot, axis=0)
 
     # 2. blocks: expert of each block (-1 past the total) and the padding sentinels (numel);
@@ -565,27 +567,30 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
 
 
 @triton.jit
-def _slot_sum(y_ptr, t, offs, m, H, TOP_K: tl.constexpr):
-    """sum_j y[t*k + j] over a token's k weighted expert outputs, in fp32, in slot order."""
+def _slot_sum(y_ptr, ids_ptr, t, offs, m, H, TOP_K: tl.constexpr):
+    """sum_j y[t*k + j] over a token's k weighted expert outputs, in fp32, in slot order; a pair
+    of id < 0 (another rank's expert: no kernel wrote its row) adds nothing."""
     acc = tl.zeros(offs.shape, dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        acc += tl.load(y_ptr + (t * TOP_K + j) * H + offs, mask=m, other=0.0).to(tl.float32)
+        live = offs * 0 + tl.load(ids_ptr + t * TOP_K + j) >= 0   # a vector: the interpreter takes no scalar bool
+        acc += tl.load(y_ptr + (t * TOP_K + j) * H + offs, mask=m & live, other=0.0).to(tl.float32)
     return acc
 
 
 @triton.jit
-def moe_sum_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    """out[t] = sum_j y[t*k + j] in fp32; y `[T*k, H]`, out `[T, H]` (both contiguous)."""
+def moe_sum_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    """out[t] = sum_j y[t*k + j] in fp32 over the pairs of id >= 0 (ids `[T, k]`); y `[T*k, H]`,
+    out `[T, H]` (all contiguous)."""
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m = offs < H
-    acc = _slot_sum(y_ptr, t, offs, m, H, TOP_K)
+    acc = _slot_sum(y_ptr, ids_ptr, t, offs, m, H, TOP_K)
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def moe_sum_add_rms_norm_kernel(y_ptr, x_ptr, nw_ptr, h_ptr, normed_ptr, H, eps, stride_xm, A, S_OUT, SLOT, S, NR,
+def moe_sum_add_rms_norm_kernel(y_ptr, ids_ptr, x_ptr, nw_ptr, h_ptr, normed_ptr, H, eps, stride_xm, A, S_OUT, SLOT, S, NR,
                                 stride_as, stride_an, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
                                 SHRINK: tl.constexpr, N_PER: tl.constexpr, PDL: tl.constexpr):
     """The top-k sum of `moe_sum_kernel` (rounded to x's dtype, as that kernel stores it), then
@@ -597,7 +602,7 @@ def moe_sum_add_rms_norm_kernel(y_ptr, x_ptr, nw_ptr, h_ptr, normed_ptr, H, eps,
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     m = offs < H
-    moe_out = _slot_sum(y_ptr, t, offs, m, H, TOP_K).to(x_ptr.dtype.element_ty)
+    moe_out = _slot_sum(y_ptr, ids_ptr, t, offs, m, H, TOP_K).to(x_ptr.dtype.element_ty)
     x = tl.load(x_ptr + t * stride_xm + offs, mask=m, other=0.0)
     if SHRINK:
         h, normed = add_rms_norm_values(x, moe_out, nw_ptr, offs, m, H, eps)

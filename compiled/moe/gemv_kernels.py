@@ -67,14 +67,16 @@ def _rows_dot(a_ptr, w_ptr, rows, row_ok, K, stride_wn, second, s_ptr, stride_sn
 
 @triton.jit
 def _pair_block(ids_ptr, N, BLOCK_N: tl.constexpr):
-    """This program's pair, its BLOCK_N output columns (offsets, valid, clamped row indices) and
-    the pair's expert."""
+    """This program's pair, its BLOCK_N output columns (offsets, valid, clamped row indices), the
+    columns whose weights it reads (none for a pair of id < 0, another rank's expert: its row is
+    stored as zeros) and the pair's expert (clamped to 0)."""
     n_blocks = tl.cdiv(N, BLOCK_N)
     pair = tl.program_id(0) // n_blocks
     offs_n = (tl.program_id(0) % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     expert = tl.load(ids_ptr + pair).to(tl.int64)
-    return pair, offs_n, n_ok, tl.where(n_ok, offs_n, 0).to(tl.int64), expert
+    read = n_ok & (offs_n * 0 + expert >= 0)   # a vector test: the interpreter takes no scalar bool in a mask
+    return pair, offs_n, n_ok, read, tl.where(n_ok, offs_n, 0).to(tl.int64), tl.maximum(expert, 0)
 
 
 @triton.jit
@@ -84,9 +86,9 @@ def moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_w
                        KB: tl.constexpr, PDL: tl.constexpr):
     """out[p, n] = silu(x . w[e, n]) * (x . w[e, N + n]), e = ids[p], for the token x `[K]`."""
     pdl_wait(PDL)
-    pair, offs_n, n_ok, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
+    pair, offs_n, n_ok, read, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
     w_e = w_ptr + expert * stride_we
-    gate, up = _rows_dot(x_ptr, w_e, rows, n_ok, K, stride_wn, N, S + expert * stride_se, stride_sn, BO, BI,
+    gate, up = _rows_dot(x_ptr, w_e, rows, read, K, stride_wn, N, S + expert * stride_se, stride_sn, BO, BI,
                          BLOCK_N, BLOCK_K, EVEN_K, True, FP8, KB)
     # round like the unfused model: gate/up in the activation dtype, silu, product
     dt = out_ptr.dtype.element_ty
@@ -102,8 +104,8 @@ def moe_gemv_down_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stri
                          EVEN_K: tl.constexpr, FP8: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr):
     """out[p, n] = weight[p] * (a[p] . w[e, n]), e = ids[p]."""
     pdl_wait(PDL)
-    pair, offs_n, n_ok, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
-    acc, _ = _rows_dot(a_ptr + pair * stride_am, w_ptr + expert * stride_we, rows, n_ok, K, stride_wn, 0,
+    pair, offs_n, n_ok, read, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
+    acc, _ = _rows_dot(a_ptr + pair * stride_am, w_ptr + expert * stride_we, rows, read, K, stride_wn, 0,
                        S + expert * stride_se, stride_sn, BO, BI, BLOCK_N, BLOCK_K, EVEN_K, False, FP8, KB)
     dt = out_ptr.dtype.element_ty
     w = tl.load(weights_ptr + pair).to(dt).to(tl.float32)

@@ -2,10 +2,10 @@
 
 This is the order HF and SGLang use (one reference document describes it the other way round).
 With `local_experts=count` (expert parallelism: rank r holds experts [r * count, (r + 1) * count)
-whole) the op then keeps each (token, expert) pair of a local expert, its id made local, and turns
-every other pair into one of local expert 0 with weight 0: it adds nothing, so the expert ops
-(reference and Triton kernels alike) need no notion of a pair to skip; the cost is those pairs'
-compute. The rank is the process's (`parallel.tensor.tp_rank`, read at run time), so every rank's
+whole) the op then keeps each (token, expert) pair of a local expert, its id made local, and marks
+every other pair with the id NOT_LOCAL (-1) and weight 0. The expert ops skip those pairs: the
+alignment never places them, the one-token GEMVs read no weight for them and the top-k sums leave
+their rows out, so a rank computes its own experts' pairs only. The rank is the process's (`parallel.tensor.tp_rank`, read at run time), so every rank's
 graph is the same code; without the operand (None) the op routes over all experts as before.
 On CUDA the op runs one Triton kernel (`routing_kernels.py`). `BACKEND` ('auto': the kernel on
 CUDA, the reference elsewhere; from `COMPILED_ROUTING_BACKEND`, read at import, or the engine
@@ -25,6 +25,7 @@ from compiled.backend import BackendChoice
 from compiled.parallel.tensor import tp_rank
 
 BACKEND = BackendChoice("COMPILED_ROUTING_BACKEND")
+NOT_LOCAL = -1   # the id of a pair whose expert another rank holds (the kernels test ids >= 0)
 
 
 def topk_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -39,7 +40,7 @@ def topk_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
         return weights, ids
     local = ids - tp_rank() * local_experts
     mine = (local >= 0) & (local < local_experts)
-    return torch.where(mine, weights, 0.0), torch.where(mine, local, 0)
+    return torch.where(mine, weights, 0.0), torch.where(mine, local, NOT_LOCAL)
 
 
 def topk_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,

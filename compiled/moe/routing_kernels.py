@@ -2,7 +2,8 @@
 
 One launch instead of softmax + topk + sum + div; ROWS tokens per program. Ties pick the lower
 expert index. With LOCAL (expert parallelism) it keeps the pairs of experts
-[first, first + count), ids made local, and gives the others local expert 0 and weight 0."""
+[first, first + count), ids made local, and gives the others id -1 (`routing.NOT_LOCAL`) and
+weight 0."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def topk_route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_t, first, c
         local = idxs - first
         mine = (local >= 0) & (local < count)
         vals = tl.where(mine, vals, 0.0)
-        idxs = tl.where(mine, local, 0)
+        idxs = tl.where(mine, local, -1)
     out_ok = row_ok[:, None] & (slots[None, :] < TOP_K)
     offs = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
     tl.store(weights_ptr + offs, vals, mask=out_ok)

@@ -27,7 +27,7 @@ from compiled.moe import expert_lora as el  # noqa: E402  (no triton kernels are
 from compiled.moe import fused_moe as fm  # noqa: E402
 from compiled.moe.routing import topk_route_ref  # noqa: E402
 from tests.conftest import (assert_bf16_within_reference, assert_same_math, capture_without_host_sync,  # noqa: E402
-                            run_cases, same_math_tolerance)
+                            rank_routing, run_cases, same_math_tolerance)
 
 MARK = "@@EXPERT_LORA_CASES@@"
 EXPERT_LORA = ("a13", "b13", "a2", "b2", "scale", "slot")
@@ -183,6 +183,44 @@ def case_op_forced_triton_and_workspace_reuse():
     assert {n: b.data_ptr() for n, b in ws.buffers.items()} == ptrs, "workspace reallocated"
 
 
+def case_other_ranks_pairs_are_skipped():
+    # expert parallelism over 2 ranks of 4 experts (ids -1 for the other rank's pairs): each rank's
+    # output is the naive loop with the other pairs at weight 0, and the two add up to the whole.
+    # Scratch and outputs start as NaN: a row left unwritten, or one of the other rank's pairs
+    # read, shows. The shrinks by pair (7 tokens), by block (40), top-1, and the norm's kernel.
+    from compiled.fusions.moe_norm_linear import moe_add_rms_norm_linear_ref
+    for T, k, max_pairs, seed in ((7, 3, 64, 14), (40, 2, 0, 15), (9, 1, 64, 16)):
+        args = problem(T, 8, k, 45, 19, 8, 3, seed=seed)
+        x, w, ids = args[:3]
+        total = torch.zeros(T, 45, dtype=torch.float64)
+        for first in (0, 4):
+            w_r, ids_r, mine = rank_routing(w, ids, first, 4)
+            local = [t[first:first + 4] for t in args[3:5]] + [t[:, first:first + 4] for t in args[5:9]]
+            ws = el.reserve_workspace(fm.MoEWorkspace(), T, 4, 45, 19, k, 8, torch.float32, x.device, 16)
+            for buf in ws.buffers.values():
+                buf.fill_(float("nan") if buf.is_floating_point() else 0)
+            with _pair_shrink_up_to(max_pairs):
+                out = el.fused_moe_lora_triton(x, w_r, ids_r, *local, *args[9:], config=_cfg(16, 16, 16), workspace=ws)
+            want = naive(x, torch.where(mine, w, 0.0), ids, *args[3:])
+            torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
+            ref = el.fused_moe_lora_ref(x, w_r, ids_r, *local, *args[9:])
+            torch.testing.assert_close(ref.double(), want, atol=1e-4, rtol=1e-4)
+            total += out.double()
+            if k > 1 and max_pairs:
+                nw, weight = torch.rand(45) + 0.5, torch.randn(24, 45)
+                before = fm.BACKEND.name
+                fm.BACKEND.set("triton")
+                try:
+                    got = moe_norm_expert_lora(x, x, w_r, ids_r, *local[:2], nw, 1e-6, weight, True, *local[2:],
+                                               *args[9:])
+                finally:
+                    fm.BACKEND.set(before)
+                for g_, r in zip(got, moe_add_rms_norm_linear_ref(x, x, w_r, ids_r, *local[:2], nw, 1e-6, weight,
+                                                                  *local[2:], *args[9:])):
+                    torch.testing.assert_close(g_, r, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(total, naive(*args), atol=1e-4, rtol=1e-4)
+
+
 def case_sum_in_the_norm_kernel():
     # compiled::moe_add_rms_norm_linear with the LoRA tensors: the unsummed pairs of the LoRA MoE
     # summed by the norm's kernel, against the references of the two ops in a row
@@ -319,7 +357,8 @@ CASES = [case_split_k_shrinks, case_gate_up_shrink_per_block, case_down_delta_as
          case_t7_h45_i19_bf16_and_fp16,
          case_t40_e8_k2_blocks_groups_and_out_of_range_slots, case_t40_one_adapter_tall_tiles,
          case_one_token_top1_and_rank5,
-         case_no_adapter_is_the_base_moe, case_op_forced_triton_and_workspace_reuse]
+         case_no_adapter_is_the_base_moe, case_op_forced_triton_and_workspace_reuse,
+         case_other_ranks_pairs_are_skipped]
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ if str(REPO) not in sys.path:
 
 from compiled.moe import fused_moe as fm  # noqa: E402  (no triton kernels are defined by this import)
 from compiled.moe.routing import topk_route_ref  # noqa: E402
-from tests.conftest import assert_bf16_within_reference, capture_without_host_sync, run_cases  # noqa: E402
+from tests.conftest import (assert_bf16_within_reference, capture_without_host_sync, rank_routing,  # noqa: E402
+                            run_cases)
 
 MARK = "@@MOE_CASES@@"
 
@@ -288,7 +289,7 @@ def case_routing_kernel_vs_softmax_topk():
 
 
 def case_routing_kernel_keeps_the_ranks_experts():
-    """local_experts: each rank's pairs (ids made local, the others local 0 with weight 0) are the
+    """local_experts: each rank's pairs (ids made local, the others id -1 with weight 0) are the
     whole routing's, mapped; the kernel matches the reference on every rank."""
     from compiled.moe.routing import topk_route_triton
     from compiled.parallel.tensor import TPGroup, set_tp_group
@@ -306,18 +307,54 @@ def case_routing_kernel_keeps_the_ranks_experts():
             set_tp_group(None)
         mine = (whole_ids >= rank * count) & (whole_ids < (rank + 1) * count)
         torch.testing.assert_close(w, torch.where(mine, whole_w, 0.0), atol=1e-6, rtol=1e-5)
-        assert torch.equal(ids, torch.where(mine, whole_ids - rank * count, 0))
+        assert torch.equal(ids, torch.where(mine, whole_ids - rank * count, -1))
         torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-5)
         assert torch.equal(ids, ref_ids)
         seen += mine
     assert torch.equal(seen, torch.ones(T, k, dtype=torch.int64))   # every pair on exactly one rank
 
 
+def case_other_ranks_pairs_are_skipped():
+    # expert parallelism over 2 ranks of 4 experts: each rank's output (its experts' pairs only;
+    # the others' ids -1) is the whole MoE with the other pairs at weight 0, and the ranks' outputs
+    # add up to the whole MoE. Scratch and outputs start as NaN, so a row the kernels should have
+    # left out, or should have written and did not, shows. One token's GEMVs (top-4, top-1), the
+    # grouped GEMMs (top-3, top-1; 244 pairs: the alignment's count kernel), and the unsummed pairs
+    # summed by the norm's kernel.
+    tiles = dict(up=dict(BLOCK_N=2, BLOCK_K=16, num_warps=4), down=dict(BLOCK_N=4, BLOCK_K=16, num_warps=4))
+    for T, k, seed in ((1, 4, 30), (1, 1, 31), (29, 3, 32), (17, 1, 33), (61, 4, 34)):
+        x, w, ids, w13, w2 = _problem(T, 8, k, 40, 24, seed=seed)
+        whole, total = fm.fused_moe_ref(x, w, ids, w13, w2), torch.zeros_like(x)
+        for first in (0, 4):
+            w_r, ids_r, mine = rank_routing(w, ids, first, 4)
+            ws = fm.MoEWorkspace().reserve(T, 4, 40, 24, k, x.dtype, x.device)
+            for buf in ws.buffers.values():
+                buf.fill_(float("nan") if buf.is_floating_point() else 0)
+            out = torch.full_like(x, float("nan"))
+            fm.fused_moe_triton(x, w_r, ids_r, w13[first:first + 4], w2[first:first + 4], config=_cfg(16, 32, 16),
+                                workspace=ws, out=out, gemv_tiles=tiles)
+            want = fm.fused_moe_ref(x, torch.where(mine, w, 0.0), ids, w13, w2)
+            torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-5)
+            torch.testing.assert_close(fm.fused_moe_ref(x, w_r, ids_r, w13[first:first + 4], w2[first:first + 4]),
+                                       want, atol=2e-5, rtol=1e-5)
+            total += out
+            if k > 1:
+                pairs = fm.fused_moe_triton(x, w_r, ids_r, w13[first:first + 4], w2[first:first + 4],
+                                            config=_cfg(16, 32, 16), workspace=ws, gemv_tiles=tiles, sum_slots=False)
+                nw = torch.rand(40) + 0.5
+                got = fm.moe_sum_add_rms_norm_triton(pairs, x, nw, 1e-6, ids=ids_r)
+                for g, r in zip(got, fm.moe_sum_add_rms_norm_ref(pairs, x, nw, 1e-6, ids=ids_r)):
+                    torch.testing.assert_close(g, r, atol=2e-5, rtol=1e-5)
+                torch.testing.assert_close(got[0], x + want, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(total, whole, atol=2e-5, rtol=1e-5)
+
+
 GROUPS = {
     "a": [case_two_tokens_e128_k8_default_config, case_one_token_gemv_odd_sizes_slots_and_sum,
           case_t300_e8_k2_two_k_steps_grouped_half_and_quarter_tiles,
           case_t150_e8_k2_half_tiles_up_only, case_t37_e128_k8_unused_experts_fp16, case_t5_e60_k6_uneven_k_and_n,
-          case_routing_kernel_vs_softmax_topk, case_routing_kernel_keeps_the_ranks_experts],
+          case_routing_kernel_vs_softmax_topk, case_routing_kernel_keeps_the_ranks_experts,
+          case_other_ranks_pairs_are_skipped],
     "b": [case_t128_e16_k1_no_sum, case_t61_e33_k3_bf16, case_t2_e8_k8_all_experts_down_override,
           case_op_dispatch_and_workspace, case_align_multi_chunk_e128_k8, case_align_counted_by_every_program_and_unused_experts,
           case_tma_weight_tiles_bf16_n_and_k_tails, case_tma_intermediate_tiles_full_blocks_bf16,

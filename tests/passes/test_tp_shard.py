@@ -113,8 +113,8 @@ def test_expert_parallel_routing_keeps_the_ranks_pairs():
     whole_w, whole_ids = torch.ops.compiled.topk_route(logits, 2, True)
     assert whole_ids.tolist() == [[3, 2], [0, 2]]
     torch.testing.assert_close(whole_w, torch.tensor([[4 / 7, 3 / 7], [4 / 7, 3 / 7]]))
-    expected = {0: ([[0.0, 0.0], [4 / 7, 0.0]], [[0, 0], [0, 0]]),     # only expert 0 is rank 0's
-                1: ([[4 / 7, 3 / 7], [0.0, 3 / 7]], [[1, 0], [0, 0]])}  # 3 -> local 1, 2 -> local 0
+    expected = {0: ([[0.0, 0.0], [4 / 7, 0.0]], [[-1, -1], [0, -1]]),    # only expert 0 is rank 0's
+                1: ([[4 / 7, 3 / 7], [0.0, 3 / 7]], [[1, 0], [-1, 0]])}  # 3 -> local 1, 2 -> local 0
     for rank, (weights, ids) in expected.items():
         set_tp_group(TPGroup(None, 2, rank))   # no collective runs below
         try:
