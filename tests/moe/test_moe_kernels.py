@@ -20,6 +20,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from compiled.moe import fused_moe as fm  # noqa: E402  (no triton kernels are defined by this import)
+from compiled.moe import tuned_configs  # noqa: E402
 from compiled.moe.routing import topk_route_ref  # noqa: E402
 from tests.conftest import assert_bf16_within_reference, capture_without_host_sync, run_cases  # noqa: E402
 
@@ -426,8 +427,7 @@ def test_moe_norm_op_bad_shapes_are_one_line_errors():
 
 def test_config_lookup(tmp_path, monkeypatch):
     monkeypatch.setenv("COMPILED_MOE_CONFIG_DIR", str(tmp_path))
-    fm.load_configs.cache_clear()
-    fm._config_file.cache_clear()
+    tuned_configs.clear_caches()
     name = fm.config_file_name(16, 48, "cpu", torch.float32)
     assert name == "E=16,N=48,device_name=cpu,dtype=float32.json"
     table = {"1": _cfg(16, 32, 64), "64": _cfg(32, 64, 64), "1024": dict(_cfg(64, 128, 64), down=dict(BLOCK_SIZE_N=64)),
@@ -441,8 +441,7 @@ def test_config_lookup(tmp_path, monkeypatch):
         assert up["BLOCK_SIZE_N"] == 128 and down["BLOCK_SIZE_N"] == 64 and down["BLOCK_SIZE_M"] == 64
         assert fm.get_config(8, 99, 48, torch.float32) == fm.default_config(8, 99)  # no file: default
     finally:
-        fm.load_configs.cache_clear()
-        fm._config_file.cache_clear()
+        tuned_configs.clear_caches()
 
 
 def test_checked_in_configs_are_complete():
