@@ -7,7 +7,7 @@ the second GEMM; HALF_M = 1 (2) runs an expert's partial last block as a tile of
 of) the height when its rows fit, TMA loads the weight tiles through tensor descriptors (Hopper's
 TMA) instead of pointer loads); the entry whose token count is nearest wins. An optional top-level
 "gemv" entry, `{"up": {BLOCK_N, BLOCK_K, num_warps}, "down": {...}}` (either stage may be left
-out), gives the one-token GEMVs' tiles in place of GEMV_TILES (`bench/moe_bench.py --sweep-gemv
+out), gives the one-token GEMVs' tiles in place of GEMV_TILES (`bench/moe_bench.py --only-gemv
 --write-gemv` writes it); a malformed one is a one-line error naming the file and the key.
 
 The file's dtype is the activations' (`bfloat16`), or for FP8 experts (float8_e4m3fn weights with
