@@ -450,13 +450,23 @@ def test_checked_in_configs_are_complete():
     for path in files:
         raw = json.loads(path.read_text())
         table = {k: v for k, v in raw.items() if k.isdigit()}
-        assert {int(k) for k in table} >= {1, 8, 64, 512, 4096}, path.name
-        assert set(raw) - set(table) <= {"_meta"}, path.name
-        for cfg in table.values():
+        fp8 = path.name.endswith(f"dtype={tuned_configs.FP8_CONFIG_DTYPE}.json")
+        # FP8 experts' tables (bench/gpu_fp8_tune.sh) up to 2,048 tokens, the most used counts first
+        assert {int(k) for k in table} >= ({1, 8, 64, 512} if fp8 else {1, 8, 64, 512, 4096}), path.name
+        assert set(raw) - set(table) <= {"_meta", "gemv"}, path.name
+        if "gemv" in raw:
+            tuned_configs.check_gemv(raw["gemv"], path.name)
+        for T, cfg in table.items():
             up, down = fm.split_config(cfg)
             for c in (up, down):
                 assert c["BLOCK_SIZE_M"] in (16, 32, 64, 128, 256)
                 assert c["BLOCK_SIZE_N"] >= 16 and c["BLOCK_SIZE_K"] >= 16 and c["num_warps"] in (1, 2, 4, 8, 16)
+            if fp8 and int(T) >= fm.W8A8_MIN_TOKENS:   # tuned W8A8: runs W8A8 over 128 x 128 blocks
+                E, N = (int(part.split("=")[1]) for part in path.name.split(",")[:2])
+                H = raw.get("_meta", {}).get("H", 2048)
+                w13, w2 = torch.empty(E, 2 * N, H, device="meta"), torch.empty(E, H, N, device="meta")
+                scales = fm.ExpertScales(w13, w2, [128, 128])
+                assert fm.w8a8_groups(scales, w13, w2, int(T), up, down) is not None, (path.name, T)
 
 
 def test_max_padded_size_bounds_every_routing():
