@@ -281,6 +281,7 @@ def sweep_gemv(b: Bench, x: torch.Tensor, routes: list) -> list[dict]:
     GEMV_TILES; "start": True), then over a grid of tiles the up kernel's with the best down tile so
     far, then the down kernel's with the best up tile; best first."""
     L, reps = b.args.layers, b.args.reps
+    t0, limit = time.time(), b.args.time_limit_s if b.args.time_limit_s > 0 else float("inf")
 
     def timed(cfg: dict) -> float | None:
         try:
@@ -293,9 +294,12 @@ def sweep_gemv(b: Bench, x: torch.Tensor, routes: list) -> list[dict]:
     us = timed(start)
     results = [] if us is None else [dict(start, us=us, start=True)]
     print(f"  gemv now: {start}: {us} us", flush=True)
-    for stage, grid in gemv_grids(b.fp8).items():
+    for n, (stage, grid) in enumerate(gemv_grids(b.fp8).items(), 1):
         base = {k: results[0][k] for k in tc.GEMV_STAGES} if results else dict(start)
         for tile in grid:
+            if time.time() - t0 > limit * n / 2:   # each stage its half of the time: the best so far
+                print(f"  gemv sweep: time limit, {stage} tiles from {tile} on not tried", flush=True)
+                break
             cfg = dict(base, **{stage: tile})
             us = timed(cfg)
             if us is not None:
@@ -469,6 +473,8 @@ def main(argv=None):
                    help="write the sweep's best tiles into the \"gemv\" entry of DIR's tuned file for this "
                         "shape, device and experts' dtype (default DIR: the checked-in configs)")
     p.add_argument("--max-configs", type=int, default=0, help="> 0: the first N tiles of each GEMV grid only")
+    p.add_argument("--time-limit-s", type=float, default=0.0,
+                   help="> 0: the GEMV sweep's time (half for each GEMV's tiles; the best so far wins)")
     p.add_argument("--sweep-align", type=int, nargs="*", default=None,
                    help="time the alignment kernels' launch shapes at these token counts (and nothing else)")
     p.add_argument("--profile", type=int, nargs="*", default=None,

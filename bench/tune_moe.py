@@ -421,7 +421,7 @@ def tune(args) -> dict:
         meta.update(quantization="fp8", weight_block=list(block), w8a8_min_tokens=fm.W8A8_MIN_TOKENS)
     for T in tokens:
         elapsed = time.time() - t0
-        if args.time_limit_s and elapsed > args.time_limit_s:
+        if args.time_limit_s and elapsed > args.time_limit_s and T != tokens[0]:
             print(f"time limit: T={T} and later not tuned ({elapsed:.0f}s elapsed)", flush=True)
             break
         prob = Problem(w13, w2, T, top_k, E, scales=scales, mode=mode_at(T, block, H, I), dtype=dtype)
@@ -509,7 +509,8 @@ def main(argv=None):
     p.add_argument("--out-dir", default=str(fm.CONFIG_DIR))
     p.add_argument("--budget-s", type=float, default=240.0, help="after this, search a thinned space")
     p.add_argument("--time-limit-s", type=float, default=0.0,
-                   help="> 0: start no token count after this many seconds (those done are written)")
+                   help="> 0: start no token count but the first after this many seconds (those done are "
+                        "written)")
     p.add_argument("--workers", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)))
     p.add_argument("--max-configs", type=int, default=0, help="> 0: first N configs of each space only")
     p.add_argument("--tma", choices=("0", "1", "both"), default="both",
