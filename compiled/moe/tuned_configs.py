@@ -127,9 +127,9 @@ def check_gemv(entry: object, where: str) -> dict:
                 raise ValueError(f"{where}: gemv.{stage}.{key} is not a GEMV tile key "
                                  f"(expected {', '.join(GEMV_KEYS)})")
         for key in GEMV_KEYS:
-            value = tile.get(key)
             if key not in tile:
                 raise ValueError(f"{where}: gemv.{stage}.{key} is missing")
+            value = tile[key]
             if type(value) is not int or value <= 0 or value & (value - 1):
                 raise ValueError(f"{where}: gemv.{stage}.{key} must be a positive power of two, got {value!r}")
             if key == "num_warps" and value > MAX_GEMV_WARPS:
