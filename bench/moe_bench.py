@@ -1,13 +1,18 @@
 """One Qwen3-30B-A3B MoE layer on the GPU: our fused MoE vs torch._grouped_mm vs HF's expert loop.
 
     PYTHONPATH=$PWD python bench/moe_bench.py [--out moe_bench.json] [--tokens 1 8 64 512 4096] [--layers 8]
+        [--quantization fp8] [--sweep-gemv [--only-gemv] [--write-gemv [DIR]]]
 
-E=128, H=2048, I=768, top-8, bf16, random weights and random router logits. `--layers` copies of
-the weights are cycled (one call per layer, like the model), so weights come from HBM, not L2.
-Measured in the same run:
+E=128, H=2048, I=768, top-8 (`--E/--H/--I/--topk`), bf16 activations, random weights and random
+router logits; `--quantization fp8`: dummy FP8 experts (`tune_moe.make_fp8_weights`, 128 x 128
+block scales), whose fused rows run the op's FP8 path (the torch and HF baselines, bf16 only, are
+left out; the floor counts the FP8 bytes). `--layers` copies of the weights are cycled (one call
+per layer, like the model), so weights come from HBM, not L2. Measured in the same run:
   fused        compiled::fused_moe's Triton path, routing given (CUDA graph of one call per layer)
   TMA          the same tuned tiles with the weight tiles loaded through TMA descriptors (TMA=1)
-  (one token runs as two GEMVs with GEMV_TILES; --sweep-gemv times other tiles)
+  (one token runs as two GEMVs with the tuned file's "gemv" tiles, else GEMV_TILES; --sweep-gemv
+   times other tiles, --only-gemv that sweep alone, --write-gemv writes its best into the "gemv"
+   entry of the tuned file for this shape, device and experts' dtype, keeping its other entries)
   fused+route  compiled::topk_route (Triton) + fused MoE (CUDA graph)
   gmm+route    torch routing + torch._grouped_mm for w13 and w2 (CUDA graph when capturable)
   hf_eager     transformers' Qwen3MoeExperts, eager expert loop (routing given; host syncs, events)
@@ -15,7 +20,9 @@ Measured in the same run:
 Floor: distinct experts touched per layer x 9.4 MB / the device copy bandwidth measured here
 (bytes read + written). TFLOP/s = 6*T*k*H*I / time, against an 8192^3 bf16 matmul measured here:
 once at the start ("% matmul") and, from --paired-from tokens on, alternately with the fused MoE
-("% matmul paired": the median of five back-to-back pairs, both at the same GPU clock)."""
+("% matmul paired": the median of five back-to-back pairs, both at the same GPU clock).
+`--device cpu` (with --only-gemv, under TRITON_INTERPRET=1, tiny shapes): a smoke run of the sweep
+and the file it writes, wall-clock timings."""
 
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,12 +41,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import tune_moe  # noqa: E402
 import compiled.moe.routing  # noqa: E402,F401
 from compiled.moe import fused_moe as fm  # noqa: E402
-from tune_moe import make_weights, time_events, time_graph  # noqa: E402
+from compiled.moe import tuned_configs as tc  # noqa: E402
+from compiled.quant.dequant import dequantize_blocks  # noqa: E402
+from tune_moe import make_fp8_weights, make_weights, time_events, time_graph  # noqa: E402
 
-E, H, I, TOP_K = 128, 2048, 768, 8
-EXPERT_BYTES = 3 * H * I * 2  # 9,437,184 bytes of bf16 weights per expert
+E, H, I, TOP_K = 128, 2048, 768, 8   # set from the command line
+
+
+def expert_bytes(fp8: bool) -> int:
+    """Weight bytes of one expert: 9,437,184 in bf16 at the 30B's shape; FP8, half, plus the
+    fp32 scales of 128 x 128 blocks."""
+    if not fp8:
+        return 3 * H * I * 2
+    blocks = -(-2 * I // 128) * -(-H // 128) + -(-H // 128) * -(-I // 128)
+    return 3 * H * I + 4 * blocks
+
+
+def experts(L: int, fp8: bool) -> tuple[list, list, list]:
+    """(w13, w2, scales) of `L` layers: bf16 experts (scales None) or dummy FP8 ones."""
+    if fp8:
+        return make_fp8_weights(L, E, H, I)
+    return (*make_weights(L, E, H, I, torch.bfloat16), [None] * L)
 
 
 def copy_bandwidth(gib: float = 2.0) -> float:
@@ -102,97 +128,132 @@ def hf_experts(w13_list, w2_list, impl):
     return mods
 
 
+@dataclass
+class Bench:
+    """What every token count's measurements share: the layers' experts (`scales`: FP8 ones'),
+    one workspace, HF's expert modules (bf16 only), the copy bandwidth and the matmul rate."""
+    w13: list
+    w2: list
+    scales: list
+    ws: fm.MoEWorkspace
+    hf: dict
+    bw: float
+    mm: float
+    args: argparse.Namespace
+
+    @property
+    def fp8(self) -> bool:
+        return self.scales[0] is not None
+
+    def fused(self, l: int, x, w, i, **kw):
+        return fm.fused_moe_triton(x, w, i, self.w13[l], self.w2[l], workspace=self.ws, scales=self.scales[l], **kw)
+
+    def dequantized(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer l's experts as the reference computes with them (FP8 ones dequantized)."""
+        sc = self.scales[l]
+        if sc is None:
+            return self.w13[l], self.w2[l]
+        return tuple(dequantize_blocks(w, s, sc.block, torch.bfloat16) for w, s in ((self.w13[l], sc.w13),
+                                                                                    (self.w2[l], sc.w2)))
+
+
 def run(args) -> dict:
     torch.manual_seed(0)
     dev_name = torch.cuda.get_device_name()
     import triton
+    fp8 = args.quantization == "fp8"
     info = dict(device=dev_name, torch=torch.__version__, triton=triton.__version__,
-                date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv), layers=args.layers)
+                date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv), layers=args.layers,
+                experts="fp8 (128 x 128 blocks)" if fp8 else "bf16")
     bw = copy_bandwidth()
     mm = matmul_rate()
     info.update(copy_bytes_per_s=bw, matmul_flops=mm)
     print(f"device {dev_name}; torch {torch.__version__}; triton {triton.__version__}", flush=True)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (read+write); bf16 matmul 8192^3 {mm / 1e12:.0f} TFLOP/s", flush=True)
-    L = args.layers
-    w13, w2 = make_weights(L, E, H, I, torch.bfloat16)
-    ws = fm.MoEWorkspace()
+    w13, w2, scales = experts(args.layers, fp8)
     hf = {}
-    for impl in ("eager", "grouped_mm"):
+    for impl in (() if fp8 else ("eager", "grouped_mm")):
         try:
             hf[impl] = hf_experts(w13, w2, impl)
         except Exception as exc:  # noqa: BLE001
             print(f"HF experts ({impl}) unavailable: {type(exc).__name__}: {exc}", flush=True)
-    rows = []
-    for T in args.tokens:
-        g = torch.Generator(device="cuda").manual_seed(1000 + T)
-        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
-        logits = [torch.randn(T, E, device="cuda", generator=g) for _ in range(L)]
-        routes = [torch.ops.compiled.topk_route(lg, TOP_K, True) for lg in logits]
-        experts = sum(int(torch.unique(i).numel()) for _, i in routes) / L
-        floor_us = experts * EXPERT_BYTES / bw * 1e6
-        flops = 6 * T * TOP_K * H * I
-        row = dict(tokens=T, experts=experts, floor_us=floor_us)
-
-        def attempt(key, fn):
-            try:
-                row[key] = fn()
-            except Exception as exc:  # noqa: BLE001
-                row[key] = None
-                row[key + "_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                print(f"  T={T} {key}: {row[key + '_error']}", flush=True)
-
-        fused_fns = [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws)
-                     for l in range(L)]
-        attempt("fused_us", lambda: time_graph(fused_fns, reps=args.reps) / L)
-        if T >= args.paired_from:
-            attempt("fused_frac_matmul_paired", lambda: paired_fraction(fused_fns, L, flops)[0])
-
-        if T > 1:   # one token runs the GEMVs, which take no config
-            tma_cfg = with_tma(fm.get_config(T, E, I, torch.bfloat16))
-            attempt("fused_tma_us", lambda: time_graph(
-                [lambda l=l: fm.fused_moe_triton(x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws,
-                                                 config=tma_cfg) for l in range(L)],
-                reps=args.reps) / L)
-        if T == 1:
-            if args.sweep_gemv:
-                row["gemv_sweep"] = sweep_gemv(x, routes, w13, w2, ws, L, args.reps)
-
-        def fused_route(l):
-            w, i = torch.ops.compiled.topk_route(logits[l], TOP_K, True)
-            return fm.fused_moe_triton(x, w, i, w13[l], w2[l], workspace=ws)
-        attempt("fused_route_us", lambda: time_graph([lambda l=l: fused_route(l) for l in range(L)],
-                                                     reps=args.reps) / L)
-
-        def gmm():
-            fns = [lambda l=l: grouped_mm_moe(x, logits[l], w13[l], w2[l], TOP_K) for l in range(L)]
-            try:
-                return time_graph(fns, reps=args.reps) / L
-            except Exception:  # noqa: BLE001  (not capturable here: plain launches)
-                torch.cuda.synchronize()
-                return time_events(lambda: [f() for f in fns], reps=args.reps) / L
-        attempt("gmm_route_us", gmm)
-        for impl, key in (("eager", "hf_eager_us"), ("grouped_mm", "hf_gmm_us")):
-            if impl in hf:
-                mods = hf[impl]
-                wts = [w.to(torch.bfloat16) for w, _ in routes]
-                reps = 3 if impl == "eager" and T >= 512 else max(3, args.reps // 2)
-                attempt(key, lambda mods=mods, wts=wts, reps=reps: time_events(
-                    lambda: [mods[l](x, routes[l][1], wts[l]) for l in range(L)], reps=reps, warmup=1) / L)
-        # agreement with the references (layer 0)
-        try:
-            ours = fm.fused_moe_triton(x, routes[0][0], routes[0][1], w13[0], w2[0])
-            ref = fm.fused_moe_ref(x, routes[0][0], routes[0][1], w13[0], w2[0])
-            row["max_abs_diff_vs_ref"] = (ours.float() - ref.float()).abs().max().item()
-        except Exception as exc:  # noqa: BLE001
-            row["max_abs_diff_vs_ref"] = f"{type(exc).__name__}: {exc}"
-        if row.get("fused_us"):
-            row["fused_x_floor"] = row["fused_us"] / floor_us
-            row["fused_tflops"] = flops / (row["fused_us"] * 1e-6) / 1e12
-            row["fused_frac_matmul"] = flops / (row["fused_us"] * 1e-6) / mm
-        rows.append(row)
-        print(f"  T={T}: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
-                                       for k, v in row.items() if not k.endswith("_error")), flush=True)
+    bench = Bench(w13, w2, scales, fm.MoEWorkspace(), hf, bw, mm, args)
+    rows = [measure(bench, T) for T in args.tokens]
     return dict(info=info, rows=rows, targets=targets(rows))
+
+
+def measure(b: Bench, T: int) -> dict:
+    """One token count's row: the fused MoE (its TMA variant, with routing), the baselines over bf16
+    experts, the agreement with the reference."""
+    L, args = b.args.layers, b.args
+    g = torch.Generator(device="cuda").manual_seed(1000 + T)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    logits = [torch.randn(T, E, device="cuda", generator=g) for _ in range(L)]
+    routes = [torch.ops.compiled.topk_route(lg, TOP_K, True) for lg in logits]
+    n_experts = sum(int(torch.unique(i).numel()) for _, i in routes) / L
+    floor_us = n_experts * expert_bytes(b.fp8) / b.bw * 1e6
+    flops = 6 * T * TOP_K * H * I
+    row = dict(tokens=T, experts=n_experts, floor_us=floor_us)
+
+    def attempt(key, fn):
+        try:
+            row[key] = fn()
+        except Exception as exc:  # noqa: BLE001
+            row[key] = None
+            row[key + "_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            print(f"  T={T} {key}: {row[key + '_error']}", flush=True)
+
+    fused_fns = [lambda l=l: b.fused(l, x, *routes[l]) for l in range(L)]
+    attempt("fused_us", lambda: time_graph(fused_fns, reps=args.reps) / L)
+    if T >= args.paired_from:
+        attempt("fused_frac_matmul_paired", lambda: paired_fraction(fused_fns, L, flops)[0])
+    if T > 1:   # one token runs the GEMVs, which take no config
+        tma_cfg = with_tma(fm.get_config(T, E, I, torch.bfloat16, fp8=b.fp8))
+        attempt("fused_tma_us", lambda: time_graph(
+            [lambda l=l: b.fused(l, x, *routes[l], config=tma_cfg) for l in range(L)], reps=args.reps) / L)
+    if T == 1 and args.sweep_gemv:
+        row["gemv_sweep"] = sweep_gemv(b, x, routes)
+
+    def fused_route(l):
+        return b.fused(l, x, *torch.ops.compiled.topk_route(logits[l], TOP_K, True))
+    attempt("fused_route_us", lambda: time_graph([lambda l=l: fused_route(l) for l in range(L)], reps=args.reps) / L)
+    if not b.fp8:
+        baselines(b, T, x, logits, routes, attempt)
+    try:   # agreement with the reference (layer 0; FP8: over the dequantized experts)
+        ours = b.fused(0, x, *routes[0])
+        ref = fm.fused_moe_ref(x, *routes[0], *b.dequantized(0))
+        row["max_abs_diff_vs_ref"] = (ours.float() - ref.float()).abs().max().item()
+    except Exception as exc:  # noqa: BLE001
+        row["max_abs_diff_vs_ref"] = f"{type(exc).__name__}: {exc}"
+    if row.get("fused_us"):
+        row["fused_x_floor"] = row["fused_us"] / floor_us
+        row["fused_tflops"] = flops / (row["fused_us"] * 1e-6) / 1e12
+        row["fused_frac_matmul"] = flops / (row["fused_us"] * 1e-6) / b.mm
+    print(f"  T={T}: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                                   for k, v in row.items() if not k.endswith("_error") and k != "gemv_sweep"),
+          flush=True)
+    return row
+
+
+def baselines(b: Bench, T: int, x, logits, routes, attempt) -> None:
+    """torch routing + torch._grouped_mm, and HF's expert modules (bf16 experts)."""
+    L, reps = b.args.layers, b.args.reps
+
+    def gmm():
+        fns = [lambda l=l: grouped_mm_moe(x, logits[l], b.w13[l], b.w2[l], TOP_K) for l in range(L)]
+        try:
+            return time_graph(fns, reps=reps) / L
+        except Exception:  # noqa: BLE001  (not capturable here: plain launches)
+            torch.cuda.synchronize()
+            return time_events(lambda: [f() for f in fns], reps=reps) / L
+    attempt("gmm_route_us", gmm)
+    for impl, key in (("eager", "hf_eager_us"), ("grouped_mm", "hf_gmm_us")):
+        if impl in b.hf:
+            mods = b.hf[impl]
+            wts = [w.to(torch.bfloat16) for w, _ in routes]
+            n = 3 if impl == "eager" and T >= 512 else max(3, reps // 2)
+            attempt(key, lambda mods=mods, wts=wts, n=n: time_events(
+                lambda: [mods[l](x, routes[l][1], wts[l]) for l in range(L)], reps=n, warmup=1) / L)
 
 
 def with_tma(cfg: dict) -> dict:
@@ -200,27 +261,45 @@ def with_tma(cfg: dict) -> dict:
     return dict(cfg, TMA=1, down=dict(cfg.get("down") or {}, TMA=1))
 
 
-def sweep_gemv(x, routes, w13, w2, ws, L: int, reps: int) -> list[dict]:
-    """µs per layer of the one-token GEMVs over a grid of tiles: the up kernel's with GEMV_TILES'
-    down tile, then the down kernel's with the best up tile; best first."""
-    # around the tiles GEMV_TILES holds, a first sweep's best (up 4 x 1024, down 8 x 256, 4 warps)
-    grids = dict(up=[dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (2, 4, 8) for bk in (512, 1024, 2048)
+GEMV_MAX_CONFIGS = 0   # > 0: the first that many tiles of each stage's grid (smoke runs)
+
+
+def gemv_grids(fp8: bool) -> dict[str, list[dict]]:
+    """The tiles the sweep tries for each GEMV: around GEMV_TILES (a first sweep's best over bf16
+    experts: up 4 x 1024, down 8 x 256, 4 warps); FP8 experts' rows are half the bytes, so wider
+    tiles too."""
+    up_bn, down_bn = ((2, 4, 8, 16), (4, 8, 16, 32)) if fp8 else ((2, 4, 8), (4, 8, 16))
+    grids = dict(up=[dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in up_bn for bk in (512, 1024, 2048)
                      for w in (2, 4, 8)],
-                 down=[dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in (4, 8, 16) for bk in (128, 256, 512)
+                 down=[dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in down_bn for bk in (128, 256, 512)
                        for w in (2, 4, 8)])
+    return {k: v[:GEMV_MAX_CONFIGS] if GEMV_MAX_CONFIGS > 0 else v for k, v in grids.items()}
+
+
+def sweep_gemv(b: Bench, x: torch.Tensor, routes: list) -> list[dict]:
+    """µs per layer of the one-token GEMVs: the tiles they run now (the tuned file's, else
+    GEMV_TILES; "start": True), then over a grid of tiles the up kernel's with the best down tile so
+    far, then the down kernel's with the best up tile; best first."""
+    L, reps = b.args.layers, b.args.reps
+    t0, limit = time.time(), b.args.time_limit_s if b.args.time_limit_s > 0 else float("inf")
 
     def timed(cfg: dict) -> float | None:
         try:
-            return time_graph([lambda l=l: fm.fused_moe_triton(
-                x, routes[l][0], routes[l][1], w13[l], w2[l], workspace=ws, gemv_tiles=cfg) for l in range(L)],
-                reps=reps) / L
+            return time_graph([lambda l=l: b.fused(l, x, *routes[l], gemv_tiles=cfg) for l in range(L)],
+                              reps=reps) / L
         except Exception as exc:  # noqa: BLE001  (out of registers, ...)
             print(f"  gemv {cfg}: {type(exc).__name__}", flush=True)
             return None
-    results = []
-    for stage in ("up", "down"):
-        base = dict(fm.GEMV_TILES) if not results else {k: results[0][k] for k in ("up", "down")}
-        for tile in grids[stage]:
+    start = fm.get_gemv_tiles(E, I, torch.bfloat16, x.device, b.fp8)
+    us = timed(start)
+    results = [] if us is None else [dict(start, us=us, start=True)]
+    print(f"  gemv now: {start}: {us} us", flush=True)
+    for n, (stage, grid) in enumerate(gemv_grids(b.fp8).items(), 1):
+        base = {k: results[0][k] for k in tc.GEMV_STAGES} if results else dict(start)
+        for tile in grid:
+            if time.time() - t0 > limit * n / 2:   # each stage its half of the time: the best so far
+                print(f"  gemv sweep: time limit, {stage} tiles from {tile} on not tried", flush=True)
+                break
             cfg = dict(base, **{stage: tile})
             us = timed(cfg)
             if us is not None:
@@ -229,6 +308,39 @@ def sweep_gemv(x, routes, w13, w2, ws, L: int, reps: int) -> list[dict]:
     for r in results[:8]:
         print(f"  gemv sweep: {r}", flush=True)
     return results
+
+
+def write_gemv(folder: str, best: dict, b: Bench, device: torch.device) -> Path:
+    """`best`'s tiles as the "gemv" entry of the tuned file for this shape, device and experts'
+    dtype in `folder` (its other entries kept, `tune_moe.merge_entry`)."""
+    dtype = tc.config_dtypes(torch.bfloat16, b.fp8)[0]
+    path = Path(folder) / fm.config_file_name(E, I, fm.device_name(device), dtype)
+    entry = tc.check_gemv({k: best[k] for k in tc.GEMV_STAGES}, str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tune_moe.merge_entry(path, "gemv", entry, dict(gemv_us=round(best["us"], 2), gemv_layers=b.args.layers,
+                                                   gemv_date=time.strftime("%Y-%m-%d")))
+    tc.clear_caches()
+    print(f"wrote gemv {entry} ({best['us']:.1f} us a layer) into {path}", flush=True)
+    return path
+
+
+def gemv_only(args) -> dict:
+    """The one-token GEMV sweep alone (`--only-gemv`), its best tiles written with --write-gemv."""
+    dev = torch.device(tune_moe.DEVICE)
+    fp8 = args.quantization == "fp8"
+    b = Bench(*experts(args.layers, fp8), fm.MoEWorkspace(), {}, 0.0, 0.0, args)
+    g = torch.Generator(device=dev).manual_seed(1001)
+    x = torch.randn(1, H, device=dev, dtype=torch.bfloat16, generator=g)
+    routes = [torch.ops.compiled.topk_route(torch.randn(1, E, device=dev, generator=g), TOP_K, True)
+              for _ in range(args.layers)]
+    results = sweep_gemv(b, x, routes)
+    if not results:
+        sys.exit("moe_bench.py: no GEMV tile ran")
+    out = dict(info=dict(device=fm.device_name(dev), E=E, H=H, I=I, top_k=TOP_K, layers=args.layers,
+                         experts="fp8" if fp8 else "bf16", command=" ".join(sys.argv)), gemv_sweep=results)
+    if args.write_gemv:
+        out["wrote"] = str(write_gemv(args.write_gemv, results[0], b, dev))
+    return out
 
 
 def sweep_align(tokens: list[int], layers: int, reps: int) -> dict[int, list[dict]]:
@@ -296,7 +408,7 @@ def table(result) -> str:
     def f(v, fmt="{:.1f}"):
         return fmt.format(v) if isinstance(v, (int, float)) and v is not None else "-"
     info = result["info"]
-    lines = [f"MoE layer E={E} H={H} I={I} top-{TOP_K} bf16 on {info['device']} "
+    lines = [f"MoE layer E={E} H={H} I={I} top-{TOP_K} {info.get('experts', 'bf16')} experts on {info['device']} "
              f"(torch {info['torch']}, triton {info['triton']}, {info['layers']} layers cycled)",
              f"copy {info['copy_bytes_per_s'] / 1e12:.2f} TB/s, matmul {info['matmul_flops'] / 1e12:.0f} TFLOP/s",
              "| tokens | experts | floor µs | fused µs | ×floor | TMA µs | fused+route µs "
@@ -340,22 +452,47 @@ def kernel_profile(tokens: list[int], layers: int, calls: int = 5) -> dict[int, 
 
 
 def main(argv=None):
+    global E, H, I, TOP_K, GEMV_MAX_CONFIGS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="*", default=[1, 8, 64, 512, 4096])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default="moe_bench.json")
+    p.add_argument("--E", type=int, default=E)
+    p.add_argument("--H", type=int, default=H)
+    p.add_argument("--I", type=int, default=I)
+    p.add_argument("--topk", type=int, default=TOP_K)
+    p.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                   help="fp8: dummy FP8 experts (128 x 128 block scales) through the op's FP8 path")
     p.add_argument("--paired-from", type=int, default=2048,
                    help="from this token count on, also time the fused MoE and the matmul alternately")
     p.add_argument("--sweep-gemv", action="store_true",
                    help="time the one-token GEMVs over a grid of (up, down) tiles")
+    p.add_argument("--only-gemv", action="store_true", help="the GEMV sweep alone (nothing else is timed)")
+    p.add_argument("--write-gemv", nargs="?", const=str(fm.CONFIG_DIR), default=None, metavar="DIR",
+                   help="write the sweep's best tiles into the \"gemv\" entry of DIR's tuned file for this "
+                        "shape, device and experts' dtype (default DIR: the checked-in configs)")
+    p.add_argument("--max-configs", type=int, default=0, help="> 0: the first N tiles of each GEMV grid only")
+    p.add_argument("--time-limit-s", type=float, default=0.0,
+                   help="> 0: the GEMV sweep's time (half for each GEMV's tiles; the best so far wins)")
     p.add_argument("--sweep-align", type=int, nargs="*", default=None,
                    help="time the alignment kernels' launch shapes at these token counts (and nothing else)")
     p.add_argument("--profile", type=int, nargs="*", default=None,
                    help="also profile the kernels of one call at these token counts")
+    p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: --only-gemv smoke run
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
+    E, H, I, TOP_K, GEMV_MAX_CONFIGS = args.E, args.H, args.I, args.topk, args.max_configs
+    tune_moe.DEVICE = args.device
+    args.sweep_gemv = args.sweep_gemv or args.only_gemv or args.write_gemv is not None
+    if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("moe_bench.py needs a CUDA device")
+    if args.device != "cuda" and not args.only_gemv:
+        sys.exit("moe_bench.py: --device cpu runs --only-gemv only")
+    if args.write_gemv is not None and not args.only_gemv:
+        sys.exit("moe_bench.py: --write-gemv goes with --only-gemv")
+    if args.only_gemv:
+        Path(args.out).write_text(json.dumps(gemv_only(args), indent=1) + "\n")
+        return
     if args.sweep_align:
         Path(args.out).write_text(json.dumps(sweep_align(args.sweep_align, args.layers, args.reps), indent=1) + "\n")
         return

@@ -50,8 +50,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from compiled.moe.fused_moe import (Blocks, ExpertScales, GemmDelta, MoEWorkspace, get_config, launch_gemm1,
-                                    launch_gemm2, launch_sum, moe_align_block_size, split_config, zeroed)
+from compiled.moe.fused_moe import (Blocks, ExpertScales, GemmDelta, MoEWorkspace, launch_gemm1, launch_gemm2,
+                                    launch_sum, moe_align_block_size, zeroed)
+from compiled.moe.tuned_configs import get_config, split_config
 from compiled.quant.dequant import FP8
 from compiled.side_stream import Fork
 from compiled.triton_utils import interpreting, launch_kwargs
@@ -368,11 +369,12 @@ class _Launches:
         return GemmDelta(s2, b2, scale, self.slot, consts, in_k=in_k)
 
 
-def _lora_configs(T: int, E: int, I: int, x: torch.Tensor, config: dict | None) -> tuple[dict, dict]:
-    """(up, down) GEMM configs: `config`'s, else the base MoE's tuned entry, its up GEMM fitted to the deltas."""
+def _lora_configs(T: int, E: int, I: int, x: torch.Tensor, config: dict | None, fp8: bool) -> tuple[dict, dict]:
+    """(up, down) GEMM configs: `config`'s, else the base MoE's tuned entry (`fp8`: FP8 experts'
+    file first), its up GEMM fitted to the deltas."""
     if config is not None:
         return split_config(config)
-    up, down = split_config(get_config(T, E, I, x.dtype, x.device))
+    up, down = split_config(get_config(T, E, I, x.dtype, x.device, fp8))
     up = lora_up_config(up, x.element_size())
     if x.element_size() > 2:   # 4-byte tiles: the stages plus the delta operands overflow shared memory
         up, down = (dict(c, num_stages=min(c["num_stages"], FP32_MAX_STAGES)) for c in (up, down))
@@ -400,7 +402,7 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         return out if sum_slots else x.new_empty((0, H))
     x, w13, w2, a13, b13, a2, b2 = (t.contiguous() for t in (x, w13, w2, a13, b13, a2, b2))
     weights, ids, scale = topk_weights.contiguous().reshape(-1), topk_ids.contiguous(), scale.contiguous()
-    up, down = _lora_configs(T, E, I, x, config)
+    up, down = _lora_configs(T, E, I, x, config, scales is not None)
     bm = up["BLOCK_SIZE_M"]
     call = _Launches(slot, ids, workspace or MoEWorkspace(), launch_kwargs(x.device), bm, S)
     ws, numel, pdl = call.ws, ids.numel(), call.pdl

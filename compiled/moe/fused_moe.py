@@ -13,46 +13,29 @@ W8A8_MIN_TOKENS on, where the K tiles fit the scale blocks, the grouped GEMMs ru
 and then the intermediate quantized per token and scale block (`quant.act_quant`), fp8 x fp8 dots.
 Expert-LoRA calls (`expert_lora.py`) stay W8A16.
 
-Kernel configs (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages, optional HALF_M and TMA per
-token count, and an optional "down" override of N/K/GROUP/warps/stages/HALF_M/TMA for the second
-GEMM; HALF_M = 1 (2) runs an expert's partial last block as a tile of half (a quarter of) the
-height when its rows fit, TMA loads the weight tiles through tensor descriptors (Hopper's TMA)
-instead of pointer loads) come from
-`configs/E={E},N={I},device_name={name},dtype={dtype}.json` (written by `bench/tune_moe.py`);
-the entry whose token count is nearest wins, and a default is used when no file matches.
+Kernel configs come from `tuned_configs.py` (the tuned files, FP8 experts' own, the defaults).
 `BACKEND` ('auto': Triton on CUDA, the reference elsewhere; from `COMPILED_MOE_BACKEND`, read at
-import, or the engine config) set to 'torch' or 'triton' forces a path; `COMPILED_MOE_CONFIG_DIR`
-adds a config folder searched first."""
+import, or the engine config) set to 'torch' or 'triton' forces a path."""
 
 from __future__ import annotations
 
-import functools
-import json
-import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 import triton
 
-import compiled.envs as envs
 from compiled.backend import BackendChoice
 from compiled.functional import add_rms_norm_ref
 from compiled.moe.experts import expert_loop
+# the op's configs; the names its callers (tuners, tests) read through this module too
+from compiled.moe.tuned_configs import (CONFIG_DIR, DOWN_KEYS, config_file_name, default_config,  # noqa: F401
+                                        device_name, get_config, get_gemv_tiles, load_configs, split_config)
 from compiled.quant.act_quant import quantize_per_token_group
 from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, fit_block_k, kernel_scale, resolve_block
 from compiled.triton_utils import interpreting, launch_kwargs, row_warps, tma_descriptor
 
-log = logging.getLogger(__name__)
-
-CONFIG_DIR = Path(__file__).parent / "configs"
-CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
-OPTIONAL_KEYS = ("HALF_M", "TMA")  # 0 when absent
-MAX_HALVINGS = 2  # HALF_M: partial blocks run tiles of down to a quarter of BLOCK_SIZE_M
-DOWN_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", *OPTIONAL_KEYS)
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 # FP8 experts at this many tokens or more run the grouped GEMMs W8A8 (activations quantized to FP8
 # per token and scale block, fp8 x fp8 dots on the tensor cores); fewer stay W8A16, where the
 # activations' quantization pass costs more than the dots save. A starting point to measure
@@ -76,89 +59,6 @@ def fused_moe_ref(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
         gate, up = F.linear(h, w13[e]).split(I, dim=-1)
         return F.linear(F.silu(gate) * up, w2[e])
     return expert_loop(x, topk_weights, topk_ids, w13.shape[0], expert)
-
-
-# ----------------------------------------------------------------------------- configs
-
-def device_name(device: torch.device | None = None) -> str:
-    """`torch.cuda.get_device_name` with spaces as underscores (vLLM's file naming); "cpu" without CUDA."""
-    if device is not None and device.type != "cuda":
-        return "cpu"
-    return _cuda_device_name(None if device is None else device.index)
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_device_name(index: int | None) -> str:
-    # Cached: every MoE call looks its config up, and `is_available` queries the driver each time.
-    if not torch.cuda.is_available():
-        return "cpu"
-    return torch.cuda.get_device_name(index).replace(" ", "_")
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
-
-
-def config_file_name(E: int, N: int, device: str, dtype: torch.dtype | str) -> str:
-    """`E=128,N=768,device_name=NVIDIA_H200,dtype=bfloat16.json`; N is the expert width I."""
-    dt = dtype if isinstance(dtype, str) else dtype_name(dtype)
-    return f"E={E},N={N},device_name={device},dtype={dt}.json"
-
-
-def _config_dirs() -> list[Path]:
-    extra = envs.read("COMPILED_MOE_CONFIG_DIR")
-    return ([Path(extra)] if extra else []) + [CONFIG_DIR]
-
-
-@functools.lru_cache(maxsize=None)
-def _config_file(E: int, N: int, device: str, dtype: str) -> dict:
-    """The tuned file's contents for this shape/device/dtype, or {}."""
-    name = config_file_name(E, N, device, dtype)
-    for d in _config_dirs():
-        path = d / name
-        if path.is_file():
-            log.info("fused_moe: using %s", path)
-            return json.loads(path.read_text())
-    log.info("fused_moe: no tuned config %s; using the default", name)
-    return {}
-
-
-@functools.lru_cache(maxsize=None)
-def load_configs(E: int, N: int, device: str, dtype: str) -> dict[int, dict] | None:
-    """The tuned table `{token count: config}` for this shape/device/dtype, or None."""
-    table = {int(k): v for k, v in _config_file(E, N, device, dtype).items() if k.isdigit()}
-    return table or None
-
-
-def default_config(M: int, E: int) -> dict:
-    """Used without a tuned file: small blocks for decode, larger tiles for prefill."""
-    if M <= 32:
-        return dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=4)
-    if M * 8 <= E * 16:
-        return dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=3)
-    if M <= 1024:
-        return dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=3)
-    return dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=8, num_stages=3)
-
-
-def get_config(M: int, E: int, N: int, dtype: torch.dtype, device: torch.device | None = None) -> dict:
-    """Config for M tokens: the tuned entry with the nearest token count, else `default_config`."""
-    table = load_configs(E, N, device_name(device), dtype_name(dtype))
-    if not table:
-        return default_config(M, E)
-    return dict(table[min(table, key=lambda m: abs(m - M))])
-
-
-def split_config(cfg: dict) -> tuple[dict, dict]:
-    """(up GEMM config, down GEMM config); HALF_M and TMA default to 0, and HALF_M is capped so
-    that no tile is shorter than 16 rows."""
-    up = {k: int(cfg[k]) for k in CONFIG_KEYS}
-    up.update({k: int(cfg.get(k, 0)) for k in OPTIONAL_KEYS})
-    down = dict(up)
-    down.update({k: int(v) for k, v in (cfg.get("down") or {}).items() if k in DOWN_KEYS})
-    for c in (up, down):
-        c["HALF_M"] = min(c["HALF_M"], MAX_HALVINGS, (c["BLOCK_SIZE_M"] // 16).bit_length() - 1)
-    return up, down
 
 
 # ----------------------------------------------------------------------------- Triton path
@@ -469,12 +369,6 @@ def zeroed(device: torch.device, name: str, numel: int, dtype: torch.dtype) -> t
     return buf
 
 
-# One token runs as two GEMVs (`gemv_kernels.py`: no 16-row tensor-core tile for its one live
-# row), with these tiles (the best of `bench/moe_bench.py --sweep-gemv` on an H100: 30.6 µs a
-# layer against 34.5 for the grouped GEMMs; the 30B's batch-1 step 0.14 ms shorter, RESULTS.md).
-GEMV_TILES = dict(up=dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4), down=dict(BLOCK_N=8, BLOCK_K=256, num_warps=4))
-
-
 @dataclass(frozen=True)
 class MoECall:
     """One call's launch plan: its operands, contiguous (x `[T, H]`, the pairs' routing weights
@@ -643,11 +537,12 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
                      workspace: MoEWorkspace | None = None, out: torch.Tensor | None = None,
                      sum_slots: bool = True, gemv_tiles: dict | None = None,
                      scales: ExpertScales | None = None) -> torch.Tensor:
-    """The Triton path of `compiled::fused_moe`: one token as two GEMVs (`gemv_tiles`, else
-    GEMV_TILES), more as the two grouped GEMMs (`config`, else the tuned or default config), then
-    the top-k sum as a kernel of its own. `sum_slots=False` (top-k > 1): returns the weighted
-    expert outputs `[T*k, H]` unsummed, for a kernel after it to sum them
-    (`moe_sum_add_rms_norm_triton`); `out` is then unused. `scales`: the experts are FP8."""
+    """The Triton path of `compiled::fused_moe`: one token as two GEMVs (`gemv_tiles`, else the
+    tuned file's or GEMV_TILES), more as the two grouped GEMMs (`config`, else the tuned or default
+    config; FP8 experts' own file first), then the top-k sum as a kernel of its own.
+    `sum_slots=False` (top-k > 1): returns the weighted expert outputs `[T*k, H]` unsummed, for a
+    kernel after it to sum them (`moe_sum_add_rms_norm_triton`); `out` is then unused. `scales`:
+    the experts are FP8."""
     _check_shapes(x, topk_weights, topk_ids, w13, w2)
     T, H = x.shape
     top_k = topk_ids.shape[1]
@@ -660,13 +555,14 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     if T == 0:
         return out if sum_slots else x.new_empty((0, H))
     call = _plan(x, topk_weights, topk_ids, w13, w2, workspace or MoEWorkspace(), out, scales)
+    fp8 = scales is not None
     if T == 1:
-        _launch_gemv(call, gemv_tiles or GEMV_TILES)
+        _launch_gemv(call, gemv_tiles or get_gemv_tiles(w13.shape[0], w2.shape[2], x.dtype, x.device, fp8))
     else:
         if top_k == 1:   # the down GEMM writes the placed pairs' rows only: another rank's stay zero
             out.zero_()
         _launch_grouped(call, config if config is not None else get_config(T, w13.shape[0], w2.shape[2], x.dtype,
-                                                                            x.device))
+                                                                            x.device, fp8))
     if not sum_slots:
         return call.y
     if top_k > 1:

@@ -20,6 +20,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from compiled.moe import fused_moe as fm  # noqa: E402  (no triton kernels are defined by this import)
+from compiled.moe import tuned_configs  # noqa: E402
 from compiled.moe.routing import topk_route_ref  # noqa: E402
 from tests.conftest import (assert_bf16_within_reference, capture_without_host_sync, rank_routing,  # noqa: E402
                             run_cases)
@@ -463,8 +464,7 @@ def test_moe_norm_op_bad_shapes_are_one_line_errors():
 
 def test_config_lookup(tmp_path, monkeypatch):
     monkeypatch.setenv("COMPILED_MOE_CONFIG_DIR", str(tmp_path))
-    fm.load_configs.cache_clear()
-    fm._config_file.cache_clear()
+    tuned_configs.clear_caches()
     name = fm.config_file_name(16, 48, "cpu", torch.float32)
     assert name == "E=16,N=48,device_name=cpu,dtype=float32.json"
     table = {"1": _cfg(16, 32, 64), "64": _cfg(32, 64, 64), "1024": dict(_cfg(64, 128, 64), down=dict(BLOCK_SIZE_N=64)),
@@ -478,8 +478,7 @@ def test_config_lookup(tmp_path, monkeypatch):
         assert up["BLOCK_SIZE_N"] == 128 and down["BLOCK_SIZE_N"] == 64 and down["BLOCK_SIZE_M"] == 64
         assert fm.get_config(8, 99, 48, torch.float32) == fm.default_config(8, 99)  # no file: default
     finally:
-        fm.load_configs.cache_clear()
-        fm._config_file.cache_clear()
+        tuned_configs.clear_caches()
 
 
 def test_checked_in_configs_are_complete():
@@ -488,13 +487,23 @@ def test_checked_in_configs_are_complete():
     for path in files:
         raw = json.loads(path.read_text())
         table = {k: v for k, v in raw.items() if k.isdigit()}
-        assert {int(k) for k in table} >= {1, 8, 64, 512, 4096}, path.name
-        assert set(raw) - set(table) <= {"_meta"}, path.name
-        for cfg in table.values():
+        fp8 = path.name.endswith(f"dtype={tuned_configs.FP8_CONFIG_DTYPE}.json")
+        # FP8 experts' tables (bench/gpu_fp8_tune.sh) up to 2,048 tokens, the most used counts first
+        assert {int(k) for k in table} >= ({1, 8, 64, 512} if fp8 else {1, 8, 64, 512, 4096}), path.name
+        assert set(raw) - set(table) <= {"_meta", "gemv"}, path.name
+        if "gemv" in raw:
+            tuned_configs.check_gemv(raw["gemv"], path.name)
+        for T, cfg in table.items():
             up, down = fm.split_config(cfg)
             for c in (up, down):
                 assert c["BLOCK_SIZE_M"] in (16, 32, 64, 128, 256)
                 assert c["BLOCK_SIZE_N"] >= 16 and c["BLOCK_SIZE_K"] >= 16 and c["num_warps"] in (1, 2, 4, 8, 16)
+            if fp8 and int(T) >= fm.W8A8_MIN_TOKENS:   # tuned W8A8: runs W8A8 over 128 x 128 blocks
+                E, N = (int(part.split("=")[1]) for part in path.name.split(",")[:2])
+                H = raw.get("_meta", {}).get("H", 2048)
+                w13, w2 = torch.empty(E, 2 * N, H, device="meta"), torch.empty(E, H, N, device="meta")
+                scales = fm.ExpertScales(w13, w2, [128, 128])
+                assert fm.w8a8_groups(scales, w13, w2, int(T), up, down) is not None, (path.name, T)
 
 
 def test_max_padded_size_bounds_every_routing():
