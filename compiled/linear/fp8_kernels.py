@@ -63,14 +63,16 @@ def w8a16_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, scale_b
     row_tiles = triton.cdiv(M, block_m)
     block_n, split = BLOCK_N, 1
 
-    def programs(bn: int, s: int) -> int:
-        return triton.cdiv(N, bn) * row_tiles * s
+    def short(bn: int, s: int) -> bool:
+        return triton.cdiv(N, bn) * row_tiles * s < num_sms
 
-    while (programs(block_n, split) < num_sms and 2 * split <= MAX_SPLIT_K
-           and triton.cdiv(K, 2 * split * block_k) >= MIN_K_STEPS and fits_workspace(2 * split, M, N, block_m, block_n)):
+    def can_split(s: int) -> bool:
+        return (s <= MAX_SPLIT_K and triton.cdiv(K, s * block_k) >= MIN_K_STEPS
+                and fits_workspace(s, M, N, block_m, block_n))
+
+    while short(block_n, split) and can_split(2 * split):
         split *= 2
-    while programs(block_n, split) < num_sms and block_n > MIN_BLOCK and fits_workspace(split, M, N, block_m,
-                                                                                          block_n // 2):
+    while short(block_n, split) and block_n > MIN_BLOCK and fits_workspace(split, M, N, block_m, block_n // 2):
         block_n //= 2
     return W8A16Config(block_m, block_n, block_k, split)
 
