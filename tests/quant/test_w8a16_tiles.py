@@ -6,6 +6,7 @@ choices on the 30B's shapes; a forced config's validation; the FP8 GEMV tiles of
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -126,6 +127,27 @@ def test_fp8_gemv_tiles_follow_their_own_constants(fresh_configs, monkeypatch):
     fp8, bf16 = lk.skinny_config(1, N, K, 132, weight_bytes=1), lk.skinny_config(1, N, K, 132)
     assert fp8.gemv and (fp8.block_n, fp8.block_k) == (4, 2048)
     assert (bf16.block_n, bf16.block_k) == (lk.GEMV_BLOCK_N, lk.GEMV_MAX_BLOCK_K)
+
+
+def test_fp8_sweep_smoke_run_on_cpu(tmp_path):
+    """bench/linear_bench.py --fp8 --device cpu end to end (interpreted, one config a pass): a row
+    per smoke shape and M with the heuristic's pick and the best, every config computing right."""
+    import subprocess
+    import sys
+    from tests.linear.test_linear_kernel import ROOT
+    out = tmp_path / "fp8.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "linear_bench.py"), "--fp8", "--device", "cpu",
+                           "--fp8-m", "8", "20", "--max-configs", "1", "--reps", "1", "--out", str(out)],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["fp8"]
+    assert [(r["shape"], r["m"], r["kernel"]) for r in rows] == [
+        ("smoke_qkv", 8, "skinny"), ("smoke_o", 8, "skinny"), ("smoke_qkv", 20, "w8a16"), ("smoke_o", 20, "w8a16")]
+    for r in rows:
+        assert r["failed"] == 0 and r["tried"] >= 2 and r["heuristic_us"] > 0 and r["best_us"] <= r["heuristic_us"], r
+    for r in rows[2:]:
+        assert r["heuristic"] == list(fk.w8a16_config(20, r["n"], r["k"], 132, 128)), r
 
 
 @pytest.mark.gpu
