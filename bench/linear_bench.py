@@ -12,7 +12,13 @@ prints the best per shape next to the heuristic's choice (compiled/linear/skinny
 about 300 tile configs compile over all shapes (minutes): `--shapes` narrows it. `--fused` also
 times the kernel with its prologues (compiled/linear/fused.py): the residual add + RMSNorm
 in front of the linear (normalised rows kept for the router, as in the MoE layer) and, for the
-down projection, SiLU-and-mul, each against the linear alone."""
+down projection, SiLU-and-mul, each against the linear alone.
+
+    PYTHONPATH=$PWD python bench/linear_bench.py --fp8 [--fp8-m 1 8 32 64] [--budget-s 20] [--out f.json]
+    TRITON_INTERPRET=1 PYTHONPATH=$PWD python bench/linear_bench.py --fp8 --device cpu   (smoke run)
+
+`--fp8` sweeps the FP8 linears' tiles instead, on the 30B's dense FP8 shapes (FP8_SHAPES) by
+default: the skinny GEMM's GEMV mode and tiles, the W8A16 GEMM (bench/linear_fp8_sweep.py)."""
 
 from __future__ import annotations
 
@@ -49,6 +55,11 @@ SHAPES = {
     "down_06b": (1024, 3072),
     "lm_head_06b": (151936, 1024),
 }
+# The 30B's dense linears with FP8 weights (no dense MLP or shared expert; the LM head and router
+# stay bf16); the smoke shapes (CPU) have partial scale blocks.
+FP8_SHAPES = ("qkv_30b", "o_30b")
+SMOKE_SHAPES = {"smoke_qkv": (80, 320), "smoke_o": (48, 272)}
+SMOKE_MAX_CONFIGS = 3
 MIN_COPIES = 8
 MAX_COPIES = 256
 L2_MULTIPLE = 4
@@ -199,18 +210,56 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def main_fp8(args) -> None:
+    """The FP8 sweep (`linear_fp8_sweep`), its rows written to args.out after each (shape, M)."""
+    import tune_moe
+    from linear_fp8_sweep import run_sweep, table
+    from compiled.triton_utils import interpreting
+    if args.device == "cpu" and not interpreting():
+        sys.exit("--device cpu: run under TRITON_INTERPRET=1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("linear_bench.py --fp8 needs a CUDA device (or --device cpu under TRITON_INTERPRET=1)")
+    tune_moe.DEVICE = args.device   # its time_graph: CUDA graphs, or wall-clock on CPU
+    shapes = SMOKE_SHAPES if args.device == "cpu" else {name: SHAPES[name] for name in args.shapes or FP8_SHAPES}
+    max_configs = args.max_configs or (SMOKE_MAX_CONFIGS if args.device == "cpu" else None)
+    info = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter: smoke run)",
+                torch=torch.__version__, triton=triton.__version__, date=time.strftime("%Y-%m-%d"),
+                command=" ".join(sys.argv), num_sms=lk.num_sms(torch.device(args.device)), budget_s=args.budget_s)
+    print(f"{info['device']}; torch {info['torch']}; triton {info['triton']}; {info['num_sms']} SMs", flush=True)
+    torch.manual_seed(0)
+
+    def emit(rows: list[dict]) -> None:
+        Path(args.out).write_text(json.dumps(dict(info=info, fp8=rows), indent=1) + "\n")
+    rows = run_sweep(shapes, args.fp8_m, args.reps, args.budget_s, max_configs, args.device, emit)
+    print(table(rows), flush=True)
+    print(f"wrote {args.out}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--m", type=int, nargs="*", default=[1, 2, 4, 8, 16])
-    p.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--shapes", nargs="*", default=None, choices=list(SHAPES),
+                   help="default: every shape; with --fp8, FP8_SHAPES")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--sweep", action="store_true", help="also search (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)")
     p.add_argument("--sweep-m", type=int, nargs="*", default=[1, 16])
     p.add_argument("--fused", action="store_true", help="also time the add + RMSNorm and SiLU prologues")
     p.add_argument("--prologue-steps", type=int, nargs="*", default=[lk.PROLOGUE_MAX_STEPS],
                    help="--fused: time each of these K-step bounds (linear_kernels.PROLOGUE_MAX_STEPS)")
+    p.add_argument("--fp8", action="store_true", help="sweep the FP8 linears' tiles instead (linear_fp8_sweep.py)")
+    p.add_argument("--fp8-m", type=int, nargs="*", default=[1, 8, 32, 64], help="--fp8: row counts")
+    p.add_argument("--budget-s", type=float, default=20.0, help="--fp8: sweep time per shape and row count")
+    p.add_argument("--max-configs", type=int, default=None,
+                   help=f"--fp8: configs a pass at most (default: all; {SMOKE_MAX_CONFIGS} on CPU)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="--fp8: cpu is a smoke run of the script under TRITON_INTERPRET=1 (small shapes)")
     p.add_argument("--out", default="linear_bench.json")
     args = p.parse_args(argv)
+    if args.fp8:
+        return main_fp8(args)
+    if args.device != "cuda":
+        sys.exit("--device cpu: only the --fp8 sweep has a CPU smoke run")
+    args.shapes = args.shapes or list(SHAPES)
     if not torch.cuda.is_available():
         sys.exit("linear_bench.py needs a CUDA device")
     if max(args.m + args.sweep_m) > lin.SKINNY_MAX_M:

@@ -3,65 +3,179 @@
 Decode is memory-bound, so a step should read the FP8 bytes and nothing more: each program
 dequantizes its weight tile in registers and multiplies in the activations' dtype with fp32
 accumulation. Its K tiles are sized to the scale block where they can be (`quant.dequant.
-scale_tiling`), so a tile takes one scale per weight row (`triton_utils.row_scaled`); other blocks
-gather a scale per element (`scaled_tile`). Programs own BLOCK_N = 32 output columns, so that the
-30B's o_proj (N = 2,048) still spreads over 64 programs a row tile. The torch
-reference is the op's dequantize-then-F.linear (`quant/dequant.py`). A few rows take the skinny
-GEMM's FP8 path instead (`skinny_kernels`); this kernel serves decode batches above them, up to
-W8A16_MAX_M rows (`library.py` routes the calls)."""
+scale_tiling`), so a tile takes one scale per weight row, or per row and block where a tile covers
+whole blocks (`triton_utils.row_scaled`); other blocks gather a scale per element (`scaled_tile`).
+The torch reference is the op's dequantize-then-F.linear (`quant/dequant.py`). A few rows take the
+skinny GEMM's FP8 path instead (`skinny_kernels`); this kernel serves decode batches above them, up
+to W8A16_MAX_M rows (`library.py` routes the calls).
+
+A program owns a BLOCK_M x BLOCK_N output tile. At decode batches the row tiles are few (one up to
+64 rows), so the column blocks alone leave SMs idle (30B's o_proj, N = 2,048: 64 programs of 32
+columns on 132 SMs). There SPLIT_K programs share a tile, each over one K range, as the skinny
+GEMM splits: fp32 partials to its workspace (shared: one per device, `workspace.py`), a semaphore
+per output tile bumped by each split, the last to arrive summing the partials in split order
+(deterministic), storing the tile and putting the semaphore back to 0, so the launch needs no
+memset or second kernel and replays from a CUDA graph. `w8a16_config` is the only place the tiles
+are chosen (bench/linear_bench.py --fp8 sweeps them)."""
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from compiled.linear import skinny_kernels as lk
 from compiled.quant.dequant import fit_block_k, kernel_scale, resolve_block
-from compiled.triton_utils import row_scaled, scaled_tile
+from compiled.triton_utils import DEFAULT_NUM_SMS, interpreter_upcast, num_sms, row_scaled, scaled_tile
 
-BLOCK_N, MAX_BLOCK_K = 32, 128
-MAX_BLOCK_M = 64   # up to 64 rows one row tile: the weight is read once
+MIN_BLOCK = 16       # smallest BLOCK_M / BLOCK_N / BLOCK_K (tl.dot's minimum)
+BLOCK_N = 32         # columns a program where the grid fills the GPU without help
+MAX_BLOCK_K = 128    # fitted down to divide the scale block (`fit_block_k`)
+MAX_BLOCK_M = 64     # up to 64 rows one row tile: the weight is read once
+MAX_SPLIT_K = 8
+MIN_K_STEPS = 4      # K tiles a split at least: shorter, the software pipeline's fill is not hidden
+NUM_WARPS = 4
+NUM_STAGES = 4
+
+
+class W8A16Config(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = NUM_WARPS
+    num_stages: int = NUM_STAGES
+
+
+@functools.lru_cache(maxsize=None)
+def w8a16_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, scale_block_k: int = 0) -> W8A16Config:
+    """BLOCK_M: M rounded up to a power of two (16 to MAX_BLOCK_M); BLOCK_K: MAX_BLOCK_K fitted to
+    the scale block's width `scale_block_k` (0: K, one block across). Where BLOCK_N columns a
+    program leave the grid short of `num_sms`, K is split first (powers of two, each split at
+    least MIN_K_STEPS tiles, the partials within the workspace), then BLOCK_N narrowed towards 16:
+    a narrower column block makes more programs re-read the same x tiles (M x K x N / BLOCK_N
+    elements from L2 in all), a split only adds its partials (split x M x N fp32)."""
+    block_m = min(MAX_BLOCK_M, max(MIN_BLOCK, triton.next_power_of_2(M)))
+    block_k = fit_block_k(scale_block_k or K, MAX_BLOCK_K)
+    row_tiles = triton.cdiv(M, block_m)
+    block_n, split = BLOCK_N, 1
+
+    def short(bn: int, s: int) -> bool:
+        return triton.cdiv(N, bn) * row_tiles * s < num_sms
+
+    def can_split(s: int) -> bool:
+        return (s <= MAX_SPLIT_K and triton.cdiv(K, s * block_k) >= MIN_K_STEPS
+                and fits_workspace(s, M, N, block_m, block_n))
+
+    while short(block_n, split) and can_split(2 * split):
+        split *= 2
+    while short(block_n, split) and block_n > MIN_BLOCK and fits_workspace(split, M, N, block_m, block_n // 2):
+        block_n //= 2
+    return W8A16Config(block_m, block_n, block_k, split)
+
+
+def fits_workspace(split_k: int, M: int, N: int, block_m: int, block_n: int) -> bool:
+    """Whether a split of K into `split_k` finds its partials and semaphores in the workspace."""
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    return split_k == 1 or (split_k * M * N <= lk.PARTIALS and tiles <= lk.SEMAPHORES)
+
+
+def check_config(config: W8A16Config, M: int, N: int) -> None:
+    """A forced config the kernel can run, else a one-line ValueError naming the field."""
+    if not isinstance(config, W8A16Config):
+        raise TypeError(f"w8a16 linear: config must be a W8A16Config, got {type(config).__name__}")
+    for name in ("block_m", "block_n", "block_k"):
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < MIN_BLOCK or value & (value - 1):
+            raise ValueError(f"w8a16 linear: {name}={value!r} must be a power of two >= {MIN_BLOCK}")
+    warps = config.num_warps
+    if not isinstance(warps, int) or not 1 <= warps <= 16 or warps & (warps - 1):
+        raise ValueError(f"w8a16 linear: num_warps={warps!r} must be a power of two from 1 to 16")
+    if not isinstance(config.num_stages, int) or config.num_stages < 1:
+        raise ValueError(f"w8a16 linear: num_stages={config.num_stages!r} must be an int >= 1")
+    split = config.split_k
+    if not isinstance(split, int) or split < 1 or not fits_workspace(split, M, N, config.block_m, config.block_n):
+        raise ValueError(f"w8a16 linear: split_k={split!r} with M={M}, N={N} needs 1 <= split_k, split_k * M * N "
+                         f"<= {lk.PARTIALS} and at most {lk.SEMAPHORES} output tiles")
 
 
 @triton.jit
-def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym, BO, BI,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                  FP8: tl.constexpr):
+def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
+                  stride_sn, stride_ym, BO, BI, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SPLIT_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
+                  KB: tl.constexpr):
+    """Partials laid out `[SPLIT_K, M, N]`; output tile (pid_m, pid_n)'s semaphore at
+    pid_m * (column blocks) + pid_n. UPCAST: see `interpreter_upcast`."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x_mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
+        x_mask = (offs_m[:, None] < M) & (offs_k[None, :] < k_end)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
-        w_mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+        w_mask = (offs_n[:, None] < N) & (offs_k[None, :] < k_end)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=w_mask, other=0.0)
         if FP8 == 2:
-            b = row_scaled(w, s_ptr, offs_n, offs_n < N, k0, K, stride_sn, BO, BI, x.dtype, 1)
+            b = row_scaled(w, s_ptr, offs_n, offs_n < N, k0, K, stride_sn, BO, BI, x.dtype, KB)
         else:
             b = scaled_tile(w, s_ptr, offs_n[:, None], offs_k[None, :], w_mask, stride_sn, BO, BI, x.dtype, True)
+        if UPCAST:
+            x = x.to(tl.float32)
+            b = b.to(tl.float32)
         if IEEE:
             acc += tl.dot(x, tl.trans(b), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(b))
     y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        part_ptrs = part_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptrs + pid_k * M * N, acc, mask=y_mask)
+        # Every thread's partial store must precede the release below.
+        tl.debug_barrier()
+        sem = sem_ptr + pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            # Unrolled; .cg reads from L2 (coherent), never from a stale L1 line.
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(part_ptrs + s * M * N, mask=y_mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.atomic_xchg(sem, 0)
 
 
-def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: list[int]) -> torch.Tensor:
-    """x `[M, K]` (rows contiguous) @ (weight `[N, K]` fp8 x its block `scale`).T -> `[M, N]` in x's dtype."""
+def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: list[int],
+                 config: W8A16Config | None = None) -> torch.Tensor:
+    """x `[M, K]` (rows contiguous) @ (weight `[N, K]` fp8 x its block `scale`).T -> `[M, N]` in
+    x's dtype. `config` overrides `w8a16_config` (tests, the benchmark's sweep)."""
     M, K = x.shape
     N = weight.shape[0]
-    block_k = fit_block_k(resolve_block(block, N, K)[1], MAX_BLOCK_K)
-    ks = kernel_scale(scale, block, N, K, block_k, many=False)
+    if config is None:
+        config = w8a16_config(M, N, K, num_sms(x.device), resolve_block(block, N, K)[1])
+    else:
+        check_config(config, M, N)
+    block_m, block_n, block_k, split_k, num_warps, num_stages = config
+    ks = kernel_scale(scale, block, N, K, block_k)
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(M)))
-    grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(M, block_m))
-    _w8a16_kernel[grid](x, weight, ks.scale, y, M, N, K, x.stride(0), weight.stride(0), ks.scale.stride(0),
-                        y.stride(0), ks.bo, ks.bi, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-                        IEEE=x.dtype == torch.float32, FP8=ks.mode, num_warps=4, num_stages=4)
+    ws = lk.split_workspace(x.device) if split_k > 1 else None
+    partials, semaphores = (ws.partials, ws.semaphores) if ws is not None else (y, y)  # never read unsplit
+    k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
+    upcast = interpreter_upcast(x.dtype)
+    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m), split_k)
+    _w8a16_kernel[grid](x, weight, ks.scale, y, partials, semaphores, M, N, K, k_per_split, x.stride(0),
+                        weight.stride(0), ks.scale.stride(0), y.stride(0), ks.bo, ks.bi, BLOCK_M=block_m,
+                        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, IEEE=upcast or x.dtype == torch.float32,
+                        UPCAST=upcast, FP8=ks.mode, KB=ks.kb, num_warps=num_warps, num_stages=num_stages)
     return y

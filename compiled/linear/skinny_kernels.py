@@ -45,6 +45,7 @@ WIDE_PROGRAMS_PER_SM = 2   # this many 64-column blocks per SM fill the GPU with
 SPLIT_COLUMNS_PER_SM = 64  # split-K: columns x splits in flight per SM (H200 sweep, bench/RESULTS.md)
 WORKSPACE_COLS = 128 * 1024  # split-K needs SPLIT_K * N <= this (fp32 partials: 16 x this x 4 B = 8 MiB)
 SEMAPHORES = WORKSPACE_COLS // MIN_BLOCK  # split-K: one per column block
+PARTIALS = SKINNY_MAX_M * WORKSPACE_COLS  # fp32 partials the workspace holds (the W8A16 GEMM splits K in it too)
 NUM_WARPS = 4
 NUM_STAGES = 5
 # With a prologue (`fused`), at most this many K steps a program: its input tiles are
@@ -60,6 +61,10 @@ GEMV_BLOCK_N = 2
 GEMV_MAX_BLOCK_K = 1024
 GEMV_NUM_WARPS = 4
 GEMV_MAX_M = 1             # rows the heuristic gives the mode (it serves up to SKINNY_MAX_M: a forced config)
+# The GEMV tiles of an FP8 weight (one byte an element: a tile of the same shape is half the
+# bytes a load). The bf16 values until a sweep says otherwise (bench/linear_bench.py --fp8).
+FP8_GEMV_BLOCK_N = GEMV_BLOCK_N
+FP8_GEMV_MAX_BLOCK_K = GEMV_MAX_BLOCK_K
 
 
 class SkinnyConfig(NamedTuple):
@@ -72,7 +77,8 @@ class SkinnyConfig(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, prologue_steps: int = 0) -> SkinnyConfig:
+def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, prologue_steps: int = 0,
+                  weight_bytes: int = 2) -> SkinnyConfig:
     """From a sweep on the H200 (bench/linear_bench.py --sweep; RESULTS.md). A wide N (the LM
     head) takes 64-column blocks and no split. Otherwise 64 columns from N = 2048 down to 32 (16
     for N <= 128), and SPLIT_K the largest power of two that keeps N x SPLIT_K within
@@ -80,12 +86,13 @@ def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, prolog
     within the workspace. Up to GEMV_MAX_M rows take the GEMV mode instead (`gemv_config`);
     otherwise M does not enter: at M <= 16 the time is the weight's bytes. `prologue_steps` (a
     kernel with a prologue: PROLOGUE_MAX_STEPS): split further, within the same bounds, until a
-    program has at most that many K steps."""
+    program has at most that many K steps. `weight_bytes`: the weight's element size (1: FP8),
+    which picks the GEMV tiles."""
     block_k = min(MAX_BLOCK_K, max(MIN_BLOCK, triton.next_power_of_2(K)))
     if triton.cdiv(N, MAX_BLOCK_N) >= WIDE_PROGRAMS_PER_SM * num_sms:
         return SkinnyConfig(MAX_BLOCK_N, block_k, 1)
     if M <= GEMV_MAX_M:
-        return gemv_config(N, K, num_sms)
+        return gemv_config(N, K, num_sms, weight_bytes)
     block_n = MAX_BLOCK_N if N >= 2048 else (2 * MIN_BLOCK if N > 128 else MIN_BLOCK)
     max_split = min(MAX_SPLIT_K, K // MIN_K_PER_SPLIT, WORKSPACE_COLS // max(N, 1))
     split = 1
@@ -96,17 +103,20 @@ def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, prolog
     return SkinnyConfig(block_n, block_k, split)
 
 
-def gemv_config(N: int, K: int, num_sms: int) -> SkinnyConfig:
+def gemv_config(N: int, K: int, num_sms: int, weight_bytes: int = 2) -> SkinnyConfig:
     """GEMV_BLOCK_N columns a program, or one where that grid is short of half the SMs; a grid
     still short splits K (a power of two, up to one program per SM, each split at least
-    MIN_K_PER_SPLIT long)."""
-    block_n = GEMV_BLOCK_N if triton.cdiv(N, GEMV_BLOCK_N) >= num_sms // 2 else 1
+    MIN_K_PER_SPLIT long); K steps up to GEMV_MAX_BLOCK_K. An FP8 weight (`weight_bytes` 1)
+    takes the FP8_GEMV_ constants instead."""
+    widest_n, max_block_k = ((FP8_GEMV_BLOCK_N, FP8_GEMV_MAX_BLOCK_K) if weight_bytes == 1
+                             else (GEMV_BLOCK_N, GEMV_MAX_BLOCK_K))
+    block_n = widest_n if triton.cdiv(N, widest_n) >= num_sms // 2 else 1
     blocks = triton.cdiv(N, block_n)
     split = 1
     if blocks < num_sms // 2:
         while 2 * split <= MAX_SPLIT_K and K // (2 * split) >= MIN_K_PER_SPLIT and blocks * 2 * split <= num_sms:
             split *= 2
-    block_k = min(GEMV_MAX_BLOCK_K, max(MIN_BLOCK, triton.next_power_of_2(triton.cdiv(K, split))))
+    block_k = min(max_block_k, max(MIN_BLOCK, triton.next_power_of_2(triton.cdiv(K, split))))
     return SkinnyConfig(block_n, block_k, split, GEMV_NUM_WARPS, num_stages=1, gemv=True)
 
 
@@ -134,25 +144,27 @@ def check_config(config: SkinnyConfig, M: int, N: int) -> None:
 
 
 class SplitWorkspace(NamedTuple):
-    partials: torch.Tensor   # fp32 [SKINNY_MAX_M * WORKSPACE_COLS]
+    partials: torch.Tensor   # fp32 [PARTIALS]
     semaphores: torch.Tensor  # int32, one per column block, all zero between launches
     sums: torch.Tensor       # fp32, the norm prologue's sums of squares, BLOCK_M per (column block, split)
 
 
-SKINNY_KERNEL = "skinny linear"   # its name in the workspace registry (`workspace.py`)
+# its name in the workspace registry (`workspace.py`), which the W8A16 GEMM's splits share
+SKINNY_KERNEL = "skinny linear / W8A16 GEMM"
 
 
 def _allocate_workspace(device: torch.device) -> SplitWorkspace:
     # column blocks x splits <= SEMAPHORES + MAX_SPLIT_K (split_k * N <= WORKSPACE_COLS), BLOCK_M sums each
     return SplitWorkspace(
-        torch.empty(SKINNY_MAX_M * WORKSPACE_COLS, dtype=torch.float32, device=device),
+        torch.empty(PARTIALS, dtype=torch.float32, device=device),
         torch.zeros(SEMAPHORES, dtype=torch.int32, device=device),
         torch.empty((SEMAPHORES + MAX_SPLIT_K) * BLOCK_M, dtype=torch.float32, device=device))
 
 
 def split_workspace(device: torch.device) -> SplitWorkspace:
     """One per device, at its largest size, so it is never reallocated; the first split-K call
-    must come before any CUDA graph capture (`workspace.py` says why)."""
+    must come before any CUDA graph capture (`workspace.py` says why). The W8A16 GEMM
+    (`fp8_kernels`) splits K in it too: launches on one stream, each leaving the semaphores at 0."""
     return workspace.split_workspace(SKINNY_KERNEL, device, _allocate_workspace)
 
 
@@ -453,7 +465,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
     if config is None:
         if M > SKINNY_MAX_M:
             raise ValueError(f"skinny linear: M={M} rows, at most {SKINNY_MAX_M}")
-        config = skinny_config(M, N, K, num_sms(x.device), PROLOGUE_MAX_STEPS if prologue else 0)
+        config = skinny_config(M, N, K, num_sms(x.device), PROLOGUE_MAX_STEPS if prologue else 0,
+                               weight.element_size())
     else:
         check_config(config, M, N)
     block_n, block_k, split_k, num_warps, num_stages, gemv = config

@@ -1,5 +1,5 @@
-"""The split-K workspaces of the linear kernels (skinny GEMM, LoRA shrink): one per kernel and
-device, allocated at its largest size on first use and never again.
+"""The split-K workspaces of the linear kernels (skinny GEMM and W8A16 GEMM sharing one, LoRA
+shrink): one per kernel and device, allocated at its largest size on first use and never again.
 
 A split-K launch writes fp32 partials to its workspace and counts finished splits on its
 semaphores (the last split resets them to 0), so a captured CUDA graph replays over the same

@@ -12,7 +12,9 @@ prologues' own launches, the plain K/V store, extend attention with TMA, the gre
 skinny GEMM's one-row GEMV mode, the multi-LoRA kernels, the norm kernels doing LoRA work and the
 fused MoE with expert LoRA) are called directly, and so are the FP8 paths (each scale mode of the
 fused MoE's GEMVs and grouped GEMMs with and without expert LoRA, of the skinny GEMM with its
-prologues and LoRA epilogue, the W8A16 GEMM and the dequantization kernel).
+prologues and LoRA epilogue, the W8A16 GEMM with its tiles and split K as the heuristic picks them
+at 64 rows and forced (narrow columns, K tiles over several scale blocks, 8 warps), and the
+dequantization kernel).
 Outputs are never computed, so nothing is compared: the test is that every kernel compiles."""
 
 from __future__ import annotations
@@ -204,7 +206,7 @@ def _fp8_calls() -> None:
     quantization and the fp8 x fp8 GEMMs) and 16 x 24 blocks (a gather per element)."""
     import compiled.moe.fused_moe as fm
     from compiled.linear import skinny_kernels as lk
-    from compiled.linear.fp8_kernels import w8a16_linear
+    from compiled.linear.fp8_kernels import W8A16Config, w8a16_linear
     from compiled.linear.lora_kernels import LoRAArgs
     from compiled.moe.expert_lora import fused_moe_lora_triton
     from compiled.quant.dequant import WeightScale
@@ -233,6 +235,10 @@ def _fp8_calls() -> None:
             lk.skinny_linear_lora_triton(x[:rows], q, la, fp8=fp8)
         lk.silu_mul_linear_triton(torch.randn(1, 4096).bfloat16(), q, fp8=fp8)
         w8a16_linear(x, q, s, block)
+        if block == [128, 128]:   # o_proj's shape: the heuristic splits K
+            w8a16_linear(x, torch.randn(2048, 4096).to(torch.float8_e4m3fn), torch.rand(16, 32) + 0.5, block)
+        w8a16_linear(x, q, s, block, W8A16Config(64, 16, 64, 4))
+        w8a16_linear(x[:32], q, s, block, W8A16Config(32, 64, 256, 2, 8, 3))
         dequantize_triton(q, s, block, torch.bfloat16)
 
 

@@ -1,0 +1,218 @@
+"""The FP8 dense linears' tiles, swept (run by `bench/linear_bench.py --fp8`).
+
+Block 128 x 128 FP8 weights (random float8_e4m3fn values, random fp32 scales), x in bf16. Per
+shape and row count M, the kernel the op runs there (`compiled/linear/fp8.py`): the skinny GEMM's
+GEMV mode at M <= GEMV_MAX_M (columns a program, K step, split, warps), its tensor-core tiles up to
+SKINNY_MAX_M, the W8A16 GEMM above (BLOCK_N, BLOCK_K, split K; then warps x stages and BLOCK_M
+around the best three). The heuristic's pick is timed first, then the grid nearest to it first,
+within a time budget per (shape, M): compiling dominates, and with M outermost the second shape
+reuses the first one's compiled kernels. Beside them, cuBLAS on the dequantized bf16 weight (what
+a step without the FP8 kernels would run). Timing as linear_bench.py: one CUDA graph of one call
+per weight copy, copies cycled past L2; each config's output is first checked against F.linear
+over the dequantized weight. GB/s counts the FP8 bytes (weight, scales, x, y).
+
+`--device cpu` (under TRITON_INTERPRET=1, small shapes, a few configs, wall-clock timing) is a
+smoke run of the script itself: its times mean nothing."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from compiled.linear import SKINNY_MAX_M
+from compiled.linear import fp8_kernels as fk
+from compiled.linear import skinny_kernels as lk
+from compiled.quant.dequant import FP8, WeightScale, dequantize_blocks
+from tune_moe import time_graph
+
+BLOCK = [128, 128]
+# (block_n, block_k, split_k) grids of the first pass; warps (and stages) refined around the best
+GEMV_GRID = ((1, 2, 4), (256, 512, 1024, 2048), (1, 2))
+GEMV_WARPS = (2, 4, 8)
+TILE_GRID = ((16, 32, 64), (64, 128, 256), (1, 2, 4, 8))
+TILE_WARPS = (4, 8)
+TILE_STAGES = (3, 4, 5)
+REFINE = 3
+MIN_COPIES, MAX_COPIES, L2_MULTIPLE = 8, 128, 4
+MAX_PROGRAMS_PER_SM = 32
+GEMV_MAX_PROGRAMS_PER_SM = 64   # lighter programs (bench/gemv_bench.py's bound)
+TOL = 1e-2   # bf16 output against the fp32 reference, relative to its largest value
+
+
+@dataclass
+class Case:
+    """One (shape, M): the weight copies, x and the reference output."""
+    name: str
+    n: int
+    k: int
+    m: int
+    kind: str                               # "gemv", "skinny" or "w8a16": the kernel the op runs at m rows
+    weights: list[tuple[torch.Tensor, torch.Tensor]]
+    bf16: list[torch.Tensor]                # the same weights dequantized (for cuBLAS)
+    x: torch.Tensor
+    ref: torch.Tensor
+
+
+def kernel_kind(m: int) -> str:
+    return "gemv" if m <= lk.GEMV_MAX_M else "skinny" if m <= SKINNY_MAX_M else "w8a16"
+
+
+def fp8_weights(n: int, k: int, copies: int, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator(device=device).manual_seed(n * 7 + k)
+    sn, sk = triton.cdiv(n, BLOCK[0]), triton.cdiv(k, BLOCK[1])
+    return [((torch.randn(n, k, device=device, generator=g) * 64).clamp(-448, 448).to(FP8),
+             (torch.rand(sn, sk, device=device, generator=g) + 0.5) / (64 * k ** 0.5)) for _ in range(copies)]
+
+
+def copies_for(n: int, k: int, device: str) -> int:
+    if device != "cuda":
+        return 2
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    return max(MIN_COPIES, min(MAX_COPIES, math.ceil(L2_MULTIPLE * l2 / (n * k))))
+
+
+def heuristic(case: Case, sms: int):
+    if case.kind == "w8a16":
+        return fk.w8a16_config(case.m, case.n, case.k, sms, BLOCK[1])
+    return lk.skinny_config(case.m, case.n, case.k, sms, weight_bytes=1)
+
+
+def call(case: Case, cfg):
+    if case.kind == "w8a16":
+        return lambda x, w: fk.w8a16_linear(x, w[0], w[1], BLOCK, cfg)
+    return lambda x, w: lk.skinny_linear_triton(x, w[0], cfg, fp8=WeightScale(w[1], BLOCK))
+
+
+def fits(case: Case, cfg, sms: int, on_gpu: bool) -> bool:
+    """A split at least one K tile long, within the workspace; on the GPU a grid neither far short
+    of the SMs nor so long that the per-program overhead dominates."""
+    if case.kind == "w8a16":
+        programs = triton.cdiv(case.n, cfg.block_n) * triton.cdiv(case.m, cfg.block_m) * cfg.split_k
+        if not fk.fits_workspace(cfg.split_k, case.m, case.n, cfg.block_m, cfg.block_n):
+            return False
+    else:
+        programs = triton.cdiv(case.n, cfg.block_n) * cfg.split_k
+        if cfg.split_k * case.n > lk.WORKSPACE_COLS:
+            return False
+    if case.k // cfg.split_k < cfg.block_k or cfg.block_k > max(16, triton.next_power_of_2(case.k)):
+        return False
+    most = GEMV_MAX_PROGRAMS_PER_SM if case.kind == "gemv" else MAX_PROGRAMS_PER_SM
+    return not on_gpu or sms // 4 <= programs <= most * sms
+
+
+def first_grid(case: Case, h) -> list:
+    """The first pass at the heuristic's warps and stages (and BLOCK_M), nearest to it first."""
+    if case.kind == "gemv":
+        grid = [lk.SkinnyConfig(bn, bk, s, h.num_warps, 1, gemv=True) for bn, bk, s in itertools.product(*GEMV_GRID)]
+    elif case.kind == "skinny":
+        grid = [lk.SkinnyConfig(bn, bk, s, h.num_warps, h.num_stages) for bn, bk, s in itertools.product(*TILE_GRID)]
+    else:
+        grid = [fk.W8A16Config(h.block_m, bn, bk, s, h.num_warps, h.num_stages)
+                for bn, bk, s in itertools.product(*TILE_GRID)]
+
+    def distance(c) -> float:
+        return sum(abs(math.log2(getattr(c, f) / getattr(h, f))) for f in ("block_n", "block_k", "split_k"))
+    return sorted(grid, key=distance)
+
+
+def refinements(case: Case, c) -> list:
+    if case.kind == "gemv":
+        return [c._replace(num_warps=w) for w in GEMV_WARPS]
+    out = [c._replace(num_warps=w, num_stages=s) for w, s in itertools.product(TILE_WARPS, TILE_STAGES)]
+    if case.kind == "w8a16":
+        out += [c._replace(block_m=bm) for bm in (16, 32, 64) if bm < c.block_m]
+    return out
+
+
+def time_config(case: Case, cfg, reps: int) -> float | None:
+    """µs a call, or None where the config fails (out of resources) or computes wrongly."""
+    fn = call(case, cfg)
+    try:
+        out = fn(case.x, case.weights[0]).float()
+        if ((out - case.ref).abs().max() / case.ref.abs().max()).item() > TOL:
+            print(f"    {tuple(cfg)}: wrong result", flush=True)
+            return None
+        return time_graph([lambda w=w: fn(case.x, w) for w in case.weights], reps=reps) / len(case.weights)
+    except Exception as exc:  # noqa: BLE001  (out of shared memory, registers: not a candidate)
+        print(f"    {tuple(cfg)}: {type(exc).__name__}", flush=True)
+        return None
+
+
+def fp8_gbps(case: Case, us: float) -> float:
+    scales = triton.cdiv(case.n, BLOCK[0]) * triton.cdiv(case.k, BLOCK[1]) * 4
+    return (case.n * case.k + scales + (case.m * case.k + case.m * case.n) * 2) / (us * 1e-6) / 1e9
+
+
+def sweep_case(case: Case, sms: int, reps: int, budget_s: float, max_configs: int | None, on_gpu: bool) -> dict:
+    h = heuristic(case, sms)
+    start = time.perf_counter()
+    times = {h: time_config(case, h, reps)}
+
+    def run(candidates: list) -> None:
+        for c in candidates:
+            if time.perf_counter() - start > budget_s:
+                return
+            if c not in times and fits(case, c, sms, on_gpu):
+                times[c] = time_config(case, c, reps)
+
+    grid = [c for c in first_grid(case, h) if fits(case, c, sms, on_gpu)]
+    run(grid[:max_configs] if max_configs else grid)
+    ranked = sorted((t, tuple(c), c) for c, t in times.items() if t is not None)
+    for _, _, c in ranked[:REFINE]:
+        run(refinements(case, c)[:max_configs] if max_configs else refinements(case, c))
+    ranked = sorted((t, tuple(c), c) for c, t in times.items() if t is not None)
+    cublas_us = time_graph([lambda w=w: F.linear(case.x, w) for w in case.bf16], reps=reps) / len(case.bf16)
+    row = dict(shape=case.name, n=case.n, k=case.k, m=case.m, kernel=case.kind, copies=len(case.weights),
+               heuristic=list(h), heuristic_us=times[h], tried=len(times),
+               failed=sum(t is None for t in times.values()), bf16_cublas_us=cublas_us,
+               top=[[list(c), t] for t, _, c in ranked[:5]])
+    if ranked:
+        row.update(best=list(ranked[0][2]), best_us=ranked[0][0], best_gbps=fp8_gbps(case, ranked[0][0]))
+    if times[h] is not None:
+        row["heuristic_gbps"] = fp8_gbps(case, times[h])
+    return row
+
+
+def describe(row: dict) -> str:
+    def us(v):
+        return "failed" if v is None else f"{v:.2f} µs"
+    best = f"best {tuple(row['best'])} {us(row['best_us'])} ({row['best_gbps']:.0f} GB/s)" if "best" in row else "none"
+    return (f"  fp8 {row['shape']:10s} N={row['n']:5d} K={row['k']:5d} M={row['m']:3d} {row['kernel']:6s}: {best}; "
+            f"heuristic {tuple(row['heuristic'])} {us(row['heuristic_us'])}; bf16 cuBLAS {us(row['bf16_cublas_us'])}; "
+            f"{row['tried']} tried, {row['failed']} failed")
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| shape | M | kernel | best config | µs | GB/s (fp8) | heuristic config | µs | bf16 cuBLAS µs |",
+             "|---|---:|---|---|---:|---:|---|---:|---:|"]
+    for r in rows:
+        h_us = "failed" if r["heuristic_us"] is None else f"{r['heuristic_us']:.2f}"
+        best = (f"{tuple(r['best'])} | {r['best_us']:.2f} | {r['best_gbps']:.0f}" if "best" in r else "none | | ")
+        lines.append(f"| {r['shape']} | {r['m']} | {r['kernel']} | {best} | {tuple(r['heuristic'])} | {h_us} | "
+                     f"{r['bf16_cublas_us']:.2f} |")
+    return "\n".join(lines)
+
+
+def run_sweep(shapes: dict[str, tuple[int, int]], ms: list[int], reps: int, budget_s: float,
+              max_configs: int | None, device: str, emit) -> list[dict]:
+    """Every (shape, M), M outermost; `emit(rows)` after each (the caller writes its JSON)."""
+    sms = lk.num_sms(torch.device(device))
+    on_gpu = device == "cuda"
+    weights = {name: fp8_weights(n, k, copies_for(n, k, device), device) for name, (n, k) in shapes.items()}
+    bf16 = {name: [dequantize_blocks(q, s, BLOCK, torch.bfloat16) for q, s in ws] for name, ws in weights.items()}
+    rows: list[dict] = []
+    for m, (name, (n, k)) in itertools.product(ms, shapes.items()):
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        q, s = weights[name][0]
+        ref = F.linear(x.float(), dequantize_blocks(q, s, BLOCK, torch.float32))
+        case = Case(name, n, k, m, kernel_kind(m), weights[name], bf16[name], x, ref)
+        rows.append(sweep_case(case, sms, reps, budget_s, max_configs, on_gpu))
+        print(describe(rows[-1]), flush=True)
+        emit(rows)
+    return rows
