@@ -208,7 +208,7 @@ def measure(b: Bench, T: int) -> dict:
     if T >= args.paired_from:
         attempt("fused_frac_matmul_paired", lambda: paired_fraction(fused_fns, L, flops)[0])
     if T > 1:   # one token runs the GEMVs, which take no config
-        tma_cfg = with_tma(fm.get_config(T, E, I, torch.bfloat16, fp8=b.fp8))
+        tma_cfg = with_tma(tc.get_config(T, E, I, torch.bfloat16, fp8=b.fp8))
         attempt("fused_tma_us", lambda: time_graph(
             [lambda l=l: b.fused(l, x, *routes[l], config=tma_cfg) for l in range(L)], reps=args.reps) / L)
     if T == 1 and args.sweep_gemv:
@@ -290,7 +290,7 @@ def sweep_gemv(b: Bench, x: torch.Tensor, routes: list) -> list[dict]:
         except Exception as exc:  # noqa: BLE001  (out of registers, ...)
             print(f"  gemv {cfg}: {type(exc).__name__}", flush=True)
             return None
-    start = fm.get_gemv_tiles(E, I, torch.bfloat16, x.device, b.fp8)
+    start = tc.get_gemv_tiles(E, I, torch.bfloat16, x.device, b.fp8)
     us = timed(start)
     results = [] if us is None else [dict(start, us=us, start=True)]
     print(f"  gemv now: {start}: {us} us", flush=True)
@@ -314,7 +314,7 @@ def write_gemv(folder: str, best: dict, b: Bench, device: torch.device) -> Path:
     """`best`'s tiles as the "gemv" entry of the tuned file for this shape, device and experts'
     dtype in `folder` (its other entries kept, `tune_moe.merge_entry`)."""
     dtype = tc.config_dtypes(torch.bfloat16, b.fp8)[0]
-    path = Path(folder) / fm.config_file_name(E, I, fm.device_name(device), dtype)
+    path = Path(folder) / tc.config_file_name(E, I, tc.device_name(device), dtype)
     entry = tc.check_gemv({k: best[k] for k in tc.GEMV_STAGES}, str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     tune_moe.merge_entry(path, "gemv", entry, dict(gemv_us=round(best["us"], 2), gemv_layers=b.args.layers,
@@ -336,7 +336,7 @@ def gemv_only(args) -> dict:
     results = sweep_gemv(b, x, routes)
     if not results:
         sys.exit("moe_bench.py: no GEMV tile ran")
-    out = dict(info=dict(device=fm.device_name(dev), E=E, H=H, I=I, top_k=TOP_K, layers=args.layers,
+    out = dict(info=dict(device=tc.device_name(dev), E=E, H=H, I=I, top_k=TOP_K, layers=args.layers,
                          experts="fp8" if fp8 else "bf16", command=" ".join(sys.argv)), gemv_sweep=results)
     if args.write_gemv:
         out["wrote"] = str(write_gemv(args.write_gemv, results[0], b, dev))
@@ -348,7 +348,7 @@ def sweep_align(tokens: list[int], layers: int, reps: int) -> dict[int, list[dic
     the tuned BLOCK_SIZE_M; every variant's segments checked against the default's."""
     out = {}
     for T in tokens:
-        bm = fm.split_config(fm.get_config(T, E, I, torch.bfloat16))[0]["BLOCK_SIZE_M"]
+        bm = tc.split_config(tc.get_config(T, E, I, torch.bfloat16))[0]["BLOCK_SIZE_M"]
         ids = [torch.ops.compiled.topk_route(torch.randn(T, E, device="cuda"), TOP_K, True)[1] for _ in range(layers)]
         want = [_segments(*fm.moe_align_block_size(i, E, bm), bm) for i in ids]
         default = fm.align_launch(T * TOP_K, E, bm)
@@ -469,7 +469,7 @@ def main(argv=None):
     p.add_argument("--sweep-gemv", action="store_true",
                    help="time the one-token GEMVs over a grid of (up, down) tiles")
     p.add_argument("--only-gemv", action="store_true", help="the GEMV sweep alone (nothing else is timed)")
-    p.add_argument("--write-gemv", nargs="?", const=str(fm.CONFIG_DIR), default=None, metavar="DIR",
+    p.add_argument("--write-gemv", nargs="?", const=str(tc.CONFIG_DIR), default=None, metavar="DIR",
                    help="write the sweep's best tiles into the \"gemv\" entry of DIR's tuned file for this "
                         "shape, device and experts' dtype (default DIR: the checked-in configs)")
     p.add_argument("--max-configs", type=int, default=0, help="> 0: the first N tiles of each GEMV grid only")

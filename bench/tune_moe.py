@@ -409,7 +409,7 @@ def tune(args) -> dict:
         w13, w2, scales = (*make_weights(args.layers, E, H, I, dtype), None)
     else:
         w13, w2, scales = make_fp8_weights(args.layers, E, H, I, block)
-    name = fm.config_file_name(E, I, fm.device_name(), tc.config_dtypes(dtype, block is not None)[0])
+    name = tc.config_file_name(E, I, tc.device_name(), tc.config_dtypes(dtype, block is not None)[0])
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / name
@@ -429,7 +429,7 @@ def tune(args) -> dict:
         if best is None:
             continue
         entry = dict(best["up"][1])
-        entry["down"] = {k: best["down"][1][k] for k in fm.DOWN_KEYS}
+        entry["down"] = {k: best["down"][1][k] for k in tc.DOWN_KEYS}
         table[str(T)] = entry
         meta["timings_us"][str(T)] = dict(total=round(best["total"], 2), align=round(best["align"], 2),
                                           up=round(best["up"][0], 2), down=round(best["down"][0], 2),
@@ -444,7 +444,7 @@ def tune(args) -> dict:
 
 def existing_table(path: Path) -> dict:
     """The table at `path`, else the checked-in file of that name, else {}."""
-    for p in (path, fm.CONFIG_DIR / path.name):
+    for p in (path, tc.CONFIG_DIR / path.name):
         if p.is_file():
             print(f"merging into {p}", flush=True)
             return json.loads(p.read_text())
@@ -506,7 +506,7 @@ def main(argv=None):
                    help="the FP8 experts' scale block")
     p.add_argument("--tokens", type=int, nargs="*", default=TOKENS)
     p.add_argument("--layers", type=int, default=4, help="weight copies cycled per timing (beats L2)")
-    p.add_argument("--out-dir", default=str(fm.CONFIG_DIR))
+    p.add_argument("--out-dir", default=str(tc.CONFIG_DIR))
     p.add_argument("--budget-s", type=float, default=240.0, help="after this, search a thinned space")
     p.add_argument("--time-limit-s", type=float, default=0.0,
                    help="> 0: start no token count but the first after this many seconds (those done are "

@@ -109,8 +109,9 @@ def _model_steps() -> None:
 def _moe_calls() -> None:
     """The fused MoE at 2 to 512 tokens with the H100's tuned configs, and the one-token GEMVs."""
     import compiled.moe.fused_moe as fm
+    from compiled.moe import tuned_configs
     E, H, I, k = 128, 256, 128, 8
-    table = fm.load_configs(E, 768, "NVIDIA_H100_80GB_HBM3", "bfloat16")
+    table = tuned_configs.load_configs(E, 768, "NVIDIA_H100_80GB_HBM3", "bfloat16")
     w13, w2 = torch.randn(E, 2 * I, H).bfloat16(), torch.randn(E, H, I).bfloat16()
     for T in (2, 8, 64, 512):
         x = torch.randn(T, H).bfloat16()
@@ -164,10 +165,10 @@ def _lora_calls() -> None:
     lora_shrink_triton(torch.randn(4, 1000).bfloat16(), torch.randn(8, 16, 1000).bfloat16(),
                        torch.zeros(4, dtype=torch.int32))
     _norm_lora_calls()
-    import compiled.moe.fused_moe as fm
+    from compiled.moe import tuned_configs
     from compiled.moe.expert_lora import fused_moe_lora_triton
     E, H, I, k, R, S = 128, 256, 128, 8, 16, 4
-    table = fm.load_configs(E, 768, "NVIDIA_H100_80GB_HBM3", "bfloat16")
+    table = tuned_configs.load_configs(E, 768, "NVIDIA_H100_80GB_HBM3", "bfloat16")
     lora = [torch.randn(*shape).bfloat16() for shape in ((S, E, 2 * R, H), (S, E, 2 * I, R), (S, E, R, I),
                                                          (S, E, H, R))]
     w13, w2 = torch.randn(E, 2 * I, H).bfloat16(), torch.randn(E, H, I).bfloat16()
@@ -205,6 +206,7 @@ def _fp8_calls() -> None:
     scale per row a tile, several blocks a GEMV tile; at 512 tokens W8A8, the activations'
     quantization and the fp8 x fp8 GEMMs) and 16 x 24 blocks (a gather per element)."""
     import compiled.moe.fused_moe as fm
+    from compiled.moe import tuned_configs
     from compiled.linear import skinny_kernels as lk
     from compiled.linear.fp8_kernels import W8A16Config, w8a16_linear
     from compiled.linear.lora_kernels import LoRAArgs
@@ -212,7 +214,7 @@ def _fp8_calls() -> None:
     from compiled.quant.dequant import WeightScale
     from compiled.quant.dequant_kernel import dequantize_triton
     E, H, I, k, R, S = 128, 256, 128, 8, 16, 4
-    table = fm.load_configs(E, 768, "NVIDIA_H100_80GB_HBM3", "bfloat16")
+    table = tuned_configs.load_configs(E, 768, "NVIDIA_H100_80GB_HBM3", "bfloat16")
     lora = [torch.randn(*shape).bfloat16() for shape in ((S, E, 2 * R, H), (S, E, 2 * I, R), (S, E, R, I),
                                                          (S, E, H, R))]
     for block in ([128, 128], [16, 24]):

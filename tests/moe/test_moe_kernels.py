@@ -68,7 +68,7 @@ def _check_fused(T, E, k, H, I, cfg, dtype=torch.float32, used_experts=None, see
 def case_two_tokens_e128_k8_default_config():
     # the fewest tokens the grouped GEMMs take (one token runs the GEMVs)
     x, w, ids, w13, w2 = _problem(2, 128, 8, 32, 48)
-    out = fm.fused_moe_triton(x, w, ids, w13, w2, config=fm.default_config(2, 128))
+    out = fm.fused_moe_triton(x, w, ids, w13, w2, config=tuned_configs.default_config(2, 128))
     torch.testing.assert_close(out, fm.fused_moe_ref(x, w, ids, w13, w2), atol=2e-5, rtol=1e-5)
 
 
@@ -100,7 +100,7 @@ def case_t300_e8_k2_two_k_steps_grouped_half_and_quarter_tiles():
     cfg = dict(_cfg(64, 32, 16, group=4), HALF_M=1, down=dict(BLOCK_SIZE_N=32, HALF_M=2))
     _check_fused(300, 8, 2, 32, 48, cfg, seed=1)
     _check_fused(300, 8, 2, 32, 48, dict(cfg, HALF_M=2), seed=1)
-    assert fm.split_config(dict(_cfg(32, 32, 16), HALF_M=2))[0]["HALF_M"] == 1  # no tile under 16 rows
+    assert tuned_configs.split_config(dict(_cfg(32, 32, 16), HALF_M=2))[0]["HALF_M"] == 1  # no tile under 16 rows
 
 
 def case_t150_e8_k2_half_tiles_up_only():
@@ -465,24 +465,24 @@ def test_moe_norm_op_bad_shapes_are_one_line_errors():
 def test_config_lookup(tmp_path, monkeypatch):
     monkeypatch.setenv("COMPILED_MOE_CONFIG_DIR", str(tmp_path))
     tuned_configs.clear_caches()
-    name = fm.config_file_name(16, 48, "cpu", torch.float32)
+    name = tuned_configs.config_file_name(16, 48, "cpu", torch.float32)
     assert name == "E=16,N=48,device_name=cpu,dtype=float32.json"
     table = {"1": _cfg(16, 32, 64), "64": _cfg(32, 64, 64), "1024": dict(_cfg(64, 128, 64), down=dict(BLOCK_SIZE_N=64)),
              "_meta": {"note": "ignored"}}
     (tmp_path / name).write_text(json.dumps(table))
     try:
-        assert fm.get_config(1, 16, 48, torch.float32)["BLOCK_SIZE_M"] == 16
-        assert fm.get_config(40, 16, 48, torch.float32)["BLOCK_SIZE_M"] == 32
-        cfg = fm.get_config(5000, 16, 48, torch.float32)
-        up, down = fm.split_config(cfg)
+        assert tuned_configs.get_config(1, 16, 48, torch.float32)["BLOCK_SIZE_M"] == 16
+        assert tuned_configs.get_config(40, 16, 48, torch.float32)["BLOCK_SIZE_M"] == 32
+        cfg = tuned_configs.get_config(5000, 16, 48, torch.float32)
+        up, down = tuned_configs.split_config(cfg)
         assert up["BLOCK_SIZE_N"] == 128 and down["BLOCK_SIZE_N"] == 64 and down["BLOCK_SIZE_M"] == 64
-        assert fm.get_config(8, 99, 48, torch.float32) == fm.default_config(8, 99)  # no file: default
+        assert tuned_configs.get_config(8, 99, 48, torch.float32) == tuned_configs.default_config(8, 99)  # no file: default
     finally:
         tuned_configs.clear_caches()
 
 
 def test_checked_in_configs_are_complete():
-    files = sorted(fm.CONFIG_DIR.glob("E=*,N=*,device_name=*,dtype=*.json"))
+    files = sorted(tuned_configs.CONFIG_DIR.glob("E=*,N=*,device_name=*,dtype=*.json"))
     assert files, "no tuned configs checked in"
     for path in files:
         raw = json.loads(path.read_text())
@@ -494,7 +494,7 @@ def test_checked_in_configs_are_complete():
         if "gemv" in raw:
             tuned_configs.check_gemv(raw["gemv"], path.name)
         for T, cfg in table.items():
-            up, down = fm.split_config(cfg)
+            up, down = tuned_configs.split_config(cfg)
             for c in (up, down):
                 assert c["BLOCK_SIZE_M"] in (16, 32, 64, 128, 256)
                 assert c["BLOCK_SIZE_N"] >= 16 and c["BLOCK_SIZE_K"] >= 16 and c["num_warps"] in (1, 2, 4, 8, 16)
@@ -566,7 +566,7 @@ def test_gpu_one_token_gemv(real_layer):
 def test_gpu_tma_weight_tiles(real_layer, T):
     w13, w2 = real_layer
     x, w, ids = _real_inputs(T, seed=500 + T)
-    cfg = fm.get_config(T, E_REAL, I_REAL, torch.bfloat16, x.device)
+    cfg = tuned_configs.get_config(T, E_REAL, I_REAL, torch.bfloat16, x.device)
     cfg = dict(cfg, TMA=1, down=dict(cfg.get("down") or {}, TMA=1))
     assert fm.weight_desc(w13, cfg["BLOCK_SIZE_N"], cfg["BLOCK_SIZE_K"]) is not None
     out = fm.fused_moe_triton(x, w, ids, w13, w2, config=cfg)
@@ -584,7 +584,7 @@ def test_gpu_quarter_height_tiles(real_layer, T, bm):
     for tma in (0, 1):
         cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=3,
                    HALF_M=2, TMA=tma, down=dict(BLOCK_SIZE_N=128, HALF_M=2, TMA=tma))
-        assert fm.split_config(cfg)[1]["HALF_M"] == 2
+        assert tuned_configs.split_config(cfg)[1]["HALF_M"] == 2
         out = fm.fused_moe_triton(x, w, ids, w13, w2, config=cfg)
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
@@ -594,7 +594,7 @@ def test_gpu_quarter_height_tiles(real_layer, T, bm):
 def test_gpu_default_config(real_layer, T):
     w13, w2 = real_layer
     x, w, ids = _real_inputs(T, seed=100 + T)
-    out = fm.fused_moe_triton(x, w, ids, w13, w2, config=fm.default_config(T, E_REAL))
+    out = fm.fused_moe_triton(x, w, ids, w13, w2, config=tuned_configs.default_config(T, E_REAL))
     torch.testing.assert_close(out.float(), fm.fused_moe_ref(x, w, ids, w13, w2).float(), atol=3e-2, rtol=3e-2)
 
 
@@ -694,10 +694,10 @@ def test_tuner_merge_keeps_untuned_entries(tmp_path):
         import tune_moe
     finally:
         sys.path.pop(0)
-    path = tmp_path / fm.config_file_name(E_REAL, I_REAL, "NVIDIA_H100_80GB_HBM3", "bfloat16")
+    path = tmp_path / tuned_configs.config_file_name(E_REAL, I_REAL, "NVIDIA_H100_80GB_HBM3", "bfloat16")
     assert not path.exists()  # falls back to the checked-in table of that name
     table, timings = tune_moe.kept_entries(path, [2048, 4096])
-    checked_in = json.loads((fm.CONFIG_DIR / path.name).read_text())
+    checked_in = json.loads((tuned_configs.CONFIG_DIR / path.name).read_text())
     # the token counts not re-tuned, as they were
     assert set(table) == {k for k in checked_in if k.isdigit()} - {"2048", "4096"}
     assert table["1"] == checked_in["1"]
