@@ -29,7 +29,8 @@ import triton.language as tl
 
 from compiled.linear import skinny_kernels as lk
 from compiled.quant.dequant import fit_block_k, kernel_scale, resolve_block
-from compiled.triton_utils import DEFAULT_NUM_SMS, interpreter_upcast, num_sms, row_scaled, scaled_tile
+from compiled.triton_utils import (DEFAULT_NUM_SMS, interpreter_upcast, num_sms, row_scaled, scaled_tile,
+                                   split_k_store)
 
 MIN_BLOCK = 16       # smallest BLOCK_M / BLOCK_N / BLOCK_K (tl.dot's minimum)
 BLOCK_N = 32         # columns a program where the grid fills the GPU without help
@@ -136,22 +137,8 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_
             acc += tl.dot(x, tl.trans(b))
     y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
-    else:
-        part_ptrs = part_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(part_ptrs + pid_k * M * N, acc, mask=y_mask)
-        # Every thread's partial store must precede the release below.
-        tl.debug_barrier()
-        sem = sem_ptr + pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            # Unrolled; .cg reads from L2 (coherent), never from a stale L1 line.
-            for s in tl.static_range(SPLIT_K):
-                total += tl.load(part_ptrs + s * M * N, mask=y_mask, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
-            tl.atomic_xchg(sem, 0)
+    split_k_store(acc, y_ptrs, part_ptr + offs_m[:, None] * N + offs_n[None, :], M * N, y_mask,
+                  sem_ptr + pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K)
 
 
 def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: list[int],

@@ -29,7 +29,6 @@ import triton
 from compiled.backend import BackendChoice
 from compiled.functional import add_rms_norm_ref
 from compiled.moe.experts import expert_loop
-# the op's configs; the names its callers (tuners, tests) read through this module too
 from compiled.moe.tuned_configs import get_config, get_gemv_tiles, split_config
 from compiled.quant.act_quant import quantize_per_token_group
 from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, fit_block_k, kernel_scale, resolve_block

@@ -590,8 +590,8 @@ def moe_sum_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.
 
 
 @triton.jit
-def moe_sum_add_rms_norm_kernel(y_ptr, ids_ptr, x_ptr, nw_ptr, h_ptr, normed_ptr, H, eps, stride_xm, A, S_OUT, SLOT, S, NR,
-                                stride_as, stride_an, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+def moe_sum_add_rms_norm_kernel(y_ptr, ids_ptr, x_ptr, nw_ptr, h_ptr, normed_ptr, H, eps, stride_xm, A, S_OUT, SLOT,
+                                S, NR, stride_as, stride_an, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
                                 SHRINK: tl.constexpr, N_PER: tl.constexpr, PDL: tl.constexpr):
     """The top-k sum of `moe_sum_kernel` (rounded to x's dtype, as that kernel stores it), then
     the residual add + RMSNorm of the layer after it on the whole row: h = x + sum, normed =

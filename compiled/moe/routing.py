@@ -5,8 +5,9 @@ With `local_experts=count` (expert parallelism: rank r holds experts [r * count,
 whole) the op then keeps each (token, expert) pair of a local expert, its id made local, and marks
 every other pair with the id NOT_LOCAL (-1) and weight 0. The expert ops skip those pairs: the
 alignment never places them, the one-token GEMVs read no weight for them and the top-k sums leave
-their rows out, so a rank computes its own experts' pairs only. The rank is the process's (`parallel.tensor.tp_rank`, read at run time), so every rank's
-graph is the same code; without the operand (None) the op routes over all experts as before.
+their rows out, so a rank computes its own experts' pairs only. The rank is the process's
+(`parallel.tensor.tp_rank`, read at run time), so every rank's graph is the same code; without
+the operand (None) the op routes over all experts as before.
 On CUDA the op runs one Triton kernel (`routing_kernels.py`). `BACKEND` ('auto': the kernel on
 CUDA, the reference elsewhere; from `COMPILED_ROUTING_BACKEND`, read at import, or the engine
 config) set to 'torch' forces the torch reference, 'triton' the kernel (also on CPU under
