@@ -5,12 +5,13 @@
 # first. Results in ${OUT:-out}/.
 #   PASSES_B=fuse_qkv,fuse_w13,silu_and_mul,skinny_linear | B_ENV="COMPILED_PDL=0"
 #   B_TREE=out/base (another checkout: mkdir -p out/base && git archive BASE | tar -x -C out/base)
-#   [MODELS="qwen3-30b-a3b:1,8 qwen3-0.6b:1"] [ROUNDS=2] [PREFILL_REPS=7: 2,048-token prefills timed a run]
+#   [MODELS="qwen3-30b-a3b:1,8 qwen3-0.6b:1"] [ROUNDS=2] [PREFILL_REPS: 2,048-token prefills timed a run, default 7, with LORA 5]
 #   LORA=8: bench/lora_bench.py with that many random rank-16 adapters on every target instead
 #   (decode and the 2,048-token prefill; no decode profiles)
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
+site=${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=$PWD$site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160
 export PYTHONPYCACHEPREFIX=$(mktemp -d); unset PYTHONDONTWRITEBYTECODE
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
 if [ -n "${GPU_TESTS:-}" ]; then
@@ -24,13 +25,14 @@ for entry in ${MODELS:-qwen3-30b-a3b:1,8 qwen3-0.6b:1}; do
       if [ "$side" = B ]; then
         [ -n "${PASSES_B:-}" ] && passes=(--passes "$PASSES_B")
         envs=(${B_ENV:-})
-        [ -n "${B_TREE:-}" ] && tree=$(realpath "$B_TREE") && envs+=(PYTHONPATH="$tree")
+        [ -n "${B_TREE:-}" ] && tree=$(realpath "$B_TREE") && envs+=(PYTHONPATH="$tree$site")
       fi
       prof=(); [ "$round" = 1 ] && prof=(--profile-dir "$out/prof_${name}_$side")
       tag="${name}_${side}${round}"
       if [ -n "${LORA:-}" ]; then
         env "${envs[@]}" python "$tree/bench/lora_bench.py" "bench/configs/$name" --out "$out/$tag.json" \
-          --batches "$batches" --num-loras "$LORA" --rank 16 --skip-idle --profile-batches "" > "$out/$tag.txt" 2>&1
+          --batches "$batches" --num-loras "$LORA" --rank 16 --skip-idle --profile-batches "" \
+          --prefill-reps "${PREFILL_REPS:-5}" > "$out/$tag.txt" 2>&1
       else
         env "${envs[@]}" python "$tree/bench/e2e_suite.py" "bench/configs/$name" --out "$out/$tag.json" \
           --batches "$batches" --max-num-seqs "$(echo "$batches" | tr , '\n' | sort -n | tail -1)" "${passes[@]}" \

@@ -132,6 +132,20 @@ def rank_routing(weights: torch.Tensor, ids: torch.Tensor, first: int, count: in
     return torch.where(mine, weights, 0.0), torch.where(mine, ids - first, -1), mine
 
 
+def child_env(**overrides: str | None) -> dict:
+    """The environment of a child Python process run from this checkout: the checkout first on
+    PYTHONPATH and the rest of PYTHONPATH kept (an environment may provide packages through it),
+    then `overrides` (None: the variable removed)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))))
+    for key, value in overrides.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
 def torchrun_result(tmp_path, code: str, nproc: int = 2) -> dict:
     """Run `code` under `torchrun --nproc-per-node nproc` and return the JSON its rank 0 printed
     after "RESULT " (the other ranks' LLMs serve as workers and print nothing)."""

@@ -36,6 +36,13 @@ MIN_BLOCK = 16       # smallest BLOCK_M / BLOCK_N / BLOCK_K (tl.dot's minimum)
 BLOCK_N = 32         # columns a program where the grid fills the GPU without help
 MAX_BLOCK_K = 128    # fitted down to divide the scale block (`fit_block_k`)
 MAX_BLOCK_M = 64     # up to 64 rows one row tile: the weight is read once
+# Up to 32 rows (a row tile of 32): 64 columns and 256-long K steps a program in 3 stages, K split
+# only where the grid is short of half the SMs (H200 sweep of the 30B's qkv and o_proj at 32 rows,
+# bench/linear_bench.py --fp8; bench/RESULTS.md).
+SHORT_TILE_M = 32
+SHORT_BLOCK_N = 64
+SHORT_BLOCK_K = 256
+SHORT_STAGES = 3
 MAX_SPLIT_K = 8
 MIN_K_STEPS = 4      # K tiles a split at least: shorter, the software pipeline's fill is not hidden
 NUM_WARPS = 4
@@ -53,19 +60,28 @@ class W8A16Config(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def w8a16_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, scale_block_k: int = 0) -> W8A16Config:
-    """BLOCK_M: M rounded up to a power of two (16 to MAX_BLOCK_M); BLOCK_K: MAX_BLOCK_K fitted to
-    the scale block's width `scale_block_k` (0: K, one block across). Where BLOCK_N columns a
-    program leave the grid short of `num_sms`, K is split first (powers of two, each split at
-    least MIN_K_STEPS tiles, the partials within the workspace), then BLOCK_N narrowed towards 16:
-    a narrower column block makes more programs re-read the same x tiles (M x K x N / BLOCK_N
-    elements from L2 in all), a split only adds its partials (split x M x N fp32)."""
+    """BLOCK_M: M rounded up to a power of two (16 to MAX_BLOCK_M). Up to SHORT_TILE_M rows the
+    SHORT_ tiles (BLOCK_K SHORT_BLOCK_K where it covers whole scale blocks `scale_block_k` wide
+    or lies inside one, 0: K, one block across), a grid short of half of `num_sms`; else BLOCK_N
+    columns and MAX_BLOCK_K fitted to the scale block, a grid short of `num_sms`. A short grid
+    splits K first (powers of two, each split at least MIN_K_STEPS tiles, the partials within
+    the workspace), then narrows BLOCK_N towards 16: a narrower column block makes more programs
+    re-read the same x tiles (M x K x N / BLOCK_N elements from L2 in all), a split only adds its
+    partials (split x M x N fp32)."""
     block_m = min(MAX_BLOCK_M, max(MIN_BLOCK, triton.next_power_of_2(M)))
-    block_k = fit_block_k(scale_block_k or K, MAX_BLOCK_K)
+    bi = scale_block_k or K
+    if block_m <= SHORT_TILE_M:
+        block_n, stages, enough = SHORT_BLOCK_N, SHORT_STAGES, max(1, num_sms // 2)
+        whole = SHORT_BLOCK_K % bi == 0 or bi % SHORT_BLOCK_K == 0   # one scale a row per block it covers
+        block_k = SHORT_BLOCK_K if whole else fit_block_k(bi, MAX_BLOCK_K)
+    else:
+        block_n, stages, enough = BLOCK_N, NUM_STAGES, num_sms
+        block_k = fit_block_k(bi, MAX_BLOCK_K)
     row_tiles = triton.cdiv(M, block_m)
-    block_n, split = BLOCK_N, 1
+    split = 1
 
     def short(bn: int, s: int) -> bool:
-        return triton.cdiv(N, bn) * row_tiles * s < num_sms
+        return triton.cdiv(N, bn) * row_tiles * s < enough
 
     def can_split(s: int) -> bool:
         return (s <= MAX_SPLIT_K and triton.cdiv(K, s * block_k) >= MIN_K_STEPS
@@ -75,7 +91,7 @@ def w8a16_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, scale_b
         split *= 2
     while short(block_n, split) and block_n > MIN_BLOCK and fits_workspace(split, M, N, block_m, block_n // 2):
         block_n //= 2
-    return W8A16Config(block_m, block_n, block_k, split)
+    return W8A16Config(block_m, block_n, block_k, split, NUM_WARPS, stages)
 
 
 def fits_workspace(split_k: int, M: int, N: int, block_m: int, block_n: int) -> bool:

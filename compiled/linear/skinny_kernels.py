@@ -87,8 +87,10 @@ def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, prolog
     otherwise M does not enter: at M <= 16 the time is the weight's bytes. `prologue_steps` (a
     kernel with a prologue: PROLOGUE_MAX_STEPS): split further, within the same bounds, until a
     program has at most that many K steps. `weight_bytes`: the weight's element size (1: FP8),
-    which picks the GEMV tiles."""
-    block_k = min(MAX_BLOCK_K, max(MIN_BLOCK, triton.next_power_of_2(K)))
+    which picks the GEMV tiles; an FP8 weight's tiles are twice as long in K and its splits take
+    twice the columns per SM: the same bytes in flight (H200 sweep, bench/linear_bench.py --fp8)."""
+    per_byte = 2 if weight_bytes == 1 else 1
+    block_k = min(MAX_BLOCK_K * per_byte, max(MIN_BLOCK, triton.next_power_of_2(K)))
     if triton.cdiv(N, MAX_BLOCK_N) >= WIDE_PROGRAMS_PER_SM * num_sms:
         return SkinnyConfig(MAX_BLOCK_N, block_k, 1)
     if M <= GEMV_MAX_M:
@@ -96,7 +98,7 @@ def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, prolog
     block_n = MAX_BLOCK_N if N >= 2048 else (2 * MIN_BLOCK if N > 128 else MIN_BLOCK)
     max_split = min(MAX_SPLIT_K, K // MIN_K_PER_SPLIT, WORKSPACE_COLS // max(N, 1))
     split = 1
-    while 2 * split <= max_split and N * 2 * split <= SPLIT_COLUMNS_PER_SM * num_sms:
+    while 2 * split <= max_split and N * 2 * split <= SPLIT_COLUMNS_PER_SM * per_byte * num_sms:
         split *= 2
     while prologue_steps and 2 * split <= max_split and triton.cdiv(K, split * block_k) > prologue_steps:
         split *= 2

@@ -22,6 +22,7 @@ if ROOT not in sys.path:
 from compiled.attention.reference import (NormRope, decode_attention_ref, extend_attention_ref,  # noqa: E402
                                          norm_rope_ref, store_kv)
 from compiled.functional import rope_cos_sin  # noqa: E402
+from tests.conftest import child_env  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
@@ -409,8 +410,7 @@ CPU_GROUPS = {
 @pytest.fixture(scope="module")
 def interpreted_results() -> dict[str, list[dict]]:
     """Every CPU group in one subprocess (one import of torch and triton)."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("COMPILED_ATTENTION_BACKEND", None)
+    env = child_env(TRITON_INTERPRET="1", COMPILED_ATTENTION_BACKEND=None)
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), *CPU_GROUPS], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -8,13 +8,14 @@ import json
 import os
 import subprocess
 import sys
+from tests.conftest import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "cli.main", *args], capture_output=True, text=True, timeout=600,
-                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+                          cwd=ROOT, env=child_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

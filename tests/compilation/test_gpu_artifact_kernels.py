@@ -22,6 +22,7 @@ import json, os, sys
 from compiled import LLM, SamplingParams
 from compiled.compilation import triton_cache
 from compiled.compilation.inductor import COMPILES
+from tests.conftest import child_env
 artifact = sys.argv[1] or None
 with triton_cache.counting_compiles() as triton_compiles:
     llm = LLM(None, device="cuda", artifact=artifact)
@@ -35,7 +36,7 @@ print(json.dumps({"tokens": [o.token_ids for o in out], "inductor_compiles": COM
 
 
 def _fresh_env(tmp_path, name: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = child_env()
     for var in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
         folder = tmp_path / f"{name}-{var.lower()}"
         folder.mkdir()

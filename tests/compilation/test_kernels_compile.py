@@ -26,6 +26,8 @@ import sys
 
 import torch
 
+from tests.conftest import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # every @triton.jit kernel the package launches (a new kernel belongs here, and in a call below)
 EXPECTED = {"_skinny_kernel", "_add_rms_norm_kernel", "_silu_mul_kernel", "_decode_kernel", "_extend_kernel",
@@ -42,9 +44,8 @@ CONFIG = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=97, hidden_size=
 
 
 def test_every_kernel_compiles_for_hopper():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), COMPILED_LINEAR_BACKEND="triton",
-               COMPILED_ATTENTION_BACKEND="triton", COMPILED_MOE_BACKEND="triton")
+    env = child_env(TRITON_INTERPRET=None, COMPILED_LINEAR_BACKEND="triton", COMPILED_ATTENTION_BACKEND="triton",
+                    COMPILED_MOE_BACKEND="triton")
     proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -22,7 +22,7 @@ if ROOT not in sys.path:
 import compiled.linear.library  # noqa: E402,F401  (registers the ops)
 import compiled.linear.ops as lin  # noqa: E402
 from compiled.linear.ops import SKINNY_MAX_M, SkinnyLinear, linear_ref  # noqa: E402
-from tests.conftest import assert_same_math  # noqa: E402
+from tests.conftest import assert_same_math, child_env  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
@@ -113,8 +113,7 @@ def fp32_out_case() -> dict:
 def run_interpreted(script: str) -> dict[str, dict]:
     """Run a test file as a script under TRITON_INTERPRET=1 (default linear backend); the JSON
     its last line prints."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("COMPILED_LINEAR_BACKEND", None)
+    env = child_env(TRITON_INTERPRET="1", COMPILED_LINEAR_BACKEND=None)
     proc = subprocess.run([sys.executable, os.path.abspath(script)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -17,6 +17,7 @@ from compiled.linear import skinny_kernels as lk
 from compiled.linear.fp8_kernels import W8A16Config
 from compiled.quant.config import QuantConfig
 from compiled.quant.dequant import dequantize_blocks, quantize, resolve_block
+from tests.conftest import child_env
 
 # (name, M, N, K, scale block, dtype, forced config or None: the heuristic's)
 CASES = [("split3_narrow_block128", 37, 53, 300, (128, 128), torch.float32, W8A16Config(16, 16, 64, 3)),
@@ -24,7 +25,7 @@ CASES = [("split3_narrow_block128", 37, 53, 300, (128, 128), torch.float32, W8A1
          ("split2_many_blocks16x8", 20, 33, 130, (16, 8), torch.float32, W8A16Config(32, 16, 32, 2, 4, 2)),
          ("narrow_unsplit_block128", 19, 45, 200, (128, 128), torch.float32, W8A16Config(32, 16, 128, 1)),
          ("split2_bf16_block128", 21, 40, 520, (128, 128), torch.bfloat16, W8A16Config(32, 16, 128, 2)),
-         ("heuristic_splits_block128", 20, 48, 1024, (128, 128), torch.float32, None)]
+         ("heuristic_splits_block128", 20, 48, 2048, (128, 128), torch.float32, None)]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}   # relative to the output's largest value
 
 
@@ -66,9 +67,13 @@ def programs(cfg: W8A16Config, M: int, N: int) -> int:
 @pytest.mark.parametrize("M", [17, 32, 64])
 @pytest.mark.parametrize("N, K", [(5120, 2048), (2048, 4096)])   # the 30B's qkv and o_proj
 def test_heuristic_fills_the_gpu_on_the_30b_shapes(M, N, K, sms):
+    """Row tiles of 32 take the short tiles (K steps of two scale blocks) and fill half the SMs;
+    of 64, one block a K step, all the SMs."""
     cfg = fk.w8a16_config(M, N, K, sms, 128)
-    assert programs(cfg, M, N) >= sms, cfg
-    assert cfg.block_m == max(16, triton.next_power_of_2(M)) and cfg.block_k == 128 and cfg.block_n >= fk.MIN_BLOCK
+    short = cfg.block_m <= fk.SHORT_TILE_M
+    assert programs(cfg, M, N) >= (sms // 2 if short else sms), cfg
+    assert cfg.block_m == max(16, triton.next_power_of_2(M)) and cfg.block_n >= fk.MIN_BLOCK
+    assert cfg.block_k == (fk.SHORT_BLOCK_K if short else 128)
     assert triton.cdiv(K, cfg.split_k * cfg.block_k) >= fk.MIN_K_STEPS
     assert fk.fits_workspace(cfg.split_k, M, N, cfg.block_m, cfg.block_n)
     fk.check_config(cfg, M, N)
@@ -82,6 +87,13 @@ def test_heuristic_keeps_the_plain_tile_where_the_grid_is_full():
     assert o64.split_k > 1 and o64.block_n == fk.BLOCK_N   # split first: no more x re-reads
     assert fk.w8a16_config(64, 2048, 4096, 132, 0).block_k == 128   # one block across K
     assert fk.w8a16_config(20, 48, 200, 132, 24).block_k == 16      # fitted down, not below 16
+    assert fk.w8a16_config(32, 2048, 4096, 132, 0).block_k == fk.SHORT_BLOCK_K   # inside the one block
+
+
+def test_short_tiles_split_only_a_grid_short_of_half_the_sms():
+    """32 rows: qkv's 80 column blocks run unsplit on 132 SMs, o_proj's 32 split K in 4."""
+    assert fk.w8a16_config(32, 5120, 2048, 132, 128) == W8A16Config(32, 64, 256, 1, 4, fk.SHORT_STAGES)
+    assert fk.w8a16_config(32, 2048, 4096, 132, 128) == W8A16Config(32, 64, 256, 4, 4, fk.SHORT_STAGES)
 
 
 @pytest.mark.parametrize("config, message", [
@@ -129,16 +141,26 @@ def test_fp8_gemv_tiles_follow_their_own_constants(fresh_configs, monkeypatch):
     assert (bf16.block_n, bf16.block_k) == (lk.GEMV_BLOCK_N, lk.GEMV_MAX_BLOCK_K)
 
 
+def test_fp8_skinny_tiles_take_twice_the_k_and_the_split_columns(fresh_configs):
+    """At 8 rows an FP8 weight's tiles are 256 long in K (bf16: 128) and its splits take twice the
+    columns an SM: qkv splits in 2 (bf16: 1), o_proj in 8 (bf16: 4)."""
+    for (N, K), fp8_split, bf16_split in (((5120, 2048), 2, 1), ((2048, 4096), 8, 4)):
+        fp8, bf16 = lk.skinny_config(8, N, K, 132, weight_bytes=1), lk.skinny_config(8, N, K, 132)
+        assert (fp8.block_k, fp8.split_k, fp8.gemv) == (2 * lk.MAX_BLOCK_K, fp8_split, False), fp8
+        assert (bf16.block_k, bf16.split_k) == (lk.MAX_BLOCK_K, bf16_split), bf16
+    assert lk.skinny_config(8, 2048, 4096, 132, weight_bytes=4) == lk.skinny_config(8, 2048, 4096, 132)
+
+
 def test_fp8_sweep_smoke_run_on_cpu(tmp_path):
-    """bench/linear_bench.py --fp8 --device cpu end to end (interpreted, one config a pass): a row
+    """bench/linear_bench.py --fp8 --device cpu end to end (interpreted, two configs a pass): a row
     per smoke shape and M with the heuristic's pick and the best, every config computing right."""
     import subprocess
     import sys
     from tests.linear.test_linear_kernel import ROOT
     out = tmp_path / "fp8.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = child_env(TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "linear_bench.py"), "--fp8", "--device", "cpu",
-                           "--fp8-m", "8", "20", "--max-configs", "1", "--reps", "1", "--out", str(out)],
+                           "--fp8-m", "8", "20", "--max-configs", "2", "--reps", "1", "--out", str(out)],
                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["fp8"]

@@ -8,12 +8,13 @@ import subprocess
 import sys
 
 import pytest
+from tests.conftest import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _bench(*args: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = child_env()
     out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "load_memory.py"), *args],
                          env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
