@@ -62,7 +62,8 @@ GEMV_MAX_BLOCK_K = 1024
 GEMV_NUM_WARPS = 4
 GEMV_MAX_M = 1             # rows the heuristic gives the mode (it serves up to SKINNY_MAX_M: a forced config)
 # The GEMV tiles of an FP8 weight (one byte an element: a tile of the same shape is half the
-# bytes a load). The bf16 values until a sweep says otherwise (bench/linear_bench.py --fp8).
+# bytes a load): the bf16 values, as no other pair beat them on both the 30B's qkv and o_proj
+# (H200 sweep, bench/linear_bench.py --fp8; bench/RESULTS.md).
 FP8_GEMV_BLOCK_N = GEMV_BLOCK_N
 FP8_GEMV_MAX_BLOCK_K = GEMV_MAX_BLOCK_K
 
