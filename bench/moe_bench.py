@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -267,12 +268,22 @@ GEMV_MAX_CONFIGS = 0   # > 0: the first that many tiles of each stage's grid (sm
 def gemv_grids(fp8: bool) -> dict[str, list[dict]]:
     """The tiles the sweep tries for each GEMV: around GEMV_TILES (a first sweep's best over bf16
     experts: up 4 x 1024, down 8 x 256, 4 warps); FP8 experts' rows are half the bytes, so wider
-    tiles too."""
+    tiles too. Nearest first, so that a sweep cut short by its time limit has tried the likeliest:
+    the tiles of GEMV_TILES' bytes a K step (FP8: twice its elements), then the nearest column count,
+    then the nearest warps."""
     up_bn, down_bn = ((2, 4, 8, 16), (4, 8, 16, 32)) if fp8 else ((2, 4, 8), (4, 8, 16))
     grids = dict(up=[dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in up_bn for bk in (512, 1024, 2048)
                      for w in (2, 4, 8)],
                  down=[dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in down_bn for bk in (128, 256, 512)
                        for w in (2, 4, 8)])
+    elem_bytes = 1 if fp8 else 2
+
+    def distance(stage: str, tile: dict) -> tuple[float, float, float]:
+        ref = tc.GEMV_TILES[stage]
+        tile_bytes, ref_bytes = tile["BLOCK_N"] * tile["BLOCK_K"] * elem_bytes, ref["BLOCK_N"] * ref["BLOCK_K"] * 2
+        return (abs(math.log2(tile_bytes / ref_bytes)), abs(math.log2(tile["BLOCK_N"] / ref["BLOCK_N"])),
+                abs(math.log2(tile["num_warps"] / ref["num_warps"])))
+    grids = {stage: sorted(grid, key=lambda t, stage=stage: distance(stage, t)) for stage, grid in grids.items()}
     return {k: v[:GEMV_MAX_CONFIGS] if GEMV_MAX_CONFIGS > 0 else v for k, v in grids.items()}
 
 

@@ -26,7 +26,7 @@ if str(REPO) not in sys.path:
 from compiled.moe import expert_lora as el  # noqa: E402  (no triton kernels are defined by this import)
 from compiled.moe import fused_moe as fm  # noqa: E402
 from compiled.moe.routing import topk_route_ref  # noqa: E402
-from tests.conftest import (assert_bf16_within_reference, assert_same_math, capture_without_host_sync,  # noqa: E402
+from tests.conftest import (assert_bf16_within_reference, assert_same_math, capture_without_host_sync, child_env,  # noqa: E402
                             rank_routing, run_cases, same_math_tolerance)
 
 MARK = "@@EXPERT_LORA_CASES@@"
@@ -363,9 +363,7 @@ CASES = [case_split_k_shrinks, case_gate_up_shrink_per_block, case_down_delta_as
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    env.pop("COMPILED_MOE_BACKEND", None)
+    env = child_env(TRITON_INTERPRET="1", COMPILED_MOE_BACKEND=None)
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, cwd=str(REPO),
                           timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]

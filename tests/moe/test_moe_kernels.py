@@ -22,7 +22,7 @@ if str(REPO) not in sys.path:
 from compiled.moe import fused_moe as fm  # noqa: E402  (no triton kernels are defined by this import)
 from compiled.moe import tuned_configs  # noqa: E402
 from compiled.moe.routing import topk_route_ref  # noqa: E402
-from tests.conftest import (assert_bf16_within_reference, capture_without_host_sync, rank_routing,  # noqa: E402
+from tests.conftest import (assert_bf16_within_reference, capture_without_host_sync, child_env, rank_routing,  # noqa: E402
                             run_cases)
 
 MARK = "@@MOE_CASES@@"
@@ -375,10 +375,7 @@ def _run_group(group: str) -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    env.pop("COMPILED_MOE_BACKEND", None)
-    env.pop("COMPILED_ROUTING_BACKEND", None)
+    env = child_env(TRITON_INTERPRET="1", COMPILED_MOE_BACKEND=None, COMPILED_ROUTING_BACKEND=None)
     procs = {g: subprocess.Popen([sys.executable, __file__, g], env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, cwd=str(REPO)) for g in GROUPS}
     results = {}

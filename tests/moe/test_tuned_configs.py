@@ -20,6 +20,7 @@ if str(REPO) not in sys.path:
 
 from compiled.moe import fused_moe as fm  # noqa: E402
 from compiled.moe import tuned_configs as tc  # noqa: E402
+from tests.conftest import child_env  # noqa: E402
 
 MARK = "@@TUNED_CONFIGS@@"
 CPU = torch.device("cpu")
@@ -172,8 +173,7 @@ CASES = (case_one_token_reads_the_fp8_files_gemv_tiles, case_tuner_times_w8a8_an
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("moe_configs")
-    env = dict(os.environ, TRITON_INTERPRET="1", COMPILED_MOE_CONFIG_DIR=str(folder), PYTHONPATH=os.pathsep.join(
-        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = child_env(TRITON_INTERPRET="1", COMPILED_MOE_CONFIG_DIR=str(folder))
     proc = subprocess.run([sys.executable, __file__], env=env, cwd=str(REPO), capture_output=True, text=True,
                           timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
@@ -245,9 +245,7 @@ def test_tuner_keeps_the_gemv_entry_and_gemv_writes_keep_the_table(tmp_path):
 def test_tuners_cpu_smoke_runs_write_a_table_the_op_reads(tmp_path):
     """tune_moe.py --quantization fp8 and moe_bench.py --only-gemv --write-gemv end to end on the
     CPU (interpreter, tiny shapes, one config a space): one FP8 file with both, read back."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    env.pop("COMPILED_MOE_CONFIG_DIR", None)
+    env = child_env(TRITON_INTERPRET="1", COMPILED_MOE_CONFIG_DIR=None)
     shape = ["--device", "cpu", "--E", "4", "--H", "40", "--I", "24", "--topk", "2", "--layers", "1",
              "--quantization", "fp8", "--max-configs", "1"]
     for cmd in (["bench/tune_moe.py", "--tokens", "2", "--workers", "1", "--out-dir", str(tmp_path)],
