@@ -1,7 +1,7 @@
 """Tune the fused-MoE Triton configs on this GPU and write the JSON table the op loads.
 
     PYTHONPATH=$PWD python bench/tune_moe.py --E 128 --H 2048 --I 768 --topk 8 \
-        [--dtype bfloat16] [--quantization fp8] [--out-dir compiled/moe/configs] [--tokens 1 8 64 ...] \
+        [--dtype bfloat16] [--quantization fp8 [--fp8-mode op]] [--out-dir compiled/moe/configs] [--tokens 1 8 64 ...] \
         [--budget-s 240] [--time-limit-s 0]
 
 For every token count: random router logits -> top-k; for each candidate BLOCK_SIZE_M the up GEMM
@@ -20,7 +20,9 @@ W8A16 below `fused_moe.W8A8_MIN_TOKENS`, W8A8 from it (the activations' and the 
 quantization passes counted in the total). K tiles are fitted to the scale blocks as the op fits
 them; configs the op would not run W8A8 (K tiles under FP8_DOT_MIN_K or straddling a block) are
 left out of the W8A8 search, and TMA is searched only where it changes a launch (the FP8 weights
-take none). The table goes to the FP8 experts' file (`tuned_configs.config_dtypes`)."""
+take none). The table goes to the FP8 experts' file (`tuned_configs.config_dtypes`). `--fp8-mode
+w8a16|w8a8` times that mode at every token count instead (nothing written): the two side by side
+say where W8A8_MIN_TOKENS belongs."""
 
 from __future__ import annotations
 
@@ -157,11 +159,16 @@ class Mode:
         return not self.fp8 or (down and not self.w8a8)
 
 
+FP8_MODE = "op"   # --fp8-mode: "op" (the op's choice by token count), "w8a16" or "w8a8" at every count
+
+
 def mode_at(T: int, block: tuple[int, int] | None, H: int, I: int) -> Mode:
-    """The op's mode at T tokens (`block`: FP8 experts' scale block, None for plain experts)."""
+    """The op's mode at T tokens, or FP8_MODE's where it names one (`block`: FP8 experts' scale
+    block, None for plain experts)."""
     if block is None:
         return Mode()
-    return Mode(True, T >= fm.W8A8_MIN_TOKENS, resolve_block(block, 2 * I, H)[1], resolve_block(block, H, I)[1])
+    w8a8 = T >= fm.W8A8_MIN_TOKENS if FP8_MODE == "op" else FP8_MODE == "w8a8"
+    return Mode(True, w8a8, resolve_block(block, 2 * I, H)[1], resolve_block(block, H, I)[1])
 
 
 def block_m_candidates(T: int) -> list[int]:
@@ -435,10 +442,11 @@ def tune(args) -> dict:
                                           up=round(best["up"][0], 2), down=round(best["down"][0], 2),
                                           **(dict(quant=round(best["quant"], 2), mode=prob.mode.name)
                                              if block is not None else {}))
-        _write(path, table, meta)
+        if FP8_MODE == "op":   # a forced mode's tiles are not what the op would launch at T
+            _write(path, table, meta)
         print(f"T={T:5d} best BM={entry['BLOCK_SIZE_M']} total {best['total']:.1f} us  "
               f"({time.time() - t0:.0f}s elapsed)", flush=True)
-    print(f"wrote {path}")
+    print(f"wrote {path}" if FP8_MODE == "op" else f"--fp8-mode {FP8_MODE}: timings only, nothing written")
     return table
 
 
@@ -504,6 +512,9 @@ def main(argv=None):
                    help="fp8: dummy FP8 experts with block scales, written to the FP8 experts' file")
     p.add_argument("--weight-block", type=int, nargs=2, default=list(FP8_BLOCK), metavar=("BO", "BI"),
                    help="the FP8 experts' scale block")
+    p.add_argument("--fp8-mode", choices=("op", "w8a16", "w8a8"), default="op",
+                   help="FP8 experts' grouped GEMMs as the op runs them at each token count, or one mode at "
+                        "every count (to compare the two: timings only, no table written)")
     p.add_argument("--tokens", type=int, nargs="*", default=TOKENS)
     p.add_argument("--layers", type=int, default=4, help="weight copies cycled per timing (beats L2)")
     p.add_argument("--out-dir", default=str(tc.CONFIG_DIR))
@@ -519,8 +530,10 @@ def main(argv=None):
                    help="keep the existing table's entries for the token counts not tuned now")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: interpreter smoke run
     args = p.parse_args(argv)
-    global DEVICE, MAX_CONFIGS, TMA_CHOICES
-    DEVICE, MAX_CONFIGS = args.device, args.max_configs
+    global DEVICE, MAX_CONFIGS, TMA_CHOICES, FP8_MODE
+    DEVICE, MAX_CONFIGS, FP8_MODE = args.device, args.max_configs, args.fp8_mode
+    if FP8_MODE != "op" and args.quantization != "fp8":
+        sys.exit("tune_moe.py: --fp8-mode goes with --quantization fp8")
     TMA_CHOICES = (0, 1) if args.tma == "both" else (int(args.tma),)
     if DEVICE == "cuda" and not torch.cuda.is_available():
         sys.exit("tune_moe.py needs a CUDA device")

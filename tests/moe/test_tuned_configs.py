@@ -244,7 +244,8 @@ def test_tuner_keeps_the_gemv_entry_and_gemv_writes_keep_the_table(tmp_path):
 
 def test_tuners_cpu_smoke_runs_write_a_table_the_op_reads(tmp_path):
     """tune_moe.py --quantization fp8 and moe_bench.py --only-gemv --write-gemv end to end on the
-    CPU (interpreter, tiny shapes, one config a space): one FP8 file with both, read back."""
+    CPU (interpreter, tiny shapes, one config a space): one FP8 file with both, read back; W8A8
+    forced at 2 tokens (the op's W8A16 there) is timed and leaves the file as it was."""
     env = child_env(TRITON_INTERPRET="1", COMPILED_MOE_CONFIG_DIR=None)
     shape = ["--device", "cpu", "--E", "4", "--H", "40", "--I", "24", "--topk", "2", "--layers", "1",
              "--quantization", "fp8", "--max-configs", "1"]
@@ -255,6 +256,13 @@ def test_tuners_cpu_smoke_runs_write_a_table_the_op_reads(tmp_path):
                               text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     path = tmp_path / tc.config_file_name(4, 24, "cpu", "fp8_w8a8")
+    before = path.read_text()
+    forced = subprocess.run([sys.executable, "bench/tune_moe.py", "--tokens", "2", "--workers", "1", "--out-dir",
+                             str(tmp_path), "--fp8-mode", "w8a8", *shape], env=env, cwd=str(REPO),
+                            capture_output=True, text=True, timeout=600)
+    assert forced.returncode == 0, forced.stdout[-3000:] + forced.stderr[-3000:]
+    assert "T=    2 BM= 16 w8a8" in forced.stdout and "nothing written" in forced.stdout, forced.stdout[-2000:]
+    assert path.read_text() == before   # a forced mode's tiles never reach the table
     raw = json.loads(path.read_text())
     assert set(raw) == {"2", "gemv", "_meta"} and raw["_meta"]["quantization"] == "fp8", raw
     os.environ["COMPILED_MOE_CONFIG_DIR"] = str(tmp_path)
