@@ -6,6 +6,7 @@
 #   PASSES_B=fuse_qkv,fuse_w13,silu_and_mul,skinny_linear | B_ENV="COMPILED_PDL=0"
 #   B_TREE=out/base (another checkout: mkdir -p out/base && git archive BASE | tar -x -C out/base)
 #   [MODELS="qwen3-30b-a3b:1,8 qwen3-0.6b:1"] [ROUNDS=2] [PREFILL_REPS: 2,048-token prefills timed a run, default 7, with LORA 5]
+#   SIDES="B A": each round starts with B (a check that the order does not favour a side)
 #   LORA=8: bench/lora_bench.py with that many random rank-16 adapters on every target instead
 #   (decode and the 2,048-token prefill; no decode profiles)
 set -uo pipefail
@@ -20,7 +21,7 @@ fi
 for entry in ${MODELS:-qwen3-30b-a3b:1,8 qwen3-0.6b:1}; do
   name=${entry%%:*}; batches=${entry#*:}
   for round in $(seq "${ROUNDS:-2}"); do
-    for side in A B; do
+    for side in ${SIDES:-A B}; do
       passes=(); envs=(); tree=$PWD
       if [ "$side" = B ]; then
         [ -n "${PASSES_B:-}" ] && passes=(--passes "$PASSES_B")
