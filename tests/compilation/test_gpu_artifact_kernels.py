@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from tests.conftest import child_env
+
 pytestmark = pytest.mark.gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,7 +24,6 @@ import json, os, sys
 from compiled import LLM, SamplingParams
 from compiled.compilation import triton_cache
 from compiled.compilation.inductor import COMPILES
-from tests.conftest import child_env
 artifact = sys.argv[1] or None
 with triton_cache.counting_compiles() as triton_compiles:
     llm = LLM(None, device="cuda", artifact=artifact)
