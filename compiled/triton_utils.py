@@ -179,13 +179,22 @@ def col_scaled(w, s_ptr, cols, k0, stride_sn, BO, BI, dtype: tl.constexpr):
 
 
 @triton.jit
-def w8a8_step(acc, a, w, sa, s_ptr, cols, k0, stride_sn, BO, BI, PRECISION: tl.constexpr):
+def w8a8_scales(as_ptr, s_ptr, cols, k0, stride_sn, BO, BI):
+    """The scales of one K step of an FP8 x FP8 GEMM from k0: the rows' activation group scales
+    (`as_ptr`, one pointer a row, at group 0) and the weight rows `cols`' block scales (`s_ptr`),
+    fp32. Kernels load them a step ahead of their dot, so that a step does not wait for them."""
+    sa = tl.load(as_ptr + k0 // BI).to(tl.float32)
+    sw = tl.load(s_ptr + (cols // BO) * stride_sn + k0 // BI).to(tl.float32)
+    return sa, sw
+
+
+@triton.jit
+def w8a8_step(acc, a, w, sa, sw, PRECISION: tl.constexpr):
     """acc + one K step of an FP8 x FP8 GEMM: a `[M, BLOCK_K]` (activations quantized per token
     and group, `sa` the rows' group scales) times w `[BLOCK_K, BLOCK_N]` (a weight tile inside one
-    scale block from k0, one scale per weight row `cols`), products exact and summed in fp32 on the
+    scale block, `sw` its columns' scales; `w8a8_scales`), products exact and summed in fp32 on the
     tensor cores, then scaled by both."""
-    sw = tl.load(s_ptr + (cols // BO) * stride_sn + k0 // BI).to(tl.float32)
-    return acc + tl.dot(a, w, input_precision=PRECISION) * (sa.to(tl.float32)[:, None] * sw[None, :])
+    return acc + tl.dot(a, w, input_precision=PRECISION) * (sa[:, None] * sw[None, :])
 
 
 @triton.jit

@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 
 from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, col_scaled, one_slot_dot, one_slot_operands,
-                                   pdl_wait, row_shrink, scaled_tile, slot_bits, slot_stacked_delta, w8a8_step)
+                                   pdl_wait, row_shrink, scaled_tile, slot_bits, slot_stacked_delta, w8a8_scales,
+                                   w8a8_step)
 
 
 @triton.jit
@@ -261,7 +262,17 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
                                               stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R)
         _, sr_u, sc_u, b_u = _pair_operands(slots, s_rows, expert, offs_n + N, n_ok, L_R, 1, L_S, L_B, L_SCALE, L_R,
                                             stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    n_k = tl.cdiv(K, BLOCK_K)
+    if FP8 == 3:   # W8A8: each step's scales loaded a step ahead (the loop's pipelining leaves them out)
+        s_e = S + expert * stride_se
+        sa_n, sg_n = w8a8_scales(AS + token * stride_as, s_e, offs_nw, 0, stride_sn, BO, BI)
+        _, su_n = w8a8_scales(AS + token * stride_as, s_e, offs_nw + N, 0, stride_sn, BO, BI)
+    for k in range(0, n_k):
+        if FP8 == 3:
+            sa, sg, su = sa_n, sg_n, su_n
+            k_next = tl.minimum(k + 1, n_k - 1) * BLOCK_K
+            sa_n, sg_n = w8a8_scales(AS + token * stride_as, s_e, offs_nw, k_next, stride_sn, BO, BI)
+            _, su_n = w8a8_scales(AS + token * stride_as, s_e, offs_nw + N, k_next, stride_sn, BO, BI)
         if EVEN_K:
             a = tl.load(a_ptrs)
         else:
@@ -289,11 +300,8 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
             g = g.to(tl.float32)
             u = u.to(tl.float32)
         if FP8 == 3:
-            sa = tl.load(AS + token * stride_as + (k * BLOCK_K) // BI)
-            acc_g = w8a8_step(acc_g, a, g, sa, S + expert * stride_se, offs_nw, k * BLOCK_K, stride_sn, BO, BI,
-                              PRECISION)
-            acc_u = w8a8_step(acc_u, a, u, sa, S + expert * stride_se, offs_nw + N, k * BLOCK_K, stride_sn, BO, BI,
-                              PRECISION)
+            acc_g = w8a8_step(acc_g, a, g, sa, sg, PRECISION)
+            acc_u = w8a8_step(acc_u, a, u, sa, su, PRECISION)
         else:
             acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
@@ -397,7 +405,14 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
             steps = n_k + tl.cdiv(SLOTS_PAD * BLOCK_R, BLOCK_K)
         a_rows = a_ptr + (first_pos + tl.arange(0, TILE_M)).to(tl.int64)[:, None] * stride_am
         w_cols = w_ptr + expert * stride_we + offs_nw[None, :] * stride_wn
+    if FP8 == 3:   # as in _up_tile: each step's scales loaded a step ahead
+        as_rows = AS + pos.to(tl.int64) * stride_as
+        sa_n, sw_n = w8a8_scales(as_rows, S + expert * stride_se, offs_nw, 0, stride_sn, BO, BI)
     for k in range(0, steps):
+        if FP8 == 3:
+            sa, sw = sa_n, sw_n
+            sa_n, sw_n = w8a8_scales(as_rows, S + expert * stride_se, offs_nw, tl.minimum(k + 1, n_k - 1) * BLOCK_K,
+                                     stride_sn, BO, BI)
         if LORA and DELTA_IN_K:
             a, b = _k_step_with_delta(a_rows, w_cols, k, n_k, K, slots, present, pos, expert, offs_k, offs_nw,
                                       offs_n < N, L_S, L_B, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, EVEN_K,
@@ -424,8 +439,7 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         if FP8 == 3:
-            sa = tl.load(AS + pos.to(tl.int64) * stride_as + (k * BLOCK_K) // BI)
-            acc = w8a8_step(acc, a, b, sa, S + expert * stride_se, offs_nw, k * BLOCK_K, stride_sn, BO, BI, PRECISION)
+            acc = w8a8_step(acc, a, b, sa, sw, PRECISION)
         else:
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
