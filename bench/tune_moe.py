@@ -351,7 +351,7 @@ def _compile_worker(args):
             if DEVICE == "cuda":
                 torch.cuda.synchronize()
         except Exception as exc:  # out of resources etc.: dropped from the search
-            failed.append((kind, mode, items, type(exc).__name__))
+            failed.append((kind, mode, items, f"{type(exc).__name__}: {str(exc)[:160]}"))
     return failed
 
 
@@ -410,8 +410,14 @@ def tune(args) -> dict:
     t0 = time.time()
     jobs = all_jobs(tokens, block, H, I)
     print(f"{len(jobs)} kernel variants; compiling with {args.workers} workers", flush=True)
-    failed = {(k, m, i) for k, m, i, _ in precompile(jobs, E, H, I, top_k, args.dtype, args.workers, block)}
+    failures = precompile(jobs, E, H, I, top_k, args.dtype, args.workers, block)
+    failed = {(k, m, i) for k, m, i, _ in failures}
     print(f"compiled in {time.time() - t0:.0f}s; {len(failed)} variants dropped", flush=True)
+    for reason in sorted({r for *_, r in failures})[:5]:
+        print(f"  dropped for {reason}", flush=True)
+    if jobs and len(failed) == len(jobs):   # the workers' set-up failed, not the kernels: time them here
+        print("every variant failed in the compile workers: none dropped, each compiled when timed", flush=True)
+        failed = set()
     if block is None:
         w13, w2, scales = (*make_weights(args.layers, E, H, I, dtype), None)
     else:
