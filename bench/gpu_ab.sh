@@ -9,6 +9,7 @@
 #   SIDES="B A": each round starts with B (a check that the order does not favour a side)
 #   LORA=8: bench/lora_bench.py with that many random rank-16 adapters on every target instead
 #   (decode and the 2,048-token prefill; no decode profiles)
+#   FLAGS="--quantization fp8": more flags for both sides' bench script
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 site=${PYTHONPATH:+:$PYTHONPATH}
@@ -33,11 +34,11 @@ for entry in ${MODELS:-qwen3-30b-a3b:1,8 qwen3-0.6b:1}; do
       if [ -n "${LORA:-}" ]; then
         env "${envs[@]}" python "$tree/bench/lora_bench.py" "bench/configs/$name" --out "$out/$tag.json" \
           --batches "$batches" --num-loras "$LORA" --rank 16 --skip-idle --profile-batches "" \
-          --prefill-reps "${PREFILL_REPS:-5}" > "$out/$tag.txt" 2>&1
+          --prefill-reps "${PREFILL_REPS:-5}" ${FLAGS:-} > "$out/$tag.txt" 2>&1
       else
         env "${envs[@]}" python "$tree/bench/e2e_suite.py" "bench/configs/$name" --out "$out/$tag.json" \
           --batches "$batches" --max-num-seqs "$(echo "$batches" | tr , '\n' | sort -n | tail -1)" "${passes[@]}" \
-          --prefill-reps "${PREFILL_REPS:-7}" \
+          --prefill-reps "${PREFILL_REPS:-7}" ${FLAGS:-} \
           "${prof[@]}" > "$out/$tag.txt" 2>&1
       fi
       echo "== $tag"; grep -E "^batch|^prefill|adapters batch|adapters prefill|Error|error" "$out/$tag.txt" | head -6
