@@ -174,18 +174,22 @@ def col_scaled(w, s_ptr, cols, k0, stride_sn, BO, BI, dtype: tl.constexpr):
     """`scaled_tile` for a tile w `[BLOCK_K, BLOCK_N]` (K down, weight rows across) whose K range
     starting at k0 lies inside one scale block: one scale per weight row `cols` (every row valid),
     a vector load instead of a gather per element."""
-    s = tl.load(s_ptr + (cols // BO) * stride_sn + k0 // BI)
-    return (w.to(tl.float32) * s.to(tl.float32)[None, :]).to(dtype)
+    return (w.to(tl.float32) * col_scales(s_ptr, cols, k0, stride_sn, BO, BI)[None, :]).to(dtype)
+
+
+@triton.jit
+def col_scales(s_ptr, cols, k0, stride_sn, BO, BI):
+    """The block scales `s_ptr[cols // BO, k0 // BI]` of the weight rows `cols` at K offset k0, fp32."""
+    return tl.load(s_ptr + (cols // BO) * stride_sn + k0 // BI).to(tl.float32)
 
 
 @triton.jit
 def w8a8_scales(as_ptr, s_ptr, cols, k0, stride_sn, BO, BI):
     """The scales of one K step of an FP8 x FP8 GEMM from k0: the rows' activation group scales
-    (`as_ptr`, one pointer a row, at group 0) and the weight rows `cols`' block scales (`s_ptr`),
-    fp32. Kernels load them a step ahead of their dot, so that a step does not wait for them."""
-    sa = tl.load(as_ptr + k0 // BI).to(tl.float32)
-    sw = tl.load(s_ptr + (cols // BO) * stride_sn + k0 // BI).to(tl.float32)
-    return sa, sw
+    (`as_ptr`, one pointer a row, at group 0) and the weight rows `cols`' block scales (`s_ptr`,
+    `col_scales`), fp32. Kernels load them a step ahead of their dot, so that a step does not wait
+    for them."""
+    return tl.load(as_ptr + k0 // BI).to(tl.float32), col_scales(s_ptr, cols, k0, stride_sn, BO, BI)
 
 
 @triton.jit

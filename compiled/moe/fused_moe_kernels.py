@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, col_scaled, one_slot_dot, one_slot_operands,
-                                   pdl_wait, row_shrink, scaled_tile, slot_bits, slot_stacked_delta, w8a8_scales,
-                                   w8a8_step)
+                                   pdl_wait, row_shrink, scaled_tile, slot_bits, slot_stacked_delta, col_scales,
+                                   w8a8_scales, w8a8_step)
 
 
 @triton.jit
@@ -264,15 +264,15 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
                                             stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R)
     n_k = tl.cdiv(K, BLOCK_K)
     if FP8 == 3:   # W8A8: each step's scales loaded a step ahead (the loop's pipelining leaves them out)
-        s_e = S + expert * stride_se
-        sa_n, sg_n = w8a8_scales(AS + token * stride_as, s_e, offs_nw, 0, stride_sn, BO, BI)
-        _, su_n = w8a8_scales(AS + token * stride_as, s_e, offs_nw + N, 0, stride_sn, BO, BI)
+        s_e, as_rows = S + expert * stride_se, AS + token * stride_as
+        sa_n, sg_n = w8a8_scales(as_rows, s_e, offs_nw, 0, stride_sn, BO, BI)
+        su_n = col_scales(s_e, offs_nw + N, 0, stride_sn, BO, BI)
     for k in range(0, n_k):
         if FP8 == 3:
             sa, sg, su = sa_n, sg_n, su_n
             k_next = tl.minimum(k + 1, n_k - 1) * BLOCK_K
-            sa_n, sg_n = w8a8_scales(AS + token * stride_as, s_e, offs_nw, k_next, stride_sn, BO, BI)
-            _, su_n = w8a8_scales(AS + token * stride_as, s_e, offs_nw + N, k_next, stride_sn, BO, BI)
+            sa_n, sg_n = w8a8_scales(as_rows, s_e, offs_nw, k_next, stride_sn, BO, BI)
+            su_n = col_scales(s_e, offs_nw + N, k_next, stride_sn, BO, BI)
         if EVEN_K:
             a = tl.load(a_ptrs)
         else:
