@@ -187,18 +187,22 @@ def col_scales(s_ptr, cols, k0, stride_sn, BO, BI):
 def w8a8_scales(as_ptr, s_ptr, cols, k0, stride_sn, BO, BI):
     """The scales of one K step of an FP8 x FP8 GEMM from k0: the rows' activation group scales
     (`as_ptr`, one pointer a row, at group 0) and the weight rows `cols`' block scales (`s_ptr`,
-    `col_scales`), fp32. Kernels load them a step ahead of their dot, so that a step does not wait
-    for them."""
+    `col_scales`; `cols` one row: the block's one scale), fp32. Kernels load them a step ahead of
+    their dot, so that a step does not wait for them."""
     return tl.load(as_ptr + k0 // BI).to(tl.float32), col_scales(s_ptr, cols, k0, stride_sn, BO, BI)
 
 
 @triton.jit
-def w8a8_step(acc, a, w, sa, sw, PRECISION: tl.constexpr):
+def w8a8_step(acc, a, w, sa, sw, PRECISION: tl.constexpr, ONE_SCALE: tl.constexpr):
     """acc + one K step of an FP8 x FP8 GEMM: a `[M, BLOCK_K]` (activations quantized per token
     and group, `sa` the rows' group scales) times w `[BLOCK_K, BLOCK_N]` (a weight tile inside one
-    scale block, `sw` its columns' scales; `w8a8_scales`), products exact and summed in fp32 on the
-    tensor cores, then scaled by both."""
-    return acc + tl.dot(a, w, input_precision=PRECISION) * (sa[:, None] * sw[None, :])
+    scale block, `sw` its columns' scales, ONE_SCALE: the tile's one scale; `w8a8_scales`),
+    products exact and summed in fp32 on the tensor cores, then scaled by both."""
+    if ONE_SCALE:
+        scale = (sa * sw)[:, None]
+    else:
+        scale = sa[:, None] * sw[None, :]
+    return acc + tl.dot(a, w, input_precision=PRECISION) * scale
 
 
 @triton.jit

@@ -31,7 +31,7 @@ from compiled.functional import add_rms_norm_ref
 from compiled.moe.experts import expert_loop
 from compiled.moe.tuned_configs import get_config, get_gemv_tiles, split_config
 from compiled.quant.act_quant import quantize_per_token_group
-from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, fit_block_k, kernel_scale, resolve_block
+from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, FP8_W8A8_TILE, fit_block_k, kernel_scale, resolve_block
 from compiled.triton_utils import interpreting, launch_kwargs, row_warps, tma_descriptor
 
 # FP8 experts at this many tokens or more run the grouped GEMMs W8A8 (activations quantized to FP8
@@ -214,11 +214,12 @@ class ExpertScales:
 
 
 def fp8_kwargs(scales: ExpertScales | None, name: str, w: torch.Tensor, block_k: int, gemv: bool = False,
-               w8a8: bool = False) -> dict:
+               w8a8: bool = False, block_n: int = 0) -> dict:
     """A kernel's scale arguments for the stacked weight `w` (`name`: w13 or w2) read in K tiles
     of `block_k`: its block scale's pointer, strides, block sides and FP8 mode
     (`quant.dequant.scale_tiling`; the grouped GEMMs' tiles take one block at most, the GEMVs'
-    `gemv` several, KB; `w8a8`: FP8_W8A8, whose tiles must each lie inside one block); without
+    `gemv` several, KB; `w8a8`: FP8_W8A8, whose tiles must each lie inside one block, or
+    FP8_W8A8_TILE where every `block_n`-wide N tile, w13's up half's too, lies inside one); without
     `scales`, placeholders the kernels compiled with FP8=0 never read."""
     if scales is None:
         return dict(S=w, stride_se=0, stride_sn=0, BO=1, BI=1, FP8=0, **({"KB": 1} if gemv else {}))
@@ -228,7 +229,8 @@ def fp8_kwargs(scales: ExpertScales | None, name: str, w: torch.Tensor, block_k:
         if (ks.mode, ks.kb) != (FP8_BLOCKS, 1) or block_k < FP8_DOT_MIN_K:
             raise ValueError(f"fused_moe: W8A8 needs K tiles of {FP8_DOT_MIN_K} or more inside the scale blocks "
                              f"of {name}; got BLOCK_K {block_k} for the block width {ks.bi}")
-        mode = FP8_W8A8
+        n = w.shape[1] // 2 if name == "w13" else 0   # the up rows start at n
+        mode = FP8_W8A8_TILE if block_n and ks.bo % block_n == 0 and n % ks.bo == 0 else FP8_W8A8
     return dict(S=ks.scale, stride_se=ks.scale.stride(0), stride_sn=ks.scale.stride(1), BO=ks.bo, BI=ks.bi,
                 FP8=mode, **({"KB": ks.kb} if gemv else {}))
 
@@ -304,7 +306,7 @@ def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=H % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None, **lora_consts,
         SHRINK_BY_PAIR=delta is not None and delta.by_pair,
-        **fp8_kwargs(scales, "w13", w13, bk, w8a8=a_scale is not None), **_act_kwargs(a_scale, x),
+        **fp8_kwargs(scales, "w13", w13, bk, w8a8=a_scale is not None, block_n=bn), **_act_kwargs(a_scale, x),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(x.device),
         **dict(zip(_LORA_ARGS, lora_args)))
 
@@ -335,7 +337,7 @@ def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights
         EVEN_K=I % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None, A_TMA=a_desc is not None,
         TOP_K=top_k, **lora_consts, DELTA_IN_K=delta is not None and delta.in_k,
         R_FULL=delta is not None and delta.b.shape[3] == lora_consts["BLOCK_R"],
-        **fp8_kwargs(scales, "w2", w2, bk, w8a8=a_scale is not None), **_act_kwargs(a_scale, inter),
+        **fp8_kwargs(scales, "w2", w2, bk, w8a8=a_scale is not None, block_n=bn), **_act_kwargs(a_scale, inter),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(inter.device),
         **dict(zip(_LORA_ARGS, lora_args)))
 

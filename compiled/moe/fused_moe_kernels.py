@@ -263,16 +263,19 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
         _, sr_u, sc_u, b_u = _pair_operands(slots, s_rows, expert, offs_n + N, n_ok, L_R, 1, L_S, L_B, L_SCALE, L_R,
                                             stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R)
     n_k = tl.cdiv(K, BLOCK_K)
-    if FP8 == 3:   # W8A8: each step's scales loaded a step ahead (the loop's pipelining leaves them out)
+    if FP8 >= 3:   # W8A8: each step's scales loaded a step ahead (the loop's pipelining leaves them out)
         s_e, as_rows = S + expert * stride_se, AS + token * stride_as
-        sa_n, sg_n = w8a8_scales(as_rows, s_e, offs_nw, 0, stride_sn, BO, BI)
-        su_n = col_scales(s_e, offs_nw + N, 0, stride_sn, BO, BI)
+        w_rows = offs_nw
+        if FP8 == 4:   # the tile's one block: its first row's scale
+            w_rows = (pid_n * BLOCK_N).to(tl.int64)
+        sa_n, sg_n = w8a8_scales(as_rows, s_e, w_rows, 0, stride_sn, BO, BI)
+        su_n = col_scales(s_e, w_rows + N, 0, stride_sn, BO, BI)
     for k in range(0, n_k):
-        if FP8 == 3:
+        if FP8 >= 3:
             sa, sg, su = sa_n, sg_n, su_n
             k_next = tl.minimum(k + 1, n_k - 1) * BLOCK_K
-            sa_n, sg_n = w8a8_scales(as_rows, s_e, offs_nw, k_next, stride_sn, BO, BI)
-            su_n = col_scales(s_e, offs_nw + N, k_next, stride_sn, BO, BI)
+            sa_n, sg_n = w8a8_scales(as_rows, s_e, w_rows, k_next, stride_sn, BO, BI)
+            su_n = col_scales(s_e, w_rows + N, k_next, stride_sn, BO, BI)
         if EVEN_K:
             a = tl.load(a_ptrs)
         else:
@@ -299,9 +302,9 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
             a = a.to(tl.float32)
             g = g.to(tl.float32)
             u = u.to(tl.float32)
-        if FP8 == 3:
-            acc_g = w8a8_step(acc_g, a, g, sa, sg, PRECISION)
-            acc_u = w8a8_step(acc_u, a, u, sa, su, PRECISION)
+        if FP8 >= 3:
+            acc_g = w8a8_step(acc_g, a, g, sa, sg, PRECISION, FP8 == 4)
+            acc_u = w8a8_step(acc_u, a, u, sa, su, PRECISION, FP8 == 4)
         else:
             acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
@@ -405,13 +408,16 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
             steps = n_k + tl.cdiv(SLOTS_PAD * BLOCK_R, BLOCK_K)
         a_rows = a_ptr + (first_pos + tl.arange(0, TILE_M)).to(tl.int64)[:, None] * stride_am
         w_cols = w_ptr + expert * stride_we + offs_nw[None, :] * stride_wn
-    if FP8 == 3:   # as in _up_tile: each step's scales loaded a step ahead
+    if FP8 >= 3:   # as in _up_tile: each step's scales loaded a step ahead
         as_rows = AS + pos.to(tl.int64) * stride_as
-        sa_n, sw_n = w8a8_scales(as_rows, S + expert * stride_se, offs_nw, 0, stride_sn, BO, BI)
+        w_rows = offs_nw
+        if FP8 == 4:
+            w_rows = (pid_n * BLOCK_N).to(tl.int64)
+        sa_n, sw_n = w8a8_scales(as_rows, S + expert * stride_se, w_rows, 0, stride_sn, BO, BI)
     for k in range(0, steps):
-        if FP8 == 3:
+        if FP8 >= 3:
             sa, sw = sa_n, sw_n
-            sa_n, sw_n = w8a8_scales(as_rows, S + expert * stride_se, offs_nw, tl.minimum(k + 1, n_k - 1) * BLOCK_K,
+            sa_n, sw_n = w8a8_scales(as_rows, S + expert * stride_se, w_rows, tl.minimum(k + 1, n_k - 1) * BLOCK_K,
                                      stride_sn, BO, BI)
         if LORA and DELTA_IN_K:
             a, b = _k_step_with_delta(a_rows, w_cols, k, n_k, K, slots, present, pos, expert, offs_k, offs_nw,
@@ -438,8 +444,8 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
         if DOT_FP32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        if FP8 == 3:
-            acc = w8a8_step(acc, a, b, sa, sw, PRECISION)
+        if FP8 >= 3:
+            acc = w8a8_step(acc, a, b, sa, sw, PRECISION, FP8 == 4)
         else:
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
@@ -493,9 +499,9 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
     2): a block whose real rows fit in half (a quarter) of BLOCK_M runs a tile of that height
     (_tile_rows). LORA: each pair's gate and up LoRA deltas added (`_up_tile`; SHRINK_BY_PAIR: where
     its shrink outputs are). FP8 (0, 1, 2): w float8_e4m3fn, scaled by S, a gather per element (1) or
-    one scale per weight row a K tile (2; `fused_moe.fp8_kwargs`); 3 (W8A8, `quant.dequant.FP8_W8A8`):
-    x float8_e4m3fn too, its tokens' group scales at AS (`[T, K / BI]`), each K step's fp8 x fp8 dot
-    scaled by both (`triton_utils.w8a8_step`)."""
+    one scale per weight row a K tile (2; `fused_moe.fp8_kwargs`); 3 and 4 (W8A8,
+    `quant.dequant.FP8_W8A8`, 4 with one weight scale a tile): x float8_e4m3fn too, its tokens' group
+    scales at AS (`[T, K / BI]`), each K step's fp8 x fp8 dot scaled by both (`triton_utils.w8a8_step`)."""
     pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if live:

@@ -45,6 +45,9 @@ FP8_BLOCKS = 2   # one scale per row and scale block the tile covers, loaded onc
 # token in groups of the block's width (`quant.act_quant`), the K step's fp8 x fp8 product scaled
 # by the row's group scale and the weight row's block scale (the fused MoE's grouped GEMMs)
 FP8_W8A8 = 3
+# W8A8 whose N tiles each lie inside one scale block along the weight's rows: one weight scale a
+# tile and K step, so a step's product is scaled by one factor a row (one FMA an element)
+FP8_W8A8_TILE = 4
 
 
 def scale_tiling(bi: int, block_k: int, many: bool = True) -> tuple[int, int]:

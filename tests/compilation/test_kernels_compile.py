@@ -205,7 +205,8 @@ def _fp8(rows: int, cols: int, block: list[int], lead: tuple = ()):
 def _fp8_calls() -> None:
     """The FP8 kernels in each scale mode (`quant.dequant.scale_tiling`): 128 x 128 blocks (one
     scale per row a tile, several blocks a GEMV tile; at 512 tokens W8A8, the activations'
-    quantization and the fp8 x fp8 GEMMs) and 16 x 24 blocks (a gather per element)."""
+    quantization and the fp8 x fp8 GEMMs, with one weight scale a tile and, 256 columns wide, one a
+    row) and 16 x 24 blocks (a gather per element)."""
     import compiled.moe.fused_moe as fm
     from compiled.moe import tuned_configs
     from compiled.linear import skinny_kernels as lk
@@ -227,6 +228,9 @@ def _fp8_calls() -> None:
             fm.fused_moe_triton(x, weights, ids, q13, q2, config=config, scales=scales)
             fused_moe_lora_triton(x, weights, ids, q13, q2, *lora, torch.ones(S, 3), torch.zeros(T, dtype=torch.int32),
                                   config=config, scales=scales)
+        if block == [128, 128]:   # W8A8 with N tiles wider than the blocks: a weight scale a row
+            wide = dict(config, BLOCK_SIZE_N=256, down=dict(config.get("down", config), BLOCK_SIZE_N=256))
+            fm.fused_moe_triton(x, weights, ids, q13, q2, config=wide, scales=scales)
         q, s = _fp8(512, 2048, block)
         fp8 = WeightScale(s, block)
         x = torch.randn(64, 2048).bfloat16()

@@ -243,7 +243,11 @@ def act_quant_case(T: int, K: int, group: int, dtype: torch.dtype) -> dict:
 W8A8_CASES = [("w8a8_block16x32", 37, 72, 40, QuantConfig("fp8", "block", (16, 32)), torch.float32),
               ("w8a8_block128", 33, 200, 136, QuantConfig("fp8", "block", (128, 128)), torch.float32),
               ("w8a8_block128_bf16", 33, 200, 136, QuantConfig("fp8", "block", (128, 128)), torch.bfloat16),
-              ("w8a8_channel", 20, 96, 64, QuantConfig("compressed-tensors", "channel"), torch.float32)]
+              ("w8a8_channel", 20, 96, 64, QuantConfig("compressed-tensors", "channel"), torch.float32),
+              # N tiles inside the 32-row blocks, w13's up half's too: one weight scale a tile
+              ("w8a8_one_scale_a_tile", 29, 96, 64, QuantConfig("fp8", "block", (32, 32)), torch.float32,
+               dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
+                    HALF_M=0, TMA=0))]
 
 
 def w8a8_ref(x, topk_weights, topk_ids, w13, w2, groups: tuple[int, int]) -> torch.Tensor:
@@ -266,10 +270,11 @@ def w8a8_ref(x, topk_weights, topk_ids, w13, w2, groups: tuple[int, int]) -> tor
     return expert_loop(x, topk_weights, topk_ids, w13.shape[0], expert)
 
 
-def w8a8_case(T: int, H: int, I: int, quant: QuantConfig, dtype: torch.dtype) -> dict:
-    """`fused_moe_triton` on FP8 experts above W8A8_MIN_TOKENS (lowered to T here): against the
-    oracle over the dequantized experts and activations (tight), and against the torch reference
-    over the dequantized experts alone (loose: the activations' quantization error)."""
+def w8a8_case(T: int, H: int, I: int, quant: QuantConfig, dtype: torch.dtype, config: dict | None = None) -> dict:
+    """`fused_moe_triton` on FP8 experts above W8A8_MIN_TOKENS (lowered to T here), with `config`'s
+    tiles if given: against the oracle over the dequantized experts and activations (tight), and
+    against the torch reference over the dequantized experts alone (loose: the activations'
+    quantization error)."""
     from compiled.moe import fused_moe as fm
     from compiled.quant.dequant import resolve_block
     E, k = 5, 2
@@ -283,7 +288,8 @@ def w8a8_case(T: int, H: int, I: int, quant: QuantConfig, dtype: torch.dtype) ->
     groups = (resolve_block(block, 2 * I, H)[1], resolve_block(block, H, I)[1])
     saved, fm.W8A8_MIN_TOKENS = fm.W8A8_MIN_TOKENS, T
     try:
-        got = fm.fused_moe_triton(x, topk_weights, topk_ids, q13, q2, scales=fm.ExpertScales(s13, s2, block)).float()
+        got = fm.fused_moe_triton(x, topk_weights, topk_ids, q13, q2, config=config,
+                                  scales=fm.ExpertScales(s13, s2, block)).float()
     finally:
         fm.W8A8_MIN_TOKENS = saved
     want = w8a8_ref(x, topk_weights, topk_ids, w13, w2, groups).float()
@@ -321,6 +327,7 @@ def test_w8a8_runs_only_where_it_applies():
     """W8A8 at T >= W8A8_MIN_TOKENS with K tiles inside the scale blocks of both weights; W8A16
     (None) below, for other blocks, and for bf16 experts; LoRA calls and misaligned tiles refused."""
     from compiled.moe import fused_moe as fm
+    from compiled.quant.dequant import FP8_W8A8, FP8_W8A8_TILE
     E, H, I = 2, 256, 192
     w13, w2 = torch.zeros(E, 2 * I, H, dtype=torch.float8_e4m3fn), torch.zeros(E, H, I, dtype=torch.float8_e4m3fn)
     cfg = dict(BLOCK_SIZE_K=64)
@@ -333,6 +340,10 @@ def test_w8a8_runs_only_where_it_applies():
     assert fm.w8a8_groups(odd, w13, w2, T, cfg, cfg) is None
     narrow = fm.ExpertScales(torch.ones(E, 24, 16), torch.ones(E, 16, 12), [16, 16])   # K tiles of 16: no fp8 dot
     assert fm.w8a8_groups(narrow, w13, w2, T, cfg, cfg) is None
+    # one weight scale a tile where the N tiles lie inside the row blocks (w13's up half at I = 192: not)
+    assert fm.fp8_kwargs(scales, "w2", w2, 64, w8a8=True, block_n=64)["FP8"] == FP8_W8A8_TILE
+    assert fm.fp8_kwargs(scales, "w2", w2, 64, w8a8=True, block_n=256)["FP8"] == FP8_W8A8
+    assert fm.fp8_kwargs(scales, "w13", w13, 64, w8a8=True, block_n=64)["FP8"] == FP8_W8A8
     with pytest.raises(ValueError, match="W8A8 needs K tiles of 32 or more inside the scale blocks of w13"):
         fm.fp8_kwargs(odd, "w13", w13, 16, w8a8=True)
     delta = fm.GemmDelta(*(torch.zeros(1),) * 4, consts={})
