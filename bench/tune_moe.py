@@ -267,7 +267,10 @@ class Problem:
     """Buffers for timing the two GEMMs at T tokens over several layers (`scales`: the layers' FP8
     experts' `fm.ExpertScales`; `mode.w8a8`: the GEMMs read x and the intermediate quantized)."""
 
-    def __init__(self, w13, w2, T, top_k, E, seed=1, scales=None, mode: Mode = Mode(), dtype=torch.bfloat16):
+    def __init__(self, w13, w2, T, top_k, E, seed=1, scales=None, mode: Mode = Mode(), dtype=torch.bfloat16,
+                 block_ms: tuple[int, ...] = ()):
+        """`block_ms`: BLOCK_SIZE_Ms launched beside T's own candidates (the compile workers launch
+        every config at a few tokens): the intermediate holds the rows of the largest."""
         self.w13, self.w2, self.T, self.top_k, self.E = w13, w2, T, top_k, E
         self.layers = len(w13)
         self.scales, self.mode = scales or [None] * self.layers, mode
@@ -277,7 +280,7 @@ class Problem:
         _, routes = make_routing(self.layers, T, E, top_k, seed)
         self.weights = [w.reshape(-1).contiguous() for w, _ in routes]
         self.ids = [i.contiguous() for _, i in routes]
-        rows = max(fm.intermediate_rows(T * top_k, E, bm) for bm in block_m_candidates(T))
+        rows = max(fm.intermediate_rows(T * top_k, E, bm) for bm in (*block_m_candidates(T), *block_ms))
         self.inter = torch.randn(rows, I, device=DEVICE, dtype=dtype)   # gemm1 writes by block
         self.y = torch.empty(T * top_k, H, device=DEVICE, dtype=dtype)
         self.aligned: dict[int, list] = {}
@@ -308,7 +311,14 @@ class Problem:
             quantize_per_token_group(self.inter[:rows], self.mode.bi_down, out=iq[:rows], scale_out=is_[:rows])
         return time_graph([passes] * self.layers, reps) / self.layers
 
+    def check_rows(self, bm: int) -> None:
+        """Raise unless the intermediate holds gemm1's rows at this BLOCK_SIZE_M: writing past it
+        would fault and poison the process's CUDA context for every later config."""
+        if fm.intermediate_rows(self.T * self.top_k, self.E, bm) > self.inter.shape[0]:
+            raise ValueError(f"BLOCK_SIZE_M={bm}: the intermediate was sized for {self.T} tokens' candidates only")
+
     def fns(self, cfg, down):
+        self.check_rows(cfg["BLOCK_SIZE_M"])
         out = []
         w8a8 = self.mode.w8a8
         for layer, blocks in enumerate(self.align(cfg["BLOCK_SIZE_M"])):
@@ -346,7 +356,7 @@ def _compile_worker(args):
         try:
             if mode not in probs:   # 16 tokens, in the job's mode
                 probs[mode] = Problem(w13, w2, 16, min(top_k, e_small), e_small, seed=3, scales=scales, mode=mode,
-                                      dtype=dtype)
+                                      dtype=dtype, block_ms=tuple({dict(j[2])["BLOCK_SIZE_M"] for j in jobs}))
             probs[mode].fns(cfg, kind == "down")[0]()
             if DEVICE == "cuda":
                 torch.cuda.synchronize()

@@ -284,3 +284,33 @@ if __name__ == "__main__":   # run by the `interpreted` fixture under TRITON_INT
             import traceback
             results[case.__name__] = traceback.format_exc()
     print(MARK + json.dumps(results))
+
+
+def test_tuner_compile_workers_size_buffers_for_every_block_m(monkeypatch):
+    """The compile workers launch every config at 16 tokens: their intermediate must hold the rows
+    of the largest BLOCK_SIZE_M among the jobs (a smaller one made gemm1 write out of bounds)."""
+    tune_moe = _tuner("tune_moe")
+    monkeypatch.setattr(tune_moe, "DEVICE", "cpu")
+    w13, w2 = tune_moe.make_weights(1, 8, 64, 32, torch.float32)
+    big = dict(_cfg(256, 32, 32), HALF_M=0, TMA=0)
+    with pytest.raises(ValueError, match="BLOCK_SIZE_M=256"):
+        tune_moe.Problem(w13, w2, 16, 8, 8).fns(big, down=False)
+    sized = tune_moe.Problem(w13, w2, 16, 8, 8, block_ms=(256,))
+    assert sized.inter.shape[0] >= fm.intermediate_rows(16 * 8, 8, 256)
+
+    built = []
+
+    class Recorded(tune_moe.Problem):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+        def fns(self, cfg, down):
+            self.check_rows(cfg["BLOCK_SIZE_M"])   # no kernel on the CPU
+            return [lambda: None]
+
+    monkeypatch.setattr(tune_moe, "Problem", Recorded)
+    jobs = [("up", tune_moe.Mode(), tuple(sorted(dict(_cfg(bm, 32, 32), HALF_M=0, TMA=0).items())))
+            for bm in (16, 64, 256)]
+    assert tune_moe._compile_worker((jobs, 8, 64, 32, 8, "float32", None, "cpu")) == []
+    assert built and built[0].inter.shape[0] >= fm.intermediate_rows(16 * 8, 8, 256)
