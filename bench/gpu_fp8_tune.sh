@@ -11,7 +11,8 @@
 #   modes   (not by default) tune_moe.py --fp8-mode w8a16 at MODE_TOKENS (default "256 512 2048"):
 #           W8A16's best there beside tune's W8A8 (timings only), for where W8A8_MIN_TOKENS belongs
 # tune and gemv write into CONFIG_OUT (default compiled/moe/configs), the FP8 experts' file
-# E=128,N=768,device_name=<this GPU>,dtype=fp8_w8a8.json (commit it); a copy and every log land in
+# E=128,N=768,device_name=<this GPU>,dtype=fp8_w8a8.json (commit it; token counts not in TOKENS keep
+# their entries); a copy and every log land in
 # ${OUT:-out}/. The whole run keeps to the budget (seconds, default 450): each part gets a share
 # (before 10%, gemv 18%, after 10%, tests 15%, modes 25%; tune the rest, 62% by default) as its
 # time limit.
@@ -50,7 +51,7 @@ tune() {
   # run that long), the file rewritten after each: a run cut short by the timeout keeps those done
   local s=$tune_s
   timeout "$s" python bench/tune_moe.py --quantization fp8 "${shape[@]}" --tokens $tokens --out-dir "$cfg_out" \
-    --budget-s $((s * 2 / 3)) --time-limit-s $((s - 45)) > "$out/tune.txt" 2>&1
+    --budget-s $((s * 2 / 3)) --time-limit-s $((s - 45)) --merge > "$out/tune.txt" 2>&1
   echo "== tune fp8 (exit $?)"; grep -E "best|variants|compiled in|wrote|limit|Error" "$out/tune.txt"
 }
 gemv() {
