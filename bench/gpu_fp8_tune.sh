@@ -3,18 +3,16 @@
 # H=2048, I=768, top-8), dummy FP8 experts with 128 x 128 block scales. In order (PARTS):
 #   before  bench/moe_bench.py --quantization fp8 at the tuned token counts, with the configs FP8
 #           experts read before this script (the bf16 file's, GEMV_TILES)
-#   tune    bench/tune_moe.py --quantization fp8 at TOKENS (W8A16 below W8A8_MIN_TOKENS, W8A8 from it)
+#   tune    bench/tune_moe.py --quantization fp8 at TOKENS (W8A16 and W8A8 each, the faster written)
 #   gemv    bench/moe_bench.py --quantization fp8 --only-gemv --write-gemv: the one-token GEMV tiles
 #   after   moe_bench.py again, with the tuned file
 #   tests   (not by default) the GPU tests of the FP8 MoE (tests/quant/test_fp8_kernel.py -k moe),
 #           with the tuned file
-#   modes   (not by default) tune_moe.py --fp8-mode w8a16 at MODE_TOKENS (default "256 512 2048"):
-#           W8A16's best there beside tune's W8A8 (timings only), for where W8A8_MIN_TOKENS belongs
 # tune and gemv write into CONFIG_OUT (default compiled/moe/configs), the FP8 experts' file
 # E=128,N=768,device_name=<this GPU>,dtype=fp8_w8a8.json (commit it; token counts not in TOKENS keep
 # their entries); a copy and every log land in
 # ${OUT:-out}/. The whole run keeps to the budget (seconds, default 450): each part gets a share
-# (before 10%, gemv 18%, after 10%, tests 15%, modes 25%; tune the rest, 62% by default) as its
+# (before 10%, gemv 18%, after 10%, tests 15%; tune the rest, 62% by default) as its
 # time limit.
 #   bash bench/gpu_fp8_tune.sh [--budget-s SECONDS]
 #   PARTS (default "before tune gemv after"), TOKENS (default "1 8 64 256 512 2048").
@@ -35,7 +33,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFL
 shape=(--E 128 --H 2048 --I 768 --topk 8)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
 
-declare -A share=([before]=10 [gemv]=18 [after]=10 [tests]=15 [modes]=25)
+declare -A share=([before]=10 [gemv]=18 [after]=10 [tests]=15)
 tune_s=$budget
 for part in $parts; do [ "$part" != tune ] && tune_s=$((tune_s - budget * ${share[$part]:-0} / 100)); done
 limit() { [ "$1" = tune ] && echo "$tune_s" || echo $((budget * ${share[$1]} / 100)); }
@@ -63,12 +61,6 @@ gemv() {
 tests() {
   timeout "$(limit tests)" python -m pytest -m gpu -q -x tests/quant/test_fp8_kernel.py -k moe > "$out/tests.txt" 2>&1
   echo "== gpu fp8 moe tests (exit $?)"; tail -3 "$out/tests.txt"
-}
-modes() {
-  local s; s=$(limit modes)
-  timeout "$s" python bench/tune_moe.py --quantization fp8 --fp8-mode w8a16 "${shape[@]}" \
-    --tokens ${MODE_TOKENS:-256 512 2048} --budget-s $((s * 2 / 3)) --time-limit-s $((s - 45)) > "$out/modes.txt" 2>&1
-  echo "== w8a16 at W8A8's token counts (exit $?)"; grep -E "best|Error" "$out/modes.txt"
 }
 for part in $parts; do "$part"; done
 cp "$cfg_out"/*dtype=fp8_w8a8.json "$out/" 2>/dev/null && ls "$out"/*dtype=fp8_w8a8.json

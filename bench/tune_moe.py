@@ -15,14 +15,14 @@ rewritten after each token count, so a run cut short still leaves a usable table
 already in it (`moe_bench.py --write-gemv`) is kept.
 
 `--quantization fp8`: dummy FP8 experts (random float8_e4m3fn weights, random block scales at
-`--weight-block`, 128 x 128 by default) timed through the kernels the op runs at each token count:
-W8A16 below `fused_moe.W8A8_MIN_TOKENS`, W8A8 from it (the activations' and the intermediate's
-quantization passes counted in the total). K tiles are fitted to the scale blocks as the op fits
-them; configs the op would not run W8A8 (K tiles under FP8_DOT_MIN_K or straddling a block) are
-left out of the W8A8 search, and TMA is searched only where it changes a launch (the FP8 weights
-take none). The table goes to the FP8 experts' file (`tuned_configs.config_dtypes`). `--fp8-mode
-w8a16|w8a8` times that mode at every token count instead (nothing written): the two side by side
-say where W8A8_MIN_TOKENS belongs."""
+`--weight-block`, 128 x 128 by default), both modes at every token count: W8A16 and W8A8 (the
+activations' and the intermediate's quantization passes counted in its total; 64-row tiles added
+to its candidates at a few tokens, where fp8 dots reach the wgmma). The faster goes into the entry
+with its mode (`tuned_configs.MODE_KEY`), which the op then runs. K tiles are fitted to the scale
+blocks as the op fits them; configs the op would not run W8A8 (K tiles under FP8_DOT_MIN_K or
+straddling a block) are left out of the W8A8 search, and TMA is searched only where it changes a
+launch (the FP8 weights take none). The table goes to the FP8 experts' file
+(`tuned_configs.config_dtypes`). `--fp8-mode w8a16|w8a8` times that mode alone (nothing written)."""
 
 from __future__ import annotations
 
@@ -159,28 +159,36 @@ class Mode:
         return not self.fp8 or (down and not self.w8a8)
 
 
-FP8_MODE = "op"   # --fp8-mode: "op" (the op's choice by token count), "w8a16" or "w8a8" at every count
+FP8_MODE = "op"   # --fp8-mode: "op" (both modes, the faster written), "w8a16" or "w8a8" alone
 
 
-def mode_at(T: int, block: tuple[int, int] | None, H: int, I: int) -> Mode:
-    """The op's mode at T tokens, or FP8_MODE's where it names one (`block`: FP8 experts' scale
-    block, None for plain experts)."""
+def modes_at(T: int, block: tuple[int, int] | None, H: int, I: int) -> list[Mode]:
+    """The modes searched at T tokens: plain experts' one (`block` None); for FP8 experts (`block`:
+    their scale block) W8A16 and W8A8, the faster going into the entry, or FP8_MODE's one."""
     if block is None:
-        return Mode()
-    w8a8 = T >= fm.W8A8_MIN_TOKENS if FP8_MODE == "op" else FP8_MODE == "w8a8"
-    return Mode(True, w8a8, resolve_block(block, 2 * I, H)[1], resolve_block(block, H, I)[1])
+        return [Mode()]
+    bi_up, bi_down = resolve_block(block, 2 * I, H)[1], resolve_block(block, H, I)[1]
+    w8a8 = (False, True) if FP8_MODE == "op" else (FP8_MODE == "w8a8",)
+    return [Mode(True, w, bi_up, bi_down) for w in w8a8]
 
 
-def block_m_candidates(T: int) -> list[int]:
+WGMMA_MIN_M = 64   # tl.dot on fp8 operands reaches Hopper's fp8 wgmma from 64 rows; below, 16-bit MMAs
+
+
+def block_m_candidates(T: int, mode: Mode = Mode()) -> list[int]:
     if T <= 16:
-        return [16]
-    if T <= 64:
-        return [16, 32]
-    if T <= 256:
-        return [16, 32, 64]
-    if T <= 1024:
-        return [32, 64, 128]
-    return [64, 128, 256]
+        out = [16]
+    elif T <= 64:
+        out = [16, 32]
+    elif T <= 256:
+        out = [16, 32, 64]
+    elif T <= 1024:
+        out = [32, 64, 128]
+    else:
+        out = [64, 128, 256]
+    # W8A8 at a few tokens: a 64-row tile of one or two live rows, but the weights' fp8 tiles go to
+    # the tensor cores as they are, where the smaller tiles convert them to 16 bits
+    return out + [WGMMA_MIN_M] if mode.w8a8 and max(out) < WGMMA_MIN_M else out
 
 
 MAX_CONFIGS = 0  # > 0: keep that many configs per space (smoke runs)
@@ -253,11 +261,11 @@ def all_jobs(tokens, block: tuple[int, int] | None = None, H: int = 0, I: int = 
     """(kind, mode, config) for every kernel variant the search will launch."""
     jobs = set()
     for T in tokens:
-        mode = mode_at(T, block, H, I)
-        for bm in block_m_candidates(T):
-            for down in (False, True):
-                for cfg in _space(bm, down, mode):
-                    jobs.add(("down" if down else "up", mode, tuple(sorted(cfg.items()))))
+        for mode in modes_at(T, block, H, I):
+            for bm in block_m_candidates(T, mode):
+                for down in (False, True):
+                    for cfg in _space(bm, down, mode):
+                        jobs.add(("down" if down else "up", mode, tuple(sorted(cfg.items()))))
     return sorted(jobs, key=lambda j: (j[0], j[1].name, j[2]))
 
 
@@ -280,7 +288,7 @@ class Problem:
         _, routes = make_routing(self.layers, T, E, top_k, seed)
         self.weights = [w.reshape(-1).contiguous() for w, _ in routes]
         self.ids = [i.contiguous() for _, i in routes]
-        rows = max(fm.intermediate_rows(T * top_k, E, bm) for bm in (*block_m_candidates(T), *block_ms))
+        rows = max(fm.intermediate_rows(T * top_k, E, bm) for bm in (*block_m_candidates(T, mode), *block_ms))
         self.inter = torch.randn(rows, I, device=DEVICE, dtype=dtype)   # gemm1 writes by block
         self.y = torch.empty(T * top_k, H, device=DEVICE, dtype=dtype)
         self.aligned: dict[int, list] = {}
@@ -300,16 +308,15 @@ class Problem:
 
     def time_quant(self, bm, reps=10) -> float:
         """W8A8: µs of the op's two activation quantization passes (x, then the intermediate's
-        rows at this BLOCK_SIZE_M); 0 otherwise."""
+        rows in use at this BLOCK_SIZE_M, as the op passes them); 0 otherwise."""
         if not self.mode.w8a8:
             return 0.0
-        rows = fm.intermediate_rows(self.T * self.top_k, self.E, bm)
         (xq, xs), (iq, is_) = self.xq, self.iq
 
-        def passes():
+        def passes(blocks):
             quantize_per_token_group(self.x, self.mode.bi_up, out=xq, scale_out=xs)
-            quantize_per_token_group(self.inter[:rows], self.mode.bi_down, out=iq[:rows], scale_out=is_[:rows])
-        return time_graph([passes] * self.layers, reps) / self.layers
+            quantize_per_token_group(self.inter, self.mode.bi_down, out=iq, scale_out=is_, live_rows=blocks.num_post)
+        return time_graph([lambda b=b: passes(b) for b in self.align(bm)], reps) / self.layers
 
     def check_rows(self, bm: int) -> None:
         """Raise unless the intermediate holds gemm1's rows at this BLOCK_SIZE_M: writing past it
@@ -391,7 +398,7 @@ def _best_tile(prob: Problem, T: int, space: list[dict], down: bool) -> tuple[fl
 def tune_tokens(prob: Problem, T: int, failed: set, thin: bool) -> dict | None:
     """The best entry at T tokens over the BLOCK_SIZE_M candidates (with its timings), or None."""
     best = None
-    for bm in block_m_candidates(T):
+    for bm in block_m_candidates(T, prob.mode):
         res = {}
         for down in (False, True):
             space = [c for c in _space(bm, down, prob.mode)
@@ -409,6 +416,19 @@ def tune_tokens(prob: Problem, T: int, failed: set, thin: bool) -> dict | None:
               f"up {res[False][0]:8.1f} down {res[True][0]:8.1f} total {total:8.1f} us", flush=True)
         if best is None or total < best["total"]:
             best = dict(total=total, align=t_align, quant=t_quant, up=res[False], down=res[True])
+    return best
+
+
+def best_over_modes(w13, w2, scales, T: int, top_k: int, E: int, dtype, modes: list[Mode], failed: set,
+                    thin: bool) -> dict | None:
+    """`tune_tokens`' best entry at T over `modes` (each its own buffers), its mode under "mode"."""
+    best = None
+    for mode in modes:
+        prob = Problem(w13, w2, T, top_k, E, scales=scales, mode=mode, dtype=dtype)
+        found = tune_tokens(prob, T, failed, thin)
+        if found is not None and (best is None or found["total"] < best["total"]):
+            best = dict(found, mode=mode)
+        del prob   # its buffers before the next mode's
     return best
 
 
@@ -447,16 +467,18 @@ def tune(args) -> dict:
         if args.time_limit_s and elapsed > args.time_limit_s and T != tokens[0]:
             print(f"time limit: T={T} and later not tuned ({elapsed:.0f}s elapsed)", flush=True)
             break
-        prob = Problem(w13, w2, T, top_k, E, scales=scales, mode=mode_at(T, block, H, I), dtype=dtype)
-        best = tune_tokens(prob, T, failed, thin=elapsed > args.budget_s)
+        best = best_over_modes(w13, w2, scales, T, top_k, E, dtype, modes_at(T, block, H, I), failed,
+                               thin=elapsed > args.budget_s)
         if best is None:
             continue
         entry = dict(best["up"][1])
         entry["down"] = {k: best["down"][1][k] for k in tc.DOWN_KEYS}
+        if block is not None:
+            entry[tc.MODE_KEY] = int(best["mode"].w8a8)
         table[str(T)] = entry
         meta["timings_us"][str(T)] = dict(total=round(best["total"], 2), align=round(best["align"], 2),
                                           up=round(best["up"][0], 2), down=round(best["down"][0], 2),
-                                          **(dict(quant=round(best["quant"], 2), mode=prob.mode.name)
+                                          **(dict(quant=round(best["quant"], 2), mode=best["mode"].name)
                                              if block is not None else {}))
         if FP8_MODE == "op":   # a forced mode's tiles are not what the op would launch at T
             _write(path, table, meta)
@@ -529,8 +551,8 @@ def main(argv=None):
     p.add_argument("--weight-block", type=int, nargs=2, default=list(FP8_BLOCK), metavar=("BO", "BI"),
                    help="the FP8 experts' scale block")
     p.add_argument("--fp8-mode", choices=("op", "w8a16", "w8a8"), default="op",
-                   help="FP8 experts' grouped GEMMs as the op runs them at each token count, or one mode at "
-                        "every count (to compare the two: timings only, no table written)")
+                   help="FP8 experts' grouped GEMMs in both modes, the faster written with its mode, or one "
+                        "mode at every count (timings only, no table written)")
     p.add_argument("--tokens", type=int, nargs="*", default=TOKENS)
     p.add_argument("--layers", type=int, default=4, help="weight copies cycled per timing (beats L2)")
     p.add_argument("--out-dir", default=str(tc.CONFIG_DIR))

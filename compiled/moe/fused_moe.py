@@ -8,10 +8,11 @@ returns `[T, H]` in x's dtype. On CUDA it runs the Triton kernels of `fused_moe_
 `silu(gate) * up` in its epilogue, grouped GEMM over `w2` with the routing weight in its epilogue,
 sum over the top-k. No host syncs and fixed-size buffers, so it can be captured in a CUDA graph.
 One token runs as two GEMVs instead (`gemv_kernels.py`: no 16-row tensor-core tile for one live
-row). FP8 experts (`ExpertScales`) are scaled in the kernels' K loops (W8A16); from
-W8A8_MIN_TOKENS on, where the K tiles fit the scale blocks, the grouped GEMMs run W8A8 instead: x
-and then the intermediate quantized per token and scale block (`quant.act_quant`), fp8 x fp8 dots.
-Expert-LoRA calls (`expert_lora.py`) stay W8A16.
+row). FP8 experts (`ExpertScales`) are scaled in the kernels' K loops (W8A16); where the tuned
+entry says W8A8 (or, where it says neither, from W8A8_MIN_TOKENS on) and the K tiles fit the scale
+blocks, the grouped GEMMs run W8A8 instead: x and then the intermediate's rows in use quantized per
+token and scale block (`quant.act_quant`), fp8 x fp8 dots. Expert-LoRA calls (`expert_lora.py`)
+stay W8A16.
 
 Kernel configs come from `tuned_configs.py` (the tuned files, FP8 experts' own, the defaults).
 `BACKEND` ('auto': Triton on CUDA, the reference elsewhere; from `COMPILED_MOE_BACKEND`, read at
@@ -29,15 +30,15 @@ import triton
 from compiled.backend import BackendChoice
 from compiled.functional import add_rms_norm_ref
 from compiled.moe.experts import expert_loop
-from compiled.moe.tuned_configs import get_config, get_gemv_tiles, split_config
+from compiled.moe.tuned_configs import get_config, get_gemv_tiles, split_config, tuned_mode
 from compiled.quant.act_quant import quantize_per_token_group
 from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, FP8_W8A8_TILE, fit_block_k, kernel_scale, resolve_block
 from compiled.triton_utils import interpreting, launch_kwargs, row_warps, tma_descriptor
 
-# FP8 experts at this many tokens or more run the grouped GEMMs W8A8 (activations quantized to FP8
-# per token and scale block, fp8 x fp8 dots on the tensor cores); fewer stay W8A16, where the
-# activations' quantization pass costs more than the dots save. A starting point to measure
-# (bench/RESULTS.md, FP8 weights), not a tuned value.
+# Where a tuned entry does not name its mode: FP8 experts at this many tokens or more run the
+# grouped GEMMs W8A8 (activations quantized to FP8 per token and scale block, fp8 x fp8 dots on
+# the tensor cores); fewer stay W8A16, where the quantization passes cost more than the dots save.
+# `bench/tune_moe.py` times both modes and writes the faster into each entry.
 W8A8_MIN_TOKENS = 256
 FP8_DOT_MIN_K = 32   # tl.dot on fp8 operands takes K tiles of 32 or more (Hopper's fp8 MMA)
 
@@ -243,11 +244,12 @@ def _act_kwargs(a_scale: torch.Tensor | None, like: torch.Tensor) -> dict:
 
 
 def w8a8_groups(scales: ExpertScales | None, w13: torch.Tensor, w2: torch.Tensor, T: int, up: dict,
-                down: dict) -> tuple[int, int] | None:
+                down: dict, tuned: bool | None = None) -> tuple[int, int] | None:
     """The activations' group widths (w13's and w2's scale block widths) where the grouped GEMMs
-    run W8A8: FP8 experts, T >= W8A8_MIN_TOKENS, and K tiles (`fp8_block_k`) of FP8_DOT_MIN_K or
-    more that each lie inside one scale block of both weights; else None (W8A16)."""
-    if scales is None or T < W8A8_MIN_TOKENS:
+    run W8A8: FP8 experts, the tuned entry's mode (`tuned`, `tuned_configs.tuned_mode`) or where
+    it says none T >= W8A8_MIN_TOKENS, and K tiles (`fp8_block_k`) of FP8_DOT_MIN_K or more that
+    each lie inside one scale block of both weights; else None (W8A16)."""
+    if scales is None or not (T >= W8A8_MIN_TOKENS if tuned is None else tuned):
         return None
     groups = []
     for w, cfg in ((w13, up), (w2, down)):
@@ -393,14 +395,15 @@ class MoECall:
         I = self.w2.shape[2]
         return self.ws.get("inter", rows * I, self.x.dtype, self.x.device).view(rows, I)
 
-    def quantized(self, name: str, a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantized(self, name: str, a: torch.Tensor, group: int, live_rows: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """`a [rows, K]` quantized per token in groups of `group` (W8A8) into the workspace's
-        `{name}_q` and `{name}_s`."""
+        `{name}_q` and `{name}_s` (the rows before `live_rows` only, where given)."""
         rows, K = a.shape
         G = triton.cdiv(K, group)
         q = self.ws.get(name + "_q", rows * K, torch.float8_e4m3fn, a.device).view(rows, K)
         s = self.ws.get(name + "_s", rows * G, torch.float32, a.device).view(rows, G)
-        return quantize_per_token_group(a, group, out=q, scale_out=s)
+        return quantize_per_token_group(a, group, out=q, scale_out=s, live_rows=live_rows)
 
 
 def _plan(x, topk_weights, topk_ids, w13, w2, ws: MoEWorkspace, out: torch.Tensor | None,
@@ -439,15 +442,16 @@ def _launch_grouped(call: MoECall, config: dict) -> None:
     block_m = up["BLOCK_SIZE_M"]
     blocks = moe_align_block_size(call.ids, call.w13.shape[0], block_m, call.ws)
     inter = call.inter(blocks.expert_ids.numel() * block_m)
-    groups = w8a8_groups(call.scales, call.w13, call.w2, call.x.shape[0], up, down)
+    groups = w8a8_groups(call.scales, call.w13, call.w2, call.x.shape[0], up, down, tuned_mode(config))
     if groups is None:
         launch_gemm1(call.x, call.w13, inter, blocks, call.top_k, up, scales=call.scales)
         launch_gemm2(inter, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales)
         return
     xq, xs = call.quantized("x", call.x, groups[0])
     launch_gemm1(xq, call.w13, inter, blocks, call.top_k, up, scales=call.scales, a_scale=xs)
-    # every intermediate row, padding rows too (their products are never stored)
-    iq, is_ = call.quantized("inter", inter, groups[1])
+    # the rows of the blocks in use, padding rows too (their products are never stored); the
+    # buffer's rows past them (sized for the worst spread over the experts) are never read
+    iq, is_ = call.quantized("inter", inter, groups[1], blocks.num_post)
     launch_gemm2(iq, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales, a_scale=is_)
 
 

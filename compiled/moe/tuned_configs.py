@@ -11,8 +11,9 @@ out), gives the one-token GEMVs' tiles in place of GEMV_TILES (`bench/moe_bench.
 --write-gemv` writes it); a malformed one is a one-line error naming the file and the key.
 
 The file's dtype is the activations' (`bfloat16`), or for FP8 experts (float8_e4m3fn weights with
-block scales) `fp8_w8a8` (vLLM's name for its FP8 expert files; its entries below
-`fused_moe.W8A8_MIN_TOKENS` tokens are the W8A16 kernels', from it the W8A8 ones'). FP8 experts
+block scales) `fp8_w8a8` (vLLM's name for its FP8 expert files). Its entries may say which mode
+their tiles are for, "W8A8": 1 (activations quantized, fp8 x fp8 dots) or 0 (W8A16), as the tuner
+found the faster; without the key, below `fused_moe.W8A8_MIN_TOKENS` tokens W8A16. FP8 experts
 look their file up first, then the activations' dtype's; the token table and the "gemv" entry
 each come from the first file in that order that has one, else `default_config` / GEMV_TILES.
 `COMPILED_MOE_CONFIG_DIR` adds a config folder searched before the checked-in one."""
@@ -34,6 +35,7 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 OPTIONAL_KEYS = ("HALF_M", "TMA")  # 0 when absent
 MAX_HALVINGS = 2  # HALF_M: partial blocks run tiles of down to a quarter of BLOCK_SIZE_M
+MODE_KEY = "W8A8"   # an FP8 experts' entry: 1 W8A8, 0 W8A16, absent: by fused_moe.W8A8_MIN_TOKENS
 DOWN_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", *OPTIONAL_KEYS)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 FP8_CONFIG_DTYPE = "fp8_w8a8"   # the files of FP8 experts, whatever the activations' dtype
@@ -102,6 +104,9 @@ def _config_file(E: int, N: int, device: str, dtype: str) -> dict:
     raw = json.loads(path.read_text())
     if "gemv" in raw:
         check_gemv(raw["gemv"], str(path))
+    for key, entry in raw.items():
+        if key.isdigit() and MODE_KEY in entry and entry[MODE_KEY] not in (0, 1):
+            raise ValueError(f"{path}: {key}.{MODE_KEY} must be 0 (W8A16) or 1 (W8A8), got {entry[MODE_KEY]!r}")
     return raw
 
 
@@ -177,6 +182,12 @@ def clear_caches() -> None:
     """Forget the files read so far (after writing one: tuners, tests)."""
     load_configs.cache_clear()
     _config_file.cache_clear()
+
+
+def tuned_mode(cfg: dict) -> bool | None:
+    """Whether the entry's tiles are for W8A8 (its MODE_KEY, checked when the file is read), or
+    None where it does not say."""
+    return None if MODE_KEY not in cfg else bool(cfg[MODE_KEY])
 
 
 def split_config(cfg: dict) -> tuple[dict, dict]:

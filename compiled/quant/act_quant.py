@@ -51,12 +51,15 @@ def _round_e4m3(y):
 
 
 @triton.jit
-def _quant_group_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, GROUP, EPS, FMAX,
-                        G_PAD: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr):
+def _quant_group_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, K, stride_x, stride_q, stride_s, GROUP, EPS, FMAX,
+                        G_PAD: tl.constexpr, BLOCK_G: tl.constexpr, LIVE_ROWS: tl.constexpr, PDL: tl.constexpr):
     """One program a row: its groups as a `[G_PAD, BLOCK_G]` tile, each group's max, scale and
-    rounded values."""
+    rounded values. LIVE_ROWS: rows from `rows_ptr[0]` on are left as they are."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
+    if LIVE_ROWS:
+        if row >= tl.load(rows_ptr):
+            return
     g = tl.arange(0, G_PAD)
     c = tl.arange(0, BLOCK_G)
     cols = g[:, None] * GROUP + c[None, :]
@@ -70,10 +73,13 @@ def _quant_group_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, stride_s, GR
 
 
 def quantize_per_token_group(x: torch.Tensor, group: int, out: torch.Tensor | None = None,
-                             scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             scale_out: torch.Tensor | None = None, live_rows: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_per_token_group_ref` in one Triton launch; x `[T, K]` with unit last stride.
     `out` `[T, K]` float8_e4m3fn and `scale_out` `[T, ceil(K/group)]` fp32 (contiguous): where
-    to write (a workspace's), else new tensors."""
+    to write (a workspace's), else new tensors. `live_rows` (int32 `[1]` on x's device): only
+    the rows before it are written (a buffer sized for the worst case, its count known on the
+    device only, as the MoE's padded pair count)."""
     T, K = x.shape
     G = triton.cdiv(K, group)
     if x.stride(1) != 1:
@@ -81,7 +87,8 @@ def quantize_per_token_group(x: torch.Tensor, group: int, out: torch.Tensor | No
     q = torch.empty(T, K, dtype=FP8, device=x.device) if out is None else out
     s = torch.empty(T, G, dtype=torch.float32, device=x.device) if scale_out is None else scale_out
     if T:
-        _quant_group_kernel[(T,)](x, q, s, K, x.stride(0), q.stride(0), s.stride(0), group, ACT_EPS, FP8_MAX,
-                                  G_PAD=triton.next_power_of_2(G), BLOCK_G=triton.next_power_of_2(group),
+        _quant_group_kernel[(T,)](x, q, s, x if live_rows is None else live_rows, K, x.stride(0), q.stride(0),
+                                  s.stride(0), group, ACT_EPS, FP8_MAX, G_PAD=triton.next_power_of_2(G),
+                                  BLOCK_G=triton.next_power_of_2(group), LIVE_ROWS=live_rows is not None,
                                   num_warps=4, **launch_kwargs(x.device))
     return q, s

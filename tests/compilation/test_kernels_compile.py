@@ -206,7 +206,7 @@ def _fp8_calls() -> None:
     """The FP8 kernels in each scale mode (`quant.dequant.scale_tiling`): 128 x 128 blocks (one
     scale per row a tile, several blocks a GEMV tile; at 512 tokens W8A8, the activations'
     quantization and the fp8 x fp8 GEMMs, with one weight scale a tile and, 256 columns wide, one a
-    row) and 16 x 24 blocks (a gather per element)."""
+    row; at 8 tokens W8A8 in 64-row tiles) and 16 x 24 blocks (a gather per element)."""
     import compiled.moe.fused_moe as fm
     from compiled.moe import tuned_configs
     from compiled.linear import skinny_kernels as lk
@@ -231,6 +231,9 @@ def _fp8_calls() -> None:
         if block == [128, 128]:   # W8A8 with N tiles wider than the blocks: a weight scale a row
             wide = dict(config, BLOCK_SIZE_N=256, down=dict(config.get("down", config), BLOCK_SIZE_N=256))
             fm.fused_moe_triton(x, weights, ids, q13, q2, config=wide, scales=scales)
+            # 8 tokens W8A8 in 64-row tiles, as a tuned entry may name it (fp8 wgmma at a few tokens)
+            few = dict(config, BLOCK_SIZE_M=64, HALF_M=0, W8A8=1)
+            fm.fused_moe_triton(x[:8], weights[:8], ids[:8], q13, q2, config=few, scales=scales)
         q, s = _fp8(512, 2048, block)
         fp8 = WeightScale(s, block)
         x = torch.randn(64, 2048).bfloat16()

@@ -495,12 +495,15 @@ def test_checked_in_configs_are_complete():
             for c in (up, down):
                 assert c["BLOCK_SIZE_M"] in (16, 32, 64, 128, 256)
                 assert c["BLOCK_SIZE_N"] >= 16 and c["BLOCK_SIZE_K"] >= 16 and c["num_warps"] in (1, 2, 4, 8, 16)
-            if fp8 and int(T) >= fm.W8A8_MIN_TOKENS:   # tuned W8A8: runs W8A8 over 128 x 128 blocks
+            if fp8:   # the entry's mode (or, where it names none, the token count's) is the one its tiles run
+                want = tuned_configs.tuned_mode(cfg)
+                want = int(T) >= fm.W8A8_MIN_TOKENS if want is None else want
                 E, N = (int(part.split("=")[1]) for part in path.name.split(",")[:2])
                 H = raw.get("_meta", {}).get("H", 2048)
                 w13, w2 = torch.empty(E, 2 * N, H, device="meta"), torch.empty(E, H, N, device="meta")
                 scales = fm.ExpertScales(w13, w2, [128, 128])
-                assert fm.w8a8_groups(scales, w13, w2, int(T), up, down) is not None, (path.name, T)
+                groups = fm.w8a8_groups(scales, w13, w2, int(T), up, down, tuned_configs.tuned_mode(cfg))
+                assert (groups is not None) == want, (path.name, T)
 
 
 def test_max_padded_size_bounds_every_routing():

@@ -115,6 +115,22 @@ def test_bad_gemv_entry_is_a_one_line_error_naming_file_and_key(config_dir, gemv
         assert msg.startswith(f"{path}: ") and key in msg and "\n" not in msg, msg
 
 
+@pytest.mark.parametrize("mode", [2, "yes", None])
+def test_bad_mode_in_an_entry_is_a_one_line_error_naming_file_and_key(config_dir, mode):
+    path = _write(config_dir, "fp8_w8a8", {"1": _cfg(16, 32, 64), "8": dict(_cfg(64, 32, 64), W8A8=mode)})
+    with pytest.raises(ValueError) as err:
+        tc.get_config(8, E, I, torch.bfloat16, CPU, fp8=True)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}: 8.W8A8 must be 0 (W8A16) or 1 (W8A8)") and "\n" not in msg, msg
+
+
+def test_an_entrys_mode_is_read_where_it_names_one(config_dir):
+    _write(config_dir, "fp8_w8a8", {"8": dict(_cfg(64, 32, 64), W8A8=1), "64": dict(_cfg(16, 32, 64), W8A8=0),
+                                     "512": _cfg(64, 64, 64)})
+    got = [tc.tuned_mode(tc.get_config(T, E, I, torch.bfloat16, CPU, fp8=True)) for T in (8, 64, 512)]
+    assert got == [True, False, None]
+
+
 # ----------------------------------------------------------------------------- the op (interpreter)
 
 def case_one_token_reads_the_fp8_files_gemv_tiles() -> dict:
@@ -164,6 +180,9 @@ def case_tuner_times_w8a8_and_w8a16() -> dict:
         prob = tune_moe.Problem(w13, w2, 4, 2, 4, scales=scales, mode=mode, dtype=torch.bfloat16)
         best = tune_moe.tune_tokens(prob, 4, set(), thin=False)
         out[mode.name] = None if best is None else dict(up=best["up"][1], down=best["down"][1])
+    modes = [tune_moe.Mode(True, w8a8, 64, 32) for w8a8 in (False, True)]
+    best = tune_moe.best_over_modes(w13, w2, scales, 4, 2, 4, torch.bfloat16, modes, set(), thin=False)
+    out["best_mode"] = None if best is None else best["mode"].name
     return out
 
 
@@ -195,22 +214,26 @@ def test_one_token_runs_the_tuned_files_gemv_tiles(interpreted):
 def test_tuner_times_fp8_experts_in_both_modes(interpreted):
     r = interpreted[case_tuner_times_w8a8_and_w8a16.__name__]
     assert isinstance(r, dict), r
-    assert r["w8a16"] is not None and r["w8a8"] is not None, r
+    assert r["w8a16"] is not None and r["w8a8"] is not None and r["best_mode"] in ("w8a16", "w8a8"), r
     for bk in (r["w8a8"]["up"]["BLOCK_SIZE_K"], r["w8a8"]["down"]["BLOCK_SIZE_K"]):
         assert bk >= fm.FP8_DOT_MIN_K, r
 
 
 # ----------------------------------------------------------------------------- the tuners (no kernels)
 
-@pytest.mark.parametrize("T", [8, 512])
-def test_fp8_search_space_holds_only_what_the_op_runs(T):
+@pytest.mark.parametrize("T, w8a8", [(8, False), (8, True), (512, False), (512, True)])
+def test_fp8_search_space_holds_only_what_the_op_runs(T, w8a8):
     tune_moe = _tuner("tune_moe")
-    mode = tune_moe.mode_at(T, (128, 128), 2048, 768)
-    assert mode.w8a8 == (T >= fm.W8A8_MIN_TOKENS) and (mode.bi_up, mode.bi_down) == (128, 128)
+    modes = tune_moe.modes_at(T, (128, 128), 2048, 768)
+    assert [m.w8a8 for m in modes] == [False, True] and {(m.bi_up, m.bi_down) for m in modes} == {(128, 128)}
+    mode = modes[w8a8]
     w13 = torch.empty(128, 2 * 768, 2048, device="meta")
     w2 = torch.empty(128, 2048, 768, device="meta")
     scales = fm.ExpertScales(w13, w2, [128, 128])
-    for bm in tune_moe.block_m_candidates(T):
+    candidates = tune_moe.block_m_candidates(T, mode)
+    # W8A8 reaches the fp8 wgmma from 64 rows: a 64-row tile is searched at a few tokens too
+    assert (tune_moe.WGMMA_MIN_M in candidates) == (w8a8 or T > 64)
+    for bm in candidates:
         up, down = (tune_moe._space(bm, d, mode) for d in (False, True))
         assert up and down
         for space in (up, down):
@@ -219,9 +242,10 @@ def test_fp8_search_space_holds_only_what_the_op_runs(T):
             assert all(128 % c["BLOCK_SIZE_K"] == 0 for c in space)   # K tiles inside one scale block
         assert all(c["TMA"] == 0 for c in up)   # FP8 weights take no TMA descriptor
         assert {c["TMA"] for c in down} == ({0} if mode.w8a8 else {0, 1})
-        if mode.w8a8:   # every pair runs W8A8 as timed
-            pairs = [(u, d) for u in up[:5] + up[-5:] for d in down[:5] + down[-5:]]
-            assert all(fm.w8a8_groups(scales, w13, w2, T, u, d) == (128, 128) for u, d in pairs)
+        # every pair runs in the mode it was timed in, the entry naming it
+        pairs = [(u, d) for u in up[:5] + up[-5:] for d in down[:5] + down[-5:]]
+        want = (128, 128) if mode.w8a8 else None
+        assert all(fm.w8a8_groups(scales, w13, w2, T, u, d, mode.w8a8) == want for u, d in pairs)
     # scale blocks no W8A8 tile fits (24 wide: K tiles of 16 only): nothing searched, no crash
     assert tune_moe._space(64, False, tune_moe.Mode(True, True, 24, 24)) == []
     assert tune_moe._space(64, False, tune_moe.Mode(True, False, 24, 24))

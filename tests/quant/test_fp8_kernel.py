@@ -236,8 +236,14 @@ def act_quant_case(T: int, K: int, group: int, dtype: torch.dtype) -> dict:
     # a value rounded the other way across a tie is one e4m3 step (2^-3 relative, 2^-9 subnormal) off
     steps = ((q.float() - rq.float()).abs() / (rq.float().abs() * 2 ** -3 + 2 ** -9)).max().item()
     zero_ok = bool(torch.isfinite(s[1, 0]) and s[1, 0] > 0 and (q[1, :group].float() == 0).all())
+    # live_rows: the rows before it as without it, those after it left as they were
+    live = T // 2
+    lq, ls = q.clone().fill_(2.0), torch.full_like(s, -1.0)
+    quantize_per_token_group(x, group, out=lq, scale_out=ls, live_rows=torch.tensor([live], dtype=torch.int32))
+    live_ok = bool(torch.equal(lq[:live].float(), q[:live].float()) and torch.equal(ls[:live], s[:live])
+                   and (lq[live:].float() == 2.0).all() and (ls[live:] == -1.0).all())
     return dict(err=max(scale_err / 1e-6, steps), tol=1.0, zero_group=zero_ok, shape=list(s.shape),
-                want_shape=[T, -(-K // group)])
+                want_shape=[T, -(-K // group)], live_rows=live_ok)
 
 
 W8A8_CASES = [("w8a8_block16x32", 37, 72, 40, QuantConfig("fp8", "block", (16, 32)), torch.float32),
@@ -247,7 +253,12 @@ W8A8_CASES = [("w8a8_block16x32", 37, 72, 40, QuantConfig("fp8", "block", (16, 3
               # N tiles inside the 32-row blocks, w13's up half's too: one weight scale a tile
               ("w8a8_one_scale_a_tile", 29, 96, 64, QuantConfig("fp8", "block", (32, 32)), torch.float32,
                dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
-                    HALF_M=0, TMA=0))]
+                    HALF_M=0, TMA=0)),
+              # a few tokens in 64-row tiles, W8A8 because the entry says so (`tuned_configs.MODE_KEY`)
+              # below W8A8_MIN_TOKENS; the intermediate's rows past the blocks in use not quantized
+              ("w8a8_by_tuned_entry", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)), torch.float32,
+               dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
+                    HALF_M=0, TMA=0, W8A8=1))]
 
 
 def w8a8_ref(x, topk_weights, topk_ids, w13, w2, groups: tuple[int, int]) -> torch.Tensor:
@@ -271,11 +282,12 @@ def w8a8_ref(x, topk_weights, topk_ids, w13, w2, groups: tuple[int, int]) -> tor
 
 
 def w8a8_case(T: int, H: int, I: int, quant: QuantConfig, dtype: torch.dtype, config: dict | None = None) -> dict:
-    """`fused_moe_triton` on FP8 experts above W8A8_MIN_TOKENS (lowered to T here), with `config`'s
-    tiles if given: against the oracle over the dequantized experts and activations (tight), and
-    against the torch reference over the dequantized experts alone (loose: the activations'
-    quantization error)."""
+    """`fused_moe_triton` on FP8 experts above W8A8_MIN_TOKENS (lowered to T here unless `config`
+    names its mode), with `config`'s tiles if given: against the oracle over the dequantized experts
+    and activations (tight), and against the torch reference over the dequantized experts alone
+    (loose: the activations' quantization error)."""
     from compiled.moe import fused_moe as fm
+    from compiled.moe.tuned_configs import tuned_mode
     from compiled.quant.dequant import resolve_block
     E, k = 5, 2
     g = torch.Generator().manual_seed(T * H + I)
@@ -286,7 +298,9 @@ def w8a8_case(T: int, H: int, I: int, quant: QuantConfig, dtype: torch.dtype, co
     q2, s2, _ = _stacked_fp8(torch.randn(E, H, I, generator=g) / I ** 0.5, quant)
     w13, w2 = dequantize_blocks(q13, s13, block, torch.float32), dequantize_blocks(q2, s2, block, torch.float32)
     groups = (resolve_block(block, 2 * I, H)[1], resolve_block(block, H, I)[1])
-    saved, fm.W8A8_MIN_TOKENS = fm.W8A8_MIN_TOKENS, T
+    saved = fm.W8A8_MIN_TOKENS
+    if config is None or tuned_mode(config) is None:
+        fm.W8A8_MIN_TOKENS = T
     try:
         got = fm.fused_moe_triton(x, topk_weights, topk_ids, q13, q2, config=config,
                                   scales=fm.ExpertScales(s13, s2, block)).float()
@@ -317,15 +331,17 @@ ALL_CASES = CASES + SKINNY_CASES + LORA_CASES + MOE_CASES + DEQUANT_CASES + ACT_
 @pytest.mark.parametrize("name", [c[0] for c in ALL_CASES])
 def test_interpreted_kernel_matches_its_reference(interpreted, name):
     """Each case above against its reference within its tolerance; the MoE cases' outputs far from
-    zero, the activation quantization's zero group and shapes, W8A8's loose bound too."""
+    zero, the activation quantization's zero group, live rows and shapes, W8A8's loose bound too."""
     r = interpreted[name]
     assert r["err"] <= r["tol"] and r.get("scale", 1.0) > 0.1 and r.get("zero_group", True), r
+    assert r.get("live_rows", True), r
     assert r.get("shape") == r.get("want_shape") and r.get("loose_err", 0.0) <= r.get("loose_tol", 0.0), r
 
 
 def test_w8a8_runs_only_where_it_applies():
-    """W8A8 at T >= W8A8_MIN_TOKENS with K tiles inside the scale blocks of both weights; W8A16
-    (None) below, for other blocks, and for bf16 experts; LoRA calls and misaligned tiles refused."""
+    """W8A8 where the tuned entry says so, or where it says nothing at T >= W8A8_MIN_TOKENS, with K
+    tiles inside the scale blocks of both weights; W8A16 (None) otherwise, for other blocks, and for
+    bf16 experts; LoRA calls and misaligned tiles refused."""
     from compiled.moe import fused_moe as fm
     from compiled.quant.dequant import FP8_W8A8, FP8_W8A8_TILE
     E, H, I = 2, 256, 192
@@ -335,6 +351,10 @@ def test_w8a8_runs_only_where_it_applies():
     T = fm.W8A8_MIN_TOKENS
     assert fm.w8a8_groups(scales, w13, w2, T, cfg, cfg) == (128, 128)
     assert fm.w8a8_groups(scales, w13, w2, T - 1, cfg, cfg) is None
+    # the tuned entry's mode over the token count (`tuned_configs.tuned_mode`)
+    assert fm.w8a8_groups(scales, w13, w2, 8, cfg, cfg, tuned=True) == (128, 128)
+    assert fm.w8a8_groups(scales, w13, w2, T, cfg, cfg, tuned=False) is None
+    assert fm.w8a8_groups(None, w13, w2, 8, cfg, cfg, tuned=True) is None
     assert fm.w8a8_groups(None, w13, w2, T, cfg, cfg) is None
     odd = fm.ExpertScales(torch.ones(E, 24, 11), torch.ones(E, 16, 8), [16, 24])   # K tiles of 16 straddle 24
     assert fm.w8a8_groups(odd, w13, w2, T, cfg, cfg) is None
