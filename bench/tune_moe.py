@@ -459,7 +459,7 @@ def tune(args) -> dict:
     table, old_timings = kept_entries(path, tokens) if args.merge else (kept_extras(path), {})
     meta = dict(device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,
                 triton=_triton_version(), E=E, H=H, I=I, top_k=top_k, dtype=args.dtype, layers=args.layers,
-                timings_us=old_timings)
+                timings_us=old_timings, **kept_gemv_meta(path))
     if block is not None:
         meta.update(quantization="fp8", weight_block=list(block), w8a8_min_tokens=fm.W8A8_MIN_TOKENS)
     for T in tokens:
@@ -511,6 +511,12 @@ def kept_extras(path: Path) -> dict:
     """The entries other than token counts (the one-token "gemv" tiles) of the table at `path`,
     else of the checked-in file of that name: a retuned table keeps them."""
     return {k: v for k, v in existing_table(path).items() if not k.isdigit() and k != "_meta"}
+
+
+def kept_gemv_meta(path: Path) -> dict:
+    """The "_meta" fields of the table's "gemv" entry (`moe_bench.py --write-gemv`'s timing and
+    date), which travel with the entry when the token counts are retuned."""
+    return {k: v for k, v in existing_table(path).get("_meta", {}).items() if k.startswith("gemv_")}
 
 
 def merge_entry(path: Path, key: str, value, meta: dict) -> None:

@@ -258,6 +258,7 @@ def test_tuner_keeps_the_gemv_entry_and_gemv_writes_keep_the_table(tmp_path):
     tune_moe.merge_entry(path, "gemv", gemv, dict(gemv_us=3.0))
     assert json.loads(path.read_text()) == {"gemv": gemv, "_meta": {"gemv_us": 3.0}}
     assert tune_moe.kept_extras(path) == {"gemv": gemv}   # what a retuned table starts from
+    assert tune_moe.kept_gemv_meta(path) == {"gemv_us": 3.0}   # and its meta, the entry's timing
     tune_moe._write(path, {"1": _cfg(16, 32, 64), **tune_moe.kept_extras(path)}, dict(E=E))
     tune_moe.merge_entry(path, "gemv", dict(gemv, up=_tile(4, 1024)), dict(gemv_us=2.0))
     raw = json.loads(path.read_text())
