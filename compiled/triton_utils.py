@@ -184,6 +184,16 @@ def col_scales(s_ptr, cols, k0, stride_sn, BO, BI):
 
 
 @triton.jit
+def w8a8_rows(offs_nw, pid_n, BLOCK_N: tl.constexpr, ONE_SCALE: tl.constexpr):
+    """The weight rows whose block scales a W8A8 tile reads (`w8a8_scales`): its rows `offs_nw`, or
+    with ONE_SCALE (the tile inside one block) its first row alone."""
+    rows = offs_nw
+    if ONE_SCALE:
+        rows = (pid_n * BLOCK_N).to(tl.int64)
+    return rows
+
+
+@triton.jit
 def w8a8_scales(as_ptr, s_ptr, cols, k0, stride_sn, BO, BI):
     """The scales of one K step of an FP8 x FP8 GEMM from k0: the rows' activation group scales
     (`as_ptr`, one pointer a row, at group 0) and the weight rows `cols`' block scales (`s_ptr`,

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, col_scaled, one_slot_dot, one_slot_operands,
                                    pdl_wait, row_shrink, scaled_tile, slot_bits, slot_stacked_delta, col_scales,
-                                   w8a8_scales, w8a8_step)
+                                   w8a8_rows, w8a8_scales, w8a8_step)
 
 
 @triton.jit
@@ -265,9 +265,7 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
     n_k = tl.cdiv(K, BLOCK_K)
     if FP8 >= 3:   # W8A8: each step's scales loaded a step ahead (the loop's pipelining leaves them out)
         s_e, as_rows = S + expert * stride_se, AS + token * stride_as
-        w_rows = offs_nw
-        if FP8 == 4:   # the tile's one block: its first row's scale
-            w_rows = (pid_n * BLOCK_N).to(tl.int64)
+        w_rows = w8a8_rows(offs_nw, pid_n, BLOCK_N, FP8 == 4)
         sa_n, sg_n = w8a8_scales(as_rows, s_e, w_rows, 0, stride_sn, BO, BI)
         su_n = col_scales(s_e, w_rows + N, 0, stride_sn, BO, BI)
     for k in range(0, n_k):
@@ -410,9 +408,7 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
         w_cols = w_ptr + expert * stride_we + offs_nw[None, :] * stride_wn
     if FP8 >= 3:   # as in _up_tile: each step's scales loaded a step ahead
         as_rows = AS + pos.to(tl.int64) * stride_as
-        w_rows = offs_nw
-        if FP8 == 4:
-            w_rows = (pid_n * BLOCK_N).to(tl.int64)
+        w_rows = w8a8_rows(offs_nw, pid_n, BLOCK_N, FP8 == 4)
         sa_n, sw_n = w8a8_scales(as_rows, S + expert * stride_se, w_rows, 0, stride_sn, BO, BI)
     for k in range(0, steps):
         if FP8 >= 3:
