@@ -250,7 +250,9 @@ def _skinny_kernel(
 
     FP8 (`quant.dequant.scale_tiling`): W is float8_e4m3fn and each tile is scaled by its blocks of
     WS (`[N / BO, K / BI]`) in registers as it is used, so the kernel reads the FP8 bytes: one
-    scale per row and block (`row_scaled`, KB blocks a tile), or one per element (`scaled_tile`)."""
+    scale per row and block (`row_scaled`, KB blocks a tile), or one per element (`scaled_tile`).
+    The GEMV mode keeps the scaled tile in fp32 (a rounding to X's dtype an element would bound it
+    by the conversions, not the bytes); the tensor-core tiles round it for the dot."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -258,6 +260,9 @@ def _skinny_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    W_DT = X.dtype.element_ty   # what a scaled FP8 tile is rounded to: the dot's operand
+    if GEMV:
+        W_DT = tl.float32
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
@@ -316,10 +321,10 @@ def _skinny_kernel(
         else:
             x = tl.load(X + offs_m[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
         if FP8 == 2:
-            wq = row_scaled(w, WS, offs_n, mask_n, k0, K, stride_wsn, BO, BI, X.dtype.element_ty, KB)
+            wq = row_scaled(w, WS, offs_n, mask_n, k0, K, stride_wsn, BO, BI, W_DT, KB)
         else:
             wq = scaled_tile(w, WS, offs_n[:, None], ks[None, :], mask_n[:, None] & (ks < k_end)[None, :], stride_wsn,
-                             BO, BI, X.dtype.element_ty, FP8)
+                             BO, BI, W_DT, FP8)
         if GEMV:
             if BLOCK_M == 1:
                 acc_k += wq.to(tl.float32) * x.to(tl.float32)

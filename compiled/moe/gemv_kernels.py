@@ -15,7 +15,9 @@ Each rounds where the tile kernels (`fused_moe_kernels._up_tile`, `_down_tile`) 
 results differ from theirs only in the order of the fp32 sums. The torch reference is
 `fused_moe.fused_moe_ref`. FP8 (float8_e4m3fn experts): each weight tile is scaled in registers
 (scales `S [E, rows / BO, K / BI]`; `triton_utils.row_scaled`, or `scaled_tile` for blocks the
-tiles do not align with), so a step reads the FP8 bytes."""
+tiles do not align with), so a step reads the FP8 bytes. The scaled weight stays fp32, not
+rounded to the activations' dtype as the dequantized reference is: that rounding is a conversion
+an element on a unit that does a few a clock, and would bound the GEMV above the bytes' time."""
 
 from __future__ import annotations
 
@@ -46,17 +48,17 @@ def _rows_dot(a_ptr, w_ptr, rows, row_ok, K, stride_wn, second, s_ptr, stride_sn
         ok = row_ok[:, None] & k_ok[None, :]
         w = weight_tile(w_ptrs, row_ok, k_ok, EVEN_K)
         if FP8 == 2:
-            w = row_scaled(w, s_ptr, rows, row_ok, k0, K, stride_sn, BO, BI, a.dtype, KB)
+            w = row_scaled(w, s_ptr, rows, row_ok, k0, K, stride_sn, BO, BI, tl.float32, KB)
         else:
-            w = scaled_tile(w, s_ptr, rows[:, None], (k0 + offs_k)[None, :], ok, stride_sn, BO, BI, a.dtype, FP8)
+            w = scaled_tile(w, s_ptr, rows[:, None], (k0 + offs_k)[None, :], ok, stride_sn, BO, BI, tl.float32, FP8)
         acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
         if PAIRED:
             w2 = weight_tile(w_ptrs + second * stride_wn, row_ok, k_ok, EVEN_K)
             if FP8 == 2:
-                w2 = row_scaled(w2, s_ptr, rows + second, row_ok, k0, K, stride_sn, BO, BI, a.dtype, KB)
+                w2 = row_scaled(w2, s_ptr, rows + second, row_ok, k0, K, stride_sn, BO, BI, tl.float32, KB)
             else:
                 w2 = scaled_tile(w2, s_ptr, (rows + second)[:, None], (k0 + offs_k)[None, :], ok, stride_sn, BO, BI,
-                                 a.dtype, FP8)
+                                 tl.float32, FP8)
             acc2 += w2.to(tl.float32) * a.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
     total = tl.sum(acc, axis=1)
