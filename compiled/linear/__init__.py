@@ -3,7 +3,8 @@ LoRA as optional operands; silu_and_mul; multi-LoRA shrink / expand), their Trit
 
 SKINNY_MAX_M = 16  # rows the skinny kernel serves (one 16-row tile); above, cuBLAS is at home
 # FP8 linears of up to this many rows (decode batches, memory-bound) run the W8A16 kernel, which
-# reads the FP8 bytes; above (prefill, compute-bound) the dequantized weight goes to cuBLAS.
+# reads the FP8 bytes; above (prefill, compute-bound) cuBLAS's W8A8 GEMM (`fp8_cublas`), or the
+# dequantized weight where it does not apply.
 W8A16_MAX_M = 256
 LORA_MAX_SLICES = 4  # slices of one fused output the LoRA expand kernel takes (q, k, v: 3)
 # The norm kernels add a linear's LoRA delta, or run its shrink, up to this many rows: each row's

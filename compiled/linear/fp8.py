@@ -1,5 +1,6 @@
 """Where an FP8 linear runs: which kernel reads the float8_e4m3fn bytes for x @ W.T, or the
-dequantized weight where none does (prefill's cuBLAS GEMMs, the CPU: the torch reference).
+dequantized weight where none does (prefill shapes cuBLAS's FP8 GEMM does not take, the CPU:
+the torch reference).
 
 `WeightScale` carries an FP8 weight's block scale beside the weight through the linear bodies
 (plain, fused, LoRA); `linear`, `add_rms_norm_linear` and `silu_mul_linear` are the family's
@@ -9,14 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from compiled.linear import W8A16_MAX_M, fused, ops
+from compiled.linear import W8A16_MAX_M, fp8_cublas, fused, ops
 from compiled.quant.dequant import WeightScale, dequantize_blocks
 
 
 def kernel_for(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None) -> str | None:
     """The kernel that reads the FP8 weight's bytes for x @ weight.T: 'skinny' (a few rows,
     `ops.use_kernel`), 'w8a16' (up to W8A16_MAX_M rows on CUDA, any under the forced 'triton'
-    backend), or None: not FP8, or computed with the dequantized weight."""
+    backend), 'w8a8' (more rows, on cuBLAS where `fp8_cublas.fits`), or None: not FP8, or
+    computed with the dequantized weight."""
     if fp8 is None or x.dim() != 2:
         return None
     if ops.use_kernel(x, weight, fp8=True):
@@ -25,6 +27,8 @@ def kernel_for(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None) -
     if backend == "triton" or (backend == "auto" and x.is_cuda and x.dtype in ops.KERNEL_DTYPES
                                and x.shape[0] <= W8A16_MAX_M):
         return "w8a16"
+    if backend == "auto" and fp8_cublas.fits(x, weight, fp8):
+        return "w8a8"
     return None
 
 
@@ -56,6 +60,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None = None
     if kernel == "w8a16":
         from compiled.linear.fp8_kernels import w8a16_linear
         return w8a16_linear(x, weight, fp8.scale, fp8.block)
+    if kernel == "w8a8":
+        return fp8_cublas.w8a8_linear(x, weight, fp8.scale)
     return ops.dispatch(x, dequantized(weight, fp8, x.dtype))
 
 

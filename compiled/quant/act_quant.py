@@ -51,7 +51,7 @@ def _round_e4m3(y):
 
 
 @triton.jit
-def _quant_group_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, K, stride_x, stride_q, stride_s, GROUP, EPS, FMAX,
+def _quant_group_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, K, stride_x, stride_q, stride_s, stride_sg, GROUP, EPS, FMAX,
                         G_PAD: tl.constexpr, BLOCK_G: tl.constexpr, LIVE_ROWS: tl.constexpr, PDL: tl.constexpr):
     """One program a row: its groups as a `[G_PAD, BLOCK_G]` tile, each group's max, scale and
     rounded values. LIVE_ROWS: rows from `rows_ptr[0]` on are left as they are."""
@@ -69,15 +69,16 @@ def _quant_group_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, K, stride_x, stride_q, st
     scale = amax / FMAX
     y = tl.minimum(tl.maximum(x / scale[:, None], -FMAX), FMAX)
     tl.store(q_ptr + row * stride_q + cols, _round_e4m3(y).to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + row * stride_s + g, scale, mask=g * GROUP < K)
+    tl.store(s_ptr + row * stride_s + g * stride_sg, scale, mask=g * GROUP < K)
 
 
 def quantize_per_token_group(x: torch.Tensor, group: int, out: torch.Tensor | None = None,
                              scale_out: torch.Tensor | None = None, live_rows: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_per_token_group_ref` in one Triton launch; x `[T, K]` with unit last stride.
-    `out` `[T, K]` float8_e4m3fn and `scale_out` `[T, ceil(K/group)]` fp32 (contiguous): where
-    to write (a workspace's), else new tensors. `live_rows` (int32 `[1]` on x's device): only
+    `out` `[T, K]` float8_e4m3fn (contiguous) and `scale_out` `[T, ceil(K/group)]` fp32 (any
+    strides: cuBLAS takes the scales column-major): where to write (a workspace's), else new
+    tensors. `live_rows` (int32 `[1]` on x's device): only
     the rows before it are written (a buffer sized for the worst case, its count known on the
     device only, as the MoE's padded pair count)."""
     T, K = x.shape
@@ -88,7 +89,7 @@ def quantize_per_token_group(x: torch.Tensor, group: int, out: torch.Tensor | No
     s = torch.empty(T, G, dtype=torch.float32, device=x.device) if scale_out is None else scale_out
     if T:
         _quant_group_kernel[(T,)](x, q, s, x if live_rows is None else live_rows, K, x.stride(0), q.stride(0),
-                                  s.stride(0), group, ACT_EPS, FP8_MAX, G_PAD=triton.next_power_of_2(G),
+                                  s.stride(0), s.stride(1), group, ACT_EPS, FP8_MAX, G_PAD=triton.next_power_of_2(G),
                                   BLOCK_G=triton.next_power_of_2(group), LIVE_ROWS=live_rows is not None,
                                   num_warps=4, **launch_kwargs(x.device))
     return q, s

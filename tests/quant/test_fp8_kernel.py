@@ -242,6 +242,10 @@ def act_quant_case(T: int, K: int, group: int, dtype: torch.dtype) -> dict:
     quantize_per_token_group(x, group, out=lq, scale_out=ls, live_rows=torch.tensor([live], dtype=torch.int32))
     live_ok = bool(torch.equal(lq[:live].float(), q[:live].float()) and torch.equal(ls[:live], s[:live])
                    and (lq[live:].float() == 2.0).all() and (ls[live:] == -1.0).all())
+    # scales written column-major (cuBLAS's layout): the same values
+    cs = torch.full((s.shape[1], T), -1.0).t()
+    quantize_per_token_group(x, group, scale_out=cs)
+    live_ok = live_ok and bool(torch.equal(cs, s))
     return dict(err=max(scale_err / 1e-6, steps), tol=1.0, zero_group=zero_ok, shape=list(s.shape),
                 want_shape=[T, -(-K // group)], live_rows=live_ok)
 
@@ -331,7 +335,8 @@ ALL_CASES = CASES + SKINNY_CASES + LORA_CASES + MOE_CASES + DEQUANT_CASES + ACT_
 @pytest.mark.parametrize("name", [c[0] for c in ALL_CASES])
 def test_interpreted_kernel_matches_its_reference(interpreted, name):
     """Each case above against its reference within its tolerance; the MoE cases' outputs far from
-    zero, the activation quantization's zero group, live rows and shapes, W8A8's loose bound too."""
+    zero, the activation quantization's zero group, live rows, column-major scales and shapes,
+    W8A8's loose bound too."""
     r = interpreted[name]
     assert r["err"] <= r["tol"] and r.get("scale", 1.0) > 0.1 and r.get("zero_group", True), r
     assert r.get("live_rows", True), r
@@ -399,6 +404,45 @@ def test_gpu_fp8_skinny_linear_matches_dequantized_in_bf16(M, N, K):
     want = x.float() @ dequantize_blocks(q, s, block, torch.float32).T
     got = torch.ops.compiled.linear(x, q, weight_scale=s, weight_block=block).float()
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
+def test_cublas_w8a8_takes_only_its_recipe():
+    """cuBLAS's blockwise W8A8 past the W8A16 kernel's rows, for 128 x 128 blocks, K % 512 and
+    N % 128 only; other linears dequantize (or run the W8A16 kernel below its rows)."""
+    from compiled.linear import W8A16_MAX_M
+    from compiled.linear.fp8_cublas import shape_fits
+    M = W8A16_MAX_M + 1
+    assert shape_fits(M, 5120, 2048, (128, 128), (40, 16)) and shape_fits(2048, 2048, 4096, (128, 128), (16, 32))
+    assert not shape_fits(W8A16_MAX_M, 5120, 2048, (128, 128), (40, 16))
+    assert not shape_fits(M, 5120, 2048 + 128, (128, 128), (40, 17))      # K / 128 not a multiple of 4
+    assert not shape_fits(M, 5120 + 64, 2048, (128, 128), (41, 16))       # a partial row block
+    assert not shape_fits(M, 5120, 2048, (64, 128), (80, 16))
+    assert not shape_fits(M, 5120, 2048, (1, 2048), (5120, 1))             # per channel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("M", [257, 2048])
+@pytest.mark.parametrize("N,K", [(5120, 2048), (2048, 4096)])
+def test_gpu_fp8_cublas_w8a8_matches_dequantized(M, N, K):
+    """The 30B's qkv and o_proj at prefill sizes through the op (cuBLAS W8A8 on Hopper): against
+    the dequantized weight times the dequantized activations within bf16 rounding, and against
+    the dequantized weight alone within the activations' quantization error."""
+    import compiled.linear.library  # noqa: F401
+    from compiled.linear import fp8 as fp8_linear
+    from compiled.quant.act_quant import dequantize_per_token_group, quantize_per_token_group_ref
+    from compiled.quant.dequant import WeightScale
+    q, s, block = _stacked_fp8(torch.randn(1, N, K) / K ** 0.5, QuantConfig("fp8", "block", (128, 128)))
+    q, s = q[0].cuda(), s[0].cuda()
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert fp8_linear.kernel_for(x, q, WeightScale(s, block)) == "w8a8"
+    w = dequantize_blocks(q, s, block, torch.float32)
+    xd = dequantize_per_token_group(*quantize_per_token_group_ref(x, 128), 128, torch.float32)
+    got = torch.ops.compiled.linear(x, q, weight_scale=s, weight_block=block).float()
+    want, plain = xd @ w.T, x.float() @ w.T
+    assert (got - want).abs().max() <= 0.01 * want.abs().max()
+    assert (got - plain).abs().max() <= 0.06 * plain.abs().max()
 
 
 @pytest.mark.gpu

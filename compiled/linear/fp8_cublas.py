@@ -1,0 +1,55 @@
+"""Prefill-sized FP8 linears on cuBLAS's FP8 tensor cores (W8A8): the activations quantized per
+token in groups of 128 (`quant.act_quant`), then one blockwise-scaled GEMM (torch's `scaled_mm`,
+1 x 128 activation groups by the weight's 128 x 128 blocks, fp32 accumulation), so the weight is
+read as FP8 and never dequantized into a bf16 copy.
+
+cuBLAS takes this recipe on Hopper only, with 128 x 128 weight blocks, K a multiple of 512 (its
+scale grid's K side padded to 4, which these shapes need no padding for) and N of 128; `fits`
+says where, and other linears dequantize as before. The torch reference is the dequantized
+weight times the dequantized activations (`act_quant.dequantize_per_token_group`)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from compiled.linear import W8A16_MAX_M
+from compiled.quant.act_quant import quantize_per_token_group
+from compiled.quant.dequant import WeightScale, resolve_block
+
+GROUP = 128   # the recipe's activation group and weight block side
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def shape_fits(M: int, N: int, K: int, block: tuple[int, int], scale_shape: tuple[int, ...]) -> bool:
+    """Whether an `[M, K]` @ `[N, K]`.T FP8 linear with `block` (resolved) and a scale of
+    `scale_shape` is one cuBLAS runs blockwise: past the W8A16 kernel's rows, 128 x 128 blocks,
+    K % 512 == 0, N % 128 == 0."""
+    return (M > W8A16_MAX_M and tuple(block) == (GROUP, GROUP) and K % (4 * GROUP) == 0 and N % GROUP == 0
+            and tuple(scale_shape) == (N // GROUP, K // GROUP))
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale) -> bool:
+    """`shape_fits` for x @ weight.T on a Hopper GPU, x in 16 bits with contiguous rows."""
+    N, K = weight.shape
+    return (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
+            and weight.is_contiguous() and _hopper(x.device.index or 0)
+            and shape_fits(x.shape[0], N, K, resolve_block(list(fp8.block), N, K), fp8.scale.shape))
+
+
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x `[M, K]` @ weight.T (weight `[N, K]` float8_e4m3fn, block scale `[N/128, K/128]`) in x's
+    dtype, where `fits` holds."""
+    M, K = x.shape
+    # cuBLAS reads the activation scales column-major: a [G, M] buffer seen as [M, G]
+    xs = torch.empty(K // GROUP, M, dtype=torch.float32, device=x.device).t()
+    xq, xs = quantize_per_token_group(x, GROUP, scale_out=xs)
+    ws = scale if scale.dtype == torch.float32 else scale.float()
+    return F.scaled_mm(xq, weight.t(), xs, F.ScalingType.BlockWise1x128, ws.contiguous().t(),
+                       F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
