@@ -16,10 +16,13 @@ import torch
 import torch.nn.functional as F
 
 from compiled.linear import W8A16_MAX_M
-from compiled.quant.act_quant import quantize_per_token_group
+from compiled.quant.act_quant import FP8, quantize_per_token_group
 from compiled.quant.dequant import WeightScale, resolve_block
 
 GROUP = 128   # the recipe's activation group and weight block side
+# cuBLAS refuses the recipe for row counts that are not a multiple of this (257 is refused; the
+# activations are padded to it)
+ROW_ALIGN = 16
 
 
 @functools.cache
@@ -47,9 +50,13 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> t
     """x `[M, K]` @ weight.T (weight `[N, K]` float8_e4m3fn, block scale `[N/128, K/128]`) in x's
     dtype, where `fits` holds."""
     M, K = x.shape
-    # cuBLAS reads the activation scales column-major: a [G, M] buffer seen as [M, G]
-    xs = torch.empty(K // GROUP, M, dtype=torch.float32, device=x.device).t()
-    xq, xs = quantize_per_token_group(x, GROUP, scale_out=xs)
+    rows = -(-M // ROW_ALIGN) * ROW_ALIGN
+    # cuBLAS reads the activation scales column-major: a [G, rows] buffer seen as [rows, G]; the
+    # padding rows are never written, and their outputs are cut off
+    xq = torch.empty(rows, K, dtype=FP8, device=x.device)
+    xs = torch.empty(K // GROUP, rows, dtype=torch.float32, device=x.device).t()
+    quantize_per_token_group(x, GROUP, out=xq[:M], scale_out=xs[:M])
     ws = scale if scale.dtype == torch.float32 else scale.float()
-    return F.scaled_mm(xq, weight.t(), xs, F.ScalingType.BlockWise1x128, ws.contiguous().t(),
-                       F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
+    y = F.scaled_mm(xq, weight.t(), xs, F.ScalingType.BlockWise1x128, ws.contiguous().t(),
+                    F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
+    return y[:M]
