@@ -51,8 +51,8 @@ import torch.nn.functional as F
 import triton
 
 from compiled.moe.fused_moe import (Blocks, ExpertScales, GemmDelta, MoEWorkspace, launch_gemm1, launch_gemm2,
-                                    launch_sum, moe_align_block_size, zeroed)
-from compiled.moe.tuned_configs import get_config, split_config
+                                    launch_sum, moe_align_block_size, w8a8_entry, zeroed)
+from compiled.moe.tuned_configs import get_config, split_config, tuned_mode
 from compiled.quant.dequant import FP8
 from compiled.side_stream import Fork
 from compiled.triton_utils import interpreting, launch_kwargs
@@ -371,10 +371,14 @@ class _Launches:
 
 def _lora_configs(T: int, E: int, I: int, x: torch.Tensor, config: dict | None, fp8: bool) -> tuple[dict, dict]:
     """(up, down) GEMM configs: `config`'s, else the base MoE's tuned entry (`fp8`: FP8 experts'
-    file first), its up GEMM fitted to the deltas."""
+    file first, unless its entry is a W8A8 one: LoRA calls run W8A16, whose dots are 16-bit like
+    the activations' file's), its up GEMM fitted to the deltas."""
     if config is not None:
         return split_config(config)
-    up, down = split_config(get_config(T, E, I, x.dtype, x.device, fp8))
+    entry = get_config(T, E, I, x.dtype, x.device, fp8)
+    if fp8 and w8a8_entry(T, tuned_mode(entry)):
+        entry = get_config(T, E, I, x.dtype, x.device)
+    up, down = split_config(entry)
     up = lora_up_config(up, x.element_size())
     if x.element_size() > 2:   # 4-byte tiles: the stages plus the delta operands overflow shared memory
         up, down = (dict(c, num_stages=min(c["num_stages"], FP32_MAX_STAGES)) for c in (up, down))

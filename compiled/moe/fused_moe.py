@@ -243,13 +243,19 @@ def _act_kwargs(a_scale: torch.Tensor | None, like: torch.Tensor) -> dict:
     return dict(AS=a_scale, stride_as=a_scale.stride(0))
 
 
+def w8a8_entry(T: int, tuned: bool | None) -> bool:
+    """Whether the tuned entry for T tokens (its mode `tuned`, `tuned_configs.tuned_mode`) is one
+    the base FP8 experts run W8A8 with: it says so, or it says nothing and T >= W8A8_MIN_TOKENS."""
+    return T >= W8A8_MIN_TOKENS if tuned is None else tuned
+
+
 def w8a8_groups(scales: ExpertScales | None, w13: torch.Tensor, w2: torch.Tensor, T: int, up: dict,
                 down: dict, tuned: bool | None = None) -> tuple[int, int] | None:
     """The activations' group widths (w13's and w2's scale block widths) where the grouped GEMMs
     run W8A8: FP8 experts, the tuned entry's mode (`tuned`, `tuned_configs.tuned_mode`) or where
     it says none T >= W8A8_MIN_TOKENS, and K tiles (`fp8_block_k`) of FP8_DOT_MIN_K or more that
     each lie inside one scale block of both weights; else None (W8A16)."""
-    if scales is None or not (T >= W8A8_MIN_TOKENS if tuned is None else tuned):
+    if scales is None or not w8a8_entry(T, tuned):
         return None
     groups = []
     for w, cfg in ((w13, up), (w2, down)):

@@ -131,6 +131,21 @@ def test_an_entrys_mode_is_read_where_it_names_one(config_dir):
     assert got == [True, False, None]
 
 
+def test_lora_calls_take_16_bit_tiles_where_the_fp8_entry_is_w8a8(config_dir):
+    """Expert-LoRA calls over FP8 experts run W8A16: the FP8 file's entry where it is a W8A16 one,
+    the activations' file's where it is W8A8 (by its key, or by W8A8_MIN_TOKENS without one)."""
+    from compiled.moe.expert_lora import _lora_configs
+    from compiled.moe.fused_moe import W8A8_MIN_TOKENS
+    big = W8A8_MIN_TOKENS * 2
+    _write(config_dir, "fp8_w8a8", {"8": dict(_cfg(64, 32, 64), W8A8=1), "64": dict(_cfg(16, 32, 64), W8A8=0),
+                                     str(big): _cfg(64, 64, 64)})
+    _write(config_dir, "bfloat16", {"8": _cfg(16, 128, 64), "64": _cfg(16, 64, 64), str(big): _cfg(32, 128, 64)})
+    x = torch.zeros(1, 64, dtype=torch.bfloat16)
+    widths = [_lora_configs(T, E, I, x, None, fp8=True)[1]["BLOCK_SIZE_N"] for T in (8, 64, big)]
+    assert widths == [128, 32, 128]
+    assert _lora_configs(8, E, I, x, None, fp8=False)[1]["BLOCK_SIZE_N"] == 128
+
+
 # ----------------------------------------------------------------------------- the op (interpreter)
 
 def case_one_token_reads_the_fp8_files_gemv_tiles() -> dict:
