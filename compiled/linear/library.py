@@ -23,8 +23,9 @@ while the op's outputs, (y, h, normed), stay the family's.
 `weight_scale` (and `delta_weight_scale`) make the weight FP8: float8_e4m3fn times a scale per
 `weight_block` [rows, cols] block (`quant/dequant.py`; a scale per channel is the block [1, K]).
 On CUDA the skinny GEMM (a few rows; `ops.use_kernel`) and, up to W8A16_MAX_M rows, the W8A16
-kernel of `fp8_kernels.py` read the FP8 bytes and scale each tile in registers; elsewhere (prefill,
-the CPU) and with LoRA the op computes with the dequantized weight, the torch reference.
+kernel of `fp8_kernels.py` read the FP8 bytes and scale each tile in registers; past them on Hopper
+cuBLAS's W8A8 GEMM (`fp8_cublas.py`); elsewhere (other prefill shapes, the CPU) the op computes
+with the dequantized weight, the torch reference (`fp8.kernel_for` decides, with or without LoRA).
 
 Each op dispatches to the bodies it ran as separate ops: without LoRA `fp8.py`'s (`ops.dispatch`
 or `fused`'s for a weight in the activations' dtype), with LoRA `lora_linear`'s, so the kernels
