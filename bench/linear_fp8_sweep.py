@@ -7,7 +7,8 @@ SKINNY_MAX_M, the W8A16 GEMM above (BLOCK_N, BLOCK_K, split K; then warps x stag
 around the best three). The heuristic's pick is timed first, then the grid nearest to it first,
 within a time budget per (shape, M): compiling dominates, and with M outermost the second shape
 reuses the first one's compiled kernels. Beside them, cuBLAS on the dequantized bf16 weight (what
-a step without the FP8 kernels would run). Timing as linear_bench.py: one CUDA graph of one call
+a step without the FP8 kernels would run) and, on Hopper, cuBLAS's W8A8 (`fp8_cublas`, what the op
+runs past W8A16_MAX_M rows) at the same rows. Timing as linear_bench.py: one CUDA graph of one call
 per weight copy, copies cycled past L2; each config's output is first checked against F.linear
 over the dequantized weight. GB/s counts the FP8 bytes (weight, scales, x, y).
 
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 import triton
 
 from compiled.linear import SKINNY_MAX_M
+from compiled.linear import fp8_cublas
 from compiled.linear import fp8_kernels as fk
 from compiled.linear import skinny_kernels as lk
 from compiled.quant.dequant import FP8, WeightScale, dequantize_blocks
@@ -168,9 +170,14 @@ def sweep_case(case: Case, sms: int, reps: int, budget_s: float, max_configs: in
         run(refinements(case, c)[:max_configs] if max_configs else refinements(case, c))
     ranked = sorted((t, tuple(c), c) for c, t in times.items() if t is not None)
     cublas_us = time_graph([lambda w=w: F.linear(case.x, w) for w in case.bf16], reps=reps) / len(case.bf16)
+    w8a8_us = None   # cuBLAS's W8A8 at these rows, the activations' quantization included (Hopper)
+    if on_gpu and fp8_cublas.recipe_fits(case.n, case.k, tuple(BLOCK), tuple(case.weights[0][1].shape)) \
+            and torch.cuda.get_device_capability()[0] == 9:
+        w8a8_us = time_graph([lambda q=q, s=s: fp8_cublas.w8a8_linear(case.x, q, s) for q, s in case.weights],
+                             reps=reps) / len(case.weights)
     row = dict(shape=case.name, n=case.n, k=case.k, m=case.m, kernel=case.kind, copies=len(case.weights),
                heuristic=list(h), heuristic_us=times[h], tried=len(times),
-               failed=sum(t is None for t in times.values()), bf16_cublas_us=cublas_us,
+               failed=sum(t is None for t in times.values()), bf16_cublas_us=cublas_us, w8a8_cublas_us=w8a8_us,
                top=[[list(c), t] for t, _, c in ranked[:5]])
     if ranked:
         row.update(best=list(ranked[0][2]), best_us=ranked[0][0], best_gbps=fp8_gbps(case, ranked[0][0]))
@@ -185,17 +192,22 @@ def describe(row: dict) -> str:
     best = f"best {tuple(row['best'])} {us(row['best_us'])} ({row['best_gbps']:.0f} GB/s)" if "best" in row else "none"
     return (f"  fp8 {row['shape']:10s} N={row['n']:5d} K={row['k']:5d} M={row['m']:3d} {row['kernel']:6s}: {best}; "
             f"heuristic {tuple(row['heuristic'])} {us(row['heuristic_us'])}; bf16 cuBLAS {us(row['bf16_cublas_us'])}; "
+            f"W8A8 cuBLAS {us(row['w8a8_cublas_us'])}; "
             f"{row['tried']} tried, {row['failed']} failed")
 
 
+def _us_cell(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["| shape | M | kernel | best config | µs | GB/s (fp8) | heuristic config | µs | bf16 cuBLAS µs |",
-             "|---|---:|---|---|---:|---:|---|---:|---:|"]
+    lines = ["| shape | M | kernel | best config | µs | GB/s (fp8) | heuristic config | µs | bf16 cuBLAS µs | "
+             "W8A8 cuBLAS µs |", "|---|---:|---|---|---:|---:|---|---:|---:|---:|"]
     for r in rows:
         h_us = "failed" if r["heuristic_us"] is None else f"{r['heuristic_us']:.2f}"
         best = (f"{tuple(r['best'])} | {r['best_us']:.2f} | {r['best_gbps']:.0f}" if "best" in r else "none | | ")
         lines.append(f"| {r['shape']} | {r['m']} | {r['kernel']} | {best} | {tuple(r['heuristic'])} | {h_us} | "
-                     f"{r['bf16_cublas_us']:.2f} |")
+                     f"{r['bf16_cublas_us']:.2f} | {_us_cell(r['w8a8_cublas_us'])} |")
     return "\n".join(lines)
 
 

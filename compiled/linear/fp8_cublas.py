@@ -30,12 +30,16 @@ def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
-def shape_fits(M: int, N: int, K: int, block: tuple[int, int], scale_shape: tuple[int, ...]) -> bool:
-    """Whether an `[M, K]` @ `[N, K]`.T FP8 linear with `block` (resolved) and a scale of
-    `scale_shape` is one cuBLAS runs blockwise: past the W8A16 kernel's rows, 128 x 128 blocks,
-    K % 512 == 0, N % 128 == 0."""
-    return (M > W8A16_MAX_M and tuple(block) == (GROUP, GROUP) and K % (4 * GROUP) == 0 and N % GROUP == 0
+def recipe_fits(N: int, K: int, block: tuple[int, int], scale_shape: tuple[int, ...]) -> bool:
+    """Whether an `[N, K]` FP8 weight with `block` (resolved) and a scale of `scale_shape` is one
+    cuBLAS multiplies blockwise: 128 x 128 blocks, K % 512 == 0, N % 128 == 0."""
+    return (tuple(block) == (GROUP, GROUP) and K % (4 * GROUP) == 0 and N % GROUP == 0
             and tuple(scale_shape) == (N // GROUP, K // GROUP))
+
+
+def shape_fits(M: int, N: int, K: int, block: tuple[int, int], scale_shape: tuple[int, ...]) -> bool:
+    """`recipe_fits`, for `M` rows past the W8A16 kernel's."""
+    return M > W8A16_MAX_M and recipe_fits(N, K, block, scale_shape)
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale) -> bool:

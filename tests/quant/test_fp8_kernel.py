@@ -410,8 +410,9 @@ def test_cublas_w8a8_takes_only_its_recipe():
     """cuBLAS's blockwise W8A8 past the W8A16 kernel's rows, for 128 x 128 blocks, K % 512 and
     N % 128 only; other linears dequantize (or run the W8A16 kernel below its rows)."""
     from compiled.linear import W8A16_MAX_M
-    from compiled.linear.fp8_cublas import shape_fits
+    from compiled.linear.fp8_cublas import recipe_fits, shape_fits
     M = W8A16_MAX_M + 1
+    assert recipe_fits(5120, 2048, (128, 128), (40, 16)) and not recipe_fits(5120, 2048, (128, 128), (40, 15))
     assert shape_fits(M, 5120, 2048, (128, 128), (40, 16)) and shape_fits(2048, 2048, 4096, (128, 128), (16, 32))
     assert not shape_fits(W8A16_MAX_M, 5120, 2048, (128, 128), (40, 16))
     assert not shape_fits(M, 5120, 2048 + 128, (128, 128), (40, 17))      # K / 128 not a multiple of 4

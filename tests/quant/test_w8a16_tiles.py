@@ -168,6 +168,7 @@ def test_fp8_sweep_smoke_run_on_cpu(tmp_path):
         ("smoke_qkv", 8, "skinny"), ("smoke_o", 8, "skinny"), ("smoke_qkv", 20, "w8a16"), ("smoke_o", 20, "w8a16")]
     for r in rows:
         assert r["failed"] == 0 and r["tried"] >= 2 and r["heuristic_us"] > 0 and r["best_us"] <= r["heuristic_us"], r
+        assert r["w8a8_cublas_us"] is None, r   # cuBLAS's W8A8: Hopper only
     for r in rows[2:]:
         assert r["heuristic"] == list(fk.w8a16_config(20, r["n"], r["k"], 132, 128)), r
 
