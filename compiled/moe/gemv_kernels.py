@@ -11,13 +11,14 @@ reduced along K once after the loop:
 * `moe_gemv_down_kernel`: weight[p] * (inter[p] . w2[e]) for BLOCK_N output columns, into row p
   of `y [k, H]`, for the top-k sum after it (`moe_sum_kernel` or the next norm's kernel).
 
-Each rounds where the tile kernels (`fused_moe_kernels._up_tile`, `_down_tile`) round, so the
-results differ from theirs only in the order of the fp32 sums. The torch reference is
-`fused_moe.fused_moe_ref`. FP8 (float8_e4m3fn experts): each weight tile is scaled in registers
-(scales `S [E, rows / BO, K / BI]`; `triton_utils.row_scaled`, or `scaled_tile` for blocks the
-tiles do not align with), so a step reads the FP8 bytes. The scaled weight stays fp32, not
-rounded to the activations' dtype as the dequantized reference is: that rounding is a conversion
-an element on a unit that does a few a clock, and would bound the GEMV above the bytes' time."""
+Each rounds its outputs where the tile kernels (`fused_moe_kernels._up_tile`, `_down_tile`) do,
+so over 16-bit experts the results differ from theirs only in the order of the fp32 sums. The
+torch reference is `fused_moe.fused_moe_ref`. FP8 (float8_e4m3fn experts): each weight tile is
+scaled in registers (scales `S [E, rows / BO, K / BI]`; `triton_utils.row_scaled`, or
+`scaled_tile` for blocks the tiles do not align with), so a step reads the FP8 bytes. The scaled
+weight stays fp32, not rounded to the activations' dtype as the tiles' dot operands and the
+dequantized reference are: that rounding is a conversion an element on a unit that does a few a
+clock, and would bound the GEMV above the bytes' time."""
 
 from __future__ import annotations
 
