@@ -468,6 +468,35 @@ def test_gpu_fp8_moe_matches_dequantized_in_bf16(T):
     assert (got - want).abs().max() <= tol * want.abs().max()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [64, 512, 2048])
+def test_gpu_fp8_expert_lora_matches_dequantized_in_bf16(T):
+    """Expert LoRA over the 30B's FP8 experts (8 rank-16 adapters, W8A16 on the tiles
+    `expert_lora._lora_configs` picks: from 256 tokens the bf16 file's) against the same over the
+    dequantized experts, each with its own tiles."""
+    from compiled.moe import expert_lora as el
+    from compiled.moe import fused_moe as fm
+    E, H, I, k, R, S = 128, 2048, 768, 8, 16, 8
+    g = torch.Generator().manual_seed(T)
+    q13, s13, block = _stacked_fp8(torch.randn(E, 2 * I, H, generator=g) / H ** 0.5, QuantConfig("fp8", "block",
+                                                                                                (128, 128)))
+    q2, s2, _ = _stacked_fp8(torch.randn(E, H, I, generator=g) / I ** 0.5, QuantConfig("fp8", "block", (128, 128)))
+    lora = [torch.randn(*shape, generator=g) / shape[-1] ** 0.5 for shape in
+            ((S, E, 2 * R, H), (S, E, 2 * I, R), (S, E, R, I), (S, E, H, R))]
+    q13, s13, q2, s2, *lora = (t.cuda() for t in (q13, s13, q2, s2, *lora))
+    lora = [t.bfloat16() for t in lora]
+    scale = torch.rand(S, 3, device="cuda") + 0.5
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    topk_weights, topk_ids = torch.rand(T, E, device="cuda").softmax(-1).topk(k)
+    slot = torch.randint(-1, S, (T,), device="cuda", dtype=torch.int32)
+    w13, w2 = dequantize_blocks(q13, s13, block, torch.bfloat16), dequantize_blocks(q2, s2, block, torch.bfloat16)
+    want = el.fused_moe_lora_triton(x, topk_weights, topk_ids, w13, w2, *lora, scale, slot).float()
+    got = el.fused_moe_lora_triton(x, topk_weights, topk_ids, q13, q2, *lora, scale, slot,
+                                   scales=fm.ExpertScales(s13, s2, block)).float()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
 if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
     os.environ.setdefault("COMPILED_LINEAR_BACKEND", "auto")
     results = {name: kernel_case(M, N, K, quant) for name, M, N, K, quant in CASES}
