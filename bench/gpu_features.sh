@@ -7,12 +7,13 @@
 # rank-16 adapters on every target, then the base) and the serving workload of
 # bench/serving_suite.sh (random 2,048 in / 1,024 out at concurrency 10). Results in ${OUT:-out}/.
 # Not by default, `lintune`: the FP8 linears' tile sweep (bench/linear_bench.py --fp8: GEMV mode at
-# one row, skinny tiles at 8, the W8A16 GEMM at 32 and 64 on the 30B's qkv and o_proj; 8 x
-# LINTUNE_BUDGET_S of sweeping plus start-up, within STEP_TIMEOUT), the best per shape and M beside
-# the heuristic's pick in $OUT/linear_fp8.json (written after each, so a timeout keeps the rest).
+# one row, skinny tiles at 8, the W8A16 GEMM at 32 to 256 on the 30B's qkv and o_proj, cuBLAS's
+# W8A8 beside it; 12 x LINTUNE_BUDGET_S of sweeping plus start-up, within STEP_TIMEOUT), the best
+# per shape and M beside the heuristic's pick in $OUT/linear_fp8.json (written after each, so a
+# timeout keeps the rest).
 #   PARTS (default "tests structured fp8 lora serving"): which to run, in that order; STEP_TIMEOUT (s, default 240);
 #   QUANTS (default "fp8 bf16"): the e2e runs (each with its decode and prefill profiles);
-#   LINTUNE_BUDGET_S (default 18): lintune's sweep time per shape and row count (8 of them).
+#   LINTUNE_BUDGET_S (default 18): lintune's sweep time per shape and row count (12 of them).
 set -uo pipefail
 out=${OUT:-out}; mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 COLUMNS=160

@@ -247,7 +247,7 @@ def main(argv=None) -> None:
     p.add_argument("--prologue-steps", type=int, nargs="*", default=[lk.PROLOGUE_MAX_STEPS],
                    help="--fused: time each of these K-step bounds (linear_kernels.PROLOGUE_MAX_STEPS)")
     p.add_argument("--fp8", action="store_true", help="sweep the FP8 linears' tiles instead (linear_fp8_sweep.py)")
-    p.add_argument("--fp8-m", type=int, nargs="*", default=[1, 8, 32, 64], help="--fp8: row counts")
+    p.add_argument("--fp8-m", type=int, nargs="*", default=[1, 8, 32, 64, 128, 256], help="--fp8: row counts")
     p.add_argument("--budget-s", type=float, default=20.0, help="--fp8: sweep time per shape and row count")
     p.add_argument("--max-configs", type=int, default=None,
                    help=f"--fp8: configs a pass at most (default: all; {SMOKE_MAX_CONFIGS} on CPU)")
