@@ -18,6 +18,11 @@ from compiled.triton_utils import launch_kwargs, pdl_wait
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 ACT_EPS = 1e-10   # the smallest group maximum: a zero group gets a finite, nonzero scale
+# A program takes whole rows, as many as fit this many (padded) elements, at most MAX_ROWS: a
+# program a row leaves the MoE intermediate's 768-wide rows at 1.5 KB a program, too little
+# work for what launching it costs.
+PROGRAM_ELEMENTS = 4096
+MAX_ROWS = 16
 
 
 def quantize_per_token_group_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,25 +56,32 @@ def _round_e4m3(y):
 
 
 @triton.jit
-def _quant_group_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, K, stride_x, stride_q, stride_s, stride_sg, GROUP, EPS, FMAX,
-                        G_PAD: tl.constexpr, BLOCK_G: tl.constexpr, LIVE_ROWS: tl.constexpr, PDL: tl.constexpr):
-    """One program a row: its groups as a `[G_PAD, BLOCK_G]` tile, each group's max, scale and
-    rounded values. LIVE_ROWS: rows from `rows_ptr[0]` on are left as they are."""
+def _quant_group_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, T, K, stride_x, stride_q, stride_s, stride_sg, GROUP, EPS,
+                        FMAX, ROWS: tl.constexpr, G_PAD: tl.constexpr, BLOCK_G: tl.constexpr,
+                        LIVE_ROWS: tl.constexpr, PDL: tl.constexpr):
+    """ROWS rows a program: their groups as a `[ROWS, G_PAD, BLOCK_G]` tile, each group's max,
+    scale and rounded values. LIVE_ROWS: rows from `rows_ptr[0]` on are left as they are."""
     pdl_wait(PDL)
-    row = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(0) * ROWS
+    end = T
     if LIVE_ROWS:
-        if row >= tl.load(rows_ptr):
+        end = tl.minimum(tl.load(rows_ptr), T)
+        if first >= end:
             return
+    rows = (first + tl.arange(0, ROWS)).to(tl.int64)
+    row_ok = rows < end
     g = tl.arange(0, G_PAD)
     c = tl.arange(0, BLOCK_G)
-    cols = g[:, None] * GROUP + c[None, :]
-    ok = (c < GROUP)[None, :] & (cols < K)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), EPS)
+    cols = (g[:, None] * GROUP + c[None, :])[None, :, :]
+    ok = row_ok[:, None, None] & ((c < GROUP)[None, None, :] & (cols < K))
+    r3 = rows[:, None, None]
+    x = tl.load(x_ptr + r3 * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=2), EPS)
     scale = amax / FMAX
-    y = tl.minimum(tl.maximum(x / scale[:, None], -FMAX), FMAX)
-    tl.store(q_ptr + row * stride_q + cols, _round_e4m3(y).to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + row * stride_s + g * stride_sg, scale, mask=g * GROUP < K)
+    y = tl.minimum(tl.maximum(x / scale[:, :, None], -FMAX), FMAX)
+    tl.store(q_ptr + r3 * stride_q + cols, _round_e4m3(y).to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + rows[:, None] * stride_s + g[None, :] * stride_sg, scale,
+             mask=row_ok[:, None] & (g * GROUP < K)[None, :])
 
 
 def quantize_per_token_group(x: torch.Tensor, group: int, out: torch.Tensor | None = None,
@@ -88,8 +100,10 @@ def quantize_per_token_group(x: torch.Tensor, group: int, out: torch.Tensor | No
     q = torch.empty(T, K, dtype=FP8, device=x.device) if out is None else out
     s = torch.empty(T, G, dtype=torch.float32, device=x.device) if scale_out is None else scale_out
     if T:
-        _quant_group_kernel[(T,)](x, q, s, x if live_rows is None else live_rows, K, x.stride(0), q.stride(0),
-                                  s.stride(0), s.stride(1), group, ACT_EPS, FP8_MAX, G_PAD=triton.next_power_of_2(G),
-                                  BLOCK_G=triton.next_power_of_2(group), LIVE_ROWS=live_rows is not None,
-                                  num_warps=4, **launch_kwargs(x.device))
+        g_pad, block_g = triton.next_power_of_2(G), triton.next_power_of_2(group)
+        rows = max(1, min(MAX_ROWS, PROGRAM_ELEMENTS // (g_pad * block_g)))
+        _quant_group_kernel[(triton.cdiv(T, rows),)](
+            x, q, s, x if live_rows is None else live_rows, T, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+            group, ACT_EPS, FP8_MAX, ROWS=rows, G_PAD=g_pad, BLOCK_G=block_g, LIVE_ROWS=live_rows is not None,
+            num_warps=4, **launch_kwargs(x.device))
     return q, s
