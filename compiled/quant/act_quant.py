@@ -18,9 +18,9 @@ from compiled.triton_utils import launch_kwargs, pdl_wait
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 ACT_EPS = 1e-10   # the smallest group maximum: a zero group gets a finite, nonzero scale
-# A program takes whole rows, as many as fit this many (padded) elements, at most MAX_ROWS: a
-# program a row leaves the MoE intermediate's 768-wide rows at 1.5 KB a program, too little
-# work for what launching it costs.
+# A program takes whole rows, as many as fit this many (padded) elements, at most MAX_ROWS, so
+# that each loads a few KB (a program a row would give the MoE intermediate's 768-wide rows
+# 1.5 KB programs, thousands of them at prefill).
 PROGRAM_ELEMENTS = 4096
 MAX_ROWS = 16
 
