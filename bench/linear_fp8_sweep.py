@@ -31,6 +31,7 @@ from compiled.linear import fp8_cublas
 from compiled.linear import fp8_kernels as fk
 from compiled.linear import skinny_kernels as lk
 from compiled.quant.dequant import FP8, WeightScale, dequantize_blocks
+from compiled.triton_utils import hopper
 from tune_moe import time_graph
 
 BLOCK = [128, 128]
@@ -171,8 +172,7 @@ def sweep_case(case: Case, sms: int, reps: int, budget_s: float, max_configs: in
     ranked = sorted((t, tuple(c), c) for c, t in times.items() if t is not None)
     cublas_us = time_graph([lambda w=w: F.linear(case.x, w) for w in case.bf16], reps=reps) / len(case.bf16)
     w8a8_us = None   # cuBLAS's W8A8 at these rows, the activations' quantization included (Hopper)
-    if on_gpu and fp8_cublas.recipe_fits(case.n, case.k, tuple(BLOCK), tuple(case.weights[0][1].shape)) \
-            and torch.cuda.get_device_capability()[0] == 9:
+    if fp8_cublas.recipe_fits(case.n, case.k, tuple(BLOCK), tuple(case.weights[0][1].shape)) and hopper(case.x.device):
         w8a8_us = time_graph([lambda q=q, s=s: fp8_cublas.w8a8_linear(case.x, q, s) for q, s in case.weights],
                              reps=reps) / len(case.weights)
     row = dict(shape=case.name, n=case.n, k=case.k, m=case.m, kernel=case.kind, copies=len(case.weights),

@@ -39,6 +39,11 @@ def hopper_or_newer(device: torch.device) -> bool:
     return device.type == "cuda" and _capability(device.index)[0] >= 9
 
 
+def hopper(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.x (what cuBLAS's blockwise FP8 recipe runs on)."""
+    return device.type == "cuda" and _capability(device.index)[0] == 9
+
+
 def interpreting() -> bool:
     """Triton kernels run under the CPU interpreter (TRITON_INTERPRET, as Triton itself reads it)."""
     from triton import knobs

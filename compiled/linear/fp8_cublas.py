@@ -10,24 +10,18 @@ weight times the dequantized activations (`act_quant.dequantize_per_token_group`
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from compiled.linear import W8A16_MAX_M
 from compiled.quant.act_quant import FP8, quantize_per_token_group
 from compiled.quant.dequant import WeightScale, resolve_block
+from compiled.triton_utils import hopper
 
 GROUP = 128   # the recipe's activation group and weight block side
 # cuBLAS refuses the recipe for row counts that are not a multiple of this (257 is refused; the
 # activations are padded to it)
 ROW_ALIGN = 16
-
-
-@functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
 
 
 def recipe_fits(N: int, K: int, block: tuple[int, int], scale_shape: tuple[int, ...]) -> bool:
@@ -46,7 +40,7 @@ def fits(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale) -> bool:
     """`shape_fits` for x @ weight.T on a Hopper GPU, x in 16 bits with contiguous rows."""
     N, K = weight.shape
     return (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
-            and weight.is_contiguous() and _hopper(x.device.index or 0)
+            and weight.is_contiguous() and hopper(x.device)
             and shape_fits(x.shape[0], N, K, resolve_block(list(fp8.block), N, K), fp8.scale.shape))
 
 

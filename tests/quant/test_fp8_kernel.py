@@ -434,10 +434,11 @@ def test_gpu_fp8_cublas_w8a8_matches_dequantized(M, N, K):
     from compiled.linear import fp8 as fp8_linear
     from compiled.quant.act_quant import dequantize_per_token_group, quantize_per_token_group_ref
     from compiled.quant.dequant import WeightScale
+    from compiled.triton_utils import hopper
     q, s, block = _stacked_fp8(torch.randn(1, N, K) / K ** 0.5, QuantConfig("fp8", "block", (128, 128)))
     q, s = q[0].cuda(), s[0].cuda()
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    if torch.cuda.get_device_capability()[0] == 9:
+    if hopper(x.device):
         assert fp8_linear.kernel_for(x, q, WeightScale(s, block)) == "w8a8"
     w = dequantize_blocks(q, s, block, torch.float32)
     xd = dequantize_per_token_group(*quantize_per_token_group_ref(x, 128), 128, torch.float32)
