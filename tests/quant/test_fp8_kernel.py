@@ -1,7 +1,8 @@
 """The W8A16 Triton kernels against the dequantize-then-compute references: on CPU under
 TRITON_INTERPRET=1 (one subprocess), block scales with partial edges, per channel, per tensor.
 The linear; the fused MoE's GEMVs (one token) and grouped GEMMs, with and without expert LoRA,
-through `compiled::fused_moe` and `compiled::moe_add_rms_norm_linear`. The W8A8 grouped GEMMs
+through `compiled::fused_moe` and `compiled::moe_add_rms_norm_linear`; the W8A16 linear and grouped
+GEMMs on bf16 rows whose magnitudes lie past float16's range both ways. The W8A8 grouped GEMMs
 (prefill sizes) and their activations' quantization kernel, against the references over the
 dequantized experts and activations (the interpreter's fp8 x fp8 tl.dot is exact)."""
 
@@ -147,6 +148,56 @@ def _expert_lora(g: torch.Generator, T: int, E: int, H: int, I: int, dtype: torc
     a2, b2 = torch.randn(S, E, R, I, generator=g) / 4, torch.randn(S, E, H, R, generator=g) / 4
     slot = torch.tensor([i % (S + 1) - 1 for i in range(T)], dtype=torch.int32)
     return tuple(t.to(dtype) for t in (a13, b13, a2, b2)) + (torch.rand(S, 3, generator=g) + 0.5, slot)
+
+
+# bf16 rows from 1e-5 to 1e6, past float16's range at both ends: a W8A16 GEMM that ran its dots in
+# float16 on rows cast as they are (one conversion for two fp8 weights, where bf16 takes more)
+# would overflow (inf) or lose the small rows' digits
+ROW_SCALES = (1e6, 1e-5, 1.0, 3e4, 2e-3, 1e5)
+RANGE_CASES = [("moe_grouped_bf16_rows_far_apart", ROW_SCALES)]
+LINEAR_RANGE_CASES = [("w8a16_bf16_rows_far_apart", ROW_SCALES)]
+
+
+def _row_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest error of a row relative to that row's largest value; inf where got is not finite."""
+    got, want = got.float(), want.float()
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return ((got - want).abs().amax(dim=1) / want.abs().amax(dim=1)).max().item()
+
+
+def linear_range_case(row_scales: tuple[float, ...]) -> dict:
+    """The W8A16 linear kernel, K steps inside the 128 x 128 blocks (one a step) and a partial last
+    block, on bf16 rows of very different magnitudes against the same rows times the dequantized
+    weight in fp32."""
+    from compiled.linear.fp8_kernels import W8A16Config, w8a16_linear
+    M, N, K = len(row_scales), 72, 200
+    g = torch.Generator().manual_seed(M * N)
+    x = (torch.randn(M, K, generator=g) * torch.tensor(row_scales)[:, None]).bfloat16()
+    q, s, block = _stacked_fp8(torch.randn(1, N, K, generator=g) / K ** 0.5, QuantConfig("fp8", "block", (128, 128)))
+    got = w8a16_linear(x, q[0], s[0], block, W8A16Config(16, 32, 128, 1, 4, 2))
+    return dict(err=_row_err(got, x.float() @ dequantize_blocks(q[0], s[0], block, torch.float32).T), tol=0.02)
+
+
+def moe_range_case(row_scales: tuple[float, ...]) -> dict:
+    """The grouped GEMMs over 128 x 128 block FP8 experts with bf16 rows of very different
+    magnitudes against the Triton path over the dequantized experts, each row's error relative to
+    its own largest output."""
+    from compiled.moe import fused_moe as fm
+    T, E, H, I, k = len(row_scales), 4, 48, 40, 2
+    g = torch.Generator().manual_seed(T * 97)
+    x = (torch.randn(T, H, generator=g) * torch.tensor(row_scales)[:, None]).bfloat16()
+    topk_weights = torch.rand(T, k, generator=g)
+    topk_ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    quant = QuantConfig("fp8", "block", (128, 128))
+    q13, s13, block = _stacked_fp8(torch.randn(E, 2 * I, H, generator=g) / H ** 0.5, quant)
+    q2, s2, _ = _stacked_fp8(torch.randn(E, H, I, generator=g) / I ** 0.5, quant)
+    w13, w2 = (dequantize_blocks(q, s, block, torch.bfloat16) for q, s in ((q13, s13), (q2, s2)))
+    fm.BACKEND.set("triton")
+    want = torch.ops.compiled.fused_moe(x, topk_weights, topk_ids, w13, w2).float()
+    got = torch.ops.compiled.fused_moe(x, topk_weights, topk_ids, q13, q2, w13_scale=s13, w2_scale=s2,
+                                       weight_block=block).float()
+    return dict(err=_row_err(got, want), tol=0.05)
 
 
 DEQUANT_CASES = [("dequant_block16x24", 37, 50, [16, 24], torch.float32),
@@ -330,7 +381,8 @@ def interpreted():
     return run_interpreted(__file__)
 
 
-ALL_CASES = CASES + SKINNY_CASES + LORA_CASES + MOE_CASES + DEQUANT_CASES + ACT_QUANT_CASES + W8A8_CASES
+ALL_CASES = (CASES + SKINNY_CASES + LORA_CASES + MOE_CASES + RANGE_CASES + LINEAR_RANGE_CASES + DEQUANT_CASES
+             + ACT_QUANT_CASES + W8A8_CASES)
 
 
 @pytest.mark.parametrize("name", [c[0] for c in ALL_CASES])
@@ -503,6 +555,8 @@ if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
     os.environ.setdefault("COMPILED_LINEAR_BACKEND", "auto")
     results = {name: kernel_case(M, N, K, quant) for name, M, N, K, quant in CASES}
     results.update({name: moe_case(T, quant, dtype, lora) for name, T, quant, dtype, lora in MOE_CASES})
+    results.update({name: moe_range_case(scales) for name, scales in RANGE_CASES})
+    results.update({name: linear_range_case(scales) for name, scales in LINEAR_RANGE_CASES})
     results.update({name: skinny_case(M, config, quant) for name, M, config, quant in SKINNY_CASES})
     results.update({name: lora_case(M) for name, M in LORA_CASES})
     results.update({name: dequant_case(*case) for name, *case in DEQUANT_CASES})
