@@ -183,38 +183,6 @@ def col_scaled(w, s_ptr, cols, k0, stride_sn, BO, BI, dtype: tl.constexpr):
 
 
 @triton.jit
-def f16_rows(a):
-    """a `[M, K]` (16-bit) as float16 and the rows' powers of two `[M]` (fp32), a = a16 * p: bf16
-    rows scaled so that each one's largest magnitude lands in [2^14, 2^15), inside float16's range
-    whatever a's (bf16 reaches far past 65,504); bf16's 8-bit mantissas fit float16's 11, so the
-    rows are exact but for elements 2^28 below their row's largest. float16 rows as they are."""
-    if a.dtype == tl.bfloat16:
-        af = a.to(tl.float32)
-        e = (tl.max(tl.abs(af), axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF   # biased exponent
-        inv = tl.minimum(tl.maximum(268 - e, 1), 254)          # 2^(141 - e), biased: the row max to 2^14
-        p = (tl.maximum(254 - inv, 1) << 23).to(tl.float32, bitcast=True)
-        a16 = (af * (inv << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
-    else:
-        a16 = a
-        p = tl.full([a.shape[0]], 1.0, tl.float32)
-    return a16, p
-
-
-@triton.jit
-def w8a16_step(acc, a16, p, w, sw, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
-    """acc + one K step of a 16-bit x FP8 GEMM: the rows a16 `[M, BLOCK_K]` (float16, times their
-    powers p: `f16_rows`) by the float8_e4m3fn tile w `[BLOCK_K, BLOCK_N]` inside one scale block
-    (`sw` its columns' scales), as a float16 dot, the products exact and summed in fp32, then
-    scaled: e4m3 converts to float16 exactly at one instruction for two elements, where bf16
-    takes four, scaled or not. DOT_FP32 (the interpreter): the same operands upcast."""
-    w16 = w.to(tl.float16)
-    if DOT_FP32:
-        a16 = a16.to(tl.float32)
-        w16 = w16.to(tl.float32)
-    return acc + tl.dot(a16, w16, input_precision=PRECISION) * (p[:, None] * sw[None, :])
-
-
-@triton.jit
 def col_scales(s_ptr, cols, k0, stride_sn, BO, BI):
     """The block scales `s_ptr[cols // BO, k0 // BI]` of the weight rows `cols` at K offset k0, fp32."""
     return tl.load(s_ptr + (cols // BO) * stride_sn + k0 // BI).to(tl.float32)

@@ -29,8 +29,8 @@ import triton.language as tl
 
 from compiled.linear import skinny_kernels as lk
 from compiled.quant.dequant import fit_block_k, kernel_scale, resolve_block
-from compiled.triton_utils import (DEFAULT_NUM_SMS, f16_rows, interpreter_upcast, num_sms, row_scaled,
-                                   scaled_tile, split_k_store, w8a16_step)
+from compiled.triton_utils import (DEFAULT_NUM_SMS, interpreter_upcast, num_sms, row_scaled, scaled_tile,
+                                   split_k_store)
 
 MIN_BLOCK = 16       # smallest BLOCK_M / BLOCK_N / BLOCK_K (tl.dot's minimum)
 BLOCK_N = 32         # columns a program where the grid fills the GPU without help
@@ -134,29 +134,23 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    PRECISION: tl.constexpr = "ieee" if IEEE else "tf32"
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x_mask = (offs_m[:, None] < M) & (offs_k[None, :] < k_end)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
         w_mask = (offs_n[:, None] < N) & (offs_k[None, :] < k_end)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=w_mask, other=0.0)
-        if FP8 == 2 and KB == 1 and x.dtype != tl.float32:   # 16-bit rows, a K step inside one block
-            x16, p = f16_rows(x)
-            sw = tl.load(s_ptr + (offs_n // BO) * stride_sn + k0 // BI, mask=offs_n < N, other=0.0).to(tl.float32)
-            acc = w8a16_step(acc, x16, p, tl.trans(w), sw, PRECISION, UPCAST)
+        if FP8 == 2:
+            b = row_scaled(w, s_ptr, offs_n, offs_n < N, k0, K, stride_sn, BO, BI, x.dtype, KB)
         else:
-            if FP8 == 2:
-                b = row_scaled(w, s_ptr, offs_n, offs_n < N, k0, K, stride_sn, BO, BI, x.dtype, KB)
-            else:
-                b = scaled_tile(w, s_ptr, offs_n[:, None], offs_k[None, :], w_mask, stride_sn, BO, BI, x.dtype, True)
-            if UPCAST:
-                x = x.to(tl.float32)
-                b = b.to(tl.float32)
-            if IEEE:
-                acc += tl.dot(x, tl.trans(b), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(b))
+            b = scaled_tile(w, s_ptr, offs_n[:, None], offs_k[None, :], w_mask, stride_sn, BO, BI, x.dtype, True)
+        if UPCAST:
+            x = x.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE:
+            acc += tl.dot(x, tl.trans(b), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(b))
     y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     split_k_store(acc, y_ptrs, part_ptr + offs_m[:, None] * N + offs_n[None, :], M * N, y_mask,

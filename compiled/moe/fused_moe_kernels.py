@@ -28,9 +28,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, col_scaled, col_scales, f16_rows,
-                                   one_slot_dot, one_slot_operands, pdl_wait, row_shrink, scaled_tile, slot_bits,
-                                   slot_stacked_delta, w8a8_rows, w8a8_scales, w8a8_step, w8a16_step)
+from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, col_scaled, one_slot_dot, one_slot_operands,
+                                   pdl_wait, row_shrink, scaled_tile, slot_bits, slot_stacked_delta, col_scales,
+                                   w8a8_rows, w8a8_scales, w8a8_step)
 
 
 @triton.jit
@@ -288,7 +288,7 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
             k_ok = offs_k < K - k * BLOCK_K
             g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
             u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-        if FP8 == 2 and a.dtype == tl.float32:
+        if FP8 == 2:
             g = col_scaled(g, S + expert * stride_se, offs_nw, k * BLOCK_K, stride_sn, BO, BI, a.dtype)
             u = col_scaled(u, S + expert * stride_se, offs_nw + N, k * BLOCK_K, stride_sn, BO, BI, a.dtype)
         elif FP8 == 1:
@@ -296,20 +296,14 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
             g = scaled_tile(g, S + expert * stride_se, offs_nw[None, :], kk, kk < K, stride_sn, BO, BI, a.dtype, FP8)
             u = scaled_tile(u, S + expert * stride_se, (offs_nw + N)[None, :], kk, kk < K, stride_sn, BO, BI, a.dtype,
                             FP8)
-        if FP8 == 2 and a.dtype != tl.float32:   # 16-bit rows: float16 dots, the scales after
-            a16, p = f16_rows(a)
-            acc_g = w8a16_step(acc_g, a16, p, g, col_scales(S + expert * stride_se, offs_nw, k * BLOCK_K, stride_sn,
-                                                            BO, BI), PRECISION, DOT_FP32)
-            acc_u = w8a16_step(acc_u, a16, p, u, col_scales(S + expert * stride_se, offs_nw + N, k * BLOCK_K,
-                                                            stride_sn, BO, BI), PRECISION, DOT_FP32)
-        elif FP8 >= 3:
-            if DOT_FP32:
-                a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            g = g.to(tl.float32)
+            u = u.to(tl.float32)
+        if FP8 >= 3:
             acc_g = w8a8_step(acc_g, a, g, sa, sg, PRECISION, FP8 == 4)
             acc_u = w8a8_step(acc_u, a, u, sa, su, PRECISION, FP8 == 4)
         else:
-            if DOT_FP32:
-                a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
             acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K
@@ -438,23 +432,18 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
                 b = tl.load(b_ptrs)
             else:
                 b = tl.load(b_ptrs, mask=(offs_k < K - k * BLOCK_K)[:, None], other=0.0)
-        if FP8 == 2 and a.dtype == tl.float32:
+        if FP8 == 2:
             b = col_scaled(b, S + expert * stride_se, offs_nw, k * BLOCK_K, stride_sn, BO, BI, a.dtype)
         elif FP8 == 1:
             kk = (k * BLOCK_K + offs_k)[:, None]
             b = scaled_tile(b, S + expert * stride_se, offs_nw[None, :], kk, kk < K, stride_sn, BO, BI, a.dtype, FP8)
-        if FP8 == 2 and a.dtype != tl.float32:   # as in _up_tile
-            a16, p = f16_rows(a)
-            acc = w8a16_step(acc, a16, p, b, col_scales(S + expert * stride_se, offs_nw, k * BLOCK_K, stride_sn, BO,
-                                                        BI), PRECISION, DOT_FP32)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if FP8 >= 3:
+            acc = w8a8_step(acc, a, b, sa, sw, PRECISION, FP8 == 4)
         else:
-            if DOT_FP32:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if FP8 >= 3:
-                acc = w8a8_step(acc, a, b, sa, sw, PRECISION, FP8 == 4)
-            else:
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if LORA and not DELTA_FIRST and not DELTA_IN_K:
