@@ -183,37 +183,6 @@ def col_scaled(w, s_ptr, cols, k0, stride_sn, BO, BI, dtype: tl.constexpr):
 
 
 @triton.jit
-def f16_row_scales(amax):
-    """(inv, p) `[M]` fp32 for rows whose largest magnitudes are amax (at least the true ones,
-    within a factor 2): powers of two with amax * inv in [2^14, 2^15), inside float16's range
-    whatever the rows' (bf16 reaches far past 65,504), and p = 1 / inv. A zero row takes 2^127."""
-    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF    # biased exponent
-    inv = tl.minimum(tl.maximum(268 - e, 1), 254)          # 2^(14 - (e - 127)), biased
-    return (inv << 23).to(tl.float32, bitcast=True), (tl.maximum(254 - inv, 1) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def f16_rows(a, inv):
-    """The 16-bit rows a `[M, K]` times their powers of two inv `[M]` (`f16_row_scales`), as
-    float16: exact (bf16's 8-bit mantissas fit float16's 11) but for elements 2^28 below their
-    row's largest."""
-    return (a.to(tl.float32) * inv[:, None]).to(tl.float16)
-
-
-@triton.jit
-def w8a16_step(acc, a16, p, w, sw, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
-    """acc + one K step of the FP8_F16 mode: the rows a16 `[M, BLOCK_K]` (`f16_rows`, p their
-    powers' inverses) times the float8_e4m3fn tile w `[BLOCK_K, BLOCK_N]` inside one scale block
-    (`sw` its columns' scales) as a float16 dot, products exact and summed in fp32, then scaled.
-    DOT_FP32 (the interpreter): the same operands upcast."""
-    w16 = w.to(tl.float16)
-    if DOT_FP32:
-        a16 = a16.to(tl.float32)
-        w16 = w16.to(tl.float32)
-    return acc + tl.dot(a16, w16, input_precision=PRECISION) * (p[:, None] * sw[None, :])
-
-
-@triton.jit
 def col_scales(s_ptr, cols, k0, stride_sn, BO, BI):
     """The block scales `s_ptr[cols // BO, k0 // BI]` of the weight rows `cols` at K offset k0, fp32."""
     return tl.load(s_ptr + (cols // BO) * stride_sn + k0 // BI).to(tl.float32)

@@ -11,10 +11,8 @@ One token runs as two GEMVs instead (`gemv_kernels.py`: no 16-row tensor-core ti
 row). FP8 experts (`ExpertScales`) are scaled in the kernels' K loops (W8A16); where the tuned
 entry says W8A8 (or, where it says neither, from W8A8_MIN_TOKENS on) and the K tiles fit the scale
 blocks, the grouped GEMMs run W8A8 instead: x and then the intermediate's rows in use quantized per
-token and scale block (`quant.act_quant`), fp8 x fp8 dots. W8A16 grouped GEMMs on 16-bit rows
-whose K tiles each lie inside one scale block run float16 dots (FP8_F16, `f16_dots`): the alignment
-takes each token's largest magnitude, the up GEMM each intermediate row's. Expert-LoRA calls
-(`expert_lora.py`) stay W8A16 in the activations' dtype.
+token and scale block (`quant.act_quant`), fp8 x fp8 dots. Expert-LoRA calls (`expert_lora.py`)
+stay W8A16.
 
 Kernel configs come from `tuned_configs.py` (the tuned files, FP8 experts' own, the defaults).
 `BACKEND` ('auto': Triton on CUDA, the reference elsewhere; from `COMPILED_MOE_BACKEND`, read at
@@ -34,8 +32,7 @@ from compiled.functional import add_rms_norm_ref
 from compiled.moe.experts import expert_loop
 from compiled.moe.tuned_configs import get_config, get_gemv_tiles, split_config, tuned_mode
 from compiled.quant.act_quant import quantize_per_token_group
-from compiled.quant.dequant import (FP8_BLOCKS, FP8_F16, FP8_W8A8, FP8_W8A8_TILE, fit_block_k, kernel_scale,
-                                    resolve_block, scale_tiling)
+from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, FP8_W8A8_TILE, fit_block_k, kernel_scale, resolve_block
 from compiled.triton_utils import interpreting, launch_kwargs, row_warps, tma_descriptor
 
 # Where a tuned entry does not name its mode: FP8 experts at this many tokens or more run the
@@ -44,7 +41,6 @@ from compiled.triton_utils import interpreting, launch_kwargs, row_warps, tma_de
 # `bench/tune_moe.py` times both modes and writes the faster into each entry.
 W8A8_MIN_TOKENS = 256
 FP8_DOT_MIN_K = 32   # tl.dot on fp8 operands takes K tiles of 32 or more (Hopper's fp8 MMA)
-ROW_MAX_BLOCK = 1024   # the alignment's step along a row of x when it takes the rows' maxima
 
 
 # ----------------------------------------------------------------------------- reference
@@ -119,8 +115,6 @@ class MoEWorkspace:
         self.get("bases", triton.cdiv(numel, _align_chunk(numel)) * e_pad, torch.int32, device)
         self.get("post", 1, torch.int32, device)
         self.get("inter", intermediate_rows(numel, E, block_m) * I, dtype, device)
-        self.get("inter_max", intermediate_rows(numel, E, block_m), torch.float32, device)
-        self.get("x_max", max_tokens, torch.float32, device)
         self.get("y", numel * H, dtype, device)
         return self
 
@@ -140,15 +134,6 @@ def align_launch(numel: int, E: int, block_m: int) -> AlignLaunch:
     return AlignLaunch(chunk=chunk, sub=min(chunk, 32), bb=min(64, 4096 // max(block_m, _expert_pad(E))))
 
 
-class RowMax(NamedTuple):
-    """The FP8_F16 grouped GEMMs' row maxima: x `[T, H]`, where the alignment writes its rows'
-    largest magnitudes (x_max `[T]` fp32) and zeroes the intermediate's (inter_max, one a row),
-    which the up GEMM writes and the down GEMM reads."""
-    x: torch.Tensor
-    x_max: torch.Tensor
-    inter_max: torch.Tensor
-
-
 class Blocks(NamedTuple):
     """The (token, slot) pairs sorted by expert into BLOCK_M blocks (`moe_align_block_size`)."""
     sorted_ids: torch.Tensor   # int32 [P]: pair indices (token * k + slot); padding rows hold T*k
@@ -157,13 +142,13 @@ class Blocks(NamedTuple):
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace: MoEWorkspace | None = None,
-                         launch: AlignLaunch | None = None, row_max: RowMax | None = None) -> Blocks:
+                         launch: AlignLaunch | None = None) -> Blocks:
     """Sort (token, slot) pairs by expert, padding each expert's segment to a multiple of block_m.
 
     The buffers are sized by the fixed bound P = `max_padded_size`. Inside an expert's segment,
     pairs of one chunk keep their order and chunks come in arrival order (atomics); nothing
     downstream depends on that order. No host sync. `launch` overrides `align_launch` (benchmark
-    sweeps). `row_max`: the FP8_F16 GEMMs' row maxima too (`RowMax`)."""
+    sweeps)."""
     from compiled.moe import fused_moe_kernels as K
 
     ws = workspace or MoEWorkspace()
@@ -191,13 +176,10 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
             totals.zero_()
         K.align_count_kernel[(n_chunks,)](ids, totals, bases, numel, CHUNK=lc.chunk, SUB=lc.sub, E_PAD=e_pad,
                                           num_warps=lc.warps, **launch_kwargs(dev))
-    rm = row_max or RowMax(num_post, num_post, num_post)   # placeholders ROW_MAX=False never reads
     K.align_place_kernel[(n_chunks,)](ids, totals, bases, done if reset else num_post, sorted_ids, expert_ids,
                                       num_post, numel, max_blocks, BLOCK_M=block_m, CHUNK=lc.chunk, SUB=lc.sub,
-                                      E_PAD=e_pad, BB=lc.bb, COUNT_ALL=count_all, RESET=reset, X=rm.x, XMAX=rm.x_max,
-                                      IMAX=rm.inter_max, T=rm.x.shape[0], H=rm.x.shape[-1], stride_x=rm.x.stride(0),
-                                      n_imax=rm.inter_max.numel(), ROW_MAX=row_max is not None, BLOCK_H=ROW_MAX_BLOCK,
-                                      num_warps=lc.warps, **launch_kwargs(dev))
+                                      E_PAD=e_pad, BB=lc.bb, COUNT_ALL=count_all, RESET=reset, num_warps=lc.warps,
+                                      **launch_kwargs(dev))
     return Blocks(sorted_ids, expert_ids, num_post)
 
 
@@ -233,14 +215,13 @@ class ExpertScales:
 
 
 def fp8_kwargs(scales: ExpertScales | None, name: str, w: torch.Tensor, block_k: int, gemv: bool = False,
-               w8a8: bool = False, block_n: int = 0, f16: bool = False) -> dict:
+               w8a8: bool = False, block_n: int = 0) -> dict:
     """A kernel's scale arguments for the stacked weight `w` (`name`: w13 or w2) read in K tiles
     of `block_k`: its block scale's pointer, strides, block sides and FP8 mode
     (`quant.dequant.scale_tiling`; the grouped GEMMs' tiles take one block at most, the GEMVs'
     `gemv` several, KB; `w8a8`: FP8_W8A8, whose tiles must each lie inside one block, or
-    FP8_W8A8_TILE where every `block_n`-wide N tile, w13's up half's too, lies inside one; `f16`:
-    FP8_F16, whose tiles each lie inside one block, `f16_dots`); without `scales`, placeholders the
-    kernels compiled with FP8=0 never read."""
+    FP8_W8A8_TILE where every `block_n`-wide N tile, w13's up half's too, lies inside one); without
+    `scales`, placeholders the kernels compiled with FP8=0 never read."""
     if scales is None:
         return dict(S=w, stride_se=0, stride_sn=0, BO=1, BI=1, FP8=0, **({"KB": 1} if gemv else {}))
     ks = kernel_scale(getattr(scales, name), scales.block, w.shape[1], w.shape[2], block_k, many=gemv)
@@ -251,11 +232,6 @@ def fp8_kwargs(scales: ExpertScales | None, name: str, w: torch.Tensor, block_k:
                              f"of {name}; got BLOCK_K {block_k} for the block width {ks.bi}")
         n = w.shape[1] // 2 if name == "w13" else 0   # the up rows start at n
         mode = FP8_W8A8_TILE if block_n and ks.bo % block_n == 0 and n % ks.bo == 0 else FP8_W8A8
-    elif f16:
-        if (ks.mode, ks.kb) != (FP8_BLOCKS, 1):
-            raise ValueError(f"fused_moe: float16 dots need K tiles inside the scale blocks of {name}; got BLOCK_K "
-                             f"{block_k} for the block width {ks.bi}")
-        mode = FP8_F16
     return dict(S=ks.scale, stride_se=ks.scale.stride(0), stride_sn=ks.scale.stride(1), BO=ks.bo, BI=ks.bi,
                 FP8=mode, **({"KB": ks.kb} if gemv else {}))
 
@@ -291,19 +267,6 @@ def w8a8_groups(scales: ExpertScales | None, w13: torch.Tensor, w2: torch.Tensor
     return groups[0], groups[1]
 
 
-def f16_dots(scales: ExpertScales | None, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, up: dict,
-             down: dict) -> bool:
-    """Whether the W8A16 grouped GEMMs run FP8_F16: FP8 experts, 16-bit activations, and K tiles
-    that each lie inside one scale block of both weights."""
-    if scales is None or x.element_size() != 2:
-        return False
-    for w, cfg in ((w13, up), (w2, down)):
-        bi = resolve_block(scales.block, w.shape[1], w.shape[2])[1]
-        if scale_tiling(bi, fit_block_k(bi, cfg["BLOCK_SIZE_K"]), many=False) != (FP8_BLOCKS, 1):
-            return False
-    return True
-
-
 def fp8_block_k(scales: ExpertScales | None, w: torch.Tensor, block_k: int) -> int:
     """A grouped GEMM's K tile over the FP8 weight `w` (`quant.dequant.fit_block_k`)."""
     if scales is None:
@@ -323,11 +286,6 @@ def _delta_args(delta: GemmDelta | None, like: torch.Tensor) -> tuple[tuple, dic
              b.stride(2)), dict(LORA=True, **delta.consts))
 
 
-def _check_f16(op: str, row_max, scales: ExpertScales | None, a_scale: torch.Tensor | None) -> None:
-    if row_max is not None and (scales is None or a_scale is not None):
-        raise ValueError(f"{op}: float16 dots (row maxima) need FP8 experts (scales) and no a_scale (W8A8)")
-
-
 def _check_w8a8(op: str, a_scale: torch.Tensor | None, scales: ExpertScales | None,
                 delta: GemmDelta | None) -> None:
     if a_scale is not None and (scales is None or delta is not None):
@@ -336,15 +294,13 @@ def _check_w8a8(op: str, a_scale: torch.Tensor | None, scales: ExpertScales | No
 
 def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks: Blocks, top_k: int,
                   cfg: dict, delta: GemmDelta | None = None, scales: ExpertScales | None = None,
-                  a_scale: torch.Tensor | None = None, row_max: RowMax | None = None) -> None:
+                  a_scale: torch.Tensor | None = None) -> None:
     """inter (block order) <- silu(gate) * up for every pair of `blocks`; x `[T, H]`; with
     `delta`, each pair's gate and up LoRA deltas added before silu; with `scales`, w13 is FP8;
     with `a_scale` too (W8A8, no delta), x is float8_e4m3fn and `a_scale` its group scales
-    (`quant.act_quant`, groups of w13's block width); with `row_max` instead (FP8_F16, the
-    alignment's), float16 dots, the intermediate rows' maxima into its inter_max."""
+    (`quant.act_quant`, groups of w13's block width)."""
     from compiled.moe import fused_moe_kernels as K
     _check_w8a8("launch_gemm1", a_scale, scales, delta)
-    _check_f16("launch_gemm1", row_max, scales, a_scale)
     I, H = w13.shape[1] // 2, w13.shape[2]
     bn, bk = cfg["BLOCK_SIZE_N"], fp8_block_k(scales, w13, cfg["BLOCK_SIZE_K"])
     grid = (blocks.expert_ids.numel() * triton.cdiv(I, bn),)
@@ -358,25 +314,20 @@ def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=H % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None, **lora_consts,
         SHRINK_BY_PAIR=delta is not None and delta.by_pair,
-        **fp8_kwargs(scales, "w13", w13, bk, w8a8=a_scale is not None, block_n=bn, f16=row_max is not None),
-        **_act_kwargs(a_scale if row_max is None else row_max.x_max, x),
-        AMAX_OUT=x if row_max is None else row_max.inter_max,
+        **fp8_kwargs(scales, "w13", w13, bk, w8a8=a_scale is not None, block_n=bn), **_act_kwargs(a_scale, x),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(x.device),
         **dict(zip(_LORA_ARGS, lora_args)))
 
 
 def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, blocks: Blocks,
                   cfg: dict, top_k: int = 1, delta: GemmDelta | None = None,
-                  scales: ExpertScales | None = None, a_scale: torch.Tensor | None = None,
-                  a_max: torch.Tensor | None = None) -> None:
+                  scales: ExpertScales | None = None, a_scale: torch.Tensor | None = None) -> None:
     """y `[T*k, H]` <- each pair's routing weight (`weights`, `[T*k]`) times its row of inter . w2
     (plus, with `delta`, its down LoRA delta; `top_k` maps the pairs to their tokens' slots; with
     `scales`, w2 is FP8, and a delta must not run in the K loop; with `a_scale` too (W8A8, no
-    delta), inter is float8_e4m3fn and `a_scale` its rows' group scales; with `a_max` instead
-    (FP8_F16), float16 dots, `a_max` inter's rows' largest magnitudes, as `launch_gemm1` wrote them)."""
+    delta), inter is float8_e4m3fn and `a_scale` its rows' group scales)."""
     from compiled.moe import fused_moe_kernels as K
     _check_w8a8("launch_gemm2", a_scale, scales, delta)
-    _check_f16("launch_gemm2", a_max, scales, a_scale)
     H, I = w2.shape[1], w2.shape[2]
     bn, bk = cfg["BLOCK_SIZE_N"], fp8_block_k(scales, w2, cfg["BLOCK_SIZE_K"])
     grid = (blocks.expert_ids.numel() * triton.cdiv(H, bn),)
@@ -394,8 +345,7 @@ def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights
         EVEN_K=I % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None, A_TMA=a_desc is not None,
         TOP_K=top_k, **lora_consts, DELTA_IN_K=delta is not None and delta.in_k,
         R_FULL=delta is not None and delta.b.shape[3] == lora_consts["BLOCK_R"],
-        **fp8_kwargs(scales, "w2", w2, bk, w8a8=a_scale is not None, block_n=bn, f16=a_max is not None),
-        **_act_kwargs(a_scale if a_max is None else a_max, inter),
+        **fp8_kwargs(scales, "w2", w2, bk, w8a8=a_scale is not None, block_n=bn), **_act_kwargs(a_scale, inter),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(inter.device),
         **dict(zip(_LORA_ARGS, lora_args)))
 
@@ -451,11 +401,6 @@ class MoECall:
         I = self.w2.shape[2]
         return self.ws.get("inter", rows * I, self.x.dtype, self.x.device).view(rows, I)
 
-    def row_max(self, rows: int) -> RowMax:
-        """The FP8_F16 GEMMs' row maxima for x and an intermediate of `rows` rows (the workspace's)."""
-        return RowMax(self.x, self.ws.get("x_max", self.x.shape[0], torch.float32, self.x.device),
-                      self.ws.get("inter_max", rows, torch.float32, self.x.device))
-
     def quantized(self, name: str, a: torch.Tensor, group: int, live_rows: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """`a [rows, K]` quantized per token in groups of `group` (W8A8) into the workspace's
@@ -501,16 +446,13 @@ def _launch_grouped(call: MoECall, config: dict) -> None:
     intermediate (each block's rows at its offset: `intermediate_rows`), gemm2 into y."""
     up, down = split_config(config)
     block_m = up["BLOCK_SIZE_M"]
-    inter = call.inter(intermediate_rows(call.ids.numel(), call.w13.shape[0], block_m))
+    blocks = moe_align_block_size(call.ids, call.w13.shape[0], block_m, call.ws)
+    inter = call.inter(blocks.expert_ids.numel() * block_m)
     groups = w8a8_groups(call.scales, call.w13, call.w2, call.x.shape[0], up, down, tuned_mode(config))
     if groups is None:
-        row_max = call.row_max(inter.shape[0]) if f16_dots(call.scales, call.x, call.w13, call.w2, up, down) else None
-        blocks = moe_align_block_size(call.ids, call.w13.shape[0], block_m, call.ws, row_max=row_max)
-        launch_gemm1(call.x, call.w13, inter, blocks, call.top_k, up, scales=call.scales, row_max=row_max)
-        launch_gemm2(inter, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales,
-                     a_max=None if row_max is None else row_max.inter_max)
+        launch_gemm1(call.x, call.w13, inter, blocks, call.top_k, up, scales=call.scales)
+        launch_gemm2(inter, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales)
         return
-    blocks = moe_align_block_size(call.ids, call.w13.shape[0], block_m, call.ws)
     xq, xs = call.quantized("x", call.x, groups[0])
     launch_gemm1(xq, call.w13, inter, blocks, call.top_k, up, scales=call.scales, a_scale=xs)
     # the rows of the blocks in use, padding rows too (their products are never stored); the

@@ -28,9 +28,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, col_scaled, col_scales, f16_row_scales,
-                                   f16_rows, one_slot_dot, one_slot_operands, pdl_wait, row_shrink, scaled_tile,
-                                   slot_bits, slot_stacked_delta, w8a8_rows, w8a8_scales, w8a8_step, w8a16_step)
+from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, col_scaled, one_slot_dot, one_slot_operands,
+                                   pdl_wait, row_shrink, scaled_tile, slot_bits, slot_stacked_delta, col_scales,
+                                   w8a8_rows, w8a8_scales, w8a8_step)
 
 
 @triton.jit
@@ -55,16 +55,13 @@ def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, exp
                        numel, max_blocks,
                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                        E_PAD: tl.constexpr, BB: tl.constexpr, COUNT_ALL: tl.constexpr, RESET: tl.constexpr,
-                       X, XMAX, IMAX, T, H, stride_x, n_imax, ROW_MAX: tl.constexpr, BLOCK_H: tl.constexpr,
                        PDL: tl.constexpr):
     """Scatter this chunk's pair indices to their padded slots; write block experts and padding.
 
     COUNT_ALL (> 0: a bound on the pairs, a multiple of SUB): every program counts all the pairs
     itself, and those of the chunks before its own, so no count kernel runs before it. RESET: the
     program that finishes last (a counter at done_ptr) puts the totals and the counter back to
-    zero for the next call, so no memset launch precedes the count kernel. ROW_MAX (the grouped
-    GEMMs' FP8_F16 mode): the largest magnitude of each of x's T rows into XMAX, and the n_imax
-    intermediate rows' maxima at IMAX zeroed for the up GEMM's atomic max."""
+    zero for the next call, so no memset launch precedes the count kernel."""
     pdl_wait(PDL)
     pid = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
@@ -123,24 +120,6 @@ def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, exp
         if arrived == n_prog - 1:
             tl.store(totals_ptr + experts, tl.zeros([E_PAD], dtype=tl.int32))
             tl.store(done_ptr, 0)
-    if ROW_MAX:
-        _row_maxima(X, XMAX, IMAX, T, H, stride_x, n_imax, BLOCK_H)
-
-
-@triton.jit
-def _row_maxima(X, XMAX, IMAX, T, H, stride_x, n_imax, BLOCK_H: tl.constexpr):
-    """XMAX[t] = max |X[t]| over x's T rows (H wide), and IMAX[:n_imax] = 0, spread over the grid."""
-    pid = tl.program_id(0)
-    n_prog = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_H)
-    for t in range(pid, T, n_prog):
-        m = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for h in range(0, H, BLOCK_H):
-            v = tl.load(X + t * stride_x + h + cols, mask=h + cols < H, other=0.0)
-            m = tl.maximum(m, tl.abs(v.to(tl.float32)))
-        tl.store(XMAX + t, tl.max(m, axis=0))
-    for i in range(pid * BLOCK_H, n_imax, n_prog * BLOCK_H):
-        tl.store(IMAX + i + cols, tl.zeros([BLOCK_H], dtype=tl.float32), mask=i + cols < n_imax)
 
 
 @triton.jit
@@ -249,16 +228,14 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
              TMA: tl.constexpr, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
              LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
              DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
-             SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, AMAX_OUT,
-             FP8: tl.constexpr):
+             SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr):
     """silu(gate) * up for the TILE_M rows `pair` (a power of two >= 16) and one N tile. TMA: the
     weight tiles come through `w_desc` (w as `[E * 2N, K]`, block `[BLOCK_N, BLOCK_K]`); rows past
     the tile's N read the neighbouring rows (or zeros past the end), whose columns are not stored.
     LORA: the gate and up deltas (`_pair_delta`, shrink outputs `[rows, 2R]`) added before silu,
     a tile of one slot's operands loaded before the K loop (in flight during it); DELTA_FIRST:
     the deltas as the accumulators' start, before the K loop. SHRINK_BY_PAIR: the shrink outputs'
-    rows are the pairs (`moe_lora_pair_shrink_kernel`), else the positions (block order). FP8_F16
-    (5): the tokens' largest magnitudes at AS, and each stored row's at AMAX_OUT (an atomic max)."""
+    rows are the pairs (`moe_lora_pair_shrink_kernel`), else the positions (block order)."""
     row_ok = pair < num_valid
     if SHRINK_BY_PAIR:
         s_rows = tl.where(row_ok, pair, 0)
@@ -286,16 +263,13 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
         _, sr_u, sc_u, b_u = _pair_operands(slots, s_rows, expert, offs_n + N, n_ok, L_R, 1, L_S, L_B, L_SCALE, L_R,
                                             stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R)
     n_k = tl.cdiv(K, BLOCK_K)
-    W8A8: tl.constexpr = FP8 == 3 or FP8 == 4
-    if FP8 == 5:   # float16 dots: the rows' powers of two from their tokens' largest magnitudes
-        inv, p = f16_row_scales(tl.load(AS + token * stride_as))
-    if W8A8:   # each step's scales loaded a step ahead (the loop's pipelining leaves them out)
+    if FP8 >= 3:   # W8A8: each step's scales loaded a step ahead (the loop's pipelining leaves them out)
         s_e, as_rows = S + expert * stride_se, AS + token * stride_as
         w_rows = w8a8_rows(offs_nw, pid_n, BLOCK_N, FP8 == 4)
         sa_n, sg_n = w8a8_scales(as_rows, s_e, w_rows, 0, stride_sn, BO, BI)
         su_n = col_scales(s_e, w_rows + N, 0, stride_sn, BO, BI)
     for k in range(0, n_k):
-        if W8A8:
+        if FP8 >= 3:
             sa, sg, su = sa_n, sg_n, su_n
             k_next = tl.minimum(k + 1, n_k - 1) * BLOCK_K
             sa_n, sg_n = w8a8_scales(as_rows, s_e, w_rows, k_next, stride_sn, BO, BI)
@@ -322,24 +296,16 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
             g = scaled_tile(g, S + expert * stride_se, offs_nw[None, :], kk, kk < K, stride_sn, BO, BI, a.dtype, FP8)
             u = scaled_tile(u, S + expert * stride_se, (offs_nw + N)[None, :], kk, kk < K, stride_sn, BO, BI, a.dtype,
                             FP8)
-        if FP8 == 5:
-            a16 = f16_rows(a, inv)
-            s_e = S + expert * stride_se
-            acc_g = w8a16_step(acc_g, a16, p, g, col_scales(s_e, offs_nw, k * BLOCK_K, stride_sn, BO, BI), PRECISION,
-                               DOT_FP32)
-            acc_u = w8a16_step(acc_u, a16, p, u, col_scales(s_e, offs_nw + N, k * BLOCK_K, stride_sn, BO, BI),
-                               PRECISION, DOT_FP32)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            g = g.to(tl.float32)
+            u = u.to(tl.float32)
+        if FP8 >= 3:
+            acc_g = w8a8_step(acc_g, a, g, sa, sg, PRECISION, FP8 == 4)
+            acc_u = w8a8_step(acc_u, a, u, sa, su, PRECISION, FP8 == 4)
         else:
-            if DOT_FP32:
-                a = a.to(tl.float32)
-                g = g.to(tl.float32)
-                u = u.to(tl.float32)
-            if W8A8:
-                acc_g = w8a8_step(acc_g, a, g, sa, sg, PRECISION, FP8 == 4)
-                acc_u = w8a8_step(acc_u, a, u, sa, su, PRECISION, FP8 == 4)
-            else:
-                acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-                acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -357,11 +323,7 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
     act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
     out = (act * up).to(dt)
     o_ptrs = out_ptr + pos.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    stored = row_ok[:, None] & (offs_n[None, :] < N)
-    tl.store(o_ptrs, out, mask=stored)
-    if FP8 == 5:   # for the down GEMM's float16 dots (the maxima are >= 0: float order is int order)
-        tl.atomic_max(AMAX_OUT + pos.to(tl.int64), tl.max(tl.where(stored, tl.abs(out.to(tl.float32)), 0.0), axis=1),
-                      mask=row_ok)
+    tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_n[None, :] < N))
 
 
 @triton.jit
@@ -416,7 +378,7 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
     before the K loop (DELTA_FIRST: the delta itself before the K loop); DELTA_IN_K (pointer loads
     only): the delta as the loop's last steps (`_k_step_with_delta`), its shrink outputs scaled
     and in a's dtype. FP8 (pointer loads, not with DELTA_IN_K): the weight tiles scaled by their
-    blocks of S (`[E, N / BO, K / BI]`); FP8_F16 (5): the rows' largest magnitudes at AS."""
+    blocks of S (`[E, N / BO, K / BI]`)."""
     row_ok = pair < num_valid
     row = tl.where(row_ok, pair, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -444,15 +406,12 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
             steps = n_k + tl.cdiv(SLOTS_PAD * BLOCK_R, BLOCK_K)
         a_rows = a_ptr + (first_pos + tl.arange(0, TILE_M)).to(tl.int64)[:, None] * stride_am
         w_cols = w_ptr + expert * stride_we + offs_nw[None, :] * stride_wn
-    W8A8: tl.constexpr = FP8 == 3 or FP8 == 4
-    if FP8 == 5:   # as in _up_tile, the rows' maxima by position
-        inv, p = f16_row_scales(tl.load(AS + pos.to(tl.int64) * stride_as))
-    if W8A8:   # as in _up_tile: each step's scales loaded a step ahead
+    if FP8 >= 3:   # as in _up_tile: each step's scales loaded a step ahead
         as_rows = AS + pos.to(tl.int64) * stride_as
         w_rows = w8a8_rows(offs_nw, pid_n, BLOCK_N, FP8 == 4)
         sa_n, sw_n = w8a8_scales(as_rows, S + expert * stride_se, w_rows, 0, stride_sn, BO, BI)
     for k in range(0, steps):
-        if W8A8:
+        if FP8 >= 3:
             sa, sw = sa_n, sw_n
             sa_n, sw_n = w8a8_scales(as_rows, S + expert * stride_se, w_rows, tl.minimum(k + 1, n_k - 1) * BLOCK_K,
                                      stride_sn, BO, BI)
@@ -478,17 +437,13 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
         elif FP8 == 1:
             kk = (k * BLOCK_K + offs_k)[:, None]
             b = scaled_tile(b, S + expert * stride_se, offs_nw[None, :], kk, kk < K, stride_sn, BO, BI, a.dtype, FP8)
-        if FP8 == 5:
-            acc = w8a16_step(acc, f16_rows(a, inv), p, b, col_scales(S + expert * stride_se, offs_nw, k * BLOCK_K,
-                                                                      stride_sn, BO, BI), PRECISION, DOT_FP32)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if FP8 >= 3:
+            acc = w8a8_step(acc, a, b, sa, sw, PRECISION, FP8 == 4)
         else:
-            if DOT_FP32:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if W8A8:
-                acc = w8a8_step(acc, a, b, sa, sw, PRECISION, FP8 == 4)
-            else:
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if LORA and not DELTA_FIRST and not DELTA_IN_K:
@@ -530,8 +485,8 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
                      DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
-                     SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, AMAX_OUT,
-                     FP8: tl.constexpr, PDL: tl.constexpr):
+                     SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
+                     PDL: tl.constexpr):
     """out[row, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs,
     row = the pair's position in the sorted order (block b's rows are b * BLOCK_M onwards, padding
     rows left unwritten), so that gemm2 reads each block's rows as one tile.
@@ -540,8 +495,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
     2): a block whose real rows fit in half (a quarter) of BLOCK_M runs a tile of that height
     (_tile_rows). LORA: each pair's gate and up LoRA deltas added (`_up_tile`; SHRINK_BY_PAIR: where
     its shrink outputs are). FP8 (0, 1, 2): w float8_e4m3fn, scaled by S, a gather per element (1) or
-    one scale per weight row a K tile (2; `fused_moe.fp8_kwargs`), as float16 dots (5, FP8_F16:
-    x's rows' largest magnitudes at AS `[T]`, the intermediate rows' written to AMAX_OUT); 3 and 4 (W8A8,
+    one scale per weight row a K tile (2; `fused_moe.fp8_kwargs`); 3 and 4 (W8A8,
     `quant.dequant.FP8_W8A8`, 4 with one weight scale a tile): x float8_e4m3fn too, its tokens' group
     scales at AS (`[T, K / BI]`), each K step's fp8 x fp8 dot scaled by both (`triton_utils.w8a8_step`)."""
     pdl_wait(PDL)
@@ -558,7 +512,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
-                     S, stride_se, stride_sn, BO, BI, AS, stride_as, AMAX_OUT, FP8)
+                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
         elif height == BLOCK_M // 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2),
                      first + tl.arange(0, BLOCK_M // 2), expert,
@@ -566,7 +520,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
-                     S, stride_se, stride_sn, BO, BI, AS, stride_as, AMAX_OUT, FP8)
+                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
         elif HALF_M >= 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4),
                      first + tl.arange(0, BLOCK_M // 4), expert,
@@ -574,7 +528,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
-                     S, stride_se, stride_sn, BO, BI, AS, stride_as, AMAX_OUT, FP8)
+                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
 
 
 @triton.jit(do_not_specialize=["num_valid"])

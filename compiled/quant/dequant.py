@@ -48,11 +48,6 @@ FP8_W8A8 = 3
 # W8A8 whose N tiles each lie inside one scale block along the weight's rows: one weight scale a
 # tile and K step, so a step's product is scaled by one factor a row (one FMA an element)
 FP8_W8A8_TILE = 4
-# FP8_BLOCKS' tiles (K tiles inside one block) as float16 dots, the block scale applied to each
-# dot: e4m3 converts to float16 exactly at one instruction for two elements, where bf16 takes
-# four. The 16-bit rows are scaled by powers of two from their largest magnitudes (one a row at
-# the activations' scale pointer) so that float16's range holds them (the fused MoE's grouped GEMMs)
-FP8_F16 = 5
 
 
 def scale_tiling(bi: int, block_k: int, many: bool = True) -> tuple[int, int]:
