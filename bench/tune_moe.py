@@ -198,10 +198,12 @@ TMA_CHOICES = (0, 1)
 def _combos(bm: int, down: bool) -> list[tuple]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages, GROUP_SIZE_M) candidates at this BLOCK_SIZE_M."""
     if bm == 16:  # decode: streaming weights; narrow tiles and more CTAs help wave balance
+        # 8 warps for the wide tiles too: two 4-warp programs an SM leave each scheduler two warps
+        # to hide the chain from a tile's load through its conversion (FP8) to the MMA
         combos = []
         for bn in (16, 32, 64, 128):
             for bk in ((128, 256, 512) if bn <= 32 else (64, 128, 256)):
-                for w in ((2, 4) if bn <= 32 else (4,)):
+                for w in ((2, 4) if bn <= 32 else (4, 8)):
                     combos += [(bn, bk, w, st, 1) for st in (3, 4, 5)]
         return combos
     if bm == 32:
