@@ -142,6 +142,19 @@ def _stacked_fp8(w: torch.Tensor, quant: QuantConfig) -> tuple[torch.Tensor, tor
     return torch.stack([p[0] for p in pairs]), scales * spread, list(quant.op_block)
 
 
+def _routing(g: torch.Generator, T: int, E: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random routing of T tokens to k distinct experts of E: (topk_weights, topk_ids)."""
+    return torch.rand(T, k, generator=g), torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+
+
+def _fp8_experts(g: torch.Generator, E: int, H: int, I: int, quant: QuantConfig) -> tuple:
+    """Random experts (w13 `[E, 2I, H]`, w2 `[E, H, I]`, ~ 1 / sqrt(fan-in)) quantized at `quant`:
+    (q13, s13, q2, s2, block)."""
+    q13, s13, block = _stacked_fp8(torch.randn(E, 2 * I, H, generator=g) / H ** 0.5, quant)
+    q2, s2, _ = _stacked_fp8(torch.randn(E, H, I, generator=g) / I ** 0.5, quant)
+    return q13, s13, q2, s2, block
+
+
 def _expert_lora(g: torch.Generator, T: int, E: int, H: int, I: int, dtype: torch.dtype) -> tuple:
     S, R = 2, 4
     a13, b13 = torch.randn(S, E, 2 * R, H, generator=g) / 4, torch.randn(S, E, 2 * I, R, generator=g) / 4
@@ -187,11 +200,8 @@ def moe_range_case(row_scales: tuple[float, ...]) -> dict:
     T, E, H, I, k = len(row_scales), 4, 48, 40, 2
     g = torch.Generator().manual_seed(T * 97)
     x = (torch.randn(T, H, generator=g) * torch.tensor(row_scales)[:, None]).bfloat16()
-    topk_weights = torch.rand(T, k, generator=g)
-    topk_ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-    quant = QuantConfig("fp8", "block", (128, 128))
-    q13, s13, block = _stacked_fp8(torch.randn(E, 2 * I, H, generator=g) / H ** 0.5, quant)
-    q2, s2, _ = _stacked_fp8(torch.randn(E, H, I, generator=g) / I ** 0.5, quant)
+    topk_weights, topk_ids = _routing(g, T, E, k)
+    q13, s13, q2, s2, block = _fp8_experts(g, E, H, I, QuantConfig("fp8", "block", (128, 128)))
     w13, w2 = (dequantize_blocks(q, s, block, torch.bfloat16) for q, s in ((q13, s13), (q2, s2)))
     fm.BACKEND.set("triton")
     want = torch.ops.compiled.fused_moe(x, topk_weights, topk_ids, w13, w2).float()
@@ -228,10 +238,8 @@ def moe_case(T: int, quant: QuantConfig, dtype: torch.dtype, lora: bool) -> dict
     E, H, I, k = 4, 48, 40, 2
     g = torch.Generator().manual_seed(T * 31 + len(quant.op_block))
     x = torch.randn(T, H, generator=g).to(dtype)
-    topk_weights = torch.rand(T, k, generator=g)
-    topk_ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-    q13, s13, block = _stacked_fp8(torch.randn(E, 2 * I, H, generator=g) / H ** 0.5, quant)
-    q2, s2, _ = _stacked_fp8(torch.randn(E, H, I, generator=g) / I ** 0.5, quant)
+    topk_weights, topk_ids = _routing(g, T, E, k)
+    q13, s13, q2, s2, block = _fp8_experts(g, E, H, I, quant)
     extra = dict(zip(("lora_a13", "lora_b13", "lora_a2", "lora_b2", "lora_scale", "lora_slot"),
                      _expert_lora(g, T, E, H, I, dtype))) if lora else {}
     fp8 = dict(w13_scale=s13, w2_scale=s2, weight_block=block)
@@ -348,10 +356,8 @@ def w8a8_case(T: int, H: int, I: int, quant: QuantConfig, dtype: torch.dtype, co
     E, k = 5, 2
     g = torch.Generator().manual_seed(T * H + I)
     x = torch.randn(T, H, generator=g).to(dtype)
-    topk_weights = torch.rand(T, k, generator=g)
-    topk_ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-    q13, s13, block = _stacked_fp8(torch.randn(E, 2 * I, H, generator=g) / H ** 0.5, quant)
-    q2, s2, _ = _stacked_fp8(torch.randn(E, H, I, generator=g) / I ** 0.5, quant)
+    topk_weights, topk_ids = _routing(g, T, E, k)
+    q13, s13, q2, s2, block = _fp8_experts(g, E, H, I, quant)
     w13, w2 = dequantize_blocks(q13, s13, block, torch.float32), dequantize_blocks(q2, s2, block, torch.float32)
     groups = (resolve_block(block, 2 * I, H)[1], resolve_block(block, H, I)[1])
     saved = fm.W8A8_MIN_TOKENS
@@ -533,9 +539,7 @@ def test_gpu_fp8_expert_lora_matches_dequantized_in_bf16(T):
     from compiled.moe import fused_moe as fm
     E, H, I, k, R, S = 128, 2048, 768, 8, 16, 8
     g = torch.Generator().manual_seed(T)
-    q13, s13, block = _stacked_fp8(torch.randn(E, 2 * I, H, generator=g) / H ** 0.5, QuantConfig("fp8", "block",
-                                                                                                (128, 128)))
-    q2, s2, _ = _stacked_fp8(torch.randn(E, H, I, generator=g) / I ** 0.5, QuantConfig("fp8", "block", (128, 128)))
+    q13, s13, q2, s2, block = _fp8_experts(g, E, H, I, QuantConfig("fp8", "block", (128, 128)))
     lora = [torch.randn(*shape, generator=g) / shape[-1] ** 0.5 for shape in
             ((S, E, 2 * R, H), (S, E, 2 * I, R), (S, E, R, I), (S, E, H, R))]
     q13, s13, q2, s2, *lora = (t.cuda() for t in (q13, s13, q2, s2, *lora))
