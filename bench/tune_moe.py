@@ -16,8 +16,7 @@ already in it (`moe_bench.py --write-gemv`) is kept.
 
 `--quantization fp8`: dummy FP8 experts (random float8_e4m3fn weights, random block scales at
 `--weight-block`, 128 x 128 by default), both modes at every token count: W8A16 and W8A8 (the
-activations quantized in the GEMMs' K loops where a K tile is one scale block, else by a pass before
-each GEMM, timed with it; 64-row tiles added
+activations' and the intermediate's quantization passes counted in its total; 64-row tiles added
 to its candidates at a few tokens, where fp8 dots reach the wgmma). The faster goes into the entry
 with its mode (`tuned_configs.MODE_KEY`), which the op then runs. K tiles are fitted to the scale
 blocks as the op fits them; configs the op would not run W8A8 (K tiles under FP8_DOT_MIN_K or
@@ -295,7 +294,7 @@ class Problem:
         self.inter = torch.randn(rows, I, device=DEVICE, dtype=dtype)   # gemm1 writes by block
         self.y = torch.empty(T * top_k, H, device=DEVICE, dtype=dtype)
         self.aligned: dict[int, list] = {}
-        if mode.w8a8:   # (fp8 tensor, group scales) of x and of every intermediate row, for K tiles under a block
+        if mode.w8a8:   # (fp8 tensor, group scales) of x and of every intermediate row
             self.xq = quantize_per_token_group(self.x, mode.bi_up)
             self.iq = quantize_per_token_group(self.inter, mode.bi_down)
 
@@ -309,6 +308,18 @@ class Problem:
         return time_graph([lambda i=i, w=w: fm.moe_align_block_size(i, self.E, bm, w) for i, w in zip(self.ids, ws)],
                           reps) / self.layers
 
+    def time_quant(self, bm, reps=10) -> float:
+        """W8A8: µs of the op's two activation quantization passes (x, then the intermediate's
+        rows in use at this BLOCK_SIZE_M, as the op passes them); 0 otherwise."""
+        if not self.mode.w8a8:
+            return 0.0
+        (xq, xs), (iq, is_) = self.xq, self.iq
+
+        def passes(blocks):
+            quantize_per_token_group(self.x, self.mode.bi_up, out=xq, scale_out=xs)
+            quantize_per_token_group(self.inter, self.mode.bi_down, out=iq, scale_out=is_, live_rows=blocks.num_post)
+        return time_graph([lambda b=b: passes(b) for b in self.align(bm)], reps) / self.layers
+
     def check_rows(self, bm: int) -> None:
         """Raise unless the intermediate holds gemm1's rows at this BLOCK_SIZE_M: writing past it
         would fault and poison the process's CUDA context for every later config."""
@@ -317,24 +328,19 @@ class Problem:
 
     def fns(self, cfg, down):
         self.check_rows(cfg["BLOCK_SIZE_M"])
-        return [lambda l=layer, b=blocks: self.gemm(cfg, down, l, b)
-                for layer, blocks in enumerate(self.align(cfg["BLOCK_SIZE_M"]))]
-
-    def gemm(self, cfg, down, layer, blocks):
-        """One GEMM as the op launches it at `cfg`; W8A8 with a K tile under the scale block runs
-        the activations' quantization pass first (the op's `_launch_grouped`)."""
-        a, group = (self.inter, self.mode.bi_down) if down else (self.x, self.mode.bi_up)
-        sc, kw = self.scales[layer], {}
-        if self.mode.w8a8 and cfg["BLOCK_SIZE_K"] == group:
-            kw = dict(w8a8=True)
-        elif self.mode.w8a8:
-            q, qs = self.iq if down else self.xq
-            quantize_per_token_group(a, group, out=q, scale_out=qs, live_rows=blocks.num_post if down else None)
-            a, kw = q, dict(a_scale=qs)
-        if down:
-            fm.launch_gemm2(a, self.w2[layer], self.y, self.weights[layer], blocks, cfg, self.top_k, scales=sc, **kw)
-        else:
-            fm.launch_gemm1(a, self.w13[layer], self.inter, blocks, self.top_k, cfg, scales=sc, **kw)
+        out = []
+        w8a8 = self.mode.w8a8
+        for layer, blocks in enumerate(self.align(cfg["BLOCK_SIZE_M"])):
+            sc = self.scales[layer]
+            if down:
+                a, a_s = self.iq if w8a8 else (self.inter, None)
+                out.append(lambda l=layer, b=blocks, sc=sc, a=a, a_s=a_s: fm.launch_gemm2(
+                    a, self.w2[l], self.y, self.weights[l], b, cfg, self.top_k, scales=sc, a_scale=a_s))
+            else:
+                a, a_s = self.xq if w8a8 else (self.x, None)
+                out.append(lambda l=layer, b=blocks, sc=sc, a=a, a_s=a_s: fm.launch_gemm1(
+                    a, self.w13[l], self.inter, b, self.top_k, cfg, scales=sc, a_scale=a_s))
+        return out
 
     def time(self, cfg, down, reps=10):
         return time_graph(self.fns(cfg, down), reps) / self.layers
@@ -406,12 +412,12 @@ def tune_tokens(prob: Problem, T: int, failed: set, thin: bool) -> dict | None:
                 break
         if res.get(False) is None or res.get(True) is None:
             continue
-        t_align = prob.time_align(bm)
-        total = t_align + res[False][0] + res[True][0]
-        print(f"T={T:5d} BM={bm:3d} {prob.mode.name} align {t_align:7.1f} "
+        t_align, t_quant = prob.time_align(bm), prob.time_quant(bm)
+        total = t_align + t_quant + res[False][0] + res[True][0]
+        print(f"T={T:5d} BM={bm:3d} {prob.mode.name} align {t_align:7.1f} quant {t_quant:6.1f} "
               f"up {res[False][0]:8.1f} down {res[True][0]:8.1f} total {total:8.1f} us", flush=True)
         if best is None or total < best["total"]:
-            best = dict(total=total, align=t_align, up=res[False], down=res[True])
+            best = dict(total=total, align=t_align, quant=t_quant, up=res[False], down=res[True])
     return best
 
 
@@ -474,7 +480,8 @@ def tune(args) -> dict:
         table[str(T)] = entry
         meta["timings_us"][str(T)] = dict(total=round(best["total"], 2), align=round(best["align"], 2),
                                           up=round(best["up"][0], 2), down=round(best["down"][0], 2),
-                                          **(dict(mode=best["mode"].name) if block is not None else {}))
+                                          **(dict(quant=round(best["quant"], 2), mode=best["mode"].name)
+                                             if block is not None else {}))
         if FP8_MODE == "op":   # a forced mode's tiles are not what the op would launch at T
             _write(path, table, meta)
         print(f"T={T:5d} best BM={entry['BLOCK_SIZE_M']} total {best['total']:.1f} us  "

@@ -10,10 +10,9 @@ sum over the top-k. No host syncs and fixed-size buffers, so it can be captured 
 One token runs as two GEMVs instead (`gemv_kernels.py`: no 16-row tensor-core tile for one live
 row). FP8 experts (`ExpertScales`) are scaled in the kernels' K loops (W8A16); where the tuned
 entry says W8A8 (or, where it says neither, from W8A8_MIN_TOKENS on) and the K tiles fit the scale
-blocks, the grouped GEMMs run W8A8 instead: x and the intermediate quantized per token and scale
-block, fp8 x fp8 dots. A GEMM whose K tile is one whole scale block quantizes its activation tiles
-in its K loop; otherwise a pass before it quantizes them (`quant.act_quant`). Expert-LoRA calls
-(`expert_lora.py`) stay W8A16.
+blocks, the grouped GEMMs run W8A8 instead: x and then the intermediate's rows in use quantized per
+token and scale block (`quant.act_quant`), fp8 x fp8 dots. Expert-LoRA calls (`expert_lora.py`)
+stay W8A16.
 
 Kernel configs come from `tuned_configs.py` (the tuned files, FP8 experts' own, the defaults).
 `BACKEND` ('auto': Triton on CUDA, the reference elsewhere; from `COMPILED_MOE_BACKEND`, read at
@@ -287,34 +286,23 @@ def _delta_args(delta: GemmDelta | None, like: torch.Tensor) -> tuple[tuple, dic
              b.stride(2)), dict(LORA=True, **delta.consts))
 
 
-def _check_w8a8(op: str, w8a8: bool, a: torch.Tensor, a_scale: torch.Tensor | None, scales: ExpertScales | None,
-                delta: GemmDelta | None, w: torch.Tensor, block_k: int) -> None:
-    """W8A8 needs FP8 experts and no delta, and activations 16-bit with each K tile one whole scale
-    block (quantized in the K loop), or FP8 with their group scales `a_scale`."""
-    if not w8a8:
-        return
-    if scales is None or delta is not None:
-        raise ValueError(f"{op}: W8A8 (a_scale, w8a8) needs FP8 experts (scales) and no LoRA delta")
-    bi = resolve_block(scales.block, w.shape[1], w.shape[2])[1]
-    if a_scale is None and (a.dtype == torch.float8_e4m3fn or block_k != bi):
-        raise ValueError(f"{op}: W8A8 without a_scale quantizes 16-bit activations a K tile at a time, which needs "
-                         f"BLOCK_K equal to the scale block width {bi}; got {a.dtype}, BLOCK_K {block_k}")
+def _check_w8a8(op: str, a_scale: torch.Tensor | None, scales: ExpertScales | None,
+                delta: GemmDelta | None) -> None:
+    if a_scale is not None and (scales is None or delta is not None):
+        raise ValueError(f"{op}: a_scale (W8A8) needs FP8 experts (scales) and no LoRA delta")
 
 
 def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks: Blocks, top_k: int,
                   cfg: dict, delta: GemmDelta | None = None, scales: ExpertScales | None = None,
-                  a_scale: torch.Tensor | None = None, w8a8: bool = False) -> None:
+                  a_scale: torch.Tensor | None = None) -> None:
     """inter (block order) <- silu(gate) * up for every pair of `blocks`; x `[T, H]`; with
     `delta`, each pair's gate and up LoRA deltas added before silu; with `scales`, w13 is FP8;
-    W8A8 (no delta) with `a_scale`, x float8_e4m3fn and `a_scale` its group scales
-    (`quant.act_quant`, groups of w13's block width), or with `w8a8`, x 16-bit and quantized in
-    the K loop (`_check_w8a8`)."""
+    with `a_scale` too (W8A8, no delta), x is float8_e4m3fn and `a_scale` its group scales
+    (`quant.act_quant`, groups of w13's block width)."""
     from compiled.moe import fused_moe_kernels as K
+    _check_w8a8("launch_gemm1", a_scale, scales, delta)
     I, H = w13.shape[1] // 2, w13.shape[2]
-    bk = fp8_block_k(scales, w13, cfg["BLOCK_SIZE_K"])
-    w8a8 = w8a8 or a_scale is not None
-    _check_w8a8("launch_gemm1", w8a8, x, a_scale, scales, delta, w13, bk)
-    bn = cfg["BLOCK_SIZE_N"]
+    bn, bk = cfg["BLOCK_SIZE_N"], fp8_block_k(scales, w13, cfg["BLOCK_SIZE_K"])
     grid = (blocks.expert_ids.numel() * triton.cdiv(I, bn),)
     # FP8 tiles are scaled after their pointer loads: no TMA for the weights
     desc = weight_desc(w13, bn, bk) if cfg.get("TMA") and scales is None else None
@@ -322,30 +310,26 @@ def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks
     K.moe_gemm1_kernel[grid](
         x, w13, desc, inter, blocks.sorted_ids, blocks.expert_ids, blocks.num_post, x.shape[0] * top_k, I, H,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        TOP_K=top_k, **_dot_flags(torch.float8_e4m3fn if w8a8 else x.dtype),
+        TOP_K=top_k, **_dot_flags(x.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=H % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None, **lora_consts,
         SHRINK_BY_PAIR=delta is not None and delta.by_pair,
-        **fp8_kwargs(scales, "w13", w13, bk, w8a8=w8a8, block_n=bn), **_act_kwargs(a_scale, x),
+        **fp8_kwargs(scales, "w13", w13, bk, w8a8=a_scale is not None, block_n=bn), **_act_kwargs(a_scale, x),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(x.device),
         **dict(zip(_LORA_ARGS, lora_args)))
 
 
 def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, blocks: Blocks,
                   cfg: dict, top_k: int = 1, delta: GemmDelta | None = None,
-                  scales: ExpertScales | None = None, a_scale: torch.Tensor | None = None,
-                  w8a8: bool = False) -> None:
+                  scales: ExpertScales | None = None, a_scale: torch.Tensor | None = None) -> None:
     """y `[T*k, H]` <- each pair's routing weight (`weights`, `[T*k]`) times its row of inter . w2
     (plus, with `delta`, its down LoRA delta; `top_k` maps the pairs to their tokens' slots; with
-    `scales`, w2 is FP8, and a delta must not run in the K loop; W8A8 (no delta) as in
-    `launch_gemm1`: inter float8_e4m3fn with `a_scale` its rows' group scales, or 16-bit with
-    `w8a8`)."""
+    `scales`, w2 is FP8, and a delta must not run in the K loop; with `a_scale` too (W8A8, no
+    delta), inter is float8_e4m3fn and `a_scale` its rows' group scales)."""
     from compiled.moe import fused_moe_kernels as K
+    _check_w8a8("launch_gemm2", a_scale, scales, delta)
     H, I = w2.shape[1], w2.shape[2]
-    bk = fp8_block_k(scales, w2, cfg["BLOCK_SIZE_K"])
-    w8a8 = w8a8 or a_scale is not None
-    _check_w8a8("launch_gemm2", w8a8, inter, a_scale, scales, delta, w2, bk)
-    bn = cfg["BLOCK_SIZE_N"]
+    bn, bk = cfg["BLOCK_SIZE_N"], fp8_block_k(scales, w2, cfg["BLOCK_SIZE_K"])
     grid = (blocks.expert_ids.numel() * triton.cdiv(H, bn),)
     if scales is not None and delta is not None and delta.in_k:
         raise ValueError("launch_gemm2: an FP8 w2 takes its LoRA delta in the epilogue, not in the K loop")
@@ -356,12 +340,12 @@ def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights
     K.moe_gemm2_kernel[grid](
         inter, a_desc, w2, desc, y, weights, blocks.sorted_ids, blocks.expert_ids, blocks.num_post, weights.numel(),
         H, I, inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        **_dot_flags(torch.float8_e4m3fn if w8a8 else inter.dtype),
+        **_dot_flags(inter.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=I % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None, A_TMA=a_desc is not None,
         TOP_K=top_k, **lora_consts, DELTA_IN_K=delta is not None and delta.in_k,
         R_FULL=delta is not None and delta.b.shape[3] == lora_consts["BLOCK_R"],
-        **fp8_kwargs(scales, "w2", w2, bk, w8a8=w8a8, block_n=bn), **_act_kwargs(a_scale, inter),
+        **fp8_kwargs(scales, "w2", w2, bk, w8a8=a_scale is not None, block_n=bn), **_act_kwargs(a_scale, inter),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(inter.device),
         **dict(zip(_LORA_ARGS, lora_args)))
 
@@ -469,14 +453,8 @@ def _launch_grouped(call: MoECall, config: dict) -> None:
         launch_gemm1(call.x, call.w13, inter, blocks, call.top_k, up, scales=call.scales)
         launch_gemm2(inter, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales)
         return
-    if fp8_block_k(call.scales, call.w13, up["BLOCK_SIZE_K"]) == groups[0]:   # quantized in the K loop
-        launch_gemm1(call.x, call.w13, inter, blocks, call.top_k, up, scales=call.scales, w8a8=True)
-    else:
-        xq, xs = call.quantized("x", call.x, groups[0])
-        launch_gemm1(xq, call.w13, inter, blocks, call.top_k, up, scales=call.scales, a_scale=xs)
-    if fp8_block_k(call.scales, call.w2, down["BLOCK_SIZE_K"]) == groups[1]:
-        launch_gemm2(inter, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales, w8a8=True)
-        return
+    xq, xs = call.quantized("x", call.x, groups[0])
+    launch_gemm1(xq, call.w13, inter, blocks, call.top_k, up, scales=call.scales, a_scale=xs)
     # the rows of the blocks in use, padding rows too (their products are never stored); the
     # buffer's rows past them (sized for the worst spread over the experts) are never read
     iq, is_ = call.quantized("inter", inter, groups[1], blocks.num_post)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.quant.act_quant import quantized_groups
 from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, col_scaled, one_slot_dot, one_slot_operands,
                                    pdl_wait, row_shrink, scaled_tile, slot_bits, slot_stacked_delta, col_scales,
                                    w8a8_rows, w8a8_scales, w8a8_step)
@@ -222,17 +221,6 @@ def _gate_up_deltas(acc_g, acc_u, pair, pos, expert, offs_n, N, num_valid, L_S, 
 
 
 @triton.jit
-def _w8a8_operand(a, sa):
-    """A W8A8 K step's activation tile and its rows' group scales: as given (float8_e4m3fn, `sa`
-    read from AS), or a 16-bit tile (each row's K step one whole scale group) quantized here, as
-    `quant.act_quant` would have before the launch."""
-    if a.dtype != tl.float8e4nv:
-        q, sa = quantized_groups(a.to(tl.float32), 1)
-        a = q.to(tl.float8e4nv)
-    return a, sa
-
-
-@triton.jit
 def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid, N, K,
              stride_xm, stride_we, stride_wn, stride_om,
              TOP_K: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -313,7 +301,6 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
             g = g.to(tl.float32)
             u = u.to(tl.float32)
         if FP8 >= 3:
-            a, sa = _w8a8_operand(a, sa)
             acc_g = w8a8_step(acc_g, a, g, sa, sg, PRECISION, FP8 == 4)
             acc_u = w8a8_step(acc_u, a, u, sa, su, PRECISION, FP8 == 4)
         else:
@@ -454,7 +441,6 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         if FP8 >= 3:
-            a, sa = _w8a8_operand(a, sa)
             acc = w8a8_step(acc, a, b, sa, sw, PRECISION, FP8 == 4)
         else:
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
@@ -511,8 +497,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
     its shrink outputs are). FP8 (0, 1, 2): w float8_e4m3fn, scaled by S, a gather per element (1) or
     one scale per weight row a K tile (2; `fused_moe.fp8_kwargs`); 3 and 4 (W8A8,
     `quant.dequant.FP8_W8A8`, 4 with one weight scale a tile): x float8_e4m3fn too, its tokens' group
-    scales at AS (`[T, K / BI]`), or x 16-bit, each K tile (one scale group) quantized in the loop
-    (`_w8a8_operand`); each K step's fp8 x fp8 dot scaled by both (`triton_utils.w8a8_step`)."""
+    scales at AS (`[T, K / BI]`), each K step's fp8 x fp8 dot scaled by both (`triton_utils.w8a8_step`)."""
     pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
@@ -563,7 +548,7 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
     moe_gemm1_kernel writes them); w is `[E, N, K]` (N = H, K = I). A_TMA: full-height tiles of a
     come through `a_desc`. HALF_M as in moe_gemm1_kernel; LORA: each pair's down delta (`_down_tile`;
     DELTA_IN_K: as the K loop's last steps); FP8 as in moe_gemm1_kernel (3: a float8_e4m3fn, its
-    rows' group scales at AS, `[rows, K / BI]`, or a 16-bit, quantized in the K loop)."""
+    rows' group scales at AS, `[rows, K / BI]`)."""
     pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
