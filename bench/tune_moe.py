@@ -16,7 +16,8 @@ already in it (`moe_bench.py --write-gemv`) is kept.
 
 `--quantization fp8`: dummy FP8 experts (random float8_e4m3fn weights, random block scales at
 `--weight-block`, 128 x 128 by default), both modes at every token count: W8A16 and W8A8 (the
-activations' and the intermediate's quantization passes counted in its total; 64-row tiles added
+activations' quantization pass counted in its total, the intermediate's in the up GEMM's time (its
+epilogue quantizes it where its N tiles hold whole scale blocks, else a pass follows it); 64-row tiles added
 to its candidates at a few tokens, where fp8 dots reach the wgmma). The faster goes into the entry
 with its mode (`tuned_configs.MODE_KEY`), which the op then runs. K tiles are fitted to the scale
 blocks as the op fits them; configs the op would not run W8A8 (K tiles under FP8_DOT_MIN_K or
@@ -309,16 +310,12 @@ class Problem:
                           reps) / self.layers
 
     def time_quant(self, bm, reps=10) -> float:
-        """W8A8: µs of the op's two activation quantization passes (x, then the intermediate's
-        rows in use at this BLOCK_SIZE_M, as the op passes them); 0 otherwise."""
+        """W8A8: µs of the op's quantization pass over x; 0 otherwise."""
         if not self.mode.w8a8:
             return 0.0
-        (xq, xs), (iq, is_) = self.xq, self.iq
-
-        def passes(blocks):
-            quantize_per_token_group(self.x, self.mode.bi_up, out=xq, scale_out=xs)
-            quantize_per_token_group(self.inter, self.mode.bi_down, out=iq, scale_out=is_, live_rows=blocks.num_post)
-        return time_graph([lambda b=b: passes(b) for b in self.align(bm)], reps) / self.layers
+        xq, xs = self.xq
+        return time_graph([lambda: quantize_per_token_group(self.x, self.mode.bi_up, out=xq, scale_out=xs)
+                           for _ in self.align(bm)], reps) / self.layers
 
     def check_rows(self, bm: int) -> None:
         """Raise unless the intermediate holds gemm1's rows at this BLOCK_SIZE_M: writing past it
@@ -337,10 +334,21 @@ class Problem:
                 out.append(lambda l=layer, b=blocks, sc=sc, a=a, a_s=a_s: fm.launch_gemm2(
                     a, self.w2[l], self.y, self.weights[l], b, cfg, self.top_k, scales=sc, a_scale=a_s))
             else:
-                a, a_s = self.xq if w8a8 else (self.x, None)
-                out.append(lambda l=layer, b=blocks, sc=sc, a=a, a_s=a_s: fm.launch_gemm1(
-                    a, self.w13[l], self.inter, b, self.top_k, cfg, scales=sc, a_scale=a_s))
+                out.append(lambda l=layer, b=blocks, sc=sc: self.up(cfg, l, b, sc))
         return out
+
+    def up(self, cfg, layer, blocks, sc):
+        """The up GEMM as the op launches it; W8A8: with the intermediate's quantization, in its
+        epilogue where its N tiles hold whole groups, else the pass after it."""
+        if not self.mode.w8a8:
+            fm.launch_gemm1(self.x, self.w13[layer], self.inter, blocks, self.top_k, cfg, scales=sc)
+            return
+        (xq, xs), (iq, is_), group = self.xq, self.iq, self.mode.bi_down
+        fused = cfg["BLOCK_SIZE_N"] % group == 0
+        fm.launch_gemm1(xq, self.w13[layer], self.inter, blocks, self.top_k, cfg, scales=sc, a_scale=xs,
+                        quantized_out=(iq, is_, group) if fused else None)
+        if not fused:
+            quantize_per_token_group(self.inter, group, out=iq, scale_out=is_, live_rows=blocks.num_post)
 
     def time(self, cfg, down, reps=10):
         return time_graph(self.fns(cfg, down), reps) / self.layers

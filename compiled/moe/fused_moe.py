@@ -11,7 +11,8 @@ One token runs as two GEMVs instead (`gemv_kernels.py`: no 16-row tensor-core ti
 row). FP8 experts (`ExpertScales`) are scaled in the kernels' K loops (W8A16); where the tuned
 entry says W8A8 (or, where it says neither, from W8A8_MIN_TOKENS on) and the K tiles fit the scale
 blocks, the grouped GEMMs run W8A8 instead: x and then the intermediate's rows in use quantized per
-token and scale block (`quant.act_quant`), fp8 x fp8 dots. Expert-LoRA calls (`expert_lora.py`)
+token and scale block (`quant.act_quant`; the intermediate by the up GEMM's epilogue where its N
+tiles hold whole blocks), fp8 x fp8 dots. Expert-LoRA calls (`expert_lora.py`)
 stay W8A16.
 
 Kernel configs come from `tuned_configs.py` (the tuned files, FP8 experts' own, the defaults).
@@ -294,13 +295,20 @@ def _check_w8a8(op: str, a_scale: torch.Tensor | None, scales: ExpertScales | No
 
 def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks: Blocks, top_k: int,
                   cfg: dict, delta: GemmDelta | None = None, scales: ExpertScales | None = None,
-                  a_scale: torch.Tensor | None = None) -> None:
+                  a_scale: torch.Tensor | None = None,
+                  quantized_out: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
     """inter (block order) <- silu(gate) * up for every pair of `blocks`; x `[T, H]`; with
     `delta`, each pair's gate and up LoRA deltas added before silu; with `scales`, w13 is FP8;
     with `a_scale` too (W8A8, no delta), x is float8_e4m3fn and `a_scale` its group scales
-    (`quant.act_quant`, groups of w13's block width)."""
+    (`quant.act_quant`, groups of w13's block width). `quantized_out` (iq, is_, group): the rows
+    written quantized per token in `group`-wide groups instead (float8_e4m3fn `iq` shaped like
+    inter, fp32 scales `is_` `[rows, I / group]`), for a W8A8 gemm2; BLOCK_SIZE_N a multiple of group."""
     from compiled.moe import fused_moe_kernels as K
     _check_w8a8("launch_gemm1", a_scale, scales, delta)
+    if quantized_out is not None and (delta is not None or cfg["BLOCK_SIZE_N"] % quantized_out[2]):
+        raise ValueError(f"launch_gemm1: quantized_out needs no LoRA delta and BLOCK_SIZE_N "
+                         f"({cfg['BLOCK_SIZE_N']}) a multiple of its group ({quantized_out[2]})")
+    iq, is_, group = quantized_out or (inter, inter, 0)
     I, H = w13.shape[1] // 2, w13.shape[2]
     bn, bk = cfg["BLOCK_SIZE_N"], fp8_block_k(scales, w13, cfg["BLOCK_SIZE_K"])
     grid = (blocks.expert_ids.numel() * triton.cdiv(I, bn),)
@@ -315,6 +323,7 @@ def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks
         EVEN_K=H % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None, **lora_consts,
         SHRINK_BY_PAIR=delta is not None and delta.by_pair,
         **fp8_kwargs(scales, "w13", w13, bk, w8a8=a_scale is not None, block_n=bn), **_act_kwargs(a_scale, x),
+        IQ=iq, IS=is_, stride_iq=iq.stride(0), stride_is=is_.stride(0), OUT_GROUP=group,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(x.device),
         **dict(zip(_LORA_ARGS, lora_args)))
 
@@ -401,14 +410,18 @@ class MoECall:
         I = self.w2.shape[2]
         return self.ws.get("inter", rows * I, self.x.dtype, self.x.device).view(rows, I)
 
-    def quantized(self, name: str, a: torch.Tensor, group: int, live_rows: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`a [rows, K]` quantized per token in groups of `group` (W8A8) into the workspace's
-        `{name}_q` and `{name}_s` (the rows before `live_rows` only, where given)."""
+    def quantized_buffers(self, name: str, a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The workspace's `{name}_q` and `{name}_s`: `a [rows, K]` quantized per token in groups of
+        `group` (W8A8) goes there."""
         rows, K = a.shape
         G = triton.cdiv(K, group)
-        q = self.ws.get(name + "_q", rows * K, torch.float8_e4m3fn, a.device).view(rows, K)
-        s = self.ws.get(name + "_s", rows * G, torch.float32, a.device).view(rows, G)
+        return (self.ws.get(name + "_q", rows * K, torch.float8_e4m3fn, a.device).view(rows, K),
+                self.ws.get(name + "_s", rows * G, torch.float32, a.device).view(rows, G))
+
+    def quantized(self, name: str, a: torch.Tensor, group: int, live_rows: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`a` quantized into `quantized_buffers` (the rows before `live_rows` only, where given)."""
+        q, s = self.quantized_buffers(name, a, group)
         return quantize_per_token_group(a, group, out=q, scale_out=s, live_rows=live_rows)
 
 
@@ -454,10 +467,15 @@ def _launch_grouped(call: MoECall, config: dict) -> None:
         launch_gemm2(inter, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales)
         return
     xq, xs = call.quantized("x", call.x, groups[0])
-    launch_gemm1(xq, call.w13, inter, blocks, call.top_k, up, scales=call.scales, a_scale=xs)
-    # the rows of the blocks in use, padding rows too (their products are never stored); the
-    # buffer's rows past them (sized for the worst spread over the experts) are never read
-    iq, is_ = call.quantized("inter", inter, groups[1], blocks.num_post)
+    if up["BLOCK_SIZE_N"] % groups[1] == 0:   # the up GEMM's tiles hold whole groups: it quantizes them
+        iq, is_ = call.quantized_buffers("inter", inter, groups[1])
+        launch_gemm1(xq, call.w13, inter, blocks, call.top_k, up, scales=call.scales, a_scale=xs,
+                     quantized_out=(iq, is_, groups[1]))
+    else:
+        launch_gemm1(xq, call.w13, inter, blocks, call.top_k, up, scales=call.scales, a_scale=xs)
+        # the rows of the blocks in use, padding rows too (their products are never stored); the
+        # buffer's rows past them (sized for the worst spread over the experts) are never read
+        iq, is_ = call.quantized("inter", inter, groups[1], blocks.num_post)
     launch_gemm2(iq, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales, a_scale=is_)
 
 

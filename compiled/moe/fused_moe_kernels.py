@@ -28,6 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from compiled.quant.act_quant import quantized_groups
 from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, col_scaled, one_slot_dot, one_slot_operands,
                                    pdl_wait, row_shrink, scaled_tile, slot_bits, slot_stacked_delta, col_scales,
                                    w8a8_rows, w8a8_scales, w8a8_step)
@@ -221,6 +222,22 @@ def _gate_up_deltas(acc_g, acc_u, pair, pos, expert, offs_n, N, num_valid, L_S, 
 
 
 @triton.jit
+def _store_quantized(out, IQ, IS, rows, row_ok, offs_n, pid_n, N, stride_iq, stride_is, TILE_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """The intermediate tile `out` (16-bit, rows `rows`) as a W8A8 down GEMM reads it: each row's
+    GROUP-wide groups (BLOCK_N a multiple of GROUP, so the tile holds whole groups) quantized into
+    IQ with their scales in IS, the bits `quant.act_quant` gives for the stored 16-bit rows."""
+    GROUPS: tl.constexpr = BLOCK_N // GROUP
+    mask = row_ok[:, None] & (offs_n < N)[None, :]
+    v = tl.where(mask, out.to(tl.float32), 0.0)
+    q, s = quantized_groups(tl.reshape(v, (TILE_M, GROUPS, GROUP)), 2)
+    r = rows.to(tl.int64)[:, None]
+    tl.store(IQ + r * stride_iq + offs_n[None, :], tl.reshape(q, (TILE_M, BLOCK_N)).to(IQ.dtype.element_ty), mask=mask)
+    g = pid_n * GROUPS + tl.arange(0, GROUPS)
+    tl.store(IS + r * stride_is + g[None, :], s, mask=row_ok[:, None] & (g * GROUP < N)[None, :])
+
+
+@triton.jit
 def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid, N, K,
              stride_xm, stride_we, stride_wn, stride_om,
              TOP_K: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -228,14 +245,16 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
              TMA: tl.constexpr, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
              LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
              DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
-             SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr):
+             SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
+             IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr):
     """silu(gate) * up for the TILE_M rows `pair` (a power of two >= 16) and one N tile. TMA: the
     weight tiles come through `w_desc` (w as `[E * 2N, K]`, block `[BLOCK_N, BLOCK_K]`); rows past
     the tile's N read the neighbouring rows (or zeros past the end), whose columns are not stored.
     LORA: the gate and up deltas (`_pair_delta`, shrink outputs `[rows, 2R]`) added before silu,
     a tile of one slot's operands loaded before the K loop (in flight during it); DELTA_FIRST:
     the deltas as the accumulators' start, before the K loop. SHRINK_BY_PAIR: the shrink outputs'
-    rows are the pairs (`moe_lora_pair_shrink_kernel`), else the positions (block order)."""
+    rows are the pairs (`moe_lora_pair_shrink_kernel`), else the positions (block order). OUT_GROUP:
+    the tile stored quantized (`_store_quantized`) instead of into out."""
     row_ok = pair < num_valid
     if SHRINK_BY_PAIR:
         s_rows = tl.where(row_ok, pair, 0)
@@ -322,8 +341,11 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
     up = acc_u.to(dt).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
     out = (act * up).to(dt)
-    o_ptrs = out_ptr + pos.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_n[None, :] < N))
+    if OUT_GROUP:
+        _store_quantized(out, IQ, IS, pos, row_ok, offs_n, pid_n, N, stride_iq, stride_is, TILE_M, BLOCK_N, OUT_GROUP)
+    else:
+        o_ptrs = out_ptr + pos.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_n[None, :] < N))
 
 
 @triton.jit
@@ -486,7 +508,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
                      DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
                      SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
-                     PDL: tl.constexpr):
+                     IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr, PDL: tl.constexpr):
     """out[row, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs,
     row = the pair's position in the sorted order (block b's rows are b * BLOCK_M onwards, padding
     rows left unwritten), so that gemm2 reads each block's rows as one tile.
@@ -497,7 +519,9 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
     its shrink outputs are). FP8 (0, 1, 2): w float8_e4m3fn, scaled by S, a gather per element (1) or
     one scale per weight row a K tile (2; `fused_moe.fp8_kwargs`); 3 and 4 (W8A8,
     `quant.dequant.FP8_W8A8`, 4 with one weight scale a tile): x float8_e4m3fn too, its tokens' group
-    scales at AS (`[T, K / BI]`), each K step's fp8 x fp8 dot scaled by both (`triton_utils.w8a8_step`)."""
+    scales at AS (`[T, K / BI]`), each K step's fp8 x fp8 dot scaled by both (`triton_utils.w8a8_step`).
+    OUT_GROUP (> 0, BLOCK_N a multiple): the rows quantized for a W8A8 gemm2 in groups that wide, into
+    IQ (float8_e4m3fn, like out) and IS (`[rows, N / OUT_GROUP]` fp32), instead of stored into out."""
     pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
@@ -512,7 +536,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
-                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
+                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP)
         elif height == BLOCK_M // 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2),
                      first + tl.arange(0, BLOCK_M // 2), expert,
@@ -520,7 +544,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
-                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
+                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP)
         elif HALF_M >= 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4),
                      first + tl.arange(0, BLOCK_M // 4), expert,
@@ -528,7 +552,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
-                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
+                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP)
 
 
 @triton.jit(do_not_specialize=["num_valid"])

@@ -18,6 +18,7 @@ from compiled.triton_utils import launch_kwargs, pdl_wait
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 ACT_EPS = 1e-10   # the smallest group maximum: a zero group gets a finite, nonzero scale
+_EPS, _FMAX = tl.constexpr(ACT_EPS), tl.constexpr(FP8_MAX)   # the same, inside the kernels
 # A program takes whole rows, as many as fit this many (padded) elements, at most MAX_ROWS, so
 # that each loads a few KB (a program a row would give the MoE intermediate's 768-wide rows
 # 1.5 KB programs, thousands of them at prefill).
@@ -56,8 +57,20 @@ def _round_e4m3(y):
 
 
 @triton.jit
-def _quant_group_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, T, K, stride_x, stride_q, stride_s, stride_sg, GROUP, EPS,
-                        FMAX, ROWS: tl.constexpr, G_PAD: tl.constexpr, BLOCK_G: tl.constexpr,
+def quantized_groups(x, AXIS: tl.constexpr):
+    """x (fp32) quantized as `quantize_per_token_group_ref` does, one group along AXIS (masked
+    elements 0): (its values rounded to the e4m3 grid, still fp32; the groups' scales). The
+    standalone kernel below and the MoE up GEMM's epilogue that quantizes the intermediate for a
+    W8A8 down GEMM (`moe.fused_moe_kernels`) share it, so both give the same bits."""
+    amax = tl.maximum(tl.max(tl.abs(x), axis=AXIS), _EPS)
+    scale = amax / _FMAX
+    y = tl.minimum(tl.maximum(x / tl.expand_dims(scale, AXIS), -_FMAX), _FMAX)
+    return _round_e4m3(y), scale
+
+
+@triton.jit
+def _quant_group_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, T, K, stride_x, stride_q, stride_s, stride_sg, GROUP,
+                        ROWS: tl.constexpr, G_PAD: tl.constexpr, BLOCK_G: tl.constexpr,
                         LIVE_ROWS: tl.constexpr, PDL: tl.constexpr):
     """ROWS rows a program: their groups as a `[ROWS, G_PAD, BLOCK_G]` tile, each group's max,
     scale and rounded values. LIVE_ROWS: rows from `rows_ptr[0]` on are left as they are."""
@@ -76,10 +89,8 @@ def _quant_group_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, T, K, stride_x, stride_q,
     ok = row_ok[:, None, None] & ((c < GROUP)[None, None, :] & (cols < K))
     r3 = rows[:, None, None]
     x = tl.load(x_ptr + r3 * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=2), EPS)
-    scale = amax / FMAX
-    y = tl.minimum(tl.maximum(x / scale[:, :, None], -FMAX), FMAX)
-    tl.store(q_ptr + r3 * stride_q + cols, _round_e4m3(y).to(q_ptr.dtype.element_ty), mask=ok)
+    y, scale = quantized_groups(x, 2)
+    tl.store(q_ptr + r3 * stride_q + cols, y.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + rows[:, None] * stride_s + g[None, :] * stride_sg, scale,
              mask=row_ok[:, None] & (g * GROUP < K)[None, :])
 
@@ -104,6 +115,6 @@ def quantize_per_token_group(x: torch.Tensor, group: int, out: torch.Tensor | No
         rows = max(1, min(MAX_ROWS, PROGRAM_ELEMENTS // (g_pad * block_g)))
         _quant_group_kernel[(triton.cdiv(T, rows),)](
             x, q, s, x if live_rows is None else live_rows, T, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-            group, ACT_EPS, FP8_MAX, ROWS=rows, G_PAD=g_pad, BLOCK_G=block_g, LIVE_ROWS=live_rows is not None,
+            group, ROWS=rows, G_PAD=g_pad, BLOCK_G=block_g, LIVE_ROWS=live_rows is not None,
             num_warps=4, **launch_kwargs(x.device))
     return q, s

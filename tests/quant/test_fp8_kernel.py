@@ -322,6 +322,12 @@ W8A8_CASES = [("w8a8_block16x32", 37, 72, 40, QuantConfig("fp8", "block", (16, 3
               # below W8A8_MIN_TOKENS; the intermediate's rows past the blocks in use not quantized
               ("w8a8_by_tuned_entry", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)), torch.float32,
                dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
+                    HALF_M=0, TMA=0, W8A8=1)),
+              # bf16, the intermediate quantized by the up GEMM's epilogue (its 128-wide N tiles hold
+              # whole blocks; at block 128 the cases above quantize it in a pass, at 16 x 32 and per
+              # channel in the epilogue)
+              ("w8a8_epilogue_bf16", 9, 256, 128, QuantConfig("fp8", "block", (128, 128)), torch.bfloat16,
+               dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
                     HALF_M=0, TMA=0, W8A8=1))]
 
 
@@ -435,6 +441,10 @@ def test_w8a8_runs_only_where_it_applies():
         fm.launch_gemm1(w13[0], w13, None, None, 1, cfg, delta=delta, scales=scales, a_scale=torch.ones(1, 2))
     with pytest.raises(ValueError, match="launch_gemm2: a_scale"):
         fm.launch_gemm2(w2[0], w2, None, None, None, cfg, a_scale=torch.ones(1, 2))
+    with pytest.raises(ValueError, match=r"launch_gemm1: quantized_out needs no LoRA delta and BLOCK_SIZE_N \(64\) a "
+                                         r"multiple of its group \(128\)"):
+        fm.launch_gemm1(w13[0], w13, None, None, 1, dict(cfg, BLOCK_SIZE_N=64), scales=scales,
+                        a_scale=torch.ones(1, 2), quantized_out=(w13[0], torch.ones(1, 2), 128))
 
 
 @pytest.mark.gpu
