@@ -9,8 +9,8 @@
 #   tests   (not by default) the GPU tests of the FP8 MoE (tests/quant/test_fp8_kernel.py -k moe),
 #           with the tuned file
 # tune and gemv write into CONFIG_OUT (default compiled/moe/configs), the FP8 experts' file
-# E=128,N=768,device_name=<this GPU>,dtype=fp8_w8a8.json (commit it; token counts not in TOKENS keep
-# their entries); a copy and every log land in
+# E=128,N=768,device_name=<this GPU>,dtype=fp8_w8a8.json (commit it; token counts not in TOKENS, or not
+# reached within the budget, keep their entries); a copy and every log land in
 # ${OUT:-out}/. The whole run keeps to the budget (seconds, default 450): each part gets a share
 # (before 10%, gemv 18%, after 10%, tests 15%; tune the rest, 62% by default) as its
 # time limit.

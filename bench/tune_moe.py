@@ -466,7 +466,7 @@ def tune(args) -> dict:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / name
-    table, old_timings = kept_entries(path, tokens) if args.merge else (kept_extras(path), {})
+    table, old_timings = kept_entries(path) if args.merge else (kept_extras(path), {})
     meta = dict(device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", torch=torch.__version__,
                 triton=_triton_version(), E=E, H=H, I=I, top_k=top_k, dtype=args.dtype, layers=args.layers,
                 timings_us=old_timings, **kept_gemv_meta(path))
@@ -507,14 +507,13 @@ def existing_table(path: Path) -> dict:
     return {}
 
 
-def kept_entries(path: Path, tokens) -> tuple[dict, dict]:
+def kept_entries(path: Path) -> tuple[dict, dict]:
     """(entries, their timings) of the table being merged into (`path`, else the checked-in file of
-    that name), for the token counts not in `tokens`."""
+    that name). Each token count tuned replaces its own; one a run cut short does not reach keeps
+    its old entry, so the file never loses a token count it had."""
     old = existing_table(path)
     timings = old.pop("_meta", {}).get("timings_us", {})
-    # token-count entries not re-tuned, and the other entries as they are
-    table = {k: v for k, v in old.items() if not k.isdigit() or int(k) not in set(tokens)}
-    return table, {k: v for k, v in timings.items() if k in table}
+    return old, {k: v for k, v in timings.items() if k in old}
 
 
 def kept_extras(path: Path) -> dict:
@@ -581,7 +580,7 @@ def main(argv=None):
     p.add_argument("--tma", choices=("0", "1", "both"), default="both",
                    help="weight tiles through TMA descriptors (1), pointer loads (0), or search both")
     p.add_argument("--merge", action="store_true",
-                   help="keep the existing table's entries for the token counts not tuned now")
+                   help="keep the existing table's entries for the token counts not tuned now (or not reached)")
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: interpreter smoke run
     args = p.parse_args(argv)
     global DEVICE, MAX_CONFIGS, TMA_CHOICES, FP8_MODE
