@@ -22,7 +22,7 @@ to its candidates at a few tokens, where fp8 dots reach the wgmma). The faster g
 with its mode (`tuned_configs.MODE_KEY`), which the op then runs. K tiles are fitted to the scale
 blocks as the op fits them; configs the op would not run W8A8 (K tiles under FP8_DOT_MIN_K or
 straddling a block) are left out of the W8A8 search, and TMA is searched only where it changes a
-launch (the FP8 weights take none). The table goes to the FP8 experts' file
+launch (W8A16's FP8 weights take none). The table goes to the FP8 experts' file
 (`tuned_configs.config_dtypes`). `--fp8-mode w8a16|w8a8` times that mode alone (nothing written)."""
 
 from __future__ import annotations
@@ -156,8 +156,9 @@ class Mode:
         return "w8a8" if self.w8a8 else "w8a16" if self.fp8 else "plain"
 
     def tma_counts(self, down: bool) -> bool:
-        """Whether TMA changes a launch: FP8 weights take no descriptor, nor an fp8 intermediate."""
-        return not self.fp8 or (down and not self.w8a8)
+        """Whether TMA changes a launch: W8A16's FP8 weights take no descriptor (its down GEMM's
+        16-bit intermediate does); W8A8's weights and intermediate do."""
+        return not self.fp8 or self.w8a8 or down
 
 
 FP8_MODE = "op"   # --fp8-mode: "op" (both modes, the faster written), "w8a16" or "w8a8" alone

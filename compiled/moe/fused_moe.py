@@ -312,8 +312,8 @@ def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks
     I, H = w13.shape[1] // 2, w13.shape[2]
     bn, bk = cfg["BLOCK_SIZE_N"], fp8_block_k(scales, w13, cfg["BLOCK_SIZE_K"])
     grid = (blocks.expert_ids.numel() * triton.cdiv(I, bn),)
-    # FP8 tiles are scaled after their pointer loads: no TMA for the weights
-    desc = weight_desc(w13, bn, bk) if cfg.get("TMA") and scales is None else None
+    # W8A16's FP8 tiles are scaled after their pointer loads: no TMA for them; W8A8's go to the dot as loaded
+    desc = weight_desc(w13, bn, bk) if cfg.get("TMA") and (scales is None or a_scale is not None) else None
     lora_args, lora_consts = _delta_args(delta, w13)
     K.moe_gemm1_kernel[grid](
         x, w13, desc, inter, blocks.sorted_ids, blocks.expert_ids, blocks.num_post, x.shape[0] * top_k, I, H,
@@ -342,7 +342,7 @@ def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights
     grid = (blocks.expert_ids.numel() * triton.cdiv(H, bn),)
     if scales is not None and delta is not None and delta.in_k:
         raise ValueError("launch_gemm2: an FP8 w2 takes its LoRA delta in the epilogue, not in the K loop")
-    desc = weight_desc(w2, bn, bk) if cfg.get("TMA") and scales is None else None
+    desc = weight_desc(w2, bn, bk) if cfg.get("TMA") and (scales is None or a_scale is not None) else None
     # The intermediate's full-height tiles through TMA wherever the weights' go.
     a_desc = tma_descriptor(inter, [cfg["BLOCK_SIZE_M"], bk]) if cfg.get("TMA") else None
     lora_args, lora_consts = _delta_args(delta, w2)

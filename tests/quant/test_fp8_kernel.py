@@ -328,7 +328,14 @@ W8A8_CASES = [("w8a8_block16x32", 37, 72, 40, QuantConfig("fp8", "block", (16, 3
               # channel in the epilogue)
               ("w8a8_epilogue_bf16", 9, 256, 128, QuantConfig("fp8", "block", (128, 128)), torch.bfloat16,
                dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
-                    HALF_M=0, TMA=0, W8A8=1))]
+                    HALF_M=0, TMA=0, W8A8=1)),
+              # the weight tiles and the down GEMM's fp8 intermediate through TMA descriptors, as loaded
+              ("w8a8_tma", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)), torch.float32,
+               dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
+                    HALF_M=0, TMA=1, W8A8=1)),
+              ("w8a8_tma_pass", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)), torch.float32,
+               dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=16, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
+                    HALF_M=0, TMA=1, W8A8=1))]
 
 
 def w8a8_ref(x, topk_weights, topk_ids, w13, w2, groups: tuple[int, int]) -> torch.Tensor:
