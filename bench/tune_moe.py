@@ -339,17 +339,13 @@ class Problem:
         return out
 
     def up(self, cfg, layer, blocks, sc):
-        """The up GEMM as the op launches it; W8A8: with the intermediate's quantization, in its
-        epilogue where its N tiles hold whole groups, else the pass after it."""
+        """The up GEMM as the op launches it (W8A8: with the intermediate's quantization)."""
         if not self.mode.w8a8:
             fm.launch_gemm1(self.x, self.w13[layer], self.inter, blocks, self.top_k, cfg, scales=sc)
             return
-        (xq, xs), (iq, is_), group = self.xq, self.iq, self.mode.bi_down
-        fused = cfg["BLOCK_SIZE_N"] % group == 0
-        fm.launch_gemm1(xq, self.w13[layer], self.inter, blocks, self.top_k, cfg, scales=sc, a_scale=xs,
-                        quantized_out=(iq, is_, group) if fused else None)
-        if not fused:
-            quantize_per_token_group(self.inter, group, out=iq, scale_out=is_, live_rows=blocks.num_post)
+        (xq, xs), (iq, is_) = self.xq, self.iq
+        fm.launch_w8a8_gemm1(xq, xs, self.w13[layer], self.inter, (iq, is_, self.mode.bi_down), blocks, self.top_k,
+                             cfg, sc)
 
     def time(self, cfg, down, reps=10):
         return time_graph(self.fns(cfg, down), reps) / self.layers

@@ -328,6 +328,22 @@ def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks
         **dict(zip(_LORA_ARGS, lora_args)))
 
 
+def launch_w8a8_gemm1(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor,
+                      quantized: tuple[torch.Tensor, torch.Tensor, int], blocks: Blocks, top_k: int, cfg: dict,
+                      scales: ExpertScales) -> None:
+    """W8A8's up GEMM (x quantized: `xq`, `xs`) with the intermediate quantized for the down GEMM
+    into `quantized` (iq, is_, group): by the up GEMM's epilogue where its N tiles hold whole
+    groups, else by a pass after it over the rows of the blocks in use, padding rows too (their
+    products are never stored; the buffer's rows past them, sized for the worst spread over the
+    experts, are never read)."""
+    iq, is_, group = quantized
+    if cfg["BLOCK_SIZE_N"] % group == 0:
+        launch_gemm1(xq, w13, inter, blocks, top_k, cfg, scales=scales, a_scale=xs, quantized_out=quantized)
+        return
+    launch_gemm1(xq, w13, inter, blocks, top_k, cfg, scales=scales, a_scale=xs)
+    quantize_per_token_group(inter, group, out=iq, scale_out=is_, live_rows=blocks.num_post)
+
+
 def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, blocks: Blocks,
                   cfg: dict, top_k: int = 1, delta: GemmDelta | None = None,
                   scales: ExpertScales | None = None, a_scale: torch.Tensor | None = None) -> None:
@@ -467,15 +483,8 @@ def _launch_grouped(call: MoECall, config: dict) -> None:
         launch_gemm2(inter, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales)
         return
     xq, xs = call.quantized("x", call.x, groups[0])
-    if up["BLOCK_SIZE_N"] % groups[1] == 0:   # the up GEMM's tiles hold whole groups: it quantizes them
-        iq, is_ = call.quantized_buffers("inter", inter, groups[1])
-        launch_gemm1(xq, call.w13, inter, blocks, call.top_k, up, scales=call.scales, a_scale=xs,
-                     quantized_out=(iq, is_, groups[1]))
-    else:
-        launch_gemm1(xq, call.w13, inter, blocks, call.top_k, up, scales=call.scales, a_scale=xs)
-        # the rows of the blocks in use, padding rows too (their products are never stored); the
-        # buffer's rows past them (sized for the worst spread over the experts) are never read
-        iq, is_ = call.quantized("inter", inter, groups[1], blocks.num_post)
+    iq, is_ = call.quantized_buffers("inter", inter, groups[1])
+    launch_w8a8_gemm1(xq, xs, call.w13, inter, (iq, is_, groups[1]), blocks, call.top_k, up, call.scales)
     launch_gemm2(iq, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales, a_scale=is_)
 
 
