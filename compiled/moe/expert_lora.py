@@ -51,7 +51,7 @@ import torch.nn.functional as F
 import triton
 
 from compiled.moe.fused_moe import (Blocks, ExpertScales, GemmDelta, MoEWorkspace, launch_gemm1, launch_gemm2,
-                                    launch_sum, moe_align_block_size, w8a8_entry, zeroed)
+                                    launch_sum, moe_align_block_size, quantized, w8a8_entry, w8a8_groups, zeroed)
 from compiled.moe.tuned_configs import get_config, split_config, tuned_mode
 from compiled.quant.dequant import FP8
 from compiled.side_stream import Fork
@@ -369,19 +369,28 @@ class _Launches:
         return GemmDelta(s2, b2, scale, self.slot, consts, in_k=in_k)
 
 
-def _lora_configs(T: int, E: int, I: int, x: torch.Tensor, config: dict | None, fp8: bool) -> tuple[dict, dict]:
-    """(up, down) GEMM configs: `config`'s, else the base MoE's tuned entry (`fp8`: FP8 experts'
-    file first, unless its entry is a W8A8 one: LoRA calls run W8A16, whose dots are 16-bit like
-    the activations' file's), its up GEMM fitted to the deltas."""
+def _lora_configs(T: int, E: int, I: int, x: torch.Tensor, config: dict | None, scales: ExpertScales | None,
+                  w13: torch.Tensor, w2: torch.Tensor) -> tuple[dict, dict, tuple[int, int] | None]:
+    """(up, down) GEMM configs and, where they run W8A8, the activations' group widths
+    (`fused_moe.w8a8_groups`): `config`'s, else the base MoE's tuned entry (FP8 experts: their
+    file first), its up GEMM fitted to the deltas. An FP8 entry that says W8A8 runs so in 16-row
+    tiles (the deltas after the K loop); taller tiles take the activations' file's entry and run
+    W8A16, whose dots are 16-bit like it."""
+    def runs_w8a8(entry: dict) -> bool:
+        return scales is not None and w8a8_entry(T, tuned_mode(entry)) and entry["BLOCK_SIZE_M"] <= 16
+
     if config is not None:
-        return split_config(config)
-    entry = get_config(T, E, I, x.dtype, x.device, fp8)
-    if fp8 and w8a8_entry(T, tuned_mode(entry)):
+        up, down = split_config(config)
+        return up, down, w8a8_groups(scales, w13, w2, T, up, down, runs_w8a8(config))
+    entry = get_config(T, E, I, x.dtype, x.device, scales is not None)
+    w8a8 = runs_w8a8(entry)
+    if scales is not None and not w8a8 and w8a8_entry(T, tuned_mode(entry)):
         entry = get_config(T, E, I, x.dtype, x.device)
     up, down = split_config(entry)
-    up = lora_up_config(up, x.element_size())
+    up = lora_up_config(up, 1 if w8a8 else x.element_size())
     if x.element_size() > 2:   # 4-byte tiles: the stages plus the delta operands overflow shared memory
         up, down = (dict(c, num_stages=min(c["num_stages"], FP32_MAX_STAGES)) for c in (up, down))
+    return up, down, w8a8_groups(scales, w13, w2, T, up, down, w8a8)
     return up, down
 
 
@@ -394,7 +403,9 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     tiles, TMA and part-height options and "down" overrides; None: the tuned entry, its up GEMM
     through `lora_up_config`): the base grouped GEMMs with the deltas in their epilogues, after
     the shrinks. `sum_slots=False` (top-k > 1): the weighted expert outputs `[T*k, H]` unsummed,
-    as `fused_moe_triton`'s, for the norm's kernel to sum. `scales`: the experts are FP8."""
+    as `fused_moe_triton`'s, for the norm's kernel to sum. `scales`: the experts are FP8; where
+    `_lora_configs` says W8A8, the base GEMMs read x and the intermediate quantized (the shrinks
+    their 16-bit rows) and the deltas go in after the K loops."""
     T, H = x.shape
     E, I = w13.shape[0], w2.shape[2]
     S, R = a2.shape[0], a2.shape[2]
@@ -406,7 +417,7 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         return out if sum_slots else x.new_empty((0, H))
     x, w13, w2, a13, b13, a2, b2 = (t.contiguous() for t in (x, w13, w2, a13, b13, a2, b2))
     weights, ids, scale = topk_weights.contiguous().reshape(-1), topk_ids.contiguous(), scale.contiguous()
-    up, down = _lora_configs(T, E, I, x, config, scales is not None)
+    up, down, groups = _lora_configs(T, E, I, x, config, scales, w13, w2)
     bm = up["BLOCK_SIZE_M"]
     call = _Launches(slot, ids, workspace or MoEWorkspace(), launch_kwargs(x.device), bm, S)
     ws, numel, pdl = call.ws, ids.numel(), call.pdl
@@ -433,9 +444,17 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         s13 = ws.get("lora_s13", rows * 2 * R, torch.float32, x.device).view(rows, 2 * R)
         call.block_shrink(x, a13, s13, H, True)
         delta13 = GemmDelta(s13, b13, scale, slot, consts)
-    launch_gemm1(x, w13, inter, blocks, top_k, up, delta13, scales)
+    if groups is None:
+        launch_gemm1(x, w13, inter, blocks, top_k, up, delta13, scales)
+    else:   # the shrinks read x and the intermediate in 16 bits, the base GEMMs quantized
+        xq, xs = quantized(ws, "x", x, groups[0])
+        launch_gemm1(xq, w13, inter, blocks, top_k, up, delta13, scales, a_scale=xs)
     delta2 = call.down_delta(inter, a2, b2, scale, consts, down, scales is None) if has_delta else None
-    launch_gemm2(inter, w2, y, weights, blocks, down, top_k, delta2, scales)
+    if groups is None:
+        launch_gemm2(inter, w2, y, weights, blocks, down, top_k, delta2, scales)
+    else:
+        iq, is_ = quantized(ws, "inter", inter, groups[1], blocks.num_post)
+        launch_gemm2(iq, w2, y, weights, blocks, down, top_k, delta2, scales, a_scale=is_)
     if not sum_slots:
         return y
     if top_k > 1:

@@ -12,8 +12,8 @@ row). FP8 experts (`ExpertScales`) are scaled in the kernels' K loops (W8A16); w
 entry says W8A8 (or, where it says neither, from W8A8_MIN_TOKENS on) and the K tiles fit the scale
 blocks, the grouped GEMMs run W8A8 instead: x and then the intermediate's rows in use quantized per
 token and scale block (`quant.act_quant`; the intermediate by the up GEMM's epilogue where its N
-tiles hold whole blocks), fp8 x fp8 dots. Expert-LoRA calls (`expert_lora.py`)
-stay W8A16.
+tiles hold whole blocks), fp8 x fp8 dots. Expert-LoRA calls (`expert_lora.py`) run W8A8 in
+16-row tiles where the base would, their deltas in the epilogues, else W8A16.
 
 Kernel configs come from `tuned_configs.py` (the tuned files, FP8 experts' own, the defaults).
 `BACKEND` ('auto': Triton on CUDA, the reference elsewhere; from `COMPILED_MOE_BACKEND`, read at
@@ -289,8 +289,8 @@ def _delta_args(delta: GemmDelta | None, like: torch.Tensor) -> tuple[tuple, dic
 
 def _check_w8a8(op: str, a_scale: torch.Tensor | None, scales: ExpertScales | None,
                 delta: GemmDelta | None) -> None:
-    if a_scale is not None and (scales is None or delta is not None):
-        raise ValueError(f"{op}: a_scale (W8A8) needs FP8 experts (scales) and no LoRA delta")
+    if a_scale is not None and (scales is None or (delta is not None and delta.in_k)):
+        raise ValueError(f"{op}: a_scale (W8A8) needs FP8 experts (scales) and no LoRA delta in the K loop")
 
 
 def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks: Blocks, top_k: int,
@@ -299,7 +299,7 @@ def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks
                   quantized_out: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
     """inter (block order) <- silu(gate) * up for every pair of `blocks`; x `[T, H]`; with
     `delta`, each pair's gate and up LoRA deltas added before silu; with `scales`, w13 is FP8;
-    with `a_scale` too (W8A8, no delta), x is float8_e4m3fn and `a_scale` its group scales
+    with `a_scale` too (W8A8), x is float8_e4m3fn and `a_scale` its group scales
     (`quant.act_quant`, groups of w13's block width). `quantized_out` (iq, is_, group): the rows
     written quantized per token in `group`-wide groups instead (float8_e4m3fn `iq` shaped like
     inter, fp32 scales `is_` `[rows, I / group]`), for a W8A8 gemm2; BLOCK_SIZE_N a multiple of group."""
@@ -349,8 +349,8 @@ def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights
                   scales: ExpertScales | None = None, a_scale: torch.Tensor | None = None) -> None:
     """y `[T*k, H]` <- each pair's routing weight (`weights`, `[T*k]`) times its row of inter . w2
     (plus, with `delta`, its down LoRA delta; `top_k` maps the pairs to their tokens' slots; with
-    `scales`, w2 is FP8, and a delta must not run in the K loop; with `a_scale` too (W8A8, no
-    delta), inter is float8_e4m3fn and `a_scale` its rows' group scales)."""
+    `scales`, w2 is FP8, and a delta must not run in the K loop; with `a_scale` too (W8A8), inter
+    is float8_e4m3fn and `a_scale` its rows' group scales)."""
     from compiled.moe import fused_moe_kernels as K
     _check_w8a8("launch_gemm2", a_scale, scales, delta)
     H, I = w2.shape[1], w2.shape[2]
@@ -426,19 +426,21 @@ class MoECall:
         I = self.w2.shape[2]
         return self.ws.get("inter", rows * I, self.x.dtype, self.x.device).view(rows, I)
 
-    def quantized_buffers(self, name: str, a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The workspace's `{name}_q` and `{name}_s`: `a [rows, K]` quantized per token in groups of
-        `group` (W8A8) goes there."""
-        rows, K = a.shape
-        G = triton.cdiv(K, group)
-        return (self.ws.get(name + "_q", rows * K, torch.float8_e4m3fn, a.device).view(rows, K),
-                self.ws.get(name + "_s", rows * G, torch.float32, a.device).view(rows, G))
 
-    def quantized(self, name: str, a: torch.Tensor, group: int, live_rows: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`a` quantized into `quantized_buffers` (the rows before `live_rows` only, where given)."""
-        q, s = self.quantized_buffers(name, a, group)
-        return quantize_per_token_group(a, group, out=q, scale_out=s, live_rows=live_rows)
+def quantized_buffers(ws: MoEWorkspace, name: str, a: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The workspace's `{name}_q` and `{name}_s`: `a [rows, K]` quantized per token in groups of
+    `group` (W8A8) goes there."""
+    rows, K = a.shape
+    G = triton.cdiv(K, group)
+    return (ws.get(name + "_q", rows * K, torch.float8_e4m3fn, a.device).view(rows, K),
+            ws.get(name + "_s", rows * G, torch.float32, a.device).view(rows, G))
+
+
+def quantized(ws: MoEWorkspace, name: str, a: torch.Tensor, group: int, live_rows: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`a` quantized into `quantized_buffers` (the rows before `live_rows` only, where given)."""
+    q, s = quantized_buffers(ws, name, a, group)
+    return quantize_per_token_group(a, group, out=q, scale_out=s, live_rows=live_rows)
 
 
 def _plan(x, topk_weights, topk_ids, w13, w2, ws: MoEWorkspace, out: torch.Tensor | None,
@@ -482,8 +484,8 @@ def _launch_grouped(call: MoECall, config: dict) -> None:
         launch_gemm1(call.x, call.w13, inter, blocks, call.top_k, up, scales=call.scales)
         launch_gemm2(inter, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales)
         return
-    xq, xs = call.quantized("x", call.x, groups[0])
-    iq, is_ = call.quantized_buffers("inter", inter, groups[1])
+    xq, xs = quantized(call.ws, "x", call.x, groups[0])
+    iq, is_ = quantized_buffers(call.ws, "inter", inter, groups[1])
     launch_w8a8_gemm1(xq, xs, call.w13, inter, (iq, is_, groups[1]), blocks, call.top_k, up, call.scales)
     launch_gemm2(iq, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales, a_scale=is_)
 

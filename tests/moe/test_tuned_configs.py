@@ -131,19 +131,25 @@ def test_an_entrys_mode_is_read_where_it_names_one(config_dir):
     assert got == [True, False, None]
 
 
-def test_lora_calls_take_16_bit_tiles_where_the_fp8_entry_is_w8a8(config_dir):
-    """Expert-LoRA calls over FP8 experts run W8A16: the FP8 file's entry where it is a W8A16 one,
-    the activations' file's where it is W8A8 (by its key, or by W8A8_MIN_TOKENS without one)."""
+def test_lora_calls_over_fp8_experts_run_w8a8_in_16_row_tiles_only(config_dir):
+    """Expert-LoRA calls over FP8 experts: the FP8 file's entry and mode where it is W8A16 or a
+    W8A8 one of 16-row tiles (the group widths returned); the activations' file's entry, W8A16,
+    where it is W8A8 in taller tiles (by its key, or by W8A8_MIN_TOKENS without one)."""
     from compiled.moe.expert_lora import _lora_configs
-    from compiled.moe.fused_moe import W8A8_MIN_TOKENS
+    from compiled.moe.fused_moe import W8A8_MIN_TOKENS, ExpertScales
     big = W8A8_MIN_TOKENS * 2
-    _write(config_dir, "fp8_w8a8", {"8": dict(_cfg(64, 32, 64), W8A8=1), "64": dict(_cfg(16, 32, 64), W8A8=0),
-                                     str(big): _cfg(64, 64, 64)})
-    _write(config_dir, "bfloat16", {"8": _cfg(16, 128, 64), "64": _cfg(16, 64, 64), str(big): _cfg(32, 128, 64)})
-    x = torch.zeros(1, 64, dtype=torch.bfloat16)
-    widths = [_lora_configs(T, E, I, x, None, fp8=True)[1]["BLOCK_SIZE_N"] for T in (8, 64, big)]
-    assert widths == [128, 32, 128]
-    assert _lora_configs(8, E, I, x, None, fp8=False)[1]["BLOCK_SIZE_N"] == 128
+    _write(config_dir, "fp8_w8a8", {"8": dict(_cfg(64, 32, 64), W8A8=1), "16": dict(_cfg(16, 64, 32), W8A8=1),
+                                     "64": dict(_cfg(16, 32, 64), W8A8=0), str(big): _cfg(64, 64, 64)})
+    _write(config_dir, "bfloat16", {"8": _cfg(16, 128, 64), "16": _cfg(16, 16, 64), "64": _cfg(16, 64, 64),
+                                     str(big): _cfg(32, 128, 64)})
+    H = 64
+    w13, w2 = torch.zeros(E, 2 * I, H, dtype=torch.float8_e4m3fn), torch.zeros(E, H, I, dtype=torch.float8_e4m3fn)
+    scales = ExpertScales(torch.ones(E, 6, 2), torch.ones(E, 2, 2), [16, 32])
+    x = torch.zeros(1, H, dtype=torch.bfloat16)
+    got = [_lora_configs(T, E, I, x, None, scales, w13, w2) for T in (8, 16, 64, big)]
+    assert [(up["BLOCK_SIZE_N"], groups) for up, _, groups in got] == [(128, None), (64, (32, 32)), (32, None),
+                                                                      (128, None)]
+    assert _lora_configs(8, E, I, x, None, None, w13, w2)[1]["BLOCK_SIZE_N"] == 128
 
 
 # ----------------------------------------------------------------------------- the op (interpreter)
