@@ -302,12 +302,13 @@ def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks
     with `a_scale` too (W8A8), x is float8_e4m3fn and `a_scale` its group scales
     (`quant.act_quant`, groups of w13's block width). `quantized_out` (iq, is_, group): the rows
     written quantized per token in `group`-wide groups instead (float8_e4m3fn `iq` shaped like
-    inter, fp32 scales `is_` `[rows, I / group]`), for a W8A8 gemm2; BLOCK_SIZE_N a multiple of group."""
+    inter, fp32 scales `is_` `[rows, I / group]`), for a W8A8 gemm2, and with `delta` into inter
+    as well (its down shrink's input); BLOCK_SIZE_N a multiple of group."""
     from compiled.moe import fused_moe_kernels as K
     _check_w8a8("launch_gemm1", a_scale, scales, delta)
-    if quantized_out is not None and (delta is not None or cfg["BLOCK_SIZE_N"] % quantized_out[2]):
-        raise ValueError(f"launch_gemm1: quantized_out needs no LoRA delta and BLOCK_SIZE_N "
-                         f"({cfg['BLOCK_SIZE_N']}) a multiple of its group ({quantized_out[2]})")
+    if quantized_out is not None and cfg["BLOCK_SIZE_N"] % quantized_out[2]:
+        raise ValueError(f"launch_gemm1: quantized_out needs BLOCK_SIZE_N ({cfg['BLOCK_SIZE_N']}) a multiple of its "
+                         f"group ({quantized_out[2]})")
     iq, is_, group = quantized_out or (inter, inter, 0)
     I, H = w13.shape[1] // 2, w13.shape[2]
     bn, bk = cfg["BLOCK_SIZE_N"], fp8_block_k(scales, w13, cfg["BLOCK_SIZE_K"])

@@ -254,7 +254,7 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
     a tile of one slot's operands loaded before the K loop (in flight during it); DELTA_FIRST:
     the deltas as the accumulators' start, before the K loop. SHRINK_BY_PAIR: the shrink outputs'
     rows are the pairs (`moe_lora_pair_shrink_kernel`), else the positions (block order). OUT_GROUP:
-    the tile stored quantized (`_store_quantized`) instead of into out."""
+    the tile stored quantized (`_store_quantized`), and with LORA into out as well."""
     row_ok = pair < num_valid
     if SHRINK_BY_PAIR:
         s_rows = tl.where(row_ok, pair, 0)
@@ -343,7 +343,7 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
     out = (act * up).to(dt)
     if OUT_GROUP:
         _store_quantized(out, IQ, IS, pos, row_ok, offs_n, pid_n, N, stride_iq, stride_is, TILE_M, BLOCK_N, OUT_GROUP)
-    else:
+    if LORA or not OUT_GROUP:   # with LoRA the down GEMM's shrink reads the 16-bit rows
         o_ptrs = out_ptr + pos.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_n[None, :] < N))
 
@@ -521,7 +521,8 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
     `quant.dequant.FP8_W8A8`, 4 with one weight scale a tile): x float8_e4m3fn too, its tokens' group
     scales at AS (`[T, K / BI]`), each K step's fp8 x fp8 dot scaled by both (`triton_utils.w8a8_step`).
     OUT_GROUP (> 0, BLOCK_N a multiple): the rows quantized for a W8A8 gemm2 in groups that wide, into
-    IQ (float8_e4m3fn, like out) and IS (`[rows, N / OUT_GROUP]` fp32), instead of stored into out."""
+    IQ (float8_e4m3fn, like out) and IS (`[rows, N / OUT_GROUP]` fp32), instead of stored into out
+    (besides, with LORA: the down delta's shrink reads them)."""
     pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if live:

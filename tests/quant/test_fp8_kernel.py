@@ -396,8 +396,13 @@ def w8a8_case(T: int, H: int, I: int, quant: QuantConfig, dtype: torch.dtype, co
 
 
 # expert LoRA over FP8 experts in W8A8 16-row tiles (the entry says so), the deltas in the epilogues
+# (the intermediate quantized by the up GEMM's epilogue, whose 32-wide N tiles hold whole blocks;
+# then by a pass, 16-wide tiles holding half a block)
 W8A8_LORA_CASES = [("w8a8_lora_block32", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)),
                     dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
+                         HALF_M=0, TMA=0, W8A8=1)),
+                   ("w8a8_lora_block32_pass", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)),
+                    dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=16, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
                          HALF_M=0, TMA=0, W8A8=1))]
 
 
@@ -502,8 +507,8 @@ def test_w8a8_runs_only_where_it_applies():
         fm.launch_gemm2(w2[0], w2, None, None, None, cfg, delta=delta, scales=scales, a_scale=torch.ones(1, 2))
     with pytest.raises(ValueError, match="launch_gemm1: a_scale"):
         fm.launch_gemm1(w13[0], w13, None, None, 1, cfg, a_scale=torch.ones(1, 2))
-    with pytest.raises(ValueError, match=r"launch_gemm1: quantized_out needs no LoRA delta and BLOCK_SIZE_N \(64\) a "
-                                         r"multiple of its group \(128\)"):
+    with pytest.raises(ValueError, match=r"launch_gemm1: quantized_out needs BLOCK_SIZE_N \(64\) a multiple of its "
+                                         r"group \(128\)"):
         fm.launch_gemm1(w13[0], w13, None, None, 1, dict(cfg, BLOCK_SIZE_N=64), scales=scales,
                         a_scale=torch.ones(1, 2), quantized_out=(w13[0], torch.ones(1, 2), 128))
 
