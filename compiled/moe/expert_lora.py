@@ -51,8 +51,8 @@ import torch.nn.functional as F
 import triton
 
 from compiled.moe.fused_moe import (Blocks, ExpertScales, GemmDelta, MoEWorkspace, launch_gemm1, launch_gemm2,
-                                    launch_sum, moe_align_block_size, quantized, quantized_buffers, w8a8_entry,
-                                    w8a8_groups, zeroed)
+                                    launch_sum, launch_w8a8_gemm1, moe_align_block_size, quantized, quantized_buffers,
+                                    w8a8_entry, w8a8_groups, zeroed)
 from compiled.moe.tuned_configs import get_config, split_config, tuned_mode
 from compiled.quant.dequant import FP8
 from compiled.side_stream import Fork
@@ -445,22 +445,17 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         s13 = ws.get("lora_s13", rows * 2 * R, torch.float32, x.device).view(rows, 2 * R)
         call.block_shrink(x, a13, s13, H, True)
         delta13 = GemmDelta(s13, b13, scale, slot, consts)
-    # W8A8: the shrinks read x and the intermediate in 16 bits, the base GEMMs quantized (the
-    # intermediate by the up GEMM's epilogue where its N tiles hold whole groups)
-    in_epilogue = groups is not None and up["BLOCK_SIZE_N"] % groups[1] == 0
+    # W8A8: the shrinks read x and the intermediate in 16 bits, the base GEMMs quantized
     if groups is None:
         launch_gemm1(x, w13, inter, blocks, top_k, up, delta13, scales)
     else:
         xq, xs = quantized(ws, "x", x, groups[0])
         iq, is_ = quantized_buffers(ws, "inter", inter, groups[1])
-        launch_gemm1(xq, w13, inter, blocks, top_k, up, delta13, scales, a_scale=xs,
-                     quantized_out=(iq, is_, groups[1]) if in_epilogue else None)
+        launch_w8a8_gemm1(xq, xs, w13, inter, (iq, is_, groups[1]), blocks, top_k, up, scales, delta13)
     delta2 = call.down_delta(inter, a2, b2, scale, consts, down, scales is None) if has_delta else None
     if groups is None:
         launch_gemm2(inter, w2, y, weights, blocks, down, top_k, delta2, scales)
     else:
-        if not in_epilogue:
-            iq, is_ = quantized(ws, "inter", inter, groups[1], blocks.num_post)
         launch_gemm2(iq, w2, y, weights, blocks, down, top_k, delta2, scales, a_scale=is_)
     if not sum_slots:
         return y

@@ -331,17 +331,17 @@ def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks
 
 def launch_w8a8_gemm1(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor,
                       quantized: tuple[torch.Tensor, torch.Tensor, int], blocks: Blocks, top_k: int, cfg: dict,
-                      scales: ExpertScales) -> None:
-    """W8A8's up GEMM (x quantized: `xq`, `xs`) with the intermediate quantized for the down GEMM
-    into `quantized` (iq, is_, group): by the up GEMM's epilogue where its N tiles hold whole
-    groups, else by a pass after it over the rows of the blocks in use, padding rows too (their
-    products are never stored; the buffer's rows past them, sized for the worst spread over the
-    experts, are never read)."""
+                      scales: ExpertScales, delta: GemmDelta | None = None) -> None:
+    """W8A8's up GEMM (x quantized: `xq`, `xs`; `delta` as `launch_gemm1`'s) with the intermediate
+    quantized for the down GEMM into `quantized` (iq, is_, group): by the up GEMM's epilogue where
+    its N tiles hold whole groups, else by a pass after it over the rows of the blocks in use,
+    padding rows too (their products are never stored; the buffer's rows past them, sized for the
+    worst spread over the experts, are never read)."""
     iq, is_, group = quantized
     if cfg["BLOCK_SIZE_N"] % group == 0:
-        launch_gemm1(xq, w13, inter, blocks, top_k, cfg, scales=scales, a_scale=xs, quantized_out=quantized)
+        launch_gemm1(xq, w13, inter, blocks, top_k, cfg, delta, scales, a_scale=xs, quantized_out=quantized)
         return
-    launch_gemm1(xq, w13, inter, blocks, top_k, cfg, scales=scales, a_scale=xs)
+    launch_gemm1(xq, w13, inter, blocks, top_k, cfg, delta, scales, a_scale=xs)
     quantize_per_token_group(inter, group, out=iq, scale_out=is_, live_rows=blocks.num_post)
 
 
