@@ -30,8 +30,9 @@ from compiled.linear import SKINNY_MAX_M
 from compiled.linear import fp8_cublas
 from compiled.linear import fp8_kernels as fk
 from compiled.linear import skinny_kernels as lk
+from compiled.quant.act_quant import dequantize_per_token_group, quantize_per_token_group_ref
 from compiled.quant.dequant import FP8, WeightScale, dequantize_blocks
-from compiled.triton_utils import hopper
+from compiled.triton_utils import hopper, hopper_or_newer
 from tune_moe import time_graph
 
 BLOCK = [128, 128]
@@ -41,6 +42,8 @@ GEMV_WARPS = (2, 4, 8)
 TILE_GRID = ((16, 32, 64), (64, 128, 256), (1, 2, 4, 8))
 TILE_WARPS = (4, 8)
 TILE_STAGES = (3, 4, 5)
+A8_GRID = ((32, 64, 128), (64, 128), (1, 2, 4, 8))
+A8_START = fk.W8A16Config(16, 64, 128, 2, a8=True)   # the W8A8 configs are timed nearest to it first
 REFINE = 3
 MIN_COPIES, MAX_COPIES, L2_MULTIPLE = 8, 128, 4
 MAX_PROGRAMS_PER_SM = 32
@@ -60,6 +63,7 @@ class Case:
     bf16: list[torch.Tensor]                # the same weights dequantized (for cuBLAS)
     x: torch.Tensor
     ref: torch.Tensor
+    ref_a8: torch.Tensor                    # with x quantized per token and block (the W8A8 configs' oracle)
 
 
 def kernel_kind(m: int) -> str:
@@ -82,12 +86,12 @@ def copies_for(n: int, k: int, device: str) -> int:
 
 def heuristic(case: Case, sms: int):
     if case.kind == "w8a16":
-        return fk.w8a16_config(case.m, case.n, case.k, sms, BLOCK[1])
+        return fk.w8a16_config(case.m, case.n, case.k, sms, BLOCK[1], hopper_or_newer(case.x.device))
     return lk.skinny_config(case.m, case.n, case.k, sms, weight_bytes=1)
 
 
 def call(case: Case, cfg):
-    if case.kind == "w8a16":
+    if isinstance(cfg, fk.W8A16Config):
         return lambda x, w: fk.w8a16_linear(x, w[0], w[1], BLOCK, cfg)
     return lambda x, w: lk.skinny_linear_triton(x, w[0], cfg, fp8=WeightScale(w[1], BLOCK))
 
@@ -95,7 +99,7 @@ def call(case: Case, cfg):
 def fits(case: Case, cfg, sms: int, on_gpu: bool) -> bool:
     """A split at least one K tile long, within the workspace; on the GPU a grid neither far short
     of the SMs nor so long that the per-program overhead dominates."""
-    if case.kind == "w8a16":
+    if isinstance(cfg, fk.W8A16Config):
         programs = triton.cdiv(case.n, cfg.block_n) * triton.cdiv(case.m, cfg.block_m) * cfg.split_k
         if not fk.fits_workspace(cfg.split_k, case.m, case.n, cfg.block_m, cfg.block_n):
             return False
@@ -118,17 +122,25 @@ def first_grid(case: Case, h) -> list:
     else:
         grid = [fk.W8A16Config(h.block_m, bn, bk, s, h.num_warps, h.num_stages)
                 for bn, bk, s in itertools.product(*TILE_GRID)]
+    a8 = []
+    if case.kind != "gemv":   # W8A8 (x quantized first) on the W8A16 kernel's tiles, beside the op's kernel
+        block_m = max(fk.MIN_BLOCK, min(fk.MAX_BLOCK_M, triton.next_power_of_2(case.m)))
+        a8 = [fk.W8A16Config(block_m, bn, bk, s, 4, 4, a8=True)
+              for bn, bk, s in itertools.product(*A8_GRID) if fk.a8_fits(bk, BLOCK[1])]
 
-    def distance(c) -> float:
-        return sum(abs(math.log2(getattr(c, f) / getattr(h, f))) for f in ("block_n", "block_k", "split_k"))
-    return sorted(grid, key=distance)
+    def distance(c, to) -> float:
+        return sum(abs(math.log2(getattr(c, f) / getattr(to, f))) for f in ("block_n", "block_k", "split_k"))
+    # the two kinds alternate, each nearest to its start first: a budget cut short still times both
+    grid.sort(key=lambda c: distance(c, h))
+    a8.sort(key=lambda c: distance(c, A8_START))
+    return [c for pair in itertools.zip_longest(grid, a8) for c in pair if c is not None]
 
 
 def refinements(case: Case, c) -> list:
     if case.kind == "gemv":
         return [c._replace(num_warps=w) for w in GEMV_WARPS]
     out = [c._replace(num_warps=w, num_stages=s) for w, s in itertools.product(TILE_WARPS, TILE_STAGES)]
-    if case.kind == "w8a16":
+    if isinstance(c, fk.W8A16Config):
         out += [c._replace(block_m=bm) for bm in (16, 32, 64) if bm < c.block_m]
     return out
 
@@ -138,7 +150,8 @@ def time_config(case: Case, cfg, reps: int) -> float | None:
     fn = call(case, cfg)
     try:
         out = fn(case.x, case.weights[0]).float()
-        if ((out - case.ref).abs().max() / case.ref.abs().max()).item() > TOL:
+        ref = case.ref_a8 if getattr(cfg, "a8", False) else case.ref
+        if ((out - ref).abs().max() / ref.abs().max()).item() > TOL:
             print(f"    {tuple(cfg)}: wrong result", flush=True)
             return None
         return time_graph([lambda w=w: fn(case.x, w) for w in case.weights], reps=reps) / len(case.weights)
@@ -222,8 +235,11 @@ def run_sweep(shapes: dict[str, tuple[int, int]], ms: list[int], reps: int, budg
     for m, (name, (n, k)) in itertools.product(ms, shapes.items()):
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         q, s = weights[name][0]
-        ref = F.linear(x.float(), dequantize_blocks(q, s, BLOCK, torch.float32))
-        case = Case(name, n, k, m, kernel_kind(m), weights[name], bf16[name], x, ref)
+        wd = dequantize_blocks(q, s, BLOCK, torch.float32)
+        ref = F.linear(x.float(), wd)
+        ref_a8 = F.linear(dequantize_per_token_group(*quantize_per_token_group_ref(x, BLOCK[1]), BLOCK[1],
+                                                     torch.float32), wd)
+        case = Case(name, n, k, m, kernel_kind(m), weights[name], bf16[name], x, ref, ref_a8)
         rows.append(sweep_case(case, sms, reps, budget_s, max_configs, on_gpu))
         print(describe(rows[-1]), flush=True)
         emit(rows)

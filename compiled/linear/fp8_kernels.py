@@ -7,7 +7,9 @@ scale_tiling`), so a tile takes one scale per weight row, or per row and block w
 whole blocks (`triton_utils.row_scaled`); other blocks gather a scale per element (`scaled_tile`).
 The torch reference is the op's dequantize-then-F.linear (`quant/dequant.py`). A few rows take the
 skinny GEMM's FP8 path instead (`skinny_kernels`); this kernel serves decode batches above them, up
-to W8A16_MAX_M rows (`library.py` routes the calls).
+to W8A16_MAX_M rows (`library.py` routes the calls). Past SHORT_TILE_M rows on Hopper it runs
+W8A8 instead (`W8A16Config.a8`): x quantized per token in groups of the weight's block width
+(`quant.act_quant`) and fp8 x fp8 dots, each K step scaled by the rows' and columns' scales.
 
 A program owns a BLOCK_M x BLOCK_N output tile. At decode batches the row tiles are few (one up to
 64 rows), so the column blocks alone leave SMs idle (30B's o_proj, N = 2,048: 64 programs of 32
@@ -29,8 +31,9 @@ import triton.language as tl
 
 from compiled.linear import skinny_kernels as lk
 from compiled.quant.dequant import fit_block_k, kernel_scale, resolve_block
-from compiled.triton_utils import (DEFAULT_NUM_SMS, interpreter_upcast, num_sms, row_scaled, scaled_tile,
-                                   split_k_store)
+from compiled.quant.act_quant import quantize_per_token_group
+from compiled.triton_utils import (DEFAULT_NUM_SMS, col_scales, hopper_or_newer, interpreter_upcast, num_sms,
+                                   row_scaled, scaled_tile, split_k_store, w8a8_step)
 
 MIN_BLOCK = 16       # smallest BLOCK_M / BLOCK_N / BLOCK_K (tl.dot's minimum)
 BLOCK_N = 32         # columns a program where the grid fills the GPU without help
@@ -47,6 +50,7 @@ MAX_SPLIT_K = 8
 MIN_K_STEPS = 4      # K tiles a split at least: shorter, the software pipeline's fill is not hidden
 NUM_WARPS = 4
 NUM_STAGES = 4
+A8_MIN_BLOCK_K = 32  # tl.dot on fp8 operands takes K tiles of 32 or more (Hopper's fp8 MMA)
 
 
 class W8A16Config(NamedTuple):
@@ -56,10 +60,12 @@ class W8A16Config(NamedTuple):
     split_k: int = 1
     num_warps: int = NUM_WARPS
     num_stages: int = NUM_STAGES
+    a8: bool = False   # W8A8: x quantized per token in groups of ACT_GROUP first, fp8 x fp8 dots
 
 
 @functools.lru_cache(maxsize=None)
-def w8a16_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, scale_block_k: int = 0) -> W8A16Config:
+def w8a16_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, scale_block_k: int = 0,
+                 fp8_dots: bool = False) -> W8A16Config:
     """BLOCK_M: M rounded up to a power of two (16 to MAX_BLOCK_M). Up to SHORT_TILE_M rows the
     SHORT_ tiles (BLOCK_K SHORT_BLOCK_K where it covers whole scale blocks `scale_block_k` wide
     or lies inside one, 0: K, one block across), a grid short of half of `num_sms`; else BLOCK_N
@@ -67,7 +73,9 @@ def w8a16_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, scale_b
     splits K first (powers of two, each split at least MIN_K_STEPS tiles, the partials within
     the workspace), then narrows BLOCK_N towards 16: a narrower column block makes more programs
     re-read the same x tiles (M x K x N / BLOCK_N elements from L2 in all), a split only adds its
-    partials (split x M x N fp32)."""
+    partials (split x M x N fp32). Past SHORT_TILE_M rows W8A8 on a GPU with FP8 tensor cores
+    (`fp8_dots`) where the K tiles allow it (`a8_fits`): x quantized once, its fp8 tiles are half the bytes each program re-reads, and
+    the weight tiles go to the tensor cores as loaded (no dequantization in registers)."""
     block_m = min(MAX_BLOCK_M, max(MIN_BLOCK, triton.next_power_of_2(M)))
     bi = scale_block_k or K
     if block_m <= SHORT_TILE_M:
@@ -91,7 +99,15 @@ def w8a16_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, scale_b
         split *= 2
     while short(block_n, split) and block_n > MIN_BLOCK and fits_workspace(split, M, N, block_m, block_n // 2):
         block_n //= 2
-    return W8A16Config(block_m, block_n, block_k, split, NUM_WARPS, stages)
+    a8 = fp8_dots and block_m > SHORT_TILE_M and a8_fits(block_k, bi)
+    return W8A16Config(block_m, block_n, block_k, split, NUM_WARPS, stages, a8)
+
+
+def a8_fits(block_k: int, scale_block_k: int) -> bool:
+    """Whether K tiles of `block_k` can run W8A8 over a weight whose scale blocks are
+    `scale_block_k` wide (the activations quantized in groups that wide): each tile inside one
+    block, and long enough for fp8 dots."""
+    return block_k >= A8_MIN_BLOCK_K and scale_block_k % block_k == 0
 
 
 def fits_workspace(split_k: int, M: int, N: int, block_m: int, block_n: int) -> bool:
@@ -121,11 +137,14 @@ def check_config(config: W8A16Config, M: int, N: int) -> None:
 
 @triton.jit
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
-                  stride_sn, stride_ym, BO, BI, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SPLIT_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr,
-                  KB: tl.constexpr):
+                  stride_sn, stride_ym, BO, BI, xs_ptr, stride_xs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                  FP8: tl.constexpr, KB: tl.constexpr, A8: tl.constexpr):
     """Partials laid out `[SPLIT_K, M, N]`; output tile (pid_m, pid_n)'s semaphore at
-    pid_m * (column blocks) + pid_n. UPCAST: see `interpreter_upcast`."""
+    pid_m * (column blocks) + pid_n. UPCAST: see `interpreter_upcast`. A8 (W8A8): x is
+    float8_e4m3fn with fp32 scales `xs_ptr` a row and weight block (BI columns); each K step lies
+    inside one block and is an fp8 x fp8 dot scaled by the rows' and columns' scales
+    (`triton_utils.w8a8_step`)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -140,17 +159,22 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
         w_mask = (offs_n[:, None] < N) & (offs_k[None, :] < k_end)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=w_mask, other=0.0)
-        if FP8 == 2:
-            b = row_scaled(w, s_ptr, offs_n, offs_n < N, k0, K, stride_sn, BO, BI, x.dtype, KB)
+        if A8:
+            sa = tl.load(xs_ptr + offs_m * stride_xs + k0 // BI, mask=offs_m < M, other=0.0)
+            sw = col_scales(s_ptr, tl.minimum(offs_n, N - 1), k0, stride_sn, BO, BI)
+            acc = w8a8_step(acc, x, tl.trans(w), sa, sw, "tf32", False)
         else:
-            b = scaled_tile(w, s_ptr, offs_n[:, None], offs_k[None, :], w_mask, stride_sn, BO, BI, x.dtype, True)
-        if UPCAST:
-            x = x.to(tl.float32)
-            b = b.to(tl.float32)
-        if IEEE:
-            acc += tl.dot(x, tl.trans(b), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(b))
+            if FP8 == 2:
+                b = row_scaled(w, s_ptr, offs_n, offs_n < N, k0, K, stride_sn, BO, BI, x.dtype, KB)
+            else:
+                b = scaled_tile(w, s_ptr, offs_n[:, None], offs_k[None, :], w_mask, stride_sn, BO, BI, x.dtype, True)
+            if UPCAST:
+                x = x.to(tl.float32)
+                b = b.to(tl.float32)
+            if IEEE:
+                acc += tl.dot(x, tl.trans(b), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(b))
     y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     split_k_store(acc, y_ptrs, part_ptr + offs_m[:, None] * N + offs_n[None, :], M * N, y_mask,
@@ -164,11 +188,15 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
     M, K = x.shape
     N = weight.shape[0]
     if config is None:
-        config = w8a16_config(M, N, K, num_sms(x.device), resolve_block(block, N, K)[1])
+        config = w8a16_config(M, N, K, num_sms(x.device), resolve_block(block, N, K)[1],
+                              x.is_cuda and hopper_or_newer(x.device))
     else:
         check_config(config, M, N)
-    block_m, block_n, block_k, split_k, num_warps, num_stages = config
+    block_m, block_n, block_k, split_k, num_warps, num_stages, a8 = config
     ks = kernel_scale(scale, block, N, K, block_k)
+    if a8 and not a8_fits(block_k, ks.bi):
+        raise ValueError(f"w8a16 linear: a8 needs block_k={block_k} >= {A8_MIN_BLOCK_K} dividing the weight's "
+                         f"scale block width {ks.bi}")
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -176,9 +204,13 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
     partials, semaphores = (ws.partials, ws.semaphores) if ws is not None else (y, y)  # never read unsplit
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     upcast = interpreter_upcast(x.dtype)
+    xs = y   # never read without A8
+    if a8:
+        x, xs = quantize_per_token_group(x, ks.bi)
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m), split_k)
     _w8a16_kernel[grid](x, weight, ks.scale, y, partials, semaphores, M, N, K, k_per_split, x.stride(0),
-                        weight.stride(0), ks.scale.stride(0), y.stride(0), ks.bo, ks.bi, BLOCK_M=block_m,
-                        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, IEEE=upcast or x.dtype == torch.float32,
-                        UPCAST=upcast, FP8=ks.mode, KB=ks.kb, num_warps=num_warps, num_stages=num_stages)
+                        weight.stride(0), ks.scale.stride(0), y.stride(0), ks.bo, ks.bi, xs, xs.stride(0),
+                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+                        IEEE=upcast or x.dtype == torch.float32, UPCAST=upcast, FP8=ks.mode, KB=ks.kb, A8=a8,
+                        num_warps=num_warps, num_stages=num_stages)
     return y

@@ -25,7 +25,10 @@ CASES = [("split3_narrow_block128", 37, 53, 300, (128, 128), torch.float32, W8A1
          ("split2_many_blocks16x8", 20, 33, 130, (16, 8), torch.float32, W8A16Config(32, 16, 32, 2, 4, 2)),
          ("narrow_unsplit_block128", 19, 45, 200, (128, 128), torch.float32, W8A16Config(32, 16, 128, 1)),
          ("split2_bf16_block128", 21, 40, 520, (128, 128), torch.bfloat16, W8A16Config(32, 16, 128, 2)),
-         ("heuristic_splits_block128", 20, 48, 2048, (128, 128), torch.float32, None)]
+         ("heuristic_splits_block128", 20, 48, 2048, (128, 128), torch.float32, None),
+         ("a8_split3_partial_k_block128", 37, 53, 300, (128, 128), torch.float32, W8A16Config(16, 16, 128, 3, a8=True)),
+         ("a8_blocks16x64_k32", 20, 48, 256, (16, 64), torch.float32, W8A16Config(32, 32, 32, 2, 4, 2, a8=True)),
+         ("a8_bf16_k64_block128", 19, 45, 200, (128, 128), torch.bfloat16, W8A16Config(32, 16, 64, 1, a8=True))]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}   # relative to the output's largest value
 
 
@@ -36,12 +39,19 @@ def w8a16_case(M: int, N: int, K: int, block: tuple, dtype: torch.dtype, config:
     g = torch.Generator().manual_seed(M * N + K)
     x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) / K ** 0.5
     q, s = quantize(w, QuantConfig("fp8", "block", block))
-    ref = torch.nn.functional.linear(x.to(dtype).float(), dequantize_blocks(q, s, list(block), torch.float32))
+    ref = torch.nn.functional.linear(a8_rows(x.to(dtype), block[1]) if config and config.a8 else x.to(dtype).float(),
+                                     dequantize_blocks(q, s, list(block), torch.float32))
     y = fk.w8a16_linear(x.to(dtype), q, s, list(block), config)
     ran = config or fk.w8a16_config(M, N, K, fk.num_sms(x.device), resolve_block(list(block), N, K)[1])
     ws = workspace.allocated(lk.SKINNY_KERNEL, x.device)
     return dict(err=((y.float() - ref).abs().max() / ref.abs().max()).item(), tol=TOL[dtype], config=list(ran),
                 dtype=str(y.dtype), semaphores_clear=ws is None or not ws.semaphores.any().item())
+
+
+def a8_rows(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as a W8A8 GEMM sees it (the oracle of `a8` configs): quantized per token in groups, fp32."""
+    from compiled.quant.act_quant import dequantize_per_token_group, quantize_per_token_group_ref
+    return dequantize_per_token_group(*quantize_per_token_group_ref(x, group), group, torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +100,16 @@ def test_heuristic_keeps_the_plain_tile_where_the_grid_is_full():
     assert fk.w8a16_config(32, 2048, 4096, 132, 0).block_k == fk.SHORT_BLOCK_K   # inside the one block
 
 
+def test_heuristic_runs_w8a8_past_short_tiles_on_gpus_with_fp8_dots():
+    """64 rows and more on a GPU with FP8 tensor cores: the same tiles, W8A8; 32 rows, no FP8
+    dots, or K tiles too short for them (a 24-wide scale block): W8A16."""
+    for M, N, K in ((64, 5120, 2048), (64, 2048, 4096), (256, 2048, 4096)):
+        a8 = fk.w8a16_config(M, N, K, 132, 128, fp8_dots=True)
+        assert a8.a8 and a8 == fk.w8a16_config(M, N, K, 132, 128)._replace(a8=True), a8
+    assert not fk.w8a16_config(32, 5120, 2048, 132, 128, fp8_dots=True).a8
+    assert not fk.w8a16_config(64, 48, 200, 132, 24, fp8_dots=True).a8
+
+
 def test_short_tiles_split_only_a_grid_short_of_half_the_sms():
     """32 rows: qkv's 80 column blocks run unsplit on 132 SMs, o_proj's 32 split K in 4."""
     assert fk.w8a16_config(32, 5120, 2048, 132, 128) == W8A16Config(32, 64, 256, 1, 4, fk.SHORT_STAGES)
@@ -103,6 +123,7 @@ def test_short_tiles_split_only_a_grid_short_of_half_the_sms():
     (W8A16Config(64, 32, 128, 0), "split_k=0 with M=64, N=40 needs 1 <= split_k"),
     (W8A16Config(64, 32, 128, 1, 3), "num_warps=3 must be a power of two from 1 to 16"),
     (W8A16Config(64, 32, 128, 1, 4, 0), "num_stages=0 must be an int >= 1"),
+    (W8A16Config(64, 32, 16, 1, a8=True), "a8 needs block_k=16 >= 32 dividing the weight's scale block width 128"),
 ])
 def test_forced_config_errors_name_the_field(config, message):
     x, q = torch.randn(64, 256), torch.zeros(40, 256, dtype=torch.float8_e4m3fn)
@@ -183,8 +204,10 @@ def test_gpu_w8a16_heuristic_split_replays_from_a_cuda_graph(M):
     N, K = 2048, 4096
     q, s = quantize(torch.randn(N, K, device="cuda") / K ** 0.5, QuantConfig("fp8", "block", (128, 128)))
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    assert fk.w8a16_config(M, N, K, fk.num_sms(x.device), 128).split_k > 1
-    ref = torch.nn.functional.linear(x.float(), dequantize_blocks(q, s, [128, 128], torch.float32))
+    cfg = fk.w8a16_config(M, N, K, fk.num_sms(x.device), 128, fp8_dots=fk.hopper_or_newer(x.device))
+    assert cfg.split_k > 1
+    ref = torch.nn.functional.linear(a8_rows(x, 128) if cfg.a8 else x.float(),
+                                     dequantize_blocks(q, s, [128, 128], torch.float32))
     eager = fk.w8a16_linear(x, q, s, [128, 128])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
