@@ -28,6 +28,9 @@ def export(
     enable_expert_parallel: bool = engine_option("enable_expert_parallel"),
     load_format: str = typer.Option("dummy", help="Weights do not change the compiled code: dummy (the "
                                     "default here) skips reading them."),
+    quantization: Optional[str] = engine_option("quantization", help="fp8: export for the model quantized to block "
+                                                "FP8 while loading (runs then pass it too; FP8 checkpoints need "
+                                                "nothing)."),
     passes: Optional[str] = typer.Option(None, help="Comma-separated pass list (default: all)."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
@@ -36,7 +39,7 @@ def export(
         pass_list = [p.strip() for p in passes.split(",") if p.strip()] if passes else None
         start = time.perf_counter()
         config = engine_config(dict(model=model, device=device, dtype=dtype, load_format=load_format,
-                                    tensor_parallel_size=tensor_parallel_size,
+                                    quantization=quantization, tensor_parallel_size=tensor_parallel_size,
                                     enable_expert_parallel=enable_expert_parallel), compile=True,
                                cuda_graph_buckets=bucket_list, passes=pass_list,
                                max_num_seqs=max(bucket_list) if bucket_list else DEFAULTS.max_num_seqs)

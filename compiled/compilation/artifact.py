@@ -19,14 +19,16 @@ from compiled.graphs.config import ModelConfig
 from compiled.passes.manager import pass_hashes
 
 MANIFEST = "manifest.json"
-FORMAT = 4  # 3: passes recorded with the hash of their source, splitting ops listed; 4: piece keys
-#              hash the schemas of the project ops a piece calls
+FORMAT = 5  # 3: passes recorded with the hash of their source, splitting ops listed; 4: piece keys
+#              hash the schemas of the project ops a piece calls; 5: the weights' quantization recorded
 # Fields that must match for the compiled code to be valid here, in the order they are checked.
 # tensor_parallel_size: set only above 1 (absent, as in artifacts written before it, means 1); every
 # rank's graph is the same code over its own slices, so one artifact serves all of them.
 # enable_expert_parallel: set only when true, with tensor_parallel_size above 1.
-CHECKED = ("format", "package", "torch", "triton", "device", "model_config", "passes", "splitting_ops", "dtype",
-           "tensor_parallel_size", "enable_expert_parallel")
+# quantization: checked before model_config (which hashes it too), so that a run without the
+# export's --quantization is told so.
+CHECKED = ("format", "package", "torch", "triton", "device", "quantization", "model_config", "passes", "splitting_ops",
+           "dtype", "tensor_parallel_size", "enable_expert_parallel")
 
 
 class ArtifactError(CompiledError, ValueError):
@@ -60,8 +62,16 @@ def manifest_for(cfg: ModelConfig, passes: list[str] | tuple[str, ...], splittin
         "format": FORMAT, "package": __version__, "torch": torch.__version__, "triton": _triton_version(),
         "device": device_name(device), "model_config": config_hash(cfg), "passes": pass_hashes(passes),
         "splitting_ops": list(splitting_ops), "dtype": str(dtype).replace("torch.", ""),
-        "architecture": cfg.architecture,
+        "architecture": cfg.architecture, "quantization": quantization_name(cfg),
     }
+
+
+def quantization_name(cfg: ModelConfig) -> str:
+    """How the model's weights are stored, in a manifest's words: "none", or e.g. "fp8 block 128 x 128"."""
+    q = cfg.quantization
+    if q is None:
+        return "none"
+    return f"{q.method} {q.scheme}" + (f" {q.block[0]} x {q.block[1]}" if q.block else "")
 
 
 def save_artifact(folder: str, manifest: dict, compiled: dict, buckets: dict[str, list[int]] | None,

@@ -226,8 +226,10 @@ def _compile(module: nn.Module, cfg: ModelConfig, config: EngineConfig, report: 
 
 
 def artifact_manifest(cfg: ModelConfig, config: EngineConfig) -> dict:
-    """What an artifact for this model and config must have been compiled for."""
+    """What an artifact for this model and config must have been compiled for: `cfg` as the model
+    is built from it (quantized while loading where `config.quantization` asks)."""
     from compiled.compilation.artifact import manifest_for
+    cfg = with_quantization(cfg, config.quantization)[0]
     manifest = manifest_for(cfg, pass_names(config), config.splitting_ops, config.dtype, config.device)
     if config.tp:   # the manifest records the world size (`compilation.artifact.CHECKED`)
         manifest["tensor_parallel_size"] = config.tensor_parallel_size
