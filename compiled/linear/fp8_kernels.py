@@ -60,7 +60,7 @@ class W8A16Config(NamedTuple):
     split_k: int = 1
     num_warps: int = NUM_WARPS
     num_stages: int = NUM_STAGES
-    a8: bool = False   # W8A8: x quantized per token in groups of ACT_GROUP first, fp8 x fp8 dots
+    a8: bool = False   # W8A8: x quantized first (per token, in groups of the scale block's width), fp8 dots
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,8 +74,9 @@ def w8a16_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, scale_b
     the workspace), then narrows BLOCK_N towards 16: a narrower column block makes more programs
     re-read the same x tiles (M x K x N / BLOCK_N elements from L2 in all), a split only adds its
     partials (split x M x N fp32). Past SHORT_TILE_M rows W8A8 on a GPU with FP8 tensor cores
-    (`fp8_dots`) where the K tiles allow it (`a8_fits`): x quantized once, its fp8 tiles are half the bytes each program re-reads, and
-    the weight tiles go to the tensor cores as loaded (no dequantization in registers)."""
+    (`fp8_dots`) where the K tiles allow it (`a8_fits`): x quantized once, its fp8 tiles are half
+    the bytes each program re-reads, and the weight tiles go to the tensor cores as loaded (no
+    dequantization in registers)."""
     block_m = min(MAX_BLOCK_M, max(MIN_BLOCK, triton.next_power_of_2(M)))
     bi = scale_block_k or K
     if block_m <= SHORT_TILE_M:
@@ -188,8 +189,7 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
     M, K = x.shape
     N = weight.shape[0]
     if config is None:
-        config = w8a16_config(M, N, K, num_sms(x.device), resolve_block(block, N, K)[1],
-                              x.is_cuda and hopper_or_newer(x.device))
+        config = w8a16_config(M, N, K, num_sms(x.device), resolve_block(block, N, K)[1], hopper_or_newer(x.device))
     else:
         check_config(config, M, N)
     block_m, block_n, block_k, split_k, num_warps, num_stages, a8 = config
