@@ -28,7 +28,8 @@ CASES = [("split3_narrow_block128", 37, 53, 300, (128, 128), torch.float32, W8A1
          ("heuristic_splits_block128", 20, 48, 2048, (128, 128), torch.float32, None),
          ("a8_split3_partial_k_block128", 37, 53, 300, (128, 128), torch.float32, W8A16Config(16, 16, 128, 3, a8=True)),
          ("a8_blocks16x64_k32", 20, 48, 256, (16, 64), torch.float32, W8A16Config(32, 32, 32, 2, 4, 2, a8=True)),
-         ("a8_bf16_k64_block128", 19, 45, 200, (128, 128), torch.bfloat16, W8A16Config(32, 16, 64, 1, a8=True))]
+         ("a8_bf16_k64_block128", 19, 45, 200, (128, 128), torch.bfloat16, W8A16Config(32, 16, 64, 1, a8=True)),
+         ("a8_per_channel_split2", 33, 40, 256, (1, 0), torch.float32, W8A16Config(64, 16, 64, 2, a8=True))]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}   # relative to the output's largest value
 
 
@@ -38,8 +39,10 @@ def w8a16_case(M: int, N: int, K: int, block: tuple, dtype: torch.dtype, config:
     from compiled.linear import workspace
     g = torch.Generator().manual_seed(M * N + K)
     x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g) / K ** 0.5
-    q, s = quantize(w, QuantConfig("fp8", "block", block))
-    ref = torch.nn.functional.linear(a8_rows(x.to(dtype), block[1]) if config and config.a8 else x.to(dtype).float(),
+    # (1, 0): one scale a row (compressed-tensors per channel), the whole of K one block
+    q, s = quantize(w, QuantConfig("fp8", "channel") if block == (1, 0) else QuantConfig("fp8", "block", block))
+    group = resolve_block(list(block), N, K)[1]
+    ref = torch.nn.functional.linear(a8_rows(x.to(dtype), group) if config and config.a8 else x.to(dtype).float(),
                                      dequantize_blocks(q, s, list(block), torch.float32))
     y = fk.w8a16_linear(x.to(dtype), q, s, list(block), config)
     ran = config or fk.w8a16_config(M, N, K, fk.num_sms(x.device), resolve_block(list(block), N, K)[1])
