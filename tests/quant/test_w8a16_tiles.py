@@ -1,7 +1,8 @@
 """The W8A16 GEMM's tiles: forced configs (split K, narrow column blocks, K tiles over several
-scale blocks) and the heuristic's own against F.linear in fp32 over the dequantized weight, on CPU
-under TRITON_INTERPRET=1 (one subprocess, as tests/quant/test_fp8_kernel.py); the heuristic's
-choices on the 30B's shapes; a forced config's validation; the FP8 GEMV tiles of the skinny GEMM."""
+scale blocks) and the heuristic's own against F.linear in fp32 over the dequantized weight (its
+W8A8 configs: with x quantized per token as well), on CPU under TRITON_INTERPRET=1 (one
+subprocess, as tests/quant/test_fp8_kernel.py); the heuristic's choices on the 30B's shapes; a
+forced config's validation; the FP8 GEMV tiles of the skinny GEMM."""
 
 from __future__ import annotations
 
