@@ -64,8 +64,8 @@ def num_sms(device: torch.device, off_gpu: int = DEFAULT_NUM_SMS) -> int:
 def tma_descriptor(x: torch.Tensor, block: list[int]):
     """A TMA tensor descriptor over the 2-D `x` with tiles of `block`, or None where TMA cannot
     take it: a 16-bit or float8_e4m3fn tensor with unit last stride and 16-byte aligned base and
-    rows, on Hopper or newer (or the interpreter). Built per call: a small host object the launcher encodes, and
-    caching it would keep freed tensors alive."""
+    rows, on Hopper or newer (or the interpreter). Built per call: a small host object the
+    launcher encodes, and caching it would keep freed tensors alive."""
     from triton.tools.tensor_descriptor import TensorDescriptor
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn) or x.dim() != 2 or x.stride(1) != 1:
         return None

@@ -51,8 +51,8 @@ import torch.nn.functional as F
 import triton
 
 from compiled.moe.fused_moe import (Blocks, ExpertScales, GemmDelta, MoEWorkspace, launch_gemm1, launch_gemm2,
-                                    launch_sum, launch_w8a8_gemm1, moe_align_block_size, quantized, quantized_buffers,
-                                    w8a8_entry, w8a8_groups, zeroed)
+                                    launch_sum, moe_align_block_size, quantized_gemm1, w8a8_entry, w8a8_groups,
+                                    zeroed)
 from compiled.moe.tuned_configs import get_config, split_config, tuned_mode
 from compiled.quant.dequant import FP8
 from compiled.side_stream import Fork
@@ -392,7 +392,6 @@ def _lora_configs(T: int, E: int, I: int, x: torch.Tensor, config: dict | None, 
     if x.element_size() > 2:   # 4-byte tiles: the stages plus the delta operands overflow shared memory
         up, down = (dict(c, num_stages=min(c["num_stages"], FP32_MAX_STAGES)) for c in (up, down))
     return up, down, w8a8_groups(scales, w13, w2, T, up, down, w8a8)
-    return up, down
 
 
 def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
@@ -449,9 +448,7 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     if groups is None:
         launch_gemm1(x, w13, inter, blocks, top_k, up, delta13, scales)
     else:
-        xq, xs = quantized(ws, "x", x, groups[0])
-        iq, is_ = quantized_buffers(ws, "inter", inter, groups[1])
-        launch_w8a8_gemm1(xq, xs, w13, inter, (iq, is_, groups[1]), blocks, top_k, up, scales, delta13)
+        iq, is_ = quantized_gemm1(ws, x, w13, inter, groups, blocks, top_k, up, scales, delta13)
     delta2 = call.down_delta(inter, a2, b2, scale, consts, down, scales is None) if has_delta else None
     if groups is None:
         launch_gemm2(inter, w2, y, weights, blocks, down, top_k, delta2, scales)

@@ -345,6 +345,18 @@ def launch_w8a8_gemm1(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, int
     quantize_per_token_group(inter, group, out=iq, scale_out=is_, live_rows=blocks.num_post)
 
 
+def quantized_gemm1(ws: MoEWorkspace, x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor,
+                    groups: tuple[int, int], blocks: Blocks, top_k: int, cfg: dict, scales: ExpertScales,
+                    delta: GemmDelta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8's up GEMM from the 16-bit x: x quantized into the workspace (groups[0] wide), then
+    `launch_w8a8_gemm1` with the intermediate quantized (groups[1] wide) into the workspace too;
+    returns (iq, is_), what the W8A8 down GEMM reads. The op and its LoRA variant both run it."""
+    xq, xs = quantized(ws, "x", x, groups[0])
+    iq, is_ = quantized_buffers(ws, "inter", inter, groups[1])
+    launch_w8a8_gemm1(xq, xs, w13, inter, (iq, is_, groups[1]), blocks, top_k, cfg, scales, delta)
+    return iq, is_
+
+
 def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights: torch.Tensor, blocks: Blocks,
                   cfg: dict, top_k: int = 1, delta: GemmDelta | None = None,
                   scales: ExpertScales | None = None, a_scale: torch.Tensor | None = None) -> None:
@@ -485,9 +497,7 @@ def _launch_grouped(call: MoECall, config: dict) -> None:
         launch_gemm1(call.x, call.w13, inter, blocks, call.top_k, up, scales=call.scales)
         launch_gemm2(inter, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales)
         return
-    xq, xs = quantized(call.ws, "x", call.x, groups[0])
-    iq, is_ = quantized_buffers(call.ws, "inter", inter, groups[1])
-    launch_w8a8_gemm1(xq, xs, call.w13, inter, (iq, is_, groups[1]), blocks, call.top_k, up, call.scales)
+    iq, is_ = quantized_gemm1(call.ws, call.x, call.w13, inter, groups, blocks, call.top_k, up, call.scales)
     launch_gemm2(iq, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales, a_scale=is_)
 
 
