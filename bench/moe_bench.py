@@ -263,6 +263,7 @@ def with_tma(cfg: dict) -> dict:
 
 
 GEMV_MAX_CONFIGS = 0   # > 0: the first that many tiles of each stage's grid (smoke runs)
+GEMV_STAGES = 3        # the pipelined variant of each tile the sweep tries
 
 
 def gemv_grids(fp8: bool) -> dict[str, list[dict]]:
@@ -272,10 +273,11 @@ def gemv_grids(fp8: bool) -> dict[str, list[dict]]:
     the tiles of GEMV_TILES' bytes a K step (FP8: twice its elements), then the nearest column count,
     then the nearest warps."""
     up_bn, down_bn = ((2, 4, 8, 16), (4, 8, 16, 32)) if fp8 else ((2, 4, 8), (4, 8, 16))
-    grids = dict(up=[dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in up_bn for bk in (512, 1024, 2048)
-                     for w in (2, 4, 8)],
-                 down=[dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w) for bn in down_bn for bk in (128, 256, 512)
-                       for w in (2, 4, 8)])
+    # each tile unpipelined and with STAGES K tiles in flight, side by side in the order below
+    grids = dict(up=[dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st) for bn in up_bn
+                     for bk in (512, 1024, 2048) for w in (2, 4, 8) for st in (1, GEMV_STAGES)],
+                 down=[dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st) for bn in down_bn
+                       for bk in (128, 256, 512) for w in (2, 4, 8) for st in (1, GEMV_STAGES)])
     elem_bytes = 1 if fp8 else 2
 
     def distance(stage: str, tile: dict) -> tuple[float, float, float]:

@@ -477,11 +477,11 @@ def _launch_gemv(call: MoECall, tiles: dict) -> None:
     G.moe_gemv_up_kernel[(k * triton.cdiv(I, up["BLOCK_N"]),)](
         x, w13, ids, inter, I, H, w13.stride(0), w13.stride(1), inter.stride(0),
         BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], EVEN_K=H % up["BLOCK_K"] == 0, num_warps=up["num_warps"],
-        num_stages=1, **fp8_kwargs(call.scales, "w13", w13, up["BLOCK_K"], gemv=True), **launch_kwargs(x.device))
+        STAGES=up.get("num_stages", 1), num_stages=1, **fp8_kwargs(call.scales, "w13", w13, up["BLOCK_K"], gemv=True), **launch_kwargs(x.device))
     G.moe_gemv_down_kernel[(k * triton.cdiv(H, down["BLOCK_N"]),)](
         inter, w2, ids, call.weights, call.y, H, I, inter.stride(0), w2.stride(0), w2.stride(1), call.y.stride(0),
         BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], EVEN_K=I % down["BLOCK_K"] == 0,
-        num_warps=down["num_warps"], num_stages=1, **fp8_kwargs(call.scales, "w2", w2, down["BLOCK_K"], gemv=True),
+        num_warps=down["num_warps"], STAGES=down.get("num_stages", 1), num_stages=1, **fp8_kwargs(call.scales, "w2", w2, down["BLOCK_K"], gemv=True),
         **launch_kwargs(x.device))
 
 

@@ -31,16 +31,17 @@ from compiled.triton_utils import pdl_wait, row_scaled, scaled_tile, weight_tile
 @triton.jit
 def _rows_dot(a_ptr, w_ptr, rows, row_ok, K, stride_wn, second, s_ptr, stride_sn, BO, BI,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PAIRED: tl.constexpr,
-              FP8: tl.constexpr, KB: tl.constexpr):
+              FP8: tl.constexpr, KB: tl.constexpr, STAGES: tl.constexpr):
     """`[BLOCK_N]` fp32: the weight rows `rows` (from w_ptr) dotted with the vector at a_ptr, and
     with PAIRED the rows `second` further on too, in the same K loop (without: the first twice,
     no second reduction). FP8: the rows scaled by their blocks of s_ptr (2: `row_scaled`, KB
-    blocks a tile; 1: `scaled_tile`)."""
+    blocks a tile; 1: `scaled_tile`). STAGES: K tiles in flight (the loop software-pipelined
+    through shared memory; 1: each step's loads issued as it starts)."""
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         k_ok = k0 + offs_k < K
         if EVEN_K:   # no mask along K: the loads stay vectorised
             a = tl.load(a_ptr + k0 + offs_k)
@@ -86,13 +87,13 @@ def _pair_block(ids_ptr, N, BLOCK_N: tl.constexpr):
 def moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_wn, stride_om,
                        S, stride_se, stride_sn, BO, BI,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
-                       KB: tl.constexpr, PDL: tl.constexpr):
+                       KB: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr):
     """out[p, n] = silu(x . w[e, n]) * (x . w[e, N + n]), e = ids[p], for the token x `[K]`."""
     pdl_wait(PDL)
     pair, offs_n, n_ok, read, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
     w_e = w_ptr + expert * stride_we
     gate, up = _rows_dot(x_ptr, w_e, rows, read, K, stride_wn, N, S + expert * stride_se, stride_sn, BO, BI,
-                         BLOCK_N, BLOCK_K, EVEN_K, True, FP8, KB)
+                         BLOCK_N, BLOCK_K, EVEN_K, True, FP8, KB, STAGES)
     # round like the unfused model: gate/up in the activation dtype, silu, product
     dt = out_ptr.dtype.element_ty
     gate = gate.to(dt).to(tl.float32)
@@ -104,12 +105,13 @@ def moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_w
 @triton.jit
 def moe_gemv_down_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_am, stride_we, stride_wn,
                          stride_om, S, stride_se, stride_sn, BO, BI, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, FP8: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr):
+                         EVEN_K: tl.constexpr, FP8: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr,
+                         STAGES: tl.constexpr):
     """out[p, n] = weight[p] * (a[p] . w[e, n]), e = ids[p]."""
     pdl_wait(PDL)
     pair, offs_n, n_ok, read, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
     acc, _ = _rows_dot(a_ptr + pair * stride_am, w_ptr + expert * stride_we, rows, read, K, stride_wn, 0,
-                       S + expert * stride_se, stride_sn, BO, BI, BLOCK_N, BLOCK_K, EVEN_K, False, FP8, KB)
+                       S + expert * stride_se, stride_sn, BO, BI, BLOCK_N, BLOCK_K, EVEN_K, False, FP8, KB, STAGES)
     dt = out_ptr.dtype.element_ty
     w = tl.load(weights_ptr + pair).to(dt).to(tl.float32)
     tl.store(out_ptr + pair * stride_om + offs_n, (acc.to(dt).to(tl.float32) * w).to(dt), mask=n_ok)

@@ -41,6 +41,7 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 FP8_CONFIG_DTYPE = "fp8_w8a8"   # the files of FP8 experts, whatever the activations' dtype
 GEMV_STAGES = ("up", "down")
 GEMV_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps")
+GEMV_OPTIONAL_KEYS = ("num_stages",)   # K tiles in flight (the K loop's pipeline depth), 1 without it
 MAX_GEMV_WARPS = 32
 
 # One token runs as two GEMVs (`gemv_kernels.py`: no 16-row tensor-core tile for its one live
@@ -128,9 +129,12 @@ def check_gemv(entry: object, where: str) -> dict:
         if not isinstance(tile, dict):
             raise ValueError(f"{where}: gemv.{stage} must be an object of {', '.join(GEMV_KEYS)}, got {tile!r}")
         for key in tile:
-            if key not in GEMV_KEYS:
+            if key not in GEMV_KEYS + GEMV_OPTIONAL_KEYS:
                 raise ValueError(f"{where}: gemv.{stage}.{key} is not a GEMV tile key "
-                                 f"(expected {', '.join(GEMV_KEYS)})")
+                                 f"(expected {', '.join(GEMV_KEYS + GEMV_OPTIONAL_KEYS)})")
+        stages = tile.get("num_stages", 1)
+        if type(stages) is not int or stages < 1:
+            raise ValueError(f"{where}: gemv.{stage}.num_stages must be an int >= 1, got {stages!r}")
         for key in GEMV_KEYS:
             if key not in tile:
                 raise ValueError(f"{where}: gemv.{stage}.{key} is missing")

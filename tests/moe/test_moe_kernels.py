@@ -75,13 +75,15 @@ def case_two_tokens_e128_k8_default_config():
 def case_one_token_gemv_odd_sizes_slots_and_sum():
     # one token as two GEMVs: H and I not multiples of the tiles, top-1 to top-8, summed (by the
     # sum kernel) and unsummed (each slot's weighted expert output), fp32 and bf16, the default
-    # tiles too
+    # tiles too; K loops of several tiles pipelined (num_stages) too
     tiles = dict(up=dict(BLOCK_N=2, BLOCK_K=16, num_warps=4), down=dict(BLOCK_N=4, BLOCK_K=32, num_warps=4))
+    staged = dict(up=dict(tiles["up"], num_stages=3), down=dict(tiles["down"], BLOCK_K=16, num_stages=2))
     for E, k, H, I, seed in ((128, 8, 40, 24, 5), (8, 1, 33, 48, 6), (60, 6, 64, 17, 7)):
         x, w, ids, w13, w2 = _problem(1, E, k, H, I, seed=seed)
         ref = fm.fused_moe_ref(x, w, ids, w13, w2)
-        out = fm.fused_moe_triton(x, w, ids, w13, w2, gemv_tiles=tiles)
-        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
+        for t in (tiles, staged):
+            out = fm.fused_moe_triton(x, w, ids, w13, w2, gemv_tiles=t)
+            torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)
         if k > 1:
             slots = fm.fused_moe_triton(x, w, ids, w13, w2, gemv_tiles=tiles, sum_slots=False)
             assert slots.shape == (k, H)
