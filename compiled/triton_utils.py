@@ -39,6 +39,12 @@ def hopper_or_newer(device: torch.device) -> bool:
     return device.type == "cuda" and _capability(device.index)[0] >= 9
 
 
+def fp8_convert_asm(device: torch.device) -> bool:
+    """Whether kernels on `device` convert float8_e4m3fn to fp32 with the PTX conversion of two
+    at once (`fp8_f32`): compute capability 8.9 or newer, not the interpreter (no inline PTX)."""
+    return device.type == "cuda" and not interpreting() and _capability(device.index) >= (8, 9)
+
+
 def hopper(device: torch.device) -> bool:
     """A CUDA device of compute capability 9.x (what cuBLAS's blockwise FP8 recipe runs on)."""
     return device.type == "cuda" and _capability(device.index)[0] == 9
@@ -141,6 +147,33 @@ def weight_tile(w_ptrs, mask_n, mask_k, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def fp8_f32(w, ASM: tl.constexpr):
+    """A float8_e4m3fn tensor as fp32. ASM (`fp8_convert_asm`): four bytes a register, two at once
+    to f16 pairs (exact), then each to fp32 (exact); the plain `.to` takes each byte out of its
+    register and packs pairs back in first, which bounded the GEMVs by instructions, not bytes."""
+    if ASM:
+        out = tl.inline_asm_elementwise(
+            """{
+            .reg .b16 lo, hi;
+            .reg .b32 p01, p23;
+            .reg .f16 f0, f1, f2, f3;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 p01, lo;
+            cvt.rn.f16x2.e4m3x2 p23, hi;
+            mov.b32 {f0, f1}, p01;
+            mov.b32 {f2, f3}, p23;
+            cvt.f32.f16 $0, f0;
+            cvt.f32.f16 $1, f1;
+            cvt.f32.f16 $2, f2;
+            cvt.f32.f16 $3, f3;
+            }""",
+            "=r,=r,=r,=r,r", [w.to(tl.uint8, bitcast=True)], dtype=tl.float32, is_pure=True, pack=4)
+    else:
+        out = w.to(tl.float32)
+    return out
+
+
+@triton.jit
 def scaled_tile(w, s_ptr, rows, cols, ok, stride_sn, BO, BI, dtype: tl.constexpr, FP8: tl.constexpr):
     """A weight tile as the dot reads it: w itself, or with FP8 (w float8_e4m3fn) w times its
     block scale `s_ptr[rows // BO, cols // BI]` gathered per element (rows and cols broadcast to
@@ -157,19 +190,20 @@ def scaled_tile(w, s_ptr, rows, cols, ok, stride_sn, BO, BI, dtype: tl.constexpr
 
 
 @triton.jit
-def row_scaled(w, s_ptr, rows, row_ok, k0, K, stride_sn, BO, BI, dtype: tl.constexpr, KB: tl.constexpr):
+def row_scaled(w, s_ptr, rows, row_ok, k0, K, stride_sn, BO, BI, dtype: tl.constexpr, KB: tl.constexpr,
+               ASM: tl.constexpr = False):
     """`scaled_tile` for a tile w `[R, BLOCK_K]` (weight rows `rows` down, K across from k0) with
     one scale per row and scale block (`quant.dequant.scale_tiling`): KB = 1, the tile inside one
     block; KB > 1, the tile KB whole blocks (BLOCK_K = KB * BI). R * KB scale loads a tile, not
-    one per element."""
+    one per element. ASM: converted by `fp8_f32`'s PTX."""
     if KB == 1:
         s = tl.load(s_ptr + (rows // BO) * stride_sn + k0 // BI, mask=row_ok, other=0.0)
-        tile = (w.to(tl.float32) * s.to(tl.float32)[:, None]).to(dtype)
+        tile = (fp8_f32(w, ASM) * s.to(tl.float32)[:, None]).to(dtype)
     else:
         kb = k0 // BI + tl.arange(0, KB)
         s = tl.load(s_ptr + (rows // BO)[:, None] * stride_sn + kb[None, :],
                     mask=row_ok[:, None] & (kb * BI < K)[None, :], other=0.0)
-        w3 = tl.reshape(w, (w.shape[0], KB, w.shape[1] // KB)).to(tl.float32)
+        w3 = tl.reshape(fp8_f32(w, ASM), (w.shape[0], KB, w.shape[1] // KB))
         tile = tl.reshape((w3 * s.to(tl.float32)[:, :, None]).to(dtype), (w.shape[0], w.shape[1]))
     return tile
 

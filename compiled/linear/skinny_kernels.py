@@ -31,9 +31,9 @@ import triton.language as tl
 from compiled.linear import SKINNY_MAX_M, workspace
 from compiled.linear.lora_kernels import LoRAArgs, add_slice_deltas, fma_delta_apply, fma_delta_operands, token_slots
 from compiled.quant.dequant import WeightScale, kernel_scale
-from compiled.triton_utils import (DEFAULT_NUM_SMS, interpreter_upcast, launch_kwargs, num_sms, pdl_let_next_in,
-                                   pdl_wait, pdl_wait_only, residual_add, rms_normed, row_scaled, scaled_tile,
-                                   silu_mul, weight_tile, weighted_rows)
+from compiled.triton_utils import (DEFAULT_NUM_SMS, fp8_convert_asm, fp8_f32, interpreter_upcast, launch_kwargs, num_sms,
+                                   pdl_let_next_in, pdl_wait, pdl_wait_only, residual_add, rms_normed, row_scaled,
+                                   scaled_tile, silu_mul, weight_tile, weighted_rows)
 
 BLOCK_M = max(16, triton.next_power_of_2(SKINNY_MAX_M))  # one tile for every row (tl.dot needs >= 16)
 MIN_BLOCK = 16             # smallest BLOCK_N / BLOCK_K (tl.dot's minimum)
@@ -62,9 +62,9 @@ GEMV_MAX_BLOCK_K = 1024
 GEMV_NUM_WARPS = 4
 GEMV_MAX_M = 1             # rows the heuristic gives the mode (it serves up to SKINNY_MAX_M: a forced config)
 # The GEMV tiles of an FP8 weight (one byte an element: a tile of the same shape is half the
-# bytes a load): the bf16 values, as no other pair beat them on both the 30B's qkv and o_proj
-# (H200 sweep, bench/linear_bench.py --fp8; bench/RESULTS.md).
-FP8_GEMV_BLOCK_N = GEMV_BLOCK_N
+# bytes a load): twice the columns, the best on both the 30B's qkv and o_proj (H200 sweep,
+# bench/linear_bench.py --fp8; bench/RESULTS.md).
+FP8_GEMV_BLOCK_N = 2 * GEMV_BLOCK_N
 FP8_GEMV_MAX_BLOCK_K = GEMV_MAX_BLOCK_K
 
 
@@ -213,6 +213,15 @@ def _lora_epilogue(acc, offs_m, mask_m, offs_n, mask_n, block_lo, N, LS, LB, LSC
 
 
 @triton.jit
+def _gemv_tile(w_ptrs, mask_n, mask_k, EVEN_K: tl.constexpr, FP8_ASM: tl.constexpr):
+    """The GEMV mode's weight tile, FP8_ASM: converted to fp32 as loaded."""
+    w = weight_tile(w_ptrs, mask_n, mask_k, EVEN_K)
+    if FP8_ASM:
+        w = fp8_f32(w, True)
+    return w
+
+
+@triton.jit
 def _skinny_kernel(
     X, W, Y, Partials, Semaphores, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
     D, NW, H, NORMED, Sums, eps, NORMED_CHUNK, stride_dm, stride_hm, stride_nm,
@@ -222,7 +231,7 @@ def _skinny_kernel(
     PDL: tl.constexpr,
     LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3, stride_ls, stride_lbs, stride_lbn, stride_lsc,
     LORA: tl.constexpr, LORA_N: tl.constexpr, LBLOCK_R: tl.constexpr, LSLOTS_PAD: tl.constexpr, LKC: tl.constexpr,
-    LORA_FP32: tl.constexpr, WS, stride_wsn, BO, BI, FP8: tl.constexpr, KB: tl.constexpr,
+    LORA_FP32: tl.constexpr, WS, stride_wsn, BO, BI, FP8: tl.constexpr, KB: tl.constexpr, FP8_ASM: tl.constexpr,
 ):
     """EVEN_K (K a multiple of BLOCK_K, so every split is whole tiles): no mask along K, which
     keeps the weight loads vectorised. Y may be wider than X (fp32 logits): the output is rounded
@@ -252,7 +261,8 @@ def _skinny_kernel(
     WS (`[N / BO, K / BI]`) in registers as it is used, so the kernel reads the FP8 bytes: one
     scale per row and block (`row_scaled`, KB blocks a tile), or one per element (`scaled_tile`).
     The GEMV mode keeps the scaled tile in fp32 (a rounding to X's dtype an element would bound it
-    by the conversions, not the bytes); the tensor-core tiles round it for the dot."""
+    by the conversions, not the bytes), converted as loaded by `fp8_f32`'s PTX where FP8_ASM; the
+    tensor-core tiles round it for the dot."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -268,8 +278,9 @@ def _skinny_kernel(
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
     if GEMV:
         # The weights do not depend on the kernel before: the first tile is loaded before waiting
-        # for it, and each later one a step ahead.
-        w = weight_tile(w_ptrs, mask_n, k_start + offs_k < k_end, EVEN_K)
+        # for it, and each later one a step ahead. FP8_ASM: carried into the next step as fp32
+        # (`fp8_f32`), as FP8 bytes each is taken out of its register and packed back.
+        w = _gemv_tile(w_ptrs, mask_n, k_start + offs_k < k_end, EVEN_K, FP8_ASM)
     if ADD_NORM or SILU_MUL:
         # With a prologue the next kernel is let in only after the main loop: let in at the start
         # (pdl_wait), it made the decode step slower than no PDL at all (bench/RESULTS.md).
@@ -331,7 +342,7 @@ def _skinny_kernel(
             else:
                 acc_k += x.to(tl.float32)[:, None, :] * wq.to(tl.float32)[None, :, :]
             if k0 + BLOCK_K < k_end:
-                w = weight_tile(w_ptrs + BLOCK_K, mask_n, ks + BLOCK_K < k_end, EVEN_K)
+                w = _gemv_tile(w_ptrs + BLOCK_K, mask_n, ks + BLOCK_K < k_end, EVEN_K, FP8_ASM)
         else:
             if UPCAST:  # see interpreter_upcast()
                 x = x.to(tl.float32)
@@ -489,6 +500,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
     args.update(prologue)
     args.update(_lora_args(y, lora))
     args.update(_fp8_args(y, weight, fp8, block_k))
+    args["FP8_ASM"] = gemv and fp8 is not None and fp8_convert_asm(x.device)
     _skinny_kernel[grid](
         x, weight, y, partials, semaphores, M, N, K, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         Sums=sums, NORMED_CHUNK=triton.cdiv(K, grid[0]), **args,

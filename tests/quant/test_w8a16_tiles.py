@@ -154,15 +154,16 @@ def fresh_configs():
 
 
 def test_fp8_gemv_tiles_follow_their_own_constants(fresh_configs, monkeypatch):
-    """One byte a weight element takes the FP8_GEMV_ constants (today the bf16 values), a 2-byte
-    weight keeps GEMV_'s."""
+    """One byte a weight element takes the FP8_GEMV_ constants (today twice the columns of the
+    bf16 tile), a 2-byte weight keeps GEMV_'s."""
     N, K = 2048, 4096
-    assert lk.skinny_config(1, N, K, 132, weight_bytes=1) == lk.skinny_config(1, N, K, 132)
+    fp8, bf16 = lk.skinny_config(1, N, K, 132, weight_bytes=1), lk.skinny_config(1, N, K, 132)
+    assert (fp8.block_n, fp8.block_k) == (lk.FP8_GEMV_BLOCK_N, lk.FP8_GEMV_MAX_BLOCK_K) != (bf16.block_n, bf16.block_k)
     monkeypatch.setattr(lk, "FP8_GEMV_MAX_BLOCK_K", 2048)
-    monkeypatch.setattr(lk, "FP8_GEMV_BLOCK_N", 4)
+    monkeypatch.setattr(lk, "FP8_GEMV_BLOCK_N", 8)
     lk.skinny_config.cache_clear()
     fp8, bf16 = lk.skinny_config(1, N, K, 132, weight_bytes=1), lk.skinny_config(1, N, K, 132)
-    assert fp8.gemv and (fp8.block_n, fp8.block_k) == (4, 2048)
+    assert fp8.gemv and (fp8.block_n, fp8.block_k) == (8, 2048)
     assert (bf16.block_n, bf16.block_k) == (lk.GEMV_BLOCK_N, lk.GEMV_MAX_BLOCK_K)
 
 
