@@ -37,12 +37,12 @@ from tune_moe import time_graph
 
 BLOCK = [128, 128]
 # (block_n, block_k, split_k) grids of the first pass; warps (and stages) refined around the best
-GEMV_GRID = ((1, 2, 4), (256, 512, 1024, 2048), (1, 2))
+GEMV_GRID = ((1, 2, 4, 8), (256, 512, 1024, 2048), (1, 2))
 GEMV_WARPS = (2, 4, 8)
 TILE_GRID = ((16, 32, 64), (64, 128, 256), (1, 2, 4, 8))
 TILE_WARPS = (4, 8)
 TILE_STAGES = (3, 4, 5)
-A8_GRID = ((32, 64, 128), (64, 128), (1, 2, 4, 8))
+A8_GRID = ((16, 32, 64, 128), (64, 128), (1, 2, 4, 8))
 A8_START = fk.W8A16Config(16, 64, 128, 2, a8=True)   # the W8A8 configs are timed nearest to it first
 REFINE = 3
 MIN_COPIES, MAX_COPIES, L2_MULTIPLE = 8, 128, 4

@@ -62,10 +62,15 @@ GEMV_MAX_BLOCK_K = 1024
 GEMV_NUM_WARPS = 4
 GEMV_MAX_M = 1             # rows the heuristic gives the mode (it serves up to SKINNY_MAX_M: a forced config)
 # The GEMV tiles of an FP8 weight (one byte an element: a tile of the same shape is half the
-# bytes a load): twice the columns, the best on both the 30B's qkv and o_proj (H200 sweep,
-# bench/linear_bench.py --fp8; bench/RESULTS.md).
+# bytes a load): twice the columns; where N gives at least FP8_GEMV_WIDE_PROGRAMS_PER_SM programs
+# an SM of FP8_GEMV_WIDE_N columns, those, half as long in K, on 2 warps (the 30B's qkv; o_proj
+# keeps the first). The best of H200 sweeps (bench/linear_bench.py --fp8; bench/RESULTS.md).
 FP8_GEMV_BLOCK_N = 2 * GEMV_BLOCK_N
 FP8_GEMV_MAX_BLOCK_K = GEMV_MAX_BLOCK_K
+FP8_GEMV_WIDE_N = 8
+FP8_GEMV_WIDE_BLOCK_K = 512
+FP8_GEMV_WIDE_WARPS = 2
+FP8_GEMV_WIDE_PROGRAMS_PER_SM = 4
 
 
 class SkinnyConfig(NamedTuple):
@@ -110,7 +115,10 @@ def gemv_config(N: int, K: int, num_sms: int, weight_bytes: int = 2) -> SkinnyCo
     """GEMV_BLOCK_N columns a program, or one where that grid is short of half the SMs; a grid
     still short splits K (a power of two, up to one program per SM, each split at least
     MIN_K_PER_SPLIT long); K steps up to GEMV_MAX_BLOCK_K. An FP8 weight (`weight_bytes` 1)
-    takes the FP8_GEMV_ constants instead."""
+    takes the FP8_GEMV_ constants instead, the wide tiles where N fills the SMs with them."""
+    if weight_bytes == 1 and triton.cdiv(N, FP8_GEMV_WIDE_N) >= FP8_GEMV_WIDE_PROGRAMS_PER_SM * num_sms:
+        block_k = min(FP8_GEMV_WIDE_BLOCK_K, max(MIN_BLOCK, triton.next_power_of_2(K)))
+        return SkinnyConfig(FP8_GEMV_WIDE_N, block_k, 1, FP8_GEMV_WIDE_WARPS, num_stages=1, gemv=True)
     widest_n, max_block_k = ((FP8_GEMV_BLOCK_N, FP8_GEMV_MAX_BLOCK_K) if weight_bytes == 1
                              else (GEMV_BLOCK_N, GEMV_MAX_BLOCK_K))
     block_n = widest_n if triton.cdiv(N, widest_n) >= num_sms // 2 else 1

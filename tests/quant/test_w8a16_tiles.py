@@ -167,6 +167,16 @@ def test_fp8_gemv_tiles_follow_their_own_constants(fresh_configs, monkeypatch):
     assert (bf16.block_n, bf16.block_k) == (lk.GEMV_BLOCK_N, lk.GEMV_MAX_BLOCK_K)
 
 
+def test_fp8_gemv_takes_its_wide_tiles_where_n_fills_the_sms(fresh_configs):
+    """The 30B's qkv (N 5,120) gives 640 programs of FP8_GEMV_WIDE_N columns, at least
+    FP8_GEMV_WIDE_PROGRAMS_PER_SM an SM of 132: the wide tiles; its o_proj (N 2,048) does not."""
+    qkv, o = lk.skinny_config(1, 5120, 2048, 132, weight_bytes=1), lk.skinny_config(1, 2048, 4096, 132, weight_bytes=1)
+    assert qkv == lk.SkinnyConfig(lk.FP8_GEMV_WIDE_N, lk.FP8_GEMV_WIDE_BLOCK_K, 1, lk.FP8_GEMV_WIDE_WARPS, 1, True)
+    assert (o.block_n, o.block_k, o.num_warps) == (lk.FP8_GEMV_BLOCK_N, lk.FP8_GEMV_MAX_BLOCK_K, lk.GEMV_NUM_WARPS)
+    assert lk.skinny_config(1, 5120, 2048, 264, weight_bytes=1).block_n == lk.FP8_GEMV_BLOCK_N   # twice the SMs
+    assert lk.skinny_config(1, 5120, 2048, 132).block_n == lk.GEMV_BLOCK_N                      # bf16
+
+
 def test_fp8_skinny_tiles_take_twice_the_k_and_the_split_columns(fresh_configs):
     """At 8 rows an FP8 weight's tiles are 256 long in K (bf16: 128) and its splits take twice the
     columns an SM: qkv splits in 2 (bf16: 1), o_proj in 8 (bf16: 4)."""
