@@ -22,6 +22,7 @@ the Triton interpreter, where the flag is a compile-time False and the kernels a
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -30,6 +31,7 @@ import triton.language as tl
 import compiled.envs as envs
 
 DEFAULT_NUM_SMS = 132  # an H100 / H200: what the heuristics assume without a CUDA device (the interpreter)
+FP8_GEMV_CHUNK = 16    # FP8 products a GEMV sums before a scale multiply (`gemv_chunk`)
 
 
 # ----------------------------------------------------------------------------- the device
@@ -43,6 +45,14 @@ def fp8_convert_asm(device: torch.device) -> bool:
     """Whether kernels on `device` convert float8_e4m3fn to fp32 with the PTX conversion of two
     at once (`fp8_f32`): compute capability 8.9 or newer, not the interpreter (no inline PTX)."""
     return device.type == "cuda" and not interpreting() and _capability(device.index) >= (8, 9)
+
+
+def gemv_chunk(fp8_mode: int, block_width: int, block_k: int) -> int:
+    """The runs of products an FP8 GEMV step sums before scaling them (`chunk_scaled_dots`): up to
+    FP8_GEMV_CHUNK (a thread's 16-byte load of a row), a power of two dividing the scale block's
+    width and the K step, where a tile takes a scale per row and block (`fp8_mode` 2,
+    `quant.dequant.FP8_BLOCKS`); 1 (a scale an element) otherwise."""
+    return math.gcd(FP8_GEMV_CHUNK, block_width, block_k) if fp8_mode == 2 else 1
 
 
 def hopper(device: torch.device) -> bool:
@@ -206,6 +216,28 @@ def row_scaled(w, s_ptr, rows, row_ok, k0, K, stride_sn, BO, BI, dtype: tl.const
         w3 = tl.reshape(fp8_f32(w, ASM), (w.shape[0], KB, w.shape[1] // KB))
         tile = tl.reshape((w3 * s.to(tl.float32)[:, :, None]).to(dtype), (w.shape[0], w.shape[1]))
     return tile
+
+
+@triton.jit
+def chunk_scaled_dots(w, x, s_ptr, rows, row_ok, k0, K, stride_sn, BO, BI, KB: tl.constexpr, CHUNK: tl.constexpr):
+    """A GEMV step over an FP8 tile w `[R, BLOCK_K]` (float8_e4m3fn, or fp32 as `fp8_f32` gave it;
+    weight rows `rows` down, K across from k0, its scales as `row_scaled` takes them) and fp32 x
+    `[BLOCK_K]`: `[R, BLOCK_K / CHUNK]`, each run of CHUNK products summed, then scaled by its
+    block's scale, so a step takes one scale multiply a run instead of one an element and the
+    accumulator is CHUNK times smaller. CHUNK divides the scale block and is what a thread holds of
+    a row, so the sums stay in its registers."""
+    R: tl.constexpr = w.shape[0]
+    RUNS: tl.constexpr = w.shape[1] // CHUNK
+    sums = tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (R, RUNS, CHUNK)), axis=2)
+    if KB == 1:
+        s = tl.load(s_ptr + (rows // BO) * stride_sn + k0 // BI, mask=row_ok, other=0.0)
+        out = sums * s.to(tl.float32)[:, None]
+    else:
+        kb = k0 // BI + tl.arange(0, KB)
+        s = tl.load(s_ptr + (rows // BO)[:, None] * stride_sn + kb[None, :],
+                    mask=row_ok[:, None] & (kb * BI < K)[None, :], other=0.0)
+        out = tl.reshape(tl.reshape(sums, (R, KB, RUNS // KB)) * s.to(tl.float32)[:, :, None], (R, RUNS))
+    return out
 
 
 @triton.jit

@@ -31,9 +31,10 @@ import triton.language as tl
 from compiled.linear import SKINNY_MAX_M, workspace
 from compiled.linear.lora_kernels import LoRAArgs, add_slice_deltas, fma_delta_apply, fma_delta_operands, token_slots
 from compiled.quant.dequant import WeightScale, kernel_scale
-from compiled.triton_utils import (DEFAULT_NUM_SMS, fp8_convert_asm, fp8_f32, interpreter_upcast, launch_kwargs, num_sms,
-                                   pdl_let_next_in, pdl_wait, pdl_wait_only, residual_add, rms_normed, row_scaled,
-                                   scaled_tile, silu_mul, weight_tile, weighted_rows)
+from compiled.triton_utils import (DEFAULT_NUM_SMS, chunk_scaled_dots, fp8_convert_asm, fp8_f32, gemv_chunk,
+                                   interpreter_upcast, launch_kwargs, num_sms, pdl_let_next_in, pdl_wait,
+                                   pdl_wait_only, residual_add, rms_normed, row_scaled, scaled_tile, silu_mul,
+                                   weight_tile, weighted_rows)
 
 BLOCK_M = max(16, triton.next_power_of_2(SKINNY_MAX_M))  # one tile for every row (tl.dot needs >= 16)
 MIN_BLOCK = 16             # smallest BLOCK_N / BLOCK_K (tl.dot's minimum)
@@ -240,6 +241,7 @@ def _skinny_kernel(
     LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3, stride_ls, stride_lbs, stride_lbn, stride_lsc,
     LORA: tl.constexpr, LORA_N: tl.constexpr, LBLOCK_R: tl.constexpr, LSLOTS_PAD: tl.constexpr, LKC: tl.constexpr,
     LORA_FP32: tl.constexpr, WS, stride_wsn, BO, BI, FP8: tl.constexpr, KB: tl.constexpr, FP8_ASM: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """EVEN_K (K a multiple of BLOCK_K, so every split is whole tiles): no mask along K, which
     keeps the weight loads vectorised. Y may be wider than X (fp32 logits): the output is rounded
@@ -303,7 +305,7 @@ def _skinny_kernel(
                                        stride_lbs, stride_lbn, stride_lsc, LORA_N, LBLOCK_R, not LORA_FP32)
     if GEMV:
         if BLOCK_M == 1:
-            acc_k = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc_k = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], dtype=tl.float32)
         else:
             acc_k = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
@@ -339,23 +341,26 @@ def _skinny_kernel(
             a, b = a_next, b_next
         else:
             x = tl.load(X + offs_m[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
-        if FP8 == 2:
-            wq = row_scaled(w, WS, offs_n, mask_n, k0, K, stride_wsn, BO, BI, W_DT, KB)
+        if CHUNK > 1:   # the GEMV of one row over a scale a row and block: runs of products scaled at once
+            acc_k += chunk_scaled_dots(w, tl.reshape(x.to(tl.float32), (BLOCK_K,)), WS, offs_n, mask_n, k0, K,
+                                       stride_wsn, BO, BI, KB, CHUNK)
         else:
-            wq = scaled_tile(w, WS, offs_n[:, None], ks[None, :], mask_n[:, None] & (ks < k_end)[None, :], stride_wsn,
-                             BO, BI, W_DT, FP8)
-        if GEMV:
-            if BLOCK_M == 1:
-                acc_k += wq.to(tl.float32) * x.to(tl.float32)
+            if FP8 == 2:
+                wq = row_scaled(w, WS, offs_n, mask_n, k0, K, stride_wsn, BO, BI, W_DT, KB)
             else:
+                wq = scaled_tile(w, WS, offs_n[:, None], ks[None, :], mask_n[:, None] & (ks < k_end)[None, :],
+                                 stride_wsn, BO, BI, W_DT, FP8)
+            if GEMV and BLOCK_M == 1:
+                acc_k += wq.to(tl.float32) * x.to(tl.float32)
+            elif GEMV:
                 acc_k += x.to(tl.float32)[:, None, :] * wq.to(tl.float32)[None, :, :]
-            if k0 + BLOCK_K < k_end:
-                w = _gemv_tile(w_ptrs + BLOCK_K, mask_n, ks + BLOCK_K < k_end, EVEN_K, FP8_ASM)
-        else:
-            if UPCAST:  # see interpreter_upcast()
-                x = x.to(tl.float32)
-                wq = wq.to(tl.float32)
-            acc += tl.dot(x, tl.trans(wq), input_precision=DOT_PRECISION)
+            else:
+                if UPCAST:  # see interpreter_upcast()
+                    x = x.to(tl.float32)
+                    wq = wq.to(tl.float32)
+                acc += tl.dot(x, tl.trans(wq), input_precision=DOT_PRECISION)
+        if GEMV and k0 + BLOCK_K < k_end:
+            w = _gemv_tile(w_ptrs + BLOCK_K, mask_n, ks + BLOCK_K < k_end, EVEN_K, FP8_ASM)
         w_ptrs += BLOCK_K
     if GEMV:
         if BLOCK_M == 1:
@@ -508,7 +513,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
     args.update(prologue)
     args.update(_lora_args(y, lora))
     args.update(_fp8_args(y, weight, fp8, block_k))
-    args["FP8_ASM"] = gemv and fp8 is not None and fp8_convert_asm(x.device)
+    one_row = gemv and M == 1
+    args.update(FP8_ASM=gemv and fp8 is not None and fp8_convert_asm(x.device),
+                CHUNK=gemv_chunk(args["FP8"], args["BI"], block_k) if one_row else 1)
     _skinny_kernel[grid](
         x, weight, y, partials, semaphores, M, N, K, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         Sums=sums, NORMED_CHUNK=triton.cdiv(K, grid[0]), **args,

@@ -34,7 +34,8 @@ from compiled.moe.experts import expert_loop
 from compiled.moe.tuned_configs import get_config, get_gemv_tiles, split_config, tuned_mode
 from compiled.quant.act_quant import quantize_per_token_group
 from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, FP8_W8A8_TILE, fit_block_k, kernel_scale, resolve_block
-from compiled.triton_utils import interpreting, launch_kwargs, row_warps, tma_descriptor
+from compiled.triton_utils import (fp8_convert_asm, gemv_chunk, interpreting, launch_kwargs, row_warps,
+                                   tma_descriptor)
 
 # Where a tuned entry does not name its mode: FP8 experts at this many tokens or more run the
 # grouped GEMMs W8A8 (activations quantized to FP8 per token and scale block, fp8 x fp8 dots on
@@ -475,14 +476,21 @@ def _launch_gemv(call: MoECall, tiles: dict) -> None:
     inter = call.inter(k)
     up, down = tiles["up"], tiles["down"]
     G.moe_gemv_up_kernel[(k * triton.cdiv(I, up["BLOCK_N"]),)](
-        x, w13, ids, inter, I, H, w13.stride(0), w13.stride(1), inter.stride(0),
-        BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"], EVEN_K=H % up["BLOCK_K"] == 0, num_warps=up["num_warps"],
-        STAGES=up.get("num_stages", 1), num_stages=1, **fp8_kwargs(call.scales, "w13", w13, up["BLOCK_K"], gemv=True), **launch_kwargs(x.device))
+        x, w13, ids, inter, I, H, w13.stride(0), w13.stride(1), inter.stride(0), EVEN_K=H % up["BLOCK_K"] == 0,
+        **_gemv_kwargs(call.scales, "w13", w13, up), **launch_kwargs(x.device))
     G.moe_gemv_down_kernel[(k * triton.cdiv(H, down["BLOCK_N"]),)](
         inter, w2, ids, call.weights, call.y, H, I, inter.stride(0), w2.stride(0), w2.stride(1), call.y.stride(0),
-        BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"], EVEN_K=I % down["BLOCK_K"] == 0,
-        num_warps=down["num_warps"], STAGES=down.get("num_stages", 1), num_stages=1, **fp8_kwargs(call.scales, "w2", w2, down["BLOCK_K"], gemv=True),
-        **launch_kwargs(x.device))
+        EVEN_K=I % down["BLOCK_K"] == 0, **_gemv_kwargs(call.scales, "w2", w2, down), **launch_kwargs(x.device))
+
+
+def _gemv_kwargs(scales: ExpertScales | None, name: str, w: torch.Tensor, tile: dict) -> dict:
+    """A one-token GEMV's tile and scale arguments: the tile's columns, K step, warps and stages;
+    FP8 ones as `fp8_kwargs` gives them, with the runs of products scaled at once (`gemv_chunk`)
+    and the PTX conversion where the device has it."""
+    fp8 = fp8_kwargs(scales, name, w, tile["BLOCK_K"], gemv=True)
+    return dict(BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"], num_warps=tile["num_warps"],
+                STAGES=tile.get("num_stages", 1), num_stages=1, CHUNK=gemv_chunk(fp8["FP8"], fp8["BI"], tile["BLOCK_K"]),
+                FP8_ASM=scales is not None and fp8_convert_asm(w.device), **fp8)
 
 
 def _launch_grouped(call: MoECall, config: dict) -> None:

@@ -25,48 +25,56 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.triton_utils import pdl_wait, row_scaled, scaled_tile, weight_tile
+from compiled.triton_utils import chunk_scaled_dots, fp8_f32, pdl_wait, row_scaled, scaled_tile, weight_tile
 
 
 @triton.jit
 def _rows_dot(a_ptr, w_ptr, rows, row_ok, K, stride_wn, second, s_ptr, stride_sn, BO, BI,
               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PAIRED: tl.constexpr,
-              FP8: tl.constexpr, KB: tl.constexpr, STAGES: tl.constexpr):
+              FP8: tl.constexpr, KB: tl.constexpr, STAGES: tl.constexpr, CHUNK: tl.constexpr, FP8_ASM: tl.constexpr):
     """`[BLOCK_N]` fp32: the weight rows `rows` (from w_ptr) dotted with the vector at a_ptr, and
     with PAIRED the rows `second` further on too, in the same K loop (without: the first twice,
-    no second reduction). FP8: the rows scaled by their blocks of s_ptr (2: `row_scaled`, KB
-    blocks a tile; 1: `scaled_tile`). STAGES: K tiles in flight (the loop software-pipelined
-    through shared memory; 1: each step's loads issued as it starts)."""
+    no second reduction). FP8: the rows scaled by their blocks of s_ptr (2: a scale a run of CHUNK
+    products, `chunk_scaled_dots`, where CHUNK > 1, else `row_scaled`, KB blocks a tile; 1:
+    `scaled_tile`), FP8_ASM: converted by `fp8_f32`'s PTX. STAGES: K tiles in flight (the loop
+    software-pipelined through shared memory; 1: each step's loads issued as it starts)."""
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         k_ok = k0 + offs_k < K
         if EVEN_K:   # no mask along K: the loads stay vectorised
             a = tl.load(a_ptr + k0 + offs_k)
         else:
             a = tl.load(a_ptr + k0 + offs_k, mask=k_ok, other=0.0)
-        ok = row_ok[:, None] & k_ok[None, :]
-        w = weight_tile(w_ptrs, row_ok, k_ok, EVEN_K)
-        if FP8 == 2:
-            w = row_scaled(w, s_ptr, rows, row_ok, k0, K, stride_sn, BO, BI, tl.float32, KB)
-        else:
-            w = scaled_tile(w, s_ptr, rows[:, None], (k0 + offs_k)[None, :], ok, stride_sn, BO, BI, tl.float32, FP8)
-        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+        a = a.to(tl.float32)
+        acc += _rows_step(w_ptrs, a, rows, row_ok, k_ok, k0, K, s_ptr, stride_sn, BO, BI, EVEN_K, FP8, KB, CHUNK,
+                          FP8_ASM)
         if PAIRED:
-            w2 = weight_tile(w_ptrs + second * stride_wn, row_ok, k_ok, EVEN_K)
-            if FP8 == 2:
-                w2 = row_scaled(w2, s_ptr, rows + second, row_ok, k0, K, stride_sn, BO, BI, tl.float32, KB)
-            else:
-                w2 = scaled_tile(w2, s_ptr, (rows + second)[:, None], (k0 + offs_k)[None, :], ok, stride_sn, BO, BI,
-                                 tl.float32, FP8)
-            acc2 += w2.to(tl.float32) * a.to(tl.float32)[None, :]
+            acc2 += _rows_step(w_ptrs + second * stride_wn, a, rows + second, row_ok, k_ok, k0, K, s_ptr, stride_sn,
+                               BO, BI, EVEN_K, FP8, KB, CHUNK, FP8_ASM)
         w_ptrs += BLOCK_K
     total = tl.sum(acc, axis=1)
     if PAIRED:
         return total, tl.sum(acc2, axis=1)
     return total, total
+
+
+@triton.jit
+def _rows_step(w_ptrs, a, rows, row_ok, k_ok, k0, K, s_ptr, stride_sn, BO, BI, EVEN_K: tl.constexpr,
+               FP8: tl.constexpr, KB: tl.constexpr, CHUNK: tl.constexpr, FP8_ASM: tl.constexpr):
+    """One K step of `_rows_dot` for the rows `rows`: `[BLOCK_N, BLOCK_K / CHUNK]` fp32."""
+    w = weight_tile(w_ptrs, row_ok, k_ok, EVEN_K)
+    if FP8 == 2 and CHUNK > 1:
+        out = chunk_scaled_dots(fp8_f32(w, FP8_ASM), a, s_ptr, rows, row_ok, k0, K, stride_sn, BO, BI, KB, CHUNK)
+    elif FP8 == 2:
+        out = row_scaled(w, s_ptr, rows, row_ok, k0, K, stride_sn, BO, BI, tl.float32, KB, FP8_ASM) * a[None, :]
+    else:
+        ok = row_ok[:, None] & k_ok[None, :]
+        out = scaled_tile(w, s_ptr, rows[:, None], (k0 + tl.arange(0, w.shape[1]))[None, :], ok, stride_sn, BO, BI,
+                          tl.float32, FP8).to(tl.float32) * a[None, :]
+    return out
 
 
 @triton.jit
@@ -87,13 +95,14 @@ def _pair_block(ids_ptr, N, BLOCK_N: tl.constexpr):
 def moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_wn, stride_om,
                        S, stride_se, stride_sn, BO, BI,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
-                       KB: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr):
+                       KB: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr, CHUNK: tl.constexpr,
+                       FP8_ASM: tl.constexpr):
     """out[p, n] = silu(x . w[e, n]) * (x . w[e, N + n]), e = ids[p], for the token x `[K]`."""
     pdl_wait(PDL)
     pair, offs_n, n_ok, read, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
     w_e = w_ptr + expert * stride_we
     gate, up = _rows_dot(x_ptr, w_e, rows, read, K, stride_wn, N, S + expert * stride_se, stride_sn, BO, BI,
-                         BLOCK_N, BLOCK_K, EVEN_K, True, FP8, KB, STAGES)
+                         BLOCK_N, BLOCK_K, EVEN_K, True, FP8, KB, STAGES, CHUNK, FP8_ASM)
     # round like the unfused model: gate/up in the activation dtype, silu, product
     dt = out_ptr.dtype.element_ty
     gate = gate.to(dt).to(tl.float32)
@@ -106,12 +115,13 @@ def moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_w
 def moe_gemv_down_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_am, stride_we, stride_wn,
                          stride_om, S, stride_se, stride_sn, BO, BI, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          EVEN_K: tl.constexpr, FP8: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr,
-                         STAGES: tl.constexpr):
+                         STAGES: tl.constexpr, CHUNK: tl.constexpr, FP8_ASM: tl.constexpr):
     """out[p, n] = weight[p] * (a[p] . w[e, n]), e = ids[p]."""
     pdl_wait(PDL)
     pair, offs_n, n_ok, read, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
     acc, _ = _rows_dot(a_ptr + pair * stride_am, w_ptr + expert * stride_we, rows, read, K, stride_wn, 0,
-                       S + expert * stride_se, stride_sn, BO, BI, BLOCK_N, BLOCK_K, EVEN_K, False, FP8, KB, STAGES)
+                       S + expert * stride_se, stride_sn, BO, BI, BLOCK_N, BLOCK_K, EVEN_K, False, FP8, KB, STAGES,
+                       CHUNK, FP8_ASM)
     dt = out_ptr.dtype.element_ty
     w = tl.load(weights_ptr + pair).to(dt).to(tl.float32)
     tl.store(out_ptr + pair * stride_om + offs_n, (acc.to(dt).to(tl.float32) * w).to(dt), mask=n_ok)
