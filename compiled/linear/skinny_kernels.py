@@ -271,8 +271,9 @@ def _skinny_kernel(
     WS (`[N / BO, K / BI]`) in registers as it is used, so the kernel reads the FP8 bytes: one
     scale per row and block (`row_scaled`, KB blocks a tile), or one per element (`scaled_tile`).
     The GEMV mode keeps the scaled tile in fp32 (a rounding to X's dtype an element would bound it
-    by the conversions, not the bytes), converted as loaded by `fp8_f32`'s PTX where FP8_ASM; the
-    tensor-core tiles round it for the dot."""
+    by the conversions, not the bytes), converted as loaded by `fp8_f32`'s PTX where FP8_ASM, and
+    for one row over a scale a row and block (CHUNK > 1, `gemv_chunk`) sums runs of CHUNK
+    products before scaling them (`chunk_scaled_dots`); the tensor-core tiles round it for the dot."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)

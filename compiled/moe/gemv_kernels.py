@@ -14,11 +14,13 @@ reduced along K once after the loop:
 Each rounds its outputs where the tile kernels (`fused_moe_kernels._up_tile`, `_down_tile`) do,
 so over 16-bit experts the results differ from theirs only in the order of the fp32 sums. The
 torch reference is `fused_moe.fused_moe_ref`. FP8 (float8_e4m3fn experts): each weight tile is
-scaled in registers (scales `S [E, rows / BO, K / BI]`; `triton_utils.row_scaled`, or
-`scaled_tile` for blocks the tiles do not align with), so a step reads the FP8 bytes. The scaled
-weight stays fp32, not rounded to the activations' dtype as the tiles' dot operands and the
-dequantized reference are: that rounding is a conversion an element on a unit that does a few a
-clock, and would bound the GEMV above the bytes' time."""
+scaled in registers (scales `S [E, rows / BO, K / BI]`), so a step reads the FP8 bytes: where a
+tile takes a scale per row and block, runs of CHUNK products are summed first and each run scaled
+once (`triton_utils.chunk_scaled_dots`; the accumulator is `[BLOCK_N, BLOCK_K / CHUNK]`), else
+each element (`scaled_tile`, for blocks the tiles do not align with). The weight stays fp32 (PTX's
+conversion where FP8_ASM, `triton_utils.fp8_f32`), not rounded to the activations' dtype as the
+tiles' dot operands and the dequantized reference are: that rounding is a conversion an element
+on a unit that does a few a clock, and would bound the GEMV above the bytes' time."""
 
 from __future__ import annotations
 
