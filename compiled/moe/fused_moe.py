@@ -489,8 +489,8 @@ def _gemv_kwargs(scales: ExpertScales | None, name: str, w: torch.Tensor, tile: 
     and the PTX conversion where the device has it."""
     fp8 = fp8_kwargs(scales, name, w, tile["BLOCK_K"], gemv=True)
     return dict(BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"], num_warps=tile["num_warps"],
-                STAGES=tile.get("num_stages", 1), num_stages=1, CHUNK=gemv_chunk(fp8["FP8"], fp8["BI"], tile["BLOCK_K"]),
-                FP8_ASM=scales is not None and fp8_convert_asm(w.device), **fp8)
+                STAGES=tile.get("num_stages", 1), num_stages=1, FP8_ASM=scales is not None and fp8_convert_asm(w.device),
+                CHUNK=gemv_chunk(fp8["FP8"], fp8["BI"], tile["BLOCK_K"]), **fp8)
 
 
 def _launch_grouped(call: MoECall, config: dict) -> None:

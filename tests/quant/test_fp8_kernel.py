@@ -55,7 +55,9 @@ def kernel_case(M: int, N: int, K: int, quant: QuantConfig) -> dict:
 SKINNY_CASES = [("skinny_gemv_block16x24", 1, None, QuantConfig("fp8", "block", (16, 24))),
                  ("skinny_tile_split_block16x24", 5, (16, 32, 2), QuantConfig("fp8", "block", (16, 24))),
                  ("skinny_gemv_split_channel", 1, (2, 64, 3), QuantConfig("compressed-tensors", "channel")),
-                 ("skinny_tile_block128", 9, (32, 64, 1), QuantConfig("fp8", "block", (128, 128)))]
+                 ("skinny_tile_block128", 9, (32, 64, 1), QuantConfig("fp8", "block", (128, 128))),
+                 ("skinny_gemv_block16x16", 1, None, QuantConfig("fp8", "block", (16, 16))),     # runs of 16, KB > 1
+                 ("skinny_gemv_split_block8x8", 1, (2, 64, 2), QuantConfig("fp8", "block", (8, 8)))]   # runs of 8
 
 
 def skinny_case(M: int, config: tuple | None, quant: QuantConfig) -> dict:
@@ -125,6 +127,7 @@ def lora_case(M: int) -> dict:
 
 MOE_CASES = [("moe_gemv_block16x24", 1, QuantConfig("fp8", "block", (16, 24)), torch.float32, False),
              ("moe_gemv_block16x16", 1, QuantConfig("fp8", "block", (16, 16)), torch.float32, False),   # KB > 1
+             ("moe_gemv_block16x8", 1, QuantConfig("fp8", "block", (16, 8)), torch.float32, False),     # runs of 8
              ("moe_gemv_block128_bf16", 1, QuantConfig("fp8", "block", (128, 128)), torch.bfloat16, False),
              ("moe_grouped_block16x24", 7, QuantConfig("fp8", "block", (16, 24)), torch.float32, False),
              ("moe_grouped_block128_bf16", 5, QuantConfig("fp8", "block", (128, 128)), torch.bfloat16, False),

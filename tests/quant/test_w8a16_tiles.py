@@ -177,6 +177,18 @@ def test_fp8_gemv_takes_its_wide_tiles_where_n_fills_the_sms(fresh_configs):
     assert lk.skinny_config(1, 5120, 2048, 132).block_n == lk.GEMV_BLOCK_N                      # bf16
 
 
+def test_fp8_gemv_runs_fit_the_scale_block_and_the_k_step():
+    """An FP8 GEMV sums runs of up to 16 products before a scale only where a tile takes a scale per
+    row and block (FP8_BLOCKS), each run inside one block and one K step; the PTX conversion is
+    never asked of the CPU (the interpreter has no inline PTX)."""
+    from compiled.quant.dequant import FP8_BLOCKS
+    from compiled.triton_utils import fp8_convert_asm, gemv_chunk
+    assert gemv_chunk(FP8_BLOCKS, 128, 512) == 16 and gemv_chunk(FP8_BLOCKS, 8, 64) == 8
+    assert gemv_chunk(FP8_BLOCKS, 24, 16) == 8 and gemv_chunk(FP8_BLOCKS, 128, 4) == 4
+    assert gemv_chunk(1, 128, 512) == 1 and gemv_chunk(0, 1, 1024) == 1
+    assert not fp8_convert_asm(torch.device("cpu"))
+
+
 def test_fp8_skinny_tiles_take_twice_the_k_and_the_split_columns(fresh_configs):
     """At 8 rows an FP8 weight's tiles are 256 long in K (bf16: 128) and its splits take twice the
     columns an SM: qkv splits in 2 (bf16: 1), o_proj in 8 (bf16: 4)."""
