@@ -32,6 +32,7 @@ import compiled.envs as envs
 
 DEFAULT_NUM_SMS = 132  # an H100 / H200: what the heuristics assume without a CUDA device (the interpreter)
 FP8_GEMV_CHUNK = 16    # FP8 products a GEMV sums before a scale multiply (`gemv_chunk`)
+FP8_DOT_MIN_K = 32     # tl.dot on fp8 operands takes K tiles of 32 or more (Hopper's fp8 MMA)
 
 
 # ----------------------------------------------------------------------------- the device

@@ -32,8 +32,8 @@ import triton.language as tl
 from compiled.linear import skinny_kernels as lk
 from compiled.quant.dequant import fit_block_k, kernel_scale, resolve_block
 from compiled.quant.act_quant import quantize_per_token_group
-from compiled.triton_utils import (DEFAULT_NUM_SMS, col_scales, hopper_or_newer, interpreter_upcast, num_sms,
-                                   row_scaled, scaled_tile, split_k_store, w8a8_step)
+from compiled.triton_utils import (DEFAULT_NUM_SMS, FP8_DOT_MIN_K, col_scales, hopper_or_newer, interpreter_upcast,
+                                   num_sms, row_scaled, scaled_tile, split_k_store, w8a8_step)
 
 MIN_BLOCK = 16       # smallest BLOCK_M / BLOCK_N / BLOCK_K (tl.dot's minimum)
 BLOCK_N = 32         # columns a program where the grid fills the GPU without help
@@ -50,7 +50,6 @@ MAX_SPLIT_K = 8
 MIN_K_STEPS = 4      # K tiles a split at least: shorter, the software pipeline's fill is not hidden
 NUM_WARPS = 4
 NUM_STAGES = 4
-A8_MIN_BLOCK_K = 32  # tl.dot on fp8 operands takes K tiles of 32 or more (Hopper's fp8 MMA)
 
 
 class W8A16Config(NamedTuple):
@@ -108,7 +107,7 @@ def a8_fits(block_k: int, scale_block_k: int) -> bool:
     """Whether K tiles of `block_k` can run W8A8 over a weight whose scale blocks are
     `scale_block_k` wide (the activations quantized in groups that wide): each tile inside one
     block, and long enough for fp8 dots."""
-    return block_k >= A8_MIN_BLOCK_K and scale_block_k % block_k == 0
+    return block_k >= FP8_DOT_MIN_K and scale_block_k % block_k == 0
 
 
 def fits_workspace(split_k: int, M: int, N: int, block_m: int, block_n: int) -> bool:
@@ -195,7 +194,7 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
     block_m, block_n, block_k, split_k, num_warps, num_stages, a8 = config
     ks = kernel_scale(scale, block, N, K, block_k)
     if a8 and not a8_fits(block_k, ks.bi):
-        raise ValueError(f"w8a16 linear: a8 needs block_k={block_k} >= {A8_MIN_BLOCK_K} dividing the weight's "
+        raise ValueError(f"w8a16 linear: a8 needs block_k={block_k} >= {FP8_DOT_MIN_K} dividing the weight's "
                          f"scale block width {ks.bi}")
     x = x if x.stride(1) == 1 else x.contiguous()
     weight = weight.contiguous()

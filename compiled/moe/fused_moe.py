@@ -34,15 +34,14 @@ from compiled.moe.experts import expert_loop
 from compiled.moe.tuned_configs import get_config, get_gemv_tiles, split_config, tuned_mode
 from compiled.quant.act_quant import quantize_per_token_group
 from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, FP8_W8A8_TILE, fit_block_k, kernel_scale, resolve_block
-from compiled.triton_utils import (fp8_convert_asm, gemv_chunk, interpreting, launch_kwargs, row_warps,
-                                   tma_descriptor)
+from compiled.triton_utils import (FP8_DOT_MIN_K, fp8_convert_asm, gemv_chunk, interpreting, launch_kwargs,
+                                   row_warps, tma_descriptor)
 
 # Where a tuned entry does not name its mode: FP8 experts at this many tokens or more run the
 # grouped GEMMs W8A8 (activations quantized to FP8 per token and scale block, fp8 x fp8 dots on
 # the tensor cores); fewer stay W8A16, where the quantization passes cost more than the dots save.
 # `bench/tune_moe.py` times both modes and writes the faster into each entry.
 W8A8_MIN_TOKENS = 256
-FP8_DOT_MIN_K = 32   # tl.dot on fp8 operands takes K tiles of 32 or more (Hopper's fp8 MMA)
 
 
 # ----------------------------------------------------------------------------- reference
