@@ -266,23 +266,25 @@ GEMV_MAX_CONFIGS = 0   # > 0: the first that many tiles of each stage's grid (sm
 GEMV_STAGES = 3        # the pipelined variant of each tile the sweep tries
 
 
-def gemv_grids(fp8: bool) -> dict[str, list[dict]]:
-    """The tiles the sweep tries for each GEMV: around GEMV_TILES (a first sweep's best over bf16
-    experts: up 4 x 1024, down 8 x 256, 4 warps); FP8 experts' rows are half the bytes, so wider
-    tiles too. Nearest first, so that a sweep cut short by its time limit has tried the likeliest:
-    the tiles of GEMV_TILES' bytes a K step (FP8: twice its elements), then the nearest column count,
-    then the nearest warps."""
-    up_bn, down_bn = ((2, 4, 8, 16), (4, 8, 16, 32)) if fp8 else ((2, 4, 8), (4, 8, 16))
+def gemv_grids(fp8: bool, start: dict | None = None) -> dict[str, list[dict]]:
+    """The tiles the sweep tries for each GEMV, nearest first to `start` (the tiles the op runs now),
+    else to GEMV_TILES (a first sweep's best over bf16 experts: up 4 x 1024, down 8 x 256, 4 warps),
+    so that a sweep cut short by its time limit has tried the likeliest: the tiles of the start's
+    bytes a K step (FP8 against GEMV_TILES: twice its elements), then the nearest column count, then
+    the nearest warps. FP8 experts' rows are half the bytes, so wider tiles too."""
+    up_bn, down_bn = ((2, 4, 8, 16, 32), (4, 8, 16, 32, 64)) if fp8 else ((2, 4, 8), (4, 8, 16))
     # each tile unpipelined and with STAGES K tiles in flight, side by side in the order below
     grids = dict(up=[dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st) for bn in up_bn
                      for bk in (512, 1024, 2048) for w in (2, 4, 8) for st in (1, GEMV_STAGES)],
                  down=[dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st) for bn in down_bn
                        for bk in (128, 256, 512) for w in (2, 4, 8) for st in (1, GEMV_STAGES)])
     elem_bytes = 1 if fp8 else 2
+    ref_bytes_each = elem_bytes if start is not None else 2
 
     def distance(stage: str, tile: dict) -> tuple[float, float, float]:
-        ref = tc.GEMV_TILES[stage]
-        tile_bytes, ref_bytes = tile["BLOCK_N"] * tile["BLOCK_K"] * elem_bytes, ref["BLOCK_N"] * ref["BLOCK_K"] * 2
+        ref = (start or tc.GEMV_TILES)[stage]
+        tile_bytes = tile["BLOCK_N"] * tile["BLOCK_K"] * elem_bytes
+        ref_bytes = ref["BLOCK_N"] * ref["BLOCK_K"] * ref_bytes_each
         return (abs(math.log2(tile_bytes / ref_bytes)), abs(math.log2(tile["BLOCK_N"] / ref["BLOCK_N"])),
                 abs(math.log2(tile["num_warps"] / ref["num_warps"])))
     grids = {stage: sorted(grid, key=lambda t, stage=stage: distance(stage, t)) for stage, grid in grids.items()}
@@ -307,7 +309,7 @@ def sweep_gemv(b: Bench, x: torch.Tensor, routes: list) -> list[dict]:
     us = timed(start)
     results = [] if us is None else [dict(start, us=us, start=True)]
     print(f"  gemv now: {start}: {us} us", flush=True)
-    for n, (stage, grid) in enumerate(gemv_grids(b.fp8).items(), 1):
+    for n, (stage, grid) in enumerate(gemv_grids(b.fp8, start).items(), 1):
         base = {k: results[0][k] for k in tc.GEMV_STAGES} if results else dict(start)
         for tile in grid:
             if time.time() - t0 > limit * n / 2:   # each stage its half of the time: the best so far
