@@ -207,16 +207,26 @@ def row_scaled(w, s_ptr, rows, row_ok, k0, K, stride_sn, BO, BI, dtype: tl.const
     one scale per row and scale block (`quant.dequant.scale_tiling`): KB = 1, the tile inside one
     block; KB > 1, the tile KB whole blocks (BLOCK_K = KB * BI). R * KB scale loads a tile, not
     one per element. ASM: converted by `fp8_f32`'s PTX."""
+    s = row_block_scales(s_ptr, rows, row_ok, k0, K, stride_sn, BO, BI, KB)
+    if KB == 1:
+        tile = (fp8_f32(w, ASM) * s[:, None]).to(dtype)
+    else:
+        w3 = tl.reshape(fp8_f32(w, ASM), (w.shape[0], KB, w.shape[1] // KB))
+        tile = tl.reshape((w3 * s[:, :, None]).to(dtype), (w.shape[0], w.shape[1]))
+    return tile
+
+
+@triton.jit
+def row_block_scales(s_ptr, rows, row_ok, k0, K, stride_sn, BO, BI, KB: tl.constexpr):
+    """The fp32 scales of a tile whose K range starts at k0 (`row_scaled`'s tiling): KB = 1,
+    `[R]`, one a row; KB > 1, `[R, KB]`, one a row and block the tile covers."""
     if KB == 1:
         s = tl.load(s_ptr + (rows // BO) * stride_sn + k0 // BI, mask=row_ok, other=0.0)
-        tile = (fp8_f32(w, ASM) * s.to(tl.float32)[:, None]).to(dtype)
     else:
         kb = k0 // BI + tl.arange(0, KB)
         s = tl.load(s_ptr + (rows // BO)[:, None] * stride_sn + kb[None, :],
                     mask=row_ok[:, None] & (kb * BI < K)[None, :], other=0.0)
-        w3 = tl.reshape(fp8_f32(w, ASM), (w.shape[0], KB, w.shape[1] // KB))
-        tile = tl.reshape((w3 * s.to(tl.float32)[:, :, None]).to(dtype), (w.shape[0], w.shape[1]))
-    return tile
+    return s.to(tl.float32)
 
 
 @triton.jit
@@ -230,14 +240,11 @@ def chunk_scaled_dots(w, x, s_ptr, rows, row_ok, k0, K, stride_sn, BO, BI, KB: t
     R: tl.constexpr = w.shape[0]
     RUNS: tl.constexpr = w.shape[1] // CHUNK
     sums = tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (R, RUNS, CHUNK)), axis=2)
+    s = row_block_scales(s_ptr, rows, row_ok, k0, K, stride_sn, BO, BI, KB)
     if KB == 1:
-        s = tl.load(s_ptr + (rows // BO) * stride_sn + k0 // BI, mask=row_ok, other=0.0)
-        out = sums * s.to(tl.float32)[:, None]
+        out = sums * s[:, None]
     else:
-        kb = k0 // BI + tl.arange(0, KB)
-        s = tl.load(s_ptr + (rows // BO)[:, None] * stride_sn + kb[None, :],
-                    mask=row_ok[:, None] & (kb * BI < K)[None, :], other=0.0)
-        out = tl.reshape(tl.reshape(sums, (R, KB, RUNS // KB)) * s.to(tl.float32)[:, :, None], (R, RUNS))
+        out = tl.reshape(tl.reshape(sums, (R, KB, RUNS // KB)) * s[:, :, None], (R, RUNS))
     return out
 
 
