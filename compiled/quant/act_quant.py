@@ -19,9 +19,10 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 ACT_EPS = 1e-10   # the smallest group maximum: a zero group gets a finite, nonzero scale
 _EPS, _FMAX = tl.constexpr(ACT_EPS), tl.constexpr(FP8_MAX)   # the same, inside the kernels
-# A program takes whole rows, as many as fit this many (padded) elements, at most MAX_ROWS, so
-# that each loads a few KB (a program a row would give the MoE intermediate's 768-wide rows
-# 1.5 KB programs, thousands of them at prefill).
+# A program takes a tile of up to MAX_ROWS rows by as many whole groups as make PROGRAM_ELEMENTS
+# (padded) elements: two groups of 128 at most, so that 768-wide rows (the MoE intermediate's,
+# six groups) do not pad to eight, and a short batch spreads over its groups' programs rather than
+# few whole-row ones (H200 sweep against whole-row programs: bench/RESULTS.md).
 PROGRAM_ELEMENTS = 4096
 MAX_ROWS = 16
 
@@ -70,10 +71,11 @@ def quantized_groups(x, AXIS: tl.constexpr):
 
 @triton.jit
 def _quant_group_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, T, K, stride_x, stride_q, stride_s, stride_sg, GROUP,
-                        ROWS: tl.constexpr, G_PAD: tl.constexpr, BLOCK_G: tl.constexpr,
+                        ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
                         LIVE_ROWS: tl.constexpr, PDL: tl.constexpr):
-    """ROWS rows a program: their groups as a `[ROWS, G_PAD, BLOCK_G]` tile, each group's max,
-    scale and rounded values. LIVE_ROWS: rows from `rows_ptr[0]` on are left as they are."""
+    """Program (i, j): rows i * ROWS on, groups j * GROUPS on, as a `[ROWS, GROUPS, BLOCK_G]`
+    tile; each group's max, scale and rounded values. LIVE_ROWS: rows from `rows_ptr[0]` on are
+    left as they are."""
     pdl_wait(PDL)
     first = tl.program_id(0) * ROWS
     end = T
@@ -83,7 +85,7 @@ def _quant_group_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, T, K, stride_x, stride_q,
             return
     rows = (first + tl.arange(0, ROWS)).to(tl.int64)
     row_ok = rows < end
-    g = tl.arange(0, G_PAD)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     c = tl.arange(0, BLOCK_G)
     cols = (g[:, None] * GROUP + c[None, :])[None, :, :]
     ok = row_ok[:, None, None] & ((c < GROUP)[None, None, :] & (cols < K))
@@ -93,6 +95,15 @@ def _quant_group_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, T, K, stride_x, stride_q,
     tl.store(q_ptr + r3 * stride_q + cols, y.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + rows[:, None] * stride_s + g[None, :] * stride_sg, scale,
              mask=row_ok[:, None] & (g * GROUP < K)[None, :])
+
+
+def quant_tile(T: int, G: int, block_g: int) -> tuple[int, int]:
+    """(rows, groups) a program of `_quant_group_kernel` for T rows of G groups `block_g` wide
+    (padded): groups as many as fill PROGRAM_ELEMENTS at MAX_ROWS rows, rows one per 16 tokens
+    up to MAX_ROWS."""
+    groups = max(1, min(triton.next_power_of_2(G), PROGRAM_ELEMENTS // (MAX_ROWS * block_g)))
+    rows = max(1, min(MAX_ROWS, triton.next_power_of_2(triton.cdiv(T, 16)), PROGRAM_ELEMENTS // (groups * block_g)))
+    return rows, groups
 
 
 def quantize_per_token_group(x: torch.Tensor, group: int, out: torch.Tensor | None = None,
@@ -111,10 +122,10 @@ def quantize_per_token_group(x: torch.Tensor, group: int, out: torch.Tensor | No
     q = torch.empty(T, K, dtype=FP8, device=x.device) if out is None else out
     s = torch.empty(T, G, dtype=torch.float32, device=x.device) if scale_out is None else scale_out
     if T:
-        g_pad, block_g = triton.next_power_of_2(G), triton.next_power_of_2(group)
-        rows = max(1, min(MAX_ROWS, PROGRAM_ELEMENTS // (g_pad * block_g)))
-        _quant_group_kernel[(triton.cdiv(T, rows),)](
+        block_g = triton.next_power_of_2(group)
+        rows, groups = quant_tile(T, G, block_g)
+        _quant_group_kernel[(triton.cdiv(T, rows), triton.cdiv(G, groups))](
             x, q, s, x if live_rows is None else live_rows, T, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-            group, ROWS=rows, G_PAD=g_pad, BLOCK_G=block_g, LIVE_ROWS=live_rows is not None,
+            group, ROWS=rows, GROUPS=groups, BLOCK_G=block_g, LIVE_ROWS=live_rows is not None,
             num_warps=4, **launch_kwargs(x.device))
     return q, s
