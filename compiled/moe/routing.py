@@ -13,11 +13,6 @@ CUDA, the reference elsewhere; from `COMPILED_ROUTING_BACKEND`, read at import, 
 config) set to 'torch' forces the torch reference, 'triton' the kernel (also on CPU under
 TRITON_INTERPRET=1).
 
-Padding tokens route nowhere: where the forward's attention metadata gives each token's KV slot,
-the tokens writing the padding slot (`kv_cache.PADDING_SLOT`: the rows a CUDA-graph bucket adds
-past the batch) get NOT_LOCAL in every pair and weight 0, so the expert kernels read no weights
-for them and a batch padded to its bucket touches the experts of its own tokens only.
-
 The router GEMM and this routing folded into the o_proj's kernel (its column blocks sharing out the
 router, the last one to finish routing) measured no faster in the decode step: its serial tail
 cost what the two launches did (bench/RESULTS.md)."""
@@ -27,48 +22,30 @@ from __future__ import annotations
 import torch
 import triton
 
-from compiled.attention.kv_cache import PADDING_SLOT
 from compiled.backend import BackendChoice
-from compiled.forward_context import current_forward
 from compiled.parallel.tensor import tp_rank
 
 BACKEND = BackendChoice("COMPILED_ROUTING_BACKEND")
 NOT_LOCAL = -1   # the id of a pair whose expert another rank holds (the kernels test ids >= 0)
 
 
-def token_slots(T: int) -> torch.Tensor | None:
-    """The KV slot of each of the forward's T tokens (`[T]`, from its attention metadata), which
-    marks the padding ones; None outside a runner's forward or where the metadata's tokens are
-    not these rows."""
-    attention = current_forward().attention
-    slots = None if attention is None else attention.meta.out_cache_loc
-    return slots if slots is not None and slots.dim() == 1 and slots.shape[0] == T else None
-
-
 def topk_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                   local_experts: int | None = None, slots: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   local_experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits `[T, E]` -> (weights `[T, k]` fp32, expert ids `[T, k]` int64); with
-    `local_experts`, the pairs of this rank's experts only; with `slots` (`[T]`, `token_slots`),
-    none for the padding tokens (the module docstring says how)."""
+    `local_experts`, the pairs of this rank's experts only (the module docstring says how)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    mine = torch.ones_like(ids, dtype=torch.bool)
-    if local_experts is not None:
-        ids = ids - tp_rank() * local_experts
-        mine = (ids >= 0) & (ids < local_experts)
-    if slots is not None:
-        mine = mine & (slots != PADDING_SLOT)[:, None].to(ids.device)
-    if local_experts is None and slots is None:
+    if local_experts is None:
         return weights, ids
-    return torch.where(mine, weights, 0.0), torch.where(mine, ids, NOT_LOCAL)
+    local = ids - tp_rank() * local_experts
+    mine = (local >= 0) & (local < local_experts)
+    return torch.where(mine, weights, 0.0), torch.where(mine, local, NOT_LOCAL)
 
 
 def topk_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                      local_experts: int | None = None, slots: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      local_experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The same contract in one Triton launch (ties pick the lower expert index)."""
     from compiled.moe.routing_kernels import topk_route_kernel
     from compiled.triton_utils import launch_kwargs
@@ -85,9 +62,8 @@ def topk_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool
     first = 0 if local_experts is None else tp_rank() * local_experts
     topk_route_kernel[(triton.cdiv(T, rows),)](
         logits, weights, ids, T, E, logits.stride(0), first, E if local_experts is None else local_experts,
-        ids if slots is None else slots, PADDING_SLOT, TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)),
-        E_PAD=e_pad, ROWS=rows, RENORM=bool(renormalize), LOCAL=local_experts is not None,
-        SKIP_PADDING=slots is not None, num_warps=4, **launch_kwargs(logits.device))
+        TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), E_PAD=e_pad, ROWS=rows,
+        RENORM=bool(renormalize), LOCAL=local_experts is not None, num_warps=4, **launch_kwargs(logits.device))
     return weights, ids
 
 
@@ -100,10 +76,9 @@ def _routing_backend(router_logits: torch.Tensor) -> str:
 @torch.library.custom_op("compiled::topk_route", mutates_args=())
 def topk_route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
                local_experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    slots = token_slots(router_logits.shape[0])
     if _routing_backend(router_logits) == "triton":
-        return topk_route_triton(router_logits, top_k, renormalize, local_experts, slots)
-    return topk_route_ref(router_logits, top_k, renormalize, local_experts, slots)
+        return topk_route_triton(router_logits, top_k, renormalize, local_experts)
+    return topk_route_ref(router_logits, top_k, renormalize, local_experts)
 
 
 @topk_route.register_fake

@@ -3,8 +3,7 @@
 One launch instead of softmax + topk + sum + div; ROWS tokens per program. Ties pick the lower
 expert index. With LOCAL (expert parallelism) it keeps the pairs of experts
 [first, first + count), ids made local, and gives the others id -1 (`routing.NOT_LOCAL`) and
-weight 0. With SKIP_PADDING the rows whose KV slot (`slots_ptr`) is PAD_SLOT, padding tokens, get
-id -1 and weight 0 in every pair."""
+weight 0."""
 
 from __future__ import annotations
 
@@ -15,10 +14,9 @@ from compiled.triton_utils import pdl_wait
 
 
 @triton.jit
-def topk_route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_t, first, count, slots_ptr, PAD_SLOT,
+def topk_route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_t, first, count,
                       TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                      ROWS: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr, SKIP_PADDING: tl.constexpr,
-                      PDL: tl.constexpr):
+                      ROWS: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, E_PAD)
@@ -48,10 +46,6 @@ def topk_route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_t, first, c
         mine = (local >= 0) & (local < count)
         vals = tl.where(mine, vals, 0.0)
         idxs = tl.where(mine, local, -1)
-    if SKIP_PADDING:
-        pad = tl.load(slots_ptr + rows, mask=row_ok, other=PAD_SLOT) == PAD_SLOT
-        vals = tl.where(pad[:, None], 0.0, vals)
-        idxs = tl.where(pad[:, None], -1, idxs)
     out_ok = row_ok[:, None] & (slots[None, :] < TOP_K)
     offs = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
     tl.store(weights_ptr + offs, vals, mask=out_ok)

@@ -317,38 +317,6 @@ def case_routing_kernel_keeps_the_ranks_experts():
     assert torch.equal(seen, torch.ones(T, k, dtype=torch.int64))   # every pair on exactly one rank
 
 
-def case_routing_leaves_padding_tokens_out():
-    """slots (each token's KV slot): the tokens of the padding slot get id -1 and weight 0 in every
-    pair, the others the whole routing's pairs; over all experts and over a rank's, the kernel and
-    the reference alike."""
-    from compiled.attention.kv_cache import PADDING_SLOT
-    from compiled.moe.routing import topk_route_triton
-    from compiled.parallel.tensor import TPGroup, set_tp_group
-    g = torch.Generator().manual_seed(17)
-    T, E, k, count = 37, 60, 6, 15
-    logits = torch.randn(T, E, generator=g)
-    slots = torch.randint(1, 500, (T,), generator=g)
-    slots[[0, 5, 36]] = PADDING_SLOT
-    slots[20:30] = PADDING_SLOT
-    live = (slots != PADDING_SLOT)[:, None]
-    whole_w, whole_ids = topk_route_triton(logits, k, True)
-    for rank in (None, 1):
-        if rank is not None:
-            set_tp_group(TPGroup(None, E // count, rank))
-        local = None if rank is None else count
-        try:
-            w, ids = topk_route_triton(logits, k, True, local_experts=local, slots=slots)
-            ref_w, ref_ids = topk_route_ref(logits, k, True, local_experts=local, slots=slots)
-        finally:
-            set_tp_group(None)
-        first = 0 if rank is None else rank * count
-        mine = live & (whole_ids >= first) & (whole_ids < first + (local or E))
-        torch.testing.assert_close(w, torch.where(mine, whole_w, 0.0), atol=1e-6, rtol=1e-5)
-        assert torch.equal(ids, torch.where(mine, whole_ids - first, -1))
-        torch.testing.assert_close(ref_w, w, atol=1e-6, rtol=1e-5)
-        assert torch.equal(ref_ids, ids)
-
-
 def case_other_ranks_pairs_are_skipped():
     # expert parallelism over 2 ranks of 4 experts: each rank's output (its experts' pairs only;
     # the others' ids -1) is the whole MoE with the other pairs at weight 0, and the ranks' outputs
@@ -389,7 +357,7 @@ GROUPS = {
           case_t300_e8_k2_two_k_steps_grouped_half_and_quarter_tiles,
           case_t150_e8_k2_half_tiles_up_only, case_t37_e128_k8_unused_experts_fp16, case_t5_e60_k6_uneven_k_and_n,
           case_routing_kernel_vs_softmax_topk, case_routing_kernel_keeps_the_ranks_experts,
-          case_other_ranks_pairs_are_skipped, case_routing_leaves_padding_tokens_out],
+          case_other_ranks_pairs_are_skipped],
     "b": [case_t128_e16_k1_no_sum, case_t61_e33_k3_bf16, case_t2_e8_k8_all_experts_down_override,
           case_op_dispatch_and_workspace, case_align_multi_chunk_e128_k8, case_align_counted_by_every_program_and_unused_experts,
           case_tma_weight_tiles_bf16_n_and_k_tails, case_tma_intermediate_tiles_full_blocks_bf16,
@@ -459,29 +427,6 @@ def test_reference_matches_hf_experts(dtype):
         want = experts(x, ids, w.to(dtype))
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(fm.fused_moe_ref(x, w, ids, w13, w2), want, **tol)
-
-
-def test_routing_op_reads_the_padding_from_the_forward():
-    """Inside a forward the op takes each token's KV slot from the attention metadata: the padding
-    tokens route nowhere; outside one, or where the metadata's tokens are not the op's rows, every
-    token routes."""
-    from compiled.attention.context import AttentionContext, AttentionMetadata
-    from compiled.attention.kv_cache import PADDING_SLOT
-    from compiled.forward_context import forward_context
-    logits = torch.randn(5, 16, generator=torch.Generator().manual_seed(18))
-    whole_w, whole_ids = torch.ops.compiled.topk_route(logits, 4, True)
-
-    def routed(slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        meta = AttentionMetadata(out_cache_loc=torch.tensor(slots), req_pool_indices=torch.zeros(1),
-                                 seq_lens=torch.ones(1), extend_lens=torch.ones(1), req_pool_indices_cpu=[0],
-                                 seq_lens_cpu=[1], extend_lens_cpu=[1], is_decode=True)
-        with forward_context(AttentionContext(meta, kv=None, req_to_token=torch.zeros(1))):
-            return torch.ops.compiled.topk_route(logits, 4, True)
-    w, ids = routed([7, 9, 3, PADDING_SLOT, PADDING_SLOT])
-    assert torch.equal(ids[:3], whole_ids[:3]) and torch.equal(w[:3], whole_w[:3])
-    assert (ids[3:] == -1).all() and (w[3:] == 0).all()
-    w, ids = routed([7, 9, 3, PADDING_SLOT])   # four slots for five rows: not these tokens
-    assert torch.equal(ids, whole_ids) and torch.equal(w, whole_w)
 
 
 def test_op_on_cpu_is_reference_and_fake_shapes():
