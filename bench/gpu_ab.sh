@@ -21,6 +21,7 @@ if [ -n "${GPU_TESTS:-}" ]; then
 fi
 for entry in ${MODELS:-qwen3-30b-a3b:1,8 qwen3-0.6b:1}; do
   name=${entry%%:*}; batches=${entry#*:}
+  label="${name}_b${batches//,/-}"   # a model listed twice (other batches) keeps both results
   for round in $(seq "${ROUNDS:-2}"); do
     for side in ${SIDES:-A B}; do
       passes=(); envs=(); tree=$PWD
@@ -29,8 +30,8 @@ for entry in ${MODELS:-qwen3-30b-a3b:1,8 qwen3-0.6b:1}; do
         envs=(${B_ENV:-})
         [ -n "${B_TREE:-}" ] && tree=$(realpath "$B_TREE") && envs+=(PYTHONPATH="$tree$site")
       fi
-      prof=(); [ "$round" = 1 ] && prof=(--profile-dir "$out/prof_${name}_$side")
-      tag="${name}_${side}${round}"
+      prof=(); [ "$round" = 1 ] && prof=(--profile-dir "$out/prof_${label}_$side")
+      tag="${label}_${side}${round}"
       if [ -n "${LORA:-}" ]; then
         env "${envs[@]}" python "$tree/bench/lora_bench.py" "bench/configs/$name" --out "$out/$tag.json" \
           --batches "$batches" --num-loras "$LORA" --rank 16 --skip-idle --profile-batches "" \

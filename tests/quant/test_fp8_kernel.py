@@ -285,8 +285,8 @@ ACT_QUANT_CASES = [("act_quant_bf16_group128", 5, 200, 128, torch.bfloat16),
                    ("act_quant_fp32_group32", 7, 75, 32, torch.float32),
                    ("act_quant_fp32_group16", 3, 50, 16, torch.float32),
                    # 4 rows by 2 groups a program: live rows cut one, the last group's programs partial
-                  ("act_quant_bf16_programs", 37, 300, 128, torch.bfloat16),
-                  ("act_quant_fp32_group_programs", 40, 330, 32, torch.float32)]   # 11 groups: 8 + 3 a row
+                   ("act_quant_bf16_programs", 37, 300, 128, torch.bfloat16),
+                   ("act_quant_fp32_group_programs", 40, 330, 32, torch.float32)]   # 11 groups: 8 + 3 a row
 
 
 def act_quant_case(T: int, K: int, group: int, dtype: torch.dtype) -> dict:
