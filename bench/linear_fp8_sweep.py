@@ -32,7 +32,7 @@ from compiled.linear import fp8_kernels as fk
 from compiled.linear import skinny_kernels as lk
 from compiled.quant.act_quant import dequantize_per_token_group, quantize_per_token_group_ref
 from compiled.quant.dequant import FP8, WeightScale, dequantize_blocks
-from compiled.triton_utils import hopper, hopper_or_newer
+from compiled.triton_utils import fp8_dot_fits, hopper, hopper_or_newer
 from tune_moe import time_graph
 
 BLOCK = [128, 128]
@@ -126,7 +126,7 @@ def first_grid(case: Case, h) -> list:
     if case.kind != "gemv":   # W8A8 (x quantized first) on the W8A16 kernel's tiles, beside the op's kernel
         block_m = max(fk.MIN_BLOCK, min(fk.MAX_BLOCK_M, triton.next_power_of_2(case.m)))
         a8 = [fk.W8A16Config(block_m, bn, bk, s, 4, 4, a8=True)
-              for bn, bk, s in itertools.product(*A8_GRID) if fk.a8_fits(bk, BLOCK[1])]
+              for bn, bk, s in itertools.product(*A8_GRID) if fp8_dot_fits(bk, BLOCK[1])]
 
     def distance(c, to) -> float:
         return sum(abs(math.log2(getattr(c, f) / getattr(to, f))) for f in ("block_n", "block_k", "split_k"))

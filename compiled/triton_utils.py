@@ -48,6 +48,13 @@ def fp8_convert_asm(device: torch.device) -> bool:
     return device.type == "cuda" and not interpreting() and _capability(device.index) >= (8, 9)
 
 
+def fp8_dot_fits(block_k: int, scale_block_k: int) -> bool:
+    """Whether K tiles of `block_k` can take fp8 x fp8 dots (W8A8) over a weight whose scale blocks
+    are `scale_block_k` wide (the activations quantized in groups that wide): each tile inside one
+    block, and at least FP8_DOT_MIN_K long."""
+    return block_k >= FP8_DOT_MIN_K and scale_block_k % block_k == 0
+
+
 def gemv_chunk(fp8_mode: int, block_width: int, block_k: int) -> int:
     """The runs of products an FP8 GEMV step sums before scaling them (`chunk_scaled_dots`): up to
     FP8_GEMV_CHUNK (a thread's 16-byte load of a row), a power of two dividing the scale block's

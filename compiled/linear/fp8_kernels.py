@@ -32,8 +32,8 @@ import triton.language as tl
 from compiled.linear import skinny_kernels as lk
 from compiled.quant.dequant import fit_block_k, kernel_scale, resolve_block
 from compiled.quant.act_quant import quantize_per_token_group
-from compiled.triton_utils import (DEFAULT_NUM_SMS, FP8_DOT_MIN_K, col_scales, hopper_or_newer, interpreter_upcast,
-                                   num_sms, row_scaled, scaled_tile, split_k_store, w8a8_step)
+from compiled.triton_utils import (DEFAULT_NUM_SMS, FP8_DOT_MIN_K, col_scales, fp8_dot_fits, hopper_or_newer,
+                                   interpreter_upcast, num_sms, row_scaled, scaled_tile, split_k_store, w8a8_step)
 
 MIN_BLOCK = 16       # smallest BLOCK_M / BLOCK_N / BLOCK_K (tl.dot's minimum)
 BLOCK_N = 32         # columns a program where the grid fills the GPU without help
@@ -73,7 +73,7 @@ def w8a16_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, scale_b
     the workspace), then narrows BLOCK_N towards 16: a narrower column block makes more programs
     re-read the same x tiles (M x K x N / BLOCK_N elements from L2 in all), a split only adds its
     partials (split x M x N fp32). Past SHORT_TILE_M rows W8A8 on a GPU with FP8 tensor cores
-    (`fp8_dots`) where the K tiles allow it (`a8_fits`): x quantized once, its fp8 tiles are half
+    (`fp8_dots`) where the K tiles allow it (`fp8_dot_fits`): x quantized once, its fp8 tiles are half
     the bytes each program re-reads, and the weight tiles go to the tensor cores as loaded (no
     dequantization in registers)."""
     block_m = min(MAX_BLOCK_M, max(MIN_BLOCK, triton.next_power_of_2(M)))
@@ -99,15 +99,8 @@ def w8a16_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, scale_b
         split *= 2
     while short(block_n, split) and block_n > MIN_BLOCK and fits_workspace(split, M, N, block_m, block_n // 2):
         block_n //= 2
-    a8 = fp8_dots and block_m > SHORT_TILE_M and a8_fits(block_k, bi)
+    a8 = fp8_dots and block_m > SHORT_TILE_M and fp8_dot_fits(block_k, bi)
     return W8A16Config(block_m, block_n, block_k, split, NUM_WARPS, stages, a8)
-
-
-def a8_fits(block_k: int, scale_block_k: int) -> bool:
-    """Whether K tiles of `block_k` can run W8A8 over a weight whose scale blocks are
-    `scale_block_k` wide (the activations quantized in groups that wide): each tile inside one
-    block, and long enough for fp8 dots."""
-    return block_k >= FP8_DOT_MIN_K and scale_block_k % block_k == 0
 
 
 def fits_workspace(split_k: int, M: int, N: int, block_m: int, block_n: int) -> bool:
@@ -193,7 +186,7 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
         check_config(config, M, N)
     block_m, block_n, block_k, split_k, num_warps, num_stages, a8 = config
     ks = kernel_scale(scale, block, N, K, block_k)
-    if a8 and not a8_fits(block_k, ks.bi):
+    if a8 and not fp8_dot_fits(block_k, ks.bi):
         raise ValueError(f"w8a16 linear: a8 needs block_k={block_k} >= {FP8_DOT_MIN_K} dividing the weight's "
                          f"scale block width {ks.bi}")
     x = x if x.stride(1) == 1 else x.contiguous()

@@ -34,8 +34,8 @@ from compiled.moe.experts import expert_loop
 from compiled.moe.tuned_configs import get_config, get_gemv_tiles, split_config, tuned_mode
 from compiled.quant.act_quant import quantize_per_token_group
 from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, FP8_W8A8_TILE, fit_block_k, kernel_scale, resolve_block
-from compiled.triton_utils import (FP8_DOT_MIN_K, fp8_convert_asm, gemv_chunk, interpreting, launch_kwargs,
-                                   row_warps, tma_descriptor)
+from compiled.triton_utils import (FP8_DOT_MIN_K, fp8_convert_asm, fp8_dot_fits, gemv_chunk, interpreting,
+                                   launch_kwargs, row_warps, tma_descriptor)
 
 # Where a tuned entry does not name its mode: FP8 experts at this many tokens or more run the
 # grouped GEMMs W8A8 (activations quantized to FP8 per token and scale block, fp8 x fp8 dots on
@@ -262,7 +262,7 @@ def w8a8_groups(scales: ExpertScales | None, w13: torch.Tensor, w2: torch.Tensor
     for w, cfg in ((w13, up), (w2, down)):
         bi = resolve_block(scales.block, w.shape[1], w.shape[2])[1]
         bk = fit_block_k(bi, cfg["BLOCK_SIZE_K"])
-        if bk < FP8_DOT_MIN_K or bi % bk:
+        if not fp8_dot_fits(bk, bi):
             return None
         groups.append(bi)
     return groups[0], groups[1]
