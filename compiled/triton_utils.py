@@ -155,38 +155,6 @@ def pdl_let_next_in(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
-def prefetchable(w: torch.Tensor, *row_elements: int) -> bool:
-    """Whether `prefetch_rows` may take rows of w (a `[.., rows, K]` weight) that many elements
-    long, each starting at a multiple of the first: the bulk prefetch needs 16-byte aligned starts
-    and sizes, on a GPU with PDL, where a kernel launched early has time before its wait to spend."""
-    es = w.element_size()
-    return (use_pdl(w.device) and w.data_ptr() % 16 == 0 and w.stride(-2) * es % 16 == 0
-            and all(n * es % 16 == 0 for n in row_elements))
-
-
-@triton.jit
-def prefetch_rows(row_ptrs, nbytes, row_ok):
-    """Ask L2 for `nbytes` from each of row_ptrs (16-byte aligned, a multiple of 16; rows not
-    `row_ok` skipped): a hint (Hopper's bulk prefetch), issued before a kernel waits on the one
-    before it (PDL), so that its weight bytes come from DRAM while that kernel still runs instead
-    of one pipelined tile at a time after it."""
-    tl.inline_asm_elementwise(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p cp.async.bulk.prefetch.L2.global [$1], $3;\nmov.b32 $0, 0;\n}",
-        "=r,l,r,r", [row_ptrs, row_ok.to(tl.int32), nbytes + tl.zeros_like(row_ok.to(tl.int32))],
-        dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_expert_rows(w_ptr, expert, E, rows, N, K, stride_we, stride_wn):
-    """`prefetch_rows` of expert `expert`'s weight rows `rows` (K elements each), where the expert
-    is one of the E. Read before the kernel's wait, the expert may be the one the buffer held from
-    the layer before (or, before its first write, any value): a hint, so only its bounds matter."""
-    ok = (rows < N) & (rows * 0 + expert >= 0) & (rows * 0 + expert < E)
-    e = tl.minimum(tl.maximum(expert, 0), E - 1).to(tl.int64)
-    prefetch_rows(w_ptr + e * stride_we + rows.to(tl.int64) * stride_wn,
-                  K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8), ok)
-
-
 # ----------------------------------------------------------------------------- @triton.jit pieces
 
 @triton.jit

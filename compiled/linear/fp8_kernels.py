@@ -33,8 +33,7 @@ from compiled.linear import skinny_kernels as lk
 from compiled.quant.dequant import fit_block_k, kernel_scale, resolve_block
 from compiled.quant.act_quant import quantize_per_token_group
 from compiled.triton_utils import (DEFAULT_NUM_SMS, FP8_DOT_MIN_K, col_scales, fp8_dot_fits, hopper_or_newer,
-                                   interpreter_upcast, launch_kwargs, num_sms, pdl_wait, prefetch_rows, prefetchable,
-                                   row_scaled, scaled_tile, split_k_store, w8a8_step)
+                                   interpreter_upcast, num_sms, row_scaled, scaled_tile, split_k_store, w8a8_step)
 
 MIN_BLOCK = 16       # smallest BLOCK_M / BLOCK_N / BLOCK_K (tl.dot's minimum)
 BLOCK_N = 32         # columns a program where the grid fills the GPU without help
@@ -133,8 +132,7 @@ def check_config(config: W8A16Config, M: int, N: int) -> None:
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
                   stride_sn, stride_ym, BO, BI, xs_ptr, stride_xs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                  FP8: tl.constexpr, KB: tl.constexpr, A8: tl.constexpr, PREFETCH: tl.constexpr,
-                  PDL: tl.constexpr):
+                  FP8: tl.constexpr, KB: tl.constexpr, A8: tl.constexpr):
     """Partials laid out `[SPLIT_K, M, N]`; output tile (pid_m, pid_n)'s semaphore at
     pid_m * (column blocks) + pid_n. UPCAST: see `interpreter_upcast`. A8 (W8A8): x is
     float8_e4m3fn with fp32 scales `xs_ptr` a row and weight block (BI columns); each K step lies
@@ -147,10 +145,6 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    if PREFETCH:   # the program's weight slice (row tile 0's: the others read the same one), before the wait
-        if pid_m == 0:
-            prefetch_rows(w_ptr + offs_n.to(tl.int64) * stride_wn + k_start, k_end - k_start, offs_n < N)
-    pdl_wait(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -210,6 +204,5 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
                         weight.stride(0), ks.scale.stride(0), y.stride(0), ks.bo, ks.bi, xs, xs.stride(0),
                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                         IEEE=upcast or x.dtype == torch.float32, UPCAST=upcast, FP8=ks.mode, KB=ks.kb, A8=a8,
-                        PREFETCH=prefetchable(weight, k_per_split, K), num_warps=num_warps, num_stages=num_stages,
-                        **launch_kwargs(x.device))
+                        num_warps=num_warps, num_stages=num_stages)
     return y

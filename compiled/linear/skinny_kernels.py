@@ -33,8 +33,8 @@ from compiled.linear.lora_kernels import LoRAArgs, add_slice_deltas, fma_delta_a
 from compiled.quant.dequant import WeightScale, kernel_scale
 from compiled.triton_utils import (DEFAULT_NUM_SMS, chunk_scaled_dots, fp8_convert_asm, fp8_f32, gemv_chunk,
                                    interpreter_upcast, launch_kwargs, num_sms, pdl_let_next_in, pdl_wait,
-                                   pdl_wait_only, prefetch_rows, prefetchable, residual_add, rms_normed,
-                                   row_scaled, scaled_tile, silu_mul, weight_tile, weighted_rows)
+                                   pdl_wait_only, residual_add, rms_normed, row_scaled, scaled_tile, silu_mul,
+                                   weight_tile, weighted_rows)
 
 BLOCK_M = max(16, triton.next_power_of_2(SKINNY_MAX_M))  # one tile for every row (tl.dot needs >= 16)
 MIN_BLOCK = 16             # smallest BLOCK_N / BLOCK_K (tl.dot's minimum)
@@ -241,7 +241,7 @@ def _skinny_kernel(
     LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3, stride_ls, stride_lbs, stride_lbn, stride_lsc,
     LORA: tl.constexpr, LORA_N: tl.constexpr, LBLOCK_R: tl.constexpr, LSLOTS_PAD: tl.constexpr, LKC: tl.constexpr,
     LORA_FP32: tl.constexpr, WS, stride_wsn, BO, BI, FP8: tl.constexpr, KB: tl.constexpr, FP8_ASM: tl.constexpr,
-    CHUNK: tl.constexpr, PREFETCH: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """EVEN_K (K a multiple of BLOCK_K, so every split is whole tiles): no mask along K, which
     keeps the weight loads vectorised. Y may be wider than X (fp32 logits): the output is rounded
@@ -287,9 +287,6 @@ def _skinny_kernel(
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (k_start + offs_k)[None, :]
-    if PREFETCH:   # the program's whole weight slice, before waiting on the kernel before
-        prefetch_rows(W + offs_n.to(tl.int64) * stride_wn + k_start,
-                      (k_end - k_start) * (W.dtype.element_ty.primitive_bitwidth // 8), mask_n)
     if GEMV:
         # The weights do not depend on the kernel before: the first tile is loaded before waiting
         # for it, and each later one a step ahead. FP8_ASM: carried into the next step as fp32
@@ -519,8 +516,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
     args.update(_fp8_args(y, weight, fp8, block_k))
     one_row = gemv and M == 1
     args.update(FP8_ASM=gemv and fp8 is not None and fp8_convert_asm(x.device),
-                CHUNK=gemv_chunk(args["FP8"], args["BI"], block_k) if one_row else 1,
-                PREFETCH=prefetchable(weight, k_per_split, K))
+                CHUNK=gemv_chunk(args["FP8"], args["BI"], block_k) if one_row else 1)
     _skinny_kernel[grid](
         x, weight, y, partials, semaphores, M, N, K, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         Sums=sums, NORMED_CHUNK=triton.cdiv(K, grid[0]), **args,

@@ -35,7 +35,7 @@ from compiled.moe.tuned_configs import get_config, get_gemv_tiles, split_config,
 from compiled.quant.act_quant import quantize_per_token_group
 from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, FP8_W8A8_TILE, fit_block_k, kernel_scale, resolve_block
 from compiled.triton_utils import (FP8_DOT_MIN_K, fp8_convert_asm, fp8_dot_fits, gemv_chunk, interpreting,
-                                   launch_kwargs, prefetchable, row_warps, tma_descriptor)
+                                   launch_kwargs, row_warps, tma_descriptor)
 
 # Where a tuned entry does not name its mode: FP8 experts at this many tokens or more run the
 # grouped GEMMs W8A8 (activations quantized to FP8 per token and scale block, fp8 x fp8 dots on
@@ -384,7 +384,6 @@ def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights
         TOP_K=top_k, **lora_consts, DELTA_IN_K=delta is not None and delta.in_k,
         R_FULL=delta is not None and delta.b.shape[3] == lora_consts["BLOCK_R"],
         **fp8_kwargs(scales, "w2", w2, bk, w8a8=a_scale is not None, block_n=bn), **_act_kwargs(a_scale, inter),
-        E=w2.shape[0], PREFETCH=prefetchable(w2, I),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(inter.device),
         **dict(zip(_LORA_ARGS, lora_args)))
 
@@ -480,8 +479,7 @@ def _launch_gemv(call: MoECall, tiles: dict) -> None:
         **_gemv_kwargs(call.scales, "w13", w13, up), **launch_kwargs(x.device))
     G.moe_gemv_down_kernel[(k * triton.cdiv(H, down["BLOCK_N"]),)](
         inter, w2, ids, call.weights, call.y, H, I, inter.stride(0), w2.stride(0), w2.stride(1), call.y.stride(0),
-        EVEN_K=I % down["BLOCK_K"] == 0, **_gemv_kwargs(call.scales, "w2", w2, down), E=w2.shape[0],
-        PREFETCH=prefetchable(w2, I), **launch_kwargs(x.device))
+        EVEN_K=I % down["BLOCK_K"] == 0, **_gemv_kwargs(call.scales, "w2", w2, down), **launch_kwargs(x.device))
 
 
 def _gemv_kwargs(scales: ExpertScales | None, name: str, w: torch.Tensor, tile: dict) -> dict:

@@ -30,8 +30,8 @@ import triton.language as tl
 
 from compiled.quant.act_quant import quantized_groups
 from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, col_scaled, one_slot_dot, one_slot_operands,
-                                   pdl_wait, prefetch_expert_rows, row_shrink, scaled_tile, slot_bits, slot_stacked_delta,
-                                   col_scales, w8a8_rows, w8a8_scales, w8a8_step)
+                                   pdl_wait, row_shrink, scaled_tile, slot_bits, slot_stacked_delta, col_scales,
+                                   w8a8_rows, w8a8_scales, w8a8_step)
 
 
 @triton.jit
@@ -124,22 +124,18 @@ def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, exp
 
 
 @triton.jit
-def _tile_ids(N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n): tile ids, grouped along M so that blocks sharing weight tiles run together."""
+def _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           GROUP_M: tl.constexpr):
+    """(pid_m, pid_n, pair indices of the block's rows (num_valid marks padding), block is live)."""
+    # tile ids, grouped along M so that blocks sharing weight tiles run together
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_m = tl.num_programs(0) // num_pid_n
     in_group = GROUP_M * num_pid_n
     first_m = (pid // in_group) * GROUP_M
     group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    return first_m + (pid % in_group) % group_m, (pid % in_group) // group_m
-
-
-@triton.jit
-def _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-           GROUP_M: tl.constexpr):
-    """(pid_m, pid_n, pair indices of the block's rows (num_valid marks padding), block is live)."""
-    pid_m, pid_n = _tile_ids(N, BLOCK_N, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_m
+    pid_n = (pid % in_group) // group_m
     offs_m = tl.arange(0, BLOCK_M)
     num_post = tl.load(num_post_ptr)
     live = pid_m * BLOCK_M < num_post
@@ -572,18 +568,12 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
                      LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
                      DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
                      DELTA_IN_K: tl.constexpr, R_FULL: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS,
-                     stride_as, FP8: tl.constexpr, E, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                     stride_as, FP8: tl.constexpr, PDL: tl.constexpr):
     """out[pair, n] = weight[pair] * (a[row] . w[e, n]), the block's rows of a in block order (as
     moe_gemm1_kernel writes them); w is `[E, N, K]` (N = H, K = I). A_TMA: full-height tiles of a
     come through `a_desc`. HALF_M as in moe_gemm1_kernel; LORA: each pair's down delta (`_down_tile`;
     DELTA_IN_K: as the K loop's last steps); FP8 as in moe_gemm1_kernel (3: a float8_e4m3fn, its
-    rows' group scales at AS, `[rows, K / BI]`). PREFETCH: the tile's weight rows asked of L2
-    before the wait (`prefetch_expert_rows`), so that the programs the GPU has room for while the
-    up GEMM's last wave runs fetch their weights meanwhile."""
-    if PREFETCH:
-        pm, pn = _tile_ids(N, BLOCK_N, GROUP_M)
-        prefetch_expert_rows(w_ptr, tl.load(expert_ids_ptr + pm), E, pn * BLOCK_N + tl.arange(0, BLOCK_N), N, K,
-                             stride_we, stride_wn)
+    rows' group scales at AS, `[rows, K / BI]`)."""
     pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if live:

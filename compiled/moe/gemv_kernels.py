@@ -27,8 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.triton_utils import (chunk_scaled_dots, fp8_f32, pdl_wait, prefetch_expert_rows, row_scaled, scaled_tile,
-                                   weight_tile)
+from compiled.triton_utils import chunk_scaled_dots, fp8_f32, pdl_wait, row_scaled, scaled_tile, weight_tile
 
 
 @triton.jit
@@ -118,15 +117,8 @@ def moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_w
 def moe_gemv_down_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_am, stride_we, stride_wn,
                          stride_om, S, stride_se, stride_sn, BO, BI, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          EVEN_K: tl.constexpr, FP8: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr,
-                         STAGES: tl.constexpr, CHUNK: tl.constexpr, FP8_ASM: tl.constexpr, E,
-                         PREFETCH: tl.constexpr):
-    """out[p, n] = weight[p] * (a[p] . w[e, n]), e = ids[p]. PREFETCH: the program's weight rows
-    asked of L2 before the wait (`prefetch_expert_rows`; the up GEMV's ids are older than it)."""
-    if PREFETCH:
-        n_blocks = tl.cdiv(N, BLOCK_N)
-        prefetch_expert_rows(w_ptr, tl.load(ids_ptr + tl.program_id(0) // n_blocks), E,
-                             (tl.program_id(0) % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N), N, K, stride_we,
-                             stride_wn)
+                         STAGES: tl.constexpr, CHUNK: tl.constexpr, FP8_ASM: tl.constexpr):
+    """out[p, n] = weight[p] * (a[p] . w[e, n]), e = ids[p]."""
     pdl_wait(PDL)
     pair, offs_n, n_ok, read, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
     acc, _ = _rows_dot(a_ptr + pair * stride_am, w_ptr + expert * stride_we, rows, read, K, stride_wn, 0,
