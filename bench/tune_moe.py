@@ -8,7 +8,8 @@ For every token count: random router logits -> top-k; for each candidate BLOCK_S
 (w13 + silu*up) and the down GEMM (w2 + weight) are timed separately over the same small search
 space (they are independent once BLOCK_SIZE_M fixes the alignment), so the search is additive rather
 than multiplicative; the best BLOCK_SIZE_M by alignment + up + down wins, and the down GEMM's own
-best tile goes into the entry's "down" field. Every timing is a CUDA graph of one launch per layer
+best tile goes into the entry's "down" field (from 64-row blocks its tiles may be half as tall:
+`gemm_space`). Every timing is a CUDA graph of one launch per layer
 over `--layers` copies of the weights (more bytes than L2), median of replays. All configs are
 compiled first by a pool of worker processes (Triton's on-disk cache is shared). The file is
 rewritten after each token count, so a run cut short still leaves a usable table; a "gemv" entry
@@ -261,6 +262,24 @@ def _space(bm: int, down: bool, mode: Mode = Mode()) -> list[dict]:
     return out[:MAX_CONFIGS] if MAX_CONFIGS > 0 else out
 
 
+ALIGN_KEY = "ALIGN_M"   # a down candidate's alignment block height, where its tiles are shorter
+
+
+def gemm_space(bm: int, down: bool, mode: Mode = Mode()) -> list[dict]:
+    """`_space` at this BLOCK_SIZE_M (the alignment's blocks); for the down GEMM from 64 rows also
+    its tiles at half that height (ALIGN_KEY: the blocks' height; each block runs as two tiles),
+    so that a tall up tile need not make the short-K down GEMM's tiles as tall."""
+    out = _space(bm, down, mode)
+    if down and bm >= 64:
+        out += [dict(c, **{ALIGN_KEY: bm}) for c in _space(bm // 2, True, mode)]
+    return out
+
+
+def align_m(cfg: dict) -> int:
+    """The alignment's block height a candidate runs on."""
+    return cfg.get(ALIGN_KEY, cfg["BLOCK_SIZE_M"])
+
+
 def all_jobs(tokens, block: tuple[int, int] | None = None, H: int = 0, I: int = 0) -> list[tuple]:
     """(kind, mode, config) for every kernel variant the search will launch."""
     jobs = set()
@@ -268,7 +287,7 @@ def all_jobs(tokens, block: tuple[int, int] | None = None, H: int = 0, I: int = 
         for mode in modes_at(T, block, H, I):
             for bm in block_m_candidates(T, mode):
                 for down in (False, True):
-                    for cfg in _space(bm, down, mode):
+                    for cfg in gemm_space(bm, down, mode):
                         jobs.add(("down" if down else "up", mode, tuple(sorted(cfg.items()))))
     return sorted(jobs, key=lambda j: (j[0], j[1].name, j[2]))
 
@@ -325,10 +344,10 @@ class Problem:
             raise ValueError(f"BLOCK_SIZE_M={bm}: the intermediate was sized for {self.T} tokens' candidates only")
 
     def fns(self, cfg, down):
-        self.check_rows(cfg["BLOCK_SIZE_M"])
+        self.check_rows(align_m(cfg))
         out = []
         w8a8 = self.mode.w8a8
-        for layer, blocks in enumerate(self.align(cfg["BLOCK_SIZE_M"])):
+        for layer, blocks in enumerate(self.align(align_m(cfg))):
             sc = self.scales[layer]
             if down:
                 a, a_s = self.iq if w8a8 else (self.inter, None)
@@ -370,7 +389,7 @@ def _compile_worker(args):
         try:
             if mode not in probs:   # 16 tokens, in the job's mode
                 probs[mode] = Problem(w13, w2, 16, min(top_k, e_small), e_small, seed=3, scales=scales, mode=mode,
-                                      dtype=dtype, block_ms=tuple({dict(j[2])["BLOCK_SIZE_M"] for j in jobs}))
+                                      dtype=dtype, block_ms=tuple({align_m(dict(j[2])) for j in jobs}))
             probs[mode].fns(cfg, kind == "down")[0]()
             if DEVICE == "cuda":
                 torch.cuda.synchronize()
@@ -408,7 +427,7 @@ def tune_tokens(prob: Problem, T: int, failed: set, thin: bool) -> dict | None:
     for bm in block_m_candidates(T, prob.mode):
         res = {}
         for down in (False, True):
-            space = [c for c in _space(bm, down, prob.mode)
+            space = [c for c in gemm_space(bm, down, prob.mode)
                      if ("down" if down else "up", prob.mode, tuple(sorted(c.items()))) not in failed]
             if thin:  # out of time: a few plausible tiles only
                 space = space[:: max(1, len(space) // 4)]

@@ -370,6 +370,12 @@ class _Launches:
         return GemmDelta(s2, b2, scale, self.slot, consts, in_k=in_k)
 
 
+def _blocks_tall(up: dict, down: dict) -> dict:
+    """The down config with tiles of the alignment's block height: the deltas' shrink outputs and
+    constants are laid out for those blocks."""
+    return dict(down, BLOCK_SIZE_M=up["BLOCK_SIZE_M"])
+
+
 def _lora_configs(T: int, E: int, I: int, x: torch.Tensor, config: dict | None, scales: ExpertScales | None,
                   w13: torch.Tensor, w2: torch.Tensor) -> tuple[dict, dict, tuple[int, int] | None]:
     """(up, down) GEMM configs and, where they run W8A8, the activations' group widths
@@ -382,12 +388,14 @@ def _lora_configs(T: int, E: int, I: int, x: torch.Tensor, config: dict | None, 
 
     if config is not None:
         up, down = split_config(config)
+        down = _blocks_tall(up, down)
         return up, down, w8a8_groups(scales, w13, w2, T, up, down, runs_w8a8(config))
     entry = get_config(T, E, I, x.dtype, x.device, scales is not None)
     w8a8 = runs_w8a8(entry)
     if scales is not None and not w8a8 and w8a8_entry(T, tuned_mode(entry)):
         entry = get_config(T, E, I, x.dtype, x.device)
     up, down = split_config(entry)
+    down = _blocks_tall(up, down)
     up = lora_up_config(up, 1 if w8a8 else x.element_size())
     if x.element_size() > 2:   # 4-byte tiles: the stages plus the delta operands overflow shared memory
         up, down = (dict(c, num_stages=min(c["num_stages"], FP32_MAX_STAGES)) for c in (up, down))

@@ -140,6 +140,7 @@ class Blocks(NamedTuple):
     sorted_ids: torch.Tensor   # int32 [P]: pair indices (token * k + slot); padding rows hold T*k
     expert_ids: torch.Tensor   # int32 [P / BLOCK_M]: each block's expert, -1 past num_post
     num_post: torch.Tensor     # int32 [1]: the padded pair count
+    block_m: int               # BLOCK_M: the blocks' height (a down GEMM's tile may be a divisor of it)
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace: MoEWorkspace | None = None,
@@ -181,7 +182,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
                                       num_post, numel, max_blocks, BLOCK_M=block_m, CHUNK=lc.chunk, SUB=lc.sub,
                                       E_PAD=e_pad, BB=lc.bb, COUNT_ALL=count_all, RESET=reset, num_warps=lc.warps,
                                       **launch_kwargs(dev))
-    return Blocks(sorted_ids, expert_ids, num_post)
+    return Blocks(sorted_ids, expert_ids, num_post, block_m)
 
 
 def weight_desc(w: torch.Tensor, block_n: int, block_k: int):
@@ -367,19 +368,22 @@ def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights
     from compiled.moe import fused_moe_kernels as K
     _check_w8a8("launch_gemm2", a_scale, scales, delta)
     H, I = w2.shape[1], w2.shape[2]
-    bn, bk = cfg["BLOCK_SIZE_N"], fp8_block_k(scales, w2, cfg["BLOCK_SIZE_K"])
-    grid = (blocks.expert_ids.numel() * triton.cdiv(H, bn),)
+    bm, bn, bk = cfg["BLOCK_SIZE_M"], cfg["BLOCK_SIZE_N"], fp8_block_k(scales, w2, cfg["BLOCK_SIZE_K"])
+    if blocks.block_m % bm or (delta is not None and bm != blocks.block_m):
+        raise ValueError(f"launch_gemm2: BLOCK_SIZE_M={bm} must divide the blocks' height {blocks.block_m} "
+                         f"(and equal it with a LoRA delta)")
+    grid = (blocks.expert_ids.numel() * (blocks.block_m // bm) * triton.cdiv(H, bn),)
     if scales is not None and delta is not None and delta.in_k:
         raise ValueError("launch_gemm2: an FP8 w2 takes its LoRA delta in the epilogue, not in the K loop")
     desc = weight_desc(w2, bn, bk) if cfg.get("TMA") and (scales is None or a_scale is not None) else None
     # The intermediate's full-height tiles through TMA wherever the weights' go.
-    a_desc = tma_descriptor(inter, [cfg["BLOCK_SIZE_M"], bk]) if cfg.get("TMA") else None
+    a_desc = tma_descriptor(inter, [bm, bk]) if cfg.get("TMA") else None
     lora_args, lora_consts = _delta_args(delta, w2)
     K.moe_gemm2_kernel[grid](
         inter, a_desc, w2, desc, y, weights, blocks.sorted_ids, blocks.expert_ids, blocks.num_post, weights.numel(),
         H, I, inter.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         **_dot_flags(inter.dtype),
-        BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
+        BLOCK_M=bm, EXPERT_BLOCK_M=blocks.block_m, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=I % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None, A_TMA=a_desc is not None,
         TOP_K=top_k, **lora_consts, DELTA_IN_K=delta is not None and delta.in_k,
         R_FULL=delta is not None and delta.b.shape[3] == lora_consts["BLOCK_R"],

@@ -560,9 +560,9 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
 def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_ptr,
                      expert_ids_ptr, num_post_ptr, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
                      PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr, TMA: tl.constexpr,
-                     A_TMA: tl.constexpr,
+                     BLOCK_M: tl.constexpr, EXPERT_BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr,
+                     TMA: tl.constexpr, A_TMA: tl.constexpr,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      TOP_K: tl.constexpr,
                      LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
@@ -573,11 +573,15 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
     moe_gemm1_kernel writes them); w is `[E, N, K]` (N = H, K = I). A_TMA: full-height tiles of a
     come through `a_desc`. HALF_M as in moe_gemm1_kernel; LORA: each pair's down delta (`_down_tile`;
     DELTA_IN_K: as the K loop's last steps); FP8 as in moe_gemm1_kernel (3: a float8_e4m3fn, its
-    rows' group scales at AS, `[rows, K / BI]`)."""
+    rows' group scales at AS, `[rows, K / BI]`). EXPERT_BLOCK_M: the alignment's block height (the
+    up GEMM's), a multiple of BLOCK_M: each block runs as that many tiles, of which those past the
+    expert's pairs (all padding) return at once."""
     pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    if EXPERT_BLOCK_M > BLOCK_M:   # real rows come first in a block: a tile whose first is padding has none
+        live = live & (tl.min(pair, axis=0) < num_valid)
     if live:
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        expert = tl.load(expert_ids_ptr + pid_m // (EXPERT_BLOCK_M // BLOCK_M)).to(tl.int64)
         height = BLOCK_M
         if HALF_M >= 1:
             height = _tile_rows(pair, num_valid, BLOCK_M, HALF_M)

@@ -2,8 +2,9 @@
 
 A file `configs/E={E},N={I},device_name={name},dtype={dtype}.json` (written by `bench/tune_moe.py`)
 maps token counts to grouped-GEMM configs (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages,
-optional HALF_M and TMA, and an optional "down" override of N/K/GROUP/warps/stages/HALF_M/TMA for
-the second GEMM; HALF_M = 1 (2) runs an expert's partial last block as a tile of half (a quarter
+optional HALF_M and TMA, and an optional "down" override of M/N/K/GROUP/warps/stages/HALF_M/TMA for
+the second GEMM, whose BLOCK_SIZE_M, where given, divides the up GEMM's: the alignment's blocks of
+the up GEMM's height run as that many shorter down tiles each; HALF_M = 1 (2) runs an expert's partial last block as a tile of half (a quarter
 of) the height when its rows fit, TMA loads the weight tiles through tensor descriptors (Hopper's
 TMA) instead of pointer loads); the entry whose token count is nearest wins. An optional top-level
 "gemv" entry, `{"up": {BLOCK_N, BLOCK_K, num_warps}, "down": {...}}` (either stage may be left
@@ -36,7 +37,8 @@ CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "
 OPTIONAL_KEYS = ("HALF_M", "TMA")  # 0 when absent
 MAX_HALVINGS = 2  # HALF_M: partial blocks run tiles of down to a quarter of BLOCK_SIZE_M
 MODE_KEY = "W8A8"   # an FP8 experts' entry: 1 W8A8, 0 W8A16, absent: by fused_moe.W8A8_MIN_TOKENS
-DOWN_KEYS = ("BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages", *OPTIONAL_KEYS)
+DOWN_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages",
+             *OPTIONAL_KEYS)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 FP8_CONFIG_DTYPE = "fp8_w8a8"   # the files of FP8 experts, whatever the activations' dtype
 GEMV_STAGES = ("up", "down")
@@ -108,7 +110,21 @@ def _config_file(E: int, N: int, device: str, dtype: str) -> dict:
     for key, entry in raw.items():
         if key.isdigit() and MODE_KEY in entry and entry[MODE_KEY] not in (0, 1):
             raise ValueError(f"{path}: {key}.{MODE_KEY} must be 0 (W8A16) or 1 (W8A8), got {entry[MODE_KEY]!r}")
+        if key.isdigit():
+            check_down_height(entry, f"{path}: {key}")
     return raw
+
+
+def check_down_height(entry: dict, where: str) -> None:
+    """A one-line ValueError naming `where` unless the entry's down BLOCK_SIZE_M (if any) is a
+    power of two of at least 16 dividing its BLOCK_SIZE_M."""
+    down_m = (entry.get("down") or {}).get("BLOCK_SIZE_M")
+    if down_m is None:
+        return
+    up_m = entry.get("BLOCK_SIZE_M")
+    if type(down_m) is not int or down_m < 16 or down_m & (down_m - 1) or not isinstance(up_m, int) or up_m % down_m:
+        raise ValueError(f"{where}.down.BLOCK_SIZE_M must be a power of two >= 16 dividing BLOCK_SIZE_M "
+                         f"({up_m!r}), got {down_m!r}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -105,6 +105,18 @@ def case_t300_e8_k2_two_k_steps_grouped_half_and_quarter_tiles():
     assert tuned_configs.split_config(dict(_cfg(32, 32, 16), HALF_M=2))[0]["HALF_M"] == 1  # no tile under 16 rows
 
 
+def case_t300_e8_k2_down_tiles_under_the_blocks():
+    # down tiles of half (a quarter of) the 64-row blocks: a full block runs as two (four), a
+    # partial one's tiles past its pairs are all padding and return at once, one holding a few
+    # pairs runs half height; through TMA for the intermediate's full tiles too (bf16)
+    cfg = dict(_cfg(64, 32, 16, group=4), HALF_M=1, down=dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=32, HALF_M=1))
+    _check_fused(300, 8, 2, 32, 48, cfg, seed=1)
+    _check_fused(300, 8, 2, 32, 48, dict(cfg, down=dict(BLOCK_SIZE_M=16, GROUP_SIZE_M=3)), seed=2)
+    _check_fused(300, 8, 2, 32, 48, dict(cfg, TMA=1, down=dict(BLOCK_SIZE_M=32, TMA=1)), dtype=torch.bfloat16,
+                 seed=3)
+    assert tuned_configs.split_config(dict(cfg, down=dict(BLOCK_SIZE_M=16, HALF_M=2)))[1]["HALF_M"] == 0
+
+
 def case_t150_e8_k2_half_tiles_up_only():
     cfg = dict(_cfg(32, 64, 32), HALF_M=1, down=dict(HALF_M=0))
     _check_fused(150, 8, 2, 32, 48, cfg, seed=17)
@@ -227,7 +239,7 @@ def _check_align(T, k, E, block_m, used=None, seed=0, launch=None):
     if used is not None:
         logits[:, used:] -= 1e4
     ids = torch.topk(logits, k, dim=-1).indices
-    sorted_ids, expert_ids, num_post = fm.moe_align_block_size(ids, E, block_m, launch=launch)
+    sorted_ids, expert_ids, num_post, _ = fm.moe_align_block_size(ids, E, block_m, launch=launch)
     numel = T * k
     flat = ids.reshape(-1)
     counts = torch.bincount(flat, minlength=E)
@@ -357,7 +369,7 @@ GROUPS = {
           case_t300_e8_k2_two_k_steps_grouped_half_and_quarter_tiles,
           case_t150_e8_k2_half_tiles_up_only, case_t37_e128_k8_unused_experts_fp16, case_t5_e60_k6_uneven_k_and_n,
           case_routing_kernel_vs_softmax_topk, case_routing_kernel_keeps_the_ranks_experts,
-          case_other_ranks_pairs_are_skipped],
+          case_other_ranks_pairs_are_skipped, case_t300_e8_k2_down_tiles_under_the_blocks],
     "b": [case_t128_e16_k1_no_sum, case_t61_e33_k3_bf16, case_t2_e8_k8_all_experts_down_override,
           case_op_dispatch_and_workspace, case_align_multi_chunk_e128_k8, case_align_counted_by_every_program_and_unused_experts,
           case_tma_weight_tiles_bf16_n_and_k_tails, case_tma_intermediate_tiles_full_blocks_bf16,
@@ -493,6 +505,7 @@ def test_checked_in_configs_are_complete():
         if "gemv" in raw:
             tuned_configs.check_gemv(raw["gemv"], path.name)
         for T, cfg in table.items():
+            tuned_configs.check_down_height(cfg, f"{path.name}: {T}")
             up, down = tuned_configs.split_config(cfg)
             for c in (up, down):
                 assert c["BLOCK_SIZE_M"] in (16, 32, 64, 128, 256)
@@ -587,6 +600,20 @@ def test_gpu_quarter_height_tiles(real_layer, T, bm):
         cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=3,
                    HALF_M=2, TMA=tma, down=dict(BLOCK_SIZE_N=128, HALF_M=2, TMA=tma))
         assert tuned_configs.split_config(cfg)[1]["HALF_M"] == 2
+        out = fm.fused_moe_triton(x, w, ids, w13, w2, config=cfg)
+        torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [300, 2048])
+def test_gpu_down_tiles_under_the_blocks(real_layer, T):
+    # 128-row blocks, the down GEMM in 64-row tiles (32 / 16 for partial ones), with and without TMA
+    w13, w2 = real_layer
+    x, w, ids = _real_inputs(T, seed=800 + T)
+    ref = fm.fused_moe_ref(x, w, ids, w13, w2).float()
+    for tma in (0, 1):
+        cfg = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=8, num_stages=3,
+                   HALF_M=2, TMA=tma, down=dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, num_warps=4, HALF_M=2, TMA=tma))
         out = fm.fused_moe_triton(x, w, ids, w13, w2, config=cfg)
         torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 

@@ -116,6 +116,24 @@ def test_bad_gemv_entry_is_a_one_line_error_naming_file_and_key(config_dir, gemv
         assert msg.startswith(f"{path}: ") and key in msg and "\n" not in msg, msg
 
 
+@pytest.mark.parametrize("down_m", [32, 24, 8, "16"])
+def test_bad_down_height_is_a_one_line_error_naming_file_and_key(config_dir, down_m):
+    entry = dict(_cfg(16, 32, 64), down=dict(BLOCK_SIZE_M=down_m))
+    path = _write(config_dir, "bfloat16", {"1": _cfg(16, 32, 64), "64": entry})
+    with pytest.raises(ValueError) as err:
+        tc.get_config(64, E, I, torch.bfloat16, CPU)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}: 64.down.BLOCK_SIZE_M must be a power of two >= 16 dividing BLOCK_SIZE_M (16), "
+                          f"got {down_m!r}") and "\n" not in msg, msg
+
+
+def test_down_height_dividing_the_blocks_is_taken(config_dir):
+    entry = dict(_cfg(64, 32, 64), down=dict(BLOCK_SIZE_M=32))
+    _write(config_dir, "bfloat16", {"1": _cfg(16, 32, 64), "64": entry})
+    up, down = tc.split_config(tc.get_config(64, E, I, torch.bfloat16, CPU))
+    assert (up["BLOCK_SIZE_M"], down["BLOCK_SIZE_M"]) == (64, 32)
+
+
 @pytest.mark.parametrize("mode", [2, "yes", None])
 def test_bad_mode_in_an_entry_is_a_one_line_error_naming_file_and_key(config_dir, mode):
     path = _write(config_dir, "fp8_w8a8", {"1": _cfg(16, 32, 64), "8": dict(_cfg(64, 32, 64), W8A8=mode)})
@@ -269,6 +287,11 @@ def test_fp8_search_space_holds_only_what_the_op_runs(T, w8a8):
         pairs = [(u, d) for u in up[:5] + up[-5:] for d in down[:5] + down[-5:]]
         want = (128, 128) if mode.w8a8 else None
         assert all(fm.w8a8_groups(scales, w13, w2, T, u, d, mode.w8a8) == want for u, d in pairs)
+        # from 64-row blocks the down GEMM's tiles are searched at half the height too, on those blocks
+        halves = [c for c in tune_moe.gemm_space(bm, True, mode) if tune_moe.ALIGN_KEY in c]
+        assert len(halves) == (len(tune_moe._space(bm // 2, True, mode)) if bm >= 64 else 0)
+        assert all(c["BLOCK_SIZE_M"] == bm // 2 and tune_moe.align_m(c) == bm for c in halves)
+        assert tune_moe.gemm_space(bm, False, mode) == up
     # scale blocks no W8A8 tile fits (24 wide: K tiles of 16 only): nothing searched, no crash
     assert tune_moe._space(64, False, tune_moe.Mode(True, True, 24, 24)) == []
     assert tune_moe._space(64, False, tune_moe.Mode(True, False, 24, 24))

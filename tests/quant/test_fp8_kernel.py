@@ -341,7 +341,13 @@ W8A8_CASES = [("w8a8_block16x32", 37, 72, 40, QuantConfig("fp8", "block", (16, 3
                     HALF_M=0, TMA=1, W8A8=1)),
               ("w8a8_tma_pass", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)), torch.float32,
                dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=16, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
-                    HALF_M=0, TMA=1, W8A8=1))]
+                    HALF_M=0, TMA=1, W8A8=1)),
+              # down tiles half the 64-row blocks (the intermediate's through TMA): an expert's
+              # 20-40 pairs fill one or two of them, a partial one runs half height, the rest are padding
+              ("w8a8_down_tiles_under_the_blocks", 75, 256, 128, QuantConfig("fp8", "block", (128, 128)),
+               torch.float32,
+               dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=2, num_warps=4, num_stages=2,
+                    HALF_M=1, TMA=0, W8A8=1, down=dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=64, HALF_M=1, TMA=1)))]
 
 
 def w8a8_ref(x, topk_weights, topk_ids, w13, w2, groups: tuple[int, int]) -> torch.Tensor:
