@@ -267,7 +267,7 @@ ALIGN_KEY = "ALIGN_M"   # a down candidate's alignment block height, where its t
 
 def gemm_space(bm: int, down: bool, mode: Mode = Mode()) -> list[dict]:
     """`_space` at this BLOCK_SIZE_M (the alignment's blocks); for the down GEMM from 64 rows also
-    its tiles at half that height (ALIGN_KEY: the blocks' height; each block runs as two tiles),
+    its tiles at half that height (ALIGN_KEY: the blocks' height; a program runs a block's two in turn),
     so that a tall up tile need not make the short-K down GEMM's tiles as tall."""
     out = _space(bm, down, mode)
     if down and bm >= 64:

@@ -372,7 +372,7 @@ def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights
     if blocks.block_m % bm or (delta is not None and bm != blocks.block_m):
         raise ValueError(f"launch_gemm2: BLOCK_SIZE_M={bm} must divide the blocks' height {blocks.block_m} "
                          f"(and equal it with a LoRA delta)")
-    grid = (blocks.expert_ids.numel() * (blocks.block_m // bm) * triton.cdiv(H, bn),)
+    grid = (blocks.expert_ids.numel() * triton.cdiv(H, bn),)
     if scales is not None and delta is not None and delta.in_k:
         raise ValueError("launch_gemm2: an FP8 w2 takes its LoRA delta in the epilogue, not in the K loop")
     desc = weight_desc(w2, bn, bk) if cfg.get("TMA") and (scales is None or a_scale is not None) else None

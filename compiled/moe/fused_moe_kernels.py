@@ -124,18 +124,22 @@ def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, exp
 
 
 @triton.jit
-def _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-           GROUP_M: tl.constexpr):
-    """(pid_m, pid_n, pair indices of the block's rows (num_valid marks padding), block is live)."""
-    # tile ids, grouped along M so that blocks sharing weight tiles run together
+def _tile_ids(N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n): tile ids, grouped along M so that blocks sharing weight tiles run together."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_m = tl.num_programs(0) // num_pid_n
     in_group = GROUP_M * num_pid_n
     first_m = (pid // in_group) * GROUP_M
     group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % group_m
-    pid_n = (pid % in_group) // group_m
+    return first_m + (pid % in_group) % group_m, (pid % in_group) // group_m
+
+
+@triton.jit
+def _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           GROUP_M: tl.constexpr):
+    """(pid_m, pid_n, pair indices of the block's rows (num_valid marks padding), block is live)."""
+    pid_m, pid_n = _tile_ids(N, BLOCK_N, GROUP_M)
     offs_m = tl.arange(0, BLOCK_M)
     num_post = tl.load(num_post_ptr)
     live = pid_m * BLOCK_M < num_post
@@ -556,6 +560,47 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP)
 
 
+@triton.jit
+def _down_rows(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_ptr, pair, pid_m, expert, pid_n,
+               num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
+               PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HALF_M: tl.constexpr, TMA: tl.constexpr,
+               A_TMA: tl.constexpr, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+               TOP_K: tl.constexpr, LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+               KC: tl.constexpr, DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr,
+               DELTA_FIRST: tl.constexpr, DELTA_IN_K: tl.constexpr, R_FULL: tl.constexpr, S, stride_se, stride_sn,
+               BO, BI, AS, stride_as, FP8: tl.constexpr):
+    """The down GEMM over the BLOCK_M rows `pair` of tile pid_m (positions pid_m * BLOCK_M on), one
+    N tile: at full height, or (HALF_M) half or a quarter where that many rows hold its pairs."""
+    height = BLOCK_M
+    if HALF_M >= 1:
+        height = _tile_rows(pair, num_valid, BLOCK_M, HALF_M)
+    first = pid_m * BLOCK_M
+    if height == BLOCK_M:
+        _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first, expert,
+                   pid_n, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
+                   PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, A_TMA,
+                   L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                   TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
+                   DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
+    elif height == BLOCK_M // 2:
+        _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr,
+                   _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2), first, expert, pid_n,
+                   num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
+                   PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA, False,
+                   L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                   TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
+                   DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
+    elif HALF_M >= 2:
+        _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr,
+                   _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4), first, expert, pid_n,
+                   num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
+                   PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA, False,
+                   L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                   TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
+                   DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
+
+
 @triton.jit(do_not_specialize=["num_valid"])
 def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_ptr,
                      expert_ids_ptr, num_post_ptr, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
@@ -574,41 +619,34 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
     come through `a_desc`. HALF_M as in moe_gemm1_kernel; LORA: each pair's down delta (`_down_tile`;
     DELTA_IN_K: as the K loop's last steps); FP8 as in moe_gemm1_kernel (3: a float8_e4m3fn, its
     rows' group scales at AS, `[rows, K / BI]`). EXPERT_BLOCK_M: the alignment's block height (the
-    up GEMM's), a multiple of BLOCK_M: each block runs as that many tiles, of which those past the
-    expert's pairs (all padding) return at once."""
+    up GEMM's), a multiple of BLOCK_M: a program runs its block's tiles of BLOCK_M rows in turn,
+    skipping those past the expert's pairs."""
     pdl_wait(PDL)
-    pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
-    if EXPERT_BLOCK_M > BLOCK_M:   # real rows come first in a block: a tile whose first is padding has none
-        live = live & (tl.min(pair, axis=0) < num_valid)
-    if live:
-        expert = tl.load(expert_ids_ptr + pid_m // (EXPERT_BLOCK_M // BLOCK_M)).to(tl.int64)
-        height = BLOCK_M
-        if HALF_M >= 1:
-            height = _tile_rows(pair, num_valid, BLOCK_M, HALF_M)
-        first = pid_m * BLOCK_M
-        if height == BLOCK_M:
-            _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first, expert,
-                       pid_n, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
-                       PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, A_TMA,
-                       L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
-                       DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
-        elif height == BLOCK_M // 2:
-            _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr,
-                       _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2), first, expert, pid_n,
+    if EXPERT_BLOCK_M == BLOCK_M:
+        pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+        if live:
+            expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+            _down_rows(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_ptr, pair, pid_m, expert, pid_n,
                        num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
-                       PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA, False,
+                       PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HALF_M, TMA, A_TMA,
                        L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                        TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
                        DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
-        elif HALF_M >= 2:
-            _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr,
-                       _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4), first, expert, pid_n,
-                       num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
-                       PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA, False,
-                       L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
-                       DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
+    else:
+        # a block's tiles in turn: those past its expert's pairs (real rows come first) cost no program
+        pid_b, pid_n = _tile_ids(N, BLOCK_N, GROUP_M)
+        if pid_b * EXPERT_BLOCK_M < tl.load(num_post_ptr):
+            expert = tl.load(expert_ids_ptr + pid_b).to(tl.int64)
+            for sub in tl.static_range(EXPERT_BLOCK_M // BLOCK_M):
+                tile = pid_b * (EXPERT_BLOCK_M // BLOCK_M) + sub
+                pair = tl.load(sorted_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+                if tl.min(pair, axis=0) < num_valid:
+                    _down_rows(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_ptr, pair, tile, expert,
+                               pid_n, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
+                               PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HALF_M, TMA, A_TMA,
+                               L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                               TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
+                               DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
 
 
 @triton.jit

@@ -106,8 +106,8 @@ def case_t300_e8_k2_two_k_steps_grouped_half_and_quarter_tiles():
 
 
 def case_t300_e8_k2_down_tiles_under_the_blocks():
-    # down tiles of half (a quarter of) the 64-row blocks: a full block runs as two (four), a
-    # partial one's tiles past its pairs are all padding and return at once, one holding a few
+    # down tiles of half (a quarter of) the 64-row blocks: a full block runs as two (four) in one
+    # program, a partial one's tiles past its pairs (all padding) are skipped, one holding a few
     # pairs runs half height; through TMA for the intermediate's full tiles too (bf16)
     cfg = dict(_cfg(64, 32, 16, group=4), HALF_M=1, down=dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=32, HALF_M=1))
     _check_fused(300, 8, 2, 32, 48, cfg, seed=1)
