@@ -9,8 +9,8 @@ For every token count: random router logits -> top-k; for each candidate BLOCK_S
 space (they are independent once BLOCK_SIZE_M fixes the alignment), so the search is additive rather
 than multiplicative; the best BLOCK_SIZE_M by alignment + up + down wins, and the down GEMM's own
 best tile goes into the entry's "down" field (from 64-row blocks its tiles may be half as tall:
-`gemm_space`). Every timing is a CUDA graph of one launch per layer
-over `--layers` copies of the weights (more bytes than L2), median of replays. All configs are
+`gemm_space`). Every timing is a CUDA graph of one launch per layer over `--layers` copies of the
+weights (more bytes than L2), median of replays. All configs are
 compiled first by a pool of worker processes (Triton's on-disk cache is shared). The file is
 rewritten after each token count, so a run cut short still leaves a usable table; a "gemv" entry
 already in it (`moe_bench.py --write-gemv`) is kept.
@@ -267,8 +267,8 @@ ALIGN_KEY = "ALIGN_M"   # a down candidate's alignment block height, where its t
 
 def gemm_space(bm: int, down: bool, mode: Mode = Mode()) -> list[dict]:
     """`_space` at this BLOCK_SIZE_M (the alignment's blocks); for the down GEMM from 64 rows also
-    its tiles at half that height (ALIGN_KEY: the blocks' height; a program runs a block's two in turn),
-    so that a tall up tile need not make the short-K down GEMM's tiles as tall."""
+    its tiles at half that height (ALIGN_KEY: the blocks' height; a program runs a block's two in
+    turn), so that a tall up tile need not make the short-K down GEMM's tiles as tall."""
     out = _space(bm, down, mode)
     if down and bm >= 64:
         out += [dict(c, **{ALIGN_KEY: bm}) for c in _space(bm // 2, True, mode)]

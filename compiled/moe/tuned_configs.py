@@ -4,8 +4,8 @@ A file `configs/E={E},N={I},device_name={name},dtype={dtype}.json` (written by `
 maps token counts to grouped-GEMM configs (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages,
 optional HALF_M and TMA, and an optional "down" override of M/N/K/GROUP/warps/stages/HALF_M/TMA for
 the second GEMM, whose BLOCK_SIZE_M, where given, divides the up GEMM's: a program takes an
-alignment block of the up GEMM's height as that many shorter down tiles in turn; HALF_M = 1 (2) runs an expert's partial last block as a tile of half (a quarter
-of) the height when its rows fit, TMA loads the weight tiles through tensor descriptors (Hopper's
+alignment block of the up GEMM's height as that many shorter down tiles in turn; HALF_M = 1 (2)
+runs an expert's partial last block as a tile of half (a quarter of) the height when its rows fit, TMA loads the weight tiles through tensor descriptors (Hopper's
 TMA) instead of pointer loads); the entry whose token count is nearest wins. An optional top-level
 "gemv" entry, `{"up": {BLOCK_N, BLOCK_K, num_warps}, "down": {...}}` (either stage may be left
 out), gives the one-token GEMVs' tiles in place of GEMV_TILES (`bench/moe_bench.py --only-gemv
