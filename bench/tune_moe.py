@@ -47,6 +47,7 @@ from compiled.moe import fused_moe as fm  # noqa: E402
 from compiled.moe import tuned_configs as tc  # noqa: E402
 from compiled.quant.act_quant import quantize_per_token_group  # noqa: E402
 from compiled.quant.dequant import FP8, fit_block_k, resolve_block  # noqa: E402
+from compiled.triton_utils import fp8_dot_fits  # noqa: E402
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 ORDER = [1, 8, 64, 512, 4096, 2048, 16, 128, 1024, 32, 256, 4, 2]  # most important first (time budget)
@@ -230,7 +231,7 @@ def _fit_k(bk: int, down: bool, mode: Mode) -> int | None:
         return bk
     bi = mode.bi_down if down else mode.bi_up
     bk = fit_block_k(bi, bk)
-    if mode.w8a8 and (bk < fm.FP8_DOT_MIN_K or bi % bk):
+    if mode.w8a8 and not fp8_dot_fits(bk, bi):
         return None
     return bk
 
