@@ -49,20 +49,22 @@ def synchronous_decode(llm, batch: int, input_len: int, output_len: int) -> dict
         engine.overlap_schedule = True
 
 
-def host_split(llm, batch: int, input_len: int, steps: int = 20) -> dict:
-    """Host milliseconds per decode step spent in each engine stage (the rest of the step is the
-    wait for the GPU and the bookkeeping after it)."""
+def host_split(llm, batch: int, input_len: int, output_len: int, steps: int = 20) -> dict:
+    """Host milliseconds per decode step of the whole batch spent in each engine stage (the rest of
+    the step is the wait for the GPU and the bookkeeping after it); the requests have `output_len`
+    tokens beyond the timed steps, for the steps that fill the batch."""
     engine = llm.engine
     targets = {"schedule": (engine.scheduler, "schedule"), "stage": (engine.runner, "_stage"),
                "replay": (engine.runner.variants[BASE].decode, "replay"), "sampler": (engine, "sampler"),
                "append": (engine, "_append")}
     with core.timed_calls_on(targets) as seconds:
-        items = [core.Item(p, steps + 2) for p in core.random_ids(batch, input_len, llm.model_config.vocab_size, 5)]
+        items = [core.Item(p, steps + output_len) for p in core.random_ids(batch, input_len,
+                                                                         llm.model_config.vocab_size, 5)]
         requests = core.make_requests(engine, items)
         for r in requests:
             engine.add(r)
-        while not all(r.output_token_ids for r in requests):
-            engine.step()
+        if core.fill_batch(engine, requests, items) < steps:
+            raise ValueError(f"host_split: fewer than {steps} steps of the whole batch {batch}: raise output_len")
         seconds.clear()
         core.sync(llm.config.device)
         t0 = time.perf_counter()
@@ -193,7 +195,8 @@ def main() -> None:
                   f"(synchronous {res['synchronous_decode_step_ms']['p50']:.3f}), graph GPU {res['graph_gpu_ms']} ms, "
                   f"floor {res['roofline']['floor_ms']:.3f} ms", flush=True)
         if llm.engine.runner.variants[BASE].decode is not None:
-            record["host_split_ms"] = {b: host_split(llm, b, a.input_len) for b in (1, max(record["decode"]))}
+            record["host_split_ms"] = {b: host_split(llm, b, a.input_len, a.output_len)
+                                       for b in (1, max(record["decode"]))}
             print("host ms per decode step:", json.dumps(record["host_split_ms"]), flush=True)
         prompt = core.random_ids(1, a.prefill_len, vocab, 1)[0]
         ttft = [core.first_token(llm, prompt) for _ in range(a.prefill_reps)]
@@ -208,8 +211,12 @@ def main() -> None:
             dec = core.profile_steps(llm, items, 3, a.profile_dir, "decode_b1", skip_prefill=True, top=25)
             pre = core.profile_steps(llm, [core.Item(prompt, 1)], 1, a.profile_dir, "prefill", skip_prefill=False, top=25)
             big = max(record["decode"])
-            items = [core.Item(p, 8) for p in core.random_ids(big, a.input_len, vocab, 3)]
+            # as long as the timed runs: the batch's prompts fill in chunks while the first ones decode
+            items = [core.Item(p, a.output_len) for p in core.random_ids(big, a.input_len, vocab, 3)]
             dec_big = core.profile_steps(llm, items, 3, a.profile_dir, f"decode_b{big}", skip_prefill=True, top=25)
+            if dec_big["whole_batch_steps"] < dec_big["steps"]:
+                print(f"warning: {dec_big['whole_batch_steps']} of the b{big} profile's steps ran the whole batch "
+                      f"(--output-len {a.output_len}: raise it)", flush=True)
             record["profile"] = {"decode_b1": dec, "prefill": pre, f"decode_b{big}": dec_big}
             print("decode b1 profile (3 steps):", *short_profile(dec, 25), sep="\n  ")
             print(f"decode b{big} profile (3 steps):", *short_profile(dec_big, 25), sep="\n  ")

@@ -39,6 +39,11 @@ BLOCK = [128, 128]
 # (block_n, block_k, split_k) grids of the first pass; warps (and stages) refined around the best
 GEMV_GRID = ((1, 2, 4, 8), (256, 512, 1024, 2048), (1, 2))
 GEMV_WARPS = (2, 4, 8)
+# The GEMV mode at several rows (an fp32 accumulator [rows, BLOCK_N, BLOCK_K] in registers): its
+# grid at the skinny sizes, tiles whose accumulator fits ROWS_GEMV_MAX_REGS registers a thread.
+ROWS_GEMV_GRID = ((1, 2, 4, 8), (64, 128, 256, 512), (1, 2, 4), (1, 2, 4, 8))
+ROWS_GEMV_MAX_REGS = 64
+ROWS_GEMV_START = lk.SkinnyConfig(4, 128, 1, 4, 1, gemv=True)
 TILE_GRID = ((16, 32, 64), (64, 128, 256), (1, 2, 4, 8))
 TILE_WARPS = (4, 8)
 TILE_STAGES = (3, 4, 5)
@@ -109,7 +114,7 @@ def fits(case: Case, cfg, sms: int, on_gpu: bool) -> bool:
             return False
     if case.k // cfg.split_k < cfg.block_k or cfg.block_k > max(16, triton.next_power_of_2(case.k)):
         return False
-    most = GEMV_MAX_PROGRAMS_PER_SM if case.kind == "gemv" else MAX_PROGRAMS_PER_SM
+    most = GEMV_MAX_PROGRAMS_PER_SM if getattr(cfg, "gemv", False) else MAX_PROGRAMS_PER_SM
     return not on_gpu or sms // 4 <= programs <= most * sms
 
 
@@ -122,6 +127,11 @@ def first_grid(case: Case, h) -> list:
     else:
         grid = [fk.W8A16Config(h.block_m, bn, bk, s, h.num_warps, h.num_stages)
                 for bn, bk, s in itertools.product(*TILE_GRID)]
+    rows_gemv = []
+    if case.kind == "skinny":
+        rows = triton.next_power_of_2(case.m)
+        rows_gemv = [lk.SkinnyConfig(bn, bk, s, w, 1, gemv=True) for bn, bk, s, w in itertools.product(*ROWS_GEMV_GRID)
+                     if rows * bn * bk <= ROWS_GEMV_MAX_REGS * 32 * w]
     a8 = []
     if case.kind != "gemv":   # W8A8 (x quantized first) on the W8A16 kernel's tiles, beside the op's kernel
         block_m = max(fk.MIN_BLOCK, min(fk.MAX_BLOCK_M, triton.next_power_of_2(case.m)))
@@ -130,14 +140,15 @@ def first_grid(case: Case, h) -> list:
 
     def distance(c, to) -> float:
         return sum(abs(math.log2(getattr(c, f) / getattr(to, f))) for f in ("block_n", "block_k", "split_k"))
-    # the two kinds alternate, each nearest to its start first: a budget cut short still times both
+    # the kinds alternate, each nearest to its start first: a budget cut short still times each
     grid.sort(key=lambda c: distance(c, h))
     a8.sort(key=lambda c: distance(c, A8_START))
-    return [c for pair in itertools.zip_longest(grid, a8) for c in pair if c is not None]
+    rows_gemv.sort(key=lambda c: distance(c, ROWS_GEMV_START))
+    return [c for group in itertools.zip_longest(grid, a8, rows_gemv) for c in group if c is not None]
 
 
 def refinements(case: Case, c) -> list:
-    if case.kind == "gemv":
+    if getattr(c, "gemv", False):
         return [c._replace(num_warps=w) for w in GEMV_WARPS]
     out = [c._replace(num_warps=w, num_stages=s) for w, s in itertools.product(TILE_WARPS, TILE_STAGES)]
     if isinstance(c, fk.W8A16Config):

@@ -33,13 +33,14 @@ def prefill_ms(llm, length: int, reps: int, lora: str | None) -> list[float]:
     return [1e3 * core.first_token(llm, prompt, lora) for _ in range(reps)]
 
 
-def profile(llm, batch: int, input_len: int, loras: list[str | None], decode: bool) -> dict | None:
-    """Kernels per step and the top kernels by GPU time of three decode steps at `batch`, or of
-    the prefill of `batch` prompts of `input_len` tokens."""
+def profile(llm, batch: int, input_len: int, loras: list[str | None], decode: bool, output_len: int = 1) -> dict | None:
+    """Kernels per step and the top kernels by GPU time of three decode steps at `batch` (requests
+    of `output_len` tokens, enough to outlast the batch's prefill), or of the prefill of `batch`
+    prompts of `input_len` tokens."""
     if llm.config.device.type != "cuda":
         return None
     prompts = core.random_ids(batch, input_len, llm.model_config.vocab_size, 2)
-    items = [core.Item(p, 8 if decode else 1, a) for p, a in zip(prompts, loras)]
+    items = [core.Item(p, output_len if decode else 1, a) for p, a in zip(prompts, loras)]
     with tempfile.TemporaryDirectory() as d:
         prof = core.profile_steps(llm, items, 3 if decode else 1, Path(d), "step", skip_prefill=decode, top=12)
     return {"kernels_per_step": prof["kernels_per_step"], "top": prof["top"]}
@@ -68,7 +69,7 @@ def measure(llm, name: str, batches: list[int], a, adapters: list[str]) -> dict:
           flush=True)
     out["profile"] = {}
     for b in a.profile_batches:
-        out["profile"][b] = profile(llm, b, a.input_len, [pick(i) for i in range(b)], True)
+        out["profile"][b] = profile(llm, b, a.input_len, [pick(i) for i in range(b)], True, a.output_len)
         print_top(f"{name} decode batch {b}", out["profile"][b])
     out["profile"]["prefill"] = profile(llm, 1, a.prefill_len, [pick(0)], False)
     print_top(f"{name} prefill {a.prefill_len}", out["profile"]["prefill"])

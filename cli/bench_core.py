@@ -646,16 +646,15 @@ def first_token(llm, prompt: Prompt, lora: str | None = None) -> float:
 def profile_steps(llm, items: Sequence[Item], steps: int, out_dir: Path, name: str,
                   skip_prefill: bool, top: int = 15) -> dict:
     """torch.profiler over `steps` engine steps of a fresh run of `items` (after the prefill when
-    `skip_prefill`), exported as a Chrome trace; the `top` ops/kernels by self time."""
+    `skip_prefill`), exported as a Chrome trace; the `top` ops/kernels by self time, and with
+    `skip_prefill` how many of the steps decoded the whole batch (`fill_batch`)."""
     from torch.profiler import ProfilerActivity, profile, record_function
     engine, device = llm.engine, llm.config.device
     check_idle(engine)
     requests = make_requests(engine, items)
     for r in requests:
         engine.add(r)
-    if skip_prefill:
-        while engine.has_work and not all(r.output_token_ids for r in requests):
-            engine.step()
+    whole = fill_batch(engine, requests, items) if skip_prefill else None
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     done = 0
     with profile(activities=activities) as prof:
@@ -679,6 +678,8 @@ def profile_steps(llm, items: Sequence[Item], steps: int, out_dir: Path, name: s
              "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in events[:top] if getattr(e, key, 0.0) > 0]
     result = {"trace": str(trace), "steps": done, "sort_by": "self device time" if on_device else "self CPU time",
               "total_self_ms": total / 1e3, "top": rows}
+    if whole is not None:
+        result["whole_batch_steps"] = max(0, min(whole, done))
     if on_device:
         events = trace_events(trace)   # read once: a trace runs to tens of megabytes
         result["exposed"] = exposed_kernel_time(events, top)
@@ -686,6 +687,16 @@ def profile_steps(llm, items: Sequence[Item], steps: int, out_dir: Path, name: s
         result["runtime_calls"] = runtime_calls(events)
         result["kernels_per_step"] = sum(1 for e in events if e.get("cat") == "kernel") / max(done, 1)
     return result
+
+
+def fill_batch(engine, requests, items: Sequence[Item]) -> int:
+    """Step `engine` until every request has its first token; returns how many steps after it still
+    decode the whole batch. A batch's prompts fill in chunks while the first ones decode, so short
+    outputs leave few such steps, or none: a measurement after them would see a batch draining."""
+    while engine.has_work and not all(r.output_token_ids for r in requests):
+        engine.step()
+    # less one: with overlap scheduling a step's tokens are read a step late
+    return min(it.output_len - len(r.output_token_ids) for r, it in zip(requests, items)) - 1
 
 
 def trace_events(trace: Path) -> list[dict]:
