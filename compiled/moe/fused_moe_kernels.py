@@ -622,20 +622,31 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
     up GEMM's), a multiple of BLOCK_M: a program runs its block's tiles of BLOCK_M rows in turn,
     skipping those past the expert's pairs."""
     pdl_wait(PDL)
-    # a block's tiles in turn: those past its expert's pairs (real rows come first) cost no program
-    pid_b, pid_n = _tile_ids(N, BLOCK_N, GROUP_M)
-    if pid_b * EXPERT_BLOCK_M < tl.load(num_post_ptr):
-        expert = tl.load(expert_ids_ptr + pid_b).to(tl.int64)
-        for sub in tl.static_range(EXPERT_BLOCK_M // BLOCK_M):
-            tile = pid_b * (EXPERT_BLOCK_M // BLOCK_M) + sub
-            pair = tl.load(sorted_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-            if tl.min(pair, axis=0) < num_valid:
-                _down_rows(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_ptr, pair, tile, expert,
-                           pid_n, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
-                           PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HALF_M, TMA, A_TMA,
-                           L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                           TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
-                           DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
+    if EXPERT_BLOCK_M == BLOCK_M:
+        pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+        if live:
+            expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+            _down_rows(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_ptr, pair, pid_m, expert, pid_n,
+                       num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
+                       PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HALF_M, TMA, A_TMA,
+                       L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                       TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
+                       DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
+    else:
+        # a block's tiles in turn: those past its expert's pairs (real rows come first) cost no program
+        pid_b, pid_n = _tile_ids(N, BLOCK_N, GROUP_M)
+        if pid_b * EXPERT_BLOCK_M < tl.load(num_post_ptr):
+            expert = tl.load(expert_ids_ptr + pid_b).to(tl.int64)
+            for sub in tl.static_range(EXPERT_BLOCK_M // BLOCK_M):
+                tile = pid_b * (EXPERT_BLOCK_M // BLOCK_M) + sub
+                pair = tl.load(sorted_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+                if tl.min(pair, axis=0) < num_valid:
+                    _down_rows(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_ptr, pair, tile, expert,
+                               pid_n, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
+                               PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HALF_M, TMA, A_TMA,
+                               L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                               TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
+                               DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
 
 
 @triton.jit
