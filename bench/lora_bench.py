@@ -33,7 +33,8 @@ def prefill_ms(llm, length: int, reps: int, lora: str | None) -> list[float]:
     return [1e3 * core.first_token(llm, prompt, lora) for _ in range(reps)]
 
 
-def profile(llm, batch: int, input_len: int, loras: list[str | None], decode: bool, output_len: int = 1) -> dict | None:
+def profile(llm, batch: int, input_len: int, loras: list[str | None], decode: bool,
+            output_len: int = 1) -> dict | None:
     """Kernels per step and the top kernels by GPU time of three decode steps at `batch` (requests
     of `output_len` tokens, enough to outlast the batch's prefill), or of the prefill of `batch`
     prompts of `input_len` tokens."""

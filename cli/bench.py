@@ -164,7 +164,10 @@ def _metric_table(rows: list[tuple], compare: bool) -> Table:
 
 
 def _profile_table(prof: dict) -> Table:
-    table = Table(title=f"top {len(prof['top'])} ops by {prof['sort_by']} over {prof['steps']} steps",
+    whole = prof.get("whole_batch_steps")
+    steps = f"{prof['steps']} steps" + ("" if whole is None or whole == prof["steps"] else
+                                        f" ({whole} of them decoding the whole batch: raise --output-len)")
+    table = Table(title=f"top {len(prof['top'])} ops by {prof['sort_by']} over {steps}",
                   title_justify="left", caption=f"Chrome trace: {prof['trace']}", caption_justify="left")
     for col in ("op / kernel", "calls", "self ms", "%"):
         table.add_column(col, justify="left" if col == "op / kernel" else "right")

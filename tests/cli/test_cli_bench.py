@@ -255,12 +255,15 @@ def test_latency_times_decode_when_the_prefill_outlasts_the_output(model_args, t
 def test_latency_profile_says_which_steps_ran_the_whole_batch(model_args, tmp_path, output_len, whole):
     """Eight prompts prefilled 32 tokens a step: with 4 output tokens the first requests are done
     before the last is prefilled, so no profiled step decodes all 8 and the profile says so; with
-    24, the three profiled steps all do."""
+    24, the three profiled steps all do. The table's title says when they do not."""
     out, prof = tmp_path / "latency_profile.json", tmp_path / "prof"
-    rec = _bench("latency", *model_args, *SMALL, "--batch-size", "8", "--input-len", "24", "--output-len",
-                 str(output_len), "--max-num-batched-tokens", "32", "--num-iters", "1", "--num-iters-warmup", "0",
-                 "--profile", str(prof), "--profile-steps", "3", "--json", str(out))
-    assert rec["profile"]["whole_batch_steps"] == whole
+    result = runner.invoke(app, ["bench", "latency", *model_args, *SMALL, "--batch-size", "8", "--input-len", "24",
+                                 "--output-len", str(output_len), "--max-num-batched-tokens", "32", "--num-iters", "1",
+                                 "--num-iters-warmup", "0", "--profile", str(prof), "--profile-steps", "3",
+                                 "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["profile"]["whole_batch_steps"] == whole
+    assert ("decoding the whole batch: raise --output-len" in " ".join(result.output.split())) == (whole < 3)
 
 
 def test_latency_batch_larger_than_the_kv_cache_fails_up_front(model_args, tmp_path):
