@@ -5,7 +5,9 @@ Rank 0 starts the workers itself (`spawn_workers`, torch.multiprocessing with th
 or, under `torchrun` (WORLD_SIZE set), every rank is started for it. Tensors travel on the data
 group (NCCL on GPUs, gloo on CPU); rank 0's messages (a step to run, an adapter to load) on a
 gloo control group. A collective that fails or outlasts `timeout` (a rank died or hangs) is a
-`CPError`; rank 0 then shuts the group down, terminating every worker it started."""
+`CPError`; rank 0 then shuts the group down, terminating every worker it started. The workers'
+start (their imports) is bounded by START_TIMEOUT_S instead, a worker that exits first failing it
+at once (`_started_store`)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import contextlib
 import datetime
 import gc
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -26,6 +29,13 @@ from compiled.errors import CompiledError
 class CPError(CompiledError, RuntimeError):
     """A context- or tensor-parallel rank died, hung or failed."""
 
+
+# Spawned workers join once they have imported torch and this package: tens of seconds on a
+# loaded machine. That wait is bounded here, not by the group's timeout (how long a rank may take
+# to answer), so that a short timeout does not fail a slow start; a worker that exits first ends
+# it at once.
+START_TIMEOUT_S = 300.0
+START_POLL_S = 0.05
 
 # NVLink multicast stays off for the group's NCCL collectives (the machines it runs on forbid it).
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -138,6 +148,32 @@ def _from_backend(error: BaseException) -> bool:
     return any(word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout", "peer"))
 
 
+def _started_store(rank: int, world: int, processes: list, kind: str) -> dist.TCPStore:
+    """The rendezvous store of a group whose workers rank 0 spawned (hosted by rank 0 at
+    MASTER_ADDR:MASTER_PORT): each worker marks itself started; rank 0 returns once all have,
+    and fails at once, naming the rank, if one exits first (START_TIMEOUT_S bounds the wait)."""
+    start = datetime.timedelta(seconds=START_TIMEOUT_S)
+    store = dist.TCPStore(envs.read("MASTER_ADDR"), envs.read("MASTER_PORT"), world, is_master=rank == 0,
+                          timeout=start, wait_for_workers=False)
+    if rank > 0:
+        store.set(f"started/{rank}", "1")
+        return store
+    keys = [f"started/{r}" for r in range(1, world)]
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not store.check(keys):
+        failure = next((f"{kind} rank {r} exited with code {p.exitcode} before joining the group"
+                        for r, p in enumerate(processes, start=1) if not p.is_alive()), None)
+        if failure is None and time.monotonic() > deadline:
+            failure = f"{kind} group: not every rank started within {START_TIMEOUT_S:g} s"
+        if failure is not None:
+            for p in processes:   # the others would wait for the group in vain
+                if p.is_alive():
+                    p.terminate()
+            raise CPError(failure)
+        time.sleep(START_POLL_S)
+    return store
+
+
 def init_group(rank: int, world: int, backend: str, timeout: float, processes: list | None = None,
                kind: str = "context-parallel") -> CPGroup:
     """Join the group (MASTER_ADDR / MASTER_PORT from the environment)."""
@@ -150,6 +186,10 @@ def init_group(rank: int, world: int, backend: str, timeout: float, processes: l
         for name, value in MULTICAST_OFF.items():
             if not envs.is_set(name):
                 envs.set_for_children(name, value)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=delta)
+    if torchrun_rank() is None:
+        store = _started_store(rank, world, processes or [], kind)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=delta)
+    else:   # torchrun's ranks start together, at its rendezvous
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=delta)
     control = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=delta)
     return CPGroup(rank, world, dist.group.WORLD, control, list(processes or []), kind)

@@ -129,3 +129,59 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:   # a zombie has exited: only its parent has not reaped it
         return f.read().split()[2] != "Z"
+
+
+class _Worker:
+    """What rank 0's start-up wait asks of a spawned worker process."""
+
+    def __init__(self, alive: bool, exitcode: int | None = None):
+        self.alive, self.exitcode, self.terminated = alive, exitcode, False
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def terminate(self) -> None:
+        self.terminated, self.alive = True, False
+
+
+def _rendezvous_at_a_free_port(monkeypatch) -> None:
+    from compiled.parallel import group
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(group._free_port()))
+
+
+def test_rank_0_waits_for_a_worker_slower_to_start_than_the_group_timeout(monkeypatch):
+    """The group's timeout bounds a rank's answer, not its start: a worker that joins 2 s late
+    (past a 1 s group timeout) still finds rank 0 waiting."""
+    import threading
+    from compiled.parallel import group
+    _rendezvous_at_a_free_port(monkeypatch)
+    monkeypatch.setattr(group, "START_TIMEOUT_S", 30.0)
+    late = threading.Timer(2.0, group._started_store, args=(1, 2, [], "context-parallel"))
+    late.start()
+    t0 = time.monotonic()
+    store = group._started_store(0, 2, [_Worker(alive=True)], "context-parallel")
+    late.join()
+    assert 2.0 <= time.monotonic() - t0 < 30.0 and store.check(["started/1"])
+
+
+def test_a_worker_that_exits_before_joining_is_a_one_line_error_at_once(monkeypatch):
+    from compiled.parallel import group
+    _rendezvous_at_a_free_port(monkeypatch)
+    """The first worker dead before joining fails the start at once, and the others are stopped."""
+    t0 = time.monotonic()
+    workers = [_Worker(alive=True), _Worker(alive=False, exitcode=3), _Worker(alive=True)]
+    with pytest.raises(CPError, match="^tensor-parallel rank 2 exited with code 3 before joining the group$"):
+        group._started_store(0, 4, workers, "tensor-parallel")
+    assert time.monotonic() - t0 < 5.0   # not START_TIMEOUT_S
+    assert [w.terminated for w in workers] == [True, False, True]
+
+
+def test_a_worker_that_never_starts_fails_after_the_start_timeout(monkeypatch):
+    from compiled.parallel import group
+    _rendezvous_at_a_free_port(monkeypatch)
+    monkeypatch.setattr(group, "START_TIMEOUT_S", 0.5)
+    worker = _Worker(alive=True)
+    with pytest.raises(CPError, match="^context-parallel group: not every rank started within 0.5 s$"):
+        group._started_store(0, 2, [worker], "context-parallel")
+    assert worker.terminated
