@@ -161,6 +161,8 @@ def main() -> None:
     ap.add_argument("--artifact", type=Path, default=None, help="warm start from this artifact only")
     ap.add_argument("--passes", default=None, help="comma-separated graph passes (default: all)")
     ap.add_argument("--quantization", default=None, help="quantize the weights at load (fp8)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel processes (one GPU each)")
+    ap.add_argument("--enable-expert-parallel", action="store_true", help="with --tp: experts whole, 1/N a rank")
     ap.add_argument("--profile-dir", type=Path, default=None)
     ap.add_argument("--cprofile", type=Path, default=None,
                     help="profile the start-up's Python (cProfile); the top functions go to this file")
@@ -169,7 +171,8 @@ def main() -> None:
     a = ap.parse_args()
 
     args = EngineConfig(model=a.model, load_format="dummy", max_model_len=a.max_model_len,
-                        max_num_seqs=a.max_num_seqs, quantization=a.quantization, artifact=None if a.artifact is None else str(a.artifact),
+                        max_num_seqs=a.max_num_seqs, quantization=a.quantization, tensor_parallel_size=a.tp,
+                        enable_expert_parallel=a.enable_expert_parallel, artifact=None if a.artifact is None else str(a.artifact),
                         passes=None if a.passes is None else tuple(p for p in a.passes.split(",") if p))
     compiles_before = COMPILES["count"]
     if a.cprofile is None:
@@ -180,6 +183,8 @@ def main() -> None:
     start["excluding_load_s"] = start["llm_init_s"] - start["stages_s"].get("load", 0.0) + start["ttft_cold_s"]
     record: dict = {"model": a.model, "environment": core.environment(llm.config.device), "startup": start}
     print("startup:", json.dumps(start, indent=1), flush=True)
+    # Rank 0 alone cannot replay a graph holding collectives: the graph-only timings need one process.
+    alone = a.tp == 1
     if a.artifact is None:
         vocab = llm.model_config.vocab_size
         bw = core.bandwidth(llm.config.device)
@@ -189,12 +194,12 @@ def main() -> None:
             res["synchronous_decode_step_ms"] = synchronous_decode(llm, b, a.input_len, a.output_len)
             res["roofline"] = core.roofline(llm, b, a.input_len, a.output_len, res["decode_step_ms"]["p50"], bw)
             res["graph_gpu_ms"] = graph_gpu_ms(llm, llm.engine.runner.variants[BASE].decode.bucket_for(b)) \
-                if llm.engine.runner.variants[BASE].decode else None
+                if alone and llm.engine.runner.variants[BASE].decode else None
             record["decode"][b] = res
             print(f"batch {b}: decode p50 {res['decode_step_ms']['p50']:.3f} ms "
                   f"(synchronous {res['synchronous_decode_step_ms']['p50']:.3f}), graph GPU {res['graph_gpu_ms']} ms, "
                   f"floor {res['roofline']['floor_ms']:.3f} ms", flush=True)
-        if llm.engine.runner.variants[BASE].decode is not None:
+        if alone and llm.engine.runner.variants[BASE].decode is not None:
             record["host_split_ms"] = {b: host_split(llm, b, a.input_len, a.output_len)
                                        for b in (1, max(record["decode"]))}
             print("host ms per decode step:", json.dumps(record["host_split_ms"]), flush=True)
