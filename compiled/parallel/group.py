@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import gc
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -36,6 +37,8 @@ class CPError(CompiledError, RuntimeError):
 # it at once.
 START_TIMEOUT_S = 300.0
 START_POLL_S = 0.05
+# How long rank 0 waits for the process group's teardown (NCCL's waits for every rank of the host).
+LEAVE_TIMEOUT_S = 30.0
 
 # NVLink multicast stays off for the group's NCCL collectives (the machines it runs on forbid it).
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -121,26 +124,36 @@ class CPGroup:
         return ", ".join(dead) if dead else f"a collective failed or timed out ({first[:160]})"
 
     def shutdown(self, stop_message=None) -> None:
-        """Rank 0: ask the workers to stop (when they can still hear it), then make sure every
-        one of them exits; leave the process group."""
+        """Rank 0: ask the workers to stop (when they can still hear it), leave the process group
+        while they leave it, then make sure every one of them exits."""
         if stop_message is not None and all(p.exitcode is None for p in self.processes):
             try:
                 self.send(stop_message)
             except CPError:
                 pass
+        if dist.is_initialized():
+            _leave_group(LEAVE_TIMEOUT_S)
         for p in self.processes:
             p.join(timeout=5)
         for p in self.processes:
             if p.exitcode is None:
                 p.kill()
                 p.join(timeout=5)
-        if dist.is_initialized():
-            dist.destroy_process_group()
         # Free the groups now, while the interpreter is whole: a gloo group still alive at
         # interpreter exit (this object held it) joins its worker threads during finalization,
         # which can abort the process ("terminate called without an active exception").
         self.data = self.control = None
         gc.collect()
+
+
+def _leave_group(timeout: float) -> None:
+    """Destroy the process groups. NCCL frees a communicator together with the other ranks of the
+    host: rank 0 leaves as the workers do (after its stop message, not after they exited, which
+    would wait for them forever); a peer that died cannot take part, so the wait is bounded and a
+    teardown still stuck after `timeout` is left to the process's exit."""
+    leaving = threading.Thread(target=dist.destroy_process_group, name="leave-group", daemon=True)
+    leaving.start()
+    leaving.join(timeout)
 
 
 def _from_backend(error: BaseException) -> bool:

@@ -1,0 +1,68 @@
+"""Tensor parallelism on GPUs (NCCL all-reduces inside the decode CUDA graphs): TP=2 and TP=4 prompt
+logprobs and greedy tokens against TP=1 on the demo MoE in fp32 (with and without expert
+parallelism), on the demo dense model in bf16, and on a MoE quantized to FP8 at load whose expert
+shards end inside a 128-wide scale block; then the group's shutdown leaves the process group (NCCL
+tears a communicator down with every rank of the host). A world skips on a host with fewer GPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from compiled import LLM, SamplingParams
+from compiled.demo import DENSE_MODEL, MOE_MODEL
+from tests.conftest import make_checkpoint
+
+pytestmark = pytest.mark.gpu
+
+ENGINE = dict(device="cuda", max_num_batched_tokens=512, kv_cache_tokens=8192, max_model_len=512)
+WORLDS = [2, 4]
+PROMPTS = [[(5 * i) % 250 + 1 for i in range(n)] for n in (301, 3, 150)]   # the demo holds 512 positions
+PARAMS = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
+
+
+def _compare(model: str, world: int, expert_parallel: bool = False, **extra):
+    """TP=world and TP=1 outputs, and the largest and mean difference of their prompt logprobs."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    alone = LLM(model, **ENGINE, **extra)
+    ref = alone.generate(PROMPTS, PARAMS)
+    del alone
+    split = LLM(model, tensor_parallel_size=world, enable_expert_parallel=expert_parallel, **ENGINE, **extra)
+    try:
+        out = split.generate(PROMPTS, PARAMS)
+        assert split.engine.runner.tp is not None and split.engine.num_overlapped > 0
+    finally:
+        split.shutdown()
+    assert not dist.is_initialized()   # every rank left the group, none waited for a peer gone first
+    diffs = [abs(x[k] - y[k]) for a, b in zip(out, ref) for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])
+             for k in x.keys() & y.keys()]
+    return out, ref, max(diffs), sum(diffs) / len(diffs)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
+def test_demo_moe_tp_equals_tp1_fp32(world, expert_parallel):
+    """In fp32 the sharded model equals the whole one up to the order of sums."""
+    out, ref, worst, _ = _compare(MOE_MODEL, world, expert_parallel, dtype="float32")
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    assert worst < 1e-3, worst
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_demo_dense_tp_bf16_greedy_equal(world):
+    out, ref, worst, mean = _compare(DENSE_MODEL, world)
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    assert mean < 0.05, (mean, worst)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_fp8_moe_with_shards_inside_a_scale_block(tmp_path, world):
+    """320-wide experts: 160 a rank at TP=2, 80 at TP=4, so a rank's slice ends inside a 128 block
+    whose scale both neighbours keep."""
+    model = make_checkpoint(tmp_path / "moe", moe=True, seed=3, hidden_size=256, moe_intermediate_size=320,
+                            intermediate_size=384, num_attention_heads=4, head_dim=64, vocab_size=288,
+                            max_position_embeddings=512)
+    _, _, worst, mean = _compare(model, world, quantization="fp8")
+    assert mean < 0.05 and worst < 0.5, (mean, worst)
