@@ -77,6 +77,13 @@ class BucketGraphs:
         """One step over the first `size` rows of the static buffers; returns its outputs."""
         raise NotImplementedError
 
+    def release(self) -> None:
+        """Free every captured graph now (none can replay after)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+
     def replay_graph(self, bucket: int) -> Any:
         """Replay `bucket`'s graph; returns the outputs its capture left in place."""
         self.graphs[bucket].replay()

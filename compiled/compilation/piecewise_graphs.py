@@ -125,6 +125,7 @@ class PiecewiseGraphs:
         # pieces' outputs): graph inputs found there are used in place.
         self.fixed_ptrs: set[int] = {t.data_ptr() for t in fixed}
         self.warmed: set[tuple[Callable, int]] = set()  # (compiled function, size) already run once
+        self.pieces: list[PieceGraphs] = []
         self.captured: set[int] = set()
         self.capture_seconds = 0.0
         self.replays = 0  # forwards that replayed these graphs (tests check they are used)
@@ -133,6 +134,15 @@ class PiecewiseGraphs:
         """Give each compiled piece (in forward order) its graphs."""
         for index, piece in enumerate(pieces):
             piece.graphs = PieceGraphs(piece.fn, piece.weight_args, index, self)
+            self.pieces.append(piece.graphs)
+
+    def release(self) -> None:
+        """Free every piece's captured graphs now (none can replay after)."""
+        for piece in self.pieces:
+            for entry in piece.entries.values():
+                entry.graph.reset()
+            piece.entries.clear()
+        self.captured.clear()
 
     def attention_out(self, q: torch.Tensor) -> torch.Tensor:
         """Where attention writes its output `[T, Hq, D]` (like q), for the next piece to read."""

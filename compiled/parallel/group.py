@@ -132,7 +132,7 @@ class CPGroup:
             except CPError:
                 pass
         if dist.is_initialized():
-            _leave_group(LEAVE_TIMEOUT_S)
+            leave_group(LEAVE_TIMEOUT_S)
         for p in self.processes:
             p.join(timeout=5)
         for p in self.processes:
@@ -146,7 +146,7 @@ class CPGroup:
         gc.collect()
 
 
-def _leave_group(timeout: float) -> None:
+def leave_group(timeout: float) -> None:
     """Destroy the process groups. NCCL frees a communicator together with the other ranks of the
     host: rank 0 leaves as the workers do (after its stop message, not after they exited, which
     would wait for them forever); a peer that died cannot take part, so the wait is bounded and a

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from compiled.parallel.group import CPError, CPGroup, init_group
+from compiled.parallel.group import LEAVE_TIMEOUT_S, CPError, CPGroup, init_group, leave_group
 from compiled.parallel.mesh import roles
 from compiled.runtime.cp_messages import AddLora, KVSlots, RemoveLora, StepMessage, Stop, TPStep
 from compiled.runtime.model_runner import select_rows
@@ -55,9 +55,8 @@ def spawned_worker(rank: int, world: int, model: str, kwargs: dict, device: str,
 def serve_then_leave(group: CPGroup, model: str, kwargs: dict) -> None:
     """`serve` until rank 0 says stop, leave the process group, as rank 0 does after sending it,
     and end the process: a worker spawned by `LLM` and one torchrun started end the same way."""
-    import torch.distributed as dist
     serve(group, model, kwargs)
-    dist.destroy_process_group()
+    leave_group(LEAVE_TIMEOUT_S)
     exit_now(0)
 
 
@@ -94,6 +93,8 @@ def serve(group: CPGroup, model: str, kwargs: dict) -> None:
         if handler is None:
             raise CPError(f"{group.kind} worker {group.rank}: unknown message {type(message).__name__}")
         handler(message)
+    if tp is not None:   # its graphs hold the communicators the group's teardown frees next
+        engine.runner.release_graphs()
 
 
 class _Worker:

@@ -173,6 +173,9 @@ class LLM:
         if engine is not None:
             engine.runner.cp = None
             if tp is not None and engine.runner.tp_failure is None:
+                # Before the group's communicators, which they hold (after a failure the GPU may still
+                # wait on a peer: the teardown's bound covers that case instead).
+                engine.runner.release_graphs()
                 engine.runner.tp_failure = f"the tensor-parallel group of {group.world} was shut down"
         if self.config.tp:
             set_tp_group(None)

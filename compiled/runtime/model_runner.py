@@ -140,6 +140,18 @@ class ModelRunner:
             seconds += graphs.capture_seconds
         return seconds
 
+    def release_graphs(self) -> None:
+        """Free every captured graph, after the GPU is done with them; the steps after run eagerly.
+        A graph that captured a collective holds its NCCL communicator: the group's teardown waits
+        for the graph to go."""
+        if self.cfg.device.type == "cuda":
+            torch.cuda.synchronize(self.cfg.device)
+        for entry in self.variants.values():
+            for graphs in (entry.decode, entry.piecewise):
+                if graphs is not None:
+                    graphs.release()
+            entry.decode = entry.piecewise = None
+
     def capture_pending(self) -> bool:
         """Capture one bucket not captured yet, decode graphs first, smallest first (call it
         between steps with none in flight); False when there is none."""
