@@ -1,8 +1,9 @@
 """Tensor parallelism on GPUs (NCCL all-reduces inside the decode CUDA graphs): TP=2 and TP=4 prompt
 logprobs and greedy tokens against TP=1 on the demo MoE in fp32 (with and without expert
-parallelism), on the demo dense model in bf16, and on a MoE quantized to FP8 at load whose expert
-shards end inside a 128-wide scale block; then the group's shutdown leaves the process group (NCCL
-tears a communicator down with every rank of the host). A world skips on a host with fewer GPUs."""
+parallelism), on the demo dense model in bf16, and on a block-FP8 MoE whose expert shards start
+inside a 128-wide scale block (against its dequantized twin); then the group's shutdown leaves the
+process group (NCCL tears a communicator down with every rank of the host). A world skips on a
+host with fewer GPUs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from compiled import LLM, SamplingParams
 from compiled.demo import DENSE_MODEL, MOE_MODEL
 from tests.conftest import make_checkpoint
+from tests.quant.checkpoints import BLOCK_FP8, quantize_checkpoint
 
 pytestmark = pytest.mark.gpu
 
@@ -22,11 +24,12 @@ PROMPTS = [[(5 * i) % 250 + 1 for i in range(n)] for n in (301, 3, 150)]   # the
 PARAMS = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
 
 
-def _compare(model: str, world: int, expert_parallel: bool = False, **extra):
-    """TP=world and TP=1 outputs, and the largest and mean difference of their prompt logprobs."""
+def _compare(model: str, world: int, expert_parallel: bool = False, reference: str | None = None, **extra):
+    """TP=world and TP=1 outputs (TP=1 of `reference` when given), and the largest and mean
+    difference of their prompt logprobs."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    alone = LLM(model, **ENGINE, **extra)
+    alone = LLM(reference or model, **ENGINE, **extra)
     ref = alone.generate(PROMPTS, PARAMS)
     del alone
     split = LLM(model, tensor_parallel_size=world, enable_expert_parallel=expert_parallel, **ENGINE, **extra)
@@ -59,10 +62,13 @@ def test_demo_dense_tp_bf16_greedy_equal(world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_fp8_moe_with_shards_inside_a_scale_block(tmp_path, world):
-    """320-wide experts: 160 a rank at TP=2, 80 at TP=4, so a rank's slice ends inside a 128 block
-    whose scale both neighbours keep."""
-    model = make_checkpoint(tmp_path / "moe", moe=True, seed=3, hidden_size=256, moe_intermediate_size=320,
-                            intermediate_size=384, num_attention_heads=4, head_dim=64, vocab_size=288,
-                            max_position_embeddings=512)
-    _, _, worst, mean = _compare(model, world, quantization="fp8")
-    assert mean < 0.05 and worst < 0.5, (mean, worst)
+    """Block FP8 (128 x 128) with 320-wide experts, 160 a rank at TP=2 and 80 at TP=4: a rank's
+    slice starts inside a scale block. Against the bf16 model holding the dequantized weights, within
+    what the FP8 dots' per-token activation rounding moves this model's logprobs at TP=1."""
+    src = make_checkpoint(tmp_path / "src", moe=True, seed=3, hidden_size=256, moe_intermediate_size=320,
+                          intermediate_size=384, num_attention_heads=4, head_dim=64, vocab_size=288,
+                          max_position_embeddings=512)
+    path, reference = quantize_checkpoint(src, tmp_path / "fp8", tmp_path / "ref", BLOCK_FP8)
+    out, ref, worst, mean = _compare(path, world, reference=reference)
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    assert mean < 0.15 and worst < 2.0, (mean, worst)
