@@ -33,3 +33,39 @@ def test_token_buckets_and_smallest_bucket():
 def test_eager_token_buckets_are_the_smallest_and_the_largest():
     assert eager_token_buckets(token_buckets(2048)) == [16, 2048]
     assert eager_token_buckets([16]) == [16]
+
+
+class _Graph:
+    """Stands in for a captured torch.cuda.CUDAGraph (none can be captured without a GPU)."""
+
+    def __init__(self) -> None:
+        self.was_reset = False
+
+    def reset(self) -> None:
+        self.was_reset = True
+
+
+def test_release_resets_every_captured_graph_and_forgets_it():
+    """A graph that captured an NCCL collective holds the communicator: a tensor-parallel shutdown
+    frees the graphs first (`ModelRunner.release_graphs`), through these."""
+    from types import SimpleNamespace
+
+    from compiled.compilation.bucket_graphs import BucketGraphs
+    from compiled.compilation.piecewise_graphs import PiecewiseGraphs, _Entry
+
+    decode = BucketGraphs([1, 2, 4], pool=None)
+    decode.graphs = {1: _Graph(), 4: _Graph()}
+    decode.outputs = {1: "out", 4: "out"}
+    held = list(decode.graphs.values())
+    decode.release()
+    assert all(g.was_reset for g in held) and decode.outputs == {} and decode.pending == [1, 2, 4]
+
+    prefill = PiecewiseGraphs([64, 128], pool=None, fixed=[], run_forward=lambda size: None)
+    prefill.attach([SimpleNamespace(fn=len, weight_args=[]) for _ in range(3)])
+    held = [_Graph() for _ in range(4)]
+    for i, graph in enumerate(held):
+        prefill.pieces[i % 3].entries[64 if i < 3 else 128] = _Entry(graph, [], ())
+    prefill.captured.update({64, 128})
+    prefill.release()
+    assert all(g.was_reset for g in held)
+    assert all(p.entries == {} for p in prefill.pieces) and prefill.captured == set()

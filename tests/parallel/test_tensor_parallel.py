@@ -203,3 +203,20 @@ def test_torchrun_ranks_join_the_tensor_parallel_group(tmp_path):
     llm = LLM(None, **ENGINE)
     ref = llm.generate([prompt], SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True))[0]
     assert result["world"] == 2 and result["tokens"] == ref.token_ids
+
+
+@pytest.mark.parametrize("failed", [False, True], ids=["healthy", "after-a-failure"])
+def test_shutdown_frees_the_graphs_before_the_group(failed):
+    """A graph that captured an NCCL all-reduce holds the communicator, whose teardown waits for it:
+    a healthy shutdown frees every graph first. After a failure the GPU may still wait on the dead
+    peer, so the graphs stay and the group's bounded teardown ends it."""
+    from types import SimpleNamespace
+    calls = []
+    group = SimpleNamespace(world=2, shutdown=lambda message: calls.append(type(message).__name__))
+    runner = SimpleNamespace(cp=None, tp=group, tp_failure="rank 1 exited with code 1" if failed else None,
+                             release_graphs=lambda: calls.append("graphs"))
+    llm = LLM.__new__(LLM)   # the state shutdown reads, without starting processes
+    llm._cp, llm.engine, llm.config = group, SimpleNamespace(runner=runner), SimpleNamespace(tp=True)
+    llm.shutdown()
+    assert calls == (["Stop"] if failed else ["graphs", "Stop"])
+    assert runner.tp_failure and llm._cp is None
