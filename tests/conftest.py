@@ -124,6 +124,14 @@ def assert_same_outputs(outputs, reference, tol: float = 1e-4) -> None:
             assert max(abs(a[k] - b[k]) for k in a) < tol
 
 
+def prompt_logprob_gap(outputs, reference) -> tuple[float, float]:
+    """The largest and the mean difference of two runs' prompt logprobs, over the entries both
+    hold (top-k entries may differ where two tokens nearly tie)."""
+    diffs = [abs(x[k] - y[k]) for a, b in zip(outputs, reference)
+             for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]) for k in x.keys() & y.keys()]
+    return max(diffs), sum(diffs) / len(diffs)
+
+
 def rank_routing(weights: torch.Tensor, ids: torch.Tensor, first: int, count: int):
     """A routing over all experts as the rank holding experts [first, first + count) sees it
     under expert parallelism (`compiled::topk_route(local_experts=count)`): (its weights, 0 for

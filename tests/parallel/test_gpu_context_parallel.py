@@ -9,7 +9,7 @@ import torch
 
 from compiled import LLM, SamplingParams
 from compiled.demo import DENSE_MODEL, MOE_MODEL
-from tests.conftest import reduced_real_config
+from tests.conftest import prompt_logprob_gap, reduced_real_config
 
 pytestmark = pytest.mark.gpu
 
@@ -37,9 +37,7 @@ def _compare(model, prompts, world, **extra):
         assert split.engine.runner.cp.steps > 0
     finally:
         split.shutdown()
-    diffs = [abs(x[k] - y[k]) for a, b in zip(out, ref) for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])
-             for k in x.keys() & y.keys()]
-    return out, ref, max(diffs), sum(diffs) / len(diffs)
+    return (out, ref, *prompt_logprob_gap(out, ref))
 
 
 DEMO_PROMPTS = [[(5 * i) % 250 + 1 for i in range(n)] for n in (301, 3, 450)]   # the demo holds 512 positions

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from compiled import LLM, SamplingParams
 from compiled.demo import DENSE_MODEL, MOE_MODEL
-from tests.conftest import make_checkpoint
+from tests.conftest import make_checkpoint, prompt_logprob_gap
 from tests.quant.checkpoints import BLOCK_FP8, quantize_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -39,9 +39,7 @@ def _compare(model: str, world: int, expert_parallel: bool = False, reference: s
     finally:
         split.shutdown()
     assert not dist.is_initialized()   # every rank left the group, none waited for a peer gone first
-    diffs = [abs(x[k] - y[k]) for a, b in zip(out, ref) for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:])
-             for k in x.keys() & y.keys()]
-    return out, ref, max(diffs), sum(diffs) / len(diffs)
+    return (out, ref, *prompt_logprob_gap(out, ref))
 
 
 @pytest.mark.parametrize("world", WORLDS)
