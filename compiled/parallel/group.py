@@ -7,7 +7,7 @@ group (NCCL on GPUs, gloo on CPU); rank 0's messages (a step to run, an adapter 
 gloo control group. A collective that fails or outlasts `timeout` (a rank died or hangs) is a
 `CPError`; rank 0 then shuts the group down, terminating every worker it started. The workers'
 start (their imports) is bounded by START_TIMEOUT_S instead, a worker that exits first failing it
-at once (`_started_store`)."""
+at once (`_started_store`). Leaving is bounded too (`leave_group`)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ class CPError(CompiledError, RuntimeError):
 # it at once.
 START_TIMEOUT_S = 300.0
 START_POLL_S = 0.05
-# How long rank 0 waits for the process group's teardown (NCCL's waits for every rank of the host).
+# How long a rank waits for the process group's teardown (NCCL's waits for every rank of the host
+# and for every CUDA graph that captured one of its collectives).
 LEAVE_TIMEOUT_S = 30.0
 
 # NVLink multicast stays off for the group's NCCL collectives (the machines it runs on forbid it).
