@@ -151,13 +151,18 @@ def _cache_home(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "cache"))
 
 
-def _bench(*args: str) -> dict:
+def _bench_with_output(*args: str) -> tuple[dict, str]:
+    """The JSON record of `compiled bench ARGS` and what it printed."""
     json_path = args[args.index("--json") + 1]
     result = runner.invoke(app, ["bench", *args])
     assert result.exit_code == 0, result.output
     assert "Traceback" not in result.output
     with open(json_path) as f:
-        return json.load(f)
+        return json.load(f), result.output
+
+
+def _bench(*args: str) -> dict:
+    return _bench_with_output(*args)[0]
 
 
 def _ordered(s: dict) -> bool:
@@ -257,13 +262,12 @@ def test_latency_profile_says_which_steps_ran_the_whole_batch(model_args, tmp_pa
     before the last is prefilled, so no profiled step decodes all 8 and the profile says so; with
     24, the three profiled steps all do. The table's title says when they do not."""
     out, prof = tmp_path / "latency_profile.json", tmp_path / "prof"
-    result = runner.invoke(app, ["bench", "latency", *model_args, *SMALL, "--batch-size", "8", "--input-len", "24",
-                                 "--output-len", str(output_len), "--max-num-batched-tokens", "32", "--num-iters", "1",
-                                 "--num-iters-warmup", "0", "--profile", str(prof), "--profile-steps", "3",
-                                 "--json", str(out)])
-    assert result.exit_code == 0, result.output
-    assert json.loads(out.read_text())["profile"]["whole_batch_steps"] == whole
-    assert ("decoding the whole batch: raise --output-len" in " ".join(result.output.split())) == (whole < 3)
+    rec, output = _bench_with_output("latency", *model_args, *SMALL, "--batch-size", "8", "--input-len", "24",
+                                     "--output-len", str(output_len), "--max-num-batched-tokens", "32", "--num-iters",
+                                     "1", "--num-iters-warmup", "0", "--profile", str(prof), "--profile-steps", "3",
+                                     "--json", str(out))
+    assert rec["profile"]["whole_batch_steps"] == whole
+    assert ("decoding the whole batch: raise --output-len" in " ".join(output.split())) == (whole < 3)
 
 
 def test_latency_batch_larger_than_the_kv_cache_fails_up_front(model_args, tmp_path):

@@ -166,9 +166,9 @@ def test_rank_0_waits_for_a_worker_slower_to_start_than_the_group_timeout(monkey
 
 
 def test_a_worker_that_exits_before_joining_is_a_one_line_error_at_once(monkeypatch):
+    """The first worker dead before joining fails the start at once, and the others are stopped."""
     from compiled.parallel import group
     _rendezvous_at_a_free_port(monkeypatch)
-    """The first worker dead before joining fails the start at once, and the others are stopped."""
     t0 = time.monotonic()
     workers = [_Worker(alive=True), _Worker(alive=False, exitcode=3), _Worker(alive=True)]
     with pytest.raises(CPError, match="^tensor-parallel rank 2 exited with code 3 before joining the group$"):
