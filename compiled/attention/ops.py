@@ -33,13 +33,15 @@ def backend_for(q: torch.Tensor) -> str:
     return BACKEND.name
 
 
-@torch.library.custom_op("compiled::attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
-              q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-              positions: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None,
-              eps: float = 0.0, k_full: torch.Tensor | None = None,
-              v_full: torch.Tensor | None = None) -> torch.Tensor:
-    """q `[T, Hq, D]`, k/v `[T, Hkv, D]` for the step's new tokens -> `[T, Hq, D]`.
+def attention_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+                   q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                   positions: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None,
+                   eps: float = 0.0, k_full: torch.Tensor | None = None,
+                   v_full: torch.Tensor | None = None) -> torch.Tensor:
+    """The `compiled::attention` op's body (the op below wraps it; the eager submodules between
+    compiled pieces call it directly, `compilation.split.EAGER_BODIES`).
+
+    q `[T, Hq, D]`, k/v `[T, Hkv, D]` for the step's new tokens -> `[T, Hq, D]`.
 
     With `q_norm` (set by the fuse_qk_norm_rope pass, together with `k_norm`, `positions`,
     `cos_sin` and `eps`), q and k are the raw projection output: the per-head RMSNorm and RoPE
@@ -66,6 +68,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sca
                                     meta.seq_lens, meta.max_seq_len, scale)
     return extend_attention_ref(q, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices_cpu,
                                 meta.seq_lens_cpu, meta.extend_lens_cpu, scale)
+
+
+attention = torch.library.custom_op("compiled::attention", mutates_args=())(attention_body)
 
 
 @attention.register_fake

@@ -6,6 +6,8 @@ warm-up the count must not move, and a test asserts it."""
 
 from __future__ import annotations
 
+import copy
+import importlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -16,7 +18,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from compiled.compilation.warm_up import once_per_shape
 from compiled.passes.inline_references import inline_references
-from compiled.compilation.split import SPLITTING_OPS, SplitGraph, attach_fake_inputs, split_graph
+from compiled.compilation.split import (EAGER_BODIES, SPLITTING_OPS, SplitGraph, attach_fake_inputs, op_name,
+                                        split_graph)
 from compiled.forward_context import current_forward
 
 # Incremented on every Inductor compilation this process runs; serving must leave it unchanged.
@@ -33,14 +36,32 @@ class CompileReport:
 
 class EagerSplitOp(nn.Module):
     """Stands in for a splitting op's submodule (every layer's is the same op): runs
-    it, once per input shapes during warm_up_once, when its values do not matter."""
+    it, once per input shapes during warm_up_once, when its values do not matter. Its op calls
+    go to the op's Python body where `EAGER_BODIES` names one (a copy of the submodule's graph;
+    the split's own submodule, which an artifact saves, keeps the op)."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
-        self.module = module
+        self.module = direct_calls(module)
 
     def forward(self, *args):
         return once_per_shape(EagerSplitOp, self.module, args)
+
+
+def direct_calls(module: nn.Module) -> nn.Module:
+    """`module` with its calls of the ops in `EAGER_BODIES` calling their bodies instead (a new
+    graph module), or `module` itself where it calls none."""
+    if not isinstance(module, fx.GraphModule):
+        return module
+    graph = copy.deepcopy(module.graph)
+    swapped = False
+    for node in graph.nodes:
+        where = EAGER_BODIES.get(op_name(node.target)) if node.op == "call_function" else None
+        if where is not None:
+            path, name = where.split(":")
+            node.target = getattr(importlib.import_module(path), name)
+            swapped = True
+    return fx.GraphModule(module, graph) if swapped else module
 
 
 class CompiledPiece(nn.Module):

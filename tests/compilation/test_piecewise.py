@@ -103,6 +103,27 @@ def test_warm_up_once_runs_attention_once_per_shape():
     assert calls[-1] == (1, 4)
 
 
+def test_eager_attention_calls_the_ops_body_and_the_split_keeps_the_op():
+    """Between the pieces the attention submodule calls `attention_body` past the dispatcher; the
+    split's own submodule (what an artifact saves) still calls the op."""
+    from compiled.attention.ops import attention_body
+    from compiled.compilation.inductor import EagerSplitOp
+    cfg = dataclasses.replace(ModelConfig.from_pretrained(MOE_MODEL), num_hidden_layers=2)
+    meta = meta_model(cfg)
+    split = split_graph(run_passes(trace(meta), meta.checkpoint_map(), check="end").gm)
+    names = {p.name for p in split.pieces}
+    eager = [m for n, m in split.top.named_children() if n.startswith("submod_") and n not in names]
+    assert len(eager) == 2
+    for module in eager:
+        wrapped = EagerSplitOp(module)
+        targets = [n.target for n in wrapped.module.graph.nodes if n.op == "call_function"]
+        assert attention_body in targets and not any(is_op(n, torch.ops.compiled.attention)
+                                                     for n in wrapped.module.graph.nodes)
+        assert sum(is_op(n, torch.ops.compiled.attention) for n in module.graph.nodes) == 1
+    other = fx.GraphModule({}, fx.Graph())
+    assert EagerSplitOp(other).module is other
+
+
 def test_unowned_view_shares_memory_without_keeping_it():
     from torch.multiprocessing.reductions import StorageWeakRef
 
