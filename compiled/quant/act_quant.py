@@ -22,7 +22,8 @@ _EPS, _FMAX = tl.constexpr(ACT_EPS), tl.constexpr(FP8_MAX)   # the same, inside 
 # A program takes a tile of up to MAX_ROWS rows by as many whole groups as make PROGRAM_ELEMENTS
 # (padded) elements: two groups of 128, so that 768-wide rows (the MoE intermediate's six groups)
 # do not pad to eight as whole-row tiles did; a short batch takes fewer rows a program, down to
-# one, so that it still spreads over about ROW_PROGRAMS programs a group block (H200 A/B in
+# one, so that it still spreads over about ROW_PROGRAMS programs a group block. A batch long enough
+# for MAX_ROWS rows a program takes one group a program: twice the programs (H200 A/B and sweep in
 # bench/RESULTS.md, FP8 weights).
 PROGRAM_ELEMENTS = 4096
 MAX_ROWS = 16
@@ -101,10 +102,12 @@ def _quant_group_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, T, K, stride_x, stride_q,
 
 def quant_tile(T: int, G: int, block_g: int) -> tuple[int, int]:
     """(rows, groups) a program of `_quant_group_kernel` for T rows of G groups `block_g` wide
-    (padded): groups as many as fill PROGRAM_ELEMENTS at MAX_ROWS rows; rows T / ROW_PROGRAMS
-    (a power of two, at least one) up to MAX_ROWS."""
-    groups = max(1, min(triton.next_power_of_2(G), PROGRAM_ELEMENTS // (MAX_ROWS * block_g)))
+    (padded): rows T / ROW_PROGRAMS (a power of two, at least one) up to MAX_ROWS; groups as many
+    as fill PROGRAM_ELEMENTS at MAX_ROWS rows, or one where the rows reach MAX_ROWS."""
     rows = triton.next_power_of_2(triton.cdiv(T, ROW_PROGRAMS))
+    if rows >= MAX_ROWS:
+        return MAX_ROWS, 1
+    groups = max(1, min(triton.next_power_of_2(G), PROGRAM_ELEMENTS // (MAX_ROWS * block_g)))
     rows = max(1, min(MAX_ROWS, rows, PROGRAM_ELEMENTS // (groups * block_g)))
     return rows, groups
 

@@ -286,7 +286,9 @@ ACT_QUANT_CASES = [("act_quant_bf16_group128", 5, 200, 128, torch.bfloat16),
                    ("act_quant_fp32_group16", 3, 50, 16, torch.float32),
                    # 4 rows by 2 groups a program: live rows cut one, the last group's programs partial
                    ("act_quant_bf16_programs", 37, 300, 128, torch.bfloat16),
-                   ("act_quant_fp32_group_programs", 40, 330, 32, torch.float32)]   # 11 groups: 8 + 3 a row
+                   ("act_quant_fp32_group_programs", 40, 330, 32, torch.float32),   # 11 groups: 8 + 3 a row
+                   # a long batch: 16 rows by one group a program, the last row tile and group partial
+                   ("act_quant_bf16_long_batch", 300, 260, 128, torch.bfloat16)]
 
 
 def act_quant_case(T: int, K: int, group: int, dtype: torch.dtype) -> dict:
