@@ -37,8 +37,8 @@ class CompileReport:
 class EagerSplitOp(nn.Module):
     """Stands in for a splitting op's submodule (every layer's is the same op): runs
     it, once per input shapes during warm_up_once, when its values do not matter. Its op calls
-    go to the op's Python body where `EAGER_BODIES` names one (a copy of the submodule's graph;
-    the split's own submodule, which an artifact saves, keeps the op)."""
+    go to the op's Python body where `EAGER_BODIES` names one, in a copy of the submodule's graph:
+    the split's own submodule is left calling the op, as split_graph made it."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()

@@ -66,6 +66,12 @@ class PieceGraphs:
         self.fn, self.weight_args, self.index, self.owner = fn, weight_args, index, owner
         self.entries: dict[int, _Entry] = {}
 
+    def release(self) -> None:
+        """Free this piece's captured graphs."""
+        for entry in self.entries.values():
+            entry.graph.reset()
+        self.entries.clear()
+
     def __call__(self, args: tuple, mode: PiecewiseMode) -> tuple[torch.Tensor, ...]:
         if mode.capturing:
             return self._capture(mode.size, args)
@@ -139,9 +145,7 @@ class PiecewiseGraphs:
     def release(self) -> None:
         """Free every piece's captured graphs now (none can replay after)."""
         for piece in self.pieces:
-            for entry in piece.entries.values():
-                entry.graph.reset()
-            piece.entries.clear()
+            piece.release()
         self.captured.clear()
 
     def attention_out(self, q: torch.Tensor) -> torch.Tensor:

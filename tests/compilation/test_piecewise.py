@@ -105,7 +105,7 @@ def test_warm_up_once_runs_attention_once_per_shape():
 
 def test_eager_attention_calls_the_ops_body_and_the_split_keeps_the_op():
     """Between the pieces the attention submodule calls `attention_body` past the dispatcher; the
-    split's own submodule (what an artifact saves) still calls the op."""
+    split's own submodule, which it was given, still calls the op."""
     from compiled.attention.ops import attention_body
     from compiled.compilation.inductor import EagerSplitOp
     cfg = dataclasses.replace(ModelConfig.from_pretrained(MOE_MODEL), num_hidden_layers=2)
