@@ -245,13 +245,6 @@ def _smem(bm: int, bn: int, bk: int, st: int, down: bool, mode: Mode) -> int:
     return st * (bm * bk * a_bytes + n_acc * bn * bk * w_bytes) + converted
 
 
-def splits_n(bm: int, bn: int, tma: int, down: bool, mode: Mode) -> bool:
-    """Whether a W8A8 up tile is also searched as two halves of its columns in turn (SPLIT_N):
-    where its epilogue quantizes the intermediate (whole groups a tile), with pointer loads, from
-    64 rows (the wgmma's)."""
-    return mode.w8a8 and not down and not tma and bm >= WGMMA_MIN_M and bn % mode.bi_down == 0 and bn >= 32
-
-
 def _space(bm: int, down: bool, mode: Mode = Mode()) -> list[dict]:
     """Candidate tiles for one GEMM at this BLOCK_SIZE_M in this mode, pruned by shared memory and
     registers, without two configs the op would launch alike."""
@@ -267,8 +260,6 @@ def _space(bm: int, down: bool, mode: Mode = Mode()) -> list[dict]:
                            num_warps=w, num_stages=st, HALF_M=half, TMA=tma)
                 if cfg not in out:
                     out.append(cfg)
-                if splits_n(bm, bn, tma, down, mode):
-                    out.append(dict(cfg, SPLIT_N=1))
     return out[:MAX_CONFIGS] if MAX_CONFIGS > 0 else out
 
 

@@ -31,7 +31,7 @@ import triton
 from compiled.backend import BackendChoice
 from compiled.functional import add_rms_norm_ref
 from compiled.moe.experts import expert_loop
-from compiled.moe.tuned_configs import SPLIT_N_KEY, get_config, get_gemv_tiles, split_config, tuned_mode
+from compiled.moe.tuned_configs import get_config, get_gemv_tiles, split_config, tuned_mode
 from compiled.quant.act_quant import quantize_per_token_group
 from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, FP8_W8A8_TILE, fit_block_k, kernel_scale, resolve_block
 from compiled.triton_utils import (FP8_DOT_MIN_K, fp8_convert_asm, fp8_dot_fits, gemv_chunk, interpreting,
@@ -326,7 +326,6 @@ def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks
         SHRINK_BY_PAIR=delta is not None and delta.by_pair,
         **fp8_kwargs(scales, "w13", w13, bk, w8a8=a_scale is not None, block_n=bn), **_act_kwargs(a_scale, x),
         IQ=iq, IS=is_, stride_iq=iq.stride(0), stride_is=is_.stride(0), OUT_GROUP=group,
-        SPLIT_N=bool(cfg.get(SPLIT_N_KEY)) and bool(group) and delta is None and desc is None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(x.device),
         **dict(zip(_LORA_ARGS, lora_args)))
 

@@ -242,74 +242,6 @@ def _store_quantized(out, IQ, IS, rows, row_ok, offs_n, pid_n, N, stride_iq, str
 
 
 @triton.jit
-def _up_half(x_ptr, w_ptr, token, expert, cols, col0, N, K, stride_xm, stride_we, stride_wn, PRECISION: tl.constexpr,
-             TILE_M: tl.constexpr, HALF: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, S, stride_se,
-             stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr, dt: tl.constexpr):
-    """silu(gate) * up in dt for the rows of `token` and the columns `cols` (first `col0`): W8A8's
-    K loop as `_up_tile` runs it with pointer loads."""
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_nw = (cols % N).to(tl.int64)
-    a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
-    g_ptrs = w_ptr + expert * stride_we + offs_nw[None, :] * stride_wn + offs_k[:, None]
-    u_ptrs = g_ptrs + N * stride_wn
-    s_e, as_rows = S + expert * stride_se, AS + token * stride_as
-    w_rows = w8a8_rows(offs_nw, col0, 1, FP8 == 4)
-    acc_g = tl.zeros([TILE_M, HALF], dtype=tl.float32)
-    acc_u = tl.zeros([TILE_M, HALF], dtype=tl.float32)
-    sa_n, sg_n = w8a8_scales(as_rows, s_e, w_rows, 0, stride_sn, BO, BI)
-    su_n = col_scales(s_e, w_rows + N, 0, stride_sn, BO, BI)
-    n_k = tl.cdiv(K, BLOCK_K)
-    for k in range(0, n_k):
-        sa, sg, su = sa_n, sg_n, su_n
-        k_next = tl.minimum(k + 1, n_k - 1) * BLOCK_K
-        sa_n, sg_n = w8a8_scales(as_rows, s_e, w_rows, k_next, stride_sn, BO, BI)
-        su_n = col_scales(s_e, w_rows + N, k_next, stride_sn, BO, BI)
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            g = tl.load(g_ptrs)
-            u = tl.load(u_ptrs)
-        else:
-            k_ok = offs_k < K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-            u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-        acc_g = w8a8_step(acc_g, a, g, sa, sg, PRECISION, FP8 == 4)
-        acc_u = w8a8_step(acc_u, a, u, sa, su, PRECISION, FP8 == 4)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    gate = acc_g.to(dt).to(tl.float32)
-    up = acc_u.to(dt).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-    return (act * up).to(dt)
-
-
-@triton.jit
-def _up_halves(x_ptr, w_ptr, out_ptr, pair, pos, expert, pid_n, num_valid, N, K, stride_xm, stride_we, stride_wn,
-               TOP_K: tl.constexpr, PRECISION: tl.constexpr, TILE_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as,
-               FP8: tl.constexpr, IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr):
-    """`_up_tile`'s W8A8 tile with its intermediate quantized, as two BLOCK_N / 2 halves in turn:
-    each K loop holds half the accumulators (the block scaling after every wgmma weighs less on
-    narrower tiles), while the stored groups still span the whole tile. The first half waits in
-    registers, in 16 bits, for the second."""
-    HALF: tl.constexpr = BLOCK_N // 2
-    row_ok = pair < num_valid
-    token = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
-    dt = out_ptr.dtype.element_ty
-    col0 = pid_n * BLOCK_N
-    first = _up_half(x_ptr, w_ptr, token, expert, col0 + tl.arange(0, HALF), col0, N, K, stride_xm, stride_we,
-                     stride_wn, PRECISION, TILE_M, HALF, BLOCK_K, EVEN_K, S, stride_se, stride_sn, BO, BI, AS,
-                     stride_as, FP8, dt)
-    second = _up_half(x_ptr, w_ptr, token, expert, col0 + HALF + tl.arange(0, HALF), col0, N, K, stride_xm,
-                      stride_we, stride_wn, PRECISION, TILE_M, HALF, BLOCK_K, EVEN_K, S, stride_se, stride_sn, BO,
-                      BI, AS, stride_as, FP8, dt)
-    out = tl.reshape(tl.permute(tl.join(first, second), (0, 2, 1)), (TILE_M, BLOCK_N))
-    offs_n = col0 + tl.arange(0, BLOCK_N)
-    _store_quantized(out, IQ, IS, pos, row_ok, offs_n, pid_n, N, stride_iq, stride_is, TILE_M, BLOCK_N, OUT_GROUP)
-
-
-@triton.jit
 def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid, N, K,
              stride_xm, stride_we, stride_wn, stride_om,
              TOP_K: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -318,7 +250,7 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
              LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
              DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
              SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
-             IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr, SPLIT_N: tl.constexpr):
+             IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr):
     """silu(gate) * up for the TILE_M rows `pair` (a power of two >= 16) and one N tile. TMA: the
     weight tiles come through `w_desc` (w as `[E * 2N, K]`, block `[BLOCK_N, BLOCK_K]`); rows past
     the tile's N read the neighbouring rows (or zeros past the end), whose columns are not stored.
@@ -326,104 +258,98 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
     a tile of one slot's operands loaded before the K loop (in flight during it); DELTA_FIRST:
     the deltas as the accumulators' start, before the K loop. SHRINK_BY_PAIR: the shrink outputs'
     rows are the pairs (`moe_lora_pair_shrink_kernel`), else the positions (block order). OUT_GROUP:
-    the tile stored quantized (`_store_quantized`), and with LORA into out as well. SPLIT_N (W8A8 with
-    OUT_GROUP, no LORA, pointer loads): the tile as two BLOCK_N / 2 halves in turn (`_up_halves`)."""
-    if SPLIT_N:
-        _up_halves(x_ptr, w_ptr, out_ptr, pair, pos, expert, pid_n, num_valid, N, K, stride_xm, stride_we, stride_wn,
-                   TOP_K, PRECISION, TILE_M, BLOCK_N, BLOCK_K, EVEN_K, S, stride_se, stride_sn, BO, BI, AS, stride_as,
-                   FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP)
+    the tile stored quantized (`_store_quantized`), and with LORA into out as well."""
+    row_ok = pair < num_valid
+    if SHRINK_BY_PAIR:
+        s_rows = tl.where(row_ok, pair, 0)
     else:
-        row_ok = pair < num_valid
-        if SHRINK_BY_PAIR:
-            s_rows = tl.where(row_ok, pair, 0)
+        s_rows = pos
+    token = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_nw = (offs_n % N).to(tl.int64)
+    a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
+    g_ptrs = w_ptr + expert * stride_we + offs_nw[None, :] * stride_wn + offs_k[:, None]
+    u_ptrs = g_ptrs + N * stride_wn
+    row_g = (expert * 2 * N + pid_n * BLOCK_N).to(tl.int32)
+    acc_g = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
+    if LORA and DELTA_FIRST:
+        acc_g, acc_u = _gate_up_deltas(acc_g, acc_u, pair, s_rows, expert, offs_n, N, num_valid, L_S, L_B, L_SCALE,
+                                       L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K,
+                                       SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+    if LORA and not DELTA_FIRST:   # the one-slot delta operands in flight during the K loop
+        n_ok = offs_n < N
+        _, _, slots = pair_slots(L_SLOT, pair, num_valid, L_NS, TOP_K)
+        one, sr_g, sc_g, b_g = _pair_operands(slots, s_rows, expert, offs_n, n_ok, 0, 0, L_S, L_B, L_SCALE, L_R,
+                                              stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R)
+        _, sr_u, sc_u, b_u = _pair_operands(slots, s_rows, expert, offs_n + N, n_ok, L_R, 1, L_S, L_B, L_SCALE, L_R,
+                                            stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R)
+    n_k = tl.cdiv(K, BLOCK_K)
+    if FP8 >= 3:   # W8A8: each step's scales loaded a step ahead (the loop's pipelining leaves them out)
+        s_e, as_rows = S + expert * stride_se, AS + token * stride_as
+        w_rows = w8a8_rows(offs_nw, pid_n, BLOCK_N, FP8 == 4)
+        sa_n, sg_n = w8a8_scales(as_rows, s_e, w_rows, 0, stride_sn, BO, BI)
+        su_n = col_scales(s_e, w_rows + N, 0, stride_sn, BO, BI)
+    for k in range(0, n_k):
+        if FP8 >= 3:
+            sa, sg, su = sa_n, sg_n, su_n
+            k_next = tl.minimum(k + 1, n_k - 1) * BLOCK_K
+            sa_n, sg_n = w8a8_scales(as_rows, s_e, w_rows, k_next, stride_sn, BO, BI)
+            su_n = col_scales(s_e, w_rows + N, k_next, stride_sn, BO, BI)
+        if EVEN_K:
+            a = tl.load(a_ptrs)
         else:
-            s_rows = pos
-        token = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
-        offs_k = tl.arange(0, BLOCK_K)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_nw = (offs_n % N).to(tl.int64)
-        a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
-        g_ptrs = w_ptr + expert * stride_we + offs_nw[None, :] * stride_wn + offs_k[:, None]
-        u_ptrs = g_ptrs + N * stride_wn
-        row_g = (expert * 2 * N + pid_n * BLOCK_N).to(tl.int32)
-        acc_g = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
-        if LORA and DELTA_FIRST:
-            acc_g, acc_u = _gate_up_deltas(acc_g, acc_u, pair, s_rows, expert, offs_n, N, num_valid, L_S, L_B, L_SCALE,
-                                           L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K,
-                                           SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
-        if LORA and not DELTA_FIRST:   # the one-slot delta operands in flight during the K loop
-            n_ok = offs_n < N
-            _, _, slots = pair_slots(L_SLOT, pair, num_valid, L_NS, TOP_K)
-            one, sr_g, sc_g, b_g = _pair_operands(slots, s_rows, expert, offs_n, n_ok, 0, 0, L_S, L_B, L_SCALE, L_R,
-                                                  stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R)
-            _, sr_u, sc_u, b_u = _pair_operands(slots, s_rows, expert, offs_n + N, n_ok, L_R, 1, L_S, L_B, L_SCALE, L_R,
-                                                stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R)
-        n_k = tl.cdiv(K, BLOCK_K)
-        if FP8 >= 3:   # W8A8: each step's scales loaded a step ahead (the loop's pipelining leaves them out)
-            s_e, as_rows = S + expert * stride_se, AS + token * stride_as
-            w_rows = w8a8_rows(offs_nw, pid_n, BLOCK_N, FP8 == 4)
-            sa_n, sg_n = w8a8_scales(as_rows, s_e, w_rows, 0, stride_sn, BO, BI)
-            su_n = col_scales(s_e, w_rows + N, 0, stride_sn, BO, BI)
-        for k in range(0, n_k):
-            if FP8 >= 3:
-                sa, sg, su = sa_n, sg_n, su_n
-                k_next = tl.minimum(k + 1, n_k - 1) * BLOCK_K
-                sa_n, sg_n = w8a8_scales(as_rows, s_e, w_rows, k_next, stride_sn, BO, BI)
-                su_n = col_scales(s_e, w_rows + N, k_next, stride_sn, BO, BI)
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=(offs_k < K - k * BLOCK_K)[None, :], other=0.0)
-            if TMA:
-                g = w_desc.load([row_g, k * BLOCK_K]).T
-                u = w_desc.load([row_g + N, k * BLOCK_K]).T
-            elif EVEN_K:
-                g = tl.load(g_ptrs)
-                u = tl.load(u_ptrs)
-            else:
-                k_ok = offs_k < K - k * BLOCK_K
-                g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-                u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-            if FP8 == 2:
-                g = col_scaled(g, S + expert * stride_se, offs_nw, k * BLOCK_K, stride_sn, BO, BI, a.dtype)
-                u = col_scaled(u, S + expert * stride_se, offs_nw + N, k * BLOCK_K, stride_sn, BO, BI, a.dtype)
-            elif FP8 == 1:
-                kk = (k * BLOCK_K + offs_k)[:, None]
-                g = scaled_tile(g, S + expert * stride_se, offs_nw[None, :], kk, kk < K, stride_sn, BO, BI, a.dtype, FP8)
-                u = scaled_tile(u, S + expert * stride_se, (offs_nw + N)[None, :], kk, kk < K, stride_sn, BO, BI, a.dtype,
-                                FP8)
-            if DOT_FP32:
-                a = a.to(tl.float32)
-                g = g.to(tl.float32)
-                u = u.to(tl.float32)
-            if FP8 >= 3:
-                acc_g = w8a8_step(acc_g, a, g, sa, sg, PRECISION, FP8 == 4)
-                acc_u = w8a8_step(acc_u, a, u, sa, su, PRECISION, FP8 == 4)
-            else:
-                acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-                acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
-            a_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
-        if LORA and not DELTA_FIRST:
-            acc_g = _pair_delta_loaded(acc_g, slots, one, sr_g, sc_g, b_g, s_rows, expert, offs_n, n_ok, 0, 0, L_S, L_B,
-                                       L_SCALE, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R, KC,
-                                       DELTA_PRECISION, DELTA_16BIT)
-            acc_u = _pair_delta_loaded(acc_u, slots, one, sr_u, sc_u, b_u, s_rows, expert, offs_n + N, n_ok, L_R, 1, L_S,
-                                       L_B, L_SCALE, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD,
-                                       BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
-        # round like the unfused model: gate/up in the activation dtype, silu, product
-        dt = out_ptr.dtype.element_ty
-        gate = acc_g.to(dt).to(tl.float32)
-        up = acc_u.to(dt).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-        out = (act * up).to(dt)
-        if OUT_GROUP:
-            _store_quantized(out, IQ, IS, pos, row_ok, offs_n, pid_n, N, stride_iq, stride_is, TILE_M, BLOCK_N, OUT_GROUP)
-        if LORA or not OUT_GROUP:   # with LoRA the down GEMM's shrink reads the 16-bit rows
-            o_ptrs = out_ptr + pos.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-            tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_n[None, :] < N))
+            a = tl.load(a_ptrs, mask=(offs_k < K - k * BLOCK_K)[None, :], other=0.0)
+        if TMA:
+            g = w_desc.load([row_g, k * BLOCK_K]).T
+            u = w_desc.load([row_g + N, k * BLOCK_K]).T
+        elif EVEN_K:
+            g = tl.load(g_ptrs)
+            u = tl.load(u_ptrs)
+        else:
+            k_ok = offs_k < K - k * BLOCK_K
+            g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+        if FP8 == 2:
+            g = col_scaled(g, S + expert * stride_se, offs_nw, k * BLOCK_K, stride_sn, BO, BI, a.dtype)
+            u = col_scaled(u, S + expert * stride_se, offs_nw + N, k * BLOCK_K, stride_sn, BO, BI, a.dtype)
+        elif FP8 == 1:
+            kk = (k * BLOCK_K + offs_k)[:, None]
+            g = scaled_tile(g, S + expert * stride_se, offs_nw[None, :], kk, kk < K, stride_sn, BO, BI, a.dtype, FP8)
+            u = scaled_tile(u, S + expert * stride_se, (offs_nw + N)[None, :], kk, kk < K, stride_sn, BO, BI, a.dtype,
+                            FP8)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            g = g.to(tl.float32)
+            u = u.to(tl.float32)
+        if FP8 >= 3:
+            acc_g = w8a8_step(acc_g, a, g, sa, sg, PRECISION, FP8 == 4)
+            acc_u = w8a8_step(acc_u, a, u, sa, su, PRECISION, FP8 == 4)
+        else:
+            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    if LORA and not DELTA_FIRST:
+        acc_g = _pair_delta_loaded(acc_g, slots, one, sr_g, sc_g, b_g, s_rows, expert, offs_n, n_ok, 0, 0, L_S, L_B,
+                                   L_SCALE, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R, KC,
+                                   DELTA_PRECISION, DELTA_16BIT)
+        acc_u = _pair_delta_loaded(acc_u, slots, one, sr_u, sc_u, b_u, s_rows, expert, offs_n + N, n_ok, L_R, 1, L_S,
+                                   L_B, L_SCALE, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD,
+                                   BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+    # round like the unfused model: gate/up in the activation dtype, silu, product
+    dt = out_ptr.dtype.element_ty
+    gate = acc_g.to(dt).to(tl.float32)
+    up = acc_u.to(dt).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    out = (act * up).to(dt)
+    if OUT_GROUP:
+        _store_quantized(out, IQ, IS, pos, row_ok, offs_n, pid_n, N, stride_iq, stride_is, TILE_M, BLOCK_N, OUT_GROUP)
+    if LORA or not OUT_GROUP:   # with LoRA the down GEMM's shrink reads the 16-bit rows
+        o_ptrs = out_ptr + pos.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_n[None, :] < N))
 
 
 @triton.jit
@@ -586,7 +512,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
                      DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
                      SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
-                     IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr, SPLIT_N: tl.constexpr, PDL: tl.constexpr):
+                     IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr, PDL: tl.constexpr):
     """out[row, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs,
     row = the pair's position in the sorted order (block b's rows are b * BLOCK_M onwards, padding
     rows left unwritten), so that gemm2 reads each block's rows as one tile.
@@ -600,8 +526,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
     scales at AS (`[T, K / BI]`), each K step's fp8 x fp8 dot scaled by both (`triton_utils.w8a8_step`).
     OUT_GROUP (> 0, BLOCK_N a multiple): the rows quantized for a W8A8 gemm2 in groups that wide, into
     IQ (float8_e4m3fn, like out) and IS (`[rows, N / OUT_GROUP]` fp32), instead of stored into out
-    (besides, with LORA: the down delta's shrink reads them). SPLIT_N (W8A8 with OUT_GROUP, no LORA
-    or TMA): each tile's K loop run twice over half its columns (`_up_halves`)."""
+    (besides, with LORA: the down delta's shrink reads them)."""
     pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
@@ -616,8 +541,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
-                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP,
-                     SPLIT_N)
+                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP)
         elif height == BLOCK_M // 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2),
                      first + tl.arange(0, BLOCK_M // 2), expert,
@@ -625,8 +549,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
-                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP,
-                     SPLIT_N)
+                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP)
         elif HALF_M >= 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4),
                      first + tl.arange(0, BLOCK_M // 4), expert,
@@ -634,8 +557,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
-                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP,
-                     SPLIT_N)
+                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP)
 
 
 @triton.jit

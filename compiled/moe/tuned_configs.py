@@ -6,8 +6,7 @@ optional HALF_M and TMA, and an optional "down" override of M/N/K/GROUP/warps/st
 the second GEMM, whose BLOCK_SIZE_M, where given, divides the up GEMM's: a program takes an
 alignment block of the up GEMM's height as that many shorter down tiles in turn; HALF_M = 1 (2)
 runs an expert's partial last block as a tile of half (a quarter of) the height when its rows fit, TMA loads the weight tiles through tensor descriptors (Hopper's
-TMA) instead of pointer loads), SPLIT_N = 1 runs a W8A8 up tile whose intermediate it quantizes as two
-halves of its columns in turn; the entry whose token count is nearest wins. An optional top-level
+TMA) instead of pointer loads); the entry whose token count is nearest wins. An optional top-level
 "gemv" entry, `{"up": {BLOCK_N, BLOCK_K, num_warps}, "down": {...}}` (either stage may be left
 out), gives the one-token GEMVs' tiles in place of GEMV_TILES (`bench/moe_bench.py --only-gemv
 --write-gemv` writes it); a malformed one is a one-line error naming the file and the key.
@@ -35,8 +34,7 @@ log = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
-SPLIT_N_KEY = "SPLIT_N"   # W8A8's up GEMM: each tile's K loop run over half its columns at a time
-OPTIONAL_KEYS = ("HALF_M", "TMA", SPLIT_N_KEY)  # 0 when absent
+OPTIONAL_KEYS = ("HALF_M", "TMA")  # 0 when absent
 MAX_HALVINGS = 2  # HALF_M: partial blocks run tiles of down to a quarter of BLOCK_SIZE_M
 MODE_KEY = "W8A8"   # an FP8 experts' entry: 1 W8A8, 0 W8A16, absent: by fused_moe.W8A8_MIN_TOKENS
 DOWN_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages",

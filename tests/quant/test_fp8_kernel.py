@@ -344,15 +344,6 @@ W8A8_CASES = [("w8a8_block16x32", 37, 72, 40, QuantConfig("fp8", "block", (16, 3
               ("w8a8_tma_pass", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)), torch.float32,
                dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=16, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
                     HALF_M=0, TMA=1, W8A8=1)),
-              # the up tiles' K loops over half their columns at a time (`_up_halves`), the whole tile's
-              # groups quantized after both; K = 72 ends in a partial tile, 32-row blocks run half height;
-              # one weight scale a half (32 x 32 blocks), then the columns' own (16 x 32)
-              ("w8a8_split_n", 29, 72, 64, QuantConfig("fp8", "block", (32, 32)), torch.float32,
-               dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
-                    HALF_M=1, TMA=0, W8A8=1, SPLIT_N=1)),
-              ("w8a8_split_n_col_scales", 29, 72, 64, QuantConfig("fp8", "block", (16, 32)), torch.float32,
-               dict(BLOCK_SIZE_M=32, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
-                    HALF_M=0, TMA=0, W8A8=1, SPLIT_N=1)),
               # down tiles half the 64-row blocks (the intermediate's through TMA): an expert's
               # 20-40 pairs fill one or two of them, a partial one runs half height, the rest are padding
               ("w8a8_down_tiles_under_the_blocks", 75, 256, 128, QuantConfig("fp8", "block", (128, 128)),
