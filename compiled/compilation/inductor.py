@@ -7,7 +7,7 @@ warm-up the count must not move, and a test asserts it."""
 from __future__ import annotations
 
 import copy
-import importlib
+import pkgutil
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -58,8 +58,7 @@ def direct_calls(module: nn.Module) -> nn.Module:
     for node in graph.nodes:
         where = EAGER_BODIES.get(op_name(node.target)) if node.op == "call_function" else None
         if where is not None:
-            path, name = where.split(":")
-            node.target = getattr(importlib.import_module(path), name)
+            node.target = pkgutil.resolve_name(where)
             swapped = True
     return fx.GraphModule(module, graph) if swapped else module
 

@@ -108,7 +108,7 @@ def quant_tile(T: int, G: int, block_g: int) -> tuple[int, int]:
     if rows >= MAX_ROWS:
         return MAX_ROWS, 1
     groups = max(1, min(triton.next_power_of_2(G), PROGRAM_ELEMENTS // (MAX_ROWS * block_g)))
-    rows = max(1, min(MAX_ROWS, rows, PROGRAM_ELEMENTS // (groups * block_g)))
+    rows = max(1, min(rows, PROGRAM_ELEMENTS // (groups * block_g)))   # rows < MAX_ROWS here
     return rows, groups
 
 
