@@ -195,7 +195,10 @@ def _merge_splits(Mid_o, Mid_lse, out_ptrs, seq_len, NUM_SPLITS, b, heads, mask_
     tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
 
 
-PROGRAMS_PER_SM = 4   # decode programs resident per SM (the default config fits 5 on Hopper)
+# Decode programs resident per SM: the default config's registers (~165 a thread) and shared
+# memory (72 KB) fit 3 on Hopper (ptxas). A split count whose programs all fit at once beat the
+# waves past it on an H200 (bench/RESULTS.md, decode attention).
+PROGRAMS_PER_SM = 3
 # The context the split count is chosen for (it is fixed per captured batch size, the context is
 # not), and the fewest of its tokens a split should hold: below that, a split's fixed cost (its
 # partial written and merged) outweighs its share of the reads. From `attention_bench.py
@@ -214,39 +217,23 @@ def default_config(head_dim: int) -> dict:
     return dict(block_n=block_n, num_warps=4, num_stages=2, merge_unroll=4)
 
 
-def _wave_efficiency(programs: int, capacity: int) -> float:
-    """Modelled share of the bandwidth that `programs` equal programs get when `capacity` fit on
-    the GPU at once: full waves stream at full speed, and a last wave with fewer than half the
-    slots filled takes as long as a half-full one (too few loads in flight)."""
-    full, tail = divmod(programs, capacity)
-    return programs / (full * capacity + (max(tail, capacity / 2) if tail else 0))
-
-
-def num_kv_splits(batch: int, kv_heads: int, num_sms: int, group: int = 8, max_splits: int = MAX_SPLITS,
+def num_kv_splits(batch: int, kv_heads: int, num_sms: int, max_splits: int = MAX_SPLITS,
                   programs_per_sm: int = PROGRAMS_PER_SM) -> int:
-    """Splits per request: a function of the batch shape only, so it is fixed for a
-    captured batch size. Picks the count whose programs fill the GPU's waves best, in the worst
-    case over `programs_per_sm` or one more resident per SM, less the cost of each split's partial
-    results (written and read back: 2 * group / context of the KV bytes at REFERENCE_CONTEXT),
-    with at least MIN_SPLIT_TOKENS of that context a split.
-    The wave model matches an H200: 768 programs where 660 fit streamed at 75-79% of the copy
-    ceiling, 512 or 1024 at 89-100%."""
-    base = max(batch * kv_heads, 1)
-    occupancies = (programs_per_sm * num_sms, (programs_per_sm + 1) * num_sms)
-
-    def score(splits: int) -> float:
-        eff = min(_wave_efficiency(base * splits, cap) for cap in occupancies)
-        return eff / (1 + 2 * splits * group / REFERENCE_CONTEXT)
-    # At most ~8 waves of programs (bounds the workspace whatever the batch), and at most
-    # REFERENCE_CONTEXT / MIN_SPLIT_TOKENS splits.
-    most = max(1, min(max_splits, 8 * occupancies[1] // base, REFERENCE_CONTEXT // MIN_SPLIT_TOKENS))
-    return max(range(1, most + 1), key=lambda s: (score(s), -s))
+    """Splits per request: a function of the batch shape only, so it is fixed for a captured
+    batch size. The most whose programs (request x KV head x split) all fit on the GPU at once,
+    `programs_per_sm` an SM: a second wave of programs waits for the first, which costs more than
+    the splits save (H200: batch 64 at 512-4,096 tokens of context, one split 14-17% faster than
+    two). At least MIN_SPLIT_TOKENS of REFERENCE_CONTEXT a split; a batch that fills the GPU alone
+    is not split."""
+    wave = programs_per_sm * num_sms
+    most = max(1, min(max_splits, REFERENCE_CONTEXT // MIN_SPLIT_TOKENS))
+    return max(1, min(most, wave // max(batch * kv_heads, 1)))
 
 
 class DecodeWorkspace:
     """Partial outputs `[B, Hq, S, D]` and log-sum-exps `[B, Hq, S]` (fp32), allocated once for
     every batch size up to `max_batch` that the heuristic splits (unsplit batches need none; at
-    most ~8 waves of programs, so the size does not grow with `max_batch`), then viewed per call;
+    most one wave of programs, so the size does not grow with `max_batch`), then viewed per call;
     and the merge counters `[B, Hkv]` (int32, zero between calls). `min_rows` reserves room for
     explicit `num_splits` (batch x splits rows)."""
 
@@ -257,8 +244,7 @@ class DecodeWorkspace:
         self.max_batch, self.max_splits, self.device = max_batch, max_splits, torch.device(device)
         self.programs_per_sm = programs_per_sm
         self.num_sms = num_sms(self.device, off_gpu=CPU_SMS)
-        group = num_q_heads // kv_heads
-        self._splits = [1] + [num_kv_splits(b, kv_heads, self.num_sms, group, max_splits, programs_per_sm)
+        self._splits = [1] + [num_kv_splits(b, kv_heads, self.num_sms, max_splits, programs_per_sm)
                               for b in range(1, max_batch + 1)]
         rows = max([b * s for b, s in enumerate(self._splits) if s > 1] + [min_rows, 1])
         self.capacity = rows   # batch x splits the buffers hold
@@ -269,8 +255,7 @@ class DecodeWorkspace:
     def splits_for(self, batch: int) -> int:
         if batch < len(self._splits):
             return self._splits[batch]
-        return num_kv_splits(batch, self.kv_heads, self.num_sms, self.num_q_heads // self.kv_heads,
-                             self.max_splits, self.programs_per_sm)
+        return num_kv_splits(batch, self.kv_heads, self.num_sms, self.max_splits, self.programs_per_sm)
 
     def views(self, batch: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = batch * splits

@@ -431,9 +431,20 @@ def test_split_count_leaves_each_split_enough_tokens():
     not split."""
     from compiled.attention.triton_decode import MIN_SPLIT_TOKENS, REFERENCE_CONTEXT, num_kv_splits
     most = REFERENCE_CONTEXT // MIN_SPLIT_TOKENS
-    counts = [num_kv_splits(b, 4, 132, 8) for b in range(1, 257)]
+    counts = [num_kv_splits(b, 4, 132) for b in range(1, 257)]
     assert all(1 <= s <= most for s in counts)
     assert counts[0] == most and counts[255] == 1
+
+
+def test_split_count_keeps_programs_in_one_wave():
+    """The most splits whose programs all fit at once (3 an SM of 132: 396): the 30B's 4 KV heads
+    at batch 48 take 2 (384 programs), at 64 one (512 would make a second wave)."""
+    from compiled.attention.triton_decode import num_kv_splits
+    counts = {b: num_kv_splits(b, 4, 132, programs_per_sm=3) for b in range(1, 257)}
+    assert counts[8] == 12 and counts[48] == 2 and counts[64] == 1 and counts[99] == 1
+    assert all(b * 4 * s <= 396 for b, s in counts.items() if s > 1)
+    assert all(b * 4 * (s + 1) > 396 or s == 16 for b, s in counts.items() if b * 4 <= 396)
+    assert all(counts[b] >= counts[b + 1] for b in range(1, 256))
 
 
 def test_cpu_backend_is_torch_and_env_is_validated():
