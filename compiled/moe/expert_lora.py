@@ -51,7 +51,7 @@ import torch.nn.functional as F
 import triton
 
 from compiled.moe.fused_moe import (Blocks, ExpertScales, GemmDelta, MoEWorkspace, launch_gemm1, launch_gemm2,
-                                    launch_sum, moe_align_block_size, quantized_gemm1, w8a8_entry, w8a8_groups,
+                                    launch_sum, align_quantized, quantized_gemm1, w8a8_entry, w8a8_groups,
                                     zeroed)
 from compiled.moe.tuned_configs import get_config, split_config, tuned_mode
 from compiled.quant.dequant import FP8
@@ -436,7 +436,8 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         fork = Fork(x.device)
         with fork.side():
             _pair_shrink(x, a13, s13, ids, slot, ws, pdl)
-    blocks = call.blocks = moe_align_block_size(ids, E, bm, ws)
+    blocks, xquant = align_quantized(ws, x, ids, E, bm, groups)
+    call.blocks = blocks
     rows = blocks.expert_ids.numel() * bm
     inter = ws.get("inter", rows * I, x.dtype, x.device).view(rows, I)
     if top_k == 1:   # the down GEMM writes the placed pairs' rows only: another rank's stay zero
@@ -456,7 +457,7 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     if groups is None:
         launch_gemm1(x, w13, inter, blocks, top_k, up, delta13, scales)
     else:
-        iq, is_ = quantized_gemm1(ws, x, w13, inter, groups, blocks, top_k, up, scales, delta13)
+        iq, is_ = quantized_gemm1(ws, xquant, w13, inter, groups, blocks, top_k, up, scales, delta13)
     delta2 = call.down_delta(inter, a2, b2, scale, consts, down, scales is None) if has_delta else None
     if groups is None:
         launch_gemm2(inter, w2, y, weights, blocks, down, top_k, delta2, scales)

@@ -32,7 +32,7 @@ from compiled.backend import BackendChoice
 from compiled.functional import add_rms_norm_ref
 from compiled.moe.experts import expert_loop
 from compiled.moe.tuned_configs import get_config, get_gemv_tiles, split_config, tuned_mode
-from compiled.quant.act_quant import quantize_per_token_group
+from compiled.quant.act_quant import quant_tile, quantize_per_token_group
 from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, FP8_W8A8_TILE, fit_block_k, kernel_scale, resolve_block
 from compiled.triton_utils import (FP8_DOT_MIN_K, fp8_convert_asm, fp8_dot_fits, gemv_chunk, interpreting,
                                    launch_kwargs, row_warps, tma_descriptor)
@@ -143,14 +143,23 @@ class Blocks(NamedTuple):
     block_m: int               # BLOCK_M: the blocks' height (a down GEMM's tile may be a divisor of it)
 
 
+class XQuant(NamedTuple):
+    """x `[T, K]` to quantize per token in `group`-wide groups into `xq` and `xs` (W8A8's up GEMM
+    operand, `quant.act_quant`) by the alignment's launch."""
+    x: torch.Tensor
+    xq: torch.Tensor
+    xs: torch.Tensor
+    group: int
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace: MoEWorkspace | None = None,
-                         launch: AlignLaunch | None = None) -> Blocks:
+                         launch: AlignLaunch | None = None, quantize: XQuant | None = None) -> Blocks:
     """Sort (token, slot) pairs by expert, padding each expert's segment to a multiple of block_m.
 
     The buffers are sized by the fixed bound P = `max_padded_size`. Inside an expert's segment,
     pairs of one chunk keep their order and chunks come in arrival order (atomics); nothing
     downstream depends on that order. No host sync. `launch` overrides `align_launch` (benchmark
-    sweeps)."""
+    sweeps). `quantize`: the place kernel's launch also quantizes x, in programs of its own."""
     from compiled.moe import fused_moe_kernels as K
 
     ws = workspace or MoEWorkspace()
@@ -178,11 +187,31 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
             totals.zero_()
         K.align_count_kernel[(n_chunks,)](ids, totals, bases, numel, CHUNK=lc.chunk, SUB=lc.sub, E_PAD=e_pad,
                                           num_warps=lc.warps, **launch_kwargs(dev))
-    K.align_place_kernel[(n_chunks,)](ids, totals, bases, done if reset else num_post, sorted_ids, expert_ids,
-                                      num_post, numel, max_blocks, BLOCK_M=block_m, CHUNK=lc.chunk, SUB=lc.sub,
-                                      E_PAD=e_pad, BB=lc.bb, COUNT_ALL=count_all, RESET=reset, num_warps=lc.warps,
-                                      **launch_kwargs(dev))
+    q, q_programs = _quant_launch(quantize, ids)
+    K.align_place_kernel[(n_chunks + q_programs,)](
+        ids, totals, bases, done if reset else num_post, sorted_ids, expert_ids, num_post, numel, max_blocks, n_chunks,
+        *q["args"], BLOCK_M=block_m, CHUNK=lc.chunk, SUB=lc.sub, E_PAD=e_pad, BB=lc.bb, COUNT_ALL=count_all,
+        RESET=reset, **q["consts"], num_warps=lc.warps, **launch_kwargs(dev))
     return Blocks(sorted_ids, expert_ids, num_post, block_m)
+
+
+def _quant_launch(quantize: XQuant | None, like: torch.Tensor) -> tuple[dict, int]:
+    """The place kernel's x-quantization arguments (`act_quant.quant_tile`'s tiles) and the
+    programs they add; without `quantize`, none, and placeholders (`like`) it never reads."""
+    if quantize is None:
+        return dict(args=(like, like, like, 0, 0, 0, 0, 0, 0, 1, 1),
+                    consts=dict(QUANT=False, Q_ROWS=1, Q_GROUPS=1, Q_BLOCK_G=16)), 0
+    x, xq, xs, group = quantize
+    if x.stride(1) != 1 or xq.stride(1) != 1:
+        raise ValueError("moe_align_block_size: the x to quantize and its fp8 buffer need unit last strides")
+    T, K = x.shape
+    G = triton.cdiv(K, group)
+    block_g = triton.next_power_of_2(group)
+    rows, groups = quant_tile(T, G, block_g)
+    g_programs = triton.cdiv(G, groups)
+    args = (x, xq, xs, T, K, x.stride(0), xq.stride(0), xs.stride(0), xs.stride(1), group, g_programs)
+    consts = dict(QUANT=True, Q_ROWS=rows, Q_GROUPS=groups, Q_BLOCK_G=block_g)
+    return dict(args=args, consts=consts), triton.cdiv(T, rows) * g_programs
 
 
 def weight_desc(w: torch.Tensor, block_n: int, block_k: int):
@@ -346,13 +375,24 @@ def launch_w8a8_gemm1(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, int
     quantize_per_token_group(inter, group, out=iq, scale_out=is_, live_rows=blocks.num_post)
 
 
-def quantized_gemm1(ws: MoEWorkspace, x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor,
+def align_quantized(ws: MoEWorkspace, x: torch.Tensor, ids: torch.Tensor, E: int, block_m: int,
+                    groups: tuple[int, int] | None) -> tuple[Blocks, XQuant | None]:
+    """`moe_align_block_size` into the workspace; where the grouped GEMMs run W8A8 (`groups`),
+    x quantized by the same launch into the workspace's `x_q` / `x_s` (groups[0] wide). The op
+    and its LoRA variant both run it."""
+    quant = None
+    if groups is not None:
+        quant = XQuant(x, *quantized_buffers(ws, "x", x, groups[0]), groups[0])
+    return moe_align_block_size(ids, E, block_m, ws, quantize=quant), quant
+
+
+def quantized_gemm1(ws: MoEWorkspace, xquant: XQuant, w13: torch.Tensor, inter: torch.Tensor,
                     groups: tuple[int, int], blocks: Blocks, top_k: int, cfg: dict, scales: ExpertScales,
                     delta: GemmDelta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """W8A8's up GEMM from the 16-bit x: x quantized into the workspace (groups[0] wide), then
-    `launch_w8a8_gemm1` with the intermediate quantized (groups[1] wide) into the workspace too;
-    returns (iq, is_), what the W8A8 down GEMM reads. The op and its LoRA variant both run it."""
-    xq, xs = quantized(ws, "x", x, groups[0])
+    """W8A8's up GEMM from x quantized (`align_quantized`), `launch_w8a8_gemm1` with the
+    intermediate quantized (groups[1] wide) into the workspace; returns (iq, is_), what the W8A8
+    down GEMM reads. The op and its LoRA variant both run it."""
+    xq, xs = xquant.xq, xquant.xs
     iq, is_ = quantized_buffers(ws, "inter", inter, groups[1])
     launch_w8a8_gemm1(xq, xs, w13, inter, (iq, is_, groups[1]), blocks, top_k, cfg, scales, delta)
     return iq, is_
@@ -453,13 +493,6 @@ def quantized_buffers(ws: MoEWorkspace, name: str, a: torch.Tensor, group: int) 
             ws.get(name + "_s", rows * G, torch.float32, a.device).view(rows, G))
 
 
-def quantized(ws: MoEWorkspace, name: str, a: torch.Tensor, group: int, live_rows: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`a` quantized into `quantized_buffers` (the rows before `live_rows` only, where given)."""
-    q, s = quantized_buffers(ws, name, a, group)
-    return quantize_per_token_group(a, group, out=q, scale_out=s, live_rows=live_rows)
-
-
 def _plan(x, topk_weights, topk_ids, w13, w2, ws: MoEWorkspace, out: torch.Tensor | None,
           scales: ExpertScales | None) -> MoECall:
     numel, H = topk_ids.numel(), x.shape[1]
@@ -501,14 +534,14 @@ def _launch_grouped(call: MoECall, config: dict) -> None:
     intermediate (each block's rows at its offset: `intermediate_rows`), gemm2 into y."""
     up, down = split_config(config)
     block_m = up["BLOCK_SIZE_M"]
-    blocks = moe_align_block_size(call.ids, call.w13.shape[0], block_m, call.ws)
-    inter = call.inter(blocks.expert_ids.numel() * block_m)
     groups = w8a8_groups(call.scales, call.w13, call.w2, call.x.shape[0], up, down, tuned_mode(config))
+    blocks, xquant = align_quantized(call.ws, call.x, call.ids, call.w13.shape[0], block_m, groups)
+    inter = call.inter(blocks.expert_ids.numel() * block_m)
     if groups is None:
         launch_gemm1(call.x, call.w13, inter, blocks, call.top_k, up, scales=call.scales)
         launch_gemm2(inter, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales)
         return
-    iq, is_ = quantized_gemm1(call.ws, call.x, call.w13, inter, groups, blocks, call.top_k, up, call.scales)
+    iq, is_ = quantized_gemm1(call.ws, xquant, call.w13, inter, groups, blocks, call.top_k, up, call.scales)
     launch_gemm2(iq, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales, a_scale=is_)
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.quant.act_quant import quantized_groups
+from compiled.quant.act_quant import quantize_tile, quantized_groups
 from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, col_scaled, one_slot_dot, one_slot_operands,
                                    pdl_wait, row_shrink, scaled_tile, slot_bits, slot_stacked_delta, col_scales,
                                    w8a8_rows, w8a8_scales, w8a8_step)
@@ -53,11 +53,16 @@ def align_count_kernel(ids_ptr, totals_ptr, bases_ptr, numel,
 
 @triton.jit
 def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
-                       numel, max_blocks,
+                       numel, max_blocks, n_chunks, X, XQ, XS, T, K, stride_x, stride_xq, stride_xs, stride_xsg,
+                       GROUP, q_gprog,
                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                        E_PAD: tl.constexpr, BB: tl.constexpr, COUNT_ALL: tl.constexpr, RESET: tl.constexpr,
+                       QUANT: tl.constexpr, Q_ROWS: tl.constexpr, Q_GROUPS: tl.constexpr, Q_BLOCK_G: tl.constexpr,
                        PDL: tl.constexpr):
     """Scatter this chunk's pair indices to their padded slots; write block experts and padding.
+    Programs 0..n_chunks-1 align; with QUANT, the programs after them quantize x `[T, K]` for
+    the W8A8 up GEMM (`quant.act_quant.quantize_tile`: Q_ROWS rows by Q_GROUPS groups of GROUP
+    each, q_gprog programs along a row) into XQ and XS, which saves that launch.
 
     COUNT_ALL (> 0: a bound on the pairs, a multiple of SUB): every program counts all the pairs
     itself, and those of the chunks before its own, so no count kernel runs before it. RESET: the
@@ -65,6 +70,12 @@ def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, exp
     zero for the next call, so no memset launch precedes the count kernel."""
     pdl_wait(PDL)
     pid = tl.program_id(0)
+    if QUANT:
+        if pid >= n_chunks:
+            q = pid - n_chunks
+            quantize_tile(X, XQ, XS, (q // q_gprog) * Q_ROWS, T, (q % q_gprog) * Q_GROUPS, K, stride_x, stride_xq,
+                          stride_xs, stride_xsg, GROUP, Q_ROWS, Q_GROUPS, Q_BLOCK_G)
+            return
     experts = tl.arange(0, E_PAD)
     if COUNT_ALL:
         total_cnt = tl.zeros([E_PAD], dtype=tl.int32)
@@ -99,7 +110,7 @@ def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, exp
 
     # 2. blocks: expert of each block (-1 past the total) and the padding sentinels (numel);
     #    positions disjoint from the slots above, so no ordering between programs is needed
-    n_prog = tl.num_programs(0)
+    n_prog = n_chunks
     rows = tl.arange(0, BLOCK_M)
     for b0 in range(pid * BB, max_blocks, n_prog * BB):
         b = b0 + tl.arange(0, BB)

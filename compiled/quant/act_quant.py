@@ -73,22 +73,14 @@ def quantized_groups(x, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _quant_group_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, T, K, stride_x, stride_q, stride_s, stride_sg, GROUP,
-                        ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
-                        LIVE_ROWS: tl.constexpr, PDL: tl.constexpr):
-    """Program (i, j): rows i * ROWS on, groups j * GROUPS on, as a `[ROWS, GROUPS, BLOCK_G]`
-    tile; each group's max, scale and rounded values. LIVE_ROWS: rows from `rows_ptr[0]` on are
-    left as they are."""
-    pdl_wait(PDL)
-    first = tl.program_id(0) * ROWS
-    end = T
-    if LIVE_ROWS:
-        end = tl.minimum(tl.load(rows_ptr), T)
-        if first >= end:
-            return
+def quantize_tile(x_ptr, q_ptr, s_ptr, first, end, g0, K, stride_x, stride_q, stride_s, stride_sg, GROUP,
+                  ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Rows `first` on (those before `end`), groups `g0` on, as a `[ROWS, GROUPS, BLOCK_G]` tile:
+    each group's max, scale and rounded values. The standalone kernel below and the MoE's
+    alignment launch, whose spare programs quantize x for the W8A8 up GEMM, share it."""
     rows = (first + tl.arange(0, ROWS)).to(tl.int64)
     row_ok = rows < end
-    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    g = g0 + tl.arange(0, GROUPS)
     c = tl.arange(0, BLOCK_G)
     cols = (g[:, None] * GROUP + c[None, :])[None, :, :]
     ok = row_ok[:, None, None] & ((c < GROUP)[None, None, :] & (cols < K))
@@ -98,6 +90,23 @@ def _quant_group_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, T, K, stride_x, stride_q,
     tl.store(q_ptr + r3 * stride_q + cols, y.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + rows[:, None] * stride_s + g[None, :] * stride_sg, scale,
              mask=row_ok[:, None] & (g * GROUP < K)[None, :])
+
+
+@triton.jit
+def _quant_group_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, T, K, stride_x, stride_q, stride_s, stride_sg, GROUP,
+                        ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr,
+                        LIVE_ROWS: tl.constexpr, PDL: tl.constexpr):
+    """Program (i, j): rows i * ROWS on, groups j * GROUPS on (`quantize_tile`). LIVE_ROWS: rows
+    from `rows_ptr[0]` on are left as they are."""
+    pdl_wait(PDL)
+    first = tl.program_id(0) * ROWS
+    end = T
+    if LIVE_ROWS:
+        end = tl.minimum(tl.load(rows_ptr), T)
+        if first >= end:
+            return
+    quantize_tile(x_ptr, q_ptr, s_ptr, first, end, tl.program_id(1) * GROUPS, K, stride_x, stride_q, stride_s,
+                  stride_sg, GROUP, ROWS, GROUPS, BLOCK_G)
 
 
 def quant_tile(T: int, G: int, block_g: int) -> tuple[int, int]:

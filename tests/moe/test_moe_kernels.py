@@ -233,13 +233,26 @@ def case_sum_add_rms_norm_with_the_next_linears_shrink():
         assert s.dtype == torch.float32 and bool((s[~has] == 0).all()) and bool((s[has] != 0).all())
 
 
-def _check_align(T, k, E, block_m, used=None, seed=0, launch=None):
+def _check_align(T, k, E, block_m, used=None, seed=0, launch=None, quant=None):
+    """`quant` (K, group): the launch also quantizes a random x `[T, K]`, checked against
+    `quantize_per_token_group_ref` as tests/quant checks the standalone kernel."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(T, E, generator=g)
     if used is not None:
         logits[:, used:] -= 1e4
     ids = torch.topk(logits, k, dim=-1).indices
-    sorted_ids, expert_ids, num_post, _ = fm.moe_align_block_size(ids, E, block_m, launch=launch)
+    xquant = None
+    if quant is not None:
+        K, group = quant
+        x = torch.randn(T, K, generator=g) * (torch.rand(T, 1, generator=g) * 100 + 0.01)
+        xquant = fm.XQuant(x, torch.empty(T, K, dtype=torch.float8_e4m3fn), torch.full((T, -(-K // group)), -1.0), group)
+    sorted_ids, expert_ids, num_post, _ = fm.moe_align_block_size(ids, E, block_m, launch=launch, quantize=xquant)
+    if xquant is not None:
+        from compiled.quant.act_quant import quantize_per_token_group_ref
+        rq, rs = quantize_per_token_group_ref(x, group)
+        assert ((xquant.xs - rs).abs() / rs).max().item() <= 1e-6
+        # a value rounded the other way across a tie is one e4m3 step (2^-3 relative, 2^-9 subnormal) off
+        assert ((xquant.xq.float() - rq.float()).abs() / (rq.float().abs() * 2 ** -3 + 2 ** -9)).max().item() <= 1.0
     numel = T * k
     flat = ids.reshape(-1)
     counts = torch.bincount(flat, minlength=E)
@@ -264,6 +277,7 @@ def _check_align(T, k, E, block_m, used=None, seed=0, launch=None):
 def case_align_multi_chunk_e128_k8():
     _check_align(150, 8, 128, 16, seed=11)
     _check_align(300, 8, 16, 32, seed=16)  # 75 chunks of 32 pairs
+    _check_align(300, 8, 16, 32, seed=21, quant=(200, 64))   # and x quantized: 16 rows by one group a program
     assert fm.align_launch(2400, 16, 32).chunk == 32 and fm.align_launch(40000, 128, 128).chunk == 256
 
 
@@ -274,6 +288,7 @@ def case_align_counted_by_every_program_and_unused_experts():
     _check_align(16, 8, 128, 16, seed=18)
     _check_align(10, 8, 128, 16, seed=19, launch=fm.AlignLaunch(chunk=128, sub=32, bb=32))   # one program
     _check_align(1, 1, 8, 16, seed=13)
+    _check_align(10, 8, 128, 16, seed=22, quant=(72, 32))   # one row by 3 groups a program, the last one partial
     _check_align(300, 1, 8, 64, seed=14)
 
 
