@@ -92,8 +92,10 @@ def _moe_norm_linear(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps
         own_fp8 = {} if fp8 is None else dict(weight_scale=fp8.scale, weight_block=fp8.block)
         return torch.ops.compiled.add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed, **own_fp8)
     pairs = _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert, scales)
-    h, normed = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps, ids=topk_ids)
-    return fp8_linear.linear(normed, weight, fp8), h, normed if keep_normed else x.new_empty(0)
+    # a W8A8 linear's input quantized by the norm's kernel, which holds the rows
+    into = fp8_linear.input_buffers(x, weight, fp8)
+    h, normed = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps, ids=topk_ids, quantize=into)
+    return fp8_linear.linear(normed, weight, fp8, into), h, normed if keep_normed else x.new_empty(0)
 
 
 def _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert: tuple | None,

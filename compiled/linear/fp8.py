@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from compiled.linear import W8A16_MAX_M, fp8_cublas, fused, ops
+from compiled.quant.act_quant import FP8, QuantizedRows, row_quantizable
 from compiled.quant.dequant import WeightScale, dequantize_blocks
 
 
@@ -48,9 +49,29 @@ def stand_in(weight: torch.Tensor, fp8: WeightScale | None, dtype: torch.dtype) 
     return weight if fp8 is None else torch.empty((), dtype=dtype, device=weight.device).expand(weight.shape)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None = None) -> torch.Tensor:
+def input_buffers(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None) -> QuantizedRows | None:
+    """Where the kernel for x @ weight.T (`kernel_for`) quantizes x first (W8A8: cuBLAS's, or the
+    W8A16 kernel's fp8 tiles), empty buffers in the layout it reads them, for the kernel in front
+    of the linear to fill as `quantize_row` does (its groups a power of two); else None."""
+    kernel = kernel_for(x, weight, fp8)
+    if kernel == "w8a8":
+        return fp8_cublas.act_buffers(x)
+    if kernel != "w8a16":
+        return None
+    from compiled.linear.fp8_kernels import a8_group
+    group = a8_group(x, weight, fp8.block)
+    if not row_quantizable(x.shape[1], group):
+        return None
+    M, K = x.shape
+    return QuantizedRows(torch.empty(M, K, dtype=FP8, device=x.device),
+                         torch.empty(M, -(-K // group), dtype=torch.float32, device=x.device), group)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None = None,
+           quantized: QuantizedRows | None = None) -> torch.Tensor:
     """x @ weight.T: `ops.dispatch`'s for a weight in x's dtype; an FP8 one (`fp8`) through the
-    kernel `kernel_for` names, else dequantized."""
+    kernel `kernel_for` names, else dequantized. `quantized`: x already quantized into
+    `input_buffers(x, weight, fp8)`."""
     if fp8 is not None:
         ops.check_shapes(x, stand_in(weight, fp8, x.dtype))
     kernel = kernel_for(x, weight, fp8)
@@ -59,9 +80,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None = None
         return skinny_linear_triton(x, weight, fp8=fp8)
     if kernel == "w8a16":
         from compiled.linear.fp8_kernels import w8a16_linear
-        return w8a16_linear(x, weight, fp8.scale, fp8.block)
+        return w8a16_linear(x, weight, fp8.scale, fp8.block, quantized=quantized)
     if kernel == "w8a8":
-        return fp8_cublas.w8a8_linear(x, weight, fp8.scale)
+        return fp8_cublas.w8a8_linear(x, weight, fp8.scale, quantized)
     return ops.dispatch(x, dequantized(weight, fp8, x.dtype))
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from compiled.linear import W8A16_MAX_M
-from compiled.quant.act_quant import FP8, quantize_per_token_group
+from compiled.quant.act_quant import FP8, QuantizedRows, quantize_per_token_group
 from compiled.quant.dequant import WeightScale, resolve_block
 from compiled.triton_utils import hopper
 
@@ -44,16 +44,25 @@ def fits(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale) -> bool:
             and shape_fits(x.shape[0], N, K, resolve_block(list(fp8.block), N, K), fp8.scale.shape))
 
 
-def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x `[M, K]` @ weight.T (weight `[N, K]` float8_e4m3fn, block scale `[N/128, K/128]`) in x's
-    dtype, where `fits` holds."""
+def act_buffers(x: torch.Tensor) -> QuantizedRows:
+    """Where x `[M, K]` quantized goes for `w8a8_linear`: rows padded to ROW_ALIGN, the scales
+    column-major (cuBLAS reads them so: a `[G, rows]` buffer seen as `[rows, G]`). The padding
+    rows are never written, and their outputs are cut off."""
     M, K = x.shape
     rows = -(-M // ROW_ALIGN) * ROW_ALIGN
-    # cuBLAS reads the activation scales column-major: a [G, rows] buffer seen as [rows, G]; the
-    # padding rows are never written, and their outputs are cut off
-    xq = torch.empty(rows, K, dtype=FP8, device=x.device)
-    xs = torch.empty(K // GROUP, rows, dtype=torch.float32, device=x.device).t()
-    quantize_per_token_group(x, GROUP, out=xq[:M], scale_out=xs[:M])
+    return QuantizedRows(torch.empty(rows, K, dtype=FP8, device=x.device),
+                         torch.empty(K // GROUP, rows, dtype=torch.float32, device=x.device).t(), GROUP)
+
+
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                quantized: QuantizedRows | None = None) -> torch.Tensor:
+    """x `[M, K]` @ weight.T (weight `[N, K]` float8_e4m3fn, block scale `[N/128, K/128]`) in x's
+    dtype, where `fits` holds. `quantized`: x already quantized into `act_buffers(x)`."""
+    M = x.shape[0]
+    if quantized is None:
+        quantized = act_buffers(x)
+        quantize_per_token_group(x, GROUP, out=quantized.q[:M], scale_out=quantized.s[:M])
+    xq, xs = quantized.q, quantized.s
     ws = scale if scale.dtype == torch.float32 else scale.float()
     y = F.scaled_mm(xq, weight.t(), xs, F.ScalingType.BlockWise1x128, ws.contiguous().t(),
                     F.ScalingType.BlockWise128x128, output_dtype=x.dtype)

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from compiled.linear import skinny_kernels as lk
 from compiled.quant.dequant import fit_block_k, kernel_scale, resolve_block
-from compiled.quant.act_quant import quantize_per_token_group
+from compiled.quant.act_quant import QuantizedRows, quantize_per_token_group
 from compiled.triton_utils import (DEFAULT_NUM_SMS, FP8_DOT_MIN_K, col_scales, fp8_dot_fits, hopper_or_newer,
                                    interpreter_upcast, num_sms, row_scaled, scaled_tile, split_k_store, w8a8_step)
 
@@ -174,14 +174,28 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_
                   sem_ptr + pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K)
 
 
+def default_config(x: torch.Tensor, weight: torch.Tensor, block: list[int]) -> W8A16Config:
+    """`w8a16_config` for x @ weight.T on x's device."""
+    (M, K), N = x.shape, weight.shape[0]
+    return w8a16_config(M, N, K, num_sms(x.device), resolve_block(block, N, K)[1], hopper_or_newer(x.device))
+
+
+def a8_group(x: torch.Tensor, weight: torch.Tensor, block: list[int]) -> int:
+    """The group width x is quantized in first where the kernel runs x @ weight.T W8A8 (the scale
+    block's width), else 0."""
+    N, K = weight.shape
+    return resolve_block(block, N, K)[1] if default_config(x, weight, block).a8 else 0
+
+
 def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: list[int],
-                 config: W8A16Config | None = None) -> torch.Tensor:
+                 config: W8A16Config | None = None, quantized: QuantizedRows | None = None) -> torch.Tensor:
     """x `[M, K]` (rows contiguous) @ (weight `[N, K]` fp8 x its block `scale`).T -> `[M, N]` in
-    x's dtype. `config` overrides `w8a16_config` (tests, the benchmark's sweep)."""
+    x's dtype. `config` overrides `w8a16_config` (tests, the benchmark's sweep). `quantized`: x
+    already quantized there (`a8_group` wide) by the kernel before, for a W8A8 config."""
     M, K = x.shape
     N = weight.shape[0]
     if config is None:
-        config = w8a16_config(M, N, K, num_sms(x.device), resolve_block(block, N, K)[1], hopper_or_newer(x.device))
+        config = default_config(x, weight, block)
     else:
         check_config(config, M, N)
     block_m, block_n, block_k, split_k, num_warps, num_stages, a8 = config
@@ -197,7 +211,11 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     upcast = interpreter_upcast(x.dtype)
     xs = y   # never read without A8
-    if a8:
+    if a8 and quantized is not None:
+        if quantized.group != ks.bi:
+            raise ValueError(f"w8a16 linear: x quantized in groups of {quantized.group}, the weight's blocks are {ks.bi}")
+        x, xs = quantized.q, quantized.s
+    elif a8:
         x, xs = quantize_per_token_group(x, ks.bi)
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m), split_k)
     _w8a16_kernel[grid](x, weight, ks.scale, y, partials, semaphores, M, N, K, k_per_split, x.stride(0),

@@ -32,7 +32,7 @@ from compiled.backend import BackendChoice
 from compiled.functional import add_rms_norm_ref
 from compiled.moe.experts import expert_loop
 from compiled.moe.tuned_configs import get_config, get_gemv_tiles, split_config, tuned_mode
-from compiled.quant.act_quant import quant_tile, quantize_per_token_group
+from compiled.quant.act_quant import QuantizedRows, quant_tile, quantize_per_token_group, row_quantizable
 from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, FP8_W8A8_TILE, fit_block_k, kernel_scale, resolve_block
 from compiled.triton_utils import (FP8_DOT_MIN_K, fp8_convert_asm, fp8_dot_fits, gemv_chunk, interpreting,
                                    launch_kwargs, row_warps, tma_descriptor)
@@ -143,23 +143,16 @@ class Blocks(NamedTuple):
     block_m: int               # BLOCK_M: the blocks' height (a down GEMM's tile may be a divisor of it)
 
 
-class XQuant(NamedTuple):
-    """x `[T, K]` to quantize per token in `group`-wide groups into `xq` and `xs` (W8A8's up GEMM
-    operand, `quant.act_quant`) by the alignment's launch."""
-    x: torch.Tensor
-    xq: torch.Tensor
-    xs: torch.Tensor
-    group: int
-
-
 def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace: MoEWorkspace | None = None,
-                         launch: AlignLaunch | None = None, quantize: XQuant | None = None) -> Blocks:
+                         launch: AlignLaunch | None = None,
+                         quantize: tuple[torch.Tensor, QuantizedRows] | None = None) -> Blocks:
     """Sort (token, slot) pairs by expert, padding each expert's segment to a multiple of block_m.
 
     The buffers are sized by the fixed bound P = `max_padded_size`. Inside an expert's segment,
     pairs of one chunk keep their order and chunks come in arrival order (atomics); nothing
     downstream depends on that order. No host sync. `launch` overrides `align_launch` (benchmark
-    sweeps). `quantize`: the place kernel's launch also quantizes x, in programs of its own."""
+    sweeps). `quantize` (x `[T, K]`, where to): the place kernel's launch also quantizes x (W8A8's
+    up GEMM operand), in programs of its own."""
     from compiled.moe import fused_moe_kernels as K
 
     ws = workspace or MoEWorkspace()
@@ -195,13 +188,13 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
     return Blocks(sorted_ids, expert_ids, num_post, block_m)
 
 
-def _quant_launch(quantize: XQuant | None, like: torch.Tensor) -> tuple[dict, int]:
+def _quant_launch(quantize: tuple[torch.Tensor, QuantizedRows] | None, like: torch.Tensor) -> tuple[dict, int]:
     """The place kernel's x-quantization arguments (`act_quant.quant_tile`'s tiles) and the
     programs they add; without `quantize`, none, and placeholders (`like`) it never reads."""
     if quantize is None:
         return dict(args=(like, like, like, 0, 0, 0, 0, 0, 0, 1, 1),
                     consts=dict(QUANT=False, Q_ROWS=1, Q_GROUPS=1, Q_BLOCK_G=16)), 0
-    x, xq, xs, group = quantize
+    x, (xq, xs, group) = quantize
     if x.stride(1) != 1 or xq.stride(1) != 1:
         raise ValueError("moe_align_block_size: the x to quantize and its fp8 buffer need unit last strides")
     T, K = x.shape
@@ -376,23 +369,23 @@ def launch_w8a8_gemm1(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, int
 
 
 def align_quantized(ws: MoEWorkspace, x: torch.Tensor, ids: torch.Tensor, E: int, block_m: int,
-                    groups: tuple[int, int] | None) -> tuple[Blocks, XQuant | None]:
+                    groups: tuple[int, int] | None) -> tuple[Blocks, QuantizedRows | None]:
     """`moe_align_block_size` into the workspace; where the grouped GEMMs run W8A8 (`groups`),
     x quantized by the same launch into the workspace's `x_q` / `x_s` (groups[0] wide). The op
     and its LoRA variant both run it."""
-    quant = None
-    if groups is not None:
-        quant = XQuant(x, *quantized_buffers(ws, "x", x, groups[0]), groups[0])
-    return moe_align_block_size(ids, E, block_m, ws, quantize=quant), quant
+    if groups is None:
+        return moe_align_block_size(ids, E, block_m, ws), None
+    into = QuantizedRows(*quantized_buffers(ws, "x", x, groups[0]), groups[0])
+    return moe_align_block_size(ids, E, block_m, ws, quantize=(x, into)), into
 
 
-def quantized_gemm1(ws: MoEWorkspace, xquant: XQuant, w13: torch.Tensor, inter: torch.Tensor,
+def quantized_gemm1(ws: MoEWorkspace, xquant: QuantizedRows, w13: torch.Tensor, inter: torch.Tensor,
                     groups: tuple[int, int], blocks: Blocks, top_k: int, cfg: dict, scales: ExpertScales,
                     delta: GemmDelta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """W8A8's up GEMM from x quantized (`align_quantized`), `launch_w8a8_gemm1` with the
     intermediate quantized (groups[1] wide) into the workspace; returns (iq, is_), what the W8A8
     down GEMM reads. The op and its LoRA variant both run it."""
-    xq, xs = xquant.xq, xquant.xs
+    xq, xs = xquant.q, xquant.s
     iq, is_ = quantized_buffers(ws, "inter", inter, groups[1])
     launch_w8a8_gemm1(xq, xs, w13, inter, (iq, is_, groups[1]), blocks, top_k, cfg, scales, delta)
     return iq, is_
@@ -583,13 +576,20 @@ def shrink_outputs_a_program(T: int) -> int:
 
 def moe_sum_add_rms_norm_triton(pairs: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                                 shrink: tuple[torch.Tensor, torch.Tensor] | None = None,
-                                ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                                ids: torch.Tensor | None = None,
+                                quantize: QuantizedRows | None = None) -> tuple[torch.Tensor, ...]:
     """The reference's contract in one launch (`moe_sum_add_rms_norm_kernel`); x's last dim
     contiguous. `shrink` (a `[S, NR, H]` with its last dim contiguous, slot `[T]`): also the next
     linear's LoRA shrink of normed, `lora_shrink(normed, a, slot)` `[T, NR]` fp32, as a third output.
-    `ids` (the routing's `[T, k]`): the pairs of id < 0 are left out of the sum; None: none is."""
+    `ids` (the routing's `[T, k]`): the pairs of id < 0 are left out of the sum; None: none is.
+    `quantize` (not with `shrink`): normed also quantized into its buffers (`quantize_row`), a
+    power-of-two group dividing H's power of two."""
     from compiled.moe import fused_moe_kernels as K
     T, H = x.shape
+    if quantize is not None and (shrink is not None or not row_quantizable(H, quantize.group)):
+        raise ValueError(f"moe_sum_add_rms_norm_triton: quantize needs no shrink and a power-of-two group dividing "
+                         f"{triton.next_power_of_2(H)}, got group {quantize.group}")
+    xq, xs, group = quantize if quantize is not None else (x, x.new_empty((1, 1)), 0)
     top_k = pairs.shape[0] // T if T else 1
     ids = ids.contiguous() if ids is not None else torch.zeros((T, top_k), dtype=torch.int64, device=x.device)
     h, normed = x.new_empty((T, H)), x.new_empty((T, H))
@@ -603,8 +603,9 @@ def moe_sum_add_rms_norm_triton(pairs: torch.Tensor, x: torch.Tensor, norm_weigh
     if T:
         block = triton.next_power_of_2(H)
         K.moe_sum_add_rms_norm_kernel[(T, splits)](
-            pairs, ids, x, norm_weight, h, normed, H, eps, x.stride(0), a, s, slot, *args, TOP_K=top_k,
-            BLOCK_H=block, SHRINK=shrink is not None, N_PER=n_per, num_warps=row_warps(block), **launch_kwargs(x.device))
+            pairs, ids, x, norm_weight, h, normed, H, eps, x.stride(0), a, s, slot, *args, xq, xs, xq.stride(0),
+            xs.stride(0), xs.stride(1), TOP_K=top_k, BLOCK_H=block, SHRINK=shrink is not None, N_PER=n_per, GROUP=group,
+            num_warps=row_warps(block), **launch_kwargs(x.device))
     return (h, normed) if shrink is None else (h, normed, s)
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.quant.act_quant import quantize_tile, quantized_groups
+from compiled.quant.act_quant import quantize_row, quantize_tile, quantized_groups
 from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, col_scaled, one_slot_dot, one_slot_operands,
                                    pdl_wait, row_shrink, scaled_tile, slot_bits, slot_stacked_delta, col_scales,
                                    w8a8_rows, w8a8_scales, w8a8_step)
@@ -685,13 +685,16 @@ def moe_sum_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.
 
 @triton.jit
 def moe_sum_add_rms_norm_kernel(y_ptr, ids_ptr, x_ptr, nw_ptr, h_ptr, normed_ptr, H, eps, stride_xm, A, S_OUT, SLOT,
-                                S, NR, stride_as, stride_an, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                                SHRINK: tl.constexpr, N_PER: tl.constexpr, PDL: tl.constexpr):
+                                S, NR, stride_as, stride_an, XQ, XS, stride_xq, stride_xs, stride_xsg,
+                                TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SHRINK: tl.constexpr, N_PER: tl.constexpr,
+                                GROUP: tl.constexpr, PDL: tl.constexpr):
     """The top-k sum of `moe_sum_kernel` (rounded to x's dtype, as that kernel stores it), then
     the residual add + RMSNorm of the layer after it on the whole row: h = x + sum, normed =
     RMSNorm(h) * nw. One program a token; h and normed `[T, H]` contiguous. SHRINK: also the
     LoRA shrink of the next linear, S_OUT `[T, NR]` = lora_shrink(normed, A, SLOT); program
-    (t, j) takes N_PER of its NR outputs (`row_shrink`) and program (t, 0) stores h and normed."""
+    (t, j) takes N_PER of its NR outputs (`row_shrink`) and program (t, 0) stores h and normed.
+    GROUP (> 0, without SHRINK): normed also quantized for the next linear's W8A8 kernel, into XQ
+    and its group scales into XS (`quant.act_quant.quantize_row`)."""
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
@@ -705,5 +708,10 @@ def moe_sum_add_rms_norm_kernel(y_ptr, ids_ptr, x_ptr, nw_ptr, h_ptr, normed_ptr
             tl.store(normed_ptr + t * H + offs, normed, mask=m)
         row_shrink(normed, A, S_OUT, SLOT, t, offs, m, S, NR, stride_as, stride_an, NR, tl.program_id(1) * N_PER,
                    N_PER)
+    elif GROUP:
+        h, normed = add_rms_norm_values(x, moe_out, nw_ptr, offs, m, H, eps)
+        tl.store(h_ptr + t * H + offs, h, mask=m)
+        tl.store(normed_ptr + t * H + offs, normed, mask=m)
+        quantize_row(normed.to(tl.float32), m, XQ + t * stride_xq, XS + t * stride_xs, stride_xsg, H, GROUP, BLOCK_H)
     else:
         add_rms_norm_row(x, moe_out, nw_ptr, h_ptr + t * H, normed_ptr + t * H, offs, m, H, eps)

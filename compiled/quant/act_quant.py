@@ -9,6 +9,8 @@ either way. An all-zero group takes the scale ACT_EPS / 448 and quantizes to zer
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -28,6 +30,20 @@ _EPS, _FMAX = tl.constexpr(ACT_EPS), tl.constexpr(FP8_MAX)   # the same, inside 
 PROGRAM_ELEMENTS = 4096
 MAX_ROWS = 16
 ROW_PROGRAMS = 16
+
+
+class QuantizedRows(NamedTuple):
+    """Where rows quantized per token in `group`-wide groups go: `q` `[rows, K]` float8_e4m3fn
+    (unit last stride; rows past the tokens, a padded buffer's, are left alone) and `s`
+    `[rows, ceil(K / group)]` fp32, any strides. A kernel before the one that reads them fills them."""
+    q: torch.Tensor
+    s: torch.Tensor
+    group: int
+
+
+def row_quantizable(K: int, group: int) -> bool:
+    """Whether `quantize_row` takes rows of K in `group`-wide groups: a power of two up to K's."""
+    return 0 < group <= triton.next_power_of_2(K) and group & (group - 1) == 0
 
 
 def quantize_per_token_group_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +86,19 @@ def quantized_groups(x, AXIS: tl.constexpr):
     scale = amax / _FMAX
     y = tl.minimum(tl.maximum(x / tl.expand_dims(scale, AXIS), -_FMAX), _FMAX)
     return _round_e4m3(y), scale
+
+
+@triton.jit
+def quantize_row(v, mask, Q, S, stride_sg, K, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's values `v` (fp32 `[BLOCK]`, lanes past K masked to 0) quantized as
+    `quantize_per_token_group_ref` does, GROUP (a power of two dividing BLOCK) wide: the values
+    to Q (the row's start), each group's scale to S with stride `stride_sg`. A kernel that holds
+    the row (the norm in front of a W8A8 linear) saves the quantization's launch and read."""
+    G: tl.constexpr = BLOCK // GROUP
+    y, scale = quantized_groups(tl.reshape(v, (G, GROUP)), 1)
+    tl.store(Q + tl.arange(0, BLOCK), tl.reshape(y, (BLOCK,)).to(Q.dtype.element_ty), mask=mask)
+    g = tl.arange(0, G)
+    tl.store(S + g * stride_sg, scale, mask=g * GROUP < K)
 
 
 @triton.jit

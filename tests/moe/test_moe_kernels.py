@@ -185,17 +185,26 @@ def case_op_dispatch_and_workspace():
 
 def case_sum_add_rms_norm_kernel_and_op():
     # the top-k sum + residual add + RMSNorm kernel against its reference (H not a power of two),
-    # then the whole op through the Triton MoE against the two ops' references
+    # with normed also quantized for a W8A8 linear (a partial last group at H 33), then the whole
+    # op through the Triton MoE against the two ops' references
     from compiled.fusions.moe_norm_linear import moe_add_rms_norm_linear_ref
+    from compiled.quant.act_quant import QuantizedRows, quantize_per_token_group_ref
     g = torch.Generator().manual_seed(18)
-    for T, k, H, dtype in ((1, 2, 40, torch.float32), (23, 4, 33, torch.bfloat16), (7, 8, 64, torch.float32)):
+    for T, k, H, dtype, group in ((1, 2, 40, torch.float32, 0), (23, 4, 33, torch.bfloat16, 16),
+                                  (7, 8, 64, torch.float32, 32)):
         pairs, x = torch.randn(T * k, H, generator=g).to(dtype), torch.randn(T, H, generator=g).to(dtype)
         nw = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
-        h, normed = fm.moe_sum_add_rms_norm_triton(pairs, x, nw, 1e-6)
+        into = QuantizedRows(torch.empty(T, H, dtype=torch.float8_e4m3fn), torch.full((T, -(-H // group)), -1.0),
+                             group) if group else None
+        h, normed = fm.moe_sum_add_rms_norm_triton(pairs, x, nw, 1e-6, quantize=into)
         ref_h, ref_normed = fm.moe_sum_add_rms_norm_ref(pairs, x, nw, 1e-6)
         tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
         torch.testing.assert_close(h, ref_h, **tol)
         torch.testing.assert_close(normed, ref_normed, **tol)
+        if into is not None:   # against the reference's quantization of the stored normed rows
+            rq, rs = quantize_per_token_group_ref(normed, group)
+            assert ((into.s - rs).abs() / rs).max().item() <= 1e-6
+            assert ((into.q.float() - rq.float()).abs() / (rq.float().abs() * 2 ** -3 + 2 ** -9)).max().item() <= 1.0
     for T in (19, 1):   # the grouped GEMMs, and one token's GEMVs
         x_moe, w, ids, w13, w2 = _problem(T, 8, 2, 32, 48, seed=19)
         x = torch.randn(T, 32, generator=g)
@@ -241,18 +250,20 @@ def _check_align(T, k, E, block_m, used=None, seed=0, launch=None, quant=None):
     if used is not None:
         logits[:, used:] -= 1e4
     ids = torch.topk(logits, k, dim=-1).indices
+    from compiled.quant.act_quant import QuantizedRows, quantize_per_token_group_ref
     xquant = None
     if quant is not None:
         K, group = quant
         x = torch.randn(T, K, generator=g) * (torch.rand(T, 1, generator=g) * 100 + 0.01)
-        xquant = fm.XQuant(x, torch.empty(T, K, dtype=torch.float8_e4m3fn), torch.full((T, -(-K // group)), -1.0), group)
-    sorted_ids, expert_ids, num_post, _ = fm.moe_align_block_size(ids, E, block_m, launch=launch, quantize=xquant)
+        xquant = QuantizedRows(torch.empty(T, K, dtype=torch.float8_e4m3fn), torch.full((T, -(-K // group)), -1.0),
+                               group)
+    sorted_ids, expert_ids, num_post, _ = fm.moe_align_block_size(ids, E, block_m, launch=launch,
+                                                                  quantize=None if xquant is None else (x, xquant))
     if xquant is not None:
-        from compiled.quant.act_quant import quantize_per_token_group_ref
         rq, rs = quantize_per_token_group_ref(x, group)
-        assert ((xquant.xs - rs).abs() / rs).max().item() <= 1e-6
+        assert ((xquant.s - rs).abs() / rs).max().item() <= 1e-6
         # a value rounded the other way across a tie is one e4m3 step (2^-3 relative, 2^-9 subnormal) off
-        assert ((xquant.xq.float() - rq.float()).abs() / (rq.float().abs() * 2 ** -3 + 2 ** -9)).max().item() <= 1.0
+        assert ((xquant.q.float() - rq.float()).abs() / (rq.float().abs() * 2 ** -3 + 2 ** -9)).max().item() <= 1.0
     numel = T * k
     flat = ids.reshape(-1)
     counts = torch.bincount(flat, minlength=E)

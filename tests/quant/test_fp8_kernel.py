@@ -648,6 +648,38 @@ def test_gpu_fp8_expert_lora_matches_dequantized_in_bf16(T):
     assert (got - want).abs().max() <= (0.06 if w8a8 else 0.02) * want.abs().max()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("T", [64, 300])
+def test_gpu_fp8_moe_norm_linear_quantizes_in_the_norm(T):
+    """The MoE, its top-k sum + norm and the next layer's qkv as one op, 30B shapes, FP8 experts
+    and qkv: where qkv runs W8A8 (the W8A16 kernel's fp8 tiles at 64 rows, cuBLAS at 300) the
+    norm's kernel quantizes its input. Against the op over the dequantized weights, within the
+    activations' quantization error."""
+    import compiled.fusions.moe_norm_linear  # noqa: F401  (registers the op)
+    from compiled.linear import fp8 as fp8_linear
+    from compiled.quant.dequant import WeightScale
+    from compiled.triton_utils import hopper
+    E, H, I, k, N = 128, 2048, 768, 8, 5120
+    g = torch.Generator().manual_seed(T)
+    quant = QuantConfig("fp8", "block", (128, 128))
+    q13, s13, q2, s2, block = _fp8_experts(g, E, H, I, quant)
+    qw, sw, _ = _stacked_fp8(torch.randn(1, N, H, generator=g) / H ** 0.5, quant)
+    q13, s13, q2, s2, qw, sw = (t.cuda() for t in (q13, s13, q2, s2, qw[0], sw[0]))
+    x, x_moe = (torch.randn(T, H, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    nw = 1 + 0.1 * torch.randn(H, device="cuda", dtype=torch.bfloat16)
+    topk_weights, topk_ids = torch.rand(T, E, device="cuda").softmax(-1).topk(k)
+    if hopper(x.device):
+        assert fp8_linear.input_buffers(x, qw, WeightScale(sw, block)) is not None
+    got = torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe, topk_weights, topk_ids, q13, q2, nw, 1e-6, qw, True,
+                                                     weight_scale=sw, w13_scale=s13, w2_scale=s2, weight_block=block)
+    deq = [dequantize_blocks(q, s, block, torch.bfloat16) for q, s in ((q13, s13), (q2, s2), (qw, sw))]
+    want = torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe, topk_weights, topk_ids, deq[0], deq[1], nw, 1e-6,
+                                                      deq[2], True)
+    for a, b, tol in zip(got, want, (0.06, 0.02, 0.02)):
+        assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max()
+
+
 if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
     os.environ.setdefault("COMPILED_LINEAR_BACKEND", "auto")
     results = {name: kernel_case(M, N, K, quant) for name, M, N, K, quant in CASES}
