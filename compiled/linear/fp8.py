@@ -59,10 +59,10 @@ def input_buffers(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None
     if kernel != "w8a16":
         return None
     from compiled.linear.fp8_kernels import a8_group
-    group = a8_group(x, weight, fp8.block)
-    if not row_quantizable(x.shape[1], group):
-        return None
     M, K = x.shape
+    group = a8_group(x, weight, fp8.block)
+    if not row_quantizable(K, group):
+        return None
     return QuantizedRows(torch.empty(M, K, dtype=FP8, device=x.device),
                          torch.empty(M, -(-K // group), dtype=torch.float32, device=x.device), group)
 

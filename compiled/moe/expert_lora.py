@@ -50,9 +50,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from compiled.moe.fused_moe import (Blocks, ExpertScales, GemmDelta, MoEWorkspace, launch_gemm1, launch_gemm2,
-                                    launch_sum, align_quantized, quantized_gemm1, w8a8_entry, w8a8_groups,
-                                    zeroed)
+from compiled.moe.fused_moe import (Blocks, ExpertScales, GemmDelta, MoEWorkspace, align_quantized, launch_gemm1,
+                                    launch_gemm2, launch_sum, quantized_gemm1, w8a8_entry, w8a8_groups, zeroed)
 from compiled.moe.tuned_configs import get_config, split_config, tuned_mode
 from compiled.quant.dequant import FP8
 from compiled.side_stream import Fork

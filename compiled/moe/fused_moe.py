@@ -11,8 +11,8 @@ One token runs as two GEMVs instead (`gemv_kernels.py`: no 16-row tensor-core ti
 row). FP8 experts (`ExpertScales`) are scaled in the kernels' K loops (W8A16); where the tuned
 entry says W8A8 (or, where it says neither, from W8A8_MIN_TOKENS on) and the K tiles fit the scale
 blocks, the grouped GEMMs run W8A8 instead: x and then the intermediate's rows in use quantized per
-token and scale block (`quant.act_quant`; the intermediate by the up GEMM's epilogue where its N
-tiles hold whole blocks), fp8 x fp8 dots. Expert-LoRA calls (`expert_lora.py`) run W8A8 in
+token and scale block (`quant.act_quant`; x by spare programs of the alignment's launch, the
+intermediate by the up GEMM's epilogue where its N tiles hold whole blocks), fp8 x fp8 dots. Expert-LoRA calls (`expert_lora.py`) run W8A8 in
 16-row tiles where the base would, their deltas in the epilogues, else W8A16.
 
 Kernel configs come from `tuned_configs.py` (the tuned files, FP8 experts' own, the defaults).
@@ -589,7 +589,7 @@ def moe_sum_add_rms_norm_triton(pairs: torch.Tensor, x: torch.Tensor, norm_weigh
     if quantize is not None and (shrink is not None or not row_quantizable(H, quantize.group)):
         raise ValueError(f"moe_sum_add_rms_norm_triton: quantize needs no shrink and a power-of-two group dividing "
                          f"{triton.next_power_of_2(H)}, got group {quantize.group}")
-    xq, xs, group = quantize if quantize is not None else (x, x.new_empty((1, 1)), 0)
+    xq, xs, group = quantize if quantize is not None else (x, x, 0)   # x: placeholders never read
     top_k = pairs.shape[0] // T if T else 1
     ids = ids.contiguous() if ids is not None else torch.zeros((T, top_k), dtype=torch.int64, device=x.device)
     h, normed = x.new_empty((T, H)), x.new_empty((T, H))
