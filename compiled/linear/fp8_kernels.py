@@ -213,7 +213,8 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
     xs = y   # never read without A8
     if a8 and quantized is not None:
         if quantized.group != ks.bi:
-            raise ValueError(f"w8a16 linear: x quantized in groups of {quantized.group}, the weight's blocks are {ks.bi}")
+            raise ValueError(f"w8a16 linear: x quantized in groups of {quantized.group}, the weight's blocks are "
+                             f"{ks.bi} wide")
         x, xs = quantized.q, quantized.s
     elif a8:
         x, xs = quantize_per_token_group(x, ks.bi)

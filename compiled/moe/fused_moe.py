@@ -12,8 +12,9 @@ row). FP8 experts (`ExpertScales`) are scaled in the kernels' K loops (W8A16); w
 entry says W8A8 (or, where it says neither, from W8A8_MIN_TOKENS on) and the K tiles fit the scale
 blocks, the grouped GEMMs run W8A8 instead: x and then the intermediate's rows in use quantized per
 token and scale block (`quant.act_quant`; x by spare programs of the alignment's launch, the
-intermediate by the up GEMM's epilogue where its N tiles hold whole blocks), fp8 x fp8 dots. Expert-LoRA calls (`expert_lora.py`) run W8A8 in
-16-row tiles where the base would, their deltas in the epilogues, else W8A16.
+intermediate by the up GEMM's epilogue where its N tiles hold whole blocks), fp8 x fp8 dots.
+Expert-LoRA calls (`expert_lora.py`) run W8A8 in 16-row tiles where the base would, their deltas in
+the epilogues, else W8A16.
 
 Kernel configs come from `tuned_configs.py` (the tuned files, FP8 experts' own, the defaults).
 `BACKEND` ('auto': Triton on CUDA, the reference elsewhere; from `COMPILED_MOE_BACKEND`, read at
@@ -32,7 +33,7 @@ from compiled.backend import BackendChoice
 from compiled.functional import add_rms_norm_ref
 from compiled.moe.experts import expert_loop
 from compiled.moe.tuned_configs import get_config, get_gemv_tiles, split_config, tuned_mode
-from compiled.quant.act_quant import QuantizedRows, quant_tile, quantize_per_token_group, row_quantizable
+from compiled.quant.act_quant import QuantizedRows, quant_grid, quantize_per_token_group, row_quantizable
 from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, FP8_W8A8_TILE, fit_block_k, kernel_scale, resolve_block
 from compiled.triton_utils import (FP8_DOT_MIN_K, fp8_convert_asm, fp8_dot_fits, gemv_chunk, interpreting,
                                    launch_kwargs, row_warps, tma_descriptor)
@@ -189,7 +190,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
 
 
 def _quant_launch(quantize: tuple[torch.Tensor, QuantizedRows] | None, like: torch.Tensor) -> tuple[dict, int]:
-    """The place kernel's x-quantization arguments (`act_quant.quant_tile`'s tiles) and the
+    """The place kernel's x-quantization arguments (`act_quant.quant_grid`'s tiles) and the
     programs they add; without `quantize`, none, and placeholders (`like`) it never reads."""
     if quantize is None:
         return dict(args=(like, like, like, 0, 0, 0, 0, 0, 0, 1, 1),
@@ -198,13 +199,10 @@ def _quant_launch(quantize: tuple[torch.Tensor, QuantizedRows] | None, like: tor
     if x.stride(1) != 1 or xq.stride(1) != 1:
         raise ValueError("moe_align_block_size: the x to quantize and its fp8 buffer need unit last strides")
     T, K = x.shape
-    G = triton.cdiv(K, group)
-    block_g = triton.next_power_of_2(group)
-    rows, groups = quant_tile(T, G, block_g)
-    g_programs = triton.cdiv(G, groups)
-    args = (x, xq, xs, T, K, x.stride(0), xq.stride(0), xs.stride(0), xs.stride(1), group, g_programs)
-    consts = dict(QUANT=True, Q_ROWS=rows, Q_GROUPS=groups, Q_BLOCK_G=block_g)
-    return dict(args=args, consts=consts), triton.cdiv(T, rows) * g_programs
+    qg = quant_grid(T, K, group)
+    args = (x, xq, xs, T, K, x.stride(0), xq.stride(0), xs.stride(0), xs.stride(1), group, qg.group_programs)
+    consts = dict(QUANT=True, Q_ROWS=qg.rows, Q_GROUPS=qg.groups, Q_BLOCK_G=qg.block_g)
+    return dict(args=args, consts=consts), qg.row_programs * qg.group_programs
 
 
 def weight_desc(w: torch.Tensor, block_n: int, block_k: int):

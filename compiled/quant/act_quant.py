@@ -150,6 +150,25 @@ def quant_tile(T: int, G: int, block_g: int) -> tuple[int, int]:
     return rows, groups
 
 
+class QuantGrid(NamedTuple):
+    """A quantization launch over T rows of K in `group`-wide groups: `quant_tile`'s `rows` x
+    `groups` a program, each group `block_g` (padded) wide, in `row_programs` x `group_programs`
+    programs. The standalone kernel and the MoE's alignment launch both take theirs from here."""
+    rows: int
+    groups: int
+    block_g: int
+    row_programs: int
+    group_programs: int
+
+
+def quant_grid(T: int, K: int, group: int) -> QuantGrid:
+    """`QuantGrid` of T rows of K in `group`-wide groups."""
+    G = triton.cdiv(K, group)
+    block_g = triton.next_power_of_2(group)
+    rows, groups = quant_tile(T, G, block_g)
+    return QuantGrid(rows, groups, block_g, triton.cdiv(T, rows), triton.cdiv(G, groups))
+
+
 def quantize_per_token_group(x: torch.Tensor, group: int, out: torch.Tensor | None = None,
                              scale_out: torch.Tensor | None = None, live_rows: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,10 +185,9 @@ def quantize_per_token_group(x: torch.Tensor, group: int, out: torch.Tensor | No
     q = torch.empty(T, K, dtype=FP8, device=x.device) if out is None else out
     s = torch.empty(T, G, dtype=torch.float32, device=x.device) if scale_out is None else scale_out
     if T:
-        block_g = triton.next_power_of_2(group)
-        rows, groups = quant_tile(T, G, block_g)
-        _quant_group_kernel[(triton.cdiv(T, rows), triton.cdiv(G, groups))](
+        qg = quant_grid(T, K, group)
+        _quant_group_kernel[(qg.row_programs, qg.group_programs)](
             x, q, s, x if live_rows is None else live_rows, T, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-            group, ROWS=rows, GROUPS=groups, BLOCK_G=block_g, LIVE_ROWS=live_rows is not None,
+            group, ROWS=qg.rows, GROUPS=qg.groups, BLOCK_G=qg.block_g, LIVE_ROWS=live_rows is not None,
             num_warps=4, **launch_kwargs(x.device))
     return q, s
