@@ -152,6 +152,15 @@ def test_split_beyond_the_workspace_and_a_plain_tuple_are_refused():
                         [128, 128], (64, 32, 128, 1, 4, 4))
 
 
+def test_quantized_rows_for_a_w8a16_config_are_refused():
+    from compiled.quant.act_quant import QuantizedRows
+    x, q = torch.randn(4, 256), torch.zeros(40, 256, dtype=torch.float8_e4m3fn)
+    pre = QuantizedRows(torch.zeros(4, 256, dtype=torch.float8_e4m3fn), torch.ones(4, 2), 128)
+    with pytest.raises(ValueError, match=r"x quantized for a W8A8 kernel, but the config .* is W8A16") as err:
+        fk.w8a16_linear(x, q, torch.ones(1, 2), [128, 128], W8A16Config(16, 16, 128), quantized=pre)
+    assert "\n" not in str(err.value)
+
+
 @pytest.fixture
 def fresh_configs():
     lk.skinny_config.cache_clear()
