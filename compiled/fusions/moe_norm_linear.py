@@ -113,7 +113,8 @@ def _moe_norm_linear_lora(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight
     """The op whose linear (the next layer's qkv) has LoRA deltas: y = lora_expand(linear(normed),
     lora_shrink(normed, a, slot), b, scale, slot, slices). Where the norm's kernel sums the
     experts, at the sizes of `shrink_in_norm`, it also runs the shrink of each normed row (no
-    launch of its own), and the skinny GEMM's epilogue adds the deltas where it serves the linear."""
+    launch of its own) and quantizes the rows for a W8A8 linear, and the skinny GEMM's epilogue
+    adds the deltas where it serves the linear."""
     a, b, scale, slot, slices = own
     if not (shrink_in_norm(x.shape[0]) and sums_in_norm(x, moe_x, topk_ids) and linear_lora.use_kernel(x)):
         y, h, normed = _moe_norm_linear(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, True,
@@ -121,9 +122,10 @@ def _moe_norm_linear_lora(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight
         y = linear_lora.expand(y, linear_lora.shrink(normed, a, slot), b, scale, slot, slices)
     else:
         pairs = _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert, scales)
+        into = fp8_linear.input_buffers(x, weight, fp8)
         h, normed, s = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps, shrink=(a.contiguous(), slot),
-                                                      ids=topk_ids)
-        y = linear_then_expand(normed, weight, s, b, scale, slot, slices, fp8)
+                                                      ids=topk_ids, quantize=into)
+        y = linear_then_expand(normed, weight, s, b, scale, slot, slices, fp8, into)
     return y, h, normed if keep_normed else x.new_empty(0)
 
 

@@ -33,6 +33,7 @@ from compiled.linear import LORA_MAX_SLICES, NORM_LORA_MAX_T, fused, lora, ops
 from compiled.linear import fp8 as fp8_linear
 from compiled.linear.fp8 import stand_in
 from compiled.linear.lora import check_expand, check_shrink, expand, shrink
+from compiled.quant.act_quant import QuantizedRows
 from compiled.quant.dequant import WeightScale
 from compiled.side_stream import Fork
 
@@ -100,14 +101,14 @@ def linear_lora(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch
 
 def linear_then_expand(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, b: torch.Tensor,
                        scale: torch.Tensor, slot: torch.Tensor, slices: list[int],
-                       fp8: WeightScale | None = None) -> torch.Tensor:
+                       fp8: WeightScale | None = None, quantized: QuantizedRows | None = None) -> torch.Tensor:
     """The linear of x plus the deltas of shrink outputs s made elsewhere: the skinny GEMM's
     epilogue adds them where it serves the linear, the expand's launch otherwise; `fp8` as
-    `linear_lora`'s."""
+    `linear_lora`'s; `quantized`: x already quantized into `fp8.input_buffers(x, weight, fp8)`."""
     if _in_kernel(x, weight, slices, fp8):
         from compiled.linear.skinny_kernels import skinny_linear_lora_triton
         return skinny_linear_lora_triton(x, weight, _args(s, b, scale, slot, slices), fp8=fp8)
-    return expand(fp8_linear.linear(x, weight, fp8), s, b, scale, slot, slices)
+    return expand(fp8_linear.linear(x, weight, fp8, quantized), s, b, scale, slot, slices)
 
 
 def _linear_beside_shrink(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, slot: torch.Tensor,

@@ -84,7 +84,12 @@ SHRINK_MAX_SPLIT = 8
 PAIR_SHRINK_MAX_PAIRS = 512
 PAIR_SHRINK_PROGRAMS = 512
 PAIR_MIN_K_PER_SPLIT = 256
-PAIR_SHRINK_BLOCK_K = 256
+# K steps of the gate/up shrink (a program a pair, K = H) and of the down shrink (a program a row,
+# K = I), on PAIR_SHRINK_WARPS warps: the best of an H200 sweep at 8 and 64 tokens of the 30B with
+# 8 slots of rank 16 (bench/RESULTS.md)
+PAIR_SHRINK_BLOCK_K = 128
+ROW_SHRINK_BLOCK_K = 256
+PAIR_SHRINK_WARPS = 4
 DELTA_IN_K_MIN_PAIRS = 384   # `down_delta_in_k`: 64 tokens of top-8 gained, 32 lost
 
 
@@ -306,7 +311,7 @@ def _pair_shrink(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, ids: torch
     from compiled.moe import expert_lora_kernels as LK
     pairs, (S, _, NR, K) = ids.numel(), a.shape
     programs = pairs if blocks is None else x.shape[0]
-    bk = min(PAIR_SHRINK_BLOCK_K, triton.next_power_of_2(K))
+    bk = min(PAIR_SHRINK_BLOCK_K if blocks is None else ROW_SHRINK_BLOCK_K, triton.next_power_of_2(K))
     split, sems, partials = _split_scratch(pair_shrink_split(programs, K, bk), out, programs, programs * NR, ws,
                                            "lora_pair_semaphores", "lora_pair_split")
     # each program's row: by pair, its expert from the routing; by position, from the alignment
@@ -318,7 +323,7 @@ def _pair_shrink(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, ids: torch
         out.stride(0), partials, sems, triton.cdiv(triton.cdiv(K, split), bk) * bk, experts, num_post,
         out if scale is None else scale, TOP_K=ids.shape[1], BLOCK_N=max(16, triton.next_power_of_2(NR)),
         BLOCK_K=bk, SPLIT_K=split, BY_POSITION=blocks is not None, BLOCK_M=block_m,
-        SCALE_COL=-1 if scale is None else 2, num_warps=8, **pdl)
+        SCALE_COL=-1 if scale is None else 2, num_warps=PAIR_SHRINK_WARPS, **pdl)
 
 
 @dataclass

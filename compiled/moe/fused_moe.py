@@ -580,12 +580,12 @@ def moe_sum_add_rms_norm_triton(pairs: torch.Tensor, x: torch.Tensor, norm_weigh
     contiguous. `shrink` (a `[S, NR, H]` with its last dim contiguous, slot `[T]`): also the next
     linear's LoRA shrink of normed, `lora_shrink(normed, a, slot)` `[T, NR]` fp32, as a third output.
     `ids` (the routing's `[T, k]`): the pairs of id < 0 are left out of the sum; None: none is.
-    `quantize` (not with `shrink`): normed also quantized into its buffers (`quantize_row`), a
-    power-of-two group dividing H's power of two."""
+    `quantize`: normed also quantized into its buffers (`quantize_row`), a power-of-two group
+    dividing H's power of two."""
     from compiled.moe import fused_moe_kernels as K
     T, H = x.shape
-    if quantize is not None and (shrink is not None or not row_quantizable(H, quantize.group)):
-        raise ValueError(f"moe_sum_add_rms_norm_triton: quantize needs no shrink and a power-of-two group dividing "
+    if quantize is not None and not row_quantizable(H, quantize.group):
+        raise ValueError(f"moe_sum_add_rms_norm_triton: quantize needs a power-of-two group dividing "
                          f"{triton.next_power_of_2(H)}, got group {quantize.group}")
     xq, xs, group = quantize if quantize is not None else (x, x, 0)   # x: placeholders never read
     top_k = pairs.shape[0] // T if T else 1

@@ -693,8 +693,8 @@ def moe_sum_add_rms_norm_kernel(y_ptr, ids_ptr, x_ptr, nw_ptr, h_ptr, normed_ptr
     RMSNorm(h) * nw. One program a token; h and normed `[T, H]` contiguous. SHRINK: also the
     LoRA shrink of the next linear, S_OUT `[T, NR]` = lora_shrink(normed, A, SLOT); program
     (t, j) takes N_PER of its NR outputs (`row_shrink`) and program (t, 0) stores h and normed.
-    GROUP (> 0, without SHRINK): normed also quantized for the next linear's W8A8 kernel, into XQ
-    and its group scales into XS (`quant.act_quant.quantize_row`)."""
+    GROUP (> 0): normed also quantized for the next linear's W8A8 kernel, into XQ and its group
+    scales into XS (`quant.act_quant.quantize_row`; with SHRINK by program (t, 0))."""
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
@@ -706,6 +706,9 @@ def moe_sum_add_rms_norm_kernel(y_ptr, ids_ptr, x_ptr, nw_ptr, h_ptr, normed_ptr
         if tl.program_id(1) == 0:
             tl.store(h_ptr + t * H + offs, h, mask=m)
             tl.store(normed_ptr + t * H + offs, normed, mask=m)
+            if GROUP:
+                quantize_row(normed.to(tl.float32), m, XQ + t * stride_xq, XS + t * stride_xs, stride_xsg, H, GROUP,
+                             BLOCK_H)
         row_shrink(normed, A, S_OUT, SLOT, t, offs, m, S, NR, stride_as, stride_an, NR, tl.program_id(1) * N_PER,
                    N_PER)
     elif GROUP:

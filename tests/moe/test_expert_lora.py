@@ -287,9 +287,10 @@ def case_split_k_shrinks():
     # every shrink split along K: gate/up per pair in 2 ragged splits of 32 and 13 and down per
     # row in 3 of 16, then (pairs past PAIR_SHRINK_MAX_PAIRS) both per block, the same; each
     # twice: the second call finds the semaphores back at 0, and they are left so
-    before = el.SHRINK_MIN_K_PER_SPLIT, el.shrink_tiles, el.PAIR_MIN_K_PER_SPLIT, el.PAIR_SHRINK_BLOCK_K
+    before = (el.SHRINK_MIN_K_PER_SPLIT, el.shrink_tiles, el.PAIR_MIN_K_PER_SPLIT, el.PAIR_SHRINK_BLOCK_K,
+              el.ROW_SHRINK_BLOCK_K)
     el.SHRINK_MIN_K_PER_SPLIT, el.shrink_tiles = 16, lambda bm, K: (16, 2)
-    el.PAIR_MIN_K_PER_SPLIT = el.PAIR_SHRINK_BLOCK_K = 16
+    el.PAIR_MIN_K_PER_SPLIT = el.PAIR_SHRINK_BLOCK_K = el.ROW_SHRINK_BLOCK_K = 16
     try:
         assert el.shrink_split(21, 45, 16) == 2 and el.shrink_split(21, 48, 16) == 3
         assert el.pair_shrink_split(21, 45, 16) == 2
@@ -299,7 +300,8 @@ def case_split_k_shrinks():
                     _check_triton(problem(7, 6, 3, 45, 48, 8, 3, slots=SLOTS_7, seed=seed), _cfg(16, 16, 16),
                                   torch.float32)
     finally:
-        el.SHRINK_MIN_K_PER_SPLIT, el.shrink_tiles, el.PAIR_MIN_K_PER_SPLIT, el.PAIR_SHRINK_BLOCK_K = before
+        (el.SHRINK_MIN_K_PER_SPLIT, el.shrink_tiles, el.PAIR_MIN_K_PER_SPLIT, el.PAIR_SHRINK_BLOCK_K,
+         el.ROW_SHRINK_BLOCK_K) = before
     for name in ("lora_shrink_semaphores", "lora_pair_semaphores"):
         assert not fm.zeroed(torch.device("cpu"), name, 1, torch.int32).any()
 

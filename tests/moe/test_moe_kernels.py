@@ -183,28 +183,39 @@ def case_op_dispatch_and_workspace():
     assert {n: b.data_ptr() for n, b in ws.buffers.items()} == before, "workspace reallocated"
 
 
+def _quant_buffers(T: int, H: int, group: int):
+    from compiled.quant.act_quant import QuantizedRows
+    return QuantizedRows(torch.empty(T, H, dtype=torch.float8_e4m3fn), torch.full((T, -(-H // group)), -1.0), group)
+
+
+def _check_quantized(into, rows):
+    """A kernel's quantized rows `into` against the reference's quantization of the rows it read
+    or stored (`rows`)."""
+    from compiled.quant.act_quant import quantize_per_token_group_ref
+    rq, rs = quantize_per_token_group_ref(rows, into.group)
+    assert ((into.s - rs).abs() / rs).max().item() <= 1e-6
+    # a value rounded the other way across a tie is one e4m3 step (2^-3 relative, 2^-9 subnormal) off
+    assert ((into.q.float() - rq.float()).abs() / (rq.float().abs() * 2 ** -3 + 2 ** -9)).max().item() <= 1.0
+
+
 def case_sum_add_rms_norm_kernel_and_op():
     # the top-k sum + residual add + RMSNorm kernel against its reference (H not a power of two),
     # with normed also quantized for a W8A8 linear (a partial last group at H 33), then the whole
     # op through the Triton MoE against the two ops' references
     from compiled.fusions.moe_norm_linear import moe_add_rms_norm_linear_ref
-    from compiled.quant.act_quant import QuantizedRows, quantize_per_token_group_ref
     g = torch.Generator().manual_seed(18)
     for T, k, H, dtype, group in ((1, 2, 40, torch.float32, 0), (23, 4, 33, torch.bfloat16, 16),
                                   (7, 8, 64, torch.float32, 32)):
         pairs, x = torch.randn(T * k, H, generator=g).to(dtype), torch.randn(T, H, generator=g).to(dtype)
         nw = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
-        into = QuantizedRows(torch.empty(T, H, dtype=torch.float8_e4m3fn), torch.full((T, -(-H // group)), -1.0),
-                             group) if group else None
+        into = _quant_buffers(T, H, group) if group else None
         h, normed = fm.moe_sum_add_rms_norm_triton(pairs, x, nw, 1e-6, quantize=into)
         ref_h, ref_normed = fm.moe_sum_add_rms_norm_ref(pairs, x, nw, 1e-6)
         tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
         torch.testing.assert_close(h, ref_h, **tol)
         torch.testing.assert_close(normed, ref_normed, **tol)
-        if into is not None:   # against the reference's quantization of the stored normed rows
-            rq, rs = quantize_per_token_group_ref(normed, group)
-            assert ((into.s - rs).abs() / rs).max().item() <= 1e-6
-            assert ((into.q.float() - rq.float()).abs() / (rq.float().abs() * 2 ** -3 + 2 ** -9)).max().item() <= 1.0
+        if into is not None:
+            _check_quantized(into, normed)
     for T in (19, 1):   # the grouped GEMMs, and one token's GEMVs
         x_moe, w, ids, w13, w2 = _problem(T, 8, 2, 32, 48, seed=19)
         x = torch.randn(T, 32, generator=g)
@@ -223,7 +234,8 @@ def case_sum_add_rms_norm_kernel_and_op():
 def case_sum_add_rms_norm_with_the_next_linears_shrink():
     # the norm's kernel also running the next linear's LoRA shrink of each normed row: H not a
     # power of two, outputs split over programs of 1 and 8 with a partial last one, slots -1 and
-    # out of range (rows of zeros); h and normed as without it
+    # out of range (rows of zeros); h and normed as without it; with the rows quantized for a
+    # W8A8 linear too (group 16, a partial last group at H 33, written once however the outputs split)
     from compiled.linear.lora import lora_shrink_ref
     g = torch.Generator().manual_seed(20)
     assert [fm.shrink_outputs_a_program(T) for T in (1, 5, 17)] == [1, 8, 8]
@@ -234,9 +246,11 @@ def case_sum_add_rms_norm_with_the_next_linears_shrink():
         nw = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
         a = (torch.randn(S, NR, H, generator=g) / H ** 0.5).to(dtype)
         slot = torch.tensor(slots, dtype=torch.int32)
-        h, normed, s = fm.moe_sum_add_rms_norm_triton(pairs, x, nw, 1e-6, shrink=(a, slot))
+        into = _quant_buffers(T, H, 16)
+        h, normed, s = fm.moe_sum_add_rms_norm_triton(pairs, x, nw, 1e-6, shrink=(a, slot), quantize=into)
         want_h, want_normed = fm.moe_sum_add_rms_norm_triton(pairs, x, nw, 1e-6)
         assert torch.equal(h, want_h) and torch.equal(normed, want_normed)
+        _check_quantized(into, normed)
         torch.testing.assert_close(s, lora_shrink_ref(normed, a, slot), atol=1e-5, rtol=1e-5)
         has = (slot >= 0) & (slot < S)
         assert s.dtype == torch.float32 and bool((s[~has] == 0).all()) and bool((s[has] != 0).all())
@@ -250,20 +264,15 @@ def _check_align(T, k, E, block_m, used=None, seed=0, launch=None, quant=None):
     if used is not None:
         logits[:, used:] -= 1e4
     ids = torch.topk(logits, k, dim=-1).indices
-    from compiled.quant.act_quant import QuantizedRows, quantize_per_token_group_ref
     xquant = None
     if quant is not None:
         K, group = quant
         x = torch.randn(T, K, generator=g) * (torch.rand(T, 1, generator=g) * 100 + 0.01)
-        xquant = QuantizedRows(torch.empty(T, K, dtype=torch.float8_e4m3fn), torch.full((T, -(-K // group)), -1.0),
-                               group)
+        xquant = _quant_buffers(T, K, group)
     sorted_ids, expert_ids, num_post, _ = fm.moe_align_block_size(ids, E, block_m, launch=launch,
                                                                   quantize=None if xquant is None else (x, xquant))
     if xquant is not None:
-        rq, rs = quantize_per_token_group_ref(x, group)
-        assert ((xquant.s - rs).abs() / rs).max().item() <= 1e-6
-        # a value rounded the other way across a tie is one e4m3 step (2^-3 relative, 2^-9 subnormal) off
-        assert ((xquant.q.float() - rq.float()).abs() / (rq.float().abs() * 2 ** -3 + 2 ** -9)).max().item() <= 1.0
+        _check_quantized(xquant, x)
     numel = T * k
     flat = ids.reshape(-1)
     counts = torch.bincount(flat, minlength=E)

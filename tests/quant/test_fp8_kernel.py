@@ -650,11 +650,12 @@ def test_gpu_fp8_expert_lora_matches_dequantized_in_bf16(T):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("T", [64, 300])
-def test_gpu_fp8_moe_norm_linear_quantizes_in_the_norm(T):
+@pytest.mark.parametrize("T, lora", [(64, False), (300, False), (64, True)])
+def test_gpu_fp8_moe_norm_linear_quantizes_in_the_norm(T, lora):
     """The MoE, its top-k sum + norm and the next layer's qkv as one op, 30B shapes, FP8 experts
     and qkv: where qkv runs W8A8 (the W8A16 kernel's fp8 tiles at 64 rows, cuBLAS at 300) the
-    norm's kernel quantizes its input. Against the op over the dequantized weights, within the
+    norm's kernel quantizes its input, beside the qkv's LoRA shrink where qkv has adapters (4
+    slots of rank 16, some rows without). Against the op over the dequantized weights, within the
     activations' quantization error."""
     import compiled.fusions.moe_norm_linear  # noqa: F401  (registers the op)
     from compiled.linear import fp8 as fp8_linear
@@ -671,11 +672,19 @@ def test_gpu_fp8_moe_norm_linear_quantizes_in_the_norm(T):
     topk_weights, topk_ids = torch.rand(T, E, device="cuda").softmax(-1).topk(k)
     if hopper(x.device):
         assert fp8_linear.input_buffers(x, qw, WeightScale(sw, block)) is not None
+    own = {}
+    if lora:
+        S, R, slices = 4, 16, [4096, 512, 512]
+        own = dict(lora_a=torch.randn(S, 3 * R, H, device="cuda", dtype=torch.bfloat16) / H ** 0.5,
+                   lora_b=torch.randn(S, N, R, device="cuda", dtype=torch.bfloat16) / R ** 0.5,
+                   lora_scale=torch.rand(S, 3, device="cuda") + 0.5, lora_slices=slices,
+                   lora_slot=torch.randint(-1, S, (T,), device="cuda", dtype=torch.int32))
     got = torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe, topk_weights, topk_ids, q13, q2, nw, 1e-6, qw, True,
-                                                     weight_scale=sw, w13_scale=s13, w2_scale=s2, weight_block=block)
+                                                     weight_scale=sw, w13_scale=s13, w2_scale=s2, weight_block=block,
+                                                     **own)
     deq = [dequantize_blocks(q, s, block, torch.bfloat16) for q, s in ((q13, s13), (q2, s2), (qw, sw))]
     want = torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe, topk_weights, topk_ids, deq[0], deq[1], nw, 1e-6,
-                                                      deq[2], True)
+                                                      deq[2], True, **own)
     for a, b, tol in zip(got, want, (0.06, 0.02, 0.02)):
         assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max()
 
