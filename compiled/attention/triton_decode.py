@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from compiled.attention.reference import NormRope
-from compiled.attention.triton_norm_rope import norm_rope_values, rope_rows
+from compiled.attention.triton_norm_rope import norm_rope_tile
 from compiled.triton_utils import interpreter_upcast, launch_kwargs, num_sms, pdl_wait
 
 LOG2E = 1.4426950408889634
@@ -77,8 +77,6 @@ def _decode_kernel(
         rope_row = Cos_sin + tl.load(Pos + b).to(tl.int64) * stride_cs
     else:
         rope_row = Cos_sin
-    if STORE:   # the newest token's slot, host data like the length
-        new_slot = tl.load(Loc + b).to(tl.int64)
     pdl_wait(PDL)
     offs_g = tl.arange(0, BLOCK_H)
     heads = kvh * GROUP + offs_g
@@ -86,20 +84,14 @@ def _decode_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     out_ptrs = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    # The query heads' rows and the newest token's k and v are loaded before either is normalised:
-    # one wait on the kernel before's output, not two in turn.
     if NORM_ROPE:
-        q_x, q_xr = rope_rows(Q + b.to(tl.int64) * stride_qb, heads * stride_qh, mask_h, offs_d, D)
+        q_rope = norm_rope_tile(Q + b.to(tl.int64) * stride_qb, heads * stride_qh, mask_h, offs_d, Qw, rope_row,
+                                eps, D, Q.dtype.element_ty).to(Q.dtype.element_ty)
     if STORE:
-        newest = (start < end) & (end == seq_len)   # this split holds the newest token: it stores it first
-        k_x, k_xr, v_new = _new_kv_rows(K_new, V_new, b, kvh, newest, offs_d, mask_d, stride_knb, stride_knh,
-                                        stride_vnb, stride_vnh, D, NORM_ROPE)
-    if NORM_ROPE:
-        q_rope = norm_rope_values(q_x, q_xr, offs_d, Qw, rope_row, eps, D, Q.dtype.element_ty).to(Q.dtype.element_ty)
-    if STORE:
-        if newest:
-            _store_new_kv(k_x, k_xr, v_new, new_slot, K_cache, V_cache, Kw, rope_row, eps, kvh, offs_d, mask_d,
-                          stride_kcs, stride_kch, stride_vcs, stride_vch, D, NORM_ROPE)
+        if (start < end) & (end == seq_len):   # this split holds the newest token: store it first
+            _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, Kw, rope_row, eps, b, kvh, offs_g, offs_d,
+                          mask_d, stride_knb, stride_knh, stride_vnb, stride_vnh, stride_kcs, stride_kch,
+                          stride_vcs, stride_vch, D, NORM_ROPE)
             # The loop below reads that slot back. (Taking the token from registers instead, with
             # no barrier, measured slower both ways tried: bench/RESULTS.md.)
             tl.debug_barrier()
@@ -159,36 +151,20 @@ def _decode_kernel(
 
 
 @triton.jit
-def _new_kv_rows(K_new, V_new, b, kvh, newest, offs_d, mask_d, stride_knb, stride_knh, stride_vnb, stride_vnh,
-                 D: tl.constexpr, NORM_ROPE: tl.constexpr):
-    """(k, k with its halves swapped (NORM_ROPE; else k again), v): the step's raw rows of KV head
-    kvh, k as a one-row tile (`rope_rows`' shape), loaded only where `newest` (vector masks: the
-    interpreter takes no scalar bool in one)."""
-    one = tl.arange(0, 1)
-    take = newest.to(tl.int32)
+def _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, Kw, rope_row, eps, b, kvh, offs_g, offs_d, mask_d,
+                  stride_knb, stride_knh, stride_vnb, stride_vnh, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                  D: tl.constexpr, NORM_ROPE: tl.constexpr):
+    slot = tl.load(Loc + b).to(tl.int64)
     k_row = K_new + b.to(tl.int64) * stride_knb + kvh * stride_knh
-    if NORM_ROPE:
-        k_x, k_xr = rope_rows(k_row, one * 0, one * 0 + take != 0, offs_d, D)
+    if NORM_ROPE:   # one row as a tile (the tile helper's shape), stored from its first row
+        first = offs_g == 0
+        k = norm_rope_tile(k_row, offs_g * 0, first, offs_d, Kw, rope_row, eps, D, K_new.dtype.element_ty)
+        tl.store(K_cache + slot * stride_kcs + kvh * stride_kch + offs_g[:, None] * 0 + offs_d[None, :],
+                 k.to(K_cache.dtype.element_ty), mask=first[:, None] & mask_d[None, :])
     else:
-        k_x = tl.load(k_row + one[:, None] * 0 + offs_d[None, :], mask=(one * 0 + take != 0)[:, None] & mask_d[None, :],
-                      other=0.0)
-        k_xr = k_x
-    v = tl.load(V_new + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d, mask=mask_d & (offs_d * 0 + take != 0),
-                other=0.0)
-    return k_x, k_xr, v
-
-
-@triton.jit
-def _store_new_kv(k_x, k_xr, v, slot, K_cache, V_cache, Kw, rope_row, eps, kvh, offs_d, mask_d,
-                  stride_kcs, stride_kch, stride_vcs, stride_vch, D: tl.constexpr, NORM_ROPE: tl.constexpr):
-    """The step's k (normalised and rotated here with NORM_ROPE) and v rows (`_new_kv_rows`) into
-    the pools at `slot`."""
-    if NORM_ROPE:
-        k = norm_rope_values(k_x, k_xr, offs_d, Kw, rope_row, eps, D, v.dtype)
-    else:
-        k = k_x
-    tl.store(K_cache + slot * stride_kcs + kvh * stride_kch + tl.arange(0, 1)[:, None] * 0 + offs_d[None, :],
-             k.to(K_cache.dtype.element_ty), mask=mask_d[None, :])
+        k = tl.load(k_row + offs_d, mask=mask_d)
+        tl.store(K_cache + slot * stride_kcs + kvh * stride_kch + offs_d, k.to(K_cache.dtype.element_ty), mask=mask_d)
+    v = tl.load(V_new + b.to(tl.int64) * stride_vnb + kvh * stride_vnh + offs_d, mask=mask_d)
     tl.store(V_cache + slot * stride_vcs + kvh * stride_vch + offs_d, v.to(V_cache.dtype.element_ty), mask=mask_d)
 
 

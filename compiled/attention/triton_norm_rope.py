@@ -25,39 +25,18 @@ def _round(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _rope_columns(offs_d, D: tl.constexpr):
-    """(the columns of the first half, rotate_half's source column of each)."""
-    first = offs_d < D // 2
-    return first, tl.where(first, offs_d + D // 2, offs_d - D // 2)
-
-
-@triton.jit
 def norm_rope_tile(X, row_offs, mask_rows, offs_d, W, Cos_sin_row, eps, D: tl.constexpr, DTYPE: tl.constexpr):
     """Rows `X + row_offs[r] + [0, D)` -> RMSNorm (weight W `[D]`) then neox RoPE with the table
     row at `Cos_sin_row` (cos of the D/2 frequencies, then their sin). Returns an fp32 tile of
     values already rounded to DTYPE; masked rows and columns are zero."""
-    x, xr = rope_rows(X, row_offs, mask_rows, offs_d, D)
-    return norm_rope_values(x, xr, offs_d, W, Cos_sin_row, eps, D, DTYPE)
-
-
-@triton.jit
-def rope_rows(X, row_offs, mask_rows, offs_d, D: tl.constexpr):
-    """`norm_rope_tile`'s loads, (the rows, the rows with their halves swapped) in fp32: issued
-    apart from its arithmetic, so that other loads can go out beside them."""
-    _, rot_d = _rope_columns(offs_d, D)
-    mask = mask_rows[:, None] & (offs_d < D)[None, :]
-    x = tl.load(X + row_offs[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xr = tl.load(X + row_offs[:, None] + rot_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    return x, xr
-
-
-@triton.jit
-def norm_rope_values(x, xr, offs_d, W, Cos_sin_row, eps, D: tl.constexpr, DTYPE: tl.constexpr):
-    """`norm_rope_tile` of the rows `rope_rows` loaded."""
     HALF: tl.constexpr = D // 2
     mask_d = offs_d < D
-    first, rot_d = _rope_columns(offs_d, D)
+    first = offs_d < HALF
+    rot_d = tl.where(first, offs_d + HALF, offs_d - HALF)   # rotate_half's source column
     freq = tl.where(first, offs_d, offs_d - HALF)
+    mask = mask_rows[:, None] & mask_d[None, :]
+    x = tl.load(X + row_offs[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xr = tl.load(X + row_offs[:, None] + rot_d[None, :], mask=mask, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
     w = tl.load(W + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
     wr = tl.load(W + rot_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
