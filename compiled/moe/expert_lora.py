@@ -86,7 +86,7 @@ PAIR_SHRINK_PROGRAMS = 512
 PAIR_MIN_K_PER_SPLIT = 256
 # K steps of the gate/up shrink (a program a pair, K = H) and of the down shrink (a program a row,
 # K = I), on PAIR_SHRINK_WARPS warps: the best of an H200 sweep at 8 and 64 tokens of the 30B with
-# 8 slots of rank 16 (bench/RESULTS.md)
+# 8 slots of rank 16 (bench/shrink_sweep.py; bench/RESULTS.md)
 PAIR_SHRINK_BLOCK_K = 128
 ROW_SHRINK_BLOCK_K = 256
 PAIR_SHRINK_WARPS = 4

@@ -647,6 +647,17 @@ def test_gpu_qkv_shrink_in_the_norm_kernel_matches_the_ops_in_turn(real_layer, T
         check(out)
 
 
+def test_shrink_sweep_smoke_run_on_cpu():
+    """bench/shrink_sweep.py --device cpu end to end (interpreted, tiny shapes): both shrinks swept,
+    each line naming the launch the op makes and the fastest configs."""
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "shrink_sweep.py"), "--device", "cpu"],
+                          env=child_env(TRITON_INTERPRET="1"), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if "shrink (" in line]
+    assert [line.split(",")[1].split("(")[0].strip() for line in lines] == ["gate/up shrink", "down shrink"], lines
+    assert all(f"w{el.PAIR_SHRINK_WARPS} s3" in line and "best: bk16 w4 s1" in line for line in lines), lines
+
+
 if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     print(MARK + json.dumps(run_cases(CASES)))
