@@ -104,7 +104,7 @@ def linear_then_expand(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, b
                        fp8: WeightScale | None = None, quantized: QuantizedRows | None = None) -> torch.Tensor:
     """The linear of x plus the deltas of shrink outputs s made elsewhere: the skinny GEMM's
     epilogue adds them where it serves the linear, the expand's launch otherwise; `fp8` as
-    `linear_lora`'s; `quantized`: x already quantized into `fp8.input_buffers(x, weight, fp8)`."""
+    `linear_lora`'s; `quantized`: x already quantized into `linear.fp8.input_buffers(x, weight, fp8)`."""
     if _in_kernel(x, weight, slices, fp8):
         from compiled.linear.skinny_kernels import skinny_linear_lora_triton
         return skinny_linear_lora_triton(x, weight, _args(s, b, scale, slot, slices), fp8=fp8)
