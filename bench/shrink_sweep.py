@@ -3,8 +3,8 @@ Qwen3-30B-A3B's experts (E 128, H 2,048, I 768, top-8) with `--slots` adapters o
 the gate/up shrink (a program a (token, expert) pair, K = H) over K steps x warps x stages x K
 splits, and the down shrink (a program a row of the intermediate in block order, K = I) over K
 steps x warps x stages. µs a call: a CUDA graph of one launch a layer over `--layers` copies of
-the adapters' A matrices (`tune_moe.time_graph`). Prints the fastest of each next to the launch
-`expert_lora._pair_shrink` makes (PAIR_SHRINK_BLOCK_K, ROW_SHRINK_BLOCK_K, PAIR_SHRINK_WARPS).
+the adapters' A matrices (`tune_moe.time_graph`), each launched by `expert_lora.pair_shrink` with
+its `tiles` forced (PDL off). Prints the fastest of each next to the op's own tiles.
 
     PYTHONPATH=$PWD python bench/shrink_sweep.py [--tokens 8 64]
     TRITON_INTERPRET=1 PYTHONPATH=$PWD python bench/shrink_sweep.py --device cpu   (smoke run, tiny shapes)"""
@@ -19,11 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 
 import tune_moe  # noqa: E402
 from compiled.moe import expert_lora as el  # noqa: E402
-from compiled.moe import expert_lora_kernels as LK  # noqa: E402
 from compiled.moe import fused_moe as fm  # noqa: E402
 import compiled.moe.routing  # noqa: E402,F401  (registers compiled::topk_route)
 
@@ -33,15 +31,6 @@ UP_SPACE = list(itertools.product((128, 256, 512), (2, 4, 8), (1, 3), (1, 2, 4, 
 DOWN_SPACE = list(itertools.product((128, 256, 1024), (2, 4, 8), (1, 3)))
 SMOKE = dict(E=8, H=64, I=32, top_k=2)
 SMOKE_UP, SMOKE_DOWN = [(16, 4, 1, 1), (16, 4, 1, 2)], [(16, 4, 1)]
-
-
-def launch(x, a, out, rows, slot, pairs, S, top_k, NR, K, experts, num_post, programs, bk, warps, stages, split,
-           by_row, partials, semaphores):
-    LK.moe_lora_pair_shrink_kernel[(programs, split)](
-        x, a, out, rows, slot, pairs, S, NR, K, x.stride(0), a.stride(0), a.stride(1), a.stride(2),
-        out.stride(0), partials, semaphores, triton.cdiv(triton.cdiv(K, split), bk) * bk, experts, num_post,
-        out, TOP_K=top_k, BLOCK_N=max(16, triton.next_power_of_2(NR)), BLOCK_K=bk, SPLIT_K=split,
-        BY_POSITION=by_row, BLOCK_M=16, SCALE_COL=-1, num_warps=warps, num_stages=stages, PDL=False)
 
 
 def best(timings: list[tuple[float, str]], current: str, n: int = 6) -> str:
@@ -61,6 +50,7 @@ def sweep(T: int, shape: dict, spaces: tuple[list, list], S: int, R: int, layers
     _, ids = torch.ops.compiled.topk_route(torch.randn(T, E, device=device, generator=g), top_k, True)
     slot = torch.randint(0, S, (T,), device=device, generator=g, dtype=torch.int32)
     pairs = T * top_k
+    ws, off = fm.MoEWorkspace(), dict(PDL=False)
     out = torch.empty(pairs, 2 * R, device=device)
     blocks = fm.moe_align_block_size(ids, E, 16)
     rows = blocks.expert_ids.numel() * 16
@@ -70,22 +60,22 @@ def sweep(T: int, shape: dict, spaces: tuple[list, list], S: int, R: int, layers
     for bk, warps, stages, split in spaces[0]:
         if H // split < bk:
             continue
-        partials = torch.empty(split * pairs * 2 * R, device=device)
-        sems = torch.zeros(pairs, dtype=torch.int32, device=device)
-        calls = [lambda i=i: launch(x, a13[i], out, ids, slot, pairs, S, top_k, 2 * R, H, ids, ids, pairs, bk, warps,
-                                    stages, split, False, partials, sems) for i in range(layers)]
+        tiles = el.ShrinkTiles(bk, warps, stages, split)
+        calls = [lambda i=i: el.pair_shrink(x, a13[i], out, ids, slot, ws, off, tiles=tiles) for i in range(layers)]
         up.append((tune_moe.time_graph(calls, reps) / layers, f"bk{bk} w{warps} s{stages} split{split}"))
-    split = el.pair_shrink_split(pairs, H, el.PAIR_SHRINK_BLOCK_K)
+    own = el.ShrinkTiles(min(el.PAIR_SHRINK_BLOCK_K, H))
+    split = el.pair_shrink_split(pairs, H, own.block_k)
     print(f"{T} tokens, gate/up shrink ({pairs} programs): " +
-          best(up, f"bk{min(el.PAIR_SHRINK_BLOCK_K, H)} w{el.PAIR_SHRINK_WARPS} s3 split{split}"), flush=True)
+          best(up, f"bk{own.block_k} w{own.num_warps} s{own.num_stages} split{split}"), flush=True)
     down = []
     for bk, warps, stages in spaces[1]:
-        calls = [lambda i=i: launch(inter, a2[i], out2, blocks.sorted_ids, slot, pairs, S, top_k, R, I,
-                                    blocks.expert_ids, blocks.num_post, rows, bk, warps, stages, 1, True, out2, out2)
+        tiles = el.ShrinkTiles(bk, warps, stages, 1)
+        calls = [lambda i=i: el.pair_shrink(inter, a2[i], out2, ids, slot, ws, off, blocks, tiles=tiles)
                  for i in range(layers)]
         down.append((tune_moe.time_graph(calls, reps) / layers, f"bk{bk} w{warps} s{stages}"))
+    own = el.ShrinkTiles(el.ROW_SHRINK_BLOCK_K)
     print(f"{T} tokens, down shrink ({rows} programs): " +
-          best(down, f"bk{el.ROW_SHRINK_BLOCK_K} w{el.PAIR_SHRINK_WARPS} s3"), flush=True)
+          best(down, f"bk{own.block_k} w{own.num_warps} s{own.num_stages}"), flush=True)
 
 
 def main() -> None:

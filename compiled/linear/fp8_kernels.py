@@ -211,10 +211,10 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     upcast = interpreter_upcast(x.dtype)
     xs = y   # never read without A8
-    if quantized is not None and not a8:
-        raise ValueError(f"w8a16 linear: x quantized for a W8A8 kernel, but the config {tuple(config)} is W8A16 "
-                         f"(a8=False)")
-    if a8 and quantized is not None:
+    if quantized is not None:
+        if not a8:
+            raise ValueError(f"w8a16 linear: x quantized for a W8A8 kernel, but the config {tuple(config)} is W8A16 "
+                             f"(a8=False)")
         if quantized.group != ks.bi:
             raise ValueError(f"w8a16 linear: x quantized in groups of {quantized.group}, the weight's blocks are "
                              f"{ks.bi} wide")

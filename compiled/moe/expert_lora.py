@@ -45,6 +45,7 @@ MoE's (`fused_moe.BACKEND`, `COMPILED_MOE_BACKEND`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +91,7 @@ PAIR_MIN_K_PER_SPLIT = 256
 PAIR_SHRINK_BLOCK_K = 128
 ROW_SHRINK_BLOCK_K = 256
 PAIR_SHRINK_WARPS = 4
+PAIR_SHRINK_STAGES = 3
 DELTA_IN_K_MIN_PAIRS = 384   # `down_delta_in_k`: 64 tokens of top-8 gained, 32 lost
 
 
@@ -301,19 +303,31 @@ def _split_scratch(split: int, out: torch.Tensor, groups: int, split_numel: int,
     return split, sems, ws.get(partials, split * split_numel, torch.float32, out.device)
 
 
-def _pair_shrink(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, slot: torch.Tensor,
-                 ws: MoEWorkspace, pdl: dict, blocks: Blocks | None = None, block_m: int = 16,
-                 scale: torch.Tensor | None = None) -> None:
+class ShrinkTiles(NamedTuple):
+    """A `pair_shrink` launch: K steps (cut to K's power of two), warps, pipeline stages and K
+    splits (0: `pair_shrink_split`'s)."""
+    block_k: int
+    num_warps: int = PAIR_SHRINK_WARPS
+    num_stages: int = PAIR_SHRINK_STAGES
+    split: int = 0
+
+
+def pair_shrink(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, slot: torch.Tensor,
+                ws: MoEWorkspace, pdl: dict, blocks: Blocks | None = None, block_m: int = 16,
+                scale: torch.Tensor | None = None, tiles: ShrinkTiles | None = None) -> None:
     """out <- a shrink a program a row (`moe_lora_pair_shrink_kernel`): without `blocks`, the gate/up
     shrink of x `[T, H]`, out `[T*k, 2R]` in pair order; with them, the down shrink of the
     intermediate x `[rows, I]`, out `[rows, R]` in block order (blocks of block_m rows), with
-    `scale` times the slots' down scales (in out's dtype)."""
+    `scale` times the slots' down scales (in out's dtype). `tiles` overrides the launch's
+    (bench/shrink_sweep.py)."""
     from compiled.moe import expert_lora_kernels as LK
     pairs, (S, _, NR, K) = ids.numel(), a.shape
     programs = pairs if blocks is None else x.shape[0]
-    bk = min(PAIR_SHRINK_BLOCK_K if blocks is None else ROW_SHRINK_BLOCK_K, triton.next_power_of_2(K))
-    split, sems, partials = _split_scratch(pair_shrink_split(programs, K, bk), out, programs, programs * NR, ws,
-                                           "lora_pair_semaphores", "lora_pair_split")
+    if tiles is None:
+        tiles = ShrinkTiles(PAIR_SHRINK_BLOCK_K if blocks is None else ROW_SHRINK_BLOCK_K)
+    bk = min(tiles.block_k, triton.next_power_of_2(K))
+    split, sems, partials = _split_scratch(tiles.split or pair_shrink_split(programs, K, bk), out, programs,
+                                           programs * NR, ws, "lora_pair_semaphores", "lora_pair_split")
     # each program's row: by pair, its expert from the routing; by position, from the alignment
     # (the last two arguments are read only BY_POSITION)
     rows, experts, num_post = (ids, ids, ids) if blocks is None else \
@@ -323,7 +337,7 @@ def _pair_shrink(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, ids: torch
         out.stride(0), partials, sems, triton.cdiv(triton.cdiv(K, split), bk) * bk, experts, num_post,
         out if scale is None else scale, TOP_K=ids.shape[1], BLOCK_N=max(16, triton.next_power_of_2(NR)),
         BLOCK_K=bk, SPLIT_K=split, BY_POSITION=blocks is not None, BLOCK_M=block_m,
-        SCALE_COL=-1 if scale is None else 2, num_warps=PAIR_SHRINK_WARPS, **pdl)
+        SCALE_COL=-1 if scale is None else 2, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl)
 
 
 @dataclass
@@ -367,8 +381,8 @@ class _Launches:
         else:
             s2 = self.ws.get("lora_s2", rows * R, torch.float32, inter.device).view(rows, R)
         if numel <= PAIR_SHRINK_MAX_PAIRS:
-            _pair_shrink(inter, a2, s2, self.ids, self.slot, self.ws, self.pdl, self.blocks, self.block_m,
-                         scale if in_k else None)
+            pair_shrink(inter, a2, s2, self.ids, self.slot, self.ws, self.pdl, self.blocks, self.block_m,
+                        scale if in_k else None)
         else:
             self.block_shrink(inter, a2, s2, inter.shape[1], False)
         return GemmDelta(s2, b2, scale, self.slot, consts, in_k=in_k)
@@ -439,7 +453,7 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         s13 = ws.get("lora_s13", numel * 2 * R, torch.float32, x.device).view(numel, 2 * R)
         fork = Fork(x.device)
         with fork.side():
-            _pair_shrink(x, a13, s13, ids, slot, ws, pdl)
+            pair_shrink(x, a13, s13, ids, slot, ws, pdl)
     blocks, xquant = align_quantized(ws, x, ids, E, bm, groups)
     call.blocks = blocks
     rows = blocks.expert_ids.numel() * bm

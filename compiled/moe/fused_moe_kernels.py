@@ -701,20 +701,16 @@ def moe_sum_add_rms_norm_kernel(y_ptr, ids_ptr, x_ptr, nw_ptr, h_ptr, normed_ptr
     m = offs < H
     moe_out = _slot_sum(y_ptr, ids_ptr, t, offs, m, H, TOP_K).to(x_ptr.dtype.element_ty)
     x = tl.load(x_ptr + t * stride_xm + offs, mask=m, other=0.0)
-    if SHRINK:
+    if SHRINK or GROUP:
         h, normed = add_rms_norm_values(x, moe_out, nw_ptr, offs, m, H, eps)
-        if tl.program_id(1) == 0:
+        if tl.program_id(1) == 0:   # (without SHRINK the only program of the row)
             tl.store(h_ptr + t * H + offs, h, mask=m)
             tl.store(normed_ptr + t * H + offs, normed, mask=m)
             if GROUP:
                 quantize_row(normed.to(tl.float32), m, XQ + t * stride_xq, XS + t * stride_xs, stride_xsg, H, GROUP,
                              BLOCK_H)
-        row_shrink(normed, A, S_OUT, SLOT, t, offs, m, S, NR, stride_as, stride_an, NR, tl.program_id(1) * N_PER,
-                   N_PER)
-    elif GROUP:
-        h, normed = add_rms_norm_values(x, moe_out, nw_ptr, offs, m, H, eps)
-        tl.store(h_ptr + t * H + offs, h, mask=m)
-        tl.store(normed_ptr + t * H + offs, normed, mask=m)
-        quantize_row(normed.to(tl.float32), m, XQ + t * stride_xq, XS + t * stride_xs, stride_xsg, H, GROUP, BLOCK_H)
+        if SHRINK:
+            row_shrink(normed, A, S_OUT, SLOT, t, offs, m, S, NR, stride_as, stride_an, NR, tl.program_id(1) * N_PER,
+                       N_PER)
     else:
         add_rms_norm_row(x, moe_out, nw_ptr, h_ptr + t * H, normed_ptr + t * H, offs, m, H, eps)
