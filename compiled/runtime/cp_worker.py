@@ -114,7 +114,7 @@ class _Worker:
         if runner.tp is not None and runner.cp.group.rank == 0:
             # rank 0's tensor-parallel group: the logits rank 0 computes next gather every shard's
             if message.sample_rows:
-                runner.logits(select_rows(hidden, len(hidden), message.sample_rows))
+                runner.logits(select_rows(hidden, message.sample_rows))
             for start, stop in message.logit_rows:
                 runner.logits(hidden[start:stop])
 

@@ -35,11 +35,64 @@ from compiled.runtime.static_inputs import StaticInputs, write_request_table
 from compiled.runtime.tensor_parallel import send_step, step_message
 
 
-def select_rows(x: torch.Tensor, t: int, rows: Sequence[int]) -> torch.Tensor | None:
-    """`x[rows]` without a gather when `rows` is every one of the first `t` rows; None for none."""
+def select_rows(x: torch.Tensor, rows: Sequence[int]) -> torch.Tensor | None:
+    """`x[rows]`, None for none: a view where the rows are consecutive,
+    else a gather whose index goes up from pinned memory. Indexing a device tensor with a list
+    copies the index from pageable memory, which waits for every kernel queued before it: the host
+    then stops running ahead of a prefill and its LM head and sampling launch late."""
     if not rows:
         return None
-    return x[:t] if len(rows) == t else x[list(rows)]
+    first, n = rows[0], len(rows)
+    if rows[-1] - first == n - 1 and all(r == first + i for i, r in enumerate(rows)):
+        return x[first:first + n]
+    index = torch.tensor(rows, dtype=torch.int64)
+    if x.is_cuda:
+        index = index.pin_memory().to(x.device, non_blocking=True)
+    return x.index_select(0, index)
+
+
+# A chunk at least this long is written into the host buffers by slices; shorter ones (a decode
+# batch's one-token chunks) are gathered into lists and written with one assignment per field.
+SLICE_MIN_TOKENS = 32
+
+
+class _ShortChunks:
+    """The token fields of a step's chunks, into the host buffers `h`: short chunks gathered in
+    lists (per-chunk slicing costs more than their data), long ones (a prompt's thousands of
+    tokens) by slices, which spares building a list as long as the prompt."""
+
+    def __init__(self, h: dict, lora: bool) -> None:
+        self.h, self.lora, self.start = h, lora, 0
+        self.ids, self.positions, self.rows, self.slots = [], [], [], []
+
+    def add(self, c, t: int) -> None:
+        request, end = c.request, c.start + c.length
+        if c.length < SLICE_MIN_TOKENS:
+            self.ids += request.token_ids(c.start, end)
+            self.positions += range(c.start, end)
+            self.rows += [request.row] * c.length
+            if self.lora:   # only the LoRA graph reads them
+                self.slots += [request.lora_slot] * c.length
+            return
+        self.flush()
+        h, s = self.h, slice(t, t + c.length)
+        h["input_ids"][s] = request.token_ids(c.start, end)
+        h["positions"][s] = np.arange(c.start, end)
+        h["token_rows"][s] = request.row
+        if self.lora:
+            h["lora_slots"][s] = request.lora_slot
+        self.start = t + c.length
+
+    def flush(self) -> None:
+        """Write the gathered short chunks, which sit from `start` on."""
+        h, s = self.h, slice(self.start, self.start + len(self.ids))
+        h["input_ids"][s] = self.ids
+        h["positions"][s] = self.positions
+        h["token_rows"][s] = self.rows
+        if self.lora:
+            h["lora_slots"][s] = self.slots
+        self.start = s.stop
+        self.ids, self.positions, self.rows, self.slots = [], [], [], []
 
 
 @dataclass
@@ -184,29 +237,19 @@ class ModelRunner:
         and upload it. A decode batch pads with one request per token (its graph has one row per
         request), anything else with one padding request."""
         inp = inputs or self.inputs
-        ids, positions, token_rows, lora_slots, starts = [], [], [], [], []
-        rows, seq_lens, ext_lens = [], [], []
+        h = inp.begin()
+        short = _ShortChunks(h, self.serves_lora)
+        starts, rows, seq_lens, ext_lens = [], [], [], []
         t = 0
         for c in chunks:
-            request, end = c.request, c.start + c.length
-            ids += request.token_ids(c.start, end)
-            positions += range(c.start, end)
-            token_rows += [request.row] * c.length
-            if self.serves_lora:   # only the LoRA graph reads them
-                lora_slots += [request.lora_slot] * c.length
+            short.add(c, t)
             starts.append(t)
-            rows.append(request.row)
-            seq_lens.append(end)
+            rows.append(c.request.row)
+            seq_lens.append(c.start + c.length)
             ext_lens.append(c.length)
             t += c.length
+        short.flush()
         b = len(rows)
-        # One numpy assignment per field: per-chunk slicing costs more than the data at decode.
-        h = inp.begin()
-        h["input_ids"][:t] = ids
-        h["positions"][:t] = positions
-        h["token_rows"][:t] = token_rows
-        if self.serves_lora:
-            h["lora_slots"][:t] = lora_slots
         if chunks:
             h["out_cache_loc"][:t] = np.concatenate([c.slots for c in chunks])
         h["extend_start_loc"][:b] = starts
@@ -318,13 +361,13 @@ class ModelRunner:
             self._stage(batch.chunks, bucket, is_decode=True, inputs=graphs.inputs)
             self._feed(feed, t, graphs.inputs)
             hidden, logits, argmax = graphs.replay(bucket)
-            return StepOutput(hidden[:t], select_rows(logits, t, sample_rows), select_rows(argmax, t, sample_rows))
+            return StepOutput(hidden[:t], select_rows(logits, sample_rows), select_rows(argmax, sample_rows))
         tokens = self._prefill_bucket(t)
         feed = self._capture_first(entry.piecewise, tokens, feed)
         meta = self._stage(batch.chunks, tokens, is_decode=batch.is_decode and tokens == t)
         self._feed(feed, t, self.inputs)
         hidden = self._run_model(meta, tokens, variant)[:t]
-        rows = select_rows(hidden, t, sample_rows)
+        rows = select_rows(hidden, sample_rows)
         return StepOutput(hidden, None if rows is None else self.logits(rows))
 
     def _forward_cp(self, batch: Batch, sample_rows: Sequence[int],
@@ -349,7 +392,7 @@ class ModelRunner:
             if self.tp is None:
                 group.shutdown()
             raise
-        rows = select_rows(hidden, batch.num_tokens, sample_rows)
+        rows = select_rows(hidden, sample_rows)
         return StepOutput(hidden, None if rows is None else self.logits(rows))
 
     @staticmethod
