@@ -18,7 +18,6 @@ from compiled.attention.reference import (NormRope, decode_attention_ref, extend
 from compiled.backend import BackendChoice
 from compiled.forward_context import current_forward
 from compiled.parallel.context import CPStep
-from compiled.quant.act_quant import QuantizedRows
 
 BACKEND = BackendChoice("COMPILED_ATTENTION_BACKEND")
 
@@ -51,37 +50,24 @@ def attention_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
     `k_full` / `v_full` (set by the cp_allgather pass): every rank's K/V of the step in batch
     order. In a context-parallel step this rank's q/k/v are its own tokens only: all of the
     step's K/V is stored, and this rank's queries attend (`_attention_cp`)."""
-    return attend(q, k, v, layer, scale, norm_rope(q, q_norm, k_norm, positions, cos_sin, eps), k_full, v_full)
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float, rope: NormRope | None,
-           k_full: torch.Tensor | None = None, v_full: torch.Tensor | None = None, out: torch.Tensor | None = None,
-           quantized: QuantizedRows | None = None) -> torch.Tensor:
-    """`attention_body` past its operands' checks. `out` `[T, Hq, D]`: where the output goes
-    (default: the piecewise graphs' slab, or a new tensor). `quantized` (Triton only, not with
-    `k_full`): the output goes there quantized per token in groups of D instead, for a W8A8
-    projection after it (`fusions/attention_linear.py`); `out` is then left unwritten."""
+    rope = _norm_rope(q, q_norm, k_norm, positions, cos_sin, eps)
     forward = current_forward()
     ctx, step = forward.attention, forward.cp
     if ctx is None:
         raise RuntimeError("attention ran outside forward_context(attention=...): the runner installs it per step")
-    if quantized is not None and (k_full is not None or backend_for(q) != "triton"):
-        raise ValueError("compiled::attention: a quantized output needs the Triton kernels and no k_full")
     if step is not None and k_full is not None:
         return _attention_cp(ctx, step, q, k, v, k_full, v_full, layer, scale, rope)
     if backend_for(q) == "triton":
-        return _attention_triton(ctx, q, k, v, layer, scale, rope, out, quantized)
+        return _attention_triton(ctx, q, k, v, layer, scale, rope)
     if rope is not None:
         q, k = norm_rope_ref(q, k, rope)
     meta, k_cache, v_cache = ctx.meta, ctx.kv.k[layer], ctx.kv.v[layer]
     store_kv(k_cache, v_cache, meta.out_cache_loc, k, v)
     if meta.is_decode:
-        y = decode_attention_ref(q, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
-                                 meta.seq_lens, meta.max_seq_len, scale)
-    else:
-        y = extend_attention_ref(q, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices_cpu,
-                                 meta.seq_lens_cpu, meta.extend_lens_cpu, scale)
-    return y if out is None else out.copy_(y)
+        return decode_attention_ref(q, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
+                                    meta.seq_lens, meta.max_seq_len, scale)
+    return extend_attention_ref(q, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices_cpu,
+                                meta.seq_lens_cpu, meta.extend_lens_cpu, scale)
 
 
 attention = torch.library.custom_op("compiled::attention", mutates_args=())(attention_body)
@@ -125,8 +111,7 @@ def _attention_cp(ctx: AttentionContext, step: CPStep, q, k, v, k_full, v_full, 
                                 meta.seq_lens_cpu, meta.extend_lens_cpu, scale)
 
 
-def norm_rope(q, q_norm, k_norm, positions, cos_sin, eps) -> NormRope | None:
-    """The op's q/k norm + RoPE operands (all given or none: None), checked."""
+def _norm_rope(q, q_norm, k_norm, positions, cos_sin, eps) -> NormRope | None:
     parts = dict(q_norm=q_norm, k_norm=k_norm, positions=positions, cos_sin=cos_sin)
     missing = [name for name, t in parts.items() if t is None]
     if len(missing) == len(parts):
@@ -165,24 +150,21 @@ def extend_start_loc(meta: AttentionMetadata) -> torch.Tensor:
     return meta.extend_start_loc
 
 
-def _attention_triton(ctx: AttentionContext, q, k, v, layer: int, scale: float, rope: NormRope | None,
-                      out: torch.Tensor | None = None, quantized: QuantizedRows | None = None) -> torch.Tensor:
+def _attention_triton(ctx: AttentionContext, q, k, v, layer: int, scale: float, rope: NormRope | None) -> torch.Tensor:
     from compiled.attention.triton_decode import decode_attention_triton
     from compiled.attention.triton_extend import extend_attention_triton
     from compiled.attention.triton_norm_rope import norm_rope_store_triton
     from compiled.attention.triton_store import store_kv_triton
     meta, k_cache, v_cache = ctx.meta, ctx.kv.k[layer], ctx.kv.v[layer]
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
-    if out is None and ctx.attention_out is not None:
-        out = ctx.attention_out(q)
+    out = None if ctx.attention_out is None else ctx.attention_out(q)
     if meta.is_decode:
         if q.shape[0] != meta.seq_lens.shape[0]:
             raise ValueError(f"decode step with {q.shape[0]} tokens for {meta.seq_lens.shape[0]} requests")
         # The decode kernel stores the step's K/V itself (one launch instead of two).
         return decode_attention_triton(q, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
                                        meta.seq_lens, scale, decode_workspace(ctx, q),
-                                       new_kv=(k, v, meta.out_cache_loc), norm_rope=rope, out=out,
-                                       quantized=quantized)
+                                       new_kv=(k, v, meta.out_cache_loc), norm_rope=rope, out=out)
     # In a mixed step the leading one-token requests (`decode_rows`) attend through the decode
     # kernel, which also normalises, rotates and stores their K/V as in a decode step (the same
     # compiled kernel: whole arrays of which it reads the first n, not slices); the other
@@ -193,15 +175,12 @@ def _attention_triton(ctx: AttentionContext, q, k, v, layer: int, scale: float, 
         store_kv_triton(k_cache, v_cache, meta.out_cache_loc, k, v)
     if n:
         new_kv = None if rope is None else (k, v, meta.out_cache_loc)
-        rows = None if quantized is None else QuantizedRows(quantized.q[:n], quantized.s[:n], quantized.group)
         decode_attention_triton(q[:n], k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices, meta.seq_lens,
-                                scale, decode_workspace(ctx, q[:n]), new_kv=new_kv, norm_rope=rope, out=out[:n],
-                                quantized=rows)
+                                scale, decode_workspace(ctx, q[:n]), new_kv=new_kv, norm_rope=rope, out=out[:n])
     if meta.max_extend_len:
         if rope is not None:   # one launch normalises, rotates and stores
             q, k = norm_rope_store_triton(q, k, v, k_cache, v_cache, meta.out_cache_loc, rope, first=n)
         extend_attention_triton(q, k, v, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
                                 meta.seq_lens, meta.extend_lens, extend_start_loc(meta), meta.max_extend_len,
-                                scale, out=out, max_prefix_len=meta.max_prefix_len, first_request=n,
-                                quantized=quantized)
+                                scale, out=out, max_prefix_len=meta.max_prefix_len, first_request=n)
     return out

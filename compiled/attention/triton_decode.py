@@ -24,7 +24,6 @@ import triton.language as tl
 
 from compiled.attention.reference import NormRope
 from compiled.attention.triton_norm_rope import norm_rope_tile
-from compiled.quant.act_quant import QuantizedRows, store_quantized_rows
 from compiled.triton_utils import interpreter_upcast, launch_kwargs, num_sms, pdl_wait
 
 LOG2E = 1.4426950408889634
@@ -51,18 +50,16 @@ def _live_splits(seq_len, NUM_SPLITS, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=["NUM_SPLITS"])
 def _decode_kernel(
     Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Mid_o, Mid_lse, Counters,
-    K_new, V_new, Loc, Out, Qw, Kw, Pos, Cos_sin, eps, sm_scale_log2, NUM_SPLITS, Out_q, Out_s,
+    K_new, V_new, Loc, Out, Qw, Kw, Pos, Cos_sin, eps, sm_scale_log2, NUM_SPLITS,
     stride_qb, stride_qh, stride_kcs, stride_kch, stride_vcs, stride_vch, stride_r2t,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs, stride_oqb, stride_osb, stride_osg,
+    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
-    STORE: tl.constexpr, NORM_ROPE: tl.constexpr, MERGE_UNROLL: tl.constexpr, QUANT: tl.constexpr,
-    PDL: tl.constexpr,
+    STORE: tl.constexpr, NORM_ROPE: tl.constexpr, MERGE_UNROLL: tl.constexpr, PDL: tl.constexpr,
 ):
     """DIRECT (one split): write the normalised output straight to Out, no merge. NORM_ROPE: q
-    and the new k arrive raw; RMSNorm (weights Qw, Kw) and RoPE at Pos[b] are applied here.
-    QUANT: the output goes to Out_q / Out_s quantized instead (`_store_out`)."""
+    and the new k arrive raw; RMSNorm (weights Qw, Kw) and RoPE at Pos[b] are applied here."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -87,8 +84,6 @@ def _decode_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     out_ptrs = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    q_out = (Out_q + b.to(tl.int64) * stride_oqb + heads[:, None] * D + offs_d[None, :],
-             Out_s + b.to(tl.int64) * stride_osb + heads * stride_osg)
     if NORM_ROPE:
         q_rope = norm_rope_tile(Q + b.to(tl.int64) * stride_qb, heads * stride_qh, mask_h, offs_d, Qw, rope_row,
                                 eps, D, Q.dtype.element_ty).to(Q.dtype.element_ty)
@@ -130,7 +125,7 @@ def _decode_kernel(
             if n0 + BLOCK_N < end:   # the next tile's slots, a step ahead
                 slots = tl.load(r2t + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end, other=0).to(tl.int64)
         if DIRECT:
-            _store_out(acc / l_i[:, None], out_ptrs, q_out, mask_h, mask_d, QUANT)
+            tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
         else:
             mid = Mid_o + b.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + split * stride_ms + offs_d[None, :]
             tl.store(mid, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
@@ -138,7 +133,8 @@ def _decode_kernel(
                      mask=mask_h)
     elif DIRECT:
         # A request with no cached tokens (a padding row of a captured batch) gets zeros.
-        _store_out(tl.zeros([BLOCK_H, BLOCK_D], tl.float32), out_ptrs, q_out, mask_h, mask_d, QUANT)
+        tl.store(out_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(Out.dtype.element_ty),
+                 mask=mask_h[:, None] & mask_d[None, :])
     if not DIRECT:
         # The splits with tokens arrive (an empty request: split 0 alone, which merges nothing
         # into zeros). Every thread's partial must be written before the counter says so
@@ -148,9 +144,9 @@ def _decode_kernel(
             tl.debug_barrier()
             counter = Counters + b * tl.num_programs(1) + kvh
             if tl.atomic_add(counter, 1, sem="acq_rel") == arrivals - 1:
-                _merge_splits(Mid_o, Mid_lse, out_ptrs, q_out, seq_len, NUM_SPLITS, b, heads, mask_h, offs_d, mask_d,
+                _merge_splits(Mid_o, Mid_lse, out_ptrs, seq_len, NUM_SPLITS, b, heads, mask_h, offs_d, mask_d,
                               stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, BLOCK_H, BLOCK_D, BLOCK_N,
-                              MERGE_UNROLL, QUANT)
+                              MERGE_UNROLL)
                 tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
@@ -173,21 +169,9 @@ def _store_new_kv(K_new, V_new, Loc, K_cache, V_cache, Kw, rope_row, eps, b, kvh
 
 
 @triton.jit
-def _store_out(out, out_ptrs, q_out, mask_h, mask_d, QUANT: tl.constexpr):
-    """The output tile (a row a head), rounded to Out's dtype: into Out, or (QUANT) quantized into
-    q_out's (values, scales) pointers, each head's row one group."""
-    out = out.to(out_ptrs.dtype.element_ty)
-    if QUANT:
-        store_quantized_rows(out, q_out[0], q_out[1], mask_h, mask_d)
-    else:
-        tl.store(out_ptrs, out, mask=mask_h[:, None] & mask_d[None, :])
-
-
-@triton.jit
-def _merge_splits(Mid_o, Mid_lse, out_ptrs, q_out, seq_len, NUM_SPLITS, b, heads, mask_h, offs_d, mask_d,
+def _merge_splits(Mid_o, Mid_lse, out_ptrs, seq_len, NUM_SPLITS, b, heads, mask_h, offs_d, mask_d,
                   stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
-                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr,
-                  QUANT: tl.constexpr):
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UNROLL: tl.constexpr):
     """Log-sum-exp merge of the non-empty splits' partials for the GQA group's heads."""
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -207,7 +191,8 @@ def _merge_splits(Mid_o, Mid_lse, out_ptrs, q_out, seq_len, NUM_SPLITS, b, heads
         l_i = l_i * alpha + w
         m_i = m_new
     # A request with no cached tokens (a padding row of a captured batch) gets zeros, not NaN.
-    _store_out(acc / tl.maximum(l_i, 1e-30)[:, None], out_ptrs, q_out, mask_h, mask_d, QUANT)
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
 
 
 # Decode programs resident per SM: the default config's registers (~165 a thread) and shared
@@ -285,15 +270,13 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             seq_lens: torch.Tensor, scale: float, workspace: DecodeWorkspace,
                             num_splits: int | None = None, out: torch.Tensor | None = None,
                             new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                            norm_rope: NormRope | None = None, quantized: QuantizedRows | None = None,
-                            **config) -> torch.Tensor:
+                            norm_rope: NormRope | None = None, **config) -> torch.Tensor:
     """q `[B, Hq, D]` (one token per request) over pools `[slots, Hkv, D]` -> `[B, Hq, D]`.
     `new_kv` = (k, v `[B, Hkv, D]`, slots `[B]`): the step's K/V, written into the pools first
     (the slot of each request's newest token, i.e. position seq_len - 1 in its table row; rows
     with seq_len 0 store nothing). `norm_rope`: q and the new k are the raw projection output,
-    normalised and rotated here (needs `new_kv`). `quantized` (D-wide groups, `[B, Hq * D]`): the
-    output is written there quantized instead of into `out` (`quantized_out`). `config`
-    overrides `default_config` (block_n, num_warps, num_stages)."""
+    normalised and rotated here (needs `new_kv`). `config` overrides `default_config` (block_n,
+    num_warps, num_stages)."""
     batch, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv
@@ -315,36 +298,16 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     cfg = dict(default_config(d), **config)
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1
-    oq, os_ = quantized_out(quantized, q, out)
     _decode_kernel[(batch, hkv, splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, workspace.counters,
-        k_new, v_new, loc, out, qw, kw, pos, cos_sin, eps, scale * LOG2E, splits, oq, os_,
+        k_new, v_new, loc, out, qw, kw, pos, cos_sin, eps, scale * LOG2E, splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0), *mid_strides, out.stride(0), out.stride(1),
         k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), cos_sin.stride(0),
-        oq.stride(0), os_.stride(0), os_.stride(1), GROUP=group, D=d, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        GROUP=group, D=d, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=cfg["block_n"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreter_upcast(q.dtype),
         DIRECT=direct, STORE=new_kv is not None, NORM_ROPE=norm_rope is not None, MERGE_UNROLL=cfg["merge_unroll"],
-        QUANT=quantized is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(q.device),
     )
     return out
-
-
-def quantized_out(quantized: QuantizedRows | None, q: torch.Tensor, out: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (values, scales) an attention kernel quantizes its output into: `quantized`'s, checked
-    against q `[T, Hq, D]` (groups of D, at least T rows of Hq * D values and Hq scales); without
-    it, views of `out` standing in for them (never read)."""
-    if quantized is None:
-        stand_in = out[:, 0]
-        return stand_in, stand_in
-    t, hq, d = q.shape
-    xq, xs = quantized.q, quantized.s
-    if (quantized.group != d or xq.dim() != 2 or xq.shape[0] < t or xq.shape[1] != hq * d or xq.stride(1) != 1
-            or xs.dim() != 2 or xs.shape[0] < t or xs.shape[1] != hq):
-        raise ValueError(f"attention: a quantized output for q {tuple(q.shape)} needs groups of {d}, values "
-                         f"[>= {t}, {hq * d}] (unit last stride) and scales [>= {t}, {hq}]; got groups of "
-                         f"{quantized.group}, {tuple(xq.shape)} and {tuple(xs.shape)}")
-    return xq, xs

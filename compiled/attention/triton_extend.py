@@ -17,8 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compiled.attention.triton_decode import LOG2E, quantized_out
-from compiled.quant.act_quant import QuantizedRows, store_quantized_rows
+from compiled.attention.triton_decode import LOG2E
 from compiled.triton_utils import interpreter_upcast, tma_descriptor
 
 
@@ -53,14 +52,11 @@ def _extend_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kcs, stride_kch, stride_vcs, stride_vch, stride_r2t,
     K_rows, V_rows, Rows_prefix, Rows_start, K_rows_desc, V_rows_desc, stride_krt, stride_krh, stride_vrt, stride_vrh,
-    Out_q, Out_s, stride_oqt, stride_ost, stride_osg,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, TMA: tl.constexpr,
-    ROWS: tl.constexpr, ROWS_TMA: tl.constexpr, QUANT: tl.constexpr,
+    ROWS: tl.constexpr, ROWS_TMA: tl.constexpr,
 ):
-    """QUANT: the output goes to Out_q (float8_e4m3fn `[T, Hq * D]`) and Out_s (a scale per token
-    and head) instead of O, quantized in groups of D (`act_quant.store_quantized_rows`)."""
     h = tl.program_id(0)
     b = tl.program_id(1) + First_request
     start_m = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M
@@ -160,13 +156,9 @@ def _extend_kernel(
             causal = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] < ext)
             acc, m_i, l_i = _softmax_step(acc, m_i, l_i, q, k, v, causal, sm_scale_log2, True, DOT_PRECISION)
 
-        out = (acc / l_i[:, None]).to(O.dtype.element_ty)
-        rows = (q_start + offs_m)[:, None]
-        if QUANT:
-            store_quantized_rows(out, Out_q + rows * stride_oqt + h * D + offs_d[None, :],
-                                 Out_s + (q_start + offs_m) * stride_ost + h * stride_osg, mask_m, mask_d)
-        else:
-            tl.store(O + rows * stride_ot + h * stride_oh + offs_d[None, :], out, mask=mask_m[:, None] & mask_d[None, :])
+        out = acc / l_i[:, None]
+        tl.store(O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
 # At most this many new tokens and cached prefix tokens per request: 64-row query tiles (twice the
@@ -204,16 +196,13 @@ def extend_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
                             extend_start_loc: torch.Tensor, max_extend_len: int, scale: float,
                             out: torch.Tensor | None = None, max_prefix_len: int | None = None,
-                            rows: PrefixRows | None = None, first_request: int = 0,
-                            quantized: QuantizedRows | None = None, **config) -> torch.Tensor:
+                            rows: PrefixRows | None = None, first_request: int = 0, **config) -> torch.Tensor:
     """q `[T, Hq, D]`, k/v `[T, Hkv, D]` (new tokens, packed request after request; they need not be
     stored yet) with each request's prefix `seq_lens - extend_lens` read from the pools -> `[T, Hq, D]`.
     `max_prefix_len` (None: unknown, taken as long) picks the tiles with `max_extend_len`. `rows`:
     the prefixes' last tokens are also contiguous rows elsewhere, read there (no gather).
     `first_request`: only requests first_request.. attend (their rows of `out`), an offset rather
-    than slices of the per-request arrays, which would start unaligned and compile again.
-    `quantized` (D-wide groups, `[T, Hq * D]`): the output is written there quantized instead of
-    into `out` (`check_quantized_out`)."""
+    than slices of the per-request arrays, which would start unaligned and compile again."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     if out is None:
@@ -237,7 +226,6 @@ def extend_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kr_desc, vr_desc = _new_token_desc(kr, cfg["block_n"]), _new_token_desc(vr, cfg["block_n"])
         if kr_desc is None or vr_desc is None:
             kr_desc = vr_desc = None
-    oq, os_ = quantized_out(quantized, q, out)
     _extend_kernel[grid](
         q, k, v, out, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, extend_lens, extend_start_loc,
         k_desc, v_desc, scale * LOG2E, first_request,
@@ -245,12 +233,11 @@ def extend_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
         kr, vr, rows.prefix if rows is not None else seq_lens, rows.start if rows is not None else seq_lens,
         kr_desc, vr_desc, kr.stride(0), kr.stride(1), vr.stride(0), vr.stride(1),
-        oq, os_, oq.stride(0), os_.stride(0), os_.stride(1),
         GROUP=hq // hkv, D=d, BLOCK_D=block_d, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
         BLOCK_NP=cfg["block_np"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=interpreter_upcast(q.dtype), TMA=k_desc is not None,
-        ROWS=rows is not None, ROWS_TMA=kr_desc is not None, QUANT=quantized is not None,
+        ROWS=rows is not None, ROWS_TMA=kr_desc is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

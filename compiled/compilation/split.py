@@ -27,13 +27,12 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from compiled.graphs.trace import ModelTracer
 
 # Ops the graph is split at (run eagerly between the compiled pieces), by qualified name.
-SPLITTING_OPS: tuple[str, ...] = ("compiled::attention", "compiled::attention_linear")
+SPLITTING_OPS: tuple[str, ...] = ("compiled::attention",)
 # Splitting ops whose eager submodules call the op's Python body directly ("module:function"):
 # nothing traces or compiles them there, and the dispatcher's round trip is host time between
 # the pieces, which a prefill's time to first token waits on where the host sets the pace. Ops
 # not named here go through the dispatcher.
-EAGER_BODIES: dict[str, str] = {"compiled::attention": "compiled.attention.ops:attention_body",
-                                "compiled::attention_linear": "compiled.fusions.attention_linear:attention_linear_body"}
+EAGER_BODIES: dict[str, str] = {"compiled::attention": "compiled.attention.ops:attention_body"}
 
 
 class FlatTracer(ModelTracer):

@@ -1,2 +1,2 @@
 """Custom ops built from the ops of several op folders: the MoE experts with the next layer's
-residual add + RMSNorm and linear; attention with its FP8 output projection."""
+residual add + RMSNorm and linear."""

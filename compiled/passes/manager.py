@@ -11,22 +11,20 @@ from torch import fx
 from compiled.errors import CompiledError
 from compiled.graphs.trace import example_inputs
 from compiled.passes.base import GraphPass, PassRecord, sweep_dead_nodes
-from compiled.passes import (cp_allgather, fp8_weights, fuse_attention_linear, fuse_lora_linear, fuse_moe_norm,
-                             fuse_norm_linear, fuse_qk_norm_rope, fuse_qkv, fuse_silu_linear, fuse_w13, lora_delta,
-                             silu_and_mul, skinny_linear, tp_shard)
+from compiled.passes import (cp_allgather, fp8_weights, fuse_lora_linear, fuse_moe_norm, fuse_norm_linear,
+                             fuse_qk_norm_rope, fuse_qkv, fuse_silu_linear, fuse_w13, lora_delta, silu_and_mul,
+                             skinny_linear, tp_shard)
 from compiled.graphs.weights import WeightMap
 from compiled.passes.variant import GraphVariant
 
 # Every pass, in an order that satisfies each pass's `after`.
 REGISTRY: dict[str, GraphPass] = {m.PASS.name: m.PASS for m in (
     fuse_qkv, fuse_w13, silu_and_mul, skinny_linear, lora_delta, fuse_lora_linear, fuse_qk_norm_rope,
-    fuse_norm_linear, fuse_silu_linear, fuse_moe_norm, cp_allgather, fp8_weights, fuse_attention_linear)}
+    fuse_norm_linear, fuse_silu_linear, fuse_moe_norm, cp_allgather, fp8_weights)}
 # What a model without LoRA or context parallelism runs; `with_lora` adds the LoRA deltas (and
 # their fusion into the decode linears, whose LoRA operands the default fusions then carry) and
-# `with_cp` the context-parallel gathers; a quantized checkpoint's graphs end with fp8_weights,
-# then the fusion of each FP8 output projection with its attention.
-OPTIONAL_PASSES = ("lora_delta", "fuse_lora_linear", "cp_allgather", "fp8_weights", "fuse_attention_linear")
-QUANTIZED_PASSES = ("fp8_weights", "fuse_attention_linear")
+# `with_cp` the context-parallel gathers; a quantized checkpoint's graphs end with fp8_weights.
+OPTIONAL_PASSES = ("lora_delta", "fuse_lora_linear", "cp_allgather", "fp8_weights")
 DEFAULT_PASSES: tuple[str, ...] = tuple(name for name in REGISTRY if name not in OPTIONAL_PASSES)
 PassList = list[str | GraphPass] | tuple[str | GraphPass, ...]
 CHECKS = ("each", "end", "none")
@@ -60,8 +58,8 @@ def passes_for(variant: GraphVariant, names: PassList | None, max_loras: int = 0
         chosen = with_lora(chosen, lora_delta.lora_delta_pass(max_loras, max_rank))
     if variant.context_parallel:
         chosen = with_cp(chosen)
-    if quantized:
-        chosen += [name for name in QUANTIZED_PASSES if name not in chosen]
+    if quantized and "fp8_weights" not in chosen:
+        chosen.append("fp8_weights")
     return chosen
 
 

@@ -102,18 +102,6 @@ def quantize_row(v, mask, Q, S, stride_sg, K, GROUP: tl.constexpr, BLOCK: tl.con
 
 
 @triton.jit
-def store_quantized_rows(v, q_ptrs, s_ptrs, mask_rows, mask_cols):
-    """A tile `v` whose rows are one group each (in the dtype the unquantized output would have
-    been stored in) quantized as `quantize_per_token_group_ref` quantizes those stored values:
-    the values to `q_ptrs` (2-D), each row's scale to `s_ptrs` (1-D). The attention kernels,
-    each of whose output rows of one head is a group of the W8A8 output projection's input,
-    store their output so, and the projection's quantization launch goes."""
-    y, scale = quantized_groups(v.to(tl.float32), 1)
-    tl.store(q_ptrs, y.to(q_ptrs.dtype.element_ty), mask=mask_rows[:, None] & mask_cols[None, :])
-    tl.store(s_ptrs, scale, mask=mask_rows)
-
-
-@triton.jit
 def quantize_tile(x_ptr, q_ptr, s_ptr, first, end, g0, K, stride_x, stride_q, stride_s, stride_sg, GROUP,
                   ROWS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_G: tl.constexpr):
     """Rows `first` on (those before `end`), groups `g0` on, as a `[ROWS, GROUPS, BLOCK_G]` tile:

@@ -154,75 +154,6 @@ def decode_padding_case(splits, device="cpu"):
     return out[1].abs().max().item() + float(torch.isnan(out).any()), 0.0
 
 
-def quantized_out_err(out: torch.Tensor, run, first_row: int = 0) -> float:
-    """`run(quantized)` stores an attention output quantized (groups of D) into the buffers it is
-    given; `out` `[T, Hq, D]` is the same kernel's output unquantized. The largest difference of
-    the scales (relative) and of the dequantized values (over their row's largest magnitude)
-    from `quantize_per_token_group_ref(out)`'s: the same bits, up to a tie rounded apart. Rows
-    before `first_row` are not the kernel's to write."""
-    from compiled.quant.act_quant import FP8, QuantizedRows, quantize_per_token_group_ref
-    t, hq, d = out.shape
-    xq = torch.full((t + 3, hq * d), float("nan"), device=out.device).to(FP8)
-    xs = torch.full((hq, t + 3), float("nan"), device=out.device).t()   # column-major, as cuBLAS reads them
-    run(QuantizedRows(xq, xs, d))
-    out, xq, xs = out[first_row:], xq[first_row:], xs[first_row:]
-    t -= first_row
-    ref_q, ref_s = quantize_per_token_group_ref(out.reshape(t, hq * d), d)
-    scale_err = ((xs[:t] - ref_s).abs() / ref_s).max().item()
-    deq = (xq[:t].float().view(t, hq, d) * xs[:t, :, None]) - (ref_q.float().view(t, hq, d) * ref_s[:, :, None])
-    amax = out.float().abs().amax(dim=2, keepdim=True).clamp(min=1e-6)
-    return max(scale_err, (deq.abs() / amax).max().item())
-
-
-def decode_quant_case(seq_lens, hq, hkv, d, dtype, num_splits, device="cpu", seed=0):
-    """Decode attention storing its output quantized (a zero-length request included: its zeros)."""
-    from compiled.attention.triton_decode import DecodeWorkspace, decode_attention_triton
-    k_cache, v_cache, table, rows = paged_batch(seq_lens, hkv, d, dtype, device, seed)
-    b = len(seq_lens)
-    q = randn((b, hq, d), dtype, device, seed + 1)
-    lens = torch.tensor(seq_lens, device=device)
-    ws = DecodeWorkspace(max(64, b), hq, hkv, d, torch.device(device), min_rows=b * num_splits)
-
-    def run(quantized=None):
-        return decode_attention_triton(q, k_cache, v_cache, table, rows, lens, d ** -0.5, ws, num_splits,
-                                       quantized=quantized)
-    return quantized_out_err(run(), run), 2.0 ** -4
-
-
-def extend_quant_case(prefix_lens, ext_lens, hq, hkv, d, dtype, device="cpu", seed=0, first_request=0, **config):
-    """Extend attention storing its output quantized, some rows from the decode kernel first
-    (`first_request`)."""
-    from compiled.attention.triton_extend import extend_attention_triton
-    seq_lens = [p + e for p, e in zip(prefix_lens, ext_lens)]
-    k_cache, v_cache, table, rows = paged_batch(seq_lens, hkv, d, dtype, device, seed)
-    t = sum(ext_lens)
-    q = randn((t, hq, d), dtype, device, seed + 1)
-    k, v = randn((t, hkv, d), dtype, device, seed + 2), randn((t, hkv, d), dtype, device, seed + 3)
-    loc = torch.cat([table[r, p:s].long() for r, p, s in zip(rows.tolist(), prefix_lens, seq_lens)])
-    store_kv(k_cache, v_cache, loc, k, v)
-    starts = torch.tensor([sum(ext_lens[:i]) for i in range(len(ext_lens))], device=device)
-
-    def run(quantized=None):
-        return extend_attention_triton(q, k, v, k_cache, v_cache, table, rows, torch.tensor(seq_lens, device=device),
-                                       torch.tensor(ext_lens, device=device), starts, max(ext_lens), d ** -0.5,
-                                       out=torch.zeros_like(q), quantized=quantized, first_request=first_request,
-                                       **config)
-    return quantized_out_err(run(), run, sum(ext_lens[:first_request])), 2.0 ** -4
-
-
-def quantized_out_shapes_are_checked(device="cpu"):
-    """A quantized output whose groups are not D wide is refused with a one-line error."""
-    from compiled.attention.triton_decode import quantized_out
-    from compiled.quant.act_quant import FP8, QuantizedRows
-    q = torch.zeros(4, 2, 16, device=device)
-    bad = QuantizedRows(torch.zeros(4, 32, device=device).to(FP8), torch.zeros(4, 4, device=device), 8)
-    try:
-        quantized_out(bad, q, q)
-    except ValueError as e:
-        return (0.0 if "groups of 16" in str(e) and "\n" not in str(e) else 1.0), 0.0
-    return 1.0, 0.0
-
-
 def norm_rope_store_case(t, hq, hkv, d, dtype, device="cpu", seed=0, store_only=False):
     """The extend path's prologue: normalised and rotated q/k against the model's own layers
     (exact: the kernel rounds where they do, up to the order of the sum of squares), and K/V
@@ -461,17 +392,6 @@ CPU_GROUPS = {
                                                          block_n=16, block_np=16, tma=True)),
         ("extend_gqa2_d32_f16_tma_packed", lambda: extend_case([3, 0], [90, 41], 4, 2, 32, F16, packed=True,
                                                                block_m=32, block_n=16, block_np=16, tma=True)),
-    ],
-    "quantized_out": [
-        ("decode_quant_bf16_d64_direct", lambda: decode_quant_case([70, 0, 129, 5], 8, 2, 64, BF16, 1)),
-        ("decode_quant_bf16_d64_merged", lambda: decode_quant_case([70, 0, 129, 5], 8, 2, 64, BF16, 3)),
-        ("decode_quant_f16_d128_merged", lambda: decode_quant_case([200, 3], 8, 1, 128, F16, 2)),
-        ("extend_quant_bf16_d64", lambda: extend_quant_case([0, 50, 0], [37, 1, 70], 4, 2, 64, BF16, block_m=32,
-                                                            block_n=16, block_np=16)),
-        ("extend_quant_bf16_d64_first_request", lambda: extend_quant_case([9, 0, 40], [1, 23, 60], 4, 1, 64, BF16,
-                                                                          first_request=1, block_m=32, block_n=16,
-                                                                          block_np=16)),
-        ("quantized_out_shapes_are_checked", quantized_out_shapes_are_checked),
     ],
     "op": [
         ("op_decode_triton_vs_torch", lambda: op_case(True)),

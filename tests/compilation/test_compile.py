@@ -91,4 +91,4 @@ def test_artifact_manifest_records_versions(artifact):
     assert manifest["torch"] == torch.__version__ and manifest["device"] == "cpu"
     assert list(manifest["passes"]) == list(DEFAULT_PASSES) and manifest["pieces"]
     assert manifest["passes"] == pass_hashes(DEFAULT_PASSES)
-    assert manifest["splitting_ops"] == ["compiled::attention", "compiled::attention_linear"]
+    assert manifest["splitting_ops"] == ["compiled::attention"]

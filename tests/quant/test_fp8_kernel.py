@@ -689,64 +689,6 @@ def test_gpu_fp8_moe_norm_linear_quantizes_in_the_norm(T, lora):
         assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max()
 
 
-# (prefix, new tokens) per request, the leading one-token requests the decode kernel's: a decode
-# step of 64 (the W8A16 kernel's fp8 tiles), prompts of 300 tokens (cuBLAS), a mixed step.
-ATTENTION_LAYOUTS = {"decode": ([40 + i for i in range(64)], [1] * 64, 0),
-                     "extend": ([0, 130], [200, 100], 0),
-                     "mixed": ([9, 300, 0, 40], [1, 1, 250, 60], 2)}
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("layout", list(ATTENTION_LAYOUTS))
-def test_gpu_fp8_attention_linear_quantizes_in_the_attention(layout):
-    """Attention and its FP8 output projection as one op, 30B shapes: where the projection runs
-    W8A8 the attention kernels store their output quantized for it. Against the two ops apart
-    (the projection quantizing the 16-bit output itself): the same bits up to summation order."""
-    import compiled.fusions.attention_linear as al
-    import compiled.linear.library  # noqa: F401  (registers compiled::linear)
-    from compiled.attention.context import AttentionContext, AttentionMetadata
-    from compiled.attention.kv_cache import KVPool
-    from compiled.forward_context import forward_context
-    from compiled.quant.dequant import WeightScale
-    hq, hkv, d, n = 32, 4, 128, 2048
-    prefix, ext, decode_rows = ATTENTION_LAYOUTS[layout]
-    seq = [p + e for p, e in zip(prefix, ext)]
-    g = torch.Generator().manual_seed(len(seq))
-    quant = QuantConfig("fp8", "block", (128, 128))
-    qw, sw, block = _stacked_fp8(torch.randn(1, n, hq * d, generator=g) / (hq * d) ** 0.5, quant)
-    qw, sw = qw[0].cuda(), sw[0].cuda()
-    t = sum(ext)
-    q, k, v = (torch.randn(t, h, d, generator=g).to("cuda", torch.bfloat16) for h in (hq, hkv, hkv))
-    table = torch.zeros(len(seq) + 1, max(seq) + 1, dtype=torch.int32, device="cuda")
-    loc, nxt = [], 1
-    for r, (p, s) in enumerate(zip(prefix, seq)):
-        table[r, :s] = torch.arange(nxt, nxt + s, dtype=torch.int32)
-        loc += list(range(nxt + p, nxt + s))
-        nxt += s
-    rows = list(range(len(seq)))
-    meta = AttentionMetadata(out_cache_loc=torch.tensor(loc, device="cuda"),
-                             req_pool_indices=torch.tensor(rows, device="cuda"), seq_lens=torch.tensor(seq, device="cuda"), extend_lens=torch.tensor(ext, device="cuda"),
-                             req_pool_indices_cpu=rows, seq_lens_cpu=seq, extend_lens_cpu=ext,
-                             is_decode=layout == "decode", decode_rows=decode_rows)
-    outs = []
-    for fused in (True, False):
-        kv = KVPool(1, nxt, hkv, d, torch.bfloat16, torch.device("cuda"))
-        for pool in kv.k + kv.v:
-            pool.copy_(torch.randn(pool.shape, generator=torch.Generator().manual_seed(7)))
-        with forward_context(AttentionContext(meta=meta, kv=kv, req_to_token=table)):
-            if fused:
-                x = torch.empty(t, hq * d, device="cuda", dtype=torch.bfloat16)
-                assert al.quantized_input(q, x, qw, WeightScale(sw, block)) is not None   # the fused path runs
-                outs.append(torch.ops.compiled.attention_linear(q, k, v, 0, d ** -0.5, qw, weight_scale=sw,
-                                                                weight_block=block))
-            else:
-                o = torch.ops.compiled.attention(q, k, v, 0, d ** -0.5)
-                outs.append(torch.ops.compiled.linear(o.view(t, -1), qw, weight_scale=sw, weight_block=block))
-    got, want = (o.float() for o in outs)
-    assert got.shape == (t, n) and (got - want).abs().max() <= 0.01 * want.abs().max()
-
-
 if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
     os.environ.setdefault("COMPILED_LINEAR_BACKEND", "auto")
     results = {name: kernel_case(M, N, K, quant) for name, M, N, K, quant in CASES}
