@@ -30,16 +30,16 @@ from compiled.runtime.config import EngineConfig
 from compiled.runtime.context_parallel import ContextParallelRunner, note_step, split_chunks
 from compiled.runtime.cp_messages import StepMessage
 from compiled.runtime.decode_graphs import DecodeGraphs, compute_logits
-from compiled.runtime.scheduler import Batch
+from compiled.runtime.scheduler import Batch, Chunk
 from compiled.runtime.static_inputs import StaticInputs, write_request_table
 from compiled.runtime.tensor_parallel import send_step, step_message
 
 
 def select_rows(x: torch.Tensor, rows: Sequence[int]) -> torch.Tensor | None:
-    """`x[rows]`, None for none: a view where the rows are consecutive,
-    else a gather whose index goes up from pinned memory. Indexing a device tensor with a list
-    copies the index from pageable memory, which waits for every kernel queued before it: the host
-    then stops running ahead of a prefill and its LM head and sampling launch late."""
+    """`x[rows]`, None for none: a view where the rows are consecutive, else a gather whose index
+    goes up from pinned memory. (Indexing a device tensor with a list copies the index from
+    pageable memory, which waits for every kernel queued before it: the host stops running ahead
+    of a prefill, and its LM head and sampling launch late.)"""
     if not rows:
         return None
     first, n = rows[0], len(rows)
@@ -56,16 +56,17 @@ def select_rows(x: torch.Tensor, rows: Sequence[int]) -> torch.Tensor | None:
 SLICE_MIN_TOKENS = 32
 
 
-class _ShortChunks:
-    """The token fields of a step's chunks, into the host buffers `h`: short chunks gathered in
-    lists (per-chunk slicing costs more than their data), long ones (a prompt's thousands of
-    tokens) by slices, which spares building a list as long as the prompt."""
+class TokenFields:
+    """Writes the token fields of a step's chunks (ids, positions, request rows, adapter slots)
+    into the host buffers `h`: short chunks gathered in lists (per-chunk slicing costs more than
+    their data), long ones (a prompt's thousands of tokens) by slices, which spares building a
+    list as long as the prompt. `add` each chunk at its first token `t`, then `flush`."""
 
     def __init__(self, h: dict, lora: bool) -> None:
         self.h, self.lora, self.start = h, lora, 0
         self.ids, self.positions, self.rows, self.slots = [], [], [], []
 
-    def add(self, c, t: int) -> None:
+    def add(self, c: Chunk, t: int) -> None:
         request, end = c.request, c.start + c.length
         if c.length < SLICE_MIN_TOKENS:
             self.ids += request.token_ids(c.start, end)
@@ -238,17 +239,17 @@ class ModelRunner:
         request), anything else with one padding request."""
         inp = inputs or self.inputs
         h = inp.begin()
-        short = _ShortChunks(h, self.serves_lora)
+        fields = TokenFields(h, self.serves_lora)
         starts, rows, seq_lens, ext_lens = [], [], [], []
         t = 0
         for c in chunks:
-            short.add(c, t)
+            fields.add(c, t)
             starts.append(t)
             rows.append(c.request.row)
             seq_lens.append(c.start + c.length)
             ext_lens.append(c.length)
             t += c.length
-        short.flush()
+        fields.flush()
         b = len(rows)
         if chunks:
             h["out_cache_loc"][:t] = np.concatenate([c.slots for c in chunks])
