@@ -121,6 +121,8 @@ def short_profile(prof: dict, n: int = 12) -> list[str]:
         lines.append("on the critical path (own time not overlapped + idle before, ms):")
         lines += [f"{r['exposed_ms']:9.3f} ({r['idle_before_ms']:.3f} idle) x{r['calls']:<5} {r['name'][:80]}"
                   for r in prof["exposed"][:n]]
+    if prof.get("gpu_idle"):
+        lines.append("GPU idle {idle_ms:.3f} of {span_ms:.3f} ms".format(**prof["gpu_idle"]))
     if prof.get("idle_gaps"):
         lines.append("longest idle stretches (µs after the first kernel: idle µs, between):")
         lines += [f"{g['at_us']:10.1f}: {g['idle_us']:8.1f}  {g['after'][:45]} -> {g['before'][:45]}"

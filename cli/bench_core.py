@@ -684,6 +684,7 @@ def profile_steps(llm, items: Sequence[Item], steps: int, out_dir: Path, name: s
         events = trace_events(trace)   # read once: a trace runs to tens of megabytes
         result["exposed"] = exposed_kernel_time(events, top)
         result["idle_gaps"] = idle_gaps(events)
+        result["gpu_idle"] = gpu_idle(events)
         result["runtime_calls"] = runtime_calls(events)
         result["kernels_per_step"] = sum(1 for e in events if e.get("cat") == "kernel") / max(done, 1)
     return result
@@ -723,13 +724,8 @@ def _device_events(events: list[dict]) -> list[tuple[float, float, str]]:
                   if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X")
 
 
-def idle_gaps(events: list[dict], top: int = 12, host_ops: int = 4) -> list[dict]:
-    """The longest stretches with nothing running on the GPU: where they start (µs after the first
-    kernel), how long, the kernels on either side, and the host's longest operations that
-    overlapped the stretch (what the host was doing while the GPU waited for it)."""
-    kernels = _device_events(events)
-    host = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-            if e.get("cat") in ("cpu_op", "cuda_runtime", "python_function", "user_annotation") and e.get("ph") == "X"]
+def _gaps(kernels: list[tuple[float, float, str]]) -> list[dict]:
+    """Every stretch between `_device_events` with nothing running on the GPU, in order."""
     gaps, prev_end, prev_name = [], kernels[0][0] if kernels else 0.0, ""
     for start, end, name in kernels:
         if start > prev_end:
@@ -737,7 +733,25 @@ def idle_gaps(events: list[dict], top: int = 12, host_ops: int = 4) -> list[dict
                          "after": prev_name[:60], "before": name[:60], "window": (prev_end, start)})
         if end > prev_end:
             prev_end, prev_name = end, name
-    gaps = sorted(gaps, key=lambda g: g["idle_us"], reverse=True)[:top]
+    return gaps
+
+
+def gpu_idle(events: list[dict]) -> dict:
+    """The span from the GPU's first kernel start to its last end, and how much of it nothing ran
+    (ms): in a prefill, what the host's launches leave on the table."""
+    kernels = _device_events(events)
+    span = max(end for _, end, _ in kernels) - kernels[0][0] if kernels else 0.0
+    return {"span_ms": span / 1e3, "idle_ms": sum(g["idle_us"] for g in _gaps(kernels)) / 1e3}
+
+
+def idle_gaps(events: list[dict], top: int = 12, host_ops: int = 4) -> list[dict]:
+    """The longest stretches with nothing running on the GPU: where they start (µs after the first
+    kernel), how long, the kernels on either side, and the host's longest operations that
+    overlapped the stretch (what the host was doing while the GPU waited for it)."""
+    kernels = _device_events(events)
+    host = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+            if e.get("cat") in ("cpu_op", "cuda_runtime", "python_function", "user_annotation") and e.get("ph") == "X"]
+    gaps = sorted(_gaps(kernels), key=lambda g: g["idle_us"], reverse=True)[:top]
     for g in gaps:
         lo, hi = g.pop("window")
         inside = sorted(((min(e, hi) - max(s, lo), n) for s, e, n in host if s < hi and e > lo), reverse=True)

@@ -9,7 +9,8 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from cli.bench_core import exposed_kernel_time, idle_gaps, percentile, read_dataset, runtime_calls, trace_events
+from cli.bench_core import (exposed_kernel_time, gpu_idle, idle_gaps, percentile, read_dataset, runtime_calls,
+                             trace_events)
 from cli.main import app
 from compiled.graphs.config import ModelConfig
 from cli import roofline
@@ -104,6 +105,8 @@ def test_exposed_kernel_time_splits_the_span(tmp_path):
     assert set(rows) == {"a", "b", "c"}
     assert idle_gaps(trace_events(trace)) == [{"at_us": 15, "idle_us": 3, "after": "b", "before": "c", "host": ["cudaMalloc 3", "aten::mm 1"]}]
     assert runtime_calls(trace_events(trace)) == [{"name": "cudaMalloc", "calls": 2, "ms": 0.08}]
+    idle = gpu_idle(trace_events(trace))
+    assert idle["span_ms"] == pytest.approx(20e-3) and idle["idle_ms"] == pytest.approx(3e-3)
 
 
 def test_critical_path_table_renders_exposed_rows():
