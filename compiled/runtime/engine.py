@@ -220,6 +220,7 @@ class Engine:
             seconds["capture"] = self.runner.capture_graphs(buckets, eager_buckets(buckets))
         if self.runner.is_compiled and (tokens := self.piecewise_buckets()):
             seconds["capture_piecewise"] = self.runner.capture_piecewise(tokens, eager_token_buckets(tokens))
+            seconds["capture_prompt"] = self.runner.capture_prompts(tokens, eager_token_buckets(tokens))
             if not from_artifact and (long_sizes := self.unbucketed_sizes()):
                 seconds["warm_up_long"] = self.runner.warm_up(long_sizes)
         return seconds

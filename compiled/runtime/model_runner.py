@@ -2,9 +2,9 @@
 attention context, and returns the final hidden states plus the logits of the rows that sample.
 
 The runner owns the CUDA graphs and their capture. Decode batches that fit a bucket replay a
-captured graph that also writes the request table and computes the logits (`decode_graphs.py`);
-everything else runs the (compiled) model directly, replaying the pieces' graphs where the
-token count has a bucket."""
+captured graph that also writes the request table and computes the logits (`decode_graphs.py`),
+and so does a step of one prompt chunk (`prompt_graphs.py`); everything else runs the (compiled)
+model directly, replaying the pieces' graphs where the token count has a bucket."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from compiled.runtime.config import EngineConfig
 from compiled.runtime.context_parallel import ContextParallelRunner, note_step, split_chunks
 from compiled.runtime.cp_messages import StepMessage
 from compiled.runtime.decode_graphs import DecodeGraphs, compute_logits
+from compiled.runtime.prompt_graphs import REQUESTS, PromptGraphs
 from compiled.runtime.scheduler import Batch, Chunk
 from compiled.runtime.static_inputs import StaticInputs, write_request_table
 from compiled.runtime.tensor_parallel import send_step, step_message
@@ -111,6 +112,7 @@ class VariantGraphs:
     model: nn.Module
     decode: DecodeGraphs | None = None
     piecewise: PiecewiseGraphs | None = None
+    prompt: PromptGraphs | None = None
 
 
 class ModelRunner:
@@ -194,6 +196,19 @@ class ModelRunner:
             seconds += graphs.capture_seconds
         return seconds
 
+    def capture_prompts(self, buckets: list[int], now: list[int]) -> float:
+        """Set up the one-chunk prefill graphs of `buckets` (of every variant) and capture those of
+        `now` (the others as `capture_graphs` leaves them); returns the seconds it took."""
+        seconds = 0.0
+        for variant, entry in self.variants.items():
+            stage = functools.partial(self._stage, seqs=REQUESTS)
+            entry.prompt = PromptGraphs(entry.model, self.model.lm_head, self.kv, self.req_pool, self.inputs, stage,
+                                        self.inputs.lora_slots if variant.lora else None, buckets,
+                                        self._graph_pool(), self.cfg.device)
+            entry.prompt.capture(now)
+            seconds += entry.prompt.capture_seconds
+        return seconds
+
     def release_graphs(self) -> None:
         """Free every captured graph, after the GPU is done with them; the steps after run eagerly.
         A graph that captured a collective holds its NCCL communicator: the group's teardown waits
@@ -201,15 +216,15 @@ class ModelRunner:
         if self.cfg.device.type == "cuda":
             torch.cuda.synchronize(self.cfg.device)
         for entry in self.variants.values():
-            for graphs in (entry.decode, entry.piecewise):
+            for graphs in (entry.decode, entry.piecewise, entry.prompt):
                 if graphs is not None:
                     graphs.release()
-            entry.decode = entry.piecewise = None
+            entry.decode = entry.piecewise = entry.prompt = None
 
     def capture_pending(self) -> bool:
         """Capture one bucket not captured yet, decode graphs first, smallest first (call it
         between steps with none in flight); False when there is none."""
-        kinds = [e.decode for e in self.variants.values()] + [e.piecewise for e in self.variants.values()]
+        kinds = [getattr(e, kind) for kind in ("decode", "piecewise", "prompt") for e in self.variants.values()]
         for graphs in kinds:
             if graphs is not None and graphs.pending:
                 graphs.capture(graphs.pending[:1])
@@ -233,10 +248,10 @@ class ModelRunner:
         self._run_model(self._stage([], tokens), tokens, variant)
 
     def _stage(self, chunks: list, tokens: int, is_decode: bool = False,
-               inputs: StaticInputs | None = None) -> AttentionMetadata:
+               inputs: StaticInputs | None = None, seqs: int = 0) -> AttentionMetadata:
         """Fill the host buffer of `inputs` (default: the runner's) with `chunks` padded to `tokens`
         and upload it. A decode batch pads with one request per token (its graph has one row per
-        request), anything else with one padding request."""
+        request), anything else with one padding request, then empty ones up to `seqs` requests."""
         inp = inputs or self.inputs
         h = inp.begin()
         fields = TokenFields(h, self.serves_lora)
@@ -264,6 +279,11 @@ class ModelRunner:
             inp.pad_extend(t, b, tokens, padding_row)
             rows, seq_lens, ext_lens = rows + [padding_row], seq_lens + [tokens - t], ext_lens + [tokens - t]
             b += 1
+        if b < seqs:
+            inp.pad_requests(b, seqs, tokens, padding_row)
+            rows, seq_lens, ext_lens = rows + [padding_row] * (seqs - b), seq_lens + [0] * (seqs - b), \
+                ext_lens + [0] * (seqs - b)
+            b = seqs
         inp.upload()
         return AttentionMetadata(
             out_cache_loc=inp.out_cache_loc[:tokens], req_pool_indices=inp.req_pool_indices[:b],
@@ -363,6 +383,15 @@ class ModelRunner:
             self._feed(feed, t, graphs.inputs)
             hidden, logits, argmax = graphs.replay(bucket)
             return StepOutput(hidden[:t], select_rows(logits, sample_rows), select_rows(argmax, sample_rows))
+        prompt = entry.prompt
+        bucket = None
+        if prompt is not None and not batch.is_decode and feed is None:
+            bucket = prompt.serves(batch.chunks, list(sample_rows))
+        if bucket is not None:   # one chunk: a graph of the whole step
+            self._capture_first(prompt, bucket, None)
+            self._stage(batch.chunks, bucket, seqs=REQUESTS)
+            hidden, logits = prompt.replay(bucket)
+            return StepOutput(hidden[:t], logits if sample_rows else None)
         tokens = self._prefill_bucket(t)
         feed = self._capture_first(entry.piecewise, tokens, feed)
         meta = self._stage(batch.chunks, tokens, is_decode=batch.is_decode and tokens == t)

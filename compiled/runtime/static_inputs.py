@@ -68,6 +68,15 @@ class StaticInputs:
         h["extend_lens"][seqs] = n
         h["extend_start_loc"][seqs] = tokens
 
+    def pad_requests(self, seqs: int, upto: int, tokens: int, padding_row: int) -> None:
+        """Requests [seqs, upto) become empty ones on the padding row (no tokens, nothing cached):
+        a launch captured for `upto` requests finds nothing to do for them."""
+        h = self.host
+        h["req_pool_indices"][seqs:upto] = padding_row
+        h["seq_lens"][seqs:upto] = 0
+        h["extend_lens"][seqs:upto] = 0
+        h["extend_start_loc"][seqs:upto] = tokens
+
     def _pad_tokens(self, start: int, end: int, padding_row: int) -> None:
         h = self.host
         h["input_ids"][start:end] = 0

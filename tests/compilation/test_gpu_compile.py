@@ -1,6 +1,7 @@
-"""GPU: Inductor + decode CUDA graphs + piecewise prefill graphs against the uncompiled graph
-(same passes, same dummy weights), at every bucket and between buckets; and no recompilation over
-200 batch sizes; decode buckets captured on first use, part-way through a generation."""
+"""GPU: Inductor + decode CUDA graphs + prefill graphs (piecewise; a lone prompt's whole step)
+against the uncompiled graph (same passes, same dummy weights), at every bucket and between
+buckets; and no recompilation over 200 batch sizes; decode buckets captured on first use,
+part-way through a generation."""
 
 from __future__ import annotations
 
@@ -48,10 +49,11 @@ def test_compiled_graphs_match_uncompiled(pair, batch):
     assert fast.engine.runner.variants[BASE].decode is not None and plain.engine.runner.variants[BASE].decode is None
     fast_graphs, plain_graphs = fast.engine.runner.variants[BASE], plain.engine.runner.variants[BASE]
     assert fast_graphs.piecewise is not None and plain_graphs.piecewise is None
-    replays = fast.engine.runner.variants[BASE].piecewise.replays
+    replays = fast_graphs.piecewise.replays + fast_graphs.prompt.replays
     a, b = _step_logprobs(fast, batch, batch), _step_logprobs(plain, batch, batch)
     if sum(len(o.prompt_token_ids) for o in a) <= fast.engine.runner.prefill_buckets[-1]:
-        assert fast.engine.runner.variants[BASE].piecewise.replays > replays  # the prefill ran piecewise graphs
+        # the prefill replayed graphs: a lone prompt's own, several prompts' the pieces'
+        assert fast_graphs.piecewise.replays + fast_graphs.prompt.replays > replays
     assert_two_steps_close(a, b, batch)
 
 
@@ -104,9 +106,10 @@ def test_bucket_captured_part_way_through_a_generation(pair):
     assert not fast.engine.runner.variants[BASE].piecewise.is_pending(prefill)
     again = fast.generate(prompts, params)
     assert [o.token_ids for o in first] == [o.token_ids for o in again]
-    pending = len(graphs.pending) + len(fast.engine.runner.variants[BASE].piecewise.pending)
+    base = fast.engine.runner.variants[BASE]
+    pending = len(graphs.pending) + len(base.piecewise.pending) + len(base.prompt.pending)
     assert fast.engine.capture_pending_graphs() == pending > 0
-    assert graphs.pending == [] and fast.engine.runner.variants[BASE].piecewise.pending == []
+    assert graphs.pending == [] and base.piecewise.pending == [] and base.prompt.pending == []
 
 
 def test_piecewise_graphs_read_every_activation_in_place(pair):

@@ -606,11 +606,12 @@ def test_gpu_fp8_moe_matches_dequantized_in_bf16(T):
     from compiled.moe.tuned_configs import get_config, tuned_mode
     E, H, I, k = 128, 2048, 768, 8
     quant = QuantConfig("fp8", "block", (128, 128))
-    q13, s13, block = _stacked_fp8(torch.randn(E, 2 * I, H) / H ** 0.5, quant)
-    q2, s2, _ = _stacked_fp8(torch.randn(E, H, I) / I ** 0.5, quant)
+    g = torch.Generator().manual_seed(T * 131)
+    q13, s13, block = _stacked_fp8(torch.randn(E, 2 * I, H, generator=g) / H ** 0.5, quant)
+    q2, s2, _ = _stacked_fp8(torch.randn(E, H, I, generator=g) / I ** 0.5, quant)
     q13, s13, q2, s2 = (t.cuda() for t in (q13, s13, q2, s2))
-    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-    topk_weights, topk_ids = torch.rand(T, E, device="cuda").softmax(-1).topk(k)
+    x = torch.randn(T, H, generator=g).to("cuda", torch.bfloat16)
+    topk_weights, topk_ids = torch.rand(T, E, generator=g).cuda().softmax(-1).topk(k)
     w13, w2 = dequantize_blocks(q13, s13, block, torch.bfloat16), dequantize_blocks(q2, s2, block, torch.bfloat16)
     want = fm.fused_moe_triton(x, topk_weights, topk_ids, w13, w2).float()
     got = fm.fused_moe_triton(x, topk_weights, topk_ids, q13, q2, scales=fm.ExpertScales(s13, s2, block)).float()
