@@ -7,20 +7,18 @@ One engine; per length, one prompt of random tokens run `--reps` times, alone in
 (nothing cached between runs), timed from `add` to its first token on the host with the device
 synchronised (median). The first time a length runs it also captures its token bucket's graphs
 where the start left them for later, which the median leaves out. To time another checkout's
-engine with this script, put that checkout first on PYTHONPATH."""
+engine with this script, put that checkout on PYTHONPATH instead (the script imports the engine
+from there, not from beside it)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cli import bench_core as core  # noqa: E402
-from compiled.runtime.config import EngineConfig  # noqa: E402
+from cli import bench_core as core
+from compiled.runtime.config import EngineConfig
 
 
 def main() -> None:
