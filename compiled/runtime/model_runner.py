@@ -200,8 +200,8 @@ class ModelRunner:
         """Set up the one-chunk prefill graphs of `buckets` (of every variant) and capture those of
         `now` (the others as `capture_graphs` leaves them); returns the seconds it took."""
         seconds = 0.0
+        stage = functools.partial(self._stage, seqs=REQUESTS)
         for variant, entry in self.variants.items():
-            stage = functools.partial(self._stage, seqs=REQUESTS)
             entry.prompt = PromptGraphs(entry.model, self.model.lm_head, self.kv, self.req_pool, self.inputs, stage,
                                         self.inputs.lora_slots if variant.lora else None, buckets,
                                         self._graph_pool(), self.cfg.device)
