@@ -5,7 +5,6 @@ in the static inputs (the chunk, then the padding request, empty where the chunk
 from __future__ import annotations
 
 import functools
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -75,4 +74,3 @@ def test_staging_lays_out_two_requests(runner, length, padding):
         assert list(h["input_ids"][:length]) == list(range(100, 100 + length))
         assert list(h["out_cache_loc"][:length]) == list(range(1, 1 + length))
     assert all(h["token_rows"][length:16] == pad) and all(h["positions"][length:16] == 0)
-
