@@ -113,6 +113,8 @@ class VariantGraphs:
     decode: DecodeGraphs | None = None
     piecewise: PiecewiseGraphs | None = None
     prompt: PromptGraphs | None = None
+    # The graph fields above, in the order pending buckets are captured.
+    KINDS = ("decode", "piecewise", "prompt")
 
 
 class ModelRunner:
@@ -216,15 +218,16 @@ class ModelRunner:
         if self.cfg.device.type == "cuda":
             torch.cuda.synchronize(self.cfg.device)
         for entry in self.variants.values():
-            for graphs in (entry.decode, entry.piecewise, entry.prompt):
+            for kind in VariantGraphs.KINDS:
+                graphs = getattr(entry, kind)
                 if graphs is not None:
                     graphs.release()
-            entry.decode = entry.piecewise = entry.prompt = None
+                setattr(entry, kind, None)
 
     def capture_pending(self) -> bool:
         """Capture one bucket not captured yet, decode graphs first, smallest first (call it
         between steps with none in flight); False when there is none."""
-        kinds = [getattr(e, kind) for kind in ("decode", "piecewise", "prompt") for e in self.variants.values()]
+        kinds = [getattr(e, kind) for kind in VariantGraphs.KINDS for e in self.variants.values()]
         for graphs in kinds:
             if graphs is not None and graphs.pending:
                 graphs.capture(graphs.pending[:1])
@@ -389,7 +392,7 @@ class ModelRunner:
             bucket = prompt.serves(batch.chunks, list(sample_rows))
         if bucket is not None:   # one chunk: a graph of the whole step
             self._capture_first(prompt, bucket, None)
-            self._stage(batch.chunks, bucket, seqs=REQUESTS)
+            prompt.stage(batch.chunks, bucket)
             hidden, logits = prompt.replay(bucket)
             return StepOutput(hidden[:t], logits if sample_rows else None)
         tokens = self._prefill_bucket(t)
