@@ -32,7 +32,7 @@ import triton
 from compiled.backend import BackendChoice
 from compiled.functional import add_rms_norm_ref
 from compiled.moe.experts import expert_loop
-from compiled.moe.tuned_configs import SPLIT_KEY, get_config, get_gemv_tiles, split_config, tuned_mode
+from compiled.moe.tuned_configs import get_config, get_gemv_tiles, split_config, tuned_mode
 from compiled.quant.act_quant import QuantizedRows, quant_grid, quantize_per_token_group, row_quantizable
 from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, FP8_W8A8_TILE, fit_block_k, kernel_scale, resolve_block
 from compiled.triton_utils import (FP8_DOT_MIN_K, fp8_convert_asm, fp8_dot_fits, gemv_chunk, interpreting,
@@ -333,9 +333,7 @@ def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks
     iq, is_, group = quantized_out or (inter, inter, 0)
     I, H = w13.shape[1] // 2, w13.shape[2]
     bn, bk = cfg["BLOCK_SIZE_N"], fp8_block_k(scales, w13, cfg["BLOCK_SIZE_K"])
-    tiles = blocks.expert_ids.numel() * triton.cdiv(I, bn)
-    split_k, part, counters = _split_k(cfg, delta, tiles, cfg["BLOCK_SIZE_M"] * 2 * bn, inter)
-    grid = (tiles * split_k,)
+    grid = (blocks.expert_ids.numel() * triton.cdiv(I, bn),)
     # W8A16's FP8 tiles are scaled after their pointer loads: no TMA for them; W8A8's go to the dot as loaded
     desc = weight_desc(w13, bn, bk) if cfg.get("TMA") and (scales is None or a_scale is not None) else None
     lora_args, lora_consts = _delta_args(delta, w13)
@@ -348,22 +346,8 @@ def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks
         SHRINK_BY_PAIR=delta is not None and delta.by_pair,
         **fp8_kwargs(scales, "w13", w13, bk, w8a8=a_scale is not None, block_n=bn), **_act_kwargs(a_scale, x),
         IQ=iq, IS=is_, stride_iq=iq.stride(0), stride_is=is_.stride(0), OUT_GROUP=group,
-        PART=part, COUNTERS=counters, SPLIT_K=split_k,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(x.device),
         **dict(zip(_LORA_ARGS, lora_args)))
-
-
-def _split_k(cfg: dict, delta: GemmDelta | None, tiles: int, tile_numel: int,
-             like: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(SPLIT_K, partial sums, arrival counters) of an up GEMM of `tiles` tiles: the entry's
-    SPLIT_K without a LoRA delta (the kernel adds a delta's terms to whole sums only), else 1, as
-    also where the counters would have to grow inside a CUDA graph capture; at 1, `like` stands
-    in for the buffers the kernel then never reads."""
-    split_k = cfg.get(SPLIT_KEY, 1) if delta is None else 1
-    counters = zeroed(like.device, "split_k", tiles, torch.int32) if split_k > 1 else None
-    if counters is None:
-        return 1, like, like
-    return split_k, torch.empty(tiles * split_k * tile_numel, dtype=torch.float32, device=like.device), counters
 
 
 def launch_w8a8_gemm1(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor,

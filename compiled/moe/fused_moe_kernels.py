@@ -135,12 +135,11 @@ def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, exp
 
 
 @triton.jit
-def _tile_ids(N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
-    """(pid_m, pid_n): tile ids, grouped along M so that blocks sharing weight tiles run together.
-    SPLIT_K programs in a row share a tile (`moe_gemm1_kernel`)."""
-    pid = tl.program_id(0) // SPLIT_K
+def _tile_ids(N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n): tile ids, grouped along M so that blocks sharing weight tiles run together."""
+    pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_m = tl.num_programs(0) // SPLIT_K // num_pid_n
+    num_pid_m = tl.num_programs(0) // num_pid_n
     in_group = GROUP_M * num_pid_n
     first_m = (pid // in_group) * GROUP_M
     group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
@@ -149,9 +148,9 @@ def _tile_ids(N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.const
 
 @triton.jit
 def _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-           GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+           GROUP_M: tl.constexpr):
     """(pid_m, pid_n, pair indices of the block's rows (num_valid marks padding), block is live)."""
-    pid_m, pid_n = _tile_ids(N, BLOCK_N, GROUP_M, SPLIT_K)
+    pid_m, pid_n = _tile_ids(N, BLOCK_N, GROUP_M)
     offs_m = tl.arange(0, BLOCK_M)
     num_post = tl.load(num_post_ptr)
     live = pid_m * BLOCK_M < num_post
@@ -262,8 +261,7 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
              LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
              DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
              SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
-             IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr, PART, COUNTERS, BLOCK_M: tl.constexpr,
-             SPLIT_K: tl.constexpr):
+             IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr):
     """silu(gate) * up for the TILE_M rows `pair` (a power of two >= 16) and one N tile. TMA: the
     weight tiles come through `w_desc` (w as `[E * 2N, K]`, block `[BLOCK_N, BLOCK_K]`); rows past
     the tile's N read the neighbouring rows (or zeros past the end), whose columns are not stored.
@@ -271,10 +269,7 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
     a tile of one slot's operands loaded before the K loop (in flight during it); DELTA_FIRST:
     the deltas as the accumulators' start, before the K loop. SHRINK_BY_PAIR: the shrink outputs'
     rows are the pairs (`moe_lora_pair_shrink_kernel`), else the positions (block order). OUT_GROUP:
-    the tile stored quantized (`_store_quantized`), and with LORA into out as well. SPLIT_K > 1
-    (not with LORA): this program sums its split of the K steps alone (`_split_k_sum`), and the
-    last of the tile's programs to finish runs the epilogue."""
-    tl.static_assert(SPLIT_K == 1 or not LORA, "split-K up tiles take no LoRA delta")
+    the tile stored quantized (`_store_quantized`), and with LORA into out as well."""
     row_ok = pair < num_valid
     if SHRINK_BY_PAIR:
         s_rows = tl.where(row_ok, pair, 0)
@@ -302,20 +297,15 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
         _, sr_u, sc_u, b_u = _pair_operands(slots, s_rows, expert, offs_n + N, n_ok, L_R, 1, L_S, L_B, L_SCALE, L_R,
                                             stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R)
     n_k = tl.cdiv(K, BLOCK_K)
-    k_lo, k_hi = _split_steps(n_k, SPLIT_K)
-    a_ptrs += k_lo * BLOCK_K
-    g_ptrs += k_lo * BLOCK_K
-    u_ptrs += k_lo * BLOCK_K
     if FP8 >= 3:   # W8A8: each step's scales loaded a step ahead (the loop's pipelining leaves them out)
         s_e, as_rows = S + expert * stride_se, AS + token * stride_as
         w_rows = w8a8_rows(offs_nw, pid_n, BLOCK_N, FP8 == 4)
-        k_first = tl.minimum(k_lo, n_k - 1) * BLOCK_K   # (an empty split loads in bounds)
-        sa_n, sg_n = w8a8_scales(as_rows, s_e, w_rows, k_first, stride_sn, BO, BI)
-        su_n = col_scales(s_e, w_rows + N, k_first, stride_sn, BO, BI)
-    for k in range(k_lo, k_hi):
+        sa_n, sg_n = w8a8_scales(as_rows, s_e, w_rows, 0, stride_sn, BO, BI)
+        su_n = col_scales(s_e, w_rows + N, 0, stride_sn, BO, BI)
+    for k in range(0, n_k):
         if FP8 >= 3:
             sa, sg, su = sa_n, sg_n, su_n
-            k_next = tl.minimum(k + 1, k_hi - 1) * BLOCK_K
+            k_next = tl.minimum(k + 1, n_k - 1) * BLOCK_K
             sa_n, sg_n = w8a8_scales(as_rows, s_e, w_rows, k_next, stride_sn, BO, BI)
             su_n = col_scales(s_e, w_rows + N, k_next, stride_sn, BO, BI)
         if EVEN_K:
@@ -360,20 +350,6 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
         acc_u = _pair_delta_loaded(acc_u, slots, one, sr_u, sc_u, b_u, s_rows, expert, offs_n + N, n_ok, L_R, 1, L_S,
                                    L_B, L_SCALE, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD,
                                    BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
-    if SPLIT_K > 1:
-        acc_g, acc_u, last = _split_k_sum(acc_g, acc_u, PART, COUNTERS, TILE_M, BLOCK_M, BLOCK_N, SPLIT_K)
-        if last:
-            _up_epilogue(acc_g, acc_u, out_ptr, pos, row_ok, offs_n, pid_n, N, stride_om, IQ, IS, stride_iq,
-                         stride_is, TILE_M, BLOCK_N, OUT_GROUP, LORA)
-    else:
-        _up_epilogue(acc_g, acc_u, out_ptr, pos, row_ok, offs_n, pid_n, N, stride_om, IQ, IS, stride_iq, stride_is,
-                     TILE_M, BLOCK_N, OUT_GROUP, LORA)
-
-
-@triton.jit
-def _up_epilogue(acc_g, acc_u, out_ptr, pos, row_ok, offs_n, pid_n, N, stride_om, IQ, IS, stride_iq, stride_is,
-                 TILE_M: tl.constexpr, BLOCK_N: tl.constexpr, OUT_GROUP: tl.constexpr, LORA: tl.constexpr):
-    """silu(gate) * up of the finished sums, stored (and, OUT_GROUP, quantized) as `_up_tile` says."""
     # round like the unfused model: gate/up in the activation dtype, silu, product
     dt = out_ptr.dtype.element_ty
     gate = acc_g.to(dt).to(tl.float32)
@@ -385,48 +361,6 @@ def _up_epilogue(acc_g, acc_u, out_ptr, pos, row_ok, offs_n, pid_n, N, stride_om
     if LORA or not OUT_GROUP:   # with LoRA the down GEMM's shrink reads the 16-bit rows
         o_ptrs = out_ptr + pos.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_n[None, :] < N))
-
-
-@triton.jit
-def _split_steps(n_k, SPLIT_K: tl.constexpr):
-    """[k_lo, k_hi): the K steps of this program's split (program SPLIT_K * tile + split), the
-    steps shared out in runs of ceil(n_k / SPLIT_K); the last runs may be short or empty."""
-    k_lo = 0
-    k_hi = n_k
-    if SPLIT_K > 1:
-        per = tl.cdiv(n_k, SPLIT_K)
-        k_lo = tl.minimum((tl.program_id(0) % SPLIT_K) * per, n_k)
-        k_hi = tl.minimum(k_lo + per, n_k)
-    return k_lo, k_hi
-
-
-@triton.jit
-def _split_k_sum(acc_g, acc_u, PART, COUNTERS, TILE_M: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 SPLIT_K: tl.constexpr):
-    """(gate sums, up sums, this program finishes the tile) of a split-K up tile: each program
-    writes its partial sums to its slot of PART (fp32, BLOCK_M x 2 BLOCK_N a split) and bumps the
-    tile's arrival counter; the last to arrive adds the splits in split order (so the result does
-    not depend on who arrives last) and puts the counter back to zero (CUDA graphs replay with no
-    memset), as the decode attention's split merge does."""
-    tile = tl.program_id(0) // SPLIT_K
-    split = tl.program_id(0) % SPLIT_K
-    per_split: tl.constexpr = BLOCK_M * 2 * BLOCK_N
-    offs = tl.arange(0, TILE_M)[:, None] * (2 * BLOCK_N) + tl.arange(0, BLOCK_N)[None, :]
-    base = PART + tile.to(tl.int64) * (SPLIT_K * per_split)
-    tl.store(base + split * per_split + offs, acc_g)
-    tl.store(base + split * per_split + BLOCK_N + offs, acc_u)
-    # every thread's partial written before the counter says so (release); the last program's
-    # reads come after its acquire and skip L1 (.cg)
-    tl.debug_barrier()
-    last = tl.atomic_add(COUNTERS + tile, 1, sem="acq_rel") == SPLIT_K - 1
-    if last:
-        acc_g = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
-        for s in tl.static_range(SPLIT_K):
-            acc_g += tl.load(base + s * per_split + offs, cache_modifier=".cg")
-            acc_u += tl.load(base + s * per_split + BLOCK_N + offs, cache_modifier=".cg")
-        tl.atomic_xchg(COUNTERS + tile, 0, sem="relaxed")
-    return acc_g, acc_u, last
 
 
 @triton.jit
@@ -589,8 +523,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
                      DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
                      SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
-                     IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr, PART, COUNTERS, SPLIT_K: tl.constexpr,
-                     PDL: tl.constexpr):
+                     IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr, PDL: tl.constexpr):
     """out[row, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs,
     row = the pair's position in the sorted order (block b's rows are b * BLOCK_M onwards, padding
     rows left unwritten), so that gemm2 reads each block's rows as one tile.
@@ -604,12 +537,9 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
     scales at AS (`[T, K / BI]`), each K step's fp8 x fp8 dot scaled by both (`triton_utils.w8a8_step`).
     OUT_GROUP (> 0, BLOCK_N a multiple): the rows quantized for a W8A8 gemm2 in groups that wide, into
     IQ (float8_e4m3fn, like out) and IS (`[rows, N / OUT_GROUP]` fp32), instead of stored into out
-    (besides, with LORA: the down delta's shrink reads them). SPLIT_K (> 1): SPLIT_K programs a tile,
-    each over its share of the K steps, partial sums in PART (fp32, `[tiles, SPLIT_K, BLOCK_M, 2 *
-    BLOCK_N]`), arrivals counted in COUNTERS (int32 `[tiles]`, zero between launches): more programs
-    than tiles where few tokens leave most SMs idle in the last wave."""
+    (besides, with LORA: the down delta's shrink reads them)."""
     pdl_wait(PDL)
-    pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M, SPLIT_K)
+    pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         height = BLOCK_M
@@ -622,8 +552,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
-                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP,
-                     PART, COUNTERS, BLOCK_M, SPLIT_K)
+                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP)
         elif height == BLOCK_M // 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2),
                      first + tl.arange(0, BLOCK_M // 2), expert,
@@ -631,8 +560,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
-                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP,
-                     PART, COUNTERS, BLOCK_M, SPLIT_K)
+                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP)
         elif HALF_M >= 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4),
                      first + tl.arange(0, BLOCK_M // 4), expert,
@@ -640,8 +568,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
-                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP,
-                     PART, COUNTERS, BLOCK_M, SPLIT_K)
+                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP)
 
 
 @triton.jit
@@ -707,7 +634,7 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
     skipping those past the expert's pairs."""
     pdl_wait(PDL)
     if EXPERT_BLOCK_M == BLOCK_M:
-        pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M, 1)
+        pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
         if live:
             expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
             _down_rows(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_ptr, pair, pid_m, expert, pid_n,
@@ -718,7 +645,7 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
                        DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
     else:
         # a block's tiles in turn: those past its expert's pairs (real rows come first) cost no program
-        pid_b, pid_n = _tile_ids(N, BLOCK_N, GROUP_M, 1)
+        pid_b, pid_n = _tile_ids(N, BLOCK_N, GROUP_M)
         if pid_b * EXPERT_BLOCK_M < tl.load(num_post_ptr):
             expert = tl.load(expert_ids_ptr + pid_b).to(tl.int64)
             for sub in tl.static_range(EXPERT_BLOCK_M // BLOCK_M):

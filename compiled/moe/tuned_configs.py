@@ -6,8 +6,7 @@ optional HALF_M and TMA, and an optional "down" override of M/N/K/GROUP/warps/st
 the second GEMM, whose BLOCK_SIZE_M, where given, divides the up GEMM's: a program takes an
 alignment block of the up GEMM's height as that many shorter down tiles in turn; HALF_M = 1 (2)
 runs an expert's partial last block as a tile of half (a quarter of) the height when its rows fit, TMA loads the weight tiles through tensor descriptors (Hopper's
-TMA) instead of pointer loads; an optional SPLIT_K, the up GEMM's programs a tile, each over its share
-of the K steps); the entry whose token count is nearest wins. An optional top-level
+TMA) instead of pointer loads); the entry whose token count is nearest wins. An optional top-level
 "gemv" entry, `{"up": {BLOCK_N, BLOCK_K, num_warps}, "down": {...}}` (either stage may be left
 out), gives the one-token GEMVs' tiles in place of GEMV_TILES (`bench/moe_bench.py --only-gemv
 --write-gemv` writes it); a malformed one is a one-line error naming the file and the key.
@@ -37,7 +36,6 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 OPTIONAL_KEYS = ("HALF_M", "TMA")  # 0 when absent
 MAX_HALVINGS = 2  # HALF_M: partial blocks run tiles of down to a quarter of BLOCK_SIZE_M
-SPLIT_KEY = "SPLIT_K"   # the up GEMM's alone; 1 when absent
 MODE_KEY = "W8A8"   # an FP8 experts' entry: 1 W8A8, 0 W8A16, absent: by fused_moe.W8A8_MIN_TOKENS
 DOWN_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages",
              *OPTIONAL_KEYS)
@@ -114,9 +112,6 @@ def _config_file(E: int, N: int, device: str, dtype: str) -> dict:
             raise ValueError(f"{path}: {key}.{MODE_KEY} must be 0 (W8A16) or 1 (W8A8), got {entry[MODE_KEY]!r}")
         if key.isdigit():
             check_down_height(entry, f"{path}: {key}")
-            split = entry.get(SPLIT_KEY, 1)
-            if type(split) is not int or split < 1:
-                raise ValueError(f"{path}: {key}.{SPLIT_KEY} must be an int >= 1, got {split!r}")
     return raw
 
 
@@ -224,5 +219,4 @@ def split_config(cfg: dict) -> tuple[dict, dict]:
     down.update({k: int(v) for k, v in (cfg.get("down") or {}).items() if k in DOWN_KEYS})
     for c in (up, down):
         c["HALF_M"] = min(c["HALF_M"], MAX_HALVINGS, (c["BLOCK_SIZE_M"] // 16).bit_length() - 1)
-    up[SPLIT_KEY] = int(cfg.get(SPLIT_KEY, 1))
     return up, down

@@ -130,14 +130,6 @@ def case_t5_e60_k6_uneven_k_and_n():
     _check_fused(5, 60, 6, 40, 24, _cfg(16, 32, 32), seed=3)
 
 
-def case_split_k_up_tiles_uneven_and_empty_splits():
-    # 3 programs a tile over 4 K steps (the last partial): runs of 2, 2 and none; then 4 over 2
-    # steps in bf16, where half the splits are empty (with a LoRA delta an entry's SPLIT_K is not
-    # taken: test_fp8_kernel's w8a8_lora_block32)
-    _check_fused(5, 60, 6, 100, 40, dict(_cfg(16, 32, 32), SPLIT_K=3), seed=5)
-    _check_fused(9, 8, 2, 32, 48, dict(_cfg(16, 16, 16), SPLIT_K=4), dtype=torch.bfloat16, seed=6)
-
-
 def case_t128_e16_k1_no_sum():
     _check_fused(128, 16, 1, 32, 48, _cfg(32, 64, 32), seed=4)
 
@@ -412,8 +404,7 @@ GROUPS = {
           case_t300_e8_k2_two_k_steps_grouped_half_and_quarter_tiles,
           case_t150_e8_k2_half_tiles_up_only, case_t37_e128_k8_unused_experts_fp16, case_t5_e60_k6_uneven_k_and_n,
           case_routing_kernel_vs_softmax_topk, case_routing_kernel_keeps_the_ranks_experts,
-          case_other_ranks_pairs_are_skipped, case_t300_e8_k2_down_tiles_under_the_blocks,
-          case_split_k_up_tiles_uneven_and_empty_splits],
+          case_other_ranks_pairs_are_skipped, case_t300_e8_k2_down_tiles_under_the_blocks],
     "b": [case_t128_e16_k1_no_sum, case_t61_e33_k3_bf16, case_t2_e8_k8_all_experts_down_override,
           case_op_dispatch_and_workspace, case_align_multi_chunk_e128_k8, case_align_counted_by_every_program_and_unused_experts,
           case_tma_weight_tiles_bf16_n_and_k_tails, case_tma_intermediate_tiles_full_blocks_bf16,

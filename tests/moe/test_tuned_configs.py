@@ -143,22 +143,6 @@ def test_bad_mode_in_an_entry_is_a_one_line_error_naming_file_and_key(config_dir
     assert msg.startswith(f"{path}: 8.W8A8 must be 0 (W8A16) or 1 (W8A8)") and "\n" not in msg, msg
 
 
-@pytest.mark.parametrize("split", [0, 1.5, "2"])
-def test_bad_split_k_in_an_entry_is_a_one_line_error_naming_file_and_key(config_dir, split):
-    path = _write(config_dir, "bfloat16", {"1": _cfg(16, 32, 64), "8": dict(_cfg(16, 32, 64), SPLIT_K=split)})
-    with pytest.raises(ValueError) as err:
-        tc.get_config(8, E, I, torch.bfloat16, CPU)
-    msg = str(err.value)
-    assert msg.startswith(f"{path}: 8.SPLIT_K must be an int >= 1, got {split!r}") and "\n" not in msg, msg
-
-
-def test_split_k_is_the_up_gemms_alone(config_dir):
-    _write(config_dir, "bfloat16", {"8": dict(_cfg(16, 32, 64), SPLIT_K=3), "64": _cfg(16, 32, 64)})
-    up, down = tc.split_config(tc.get_config(8, E, I, torch.bfloat16, CPU))
-    assert up["SPLIT_K"] == 3 and "SPLIT_K" not in down
-    assert tc.split_config(tc.get_config(64, E, I, torch.bfloat16, CPU))[0]["SPLIT_K"] == 1
-
-
 def test_an_entrys_mode_is_read_where_it_names_one(config_dir):
     _write(config_dir, "fp8_w8a8", {"8": dict(_cfg(64, 32, 64), W8A8=1), "64": dict(_cfg(16, 32, 64), W8A8=0),
                                      "512": _cfg(64, 64, 64)})

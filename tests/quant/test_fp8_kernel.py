@@ -344,14 +344,6 @@ W8A8_CASES = [("w8a8_block16x32", 37, 72, 40, QuantConfig("fp8", "block", (16, 3
               ("w8a8_tma_pass", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)), torch.float32,
                dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=16, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
                     HALF_M=0, TMA=1, W8A8=1)),
-              # the up GEMM split along K: 3 programs a tile over 7 steps (the last partial), the
-              # intermediate quantized by the epilogue of the program that finishes the tile
-              ("w8a8_split_k", 9, 200, 64, QuantConfig("fp8", "block", (32, 32)), torch.float32,
-               dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
-                    HALF_M=0, TMA=0, W8A8=1, SPLIT_K=3)),
-              ("w8a8_split_k_bf16", 9, 256, 128, QuantConfig("fp8", "block", (128, 128)), torch.bfloat16,
-               dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
-                    HALF_M=0, TMA=0, W8A8=1, SPLIT_K=2)),
               # down tiles half the 64-row blocks (the intermediate's through TMA): an expert's
               # 20-40 pairs fill one or two of them, a partial one runs half height, the rest are padding
               ("w8a8_down_tiles_under_the_blocks", 75, 256, 128, QuantConfig("fp8", "block", (128, 128)),
@@ -421,7 +413,7 @@ def w8a8_case(T: int, H: int, I: int, quant: QuantConfig, dtype: torch.dtype, co
 # then by a pass, 16-wide tiles holding half a block)
 W8A8_LORA_CASES = [("w8a8_lora_block32", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)),
                     dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
-                         HALF_M=0, TMA=0, W8A8=1, SPLIT_K=2)),   # (with a delta the up GEMM runs unsplit)
+                         HALF_M=0, TMA=0, W8A8=1)),
                    ("w8a8_lora_block32_pass", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)),
                     dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=16, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
                          HALF_M=0, TMA=0, W8A8=1))]
