@@ -2,7 +2,9 @@
 
 Two formats load unchanged: block FP8 (`quant_method: fp8`, Qwen and DeepSeek: a scale per
 [bo, bi] block, stored as `weight_scale_inv`) and compressed-tensors float-quantized (a scale per
-output channel or per tensor, stored as `weight_scale`). Every error names the field at fault."""
+output channel or per tensor, stored as `weight_scale`). Activations are dynamic (quantized at run
+time) or static (a calibrated per-tensor `input_scale` beside each quantized weight). Every error
+names the field at fault."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ SCHEMES = ("block", "channel", "tensor")
 # The projections a format may quantize; embeddings, norms, the router and the LM head stay in
 # the engine dtype whatever the ignore list says.
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ACTIVATION_SCHEMES = ("dynamic", "static")
+INPUT_SCALE = "input_scale"   # a static scheme's per-tensor activation scale, beside each quantized weight
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,8 @@ class QuantConfig:
     scheme: str                           # "block", "channel" (a scale per output row) or "tensor"
     block: tuple[int, int] | None = None  # (rows, cols) of a scale block, for "block"
     ignore: tuple[str, ...] = ()          # module names or `re:` patterns left unquantized
+    # "static": the checkpoint holds INPUT_SCALE tensors, checked and not used: the W8A8 kernels
+    # quantize activations per token and group at run time, finer than one scale a tensor
     activation_scheme: str = "dynamic"
 
     @property
@@ -98,8 +104,9 @@ def _block_fp8(raw: dict, fail: Callable[[str], ConfigError]) -> QuantConfig:
     if fmt != "e4m3":
         raise fail(f"field 'quantization_config.fmt' is {fmt!r} (supported: 'e4m3')")
     activations = raw.get("activation_scheme", "dynamic")
-    if activations != "dynamic":
-        raise fail(f"field 'quantization_config.activation_scheme' is {activations!r} (supported: 'dynamic')")
+    if activations not in ACTIVATION_SCHEMES:
+        raise fail(f"field 'quantization_config.activation_scheme' is {activations!r} "
+                   f"(supported: {', '.join(map(repr, ACTIVATION_SCHEMES))})")
     if raw.get("weight_block_size") is None:
         raise fail("field 'quantization_config.weight_block_size' is missing (per-tensor fp8 is not supported)")
     block = _block_size(raw["weight_block_size"], "quantization_config.weight_block_size", fail)
@@ -116,8 +123,11 @@ def _compressed_tensors(raw: dict, fail: Callable[[str], ConfigError]) -> QuantC
     schemes = {_group_weights(name, group, fail) for name, group in groups.items()}
     if len(schemes) > 1:
         raise fail(f"field 'quantization_config.config_groups' mixes weight schemes {sorted(map(str, schemes))}")
+    activations = {_group_activations(name, group, fail) for name, group in groups.items()}
+    if len(activations) > 1:
+        raise fail("field 'quantization_config.config_groups' mixes static and dynamic input_activations")
     scheme, block = schemes.pop()
-    return QuantConfig("compressed-tensors", scheme, block, _ignore_list(raw, "ignore", fail))
+    return QuantConfig("compressed-tensors", scheme, block, _ignore_list(raw, "ignore", fail), activations.pop())
 
 
 def _group_weights(name: str, group: object, fail: Callable[[str], ConfigError]) -> tuple[str, tuple | None]:
@@ -135,3 +145,25 @@ def _group_weights(name: str, group: object, fail: Callable[[str], ConfigError])
     block = _block_size(weights.get("block_structure"), f"{field}.block_structure", fail) \
         if strategy == "block" else None
     return strategy, block
+
+
+def _group_activations(name: str, group: dict, fail: Callable[[str], ConfigError]) -> str:
+    """The activation scheme of one config group: "dynamic" (quantized at run time, or left
+    16-bit: no `input_activations`) or "static" (8-bit floats, one stored scale a tensor)."""
+    field = f"quantization_config.config_groups.{name}.input_activations"
+    acts = group.get("input_activations")
+    if acts is None:
+        return "dynamic"
+    if not isinstance(acts, dict):
+        raise fail(f"field {field!r} must be an object or null")
+    if acts.get("num_bits") != 8 or acts.get("type") != "float":
+        raise fail(f"field {field!r} must be 8-bit float activations, got num_bits={acts.get('num_bits')!r} "
+                   f"type={acts.get('type')!r}")
+    dynamic = acts.get("dynamic", False)   # compressed-tensors' default
+    if type(dynamic) is not bool:
+        raise fail(f"field '{field}.dynamic' must be true or false, got {dynamic!r}")
+    if dynamic:
+        return "dynamic"
+    if acts.get("strategy") != "tensor":
+        raise fail(f"field '{field}.strategy' is {acts.get('strategy')!r} with static scales (supported: 'tensor')")
+    return "static"

@@ -4,16 +4,18 @@ A quantized linear arrives as `weight` (float8_e4m3fn) and its scale (`weight_sc
 block FP8, `weight_scale` for compressed-tensors), in either order and possibly in different
 shards; each pair leaves as one weight under the linear's `weight` name, so the weight map's
 recipes (fused qkv, stacked experts) place it exactly as they place an unquantized one. Both
-halves stay views of the mapped files until they meet."""
+halves stay views of the mapped files until they meet. A static activation scheme's `input_scale`
+beside each quantized weight is checked and dropped here (`QuantConfig.activation_scheme`)."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 import torch
 
 from compiled.errors import CheckpointError, ConfigError
-from compiled.quant.config import QuantConfig
+from compiled.quant.config import INPUT_SCALE, QuantConfig
 from compiled.quant.dequant import FP8, dequantize, quantize
 
 if TYPE_CHECKING:
@@ -42,8 +44,11 @@ def dequantized_stream(tensors: Stream, quant: QuantConfig | None, keep: set[str
         return
     weights: dict[str, tuple[str, torch.Tensor]] = {}
     scales: dict[str, tuple[str, torch.Tensor]] = {}
+    static = StaticScales(quant)
     for origin, name, tensor in tensors:
         module, _, leaf = name.rpartition(".")
+        if static.take(origin, module, leaf, tensor):
+            continue
         if not quant.quantizes(module) or leaf not in ("weight", quant.scale_suffix):
             if tensor.dtype in FLOAT8:
                 raise CheckpointError(f"{origin}: tensor {name!r} is {tensor.dtype} but quantization_config "
@@ -52,6 +57,7 @@ def dequantized_stream(tensors: Stream, quant: QuantConfig | None, keep: set[str
             continue
         if leaf == "weight":
             _check_fp8(origin, module, tensor)
+            static.expect(origin, module)
         if f"{module}.weight" in keep:
             yield origin, name, tensor
             continue
@@ -61,6 +67,43 @@ def dequantized_stream(tensors: Stream, quant: QuantConfig | None, keep: set[str
     for module, (origin, _) in weights.items():
         raise CheckpointError(f"{origin}: missing tensor '{module}.{quant.scale_suffix}' (the scale of "
                               f"float8 weight '{module}.weight')")
+    static.check_complete()
+
+
+class StaticScales:
+    """A static activation scheme's `input_scale` tensors: each a positive float, one a quantized
+    weight; the kernels quantize activations per token at run time, so none goes further."""
+
+    def __init__(self, quant: QuantConfig) -> None:
+        self.on = quant.activation_scheme == "static"
+        self.quant = quant
+        self.weights: dict[str, str] = {}   # quantized module -> the file of its weight
+        self.seen: set[str] = set()
+
+    def take(self, origin: str, module: str, leaf: str, tensor: torch.Tensor) -> bool:
+        """Whether the tensor is a quantized module's input scale (checked and dropped)."""
+        if not (self.on and leaf == INPUT_SCALE and self.quant.quantizes(module)):
+            return False
+        what = f"shape {list(tensor.shape)} dtype {tensor.dtype}"
+        ok = tensor.numel() == 1 and tensor.is_floating_point() and tensor.dtype not in FLOAT8
+        if ok:
+            value = float(tensor.reshape(()))
+            ok, what = math.isfinite(value) and value > 0, f"{value!r}"
+        if not ok:
+            raise CheckpointError(f"{origin}: tensor '{module}.{INPUT_SCALE}' must be one positive float (a static "
+                                  f"per-tensor activation scale), got {what}")
+        self.seen.add(module)
+        return True
+
+    def expect(self, origin: str, module: str) -> None:
+        if self.on:
+            self.weights[module] = origin
+
+    def check_complete(self) -> None:
+        missing = sorted(set(self.weights) - self.seen)
+        if missing:
+            raise CheckpointError(f"{self.weights[missing[0]]}: missing tensor '{missing[0]}.{INPUT_SCALE}' "
+                                  f"(quantization_config's activations are static)")
 
 
 def _quantized_at_load(tensors: Stream, quant: QuantConfig, keep: set[str], device: torch.device | str,

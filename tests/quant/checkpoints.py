@@ -16,9 +16,10 @@ from compiled.quant.dequant import dequantize, quantize
 BLOCK_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
-def compressed_tensors(strategy: str = "channel", ignore=("lm_head",)) -> dict:
+def compressed_tensors(strategy: str = "channel", ignore=("lm_head",), static: bool = False) -> dict:
+    """A compressed-tensors FP8 config; `static`: per-tensor activation scales stored (`input_scale`)."""
     weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False}
-    acts = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}
+    acts = {"num_bits": 8, "type": "float", "strategy": "tensor" if static else "token", "dynamic": not static}
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": list(ignore),
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
 
@@ -26,7 +27,9 @@ def compressed_tensors(strategy: str = "channel", ignore=("lm_head",)) -> dict:
 def quantize_checkpoint(src: str, dst: str, reference: str, quant_config: dict,
                         scale_dtype: torch.dtype = torch.float32) -> tuple[str, str]:
     """Write `src` (a single-file checkpoint) quantized to `dst` and its dequantized twin to
-    `reference`; return both paths."""
+    `reference`; return both paths. A static activation scheme stores a random positive
+    `input_scale` beside each quantized weight (calibration's output, which the engine checks and
+    does not use)."""
     quant = parse_quantization(quant_config, ConfigError)
     quantized, dequantized = {}, {}
     for name, tensor in load_file(os.path.join(src, "model.safetensors")).items():
@@ -34,6 +37,8 @@ def quantize_checkpoint(src: str, dst: str, reference: str, quant_config: dict,
         if name.endswith(".weight") and quant.quantizes(module):
             q, s = quantize(tensor, quant, scale_dtype)
             quantized[name], quantized[f"{module}.{quant.scale_suffix}"] = q, s
+            if quant.activation_scheme == "static":
+                quantized[f"{module}.input_scale"] = torch.rand(1) / 50 + 0.01
             dequantized[name] = dequantize(q, s, quant, torch.float32)
         else:
             quantized[name] = dequantized[name] = tensor

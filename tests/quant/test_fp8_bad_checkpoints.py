@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from compiled import LLM
 from compiled.errors import CheckpointError, ConfigError
 from tests.conftest import make_checkpoint
-from tests.quant.checkpoints import BLOCK_FP8, quantize_checkpoint
+from tests.quant.checkpoints import BLOCK_FP8, compressed_tensors, quantize_checkpoint
 
 SCALE = "model.layers.1.self_attn.k_proj.weight_scale_inv"
 
@@ -102,3 +102,35 @@ def test_unknown_quant_method(fp8_path):
         json.dump(raw, f)
     assert _error(fp8_path, ConfigError) == (
         f"{config}: field 'quantization_config.quant_method' is 'gptq' (supported: fp8, compressed-tensors)")
+
+
+INPUT_SCALE = "model.layers.1.mlp.up_proj.input_scale"
+
+
+@pytest.fixture
+def static_path(tmp_path) -> str:
+    src = make_checkpoint(tmp_path / "src")
+    return quantize_checkpoint(src, tmp_path / "fp8", tmp_path / "ref", compressed_tensors(static=True))[0]
+
+
+def test_static_activations_missing_an_input_scale(static_path):
+    file = _edit(static_path, lambda t: t.pop(INPUT_SCALE))
+    assert _error(static_path, CheckpointError) == (
+        f"{file}: missing tensor '{INPUT_SCALE}' (quantization_config's activations are static)")
+
+
+@pytest.mark.parametrize("bad, got", [(torch.ones(2), "shape [2] dtype torch.float32"), (torch.tensor([-0.5]), "-0.5"),
+                                      (torch.tensor([float("nan")]), "nan")])
+def test_static_activations_bad_input_scale(static_path, bad, got):
+    def edit(t):
+        t[INPUT_SCALE] = bad
+    file = _edit(static_path, edit)
+    assert _error(static_path, CheckpointError) == (
+        f"{file}: tensor '{INPUT_SCALE}' must be one positive float (a static per-tensor activation scale), got {got}")
+
+
+def test_input_scale_where_activations_are_dynamic(fp8_path):
+    def edit(t):
+        t[INPUT_SCALE] = torch.ones(1)
+    file = _edit(fp8_path, edit)
+    assert _error(fp8_path, CheckpointError) == f"{file}: unexpected tensor '{INPUT_SCALE}'"

@@ -62,7 +62,8 @@ def test_no_quantization_config(tmp_path):
     (dict(BLOCK, weight_block_size=[128, 0]), "field 'quantization_config.weight_block_size' must be two positive ints, got [128, 0]"),
     (dict(BLOCK, weight_block_size=[128, 1.5]), "field 'quantization_config.weight_block_size' must be two positive ints, got [128, 1.5]"),
     (dict(BLOCK, weight_block_size="128"), "field 'quantization_config.weight_block_size' must be two positive ints, got '128'"),
-    (dict(BLOCK, activation_scheme="static"), "field 'quantization_config.activation_scheme' is 'static' (supported: 'dynamic')"),
+    (dict(BLOCK, activation_scheme="token"),
+     "field 'quantization_config.activation_scheme' is 'token' (supported: 'dynamic', 'static')"),
     (dict(compressed(), format="pack-quantized"), "field 'quantization_config.format' is 'pack-quantized' (supported: 'float-quantized')"),
     ("fp8", "field 'quantization_config' must be an object, got 'fp8'"),
 ])
@@ -78,4 +79,42 @@ def test_compressed_tensors_int_weights_are_refused(tmp_path):
     quant = compressed()
     quant["config_groups"]["group_0"]["weights"].update(type="int", num_bits=4)
     with pytest.raises(ConfigError, match="config_groups.group_0.weights' must be 8-bit float weights"):
+        _config(tmp_path, quant)
+
+
+def _with_acts(acts, groups=("group_0",)) -> dict:
+    quant = compressed()
+    group = quant["config_groups"]["group_0"]
+    quant["config_groups"] = {name: dict(group, input_activations=acts) for name in groups}
+    return quant
+
+
+def test_activation_schemes(tmp_path):
+    static = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    assert _config(tmp_path, _with_acts(static))[1].quantization.activation_scheme == "static"
+    assert _config(tmp_path, _with_acts(None))[1].quantization.activation_scheme == "dynamic"   # weight-only
+    assert _config(tmp_path, compressed())[1].quantization.activation_scheme == "dynamic"
+    assert _config(tmp_path, dict(BLOCK, activation_scheme="static"))[1].quantization.activation_scheme == "static"
+
+
+@pytest.mark.parametrize("acts, message", [
+    ({"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True},
+     "input_activations' must be 8-bit float activations, got num_bits=8 type='int'"),
+    ({"num_bits": 8, "type": "float", "strategy": "token", "dynamic": False},
+     "input_activations.strategy' is 'token' with static scales (supported: 'tensor')"),
+    ({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": "local"},
+     "input_activations.dynamic' must be true or false, got 'local'"),
+    ("fp8", "input_activations' must be an object or null"),
+])
+def test_bad_input_activations_name_the_field(tmp_path, acts, message):
+    with pytest.raises(ConfigError) as e:
+        _config(tmp_path, _with_acts(acts))
+    assert str(e.value).endswith(f"field 'quantization_config.config_groups.group_0.{message}") \
+        and "\n" not in str(e.value), str(e.value)
+
+
+def test_static_and_dynamic_groups_are_refused(tmp_path):
+    quant = _with_acts({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}, ("a", "b"))
+    quant["config_groups"]["b"] = dict(quant["config_groups"]["b"], input_activations=None)
+    with pytest.raises(ConfigError, match="mixes static and dynamic input_activations$"):
         _config(tmp_path, quant)
