@@ -123,6 +123,9 @@ def _compressed_tensors(raw: dict, fail: Callable[[str], ConfigError]) -> QuantC
     schemes = {_group_weights(name, group, fail) for name, group in groups.items()}
     if len(schemes) > 1:
         raise fail(f"field 'quantization_config.config_groups' mixes weight schemes {sorted(map(str, schemes))}")
+    if raw.get("kv_cache_scheme") is not None:
+        raise fail("field 'quantization_config.kv_cache_scheme' is set (the KV cache is kept in the engine dtype; "
+                   "an FP8 KV cache's k_scale / v_scale are not supported)")
     activations = {_group_activations(name, group, fail) for name, group in groups.items()}
     if len(activations) > 1:
         raise fail("field 'quantization_config.config_groups' mixes static and dynamic input_activations")

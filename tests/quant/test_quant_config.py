@@ -65,6 +65,9 @@ def test_no_quantization_config(tmp_path):
     (dict(BLOCK, activation_scheme="token"),
      "field 'quantization_config.activation_scheme' is 'token' (supported: 'dynamic', 'static')"),
     (dict(compressed(), format="pack-quantized"), "field 'quantization_config.format' is 'pack-quantized' (supported: 'float-quantized')"),
+    (dict(compressed(), kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}),
+     "field 'quantization_config.kv_cache_scheme' is set (the KV cache is kept in the engine dtype; an FP8 KV cache's "
+     "k_scale / v_scale are not supported)"),
     ("fp8", "field 'quantization_config' must be an object, got 'fp8'"),
 ])
 def test_bad_quantization_config_names_the_field(tmp_path, quant, message):
