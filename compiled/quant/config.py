@@ -110,7 +110,9 @@ def _block_fp8(raw: dict, fail: Callable[[str], ConfigError]) -> QuantConfig:
     if raw.get("weight_block_size") is None:
         raise fail("field 'quantization_config.weight_block_size' is missing (per-tensor fp8 is not supported)")
     block = _block_size(raw["weight_block_size"], "quantization_config.weight_block_size", fail)
-    return QuantConfig("fp8", "block", block, _ignore_list(raw, "modules_to_not_convert", fail), activations)
+    # transformers writes `modules_to_not_convert`, vLLM's own FP8 files `ignored_layers`: either leaves a module 16-bit
+    ignore = _ignore_list(raw, "modules_to_not_convert", fail) + _ignore_list(raw, "ignored_layers", fail)
+    return QuantConfig("fp8", "block", block, ignore, activations)
 
 
 def _compressed_tensors(raw: dict, fail: Callable[[str], ConfigError]) -> QuantConfig:

@@ -121,3 +121,13 @@ def test_static_and_dynamic_groups_are_refused(tmp_path):
     quant["config_groups"]["b"] = dict(quant["config_groups"]["b"], input_activations=None)
     with pytest.raises(ConfigError, match="mixes static and dynamic input_activations$"):
         _config(tmp_path, quant)
+
+
+def test_block_fp8_ignore_lists_of_either_name(tmp_path):
+    quant = dict(BLOCK, modules_to_not_convert=["lm_head", "model.layers.0.mlp.down_proj"],
+                 ignored_layers=["re:.*layers\\.1\\.self_attn\\.o_proj$"])
+    q = _config(tmp_path, quant)[1].quantization
+    assert not q.quantizes("model.layers.0.mlp.down_proj") and not q.quantizes("model.layers.1.self_attn.o_proj")
+    assert q.quantizes("model.layers.1.mlp.down_proj") and q.quantizes("model.layers.0.self_attn.o_proj")
+    with pytest.raises(ConfigError, match="field 'quantization_config.ignored_layers' must be a list of module names"):
+        _config(tmp_path, dict(BLOCK, ignored_layers="lm_head"))
