@@ -23,6 +23,8 @@ CASES = {
                                  torch.float32),
     "compressed-channel-moe": (True, compressed_tensors(ignore=["lm_head", "re:.*mlp\\.gate$"]), torch.bfloat16),
     "compressed-tensor-dense": (False, compressed_tensors("tensor"), torch.float32),
+    "block24x40-static-dense": (False, dict(BLOCK_FP8, weight_block_size=[24, 40], activation_scheme="static"),
+                                torch.float32),
     "compressed-channel-static-moe": (True, compressed_tensors(ignore=["lm_head", "re:.*mlp\\.gate$"], static=True),
                                       torch.float32),
 }
