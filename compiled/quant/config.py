@@ -141,9 +141,7 @@ def _group_weights(name: str, group: object, fail: Callable[[str], ConfigError])
     weights = group.get("weights") if isinstance(group, dict) else None
     if not isinstance(weights, dict):
         raise fail(f"field {field!r} must be an object")
-    if weights.get("num_bits") != 8 or weights.get("type") != "float":
-        raise fail(f"field {field!r} must be 8-bit float weights, got num_bits={weights.get('num_bits')!r} "
-                   f"type={weights.get('type')!r}")
+    _check_float8(weights, field, "weights", fail)
     strategy = weights.get("strategy")
     if strategy not in SCHEMES:
         raise fail(f"field '{field}.strategy' is {strategy!r} (supported: {', '.join(SCHEMES)})")
@@ -161,9 +159,7 @@ def _group_activations(name: str, group: dict, fail: Callable[[str], ConfigError
         return "dynamic"
     if not isinstance(acts, dict):
         raise fail(f"field {field!r} must be an object or null")
-    if acts.get("num_bits") != 8 or acts.get("type") != "float":
-        raise fail(f"field {field!r} must be 8-bit float activations, got num_bits={acts.get('num_bits')!r} "
-                   f"type={acts.get('type')!r}")
+    _check_float8(acts, field, "activations", fail)
     dynamic = acts.get("dynamic", False)   # compressed-tensors' default
     if type(dynamic) is not bool:
         raise fail(f"field '{field}.dynamic' must be true or false, got {dynamic!r}")
@@ -172,3 +168,10 @@ def _group_activations(name: str, group: dict, fail: Callable[[str], ConfigError
     if acts.get("strategy") != "tensor":
         raise fail(f"field '{field}.strategy' is {acts.get('strategy')!r} with static scales (supported: 'tensor')")
     return "static"
+
+
+def _check_float8(args: dict, field: str, what: str, fail: Callable[[str], ConfigError]) -> None:
+    """A one-line error unless the quantization args at `field` say 8-bit floats."""
+    if args.get("num_bits") != 8 or args.get("type") != "float":
+        raise fail(f"field {field!r} must be 8-bit float {what}, got num_bits={args.get('num_bits')!r} "
+                   f"type={args.get('type')!r}")
