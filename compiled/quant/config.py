@@ -3,8 +3,9 @@
 Two formats load unchanged: block FP8 (`quant_method: fp8`, Qwen and DeepSeek: a scale per
 [bo, bi] block, stored as `weight_scale_inv`) and compressed-tensors float-quantized (a scale per
 output channel or per tensor, stored as `weight_scale`). Activations are dynamic (quantized at run
-time) or static (a calibrated per-tensor `input_scale` beside each quantized weight). Every error
-names the field at fault."""
+time) or static (a calibrated per-tensor `input_scale` beside each quantized weight); a
+compressed-tensors `kv_cache_scheme` adds each attention's calibrated `k_scale` and `v_scale`.
+Every error names the field at fault."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ SCHEMES = ("block", "channel", "tensor")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ACTIVATION_SCHEMES = ("dynamic", "static")
 INPUT_SCALE = "input_scale"   # a static scheme's per-tensor activation scale, beside each quantized weight
+KV_SCALES = ("k_scale", "v_scale")   # a kv_cache_scheme's, beside each attention's projections
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,8 @@ class QuantConfig:
     # "static": the checkpoint holds INPUT_SCALE tensors, checked and not used: the W8A8 kernels
     # quantize activations per token and group at run time, finer than one scale a tensor
     activation_scheme: str = "dynamic"
+    # a kv_cache_scheme's KV_SCALES, checked and not used: the KV cache stays in the engine dtype
+    kv_cache_scales: bool = False
 
     @property
     def scale_suffix(self) -> str:
@@ -125,14 +129,17 @@ def _compressed_tensors(raw: dict, fail: Callable[[str], ConfigError]) -> QuantC
     schemes = {_group_weights(name, group, fail) for name, group in groups.items()}
     if len(schemes) > 1:
         raise fail(f"field 'quantization_config.config_groups' mixes weight schemes {sorted(map(str, schemes))}")
-    if raw.get("kv_cache_scheme") is not None:
-        raise fail("field 'quantization_config.kv_cache_scheme' is set (the KV cache is kept in the engine dtype; "
-                   "an FP8 KV cache's k_scale / v_scale are not supported)")
     activations = {_group_activations(name, group, fail) for name, group in groups.items()}
     if len(activations) > 1:
         raise fail("field 'quantization_config.config_groups' mixes static and dynamic input_activations")
+    kv = raw.get("kv_cache_scheme")
+    if kv is not None:
+        if not isinstance(kv, dict):
+            raise fail(f"field 'quantization_config.kv_cache_scheme' must be an object or null, got {kv!r}")
+        _check_float8(kv, "quantization_config.kv_cache_scheme", "KV cache scales", fail)
     scheme, block = schemes.pop()
-    return QuantConfig("compressed-tensors", scheme, block, _ignore_list(raw, "ignore", fail), activations.pop())
+    return QuantConfig("compressed-tensors", scheme, block, _ignore_list(raw, "ignore", fail), activations.pop(),
+                       kv_cache_scales=kv is not None)
 
 
 def _group_weights(name: str, group: object, fail: Callable[[str], ConfigError]) -> tuple[str, tuple | None]:

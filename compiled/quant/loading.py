@@ -4,8 +4,9 @@ A quantized linear arrives as `weight` (float8_e4m3fn) and its scale (`weight_sc
 block FP8, `weight_scale` for compressed-tensors), in either order and possibly in different
 shards; each pair leaves as one weight under the linear's `weight` name, so the weight map's
 recipes (fused qkv, stacked experts) place it exactly as they place an unquantized one. Both
-halves stay views of the mapped files until they meet. A static activation scheme's `input_scale`
-beside each quantized weight is checked and dropped here (`QuantConfig.activation_scheme`)."""
+halves stay views of the mapped files until they meet. Calibration's scales that the engine does
+not use (a static activation scheme's `input_scale`s, a KV cache scheme's `k_scale` / `v_scale`)
+are checked and dropped here (`CalibrationScales`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator
 import torch
 
 from compiled.errors import CheckpointError, ConfigError
-from compiled.quant.config import INPUT_SCALE, QuantConfig
+from compiled.quant.config import INPUT_SCALE, KV_SCALES, QuantConfig
 from compiled.quant.dequant import FP8, dequantize, quantize
 
 if TYPE_CHECKING:
@@ -44,10 +45,10 @@ def dequantized_stream(tensors: Stream, quant: QuantConfig | None, keep: set[str
         return
     weights: dict[str, tuple[str, torch.Tensor]] = {}
     scales: dict[str, tuple[str, torch.Tensor]] = {}
-    static = StaticScales(quant)
+    calibration = CalibrationScales(quant)
     for origin, name, tensor in tensors:
         module, _, leaf = name.rpartition(".")
-        if static.take(origin, module, leaf, tensor):
+        if calibration.take(origin, module, leaf, tensor):
             continue
         if not quant.quantizes(module) or leaf not in ("weight", quant.scale_suffix):
             if tensor.dtype in FLOAT8:
@@ -57,7 +58,7 @@ def dequantized_stream(tensors: Stream, quant: QuantConfig | None, keep: set[str
             continue
         if leaf == "weight":
             _check_fp8(origin, module, tensor)
-            static.expect(origin, module)
+            calibration.expect(origin, module)
         if f"{module}.weight" in keep:
             yield origin, name, tensor
             continue
@@ -67,22 +68,29 @@ def dequantized_stream(tensors: Stream, quant: QuantConfig | None, keep: set[str
     for module, (origin, _) in weights.items():
         raise CheckpointError(f"{origin}: missing tensor '{module}.{quant.scale_suffix}' (the scale of "
                               f"float8 weight '{module}.weight')")
-    static.check_complete()
+    calibration.check_complete()
 
 
-class StaticScales:
-    """A static activation scheme's `input_scale` tensors: each a positive float, one a quantized
-    weight; the kernels quantize activations per token at run time, so none goes further."""
+class CalibrationScales:
+    """Scales from calibration that the engine checks (each one positive float) and does not use:
+    a static activation scheme's `input_scale` beside every quantized weight (the kernels quantize
+    activations per token at run time; each weight needs one) and a KV cache scheme's `k_scale` /
+    `v_scale` beside an attention (the KV cache stays in the engine dtype; optional)."""
 
     def __init__(self, quant: QuantConfig) -> None:
-        self.on = quant.activation_scheme == "static"
         self.quant = quant
-        self.weights: dict[str, str] = {}   # quantized module -> the file of its weight
+        self.static = quant.activation_scheme == "static"
+        self.weights: dict[str, str] = {}   # quantized module -> the file of its weight (static scheme)
         self.seen: set[str] = set()
 
     def take(self, origin: str, module: str, leaf: str, tensor: torch.Tensor) -> bool:
-        """Whether the tensor is a quantized module's input scale (checked and dropped)."""
-        if not (self.on and leaf == INPUT_SCALE and self.quant.quantizes(module)):
+        """Whether the tensor is such a scale (checked and dropped)."""
+        if self.static and leaf == INPUT_SCALE and self.quant.quantizes(module):
+            self.seen.add(module)
+            kind = "a static per-tensor activation scale"
+        elif self.quant.kv_cache_scales and leaf in KV_SCALES and module.rpartition(".")[2] == "self_attn":
+            kind = "a per-tensor KV cache scale"
+        else:
             return False
         what = f"shape {list(tensor.shape)} dtype {tensor.dtype}"
         ok = tensor.numel() == 1 and tensor.is_floating_point() and tensor.dtype not in FLOAT8
@@ -90,13 +98,11 @@ class StaticScales:
             value = float(tensor.reshape(()))
             ok, what = math.isfinite(value) and value > 0, f"{value!r}"
         if not ok:
-            raise CheckpointError(f"{origin}: tensor '{module}.{INPUT_SCALE}' must be one positive float (a static "
-                                  f"per-tensor activation scale), got {what}")
-        self.seen.add(module)
+            raise CheckpointError(f"{origin}: tensor '{module}.{leaf}' must be one positive float ({kind}), got {what}")
         return True
 
     def expect(self, origin: str, module: str) -> None:
-        if self.on:
+        if self.static:
             self.weights[module] = origin
 
     def check_complete(self) -> None:

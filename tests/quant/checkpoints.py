@@ -16,20 +16,23 @@ from compiled.quant.dequant import dequantize, quantize
 BLOCK_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
-def compressed_tensors(strategy: str = "channel", ignore=("lm_head",), static: bool = False) -> dict:
-    """A compressed-tensors FP8 config; `static`: per-tensor activation scales stored (`input_scale`)."""
+def compressed_tensors(strategy: str = "channel", ignore=("lm_head",), static: bool = False, kv: bool = False) -> dict:
+    """A compressed-tensors FP8 config; `static`: per-tensor activation scales stored (`input_scale`),
+    `kv`: a KV cache scheme (each attention's `k_scale` and `v_scale`)."""
     weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False}
     acts = {"num_bits": 8, "type": "float", "strategy": "tensor" if static else "token", "dynamic": not static}
+    kv_scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": list(ignore),
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}},
+            "kv_cache_scheme": kv_scheme if kv else None}
 
 
 def quantize_checkpoint(src: str, dst: str, reference: str, quant_config: dict,
                         scale_dtype: torch.dtype = torch.float32) -> tuple[str, str]:
     """Write `src` (a single-file checkpoint) quantized to `dst` and its dequantized twin to
     `reference`; return both paths. A static activation scheme stores a random positive
-    `input_scale` beside each quantized weight (calibration's output, which the engine checks and
-    does not use)."""
+    `input_scale` beside each quantized weight, a KV cache scheme a `k_scale` and `v_scale` beside
+    each attention's k_proj (calibration's output, which the engine checks and does not use)."""
     quant = parse_quantization(quant_config, ConfigError)
     quantized, dequantized = {}, {}
     for name, tensor in load_file(os.path.join(src, "model.safetensors")).items():
@@ -42,6 +45,9 @@ def quantize_checkpoint(src: str, dst: str, reference: str, quant_config: dict,
             dequantized[name] = dequantize(q, s, quant, torch.float32)
         else:
             quantized[name] = dequantized[name] = tensor
+        if quant.kv_cache_scales and name.endswith(".self_attn.k_proj.weight"):
+            attention = name.rsplit(".", 2)[0]
+            quantized[f"{attention}.k_scale"], quantized[f"{attention}.v_scale"] = torch.rand(2) + 0.5
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     for folder, tensors, extra in ((dst, quantized, {"quantization_config": quant_config}), (reference, dequantized, {})):

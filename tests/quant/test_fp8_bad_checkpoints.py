@@ -110,7 +110,7 @@ INPUT_SCALE = "model.layers.1.mlp.up_proj.input_scale"
 @pytest.fixture
 def static_path(tmp_path) -> str:
     src = make_checkpoint(tmp_path / "src")
-    return quantize_checkpoint(src, tmp_path / "fp8", tmp_path / "ref", compressed_tensors(static=True))[0]
+    return quantize_checkpoint(src, tmp_path / "fp8", tmp_path / "ref", compressed_tensors(static=True, kv=True))[0]
 
 
 def test_static_activations_missing_an_input_scale(static_path):
@@ -134,3 +134,12 @@ def test_input_scale_where_activations_are_dynamic(fp8_path):
         t[INPUT_SCALE] = torch.ones(1)
     file = _edit(fp8_path, edit)
     assert _error(fp8_path, CheckpointError) == f"{file}: unexpected tensor '{INPUT_SCALE}'"
+
+
+def test_kv_cache_scale_not_positive(static_path):
+    def edit(t):
+        t["model.layers.0.self_attn.v_scale"] = torch.tensor(0.0)
+    file = _edit(static_path, edit)
+    assert _error(static_path, CheckpointError) == (
+        f"{file}: tensor 'model.layers.0.self_attn.v_scale' must be one positive float (a per-tensor KV cache scale), "
+        f"got 0.0")

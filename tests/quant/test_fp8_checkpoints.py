@@ -1,7 +1,7 @@
 """FP8 checkpoints on CPU equal HF transformers holding the dequantized weights: block FP8 with
 bf16 and fp32 scales at block 128 (every block partial) and a smaller block (several per weight,
-partial last ones), compressed-tensors per channel and per tensor (and with static activation
-scales, which load checked and unused), dense and MoE."""
+partial last ones), compressed-tensors per channel and per tensor (and with static activation and
+KV cache scales, which load checked and unused), dense and MoE."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ CASES = {
     "compressed-tensor-dense": (False, compressed_tensors("tensor"), torch.float32),
     "block24x40-static-dense": (False, dict(BLOCK_FP8, weight_block_size=[24, 40], activation_scheme="static"),
                                 torch.float32),
-    "compressed-channel-static-moe": (True, compressed_tensors(ignore=["lm_head", "re:.*mlp\\.gate$"], static=True),
-                                      torch.float32),
+    "compressed-channel-static-kv-moe": (True, compressed_tensors(ignore=["lm_head", "re:.*mlp\\.gate$"], static=True,
+                                                                 kv=True), torch.float32),
 }
 
 FULLY_FP8 = ("block16x40-fp32-scales-moe", "compressed-channel-dense", "compressed-channel-moe")

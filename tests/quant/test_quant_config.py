@@ -65,9 +65,10 @@ def test_no_quantization_config(tmp_path):
     (dict(BLOCK, activation_scheme="token"),
      "field 'quantization_config.activation_scheme' is 'token' (supported: 'dynamic', 'static')"),
     (dict(compressed(), format="pack-quantized"), "field 'quantization_config.format' is 'pack-quantized' (supported: 'float-quantized')"),
-    (dict(compressed(), kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}),
-     "field 'quantization_config.kv_cache_scheme' is set (the KV cache is kept in the engine dtype; an FP8 KV cache's "
-     "k_scale / v_scale are not supported)"),
+    (dict(compressed(), kv_cache_scheme={"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False}),
+     "field 'quantization_config.kv_cache_scheme' must be 8-bit float KV cache scales, got num_bits=8 type='int'"),
+    (dict(compressed(), kv_cache_scheme="fp8"), "field 'quantization_config.kv_cache_scheme' must be an object or null, "
+                                                "got 'fp8'"),
     ("fp8", "field 'quantization_config' must be an object, got 'fp8'"),
 ])
 def test_bad_quantization_config_names_the_field(tmp_path, quant, message):
@@ -98,6 +99,9 @@ def test_activation_schemes(tmp_path):
     assert _config(tmp_path, _with_acts(None))[1].quantization.activation_scheme == "dynamic"   # weight-only
     assert _config(tmp_path, compressed())[1].quantization.activation_scheme == "dynamic"
     assert _config(tmp_path, dict(BLOCK, activation_scheme="static"))[1].quantization.activation_scheme == "static"
+    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    assert _config(tmp_path, dict(compressed(), kv_cache_scheme=kv))[1].quantization.kv_cache_scales
+    assert not _config(tmp_path, compressed())[1].quantization.kv_cache_scales
 
 
 @pytest.mark.parametrize("acts, message", [
