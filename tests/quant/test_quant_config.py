@@ -86,6 +86,10 @@ def test_compressed_tensors_int_weights_are_refused(tmp_path):
         _config(tmp_path, quant)
 
 
+# 8-bit float, one stored scale a tensor: a static activation scheme's args, and a kv_cache_scheme's
+STATIC_TENSOR = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+
+
 def _with_acts(acts, groups=("group_0",)) -> dict:
     quant = compressed()
     group = quant["config_groups"]["group_0"]
@@ -94,13 +98,11 @@ def _with_acts(acts, groups=("group_0",)) -> dict:
 
 
 def test_activation_schemes(tmp_path):
-    static = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
-    assert _config(tmp_path, _with_acts(static))[1].quantization.activation_scheme == "static"
+    assert _config(tmp_path, _with_acts(STATIC_TENSOR))[1].quantization.activation_scheme == "static"
     assert _config(tmp_path, _with_acts(None))[1].quantization.activation_scheme == "dynamic"   # weight-only
     assert _config(tmp_path, compressed())[1].quantization.activation_scheme == "dynamic"
     assert _config(tmp_path, dict(BLOCK, activation_scheme="static"))[1].quantization.activation_scheme == "static"
-    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
-    assert _config(tmp_path, dict(compressed(), kv_cache_scheme=kv))[1].quantization.kv_cache_scales
+    assert _config(tmp_path, dict(compressed(), kv_cache_scheme=STATIC_TENSOR))[1].quantization.kv_cache_scales
     assert not _config(tmp_path, compressed())[1].quantization.kv_cache_scales
 
 
@@ -121,7 +123,7 @@ def test_bad_input_activations_name_the_field(tmp_path, acts, message):
 
 
 def test_static_and_dynamic_groups_are_refused(tmp_path):
-    quant = _with_acts({"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}, ("a", "b"))
+    quant = _with_acts(STATIC_TENSOR, ("a", "b"))
     quant["config_groups"]["b"] = dict(quant["config_groups"]["b"], input_activations=None)
     with pytest.raises(ConfigError, match="mixes static and dynamic input_activations$"):
         _config(tmp_path, quant)
