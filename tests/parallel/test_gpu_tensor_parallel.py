@@ -1,9 +1,9 @@
-"""Tensor parallelism on GPUs (NCCL all-reduces inside the decode CUDA graphs): TP=2 and TP=4 prompt
+"""Tensor parallelism on GPUs (NCCL all-reduces inside the CUDA graphs): TP=2 and TP=4 prompt
 logprobs and greedy tokens against TP=1 on the demo MoE in fp32 (with and without expert
-parallelism), on the demo dense model in bf16, and on a block-FP8 MoE whose expert shards start
-inside a 128-wide scale block (against its dequantized twin); then the group's shutdown leaves the
-process group (NCCL tears a communicator down with every rank of the host). A world skips on a
-host with fewer GPUs."""
+parallelism, and with each prompt's prefill replayed as one prompt graph), on the demo dense model
+in bf16, and on a block-FP8 MoE whose expert shards start inside a 128-wide scale block (against its
+dequantized twin); then the group's shutdown leaves the process group (NCCL tears a communicator
+down with every rank of the host). A world skips on a host with fewer GPUs."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from compiled import LLM, SamplingParams
 from compiled.demo import DENSE_MODEL, MOE_MODEL
+from compiled.passes.variant import BASE
 from tests.conftest import make_checkpoint, prompt_logprob_gap
 from tests.quant.checkpoints import BLOCK_FP8, quantize_checkpoint
 
@@ -24,18 +25,31 @@ PROMPTS = [[(5 * i) % 250 + 1 for i in range(n)] for n in (301, 3, 150)]   # the
 PARAMS = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True, prompt_logprobs=1)
 
 
-def _compare(model: str, world: int, expert_parallel: bool = False, reference: str | None = None, **extra):
+def _generate(llm: LLM, lone: bool):
+    """PROMPTS' outputs: all in one call, or each prompt in a call of its own (so that its prefill
+    is a step of one chunk, which the prompt graphs serve)."""
+    if not lone:
+        return llm.generate(PROMPTS, PARAMS)
+    return [llm.generate([prompt], PARAMS)[0] for prompt in PROMPTS]
+
+
+def _compare(model: str, world: int, expert_parallel: bool = False, reference: str | None = None,
+             lone: bool = False, **extra):
     """TP=world and TP=1 outputs (TP=1 of `reference` when given), and the largest and mean
-    difference of their prompt logprobs."""
+    difference of their prompt logprobs. `lone`: each prompt generated alone, and rank 0 replays a
+    prompt graph for each."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     alone = LLM(reference or model, **ENGINE, **extra)
-    ref = alone.generate(PROMPTS, PARAMS)
+    ref = _generate(alone, lone)
     del alone
     split = LLM(model, tensor_parallel_size=world, enable_expert_parallel=expert_parallel, **ENGINE, **extra)
     try:
-        out = split.generate(PROMPTS, PARAMS)
+        prompt_graphs = split.engine.runner.variants[BASE].prompt
+        before = prompt_graphs.replays
+        out = _generate(split, lone)
         assert split.engine.runner.tp is not None and split.engine.num_overlapped > 0
+        assert prompt_graphs.replays == before + (len(PROMPTS) if lone else 0)
     finally:
         split.shutdown()
     assert not dist.is_initialized()   # every rank left the group, none waited for a peer gone first
@@ -47,6 +61,14 @@ def _compare(model: str, world: int, expert_parallel: bool = False, reference: s
 def test_demo_moe_tp_equals_tp1_fp32(world, expert_parallel):
     """In fp32 the sharded model equals the whole one up to the order of sums."""
     out, ref, worst, _ = _compare(MOE_MODEL, world, expert_parallel, dtype="float32")
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+    assert worst < 1e-3, worst
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_demo_moe_tp_prompt_graphs_fp32(world):
+    """Each prompt's prefill as one graph whose all-reduces NCCL captured on every rank."""
+    out, ref, worst, _ = _compare(MOE_MODEL, world, lone=True, dtype="float32")
     assert [o.token_ids for o in out] == [r.token_ids for r in ref]
     assert worst < 1e-3, worst
 
