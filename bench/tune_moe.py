@@ -256,10 +256,11 @@ def _space(bm: int, down: bool, mode: Mode = Mode()) -> list[dict]:
             continue
         for half in ((0, 1, 2) if bm >= 64 else (0,)):  # half/quarter-height tiles for partial blocks
             for tma in (TMA_CHOICES if mode.tma_counts(down) else (0,)):  # TMA descriptors or pointer loads
-                cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g,
-                           num_warps=w, num_stages=st, HALF_M=half, TMA=tma)
-                if cfg not in out:
-                    out.append(cfg)
+                for swap in ((0, 1) if mode.w8a8 and bm == 16 else (0,)):  # W8A8: weight x rows MMAs
+                    cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g,
+                               num_warps=w, num_stages=st, HALF_M=half, TMA=tma, SWAP_AB=swap)
+                    if cfg not in out:
+                        out.append(cfg)
     return out[:MAX_CONFIGS] if MAX_CONFIGS > 0 else out
 
 

@@ -302,6 +302,17 @@ def w8a8_step(acc, a, w, sa, sw, PRECISION: tl.constexpr, ONE_SCALE: tl.constexp
 
 
 @triton.jit
+def w8a8_step_t(acc_t, a, w, sa, sw, PRECISION: tl.constexpr, ONE_SCALE: tl.constexpr):
+    """`w8a8_step` into the transposed accumulator acc_t `[BLOCK_N, M]`: the weight tile is the
+    MMA's wide side, so a few rows still fill Hopper's 64-row warpgroup MMA."""
+    if ONE_SCALE:
+        scale = (sa * sw)[None, :]
+    else:
+        scale = sw[:, None] * sa[None, :]
+    return acc_t + tl.dot(tl.trans(w), tl.trans(a), input_precision=PRECISION) * scale
+
+
+@triton.jit
 def residual_add(x, d):
     """x + d rounded to x's dtype, as torch's add of two 16-bit tensors rounds it."""
     return (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)

@@ -32,7 +32,7 @@ import triton
 from compiled.backend import BackendChoice
 from compiled.functional import add_rms_norm_ref
 from compiled.moe.experts import expert_loop
-from compiled.moe.tuned_configs import get_config, get_gemv_tiles, split_config, tuned_mode
+from compiled.moe.tuned_configs import SWAP_KEY, get_config, get_gemv_tiles, split_config, tuned_mode
 from compiled.quant.act_quant import QuantizedRows, quant_grid, quantize_per_token_group, row_quantizable
 from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, FP8_W8A8_TILE, fit_block_k, kernel_scale, resolve_block
 from compiled.triton_utils import (FP8_DOT_MIN_K, fp8_convert_asm, fp8_dot_fits, gemv_chunk, interpreting,
@@ -346,6 +346,7 @@ def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks
         SHRINK_BY_PAIR=delta is not None and delta.by_pair,
         **fp8_kwargs(scales, "w13", w13, bk, w8a8=a_scale is not None, block_n=bn), **_act_kwargs(a_scale, x),
         IQ=iq, IS=is_, stride_iq=iq.stride(0), stride_is=is_.stride(0), OUT_GROUP=group,
+        SWAP=bool(cfg.get(SWAP_KEY, 0)) and a_scale is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(x.device),
         **dict(zip(_LORA_ARGS, lora_args)))
 
@@ -419,6 +420,7 @@ def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights
         TOP_K=top_k, **lora_consts, DELTA_IN_K=delta is not None and delta.in_k,
         R_FULL=delta is not None and delta.b.shape[3] == lora_consts["BLOCK_R"],
         **fp8_kwargs(scales, "w2", w2, bk, w8a8=a_scale is not None, block_n=bn), **_act_kwargs(a_scale, inter),
+        SWAP=bool(cfg.get(SWAP_KEY, 0)) and a_scale is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(inter.device),
         **dict(zip(_LORA_ARGS, lora_args)))
 

@@ -31,7 +31,7 @@ import triton.language as tl
 from compiled.quant.act_quant import quantize_row, quantize_tile, quantized_groups
 from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, col_scaled, one_slot_dot, one_slot_operands,
                                    pdl_wait, row_shrink, scaled_tile, slot_bits, slot_stacked_delta, col_scales,
-                                   w8a8_rows, w8a8_scales, w8a8_step)
+                                   w8a8_rows, w8a8_scales, w8a8_step, w8a8_step_t)
 
 
 @triton.jit
@@ -261,7 +261,7 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
              LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
              DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
              SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
-             IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr):
+             IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr, SWAP: tl.constexpr):
     """silu(gate) * up for the TILE_M rows `pair` (a power of two >= 16) and one N tile. TMA: the
     weight tiles come through `w_desc` (w as `[E * 2N, K]`, block `[BLOCK_N, BLOCK_K]`); rows past
     the tile's N read the neighbouring rows (or zeros past the end), whose columns are not stored.
@@ -269,7 +269,10 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
     a tile of one slot's operands loaded before the K loop (in flight during it); DELTA_FIRST:
     the deltas as the accumulators' start, before the K loop. SHRINK_BY_PAIR: the shrink outputs'
     rows are the pairs (`moe_lora_pair_shrink_kernel`), else the positions (block order). OUT_GROUP:
-    the tile stored quantized (`_store_quantized`), and with LORA into out as well."""
+    the tile stored quantized (`_store_quantized`), and with LORA into out as well. SWAP (W8A8, tiles
+    of at least 16 rows): each step's dot as weight tile x rows (`triton_utils.w8a8_step_t`), summed
+    transposed; a few tokens an expert then still fill Hopper's 64-row warpgroup MMA instead of
+    16-row MMAs reading the weight tile through registers."""
     row_ok = pair < num_valid
     if SHRINK_BY_PAIR:
         s_rows = tl.where(row_ok, pair, 0)
@@ -302,6 +305,8 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
         w_rows = w8a8_rows(offs_nw, pid_n, BLOCK_N, FP8 == 4)
         sa_n, sg_n = w8a8_scales(as_rows, s_e, w_rows, 0, stride_sn, BO, BI)
         su_n = col_scales(s_e, w_rows + N, 0, stride_sn, BO, BI)
+    acc_gt = tl.zeros([BLOCK_N, TILE_M], dtype=tl.float32)
+    acc_ut = tl.zeros([BLOCK_N, TILE_M], dtype=tl.float32)
     for k in range(0, n_k):
         if FP8 >= 3:
             sa, sg, su = sa_n, sg_n, su_n
@@ -334,7 +339,10 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
             a = a.to(tl.float32)
             g = g.to(tl.float32)
             u = u.to(tl.float32)
-        if FP8 >= 3:
+        if FP8 >= 3 and SWAP and TILE_M >= 16:
+            acc_gt = w8a8_step_t(acc_gt, a, g, sa, sg, PRECISION, FP8 == 4)
+            acc_ut = w8a8_step_t(acc_ut, a, u, sa, su, PRECISION, FP8 == 4)
+        elif FP8 >= 3:
             acc_g = w8a8_step(acc_g, a, g, sa, sg, PRECISION, FP8 == 4)
             acc_u = w8a8_step(acc_u, a, u, sa, su, PRECISION, FP8 == 4)
         else:
@@ -343,6 +351,9 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
+    if FP8 >= 3 and SWAP and TILE_M >= 16:
+        acc_g += tl.trans(acc_gt)
+        acc_u += tl.trans(acc_ut)
     if LORA and not DELTA_FIRST:
         acc_g = _pair_delta_loaded(acc_g, slots, one, sr_g, sc_g, b_g, s_rows, expert, offs_n, n_ok, 0, 0, L_S, L_B,
                                    L_SCALE, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R, KC,
@@ -406,7 +417,7 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
                LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
                DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
                DELTA_IN_K: tl.constexpr, R_FULL: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS,
-               stride_as, FP8: tl.constexpr):
+               stride_as, FP8: tl.constexpr, SWAP: tl.constexpr):
     """weight * (a . w2[e]) for the TILE_M rows `pair` and one N tile. TMA as in _up_tile
     (w as `[E * N, K]`). a holds the rows in block order: this tile's are the TILE_M from
     `first_pos` (padding rows hold anything; their outputs are not stored), through `a_desc`
@@ -415,7 +426,7 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
     before the K loop (DELTA_FIRST: the delta itself before the K loop); DELTA_IN_K (pointer loads
     only): the delta as the loop's last steps (`_k_step_with_delta`), its shrink outputs scaled
     and in a's dtype. FP8 (pointer loads, not with DELTA_IN_K): the weight tiles scaled by their
-    blocks of S (`[E, N / BO, K / BI]`)."""
+    blocks of S (`[E, N / BO, K / BI]`). SWAP as in _up_tile."""
     row_ok = pair < num_valid
     row = tl.where(row_ok, pair, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -447,6 +458,7 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
         as_rows = AS + pos.to(tl.int64) * stride_as
         w_rows = w8a8_rows(offs_nw, pid_n, BLOCK_N, FP8 == 4)
         sa_n, sw_n = w8a8_scales(as_rows, S + expert * stride_se, w_rows, 0, stride_sn, BO, BI)
+    acc_t = tl.zeros([BLOCK_N, TILE_M], dtype=tl.float32)
     for k in range(0, steps):
         if FP8 >= 3:
             sa, sw = sa_n, sw_n
@@ -477,12 +489,16 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
         if DOT_FP32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        if FP8 >= 3:
+        if FP8 >= 3 and SWAP and TILE_M >= 16:
+            acc_t = w8a8_step_t(acc_t, a, b, sa, sw, PRECISION, FP8 == 4)
+        elif FP8 >= 3:
             acc = w8a8_step(acc, a, b, sa, sw, PRECISION, FP8 == 4)
         else:
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if FP8 >= 3 and SWAP and TILE_M >= 16:
+        acc += tl.trans(acc_t)
     if LORA and not DELTA_FIRST and not DELTA_IN_K:
         acc = _pair_delta_loaded(acc, slots, one, sr, sc, b_d, pos, expert, offs_n, offs_n < N, 0, 2, L_S, L_B,
                                  L_SCALE, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R, KC,
@@ -523,7 +539,8 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
                      DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
                      SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
-                     IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr, PDL: tl.constexpr):
+                     IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr, PDL: tl.constexpr,
+                     SWAP: tl.constexpr):
     """out[row, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs,
     row = the pair's position in the sorted order (block b's rows are b * BLOCK_M onwards, padding
     rows left unwritten), so that gemm2 reads each block's rows as one tile.
@@ -537,7 +554,8 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
     scales at AS (`[T, K / BI]`), each K step's fp8 x fp8 dot scaled by both (`triton_utils.w8a8_step`).
     OUT_GROUP (> 0, BLOCK_N a multiple): the rows quantized for a W8A8 gemm2 in groups that wide, into
     IQ (float8_e4m3fn, like out) and IS (`[rows, N / OUT_GROUP]` fp32), instead of stored into out
-    (besides, with LORA: the down delta's shrink reads them)."""
+    (besides, with LORA: the down delta's shrink reads them). SWAP: W8A8 dots as weight tile x rows
+    (`_up_tile`)."""
     pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
@@ -552,7 +570,8 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
-                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP)
+                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP,
+                     SWAP)
         elif height == BLOCK_M // 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2),
                      first + tl.arange(0, BLOCK_M // 2), expert,
@@ -560,7 +579,8 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
-                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP)
+                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP,
+                     SWAP)
         elif HALF_M >= 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4),
                      first + tl.arange(0, BLOCK_M // 4), expert,
@@ -568,7 +588,8 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
-                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP)
+                     S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP,
+                     SWAP)
 
 
 @triton.jit
@@ -580,7 +601,7 @@ def _down_rows(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_ptr, p
                TOP_K: tl.constexpr, LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
                KC: tl.constexpr, DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr,
                DELTA_FIRST: tl.constexpr, DELTA_IN_K: tl.constexpr, R_FULL: tl.constexpr, S, stride_se, stride_sn,
-               BO, BI, AS, stride_as, FP8: tl.constexpr):
+               BO, BI, AS, stride_as, FP8: tl.constexpr, SWAP: tl.constexpr):
     """The down GEMM over the BLOCK_M rows `pair` of tile pid_m (positions pid_m * BLOCK_M on), one
     N tile: at full height, or (HALF_M) half or a quarter where that many rows hold its pairs."""
     height = BLOCK_M
@@ -593,7 +614,7 @@ def _down_rows(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_ptr, p
                    PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, A_TMA,
                    L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                    TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
-                   DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
+                   DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, SWAP)
     elif height == BLOCK_M // 2:
         _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr,
                    _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2), first, expert, pid_n,
@@ -601,7 +622,7 @@ def _down_rows(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_ptr, p
                    PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA, False,
                    L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                    TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
-                   DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
+                   DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, SWAP)
     elif HALF_M >= 2:
         _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr,
                    _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4), first, expert, pid_n,
@@ -609,7 +630,7 @@ def _down_rows(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_ptr, p
                    PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA, False,
                    L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                    TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
-                   DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
+                   DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, SWAP)
 
 
 @triton.jit(do_not_specialize=["num_valid"])
@@ -624,14 +645,14 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
                      LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
                      DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
                      DELTA_IN_K: tl.constexpr, R_FULL: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS,
-                     stride_as, FP8: tl.constexpr, PDL: tl.constexpr):
+                     stride_as, FP8: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr):
     """out[pair, n] = weight[pair] * (a[row] . w[e, n]), the block's rows of a in block order (as
     moe_gemm1_kernel writes them); w is `[E, N, K]` (N = H, K = I). A_TMA: full-height tiles of a
     come through `a_desc`. HALF_M as in moe_gemm1_kernel; LORA: each pair's down delta (`_down_tile`;
     DELTA_IN_K: as the K loop's last steps); FP8 as in moe_gemm1_kernel (3: a float8_e4m3fn, its
     rows' group scales at AS, `[rows, K / BI]`). EXPERT_BLOCK_M: the alignment's block height (the
     up GEMM's), a multiple of BLOCK_M: a program runs its block's tiles of BLOCK_M rows in turn,
-    skipping those past the expert's pairs."""
+    skipping those past the expert's pairs. SWAP as in moe_gemm1_kernel."""
     pdl_wait(PDL)
     if EXPERT_BLOCK_M == BLOCK_M:
         pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
@@ -642,7 +663,7 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
                        PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HALF_M, TMA, A_TMA,
                        L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                        TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
-                       DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
+                       DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, SWAP)
     else:
         # a block's tiles in turn: those past its expert's pairs (real rows come first) cost no program
         pid_b, pid_n = _tile_ids(N, BLOCK_N, GROUP_M)
@@ -657,7 +678,7 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
                                PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HALF_M, TMA, A_TMA,
                                L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                                TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
-                               DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8)
+                               DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, SWAP)
 
 
 @triton.jit

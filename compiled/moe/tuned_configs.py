@@ -2,11 +2,13 @@
 
 A file `configs/E={E},N={I},device_name={name},dtype={dtype}.json` (written by `bench/tune_moe.py`)
 maps token counts to grouped-GEMM configs (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages,
-optional HALF_M and TMA, and an optional "down" override of M/N/K/GROUP/warps/stages/HALF_M/TMA for
-the second GEMM, whose BLOCK_SIZE_M, where given, divides the up GEMM's: a program takes an
-alignment block of the up GEMM's height as that many shorter down tiles in turn; HALF_M = 1 (2)
-runs an expert's partial last block as a tile of half (a quarter of) the height when its rows fit, TMA loads the weight tiles through tensor descriptors (Hopper's
-TMA) instead of pointer loads); the entry whose token count is nearest wins. An optional top-level
+optional HALF_M, TMA and SWAP_AB, and an optional "down" override of M/N/K/GROUP/warps/stages and
+those three for the second GEMM, whose BLOCK_SIZE_M, where given, divides the up GEMM's: a program
+takes an alignment block of the up GEMM's height as that many shorter down tiles in turn). HALF_M = 1
+(2) runs an expert's partial last block as a tile of half (a quarter of) the height when its rows
+fit; TMA loads the weight tiles through tensor descriptors (Hopper's TMA) instead of pointer loads;
+SWAP_AB = 1 runs W8A8 tiles of 16 rows or more as weight tile x rows on the MMA, so that a few tokens
+an expert still take Hopper's 64-row warpgroup MMA. The entry whose token count is nearest wins. An optional top-level
 "gemv" entry, `{"up": {BLOCK_N, BLOCK_K, num_warps}, "down": {...}}` (either stage may be left
 out), gives the one-token GEMVs' tiles in place of GEMV_TILES (`bench/moe_bench.py --only-gemv
 --write-gemv` writes it); a malformed one is a one-line error naming the file and the key.
@@ -34,7 +36,8 @@ log = logging.getLogger(__name__)
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
-OPTIONAL_KEYS = ("HALF_M", "TMA")  # 0 when absent
+SWAP_KEY = "SWAP_AB"   # W8A8 tiles: the weight tile as the MMA's wide side
+OPTIONAL_KEYS = ("HALF_M", "TMA", SWAP_KEY)  # 0 when absent
 MAX_HALVINGS = 2  # HALF_M: partial blocks run tiles of down to a quarter of BLOCK_SIZE_M
 MODE_KEY = "W8A8"   # an FP8 experts' entry: 1 W8A8, 0 W8A16, absent: by fused_moe.W8A8_MIN_TOKENS
 DOWN_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages",

@@ -337,6 +337,14 @@ W8A8_CASES = [("w8a8_block16x32", 37, 72, 40, QuantConfig("fp8", "block", (16, 3
               ("w8a8_epilogue_bf16", 9, 256, 128, QuantConfig("fp8", "block", (128, 128)), torch.bfloat16,
                dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
                     HALF_M=0, TMA=0, W8A8=1)),
+              # the up GEMM's weight tiles as the MMA's wide side (SWAP_AB), a block's scale a tile and per
+              # column, its tokens' rows as the narrow side
+              ("w8a8_swap_ab", 9, 256, 128, QuantConfig("fp8", "block", (128, 128)), torch.float32,
+               dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
+                    HALF_M=0, TMA=0, W8A8=1, SWAP_AB=1)),
+              ("w8a8_swap_ab_columns", 21, 96, 64, QuantConfig("compressed-tensors", "channel"), torch.float32,
+               dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
+                    HALF_M=0, TMA=0, W8A8=1, SWAP_AB=1)),
               # the weight tiles and the down GEMM's fp8 intermediate through TMA descriptors, as loaded
               ("w8a8_tma", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)), torch.float32,
                dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
@@ -409,11 +417,11 @@ def w8a8_case(T: int, H: int, I: int, quant: QuantConfig, dtype: torch.dtype, co
 
 
 # expert LoRA over FP8 experts in W8A8 16-row tiles (the entry says so), the deltas in the epilogues
-# (the intermediate quantized by the up GEMM's epilogue, whose 32-wide N tiles hold whole blocks;
-# then by a pass, 16-wide tiles holding half a block)
+# (the intermediate quantized by the up GEMM's epilogue, whose 32-wide N tiles hold whole blocks, the
+# dots weight tile x rows; then by a pass, 16-wide tiles holding half a block)
 W8A8_LORA_CASES = [("w8a8_lora_block32", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)),
                     dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
-                         HALF_M=0, TMA=0, W8A8=1)),
+                         HALF_M=0, TMA=0, W8A8=1, SWAP_AB=1)),
                    ("w8a8_lora_block32_pass", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)),
                     dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=16, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
                          HALF_M=0, TMA=0, W8A8=1))]
@@ -597,7 +605,7 @@ def test_gpu_fp8_cublas_w8a8_matches_dequantized(M, N, K):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("T", [1, 8, 64, 512, 2048])
+@pytest.mark.parametrize("T", [1, 8, 16, 64, 512, 2048])
 def test_gpu_fp8_moe_matches_dequantized_in_bf16(T):
     """The 30B's expert shapes at block 128: the FP8 kernels against the bf16 kernels over the
     dequantized experts; where the tuned entry for T runs W8A8, within the activations'
@@ -622,7 +630,7 @@ def test_gpu_fp8_moe_matches_dequantized_in_bf16(T):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("T", [64, 512, 2048])
+@pytest.mark.parametrize("T", [8, 64, 512, 2048])
 def test_gpu_fp8_expert_lora_matches_dequantized_in_bf16(T):
     """Expert LoRA over the 30B's FP8 experts (8 rank-16 adapters, on the tiles and in the mode
     `expert_lora._lora_configs` picks: W8A8 where the FP8 entry is a 16-row W8A8 one, W8A16 on the
