@@ -134,6 +134,15 @@ def test_down_height_dividing_the_blocks_is_taken(config_dir):
     assert (up["BLOCK_SIZE_M"], down["BLOCK_SIZE_M"]) == (64, 32)
 
 
+def test_swap_ab_per_gemm_zero_when_absent(config_dir):
+    """SWAP_AB: the down GEMM takes the entry's unless its "down" says otherwise; 0 without it."""
+    swapped = dict(_cfg(16, 128, 128), SWAP_AB=1, W8A8=1)
+    _write(config_dir, "fp8_w8a8", {"1": _cfg(16, 32, 64), "8": swapped, "16": dict(swapped, down=dict(SWAP_AB=0))})
+    for T, want in ((1, (0, 0)), (8, (1, 1)), (16, (1, 0))):
+        up, down = tc.split_config(tc.get_config(T, E, I, torch.bfloat16, CPU, fp8=True))
+        assert (up[tc.SWAP_KEY], down[tc.SWAP_KEY]) == want, T
+
+
 @pytest.mark.parametrize("mode", [2, "yes", None])
 def test_bad_mode_in_an_entry_is_a_one_line_error_naming_file_and_key(config_dir, mode):
     path = _write(config_dir, "fp8_w8a8", {"1": _cfg(16, 32, 64), "8": dict(_cfg(64, 32, 64), W8A8=mode)})
