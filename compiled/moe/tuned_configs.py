@@ -7,11 +7,12 @@ those three for the second GEMM, whose BLOCK_SIZE_M, where given, divides the up
 takes an alignment block of the up GEMM's height as that many shorter down tiles in turn). HALF_M = 1
 (2) runs an expert's partial last block as a tile of half (a quarter of) the height when its rows
 fit; TMA loads the weight tiles through tensor descriptors (Hopper's TMA) instead of pointer loads;
-SWAP_AB = 1 runs W8A8 tiles of 16 rows or more as weight tile x rows on the MMA, so that a few tokens
-an expert still take Hopper's 64-row warpgroup MMA. The entry whose token count is nearest wins. An optional top-level
-"gemv" entry, `{"up": {BLOCK_N, BLOCK_K, num_warps}, "down": {...}}` (either stage may be left
-out), gives the one-token GEMVs' tiles in place of GEMV_TILES (`bench/moe_bench.py --only-gemv
---write-gemv` writes it); a malformed one is a one-line error naming the file and the key.
+SWAP_AB = 1 runs W8A8 tiles of 16 rows or more as weight tile x rows on the MMA, so that a few
+tokens an expert still take Hopper's 64-row warpgroup MMA. The entry whose token count is nearest
+wins. An optional top-level "gemv" entry, `{"up": {BLOCK_N, BLOCK_K, num_warps}, "down": {...}}`
+(either stage may be left out), gives the one-token GEMVs' tiles in place of GEMV_TILES
+(`bench/moe_bench.py --only-gemv --write-gemv` writes it); a malformed one is a one-line error
+naming the file and the key.
 
 The file's dtype is the activations' (`bfloat16`), or for FP8 experts (float8_e4m3fn weights with
 block scales) `fp8_w8a8` (vLLM's name for its FP8 expert files). Its entries may say which mode

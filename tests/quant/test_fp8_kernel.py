@@ -337,8 +337,8 @@ W8A8_CASES = [("w8a8_block16x32", 37, 72, 40, QuantConfig("fp8", "block", (16, 3
               ("w8a8_epilogue_bf16", 9, 256, 128, QuantConfig("fp8", "block", (128, 128)), torch.bfloat16,
                dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
                     HALF_M=0, TMA=0, W8A8=1)),
-              # the up GEMM's weight tiles as the MMA's wide side (SWAP_AB), a block's scale a tile and per
-              # column, its tokens' rows as the narrow side
+              # both GEMMs' weight tiles as the MMA's wide side, the rows as its narrow one (SWAP_AB; the
+              # down GEMM takes the entry's): one block scale a tile, then per-channel scales
               ("w8a8_swap_ab", 9, 256, 128, QuantConfig("fp8", "block", (128, 128)), torch.float32,
                dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
                     HALF_M=0, TMA=0, W8A8=1, SWAP_AB=1)),
