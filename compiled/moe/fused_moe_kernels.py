@@ -269,10 +269,10 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
     a tile of one slot's operands loaded before the K loop (in flight during it); DELTA_FIRST:
     the deltas as the accumulators' start, before the K loop. SHRINK_BY_PAIR: the shrink outputs'
     rows are the pairs (`moe_lora_pair_shrink_kernel`), else the positions (block order). OUT_GROUP:
-    the tile stored quantized (`_store_quantized`), and with LORA into out as well. SWAP (W8A8, tiles
-    of at least 16 rows): each step's dot as weight tile x rows (`triton_utils.w8a8_step_t`), summed
-    transposed; a few tokens an expert then still fill Hopper's 64-row warpgroup MMA instead of
-    16-row MMAs reading the weight tile through registers."""
+    the tile stored quantized (`_store_quantized`), and with LORA into out as well. SWAP (W8A8
+    only: the launch sets it with the activations' scales): each step's dot as weight tile x rows
+    (`triton_utils.w8a8_step_t`), summed transposed; a few tokens an expert then still fill
+    Hopper's 64-row warpgroup MMA instead of 16-row MMAs reading the weight tile through registers."""
     row_ok = pair < num_valid
     if SHRINK_BY_PAIR:
         s_rows = tl.where(row_ok, pair, 0)
@@ -339,7 +339,7 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
             a = a.to(tl.float32)
             g = g.to(tl.float32)
             u = u.to(tl.float32)
-        if FP8 >= 3 and SWAP and TILE_M >= 16:
+        if SWAP:
             acc_gt = w8a8_step_t(acc_gt, a, g, sa, sg, PRECISION, FP8 == 4)
             acc_ut = w8a8_step_t(acc_ut, a, u, sa, su, PRECISION, FP8 == 4)
         elif FP8 >= 3:
@@ -351,7 +351,7 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    if FP8 >= 3 and SWAP and TILE_M >= 16:
+    if SWAP:
         acc_g += tl.trans(acc_gt)
         acc_u += tl.trans(acc_ut)
     if LORA and not DELTA_FIRST:
@@ -489,7 +489,7 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
         if DOT_FP32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        if FP8 >= 3 and SWAP and TILE_M >= 16:
+        if SWAP:
             acc_t = w8a8_step_t(acc_t, a, b, sa, sw, PRECISION, FP8 == 4)
         elif FP8 >= 3:
             acc = w8a8_step(acc, a, b, sa, sw, PRECISION, FP8 == 4)
@@ -497,7 +497,7 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
             acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    if FP8 >= 3 and SWAP and TILE_M >= 16:
+    if SWAP:
         acc += tl.trans(acc_t)
     if LORA and not DELTA_FIRST and not DELTA_IN_K:
         acc = _pair_delta_loaded(acc, slots, one, sr, sc, b_d, pos, expert, offs_n, offs_n < N, 0, 2, L_S, L_B,
