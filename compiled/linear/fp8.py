@@ -15,18 +15,24 @@ from compiled.quant.act_quant import FP8, QuantizedRows, row_quantizable
 from compiled.quant.dequant import WeightScale, dequantize_blocks
 
 
-def kernel_for(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None) -> str | None:
+def kernel_for(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None, quantized: bool = False) -> str | None:
     """The kernel that reads the FP8 weight's bytes for x @ weight.T: 'skinny' (a few rows,
     `ops.use_kernel`), 'w8a16' (up to W8A16_MAX_M rows on CUDA, any under the forced 'triton'
     backend), 'w8a8' (more rows, on cuBLAS where `fp8_cublas.fits`), or None: not FP8, or
-    computed with the dequantized weight."""
+    computed with the dequantized weight. `quantized`: x arrives quantized by the kernel in front
+    (`input_buffers`), which makes the W8A16 kernel's swapped W8A8 tiles the choice at the rows
+    of `fp8_kernels.swap_rows`."""
     if fp8 is None or x.dim() != 2:
         return None
+    backend = ops.BACKEND.name
+    on_kernels = x.is_cuda and x.dtype in ops.KERNEL_DTYPES
+    if quantized and backend == "auto" and on_kernels:
+        from compiled.linear.fp8_kernels import swap_rows
+        if swap_rows(x.shape[0], x.device):
+            return "w8a16"
     if ops.use_kernel(x, weight, fp8=True):
         return "skinny"
-    backend = ops.BACKEND.name
-    if backend == "triton" or (backend == "auto" and x.is_cuda and x.dtype in ops.KERNEL_DTYPES
-                               and x.shape[0] <= W8A16_MAX_M):
+    if backend == "triton" or (backend == "auto" and on_kernels and x.shape[0] <= W8A16_MAX_M):
         return "w8a16"
     if backend == "auto" and fp8_cublas.fits(x, weight, fp8):
         return "w8a8"
@@ -53,14 +59,14 @@ def input_buffers(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None
     """Where the kernel for x @ weight.T (`kernel_for`) quantizes x first (W8A8: cuBLAS's, or the
     W8A16 kernel's fp8 tiles), empty buffers in the layout it reads them, for the kernel in front
     of the linear to fill as `quantize_row` does (its groups a power of two); else None."""
-    kernel = kernel_for(x, weight, fp8)
+    kernel = kernel_for(x, weight, fp8, quantized=True)
     if kernel == "w8a8":
         return fp8_cublas.act_buffers(x)
     if kernel != "w8a16":
         return None
     from compiled.linear.fp8_kernels import a8_group
     M, K = x.shape
-    group = a8_group(x, weight, fp8.block)
+    group = a8_group(x, weight, fp8.block, quantized=True)
     if not row_quantizable(K, group):
         return None
     return QuantizedRows(torch.empty(M, K, dtype=FP8, device=x.device),
@@ -74,7 +80,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None = None
     `input_buffers(x, weight, fp8)`."""
     if fp8 is not None:
         ops.check_shapes(x, stand_in(weight, fp8, x.dtype))
-    kernel = kernel_for(x, weight, fp8)
+    kernel = kernel_for(x, weight, fp8, quantized is not None)
     if kernel == "skinny":
         from compiled.linear.skinny_kernels import skinny_linear_triton
         return skinny_linear_triton(x, weight, fp8=fp8)

@@ -33,7 +33,8 @@ from compiled.linear import skinny_kernels as lk
 from compiled.quant.dequant import fit_block_k, kernel_scale, resolve_block
 from compiled.quant.act_quant import QuantizedRows, quantize_per_token_group
 from compiled.triton_utils import (DEFAULT_NUM_SMS, FP8_DOT_MIN_K, col_scales, fp8_dot_fits, hopper_or_newer,
-                                   interpreter_upcast, num_sms, row_scaled, scaled_tile, split_k_store, w8a8_step)
+                                   interpreter_upcast, num_sms, row_scaled, scaled_tile, split_k_store, w8a8_step,
+                                   w8a8_step_t)
 
 MIN_BLOCK = 16       # smallest BLOCK_M / BLOCK_N / BLOCK_K (tl.dot's minimum)
 BLOCK_N = 32         # columns a program where the grid fills the GPU without help
@@ -46,6 +47,12 @@ SHORT_TILE_M = 32
 SHORT_BLOCK_N = 64
 SHORT_BLOCK_K = 256
 SHORT_STAGES = 3
+# x quantized in front (`linear.fp8.input_buffers`), 2 to SHORT_TILE_M rows on Hopper: W8A8 with the
+# dots swapped (weight tile x rows), SWAP_BLOCK_N columns a program and K split until the grid has
+# SWAP_PROGRAMS_PER_SM programs an SM (H200, the 30B's qkv at 8 rows 9.40 -> 7.71 µs against the
+# skinny GEMM; bench/RESULTS.md). One row keeps the skinny GEMM's GEMV.
+SWAP_BLOCK_N = 64
+SWAP_PROGRAMS_PER_SM = 2
 MAX_SPLIT_K = 8
 MIN_K_STEPS = 4      # K tiles a split at least: shorter, the software pipeline's fill is not hidden
 NUM_WARPS = 4
@@ -60,11 +67,17 @@ class W8A16Config(NamedTuple):
     num_warps: int = NUM_WARPS
     num_stages: int = NUM_STAGES
     a8: bool = False   # W8A8: x quantized first (per token, in groups of the scale block's width), fp8 dots
+    swap: bool = False  # W8A8 dots as weight tile x rows (`triton_utils.w8a8_step_t`): a few rows on Hopper's wgmma
+
+
+def swap_rows(M: int, device: torch.device) -> bool:
+    """Whether x @ W.T at M rows takes the swapped W8A8 tiles where x arrives quantized."""
+    return 1 < M <= SHORT_TILE_M and hopper_or_newer(device)
 
 
 @functools.lru_cache(maxsize=None)
 def w8a16_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, scale_block_k: int = 0,
-                 fp8_dots: bool = False) -> W8A16Config:
+                 fp8_dots: bool = False, quantized: bool = False) -> W8A16Config:
     """BLOCK_M: M rounded up to a power of two (16 to MAX_BLOCK_M). Up to SHORT_TILE_M rows the
     SHORT_ tiles (BLOCK_K SHORT_BLOCK_K where it covers whole scale blocks `scale_block_k` wide
     or lies inside one, 0: K, one block across), a grid short of half of `num_sms`; else BLOCK_N
@@ -75,9 +88,12 @@ def w8a16_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, scale_b
     partials (split x M x N fp32). Past SHORT_TILE_M rows W8A8 on a GPU with FP8 tensor cores
     (`fp8_dots`) where the K tiles allow it (`fp8_dot_fits`): x quantized once, its fp8 tiles are half
     the bytes each program re-reads, and the weight tiles go to the tensor cores as loaded (no
-    dequantization in registers)."""
+    dequantization in registers). With x `quantized` in front, up to SHORT_TILE_M rows on such a
+    GPU (`swap_rows`), `swap_config`."""
     block_m = min(MAX_BLOCK_M, max(MIN_BLOCK, triton.next_power_of_2(M)))
     bi = scale_block_k or K
+    if quantized and fp8_dots and block_m <= SHORT_TILE_M and fp8_dot_fits(fit_block_k(bi, MAX_BLOCK_K), bi):
+        return swap_config(M, N, K, num_sms, fit_block_k(bi, MAX_BLOCK_K))
     if block_m <= SHORT_TILE_M:
         block_n, stages, enough = SHORT_BLOCK_N, SHORT_STAGES, max(1, num_sms // 2)
         whole = SHORT_BLOCK_K % bi == 0 or bi % SHORT_BLOCK_K == 0   # one scale a row per block it covers
@@ -103,6 +119,18 @@ def w8a16_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, scale_b
     return W8A16Config(block_m, block_n, block_k, split, NUM_WARPS, stages, a8)
 
 
+def swap_config(M: int, N: int, K: int, num_sms: int, block_k: int) -> W8A16Config:
+    """The swapped W8A8 tiles: SWAP_BLOCK_N columns, K split (powers of two, each split at least
+    MIN_K_STEPS tiles) until SWAP_PROGRAMS_PER_SM programs an SM."""
+    block_m = max(MIN_BLOCK, triton.next_power_of_2(M))
+    split = 1
+    while (triton.cdiv(N, SWAP_BLOCK_N) * split < SWAP_PROGRAMS_PER_SM * num_sms and 2 * split <= MAX_SPLIT_K
+           and triton.cdiv(K, 2 * split * block_k) >= MIN_K_STEPS
+           and fits_workspace(2 * split, M, N, block_m, SWAP_BLOCK_N)):
+        split *= 2
+    return W8A16Config(block_m, SWAP_BLOCK_N, block_k, split, NUM_WARPS, NUM_STAGES, a8=True, swap=True)
+
+
 def fits_workspace(split_k: int, M: int, N: int, block_m: int, block_n: int) -> bool:
     """Whether a split of K into `split_k` finds its partials and semaphores in the workspace."""
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
@@ -122,6 +150,8 @@ def check_config(config: W8A16Config, M: int, N: int) -> None:
         raise ValueError(f"w8a16 linear: num_warps={warps!r} must be a power of two from 1 to 16")
     if not isinstance(config.num_stages, int) or config.num_stages < 1:
         raise ValueError(f"w8a16 linear: num_stages={config.num_stages!r} must be an int >= 1")
+    if config.swap and not config.a8:
+        raise ValueError("w8a16 linear: swap=True needs a8=True (it swaps the W8A8 dot's operands)")
     split = config.split_k
     if not isinstance(split, int) or split < 1 or not fits_workspace(split, M, N, config.block_m, config.block_n):
         raise ValueError(f"w8a16 linear: split_k={split!r} with M={M}, N={N} needs 1 <= split_k, split_k * M * N "
@@ -132,12 +162,13 @@ def check_config(config: W8A16Config, M: int, N: int) -> None:
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
                   stride_sn, stride_ym, BO, BI, xs_ptr, stride_xs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                  FP8: tl.constexpr, KB: tl.constexpr, A8: tl.constexpr):
+                  FP8: tl.constexpr, KB: tl.constexpr, A8: tl.constexpr, SWAP: tl.constexpr):
     """Partials laid out `[SPLIT_K, M, N]`; output tile (pid_m, pid_n)'s semaphore at
     pid_m * (column blocks) + pid_n. UPCAST: see `interpreter_upcast`. A8 (W8A8): x is
     float8_e4m3fn with fp32 scales `xs_ptr` a row and weight block (BI columns); each K step lies
     inside one block and is an fp8 x fp8 dot scaled by the rows' and columns' scales
-    (`triton_utils.w8a8_step`)."""
+    (`triton_utils.w8a8_step`); SWAP: into the transposed accumulator, the weight tile the MMA's
+    wide side (`w8a8_step_t`)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -146,6 +177,7 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x_mask = (offs_m[:, None] < M) & (offs_k[None, :] < k_end)
@@ -155,7 +187,10 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_
         if A8:
             sa = tl.load(xs_ptr + offs_m * stride_xs + k0 // BI, mask=offs_m < M, other=0.0)
             sw = col_scales(s_ptr, tl.minimum(offs_n, N - 1), k0, stride_sn, BO, BI)
-            acc = w8a8_step(acc, x, tl.trans(w), sa, sw, "tf32", False)
+            if SWAP:
+                acc_t = w8a8_step_t(acc_t, x, tl.trans(w), sa, sw, "tf32", False)
+            else:
+                acc = w8a8_step(acc, x, tl.trans(w), sa, sw, "tf32", False)
         else:
             if FP8 == 2:
                 b = row_scaled(w, s_ptr, offs_n, offs_n < N, k0, K, stride_sn, BO, BI, x.dtype, KB)
@@ -168,23 +203,26 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_
                 acc += tl.dot(x, tl.trans(b), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(b))
+    if SWAP:
+        acc += tl.trans(acc_t)
     y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     split_k_store(acc, y_ptrs, part_ptr + offs_m[:, None] * N + offs_n[None, :], M * N, y_mask,
                   sem_ptr + pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K)
 
 
-def default_config(x: torch.Tensor, weight: torch.Tensor, block: list[int]) -> W8A16Config:
-    """`w8a16_config` for x @ weight.T on x's device."""
+def default_config(x: torch.Tensor, weight: torch.Tensor, block: list[int], quantized: bool = False) -> W8A16Config:
+    """`w8a16_config` for x @ weight.T on x's device (`quantized`: x quantized in front)."""
     (M, K), N = x.shape, weight.shape[0]
-    return w8a16_config(M, N, K, num_sms(x.device), resolve_block(block, N, K)[1], hopper_or_newer(x.device))
+    return w8a16_config(M, N, K, num_sms(x.device), resolve_block(block, N, K)[1], hopper_or_newer(x.device),
+                        quantized)
 
 
-def a8_group(x: torch.Tensor, weight: torch.Tensor, block: list[int]) -> int:
+def a8_group(x: torch.Tensor, weight: torch.Tensor, block: list[int], quantized: bool = False) -> int:
     """The group width x is quantized in first where the kernel runs x @ weight.T W8A8 (the scale
     block's width), else 0."""
     N, K = weight.shape
-    return resolve_block(block, N, K)[1] if default_config(x, weight, block).a8 else 0
+    return resolve_block(block, N, K)[1] if default_config(x, weight, block, quantized).a8 else 0
 
 
 def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: list[int],
@@ -195,10 +233,10 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
     M, K = x.shape
     N = weight.shape[0]
     if config is None:
-        config = default_config(x, weight, block)
+        config = default_config(x, weight, block, quantized is not None)
     else:
         check_config(config, M, N)
-    block_m, block_n, block_k, split_k, num_warps, num_stages, a8 = config
+    block_m, block_n, block_k, split_k, num_warps, num_stages, a8, swap = config
     ks = kernel_scale(scale, block, N, K, block_k)
     if a8 and not fp8_dot_fits(block_k, ks.bi):
         raise ValueError(f"w8a16 linear: a8 needs block_k={block_k} >= {FP8_DOT_MIN_K} dividing the weight's "
@@ -226,5 +264,5 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
                         weight.stride(0), ks.scale.stride(0), y.stride(0), ks.bo, ks.bi, xs, xs.stride(0),
                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                         IEEE=upcast or x.dtype == torch.float32, UPCAST=upcast, FP8=ks.mode, KB=ks.kb, A8=a8,
-                        num_warps=num_warps, num_stages=num_stages)
+                        SWAP=swap, num_warps=num_warps, num_stages=num_stages)
     return y

@@ -659,10 +659,12 @@ def test_gpu_fp8_expert_lora_matches_dequantized_in_bf16(T):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("T, lora", [(64, False), (300, False), (64, True)])
+@pytest.mark.parametrize("T, lora", [(8, False), (20, False), (64, False), (300, False), (8, True), (20, True),
+                                     (64, True)])
 def test_gpu_fp8_moe_norm_linear_quantizes_in_the_norm(T, lora):
     """The MoE, its top-k sum + norm and the next layer's qkv as one op, 30B shapes, FP8 experts
-    and qkv: where qkv runs W8A8 (the W8A16 kernel's fp8 tiles at 64 rows, cuBLAS at 300) the
+    and qkv: where qkv runs W8A8 (the W8A16 kernel's swapped fp8 tiles at 8 and 20 rows, its
+    plain ones at 64, cuBLAS at 300) the
     norm's kernel quantizes its input, beside the qkv's LoRA shrink where qkv has adapters (4
     slots of rank 16, some rows without). Against the op over the dequantized weights, within the
     activations' quantization error."""

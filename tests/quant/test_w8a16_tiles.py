@@ -30,7 +30,10 @@ CASES = [("split3_narrow_block128", 37, 53, 300, (128, 128), torch.float32, W8A1
          ("a8_split3_partial_k_block128", 37, 53, 300, (128, 128), torch.float32, W8A16Config(16, 16, 128, 3, a8=True)),
          ("a8_blocks16x64_k32", 20, 48, 256, (16, 64), torch.float32, W8A16Config(32, 32, 32, 2, 4, 2, a8=True)),
          ("a8_bf16_k64_block128", 19, 45, 200, (128, 128), torch.bfloat16, W8A16Config(32, 16, 64, 1, a8=True)),
-         ("a8_per_channel_split2", 33, 40, 256, (1, 0), torch.float32, W8A16Config(64, 16, 64, 2, a8=True))]
+         ("a8_per_channel_split2", 33, 40, 256, (1, 0), torch.float32, W8A16Config(64, 16, 64, 2, a8=True)),
+         ("a8_swap_split2_block128", 10, 70, 300, (128, 128), torch.float32,
+          W8A16Config(16, 64, 128, 2, a8=True, swap=True)),
+         ("a8_swap_bf16_blocks32x64", 3, 40, 200, (32, 64), torch.bfloat16, W8A16Config(16, 32, 64, 1, a8=True, swap=True))]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}   # relative to the output's largest value
 
 
@@ -126,7 +129,21 @@ def test_short_tiles_split_only_a_grid_short_of_half_the_sms():
     assert fk.w8a16_config(32, 2048, 4096, 132, 128) == W8A16Config(32, 64, 256, 4, 4, fk.SHORT_STAGES)
 
 
+def test_x_quantized_in_front_takes_swapped_w8a8_tiles_up_to_short_tiles():
+    """2-32 rows with x quantized in front on a GPU with FP8 dots: W8A8, the dots swapped,
+    SWAP_BLOCK_N columns, K split until SWAP_PROGRAMS_PER_SM programs an SM (qkv's 80 column blocks
+    in 4, o_proj's 32 in 8); not without FP8 dots, nor past the short tiles."""
+    assert fk.w8a16_config(8, 5120, 2048, 132, 128, True, True) == W8A16Config(16, 64, 128, 4, a8=True, swap=True)
+    assert fk.w8a16_config(8, 2048, 4096, 132, 128, True, True) == W8A16Config(16, 64, 128, 8, a8=True, swap=True)
+    assert fk.w8a16_config(20, 5120, 2048, 132, 128, True, True).block_m == 32
+    assert not fk.w8a16_config(8, 5120, 2048, 132, 128, False, True).swap
+    assert fk.w8a16_config(64, 5120, 2048, 132, 128, True, True) == fk.w8a16_config(64, 5120, 2048, 132, 128, True)
+    for M in (1, 2, 32, 33):
+        assert fk.swap_rows(M, torch.device("cpu")) is False   # no FP8 tensor cores here
+
+
 @pytest.mark.parametrize("config, message", [
+    (W8A16Config(16, 64, 128, swap=True), "swap=True needs a8=True"),
     (W8A16Config(64, 24, 128), "block_n=24 must be a power of two >= 16"),
     (W8A16Config(64, 32, 8), "block_k=8 must be a power of two >= 16"),
     (W8A16Config(0, 32, 128), "block_m=0 must be a power of two >= 16"),
