@@ -8,7 +8,9 @@ around the best three). The heuristic's pick is timed first, then the grid neare
 within a time budget per (shape, M): compiling dominates, and with M outermost the second shape
 reuses the first one's compiled kernels. Beside them, cuBLAS on the dequantized bf16 weight (what
 a step without the FP8 kernels would run) and, on Hopper, cuBLAS's W8A8 (`fp8_cublas`, what the op
-runs past W8A16_MAX_M rows) at the same rows. Timing as linear_bench.py: one CUDA graph of one call
+runs past W8A16_MAX_M rows) at the same rows. From 2 to SHORT_TILE_M rows also the W8A8 configs with
+the dots swapped (`W8A16Config.swap`), timed with x quantized before the calls, as the op runs them
+where the kernel in front quantizes x (the qkv after the MoE's norm). Timing as linear_bench.py: one CUDA graph of one call
 per weight copy, copies cycled past L2; each config's output is first checked against F.linear
 over the dequantized weight. GB/s counts the FP8 bytes (weight, scales, x, y).
 
@@ -30,7 +32,8 @@ from compiled.linear import SKINNY_MAX_M
 from compiled.linear import fp8_cublas
 from compiled.linear import fp8_kernels as fk
 from compiled.linear import skinny_kernels as lk
-from compiled.quant.act_quant import dequantize_per_token_group, quantize_per_token_group_ref
+from compiled.quant.act_quant import (QuantizedRows, dequantize_per_token_group, quantize_per_token_group,
+                                      quantize_per_token_group_ref)
 from compiled.quant.dequant import FP8, WeightScale, dequantize_blocks
 from compiled.triton_utils import fp8_dot_fits, hopper, hopper_or_newer
 from tune_moe import time_graph
@@ -49,6 +52,7 @@ TILE_WARPS = (4, 8)
 TILE_STAGES = (3, 4, 5)
 A8_GRID = ((16, 32, 64, 128), (64, 128), (1, 2, 4, 8))
 A8_START = fk.W8A16Config(16, 64, 128, 2, a8=True)   # the W8A8 configs are timed nearest to it first
+SWAP_GRID = ((64, 128), (1, 2, 4, 8))   # (block_n, split_k) of the swapped W8A8 configs, 128-long K steps
 REFINE = 3
 MIN_COPIES, MAX_COPIES, L2_MULTIPLE = 8, 128, 4
 MAX_PROGRAMS_PER_SM = 32
@@ -96,6 +100,9 @@ def heuristic(case: Case, sms: int):
 
 
 def call(case: Case, cfg):
+    if isinstance(cfg, fk.W8A16Config) and cfg.swap:   # x quantized once, before the calls
+        pre = QuantizedRows(*quantize_per_token_group(case.x, BLOCK[1]), BLOCK[1])
+        return lambda x, w: fk.w8a16_linear(x, w[0], w[1], BLOCK, cfg, quantized=pre)
     if isinstance(cfg, fk.W8A16Config):
         return lambda x, w: fk.w8a16_linear(x, w[0], w[1], BLOCK, cfg)
     return lambda x, w: lk.skinny_linear_triton(x, w[0], cfg, fp8=WeightScale(w[1], BLOCK))
@@ -137,6 +144,9 @@ def first_grid(case: Case, h) -> list:
         block_m = max(fk.MIN_BLOCK, min(fk.MAX_BLOCK_M, triton.next_power_of_2(case.m)))
         a8 = [fk.W8A16Config(block_m, bn, bk, s, 4, 4, a8=True)
               for bn, bk, s in itertools.product(*A8_GRID) if fp8_dot_fits(bk, BLOCK[1])]
+        if 1 < case.m <= fk.SHORT_TILE_M:
+            a8 += [fk.W8A16Config(block_m, bn, BLOCK[1], s, 4, 4, a8=True, swap=True)
+                   for bn, s in itertools.product(*SWAP_GRID)]
 
     def distance(c, to) -> float:
         return sum(abs(math.log2(getattr(c, f) / getattr(to, f))) for f in ("block_n", "block_k", "split_k"))

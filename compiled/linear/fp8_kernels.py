@@ -9,7 +9,10 @@ The torch reference is the op's dequantize-then-F.linear (`quant/dequant.py`). A
 skinny GEMM's FP8 path instead (`skinny_kernels`); this kernel serves decode batches above them, up
 to W8A16_MAX_M rows (`library.py` routes the calls). Past SHORT_TILE_M rows on Hopper it runs
 W8A8 instead (`W8A16Config.a8`): x quantized per token in groups of the weight's block width
-(`quant.act_quant`) and fp8 x fp8 dots, each K step scaled by the rows' and columns' scales.
+(`quant.act_quant`) and fp8 x fp8 dots, each K step scaled by the rows' and columns' scales. Where
+the kernel in front has quantized x (`linear.fp8.input_buffers`), 2 to SHORT_TILE_M rows run W8A8
+too, the dots swapped (`W8A16Config.swap`): the weight tile is the MMA's wide side, so a few rows
+still fill Hopper's 64-row warpgroup MMA, which reads both operands from shared memory.
 
 A program owns a BLOCK_M x BLOCK_N output tile. At decode batches the row tiles are few (one up to
 64 rows), so the column blocks alone leave SMs idle (30B's o_proj, N = 2,048: 64 programs of 32
@@ -49,8 +52,8 @@ SHORT_BLOCK_K = 256
 SHORT_STAGES = 3
 # x quantized in front (`linear.fp8.input_buffers`), 2 to SHORT_TILE_M rows on Hopper: W8A8 with the
 # dots swapped (weight tile x rows), SWAP_BLOCK_N columns a program and K split until the grid has
-# SWAP_PROGRAMS_PER_SM programs an SM (H200, the 30B's qkv at 8 rows 9.40 -> 7.71 µs against the
-# skinny GEMM; bench/RESULTS.md). One row keeps the skinny GEMM's GEMV.
+# SWAP_PROGRAMS_PER_SM programs an SM. Faster than the skinny GEMM and the short tiles there for the
+# 30B's qkv on the H200 (bench/RESULTS.md); one row keeps the skinny GEMM's GEMV, which beat it.
 SWAP_BLOCK_N = 64
 SWAP_PROGRAMS_PER_SM = 2
 MAX_SPLIT_K = 8
