@@ -142,6 +142,12 @@ def test_x_quantized_in_front_takes_swapped_w8a8_tiles_up_to_short_tiles():
         assert fk.swap_rows(M, torch.device("cpu")) is False   # no FP8 tensor cores here
 
 
+def test_swap_rows_are_two_to_short_tiles_on_gpus_with_fp8_dots(monkeypatch):
+    """One row keeps the GEMV, past SHORT_TILE_M rows the plain W8A8 tiles (as on a Hopper GPU)."""
+    monkeypatch.setattr(fk, "hopper_or_newer", lambda device: True)
+    assert [M for M in range(0, 70) if fk.swap_rows(M, torch.device("cpu"))] == list(range(2, fk.SHORT_TILE_M + 1))
+
+
 @pytest.mark.parametrize("config, message", [
     (W8A16Config(16, 64, 128, swap=True), "swap=True needs a8=True"),
     (W8A16Config(64, 24, 128), "block_n=24 must be a power of two >= 16"),
