@@ -95,26 +95,23 @@ def w8a16_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, scale_b
     GPU (`swap_rows`), `swap_config`."""
     block_m = min(MAX_BLOCK_M, max(MIN_BLOCK, triton.next_power_of_2(M)))
     bi = scale_block_k or K
-    if quantized and fp8_dots and block_m <= SHORT_TILE_M and fp8_dot_fits(fit_block_k(bi, MAX_BLOCK_K), bi):
-        return swap_config(M, N, K, num_sms, fit_block_k(bi, MAX_BLOCK_K))
+    fitted_k = fit_block_k(bi, MAX_BLOCK_K)
+    if quantized and fp8_dots and block_m <= SHORT_TILE_M and fp8_dot_fits(fitted_k, bi):
+        return swap_config(M, N, K, num_sms, block_m, fitted_k)
     if block_m <= SHORT_TILE_M:
         block_n, stages, enough = SHORT_BLOCK_N, SHORT_STAGES, max(1, num_sms // 2)
         whole = SHORT_BLOCK_K % bi == 0 or bi % SHORT_BLOCK_K == 0   # one scale a row per block it covers
-        block_k = SHORT_BLOCK_K if whole else fit_block_k(bi, MAX_BLOCK_K)
+        block_k = SHORT_BLOCK_K if whole else fitted_k
     else:
         block_n, stages, enough = BLOCK_N, NUM_STAGES, num_sms
-        block_k = fit_block_k(bi, MAX_BLOCK_K)
+        block_k = fitted_k
     row_tiles = triton.cdiv(M, block_m)
     split = 1
 
     def short(bn: int, s: int) -> bool:
         return triton.cdiv(N, bn) * row_tiles * s < enough
 
-    def can_split(s: int) -> bool:
-        return (s <= MAX_SPLIT_K and triton.cdiv(K, s * block_k) >= MIN_K_STEPS
-                and fits_workspace(s, M, N, block_m, block_n))
-
-    while short(block_n, split) and can_split(2 * split):
+    while short(block_n, split) and can_split(2 * split, M, N, K, block_m, block_n, block_k):
         split *= 2
     while short(block_n, split) and block_n > MIN_BLOCK and fits_workspace(split, M, N, block_m, block_n // 2):
         block_n //= 2
@@ -122,16 +119,21 @@ def w8a16_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, scale_b
     return W8A16Config(block_m, block_n, block_k, split, NUM_WARPS, stages, a8)
 
 
-def swap_config(M: int, N: int, K: int, num_sms: int, block_k: int) -> W8A16Config:
-    """The swapped W8A8 tiles: SWAP_BLOCK_N columns, K split (powers of two, each split at least
-    MIN_K_STEPS tiles) until SWAP_PROGRAMS_PER_SM programs an SM."""
-    block_m = max(MIN_BLOCK, triton.next_power_of_2(M))
+def swap_config(M: int, N: int, K: int, num_sms: int, block_m: int, block_k: int) -> W8A16Config:
+    """The swapped W8A8 tiles: SWAP_BLOCK_N columns, K split (`can_split`) until
+    SWAP_PROGRAMS_PER_SM programs an SM."""
     split = 1
-    while (triton.cdiv(N, SWAP_BLOCK_N) * split < SWAP_PROGRAMS_PER_SM * num_sms and 2 * split <= MAX_SPLIT_K
-           and triton.cdiv(K, 2 * split * block_k) >= MIN_K_STEPS
-           and fits_workspace(2 * split, M, N, block_m, SWAP_BLOCK_N)):
+    while (triton.cdiv(N, SWAP_BLOCK_N) * split < SWAP_PROGRAMS_PER_SM * num_sms
+           and can_split(2 * split, M, N, K, block_m, SWAP_BLOCK_N, block_k)):
         split *= 2
     return W8A16Config(block_m, SWAP_BLOCK_N, block_k, split, NUM_WARPS, NUM_STAGES, a8=True, swap=True)
+
+
+def can_split(split_k: int, M: int, N: int, K: int, block_m: int, block_n: int, block_k: int) -> bool:
+    """Whether K splits `split_k` ways: at most MAX_SPLIT_K, each split at least MIN_K_STEPS K
+    tiles, the partials within the workspace."""
+    return (split_k <= MAX_SPLIT_K and triton.cdiv(K, split_k * block_k) >= MIN_K_STEPS
+            and fits_workspace(split_k, M, N, block_m, block_n))
 
 
 def fits_workspace(split_k: int, M: int, N: int, block_m: int, block_n: int) -> bool:
