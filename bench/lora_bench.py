@@ -35,16 +35,16 @@ def prefill_ms(llm, length: int, reps: int, lora: str | None) -> list[float]:
 
 def profile(llm, batch: int, input_len: int, loras: list[str | None], decode: bool,
             output_len: int = 1) -> dict | None:
-    """Kernels per step and the top kernels by GPU time of three decode steps at `batch` (requests
-    of `output_len` tokens, enough to outlast the batch's prefill), or of the prefill of `batch`
-    prompts of `input_len` tokens."""
+    """Kernels per step, the top kernels by GPU time and those on the critical path (own time not
+    overlapped, `exposed`) of three decode steps at `batch` (requests of `output_len` tokens, enough
+    to outlast the batch's prefill), or of the prefill of `batch` prompts of `input_len` tokens."""
     if llm.config.device.type != "cuda":
         return None
     prompts = core.random_ids(batch, input_len, llm.model_config.vocab_size, 2)
     items = [core.Item(p, output_len if decode else 1, a) for p, a in zip(prompts, loras)]
     with tempfile.TemporaryDirectory() as d:
         prof = core.profile_steps(llm, items, 3 if decode else 1, Path(d), "step", skip_prefill=decode, top=12)
-    return {"kernels_per_step": prof["kernels_per_step"], "top": prof["top"]}
+    return {"kernels_per_step": prof["kernels_per_step"], "top": prof["top"], "exposed": prof["exposed"]}
 
 
 def print_top(name: str, prof: dict | None) -> None:
@@ -52,6 +52,9 @@ def print_top(name: str, prof: dict | None) -> None:
         print(f"{name}: {prof['kernels_per_step']} kernels per step; top kernels (ms over the profiled steps):")
         for row in prof["top"]:
             print(f"    {row['self_ms']:8.3f} {row['calls']:6d}  {row['name'][:110]}")
+        print("  on the critical path (own time not overlapped + idle before, ms over the steps):")
+        for row in prof["exposed"]:
+            print(f"    {row['exposed_ms']:8.3f} ({row['idle_before_ms']:.3f}) {row['calls']:6d}  {row['name'][:100]}")
 
 
 def measure(llm, name: str, batches: list[int], a, adapters: list[str]) -> dict:

@@ -8,7 +8,9 @@ Its optional operands, None by default, come last: the linear's own LoRA (`lora_
 `lora_scale`, `lora_slot`, `lora_slices`, as `compiled::add_rms_norm_linear`'s) and the experts'
 (`moe_lora_a13`, `moe_lora_b13`, `moe_lora_a2`, `moe_lora_b2`, `moe_lora_scale`: `compiled::fused_moe`'s
 `lora_*`, the same `lora_slot`), each set all or none; then the FP8 scales (`weight_scale` of the
-linear, `w13_scale` / `w2_scale` of the experts, one `weight_block`, as the two ops take them).
+linear, `w13_scale` / `w2_scale` of the experts, one `weight_block`, as the two ops take them);
+then the routing operands in place of topk_weights / topk_ids (`router_logits`, `top_k`,
+`renormalize`, `local_experts`, as `compiled::fused_moe` takes them).
 
 Alone, the experts' k weighted outputs per token are summed by a kernel of their own
 (`moe_sum_kernel`), and the norm's kernel reads the sum back. Here one kernel does both
@@ -31,6 +33,7 @@ from compiled.linear.lora_linear import check_lora, linear_then_expand, lora_ope
 from compiled.moe import expert_lora as el
 from compiled.moe import fused_moe as fm
 from compiled.moe.library import expert_weights
+from compiled.moe.routing import Routed, routing_operands
 from compiled.quant.dequant import WeightScale, check_scale
 
 OP = "compiled::moe_add_rms_norm_linear"
@@ -38,9 +41,9 @@ EXPERT_LORA = ("moe_lora_a13", "moe_lora_b13", "moe_lora_a2", "moe_lora_b2", "mo
 Tensor = torch.Tensor
 
 
-def sums_in_norm(x: torch.Tensor, moe_x: torch.Tensor, topk_ids: torch.Tensor) -> bool:
+def sums_in_norm(x: torch.Tensor, moe_x: torch.Tensor, top_k: int) -> bool:
     """Whether the top-k sum goes into the norm's kernel: the Triton MoE with top-k > 1."""
-    return fm.backend(moe_x) == "triton" and topk_ids.shape[1] > 1 and x.stride(-1) == 1
+    return fm.backend(moe_x) == "triton" and top_k > 1 and x.stride(-1) == 1
 
 
 def _operands(x, moe_x, norm_weight, weight, lora: tuple, expert: tuple) -> tuple[tuple | None, tuple | None]:
@@ -55,7 +58,8 @@ def _operands(x, moe_x, norm_weight, weight, lora: tuple, expert: tuple) -> tupl
 
 
 @torch.library.custom_op(OP, mutates_args=())
-def moe_add_rms_norm_linear(x: Tensor, moe_x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor,
+def moe_add_rms_norm_linear(x: Tensor, moe_x: Tensor, topk_weights: Tensor | None, topk_ids: Tensor | None,
+                            w13: Tensor, w2: Tensor,
                             norm_weight: Tensor, eps: float, weight: Tensor, keep_normed: bool,
                             lora_a: Tensor | None = None, lora_b: Tensor | None = None,
                             lora_scale: Tensor | None = None, lora_slot: Tensor | None = None,
@@ -63,8 +67,9 @@ def moe_add_rms_norm_linear(x: Tensor, moe_x: Tensor, topk_weights: Tensor, topk
                             moe_lora_b13: Tensor | None = None, moe_lora_a2: Tensor | None = None,
                             moe_lora_b2: Tensor | None = None, moe_lora_scale: Tensor | None = None,
                             weight_scale: Tensor | None = None, w13_scale: Tensor | None = None,
-                            w2_scale: Tensor | None = None, weight_block: list[int] | None = None
-                            ) -> tuple[Tensor, Tensor, Tensor]:
+                            w2_scale: Tensor | None = None, weight_block: list[int] | None = None,
+                            router_logits: Tensor | None = None, top_k: int = 0, renormalize: bool = False,
+                            local_experts: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """`add_rms_norm_linear(x, fused_moe(moe_x, ...), norm_weight, eps, weight, keep_normed)`, with
     the experts' and the linear's LoRA where given. FP8 experts run as `fused_moe` runs them, an FP8
     linear weight as `compiled::linear` runs it (`linear/fp8.py`)."""
@@ -74,24 +79,28 @@ def moe_add_rms_norm_linear(x: Tensor, moe_x: Tensor, topk_weights: Tensor, topk
                             (lora_a, lora_b, lora_scale, lora_slot, lora_slices),
                             (moe_lora_a13, moe_lora_b13, moe_lora_a2, moe_lora_b2, moe_lora_scale, lora_slot))
     w13, w2, scales = expert_weights(moe_x, w13, w2, w13_scale, w2_scale, weight_block)
+    k = top_k if router_logits is not None or topk_ids is None else topk_ids.shape[1]
+    in_kernel = expert is None and sums_in_norm(x, moe_x, k)
+    topk_weights, topk_ids, route = routing_operands(OP, topk_weights, topk_ids, router_logits, top_k, renormalize,
+                                                     local_experts, in_kernel)
     args = (x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight)
     if own is None:
-        return _moe_norm_linear(*args, keep_normed, expert, scales, fp8)
-    return _moe_norm_linear_lora(*args, keep_normed, expert, own, scales, fp8)
+        return _moe_norm_linear(*args, keep_normed, expert, scales, fp8, route)
+    return _moe_norm_linear_lora(*args, keep_normed, expert, own, scales, fp8, route)
 
 
 def _moe_norm_linear(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, keep_normed: bool,
                      expert: tuple | None, scales: fm.ExpertScales | None,
-                     fp8: WeightScale | None) -> tuple[Tensor, Tensor, Tensor]:
-    """The op without the linear's LoRA."""
-    if not sums_in_norm(x, moe_x, topk_ids):
+                     fp8: WeightScale | None, route: Routed | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The op without the linear's LoRA; `route` only where the norm's kernel sums the experts."""
+    if not sums_in_norm(x, moe_x, topk_ids.shape[1]):
         lora = {} if expert is None else dict(zip(el.LORA_OPERANDS, expert))
         experts_fp8 = {} if scales is None else dict(w13_scale=scales.w13, w2_scale=scales.w2,
                                                      weight_block=scales.block)
         delta = torch.ops.compiled.fused_moe(moe_x, topk_weights, topk_ids, w13, w2, **lora, **experts_fp8)
         own_fp8 = {} if fp8 is None else dict(weight_scale=fp8.scale, weight_block=fp8.block)
         return torch.ops.compiled.add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed, **own_fp8)
-    pairs = _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert, scales)
+    pairs = _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert, scales, route)
     # a W8A8 linear's input quantized by the norm's kernel, which holds the rows
     into = fp8_linear.input_buffers(x, weight, fp8)
     h, normed = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps, ids=topk_ids, quantize=into)
@@ -99,29 +108,30 @@ def _moe_norm_linear(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps
 
 
 def _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert: tuple | None,
-           scales: fm.ExpertScales | None) -> torch.Tensor:
+           scales: fm.ExpertScales | None, route: Routed | None = None) -> torch.Tensor:
     """The Triton MoE's weighted expert outputs `[T*k, H]`, not summed (the norm's kernel sums them)."""
     if expert is None:
-        return fm.fused_moe_triton(moe_x, topk_weights, topk_ids, w13, w2, sum_slots=False, scales=scales)
+        return fm.fused_moe_triton(moe_x, topk_weights, topk_ids, w13, w2, sum_slots=False, scales=scales,
+                                   route=route)
     el.check_shapes(moe_x, topk_weights, topk_ids, w13, w2, *expert)
     return el.fused_moe_lora_triton(moe_x, topk_weights, topk_ids, w13, w2, *expert, sum_slots=False, scales=scales)
 
 
 def _moe_norm_linear_lora(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, keep_normed: bool,
-                          expert: tuple | None, own: tuple, scales: fm.ExpertScales | None, fp8: WeightScale | None
-                          ) -> tuple[Tensor, Tensor, Tensor]:
+                          expert: tuple | None, own: tuple, scales: fm.ExpertScales | None, fp8: WeightScale | None,
+                          route: Routed | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The op whose linear (the next layer's qkv) has LoRA deltas: y = lora_expand(linear(normed),
     lora_shrink(normed, a, slot), b, scale, slot, slices). Where the norm's kernel sums the
     experts, at the sizes of `shrink_in_norm`, it also runs the shrink of each normed row (no
     launch of its own) and quantizes the rows for a W8A8 linear, and the skinny GEMM's epilogue
     adds the deltas where it serves the linear."""
     a, b, scale, slot, slices = own
-    if not (shrink_in_norm(x.shape[0]) and sums_in_norm(x, moe_x, topk_ids) and linear_lora.use_kernel(x)):
+    if not (shrink_in_norm(x.shape[0]) and sums_in_norm(x, moe_x, topk_ids.shape[1]) and linear_lora.use_kernel(x)):
         y, h, normed = _moe_norm_linear(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, True,
-                                        expert, scales, fp8)
+                                        expert, scales, fp8, route)
         y = linear_lora.expand(y, linear_lora.shrink(normed, a, slot), b, scale, slot, slices)
     else:
-        pairs = _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert, scales)
+        pairs = _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert, scales, route)
         into = fp8_linear.input_buffers(x, weight, fp8)
         h, normed, s = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps, shrink=(a.contiguous(), slot),
                                                       ids=topk_ids, quantize=into)
@@ -139,8 +149,10 @@ def shrink_in_norm(T: int) -> bool:
 @moe_add_rms_norm_linear.register_fake
 def _(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps, weight, keep_normed, lora_a=None, lora_b=None,
       lora_scale=None, lora_slot=None, lora_slices=None, moe_lora_a13=None, moe_lora_b13=None, moe_lora_a2=None,
-      moe_lora_b2=None, moe_lora_scale=None, weight_scale=None, w13_scale=None, w2_scale=None, weight_block=None):
+      moe_lora_b2=None, moe_lora_scale=None, weight_scale=None, w13_scale=None, w2_scale=None, weight_block=None,
+      router_logits=None, top_k=0, renormalize=False, local_experts=None):
     _check_fp8(weight, w13, w2, weight_scale, w13_scale, w2_scale, weight_block)
+    routing_operands(OP, topk_weights, topk_ids, router_logits, top_k, renormalize, local_experts, in_kernel=True)
     if weight_scale is not None:
         weight = weight.new_empty(weight.shape, dtype=x.dtype)
     _operands(x, moe_x, norm_weight, weight, (lora_a, lora_b, lora_scale, lora_slot, lora_slices),

@@ -32,6 +32,7 @@ import triton
 from compiled.backend import BackendChoice
 from compiled.functional import add_rms_norm_ref
 from compiled.moe.experts import expert_loop
+from compiled.moe.routing import Routed, route_args, route_into
 from compiled.moe.tuned_configs import SWAP_KEY, get_config, get_gemv_tiles, split_config, tuned_mode
 from compiled.quant.act_quant import QuantizedRows, quant_grid, quantize_per_token_group, row_quantizable
 from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, FP8_W8A8_TILE, fit_block_k, kernel_scale, resolve_block
@@ -146,14 +147,16 @@ class Blocks(NamedTuple):
 
 def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace: MoEWorkspace | None = None,
                          launch: AlignLaunch | None = None,
-                         quantize: tuple[torch.Tensor, QuantizedRows] | None = None) -> Blocks:
+                         quantize: tuple[torch.Tensor, QuantizedRows] | None = None,
+                         route: Routed | None = None) -> Blocks:
     """Sort (token, slot) pairs by expert, padding each expert's segment to a multiple of block_m.
 
     The buffers are sized by the fixed bound P = `max_padded_size`. Inside an expert's segment,
     pairs of one chunk keep their order and chunks come in arrival order (atomics); nothing
     downstream depends on that order. No host sync. `launch` overrides `align_launch` (benchmark
     sweeps). `quantize` (x `[T, K]`, where to): the place kernel's launch also quantizes x (W8A8's
-    up GEMM operand), in programs of its own."""
+    up GEMM operand), in programs of its own. `route`: topk_ids (and its weights) are to be
+    routed from its logits first, by the alignment's first launch where `routes_in_align`."""
     from compiled.moe import fused_moe_kernels as K
 
     ws = workspace or MoEWorkspace()
@@ -168,9 +171,13 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
     e_pad = _expert_pad(E)
     lc = launch or align_launch(numel, E, block_m)
     n_chunks = triton.cdiv(numel, lc.chunk)
+    count_all = triton.cdiv(numel, lc.sub) * lc.sub if numel <= COUNT_ALL_MAX_PAIRS or n_chunks == 1 else 0
+    if route is not None and not routes_in_align(route, lc, count_all):
+        route_into(*route)
+        route = None
+    r_args, r_consts = _route_launch(route, ids)
     totals = done = bases = num_post  # unused when the place kernel counts
     reset = False
-    count_all = triton.cdiv(numel, lc.sub) * lc.sub if numel <= COUNT_ALL_MAX_PAIRS or n_chunks == 1 else 0
     if not count_all:
         bases = ws.get("bases", n_chunks * e_pad, torch.int32, dev)
         # totals kept at zero between calls by the place kernel (see RESET); a memset otherwise
@@ -179,21 +186,44 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
         if not reset:
             totals = ws.get("totals", e_pad, torch.int32, dev)
             totals.zero_()
-        K.align_count_kernel[(n_chunks,)](ids, totals, bases, numel, CHUNK=lc.chunk, SUB=lc.sub, E_PAD=e_pad,
-                                          num_warps=lc.warps, **launch_kwargs(dev))
-    q, q_programs = _quant_launch(quantize, ids)
+        K.align_count_kernel[(n_chunks,)](ids, totals, bases, numel, *r_args, CHUNK=lc.chunk, SUB=lc.sub, E_PAD=e_pad,
+                                          **r_consts, num_warps=lc.warps, **launch_kwargs(dev))
+    q, q_programs = _quant_launch(quantize, ids, r_args[2])
     K.align_place_kernel[(n_chunks + q_programs,)](
         ids, totals, bases, done if reset else num_post, sorted_ids, expert_ids, num_post, numel, max_blocks, n_chunks,
-        *q["args"], BLOCK_M=block_m, CHUNK=lc.chunk, SUB=lc.sub, E_PAD=e_pad, BB=lc.bb, COUNT_ALL=count_all,
-        RESET=reset, **q["consts"], num_warps=lc.warps, **launch_kwargs(dev))
+        *q["args"], *r_args[:2], *r_args[3:], BLOCK_M=block_m, CHUNK=lc.chunk, SUB=lc.sub, E_PAD=e_pad, BB=lc.bb,
+        COUNT_ALL=count_all, RESET=reset, **q["consts"], **r_consts, num_warps=lc.warps, **launch_kwargs(dev))
     return Blocks(sorted_ids, expert_ids, num_post, block_m)
 
 
-def _quant_launch(quantize: tuple[torch.Tensor, QuantizedRows] | None, like: torch.Tensor) -> tuple[dict, int]:
+# The routing inside the alignment's launch: R_ROWS tokens a step (the routing kernel's rows).
+ROUTE_ROWS = 4
+
+
+def routes_in_align(route: Routed, lc: AlignLaunch, count_all: int) -> bool:
+    """Whether the alignment routes `route` itself: where the place kernel counts all pairs (each
+    program then routes every token), or each count program's chunk holds whole tokens."""
+    return bool(count_all) or lc.chunk % route.router.top_k == 0
+
+
+def _route_launch(route: Routed | None, like: torch.Tensor) -> tuple[tuple, dict]:
+    """The alignment kernels' routing arguments (RL, RW, T, E, stride, first, count) and constexprs;
+    without `route`, placeholders (`like`) never read."""
+    if route is None:
+        return ((like, like, 0, 0, 0, 0, 0),
+                dict(ROUTE=False, TOP_K=1, K_PAD=2, RENORM=False, LOCAL=False, R_ROWS=ROUTE_ROWS))
+    args, consts = route_args(route.router)
+    consts.pop("E_PAD")   # the alignment's own, the same rule
+    return (route.router.logits, route.weights, *args), dict(ROUTE=True, R_ROWS=ROUTE_ROWS, **consts)
+
+
+def _quant_launch(quantize: tuple[torch.Tensor, QuantizedRows] | None, like: torch.Tensor,
+                  tokens: int = 0) -> tuple[dict, int]:
     """The place kernel's x-quantization arguments (`act_quant.quant_grid`'s tiles) and the
-    programs they add; without `quantize`, none, and placeholders (`like`) it never reads."""
+    programs they add; without `quantize`, none, and placeholders (`like`) it never reads, but
+    the token count (`tokens`, which the routing reads)."""
     if quantize is None:
-        return dict(args=(like, like, like, 0, 0, 0, 0, 0, 0, 1, 1),
+        return dict(args=(like, like, like, tokens, 0, 0, 0, 0, 0, 1, 1),
                     consts=dict(QUANT=False, Q_ROWS=1, Q_GROUPS=1, Q_BLOCK_G=16)), 0
     x, (xq, xs, group) = quantize
     if x.stride(1) != 1 or xq.stride(1) != 1:
@@ -368,14 +398,15 @@ def launch_w8a8_gemm1(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, int
 
 
 def align_quantized(ws: MoEWorkspace, x: torch.Tensor, ids: torch.Tensor, E: int, block_m: int,
-                    groups: tuple[int, int] | None) -> tuple[Blocks, QuantizedRows | None]:
-    """`moe_align_block_size` into the workspace; where the grouped GEMMs run W8A8 (`groups`),
-    x quantized by the same launch into the workspace's `x_q` / `x_s` (groups[0] wide). The op
-    and its LoRA variant both run it."""
+                    groups: tuple[int, int] | None,
+                    route: Routed | None = None) -> tuple[Blocks, QuantizedRows | None]:
+    """`moe_align_block_size` into the workspace (routing `route` first); where the grouped GEMMs
+    run W8A8 (`groups`), x quantized by the same launch into the workspace's `x_q` / `x_s`
+    (groups[0] wide). The op and its LoRA variant both run it."""
     if groups is None:
-        return moe_align_block_size(ids, E, block_m, ws), None
+        return moe_align_block_size(ids, E, block_m, ws, route=route), None
     into = QuantizedRows(*quantized_buffers(ws, "x", x, groups[0]), groups[0])
-    return moe_align_block_size(ids, E, block_m, ws, quantize=(x, into)), into
+    return moe_align_block_size(ids, E, block_m, ws, quantize=(x, into), route=route), into
 
 
 def quantized_gemm1(ws: MoEWorkspace, xquant: QuantizedRows, w13: torch.Tensor, inter: torch.Tensor,
@@ -495,8 +526,9 @@ def _plan(x, topk_weights, topk_ids, w13, w2, ws: MoEWorkspace, out: torch.Tenso
                    w2.contiguous(), ws, y, scales)
 
 
-def _launch_gemv(call: MoECall, tiles: dict) -> None:
-    """One token: y `[k, H]` <- its k weighted expert outputs, through the intermediate `[k, I]`."""
+def _launch_gemv(call: MoECall, tiles: dict, route: Routed | None = None) -> None:
+    """One token: y `[k, H]` <- its k weighted expert outputs, through the intermediate `[k, I]`;
+    `route`: the up GEMV's programs route the token first (`gemv_kernels.routed_expert`)."""
     from compiled.moe import gemv_kernels as G
     x, w13, w2 = call.x, call.w13, call.w2
     H, I = w2.shape[1], w2.shape[2]
@@ -504,9 +536,14 @@ def _launch_gemv(call: MoECall, tiles: dict) -> None:
     ids = call.ids.reshape(-1)
     inter = call.inter(k)
     up, down = tiles["up"], tiles["down"]
+    if route is None:
+        r_args, r_consts = (x, x, 0, 0, 0, 0), dict(ROUTE=False, TOP_K=1, K_PAD=2, E_PAD=16, RENORM=False, LOCAL=False)
+    else:
+        (_, E, stride, first, count), r_consts = route_args(route.router)
+        r_args, r_consts = (route.router.logits, route.weights, E, stride, first, count), dict(ROUTE=True, **r_consts)
     G.moe_gemv_up_kernel[(k * triton.cdiv(I, up["BLOCK_N"]),)](
-        x, w13, ids, inter, I, H, w13.stride(0), w13.stride(1), inter.stride(0), EVEN_K=H % up["BLOCK_K"] == 0,
-        **_gemv_kwargs(call.scales, "w13", w13, up), **launch_kwargs(x.device))
+        x, w13, ids, inter, I, H, w13.stride(0), w13.stride(1), inter.stride(0), *r_args, EVEN_K=H % up["BLOCK_K"] == 0,
+        **r_consts, **_gemv_kwargs(call.scales, "w13", w13, up), **launch_kwargs(x.device))
     G.moe_gemv_down_kernel[(k * triton.cdiv(H, down["BLOCK_N"]),)](
         inter, w2, ids, call.weights, call.y, H, I, inter.stride(0), w2.stride(0), w2.stride(1), call.y.stride(0),
         EVEN_K=I % down["BLOCK_K"] == 0, **_gemv_kwargs(call.scales, "w2", w2, down), **launch_kwargs(x.device))
@@ -522,13 +559,14 @@ def _gemv_kwargs(scales: ExpertScales | None, name: str, w: torch.Tensor, tile: 
                 CHUNK=gemv_chunk(fp8["FP8"], fp8["BI"], tile["BLOCK_K"]), **fp8)
 
 
-def _launch_grouped(call: MoECall, config: dict) -> None:
-    """Two tokens or more: the pairs sorted by expert into BLOCK_M blocks, gemm1 into the
-    intermediate (each block's rows at its offset: `intermediate_rows`), gemm2 into y."""
+def _launch_grouped(call: MoECall, config: dict, route: Routed | None = None) -> None:
+    """Two tokens or more: the pairs sorted by expert into BLOCK_M blocks (`route`: routed
+    first), gemm1 into the intermediate (each block's rows at its offset: `intermediate_rows`),
+    gemm2 into y."""
     up, down = split_config(config)
     block_m = up["BLOCK_SIZE_M"]
     groups = w8a8_groups(call.scales, call.w13, call.w2, call.x.shape[0], up, down, tuned_mode(config))
-    blocks, xquant = align_quantized(call.ws, call.x, call.ids, call.w13.shape[0], block_m, groups)
+    blocks, xquant = align_quantized(call.ws, call.x, call.ids, call.w13.shape[0], block_m, groups, route)
     inter = call.inter(blocks.expert_ids.numel() * block_m)
     if groups is None:
         launch_gemm1(call.x, call.w13, inter, blocks, call.top_k, up, scales=call.scales)
@@ -631,13 +669,14 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
                      w13: torch.Tensor, w2: torch.Tensor, config: dict | None = None,
                      workspace: MoEWorkspace | None = None, out: torch.Tensor | None = None,
                      sum_slots: bool = True, gemv_tiles: dict | None = None,
-                     scales: ExpertScales | None = None) -> torch.Tensor:
+                     scales: ExpertScales | None = None, route: Routed | None = None) -> torch.Tensor:
     """The Triton path of `compiled::fused_moe`: one token as two GEMVs (`gemv_tiles`, else the
     tuned file's or GEMV_TILES), more as the two grouped GEMMs (`config`, else the tuned or default
     config; FP8 experts' own file first), then the top-k sum as a kernel of its own.
     `sum_slots=False` (top-k > 1): returns the weighted expert outputs `[T*k, H]` unsummed, for a
     kernel after it to sum them (`moe_sum_add_rms_norm_triton`); `out` is then unused. `scales`:
-    the experts are FP8."""
+    the experts are FP8. `route`: topk_weights and topk_ids are its buffers, which the first
+    launch fills (the up GEMV's at one token, the alignment's above) before anything reads them."""
     _check_shapes(x, topk_weights, topk_ids, w13, w2)
     T, H = x.shape
     top_k = topk_ids.shape[1]
@@ -652,12 +691,12 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     call = _plan(x, topk_weights, topk_ids, w13, w2, workspace or MoEWorkspace(), out, scales)
     fp8 = scales is not None
     if T == 1:
-        _launch_gemv(call, gemv_tiles or get_gemv_tiles(w13.shape[0], w2.shape[2], x.dtype, x.device, fp8))
+        _launch_gemv(call, gemv_tiles or get_gemv_tiles(w13.shape[0], w2.shape[2], x.dtype, x.device, fp8), route)
     else:
         if top_k == 1:   # the down GEMM writes the placed pairs' rows only: another rank's stay zero
             out.zero_()
         _launch_grouped(call, config if config is not None else get_config(T, w13.shape[0], w2.shape[2], x.dtype,
-                                                                            x.device, fp8))
+                                                                            x.device, fp8), route)
     if not sum_slots:
         return call.y
     if top_k > 1:

@@ -10,6 +10,10 @@ Design (after SGLang/vLLM's fused_moe, written from scratch):
   prefix sum. The order of rows inside a segment does not change any result: every GEMM row is
   computed on its own and the top-k sum runs in slot order. A pair of id < 0 (expert parallelism:
   another rank's expert) matches no expert, so it is never placed and no GEMM computes it.
+  With ROUTE they also route the tokens first (`routing_kernels.route_rows`, what the routing
+  op's kernel runs), so that the routing takes no launch of its own: the count kernel's programs
+  each the tokens of their chunk, or where the place kernel counts all pairs itself, each of its
+  programs all the tokens (the same values written by each).
 * `moe_gemm1_kernel`: one program per (block, N tile); gathers the block's token rows of x, multiplies
   by the gate and the up tile of its expert's `w13` and writes `silu(gate) * up` (fused epilogue)
   in block order, so that each block's rows are one contiguous tile for the next GEMM.
@@ -28,6 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from compiled.moe.routing_kernels import route_rows
 from compiled.quant.act_quant import quantize_row, quantize_tile, quantized_groups
 from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, col_scaled, one_slot_dot, one_slot_operands,
                                    pdl_wait, row_shrink, scaled_tile, slot_bits, slot_stacked_delta, col_scales,
@@ -35,12 +40,29 @@ from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, col_sc
 
 
 @triton.jit
-def align_count_kernel(ids_ptr, totals_ptr, bases_ptr, numel,
-                       CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr):
+def route_span(RL, RW, ids_ptr, lo, hi, E, stride_rl, first, count, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+               E_PAD: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr, R_ROWS: tl.constexpr):
+    """Route tokens [lo, hi) (`route_rows`, R_ROWS at a time), then sync the program's threads so
+    that each reads back the ids the others stored."""
+    for r0 in range(lo, hi, R_ROWS):
+        route_rows(RL, RW, ids_ptr, r0, hi, E, stride_rl, first, count, TOP_K, K_PAD, E_PAD, R_ROWS, RENORM, LOCAL)
+    tl.debug_barrier()
+
+
+@triton.jit
+def align_count_kernel(ids_ptr, totals_ptr, bases_ptr, numel, RL, RW, T, E, stride_rl, first, count,
+                       CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr, ROUTE: tl.constexpr,
+                       TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr,
+                       R_ROWS: tl.constexpr, PDL: tl.constexpr):
     """Count this CHUNK's pairs per expert, add them to totals[e] (zeroed before the launch) and
-    keep the old totals as this chunk's base: the pairs of the chunks that got there first."""
+    keep the old totals as this chunk's base: the pairs of the chunks that got there first. ROUTE:
+    the chunk's tokens (CHUNK / TOP_K of them) routed first from the logits RL `[T, E]`."""
     pdl_wait(PDL)
     pid = tl.program_id(0)
+    if ROUTE:
+        lo = pid * (CHUNK // TOP_K)
+        route_span(RL, RW, ids_ptr, lo, tl.minimum(lo + CHUNK // TOP_K, T), E, stride_rl, first, count, TOP_K, K_PAD,
+                   E_PAD, RENORM, LOCAL, R_ROWS)
     experts = tl.arange(0, E_PAD)
     cnt = tl.zeros([E_PAD], dtype=tl.int32)
     for s in range(0, CHUNK, SUB):
@@ -54,11 +76,12 @@ def align_count_kernel(ids_ptr, totals_ptr, bases_ptr, numel,
 @triton.jit
 def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
                        numel, max_blocks, n_chunks, X, XQ, XS, T, K, stride_x, stride_xq, stride_xs, stride_xsg,
-                       GROUP, q_gprog,
+                       GROUP, q_gprog, RL, RW, E, stride_rl, first, count,
                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                        E_PAD: tl.constexpr, BB: tl.constexpr, COUNT_ALL: tl.constexpr, RESET: tl.constexpr,
                        QUANT: tl.constexpr, Q_ROWS: tl.constexpr, Q_GROUPS: tl.constexpr, Q_BLOCK_G: tl.constexpr,
-                       PDL: tl.constexpr):
+                       ROUTE: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr,
+                       LOCAL: tl.constexpr, R_ROWS: tl.constexpr, PDL: tl.constexpr):
     """Scatter this chunk's pair indices to their padded slots; write block experts and padding.
     Programs 0..n_chunks-1 align; with QUANT, the programs after them quantize x `[T, K]` for
     the W8A8 up GEMM (`quant.act_quant.quantize_tile`: Q_ROWS rows by Q_GROUPS groups of GROUP
@@ -67,7 +90,9 @@ def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, exp
     COUNT_ALL (> 0: a bound on the pairs, a multiple of SUB): every program counts all the pairs
     itself, and those of the chunks before its own, so no count kernel runs before it. RESET: the
     program that finishes last (a counter at done_ptr) puts the totals and the counter back to
-    zero for the next call, so no memset launch precedes the count kernel."""
+    zero for the next call, so no memset launch precedes the count kernel. ROUTE with COUNT_ALL:
+    each aligning program first routes all T tokens from the logits RL (`route_span`; without
+    COUNT_ALL the count kernel has)."""
     pdl_wait(PDL)
     pid = tl.program_id(0)
     if QUANT:
@@ -76,6 +101,8 @@ def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, exp
             quantize_tile(X, XQ, XS, (q // q_gprog) * Q_ROWS, T, (q % q_gprog) * Q_GROUPS, K, stride_x, stride_xq,
                           stride_xs, stride_xsg, GROUP, Q_ROWS, Q_GROUPS, Q_BLOCK_G)
             return
+    if ROUTE and COUNT_ALL:
+        route_span(RL, RW, ids_ptr, 0, T, E, stride_rl, first, count, TOP_K, K_PAD, E_PAD, RENORM, LOCAL, R_ROWS)
     experts = tl.arange(0, E_PAD)
     if COUNT_ALL:
         total_cnt = tl.zeros([E_PAD], dtype=tl.int32)

@@ -1,6 +1,11 @@
 """`compiled::fused_moe(x, topk_weights, topk_ids, w13, w2, lora_a13, lora_b13, lora_a2, lora_b2,
-lora_scale, lora_slot, w13_scale, w2_scale, weight_block)`: the MoE experts over stacked weights,
-one op with or without expert LoRA, with or without FP8 experts.
+lora_scale, lora_slot, w13_scale, w2_scale, weight_block, router_logits, top_k, renormalize,
+local_experts)`: the MoE experts over stacked weights, one op with or without expert LoRA, with or
+without FP8 experts, routed or routing.
+
+`router_logits` (with `top_k`, `renormalize`, `local_experts`: `compiled::topk_route`'s operands)
+in place of topk_weights / topk_ids: the op routes the tokens itself, inside its first launch on
+the Triton path without LoRA (the `fuse_routing` pass, `routing.routing_operands`).
 
 `w13_scale` `[E, ceil(2I/bo), ceil(H/bi)]` and `w2_scale` make the stacked weights FP8 (float8_e4m3fn
 times a scale per `weight_block` [bo, bi] block, `quant/dequant.py`): the Triton kernels read the
@@ -18,27 +23,33 @@ import torch
 
 from compiled.moe import expert_lora as el
 from compiled.moe import fused_moe as fm
+from compiled.moe.routing import routing_operands
 from compiled.quant.dequant import FP8, check_scale, scaled_weight
 
 Tensor = torch.Tensor
 
 
 @torch.library.custom_op("compiled::fused_moe", mutates_args=())
-def fused_moe(x: Tensor, topk_weights: Tensor, topk_ids: Tensor, w13: Tensor, w2: Tensor,
+def fused_moe(x: Tensor, topk_weights: Tensor | None, topk_ids: Tensor | None, w13: Tensor, w2: Tensor,
               lora_a13: Tensor | None = None, lora_b13: Tensor | None = None, lora_a2: Tensor | None = None,
               lora_b2: Tensor | None = None, lora_scale: Tensor | None = None,
               lora_slot: Tensor | None = None, w13_scale: Tensor | None = None, w2_scale: Tensor | None = None,
-              weight_block: list[int] | None = None) -> Tensor:
-    """x `[T, H]` routed by topk `[T, k]` over w13 `[E, 2I, H]`, w2 `[E, H, I]` -> `[T, H]`; with
-    expert LoRA, each pair's gate, up and down deltas (slot -1: none)."""
+              weight_block: list[int] | None = None, router_logits: Tensor | None = None, top_k: int = 0,
+              renormalize: bool = False, local_experts: int | None = None) -> Tensor:
+    """x `[T, H]` routed by topk `[T, k]` (or by `router_logits` `[T, E]`) over w13 `[E, 2I, H]`,
+    w2 `[E, H, I]` -> `[T, H]`; with expert LoRA, each pair's gate, up and down deltas (slot -1:
+    none)."""
     _check_fp8(w13, w2, w13_scale, w2_scale, weight_block)
     lora = el.lora_operands(el.OP, lora_a13, lora_b13, lora_a2, lora_b2, lora_scale, lora_slot)
+    triton_path = fm.backend(x) == "triton"
+    topk_weights, topk_ids, route = routing_operands(el.OP, topk_weights, topk_ids, router_logits, top_k, renormalize,
+                                                     local_experts, in_kernel=triton_path and lora is None)
     if lora is not None:
         el.check_shapes(x, topk_weights, topk_ids, w13, w2, *lora)
     w13, w2, scales = expert_weights(x, w13, w2, w13_scale, w2_scale, weight_block)
     if lora is None:
-        if fm.backend(x) == "triton":
-            return fm.fused_moe_triton(x, topk_weights, topk_ids, w13, w2, scales=scales)
+        if triton_path:
+            return fm.fused_moe_triton(x, topk_weights, topk_ids, w13, w2, scales=scales, route=route)
         return fm.fused_moe_ref(x, topk_weights, topk_ids, w13, w2)
     if fm.backend(x) == "triton":
         return el.fused_moe_lora_triton(x, topk_weights, topk_ids, w13, w2, *lora, scales=scales)
@@ -60,9 +71,12 @@ def expert_weights(x: Tensor, w13: Tensor, w2: Tensor, w13_scale: Tensor | None,
 
 @fused_moe.register_fake
 def _(x, topk_weights, topk_ids, w13, w2, lora_a13=None, lora_b13=None, lora_a2=None, lora_b2=None, lora_scale=None,
-      lora_slot=None, w13_scale=None, w2_scale=None, weight_block=None):
+      lora_slot=None, w13_scale=None, w2_scale=None, weight_block=None, router_logits=None, top_k=0,
+      renormalize=False, local_experts=None):
     _check_fp8(w13, w2, w13_scale, w2_scale, weight_block)
     lora = el.lora_operands(el.OP, lora_a13, lora_b13, lora_a2, lora_b2, lora_scale, lora_slot)
+    topk_weights, topk_ids, _ = routing_operands(el.OP, topk_weights, topk_ids, router_logits, top_k, renormalize,
+                                                 local_experts, in_kernel=True)
     if lora is not None:
         el.check_shapes(x, topk_weights, topk_ids, w13, w2, *lora)
     return torch.empty_like(x)

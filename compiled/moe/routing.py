@@ -19,6 +19,8 @@ cost what the two launches did (bench/RESULTS.md)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 
@@ -44,27 +46,91 @@ def topk_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     return torch.where(mine, weights, 0.0), torch.where(mine, local, NOT_LOCAL)
 
 
+class Router(NamedTuple):
+    """The routing of `topk_route` as operands (router logits `[T, E]`, k, renormalise, the local
+    experts' count or None) for an expert op that routes inside its own first launch."""
+    logits: torch.Tensor
+    top_k: int
+    renormalize: bool
+    local_experts: int | None = None
+
+
+def route_args(router: Router) -> tuple[tuple, dict]:
+    """`routing_kernels.route_rows`'s arguments after its three pointers (logits, weights, ids):
+    (T, E, the logits' row stride, the first local expert, their count) and its constexprs."""
+    logits, top_k, _, local = router
+    T, E = logits.shape
+    first = 0 if local is None else tp_rank() * local
+    return ((T, E, logits.stride(0), first, E if local is None else local),
+            dict(TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), E_PAD=max(16, triton.next_power_of_2(E)),
+                 RENORM=bool(router.renormalize), LOCAL=local is not None))
+
+
+def routed_buffers(router: Router) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where `router`'s weights (fp32) and ids (int64), `[T, k]`, go."""
+    T = router.logits.shape[0]
+    device = router.logits.device
+    return (torch.empty(T, router.top_k, dtype=torch.float32, device=device),
+            torch.empty(T, router.top_k, dtype=torch.int64, device=device))
+
+
+def unit_rows(router: Router) -> Router:
+    """`router` with its logits' rows contiguous, as the kernels read them."""
+    return router if router.logits.stride(-1) == 1 else router._replace(logits=router.logits.contiguous())
+
+
+class Routed(NamedTuple):
+    """A routing an expert op's kernels compute into `weights` / `ids` (`routed_buffers`) before
+    they read them."""
+    router: Router
+    weights: torch.Tensor
+    ids: torch.Tensor
+
+
 def topk_route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
                       local_experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The same contract in one Triton launch (ties pick the lower expert index)."""
+    router = unit_rows(Router(router_logits, top_k, renormalize, local_experts))
+    weights, ids = routed_buffers(router)
+    route_into(router, weights, ids)
+    return weights, ids
+
+
+def route_into(router: Router, weights: torch.Tensor, ids: torch.Tensor) -> None:
+    """`topk_route_kernel` over `router` (rows contiguous) into `weights` and `ids` `[T, k]`."""
     from compiled.moe.routing_kernels import topk_route_kernel
     from compiled.triton_utils import launch_kwargs
 
-    T, E = router_logits.shape
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=router_logits.device)
-    if T == 0:
-        return weights, ids
-    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-    e_pad = max(16, triton.next_power_of_2(E))
+    if router.logits.shape[0] == 0:
+        return
+    args, consts = route_args(router)
     # few rows a program: the k rounds of max/argmin are a serial chain, keep each step short
-    rows = max(2, min(4, 512 // e_pad))
-    first = 0 if local_experts is None else tp_rank() * local_experts
-    topk_route_kernel[(triton.cdiv(T, rows),)](
-        logits, weights, ids, T, E, logits.stride(0), first, E if local_experts is None else local_experts,
-        TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), E_PAD=e_pad, ROWS=rows,
-        RENORM=bool(renormalize), LOCAL=local_experts is not None, num_warps=4, **launch_kwargs(logits.device))
-    return weights, ids
+    rows = max(2, min(4, 512 // consts["E_PAD"]))
+    topk_route_kernel[(triton.cdiv(args[0], rows),)](
+        router.logits, weights, ids, *args, ROWS=rows, **consts, num_warps=4, **launch_kwargs(router.logits.device))
+
+
+def routing_operands(op: str, topk_weights: torch.Tensor | None, topk_ids: torch.Tensor | None,
+                     router_logits: torch.Tensor | None, top_k: int, renormalize: bool, local_experts: int | None,
+                     in_kernel: bool) -> tuple[torch.Tensor, torch.Tensor, Routed | None]:
+    """An expert op's routing: its (topk_weights, topk_ids), or with `router_logits` (the
+    `fuse_routing` pass's operands) their buffers and the `Routed` its first launch fills where
+    `in_kernel` (its Triton path can), else routed here by the routing op (ids and weights are the
+    same either way). A one-line ValueError naming `op` for a call with both or neither."""
+    if router_logits is None:
+        if topk_weights is None or topk_ids is None:
+            raise ValueError(f"{op}: needs topk_weights and topk_ids, or router_logits")
+        return topk_weights, topk_ids, None
+    if topk_weights is not None or topk_ids is not None:
+        raise ValueError(f"{op}: router_logits replaces topk_weights and topk_ids (got both)")
+    if not 1 <= top_k <= router_logits.shape[-1]:
+        raise ValueError(f"{op}: top_k={top_k} must be 1 to the {router_logits.shape[-1]} experts of router_logits")
+    router = unit_rows(Router(router_logits, top_k, renormalize, local_experts))
+    if not in_kernel:
+        weights, ids = torch.ops.compiled.topk_route(router_logits, top_k, renormalize, local_experts)
+        return weights, ids, None
+    weights, ids = routed_buffers(router)
+    return weights, ids, Routed(router, weights, ids)
 
 
 def _routing_backend(router_logits: torch.Tensor) -> str:

@@ -18,9 +18,32 @@ def topk_route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_t, first, c
                       TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                       ROWS: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    route_rows(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0) * ROWS, T, E, stride_t, first, count,
+               TOP_K, K_PAD, E_PAD, ROWS, RENORM, LOCAL)
+
+
+@triton.jit
+def route_rows(logits_ptr, weights_ptr, ids_ptr, row0, T, E, stride_t, first, count,
+               TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+               ROWS: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr):
+    """Route tokens [row0, min(row0 + ROWS, T)): their top-k weights and ids stored. The kernels
+    that route inside their own launch (`fused_moe`'s alignment) call it too, so theirs are these."""
+    rows = row0 + tl.arange(0, ROWS)
+    vals, idxs = route_tile(logits_ptr, rows, rows < T, E, stride_t, first, count, TOP_K, K_PAD, E_PAD,
+                            RENORM, LOCAL)
+    slots = tl.arange(0, K_PAD)
+    out_ok = (rows < T)[:, None] & (slots[None, :] < TOP_K)
+    offs = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
+    tl.store(weights_ptr + offs, vals, mask=out_ok)
+    tl.store(ids_ptr + offs, idxs.to(tl.int64), mask=out_ok)
+
+
+@triton.jit
+def route_tile(logits_ptr, rows, row_ok, E, stride_t, first, count, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+               E_PAD: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr):
+    """(weights `[R, K_PAD]` fp32, ids `[R, K_PAD]` int32) of the tokens `rows` (`row_ok`: real),
+    slots past TOP_K unset."""
     cols = tl.arange(0, E_PAD)
-    row_ok = rows < T
     ok = row_ok[:, None] & (cols[None, :] < E)
     logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=ok,
                      other=float("-inf")).to(tl.float32)
@@ -31,8 +54,8 @@ def topk_route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_t, first, c
     probs = p / tl.where(row_ok, denom, 1.0)[:, None]
     probs = tl.where(ok, probs, -1.0)
     slots = tl.arange(0, K_PAD)
-    vals = tl.zeros([ROWS, K_PAD], dtype=tl.float32)
-    idxs = tl.zeros([ROWS, K_PAD], dtype=tl.int32)
+    vals = tl.zeros([rows.shape[0], K_PAD], dtype=tl.float32)
+    idxs = tl.zeros([rows.shape[0], K_PAD], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(probs, axis=1)
         arg = tl.min(tl.where(probs == best[:, None], cols[None, :], E_PAD), axis=1)
@@ -46,7 +69,4 @@ def topk_route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_t, first, c
         mine = (local >= 0) & (local < count)
         vals = tl.where(mine, vals, 0.0)
         idxs = tl.where(mine, local, -1)
-    out_ok = row_ok[:, None] & (slots[None, :] < TOP_K)
-    offs = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
-    tl.store(weights_ptr + offs, vals, mask=out_ok)
-    tl.store(ids_ptr + offs, idxs.to(tl.int64), mask=out_ok)
+    return vals, idxs

@@ -12,15 +12,15 @@ from compiled.errors import CompiledError
 from compiled.graphs.trace import example_inputs
 from compiled.passes.base import GraphPass, PassRecord, sweep_dead_nodes
 from compiled.passes import (cp_allgather, fp8_weights, fuse_lora_linear, fuse_moe_norm, fuse_norm_linear,
-                             fuse_qk_norm_rope, fuse_qkv, fuse_silu_linear, fuse_w13, lora_delta, silu_and_mul,
-                             skinny_linear, tp_shard)
+                             fuse_qk_norm_rope, fuse_qkv, fuse_routing, fuse_silu_linear, fuse_w13, lora_delta,
+                             silu_and_mul, skinny_linear, tp_shard)
 from compiled.graphs.weights import WeightMap
 from compiled.passes.variant import GraphVariant
 
 # Every pass, in an order that satisfies each pass's `after`.
 REGISTRY: dict[str, GraphPass] = {m.PASS.name: m.PASS for m in (
     fuse_qkv, fuse_w13, silu_and_mul, skinny_linear, lora_delta, fuse_lora_linear, fuse_qk_norm_rope,
-    fuse_norm_linear, fuse_silu_linear, fuse_moe_norm, cp_allgather, fp8_weights)}
+    fuse_norm_linear, fuse_silu_linear, fuse_moe_norm, fuse_routing, cp_allgather, fp8_weights)}
 # What a model without LoRA or context parallelism runs; `with_lora` adds the LoRA deltas (and
 # their fusion into the decode linears, whose LoRA operands the default fusions then carry) and
 # `with_cp` the context-parallel gathers; a quantized checkpoint's graphs end with fp8_weights.

@@ -19,7 +19,7 @@ def test_graph_prints_pass_table_and_dumps(tmp_path):
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["00_traced.py", "01_fuse_qkv.py", "02_fuse_w13.py", "03_silu_and_mul.py", "04_skinny_linear.py",
                      "05_fuse_qk_norm_rope.py", "06_fuse_norm_linear.py", "07_fuse_silu_linear.py", "08_fuse_moe_norm.py",
-                     "weights.txt"]
+                     "09_fuse_routing.py", "weights.txt"]
     traced = (tmp_path / "00_traced.py").read_text()
     final = (tmp_path / "08_fuse_moe_norm.py").read_text()
     assert "def forward(self, input_ids" in traced and "torch.ops.compiled.attention" in traced

@@ -399,6 +399,58 @@ def case_other_ranks_pairs_are_skipped():
         torch.testing.assert_close(total, whole, atol=2e-5, rtol=1e-5)
 
 
+def case_routing_inside_the_experts_first_launch():
+    # the experts op given the router's logits routes inside its first launch: the one-token up
+    # GEMV (top-8 of 128, top-1), the place kernel counting all pairs (2 and 16 tokens of top-8),
+    # the count kernel's chunks (61 tokens of top-4: 244 pairs), and where a chunk would split a
+    # token's pairs (top-3) the routing kernel first; renormalised or not, over all experts or a
+    # rank's (local_experts). The buffers start as NaN / -7: each must hold the routing kernel's
+    # weights and ids, and the output the reference's on them.
+    from compiled.moe.routing import Router, Routed, routed_buffers, topk_route_triton
+    from compiled.parallel.tensor import TPGroup, set_tp_group
+    tiles = dict(up=dict(BLOCK_N=2, BLOCK_K=16, num_warps=4), down=dict(BLOCK_N=4, BLOCK_K=16, num_warps=4))
+    g = torch.Generator().manual_seed(40)
+    for T, E, k, renorm, local in ((1, 128, 8, True, None), (1, 8, 1, False, None), (2, 128, 8, True, None),
+                                   (16, 128, 8, False, None), (61, 33, 4, True, None), (29, 8, 3, True, None),
+                                   (1, 8, 4, True, 4), (17, 8, 2, True, 4)):
+        x, _, _, w13, w2 = _problem(T, E, k, 40, 24, seed=T + E)
+        logits = torch.randn(T, E, generator=g)
+        set_tp_group(TPGroup(None, 2, 1) if local else None)
+        try:
+            want_w, want_ids = topk_route_triton(logits, k, renorm, local)
+            router = Router(logits, k, renorm, local)
+            w, ids = routed_buffers(router)
+            w.fill_(float("nan"))
+            ids.fill_(-7)
+            ex = slice(E - local, E) if local else slice(0, E)
+            out = fm.fused_moe_triton(x, w, ids, w13[ex], w2[ex], config=_cfg(16, 32, 16), gemv_tiles=tiles,
+                                      route=Routed(router, w, ids))
+        finally:
+            set_tp_group(None)
+        assert torch.equal(ids, want_ids), (T, E, k)
+        torch.testing.assert_close(w, want_w, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(out, fm.fused_moe_ref(x, want_w, want_ids, w13[ex], w2[ex]), atol=2e-5, rtol=1e-5)
+    # through the ops, and with the norm's kernel summing: the same as routed by the routing op
+    from compiled.fusions.moe_norm_linear import moe_add_rms_norm_linear_ref
+    before = fm.BACKEND.name
+    fm.BACKEND.set("triton")
+    try:
+        for T in (1, 19):
+            x_moe, _, _, w13, w2 = _problem(T, 8, 2, 32, 48, seed=41)
+            logits, x = torch.randn(T, 8, generator=g), torch.randn(T, 32, generator=g)
+            nw, weight = 1 + 0.1 * torch.randn(32, generator=g), torch.randn(24, 32, generator=g)
+            w, ids = topk_route_ref(logits, 2, True)
+            out = torch.ops.compiled.fused_moe(x_moe, None, None, w13, w2, router_logits=logits, top_k=2,
+                                               renormalize=True)
+            torch.testing.assert_close(out, fm.fused_moe_ref(x_moe, w, ids, w13, w2), atol=2e-5, rtol=1e-5)
+            got = torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe, None, None, w13, w2, nw, 1e-6, weight, True,
+                                                             router_logits=logits, top_k=2, renormalize=True)
+            for a, b in zip(got, moe_add_rms_norm_linear_ref(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight)):
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    finally:
+        fm.BACKEND.set(before)
+
+
 GROUPS = {
     "a": [case_two_tokens_e128_k8_default_config, case_one_token_gemv_odd_sizes_slots_and_sum,
           case_t300_e8_k2_two_k_steps_grouped_half_and_quarter_tiles,
@@ -409,7 +461,7 @@ GROUPS = {
           case_op_dispatch_and_workspace, case_align_multi_chunk_e128_k8, case_align_counted_by_every_program_and_unused_experts,
           case_tma_weight_tiles_bf16_n_and_k_tails, case_tma_intermediate_tiles_full_blocks_bf16,
           case_tma_up_only_fp16_half_tiles, case_sum_add_rms_norm_kernel_and_op,
-          case_sum_add_rms_norm_with_the_next_linears_shrink],
+          case_sum_add_rms_norm_with_the_next_linears_shrink, case_routing_inside_the_experts_first_launch],
 }
 CASE_NAMES = [f.__name__ for fns in GROUPS.values() for f in fns]
 

@@ -157,6 +157,21 @@ def _check_structure(gm: fx.GraphModule, cfg: ModelConfig, passes: list[str]) ->
     _check_skinny(gm, cfg, "skinny_linear" in passes)
     _check_qk_norm_rope(gm, cfg, "fuse_qk_norm_rope" in passes)
     _check_norm_linear(gm, cfg, passes)
+    _check_routing(gm, cfg, {"fuse_w13", "fuse_routing"} <= set(passes))
+
+
+def _check_routing(gm: fx.GraphModule, cfg: ModelConfig, applied: bool) -> None:
+    """With fuse_routing each MoE layer's experts op routes its tokens (the router's logits as its
+    operand) and no routing op is left; without it each layer keeps its routing op."""
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    routes = [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.topk_route)]
+    experts = [call_args(n) for n in gm.graph.nodes if is_op(n, torch.ops.compiled.fused_moe)
+               or is_op(n, torch.ops.compiled.moe_add_rms_norm_linear)]
+    assert len(routes) == (0 if applied else moe_layers)
+    if applied:
+        assert len(experts) == moe_layers
+        assert all(e["topk_ids"] is None and e["router_logits"] is not None and e["top_k"] == cfg.num_experts_per_tok
+                   and e["renormalize"] == cfg.norm_topk_prob for e in experts)
 
 
 def _check_norm_linear(gm: fx.GraphModule, cfg: ModelConfig, passes: list[str]) -> None:
