@@ -156,7 +156,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
     downstream depends on that order. No host sync. `launch` overrides `align_launch` (benchmark
     sweeps). `quantize` (x `[T, K]`, where to): the place kernel's launch also quantizes x (W8A8's
     up GEMM operand), in programs of its own. `route`: topk_ids (and its weights) are to be
-    routed from its logits first, by the alignment's first launch where `routes_in_align`."""
+    routed from its logits first: by the count kernel where `routes_in_align`, else by the
+    routing kernel before it."""
     from compiled.moe import fused_moe_kernels as K
 
     ws = workspace or MoEWorkspace()
@@ -188,22 +189,25 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
             totals.zero_()
         K.align_count_kernel[(n_chunks,)](ids, totals, bases, numel, *r_args, CHUNK=lc.chunk, SUB=lc.sub, E_PAD=e_pad,
                                           **r_consts, num_warps=lc.warps, **launch_kwargs(dev))
-    q, q_programs = _quant_launch(quantize, ids, r_args[2])
+    q, q_programs = _quant_launch(quantize, ids)
     K.align_place_kernel[(n_chunks + q_programs,)](
         ids, totals, bases, done if reset else num_post, sorted_ids, expert_ids, num_post, numel, max_blocks, n_chunks,
-        *q["args"], *r_args[:2], *r_args[3:], BLOCK_M=block_m, CHUNK=lc.chunk, SUB=lc.sub, E_PAD=e_pad, BB=lc.bb,
-        COUNT_ALL=count_all, RESET=reset, **q["consts"], **r_consts, num_warps=lc.warps, **launch_kwargs(dev))
+        *q["args"], BLOCK_M=block_m, CHUNK=lc.chunk, SUB=lc.sub, E_PAD=e_pad, BB=lc.bb, COUNT_ALL=count_all,
+        RESET=reset, **q["consts"], num_warps=lc.warps, **launch_kwargs(dev))
     return Blocks(sorted_ids, expert_ids, num_post, block_m)
 
 
-# The routing inside the alignment's launch: R_ROWS tokens a step (the routing kernel's rows).
+# The routing inside the alignment's count kernel: R_ROWS tokens a step (the routing kernel's rows).
 ROUTE_ROWS = 4
 
 
 def routes_in_align(route: Routed, lc: AlignLaunch, count_all: int) -> bool:
-    """Whether the alignment routes `route` itself: where the place kernel counts all pairs (each
-    program then routes every token), or each count program's chunk holds whole tokens."""
-    return bool(count_all) or lc.chunk % route.router.top_k == 0
+    """Whether the alignment routes `route` itself: where its count kernel runs (above
+    COUNT_ALL_MAX_PAIRS pairs) and each program's chunk holds whole tokens. Where the place
+    kernel counts all pairs instead, each of its programs would route every token, a serial
+    chain of k reductions a token that measured slower than the routing kernel's own launch, as
+    did routing inside the one-token up GEMV (bench/RESULTS.md)."""
+    return not count_all and lc.chunk % route.router.top_k == 0
 
 
 def _route_launch(route: Routed | None, like: torch.Tensor) -> tuple[tuple, dict]:
@@ -217,13 +221,11 @@ def _route_launch(route: Routed | None, like: torch.Tensor) -> tuple[tuple, dict
     return (route.router.logits, route.weights, *args), dict(ROUTE=True, R_ROWS=ROUTE_ROWS, **consts)
 
 
-def _quant_launch(quantize: tuple[torch.Tensor, QuantizedRows] | None, like: torch.Tensor,
-                  tokens: int = 0) -> tuple[dict, int]:
+def _quant_launch(quantize: tuple[torch.Tensor, QuantizedRows] | None, like: torch.Tensor) -> tuple[dict, int]:
     """The place kernel's x-quantization arguments (`act_quant.quant_grid`'s tiles) and the
-    programs they add; without `quantize`, none, and placeholders (`like`) it never reads, but
-    the token count (`tokens`, which the routing reads)."""
+    programs they add; without `quantize`, none, and placeholders (`like`) it never reads."""
     if quantize is None:
-        return dict(args=(like, like, like, tokens, 0, 0, 0, 0, 0, 1, 1),
+        return dict(args=(like, like, like, 0, 0, 0, 0, 0, 0, 1, 1),
                     consts=dict(QUANT=False, Q_ROWS=1, Q_GROUPS=1, Q_BLOCK_G=16)), 0
     x, (xq, xs, group) = quantize
     if x.stride(1) != 1 or xq.stride(1) != 1:
@@ -526,9 +528,8 @@ def _plan(x, topk_weights, topk_ids, w13, w2, ws: MoEWorkspace, out: torch.Tenso
                    w2.contiguous(), ws, y, scales)
 
 
-def _launch_gemv(call: MoECall, tiles: dict, route: Routed | None = None) -> None:
-    """One token: y `[k, H]` <- its k weighted expert outputs, through the intermediate `[k, I]`;
-    `route`: the up GEMV's programs route the token first (`gemv_kernels.routed_expert`)."""
+def _launch_gemv(call: MoECall, tiles: dict) -> None:
+    """One token: y `[k, H]` <- its k weighted expert outputs, through the intermediate `[k, I]`."""
     from compiled.moe import gemv_kernels as G
     x, w13, w2 = call.x, call.w13, call.w2
     H, I = w2.shape[1], w2.shape[2]
@@ -536,14 +537,9 @@ def _launch_gemv(call: MoECall, tiles: dict, route: Routed | None = None) -> Non
     ids = call.ids.reshape(-1)
     inter = call.inter(k)
     up, down = tiles["up"], tiles["down"]
-    if route is None:
-        r_args, r_consts = (x, x, 0, 0, 0, 0), dict(ROUTE=False, TOP_K=1, K_PAD=2, E_PAD=16, RENORM=False, LOCAL=False)
-    else:
-        (_, E, stride, first, count), r_consts = route_args(route.router)
-        r_args, r_consts = (route.router.logits, route.weights, E, stride, first, count), dict(ROUTE=True, **r_consts)
     G.moe_gemv_up_kernel[(k * triton.cdiv(I, up["BLOCK_N"]),)](
-        x, w13, ids, inter, I, H, w13.stride(0), w13.stride(1), inter.stride(0), *r_args, EVEN_K=H % up["BLOCK_K"] == 0,
-        **r_consts, **_gemv_kwargs(call.scales, "w13", w13, up), **launch_kwargs(x.device))
+        x, w13, ids, inter, I, H, w13.stride(0), w13.stride(1), inter.stride(0), EVEN_K=H % up["BLOCK_K"] == 0,
+        **_gemv_kwargs(call.scales, "w13", w13, up), **launch_kwargs(x.device))
     G.moe_gemv_down_kernel[(k * triton.cdiv(H, down["BLOCK_N"]),)](
         inter, w2, ids, call.weights, call.y, H, I, inter.stride(0), w2.stride(0), w2.stride(1), call.y.stride(0),
         EVEN_K=I % down["BLOCK_K"] == 0, **_gemv_kwargs(call.scales, "w2", w2, down), **launch_kwargs(x.device))
@@ -675,8 +671,9 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     config; FP8 experts' own file first), then the top-k sum as a kernel of its own.
     `sum_slots=False` (top-k > 1): returns the weighted expert outputs `[T*k, H]` unsummed, for a
     kernel after it to sum them (`moe_sum_add_rms_norm_triton`); `out` is then unused. `scales`:
-    the experts are FP8. `route`: topk_weights and topk_ids are its buffers, which the first
-    launch fills (the up GEMV's at one token, the alignment's above) before anything reads them."""
+    the experts are FP8. `route`: topk_weights and topk_ids are its buffers, filled before anything
+    reads them: by the alignment's count kernel where it runs (`routes_in_align`), else by the
+    routing kernel first."""
     _check_shapes(x, topk_weights, topk_ids, w13, w2)
     T, H = x.shape
     top_k = topk_ids.shape[1]
@@ -691,7 +688,9 @@ def fused_moe_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torc
     call = _plan(x, topk_weights, topk_ids, w13, w2, workspace or MoEWorkspace(), out, scales)
     fp8 = scales is not None
     if T == 1:
-        _launch_gemv(call, gemv_tiles or get_gemv_tiles(w13.shape[0], w2.shape[2], x.dtype, x.device, fp8), route)
+        if route is not None:
+            route_into(*route)
+        _launch_gemv(call, gemv_tiles or get_gemv_tiles(w13.shape[0], w2.shape[2], x.dtype, x.device, fp8))
     else:
         if top_k == 1:   # the down GEMM writes the placed pairs' rows only: another rank's stay zero
             out.zero_()

@@ -10,10 +10,9 @@ Design (after SGLang/vLLM's fused_moe, written from scratch):
   prefix sum. The order of rows inside a segment does not change any result: every GEMM row is
   computed on its own and the top-k sum runs in slot order. A pair of id < 0 (expert parallelism:
   another rank's expert) matches no expert, so it is never placed and no GEMM computes it.
-  With ROUTE they also route the tokens first (`routing_kernels.route_rows`, what the routing
-  op's kernel runs), so that the routing takes no launch of its own: the count kernel's programs
-  each the tokens of their chunk, or where the place kernel counts all pairs itself, each of its
-  programs all the tokens (the same values written by each).
+  With ROUTE the count kernel's programs route the tokens of their chunk first
+  (`routing_kernels.route_rows`, what the routing op's kernel runs), so that the routing takes no
+  launch of its own.
 * `moe_gemm1_kernel`: one program per (block, N tile); gathers the block's token rows of x, multiplies
   by the gate and the up tile of its expert's `w13` and writes `silu(gate) * up` (fused epilogue)
   in block order, so that each block's rows are one contiguous tile for the next GEMM.
@@ -76,12 +75,11 @@ def align_count_kernel(ids_ptr, totals_ptr, bases_ptr, numel, RL, RW, T, E, stri
 @triton.jit
 def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, expert_ids_ptr, num_post_ptr,
                        numel, max_blocks, n_chunks, X, XQ, XS, T, K, stride_x, stride_xq, stride_xs, stride_xsg,
-                       GROUP, q_gprog, RL, RW, E, stride_rl, first, count,
+                       GROUP, q_gprog,
                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                        E_PAD: tl.constexpr, BB: tl.constexpr, COUNT_ALL: tl.constexpr, RESET: tl.constexpr,
                        QUANT: tl.constexpr, Q_ROWS: tl.constexpr, Q_GROUPS: tl.constexpr, Q_BLOCK_G: tl.constexpr,
-                       ROUTE: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr,
-                       LOCAL: tl.constexpr, R_ROWS: tl.constexpr, PDL: tl.constexpr):
+                       PDL: tl.constexpr):
     """Scatter this chunk's pair indices to their padded slots; write block experts and padding.
     Programs 0..n_chunks-1 align; with QUANT, the programs after them quantize x `[T, K]` for
     the W8A8 up GEMM (`quant.act_quant.quantize_tile`: Q_ROWS rows by Q_GROUPS groups of GROUP
@@ -90,9 +88,7 @@ def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, exp
     COUNT_ALL (> 0: a bound on the pairs, a multiple of SUB): every program counts all the pairs
     itself, and those of the chunks before its own, so no count kernel runs before it. RESET: the
     program that finishes last (a counter at done_ptr) puts the totals and the counter back to
-    zero for the next call, so no memset launch precedes the count kernel. ROUTE with COUNT_ALL:
-    each aligning program first routes all T tokens from the logits RL (`route_span`; without
-    COUNT_ALL the count kernel has)."""
+    zero for the next call, so no memset launch precedes the count kernel."""
     pdl_wait(PDL)
     pid = tl.program_id(0)
     if QUANT:
@@ -101,8 +97,6 @@ def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, exp
             quantize_tile(X, XQ, XS, (q // q_gprog) * Q_ROWS, T, (q % q_gprog) * Q_GROUPS, K, stride_x, stride_xq,
                           stride_xs, stride_xsg, GROUP, Q_ROWS, Q_GROUPS, Q_BLOCK_G)
             return
-    if ROUTE and COUNT_ALL:
-        route_span(RL, RW, ids_ptr, 0, T, E, stride_rl, first, count, TOP_K, K_PAD, E_PAD, RENORM, LOCAL, R_ROWS)
     experts = tl.arange(0, E_PAD)
     if COUNT_ALL:
         total_cnt = tl.zeros([E_PAD], dtype=tl.int32)

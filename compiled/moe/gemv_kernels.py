@@ -27,7 +27,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.moe.routing_kernels import route_tile
 from compiled.triton_utils import chunk_scaled_dots, fp8_f32, pdl_wait, row_scaled, scaled_tile, weight_tile
 
 
@@ -81,53 +80,28 @@ def _rows_step(w_ptrs, a, rows, row_ok, k_ok, k0, K, s_ptr, stride_sn, BO, BI, E
 
 
 @triton.jit
-def _pair_block(ids_ptr, N, BLOCK_N: tl.constexpr, RL, RW, E, stride_rl, first, count, ROUTE: tl.constexpr,
-                TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORM: tl.constexpr,
-                LOCAL: tl.constexpr):
+def _pair_block(ids_ptr, N, BLOCK_N: tl.constexpr):
     """This program's pair, its BLOCK_N output columns (offsets, valid, clamped row indices), the
     columns whose weights it reads (none for a pair of id < 0, another rank's expert: its row is
-    stored as zeros) and the pair's expert (clamped to 0). ROUTE: the expert from `routed_expert`."""
+    stored as zeros) and the pair's expert (clamped to 0)."""
     n_blocks = tl.cdiv(N, BLOCK_N)
     pair = tl.program_id(0) // n_blocks
     offs_n = (tl.program_id(0) % n_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    if ROUTE:
-        expert = routed_expert(RL, RW, ids_ptr, pair, E, stride_rl, first, count, TOP_K, K_PAD, E_PAD, RENORM, LOCAL)
-    else:
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
     read = n_ok & (offs_n * 0 + expert >= 0)   # a vector test: the interpreter takes no scalar bool in a mask
     return pair, offs_n, n_ok, read, tl.where(n_ok, offs_n, 0).to(tl.int64), tl.maximum(expert, 0)
 
 
 @triton.jit
-def routed_expert(RL, RW, ids_ptr, pair, E, stride_rl, first, count, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                  E_PAD: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr):
-    """The one token routed from its logits RL `[1, E]` (`routing_kernels.route_tile`, what the
-    routing op's kernel computes) by every program, which takes its pair's expert; program 0
-    stores the k weights and ids for the launches after it. Saves the routing's own launch."""
-    rows = tl.arange(0, 2)   # one token; a second, masked row: the tile's smallest height
-    vals, idxs = route_tile(RL, rows, rows < 1, E, stride_rl, first, count, TOP_K, K_PAD, E_PAD, RENORM, LOCAL)
-    slots = tl.arange(0, K_PAD)
-    mine = (rows[:, None] == 0) & (slots[None, :] == pair)
-    if tl.program_id(0) == 0:
-        ok = (rows[:, None] == 0) & (slots[None, :] < TOP_K)
-        tl.store(RW + rows[:, None] * 0 + slots[None, :], vals, mask=ok)
-        tl.store(ids_ptr + rows[:, None] * 0 + slots[None, :], idxs.to(tl.int64), mask=ok)
-    return tl.sum(tl.where(mine, idxs, 0)).to(tl.int64)
-
-
-@triton.jit
 def moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_wn, stride_om,
-                       RL, RW, E, stride_rl, first, count, S, stride_se, stride_sn, BO, BI,
+                       S, stride_se, stride_sn, BO, BI,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
                        KB: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr, CHUNK: tl.constexpr,
-                       FP8_ASM: tl.constexpr, ROUTE: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                       E_PAD: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr):
-    """out[p, n] = silu(x . w[e, n]) * (x . w[e, N + n]), e = ids[p], for the token x `[K]`;
-    ROUTE: ids (and the weights RW) routed here from the logits RL first (`routed_expert`)."""
+                       FP8_ASM: tl.constexpr):
+    """out[p, n] = silu(x . w[e, n]) * (x . w[e, N + n]), e = ids[p], for the token x `[K]`."""
     pdl_wait(PDL)
-    pair, offs_n, n_ok, read, rows, expert = _pair_block(ids_ptr, N, BLOCK_N, RL, RW, E, stride_rl, first, count,
-                                                         ROUTE, TOP_K, K_PAD, E_PAD, RENORM, LOCAL)
+    pair, offs_n, n_ok, read, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
     w_e = w_ptr + expert * stride_we
     gate, up = _rows_dot(x_ptr, w_e, rows, read, K, stride_wn, N, S + expert * stride_se, stride_sn, BO, BI,
                          BLOCK_N, BLOCK_K, EVEN_K, True, FP8, KB, STAGES, CHUNK, FP8_ASM)
@@ -146,8 +120,7 @@ def moe_gemv_down_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stri
                          STAGES: tl.constexpr, CHUNK: tl.constexpr, FP8_ASM: tl.constexpr):
     """out[p, n] = weight[p] * (a[p] . w[e, n]), e = ids[p]."""
     pdl_wait(PDL)
-    pair, offs_n, n_ok, read, rows, expert = _pair_block(ids_ptr, N, BLOCK_N, ids_ptr, ids_ptr, 0, 0, 0, 0, False, 1,
-                                                         2, 16, False, False)
+    pair, offs_n, n_ok, read, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
     acc, _ = _rows_dot(a_ptr + pair * stride_am, w_ptr + expert * stride_we, rows, read, K, stride_wn, 0,
                        S + expert * stride_se, stride_sn, BO, BI, BLOCK_N, BLOCK_K, EVEN_K, False, FP8, KB, STAGES,
                        CHUNK, FP8_ASM)

@@ -52,16 +52,19 @@ def route_tile(logits_ptr, rows, row_ok, E, stride_t, first, count, TOP_K: tl.co
     p = tl.where(ok, tl.exp(logits - mx[:, None]), 0.0)
     denom = tl.sum(p, axis=1)
     probs = p / tl.where(row_ok, denom, 1.0)[:, None]
-    probs = tl.where(ok, probs, -1.0)
+    # One max a round: each probability (non-negative, so its fp32 bits order as it does) above its
+    # column's rank from the right, so that a tie goes to the lower column; -1 leaves one out.
+    keys = tl.where(ok, (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) + (E_PAD - 1 - cols)[None, :], -1)
     slots = tl.arange(0, K_PAD)
     vals = tl.zeros([rows.shape[0], K_PAD], dtype=tl.float32)
     idxs = tl.zeros([rows.shape[0], K_PAD], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(probs, axis=1)
-        arg = tl.min(tl.where(probs == best[:, None], cols[None, :], E_PAD), axis=1)
+        top = tl.max(keys, axis=1)
+        best = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        arg = (E_PAD - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
         vals = tl.where(slots[None, :] == j, best[:, None], vals)
         idxs = tl.where(slots[None, :] == j, arg[:, None], idxs)
-        probs = tl.where(cols[None, :] == arg[:, None], -1.0, probs)
+        keys = tl.where(keys == top[:, None], -1, keys)
     if RENORM:
         vals = vals / tl.sum(vals, axis=1)[:, None]
     if LOCAL:   # after the renormalisation: the weights stay those of the whole routing

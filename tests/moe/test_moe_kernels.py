@@ -400,19 +400,19 @@ def case_other_ranks_pairs_are_skipped():
 
 
 def case_routing_inside_the_experts_first_launch():
-    # the experts op given the router's logits routes inside its first launch: the one-token up
-    # GEMV (top-8 of 128, top-1), the place kernel counting all pairs (2 and 16 tokens of top-8),
-    # the count kernel's chunks (61 tokens of top-4: 244 pairs), and where a chunk would split a
-    # token's pairs (top-3) the routing kernel first; renormalised or not, over all experts or a
-    # rank's (local_experts). The buffers start as NaN / -7: each must hold the routing kernel's
-    # weights and ids, and the output the reference's on them.
+    # the experts op given the router's logits routes the tokens: inside the alignment's count
+    # kernel (61 tokens of top-4: 244 pairs; 17 of top-2 on a rank), else by the routing kernel
+    # before it (one token's GEMVs; the place kernel counting all pairs, 2 and 16 tokens of top-8;
+    # top-3, whose pairs a chunk would split); renormalised or not, over all experts or a rank's
+    # (local_experts). The buffers start as NaN / -7: each must hold the routing kernel's weights
+    # and ids, and the output the reference's on them.
     from compiled.moe.routing import Router, Routed, routed_buffers, topk_route_triton
     from compiled.parallel.tensor import TPGroup, set_tp_group
     tiles = dict(up=dict(BLOCK_N=2, BLOCK_K=16, num_warps=4), down=dict(BLOCK_N=4, BLOCK_K=16, num_warps=4))
     g = torch.Generator().manual_seed(40)
     for T, E, k, renorm, local in ((1, 128, 8, True, None), (1, 8, 1, False, None), (2, 128, 8, True, None),
-                                   (16, 128, 8, False, None), (61, 33, 4, True, None), (29, 8, 3, True, None),
-                                   (1, 8, 4, True, 4), (17, 8, 2, True, 4)):
+                                   (16, 128, 8, False, None), (61, 33, 4, True, None), (61, 33, 4, False, None),
+                                   (29, 8, 3, True, None), (1, 8, 4, True, 4), (80, 8, 2, True, 4)):
         x, _, _, w13, w2 = _problem(T, E, k, 40, 24, seed=T + E)
         logits = torch.randn(T, E, generator=g)
         set_tp_group(TPGroup(None, 2, 1) if local else None)
