@@ -26,24 +26,11 @@ def topk_route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_t, first, c
 def route_rows(logits_ptr, weights_ptr, ids_ptr, row0, T, E, stride_t, first, count,
                TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                ROWS: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr):
-    """Route tokens [row0, min(row0 + ROWS, T)): their top-k weights and ids stored. The kernels
-    that route inside their own launch (`fused_moe`'s alignment) call it too, so theirs are these."""
+    """Route tokens [row0, min(row0 + ROWS, T)): their top-k weights and ids stored. The
+    alignment's count kernel (`fused_moe_kernels`) calls it too where it routes its own chunk."""
     rows = row0 + tl.arange(0, ROWS)
-    vals, idxs = route_tile(logits_ptr, rows, rows < T, E, stride_t, first, count, TOP_K, K_PAD, E_PAD,
-                            RENORM, LOCAL)
-    slots = tl.arange(0, K_PAD)
-    out_ok = (rows < T)[:, None] & (slots[None, :] < TOP_K)
-    offs = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
-    tl.store(weights_ptr + offs, vals, mask=out_ok)
-    tl.store(ids_ptr + offs, idxs.to(tl.int64), mask=out_ok)
-
-
-@triton.jit
-def route_tile(logits_ptr, rows, row_ok, E, stride_t, first, count, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-               E_PAD: tl.constexpr, RENORM: tl.constexpr, LOCAL: tl.constexpr):
-    """(weights `[R, K_PAD]` fp32, ids `[R, K_PAD]` int32) of the tokens `rows` (`row_ok`: real),
-    slots past TOP_K unset."""
     cols = tl.arange(0, E_PAD)
+    row_ok = rows < T
     ok = row_ok[:, None] & (cols[None, :] < E)
     logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=ok,
                      other=float("-inf")).to(tl.float32)
@@ -52,19 +39,16 @@ def route_tile(logits_ptr, rows, row_ok, E, stride_t, first, count, TOP_K: tl.co
     p = tl.where(ok, tl.exp(logits - mx[:, None]), 0.0)
     denom = tl.sum(p, axis=1)
     probs = p / tl.where(row_ok, denom, 1.0)[:, None]
-    # One max a round: each probability (non-negative, so its fp32 bits order as it does) above its
-    # column's rank from the right, so that a tie goes to the lower column; -1 leaves one out.
-    keys = tl.where(ok, (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32) + (E_PAD - 1 - cols)[None, :], -1)
+    probs = tl.where(ok, probs, -1.0)
     slots = tl.arange(0, K_PAD)
-    vals = tl.zeros([rows.shape[0], K_PAD], dtype=tl.float32)
-    idxs = tl.zeros([rows.shape[0], K_PAD], dtype=tl.int32)
+    vals = tl.zeros([ROWS, K_PAD], dtype=tl.float32)
+    idxs = tl.zeros([ROWS, K_PAD], dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        top = tl.max(keys, axis=1)
-        best = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        arg = (E_PAD - 1 - (top & 0xFFFFFFFF)).to(tl.int32)
+        best = tl.max(probs, axis=1)
+        arg = tl.min(tl.where(probs == best[:, None], cols[None, :], E_PAD), axis=1)
         vals = tl.where(slots[None, :] == j, best[:, None], vals)
         idxs = tl.where(slots[None, :] == j, arg[:, None], idxs)
-        keys = tl.where(keys == top[:, None], -1, keys)
+        probs = tl.where(cols[None, :] == arg[:, None], -1.0, probs)
     if RENORM:
         vals = vals / tl.sum(vals, axis=1)[:, None]
     if LOCAL:   # after the renormalisation: the weights stay those of the whole routing
@@ -72,4 +56,7 @@ def route_tile(logits_ptr, rows, row_ok, E, stride_t, first, count, TOP_K: tl.co
         mine = (local >= 0) & (local < count)
         vals = tl.where(mine, vals, 0.0)
         idxs = tl.where(mine, local, -1)
-    return vals, idxs
+    out_ok = row_ok[:, None] & (slots[None, :] < TOP_K)
+    offs = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
+    tl.store(weights_ptr + offs, vals, mask=out_ok)
+    tl.store(ids_ptr + offs, idxs.to(tl.int64), mask=out_ok)
