@@ -548,6 +548,38 @@ def test_op_on_cpu_is_reference_and_fake_shapes():
     assert fm.fused_moe_ref(x[:0], w[:0], ids[:0], w13, w2).shape == (0, 32)
 
 
+def test_ops_route_from_router_logits_on_cpu_and_refuse_bad_routing_operands():
+    """With `router_logits` (the fuse_routing pass's operands) the ops route by the routing op's
+    reference on the CPU: the same result as routed beforehand; both routings given, neither, or a
+    top_k the logits cannot hold are one-line errors naming the op and the operand."""
+    import compiled.fusions.moe_norm_linear  # noqa: F401  (registers the op)
+    from compiled.fusions.moe_norm_linear import moe_add_rms_norm_linear_ref
+    g = torch.Generator().manual_seed(23)
+    x_moe, _, _, w13, w2 = _problem(5, 8, 2, 32, 48, seed=23)
+    logits, x = torch.randn(5, 8, generator=g), torch.randn(5, 32, generator=g)
+    nw, weight = 1 + 0.1 * torch.randn(32, generator=g), torch.randn(24, 32, generator=g)
+    for renorm in (True, False):
+        w, ids = topk_route_ref(logits, 2, renorm)
+        out = torch.ops.compiled.fused_moe(x_moe, None, None, w13, w2, router_logits=logits, top_k=2,
+                                           renormalize=renorm)
+        torch.testing.assert_close(out, fm.fused_moe_ref(x_moe, w, ids, w13, w2), atol=1e-6, rtol=1e-6)
+        got = torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe, None, None, w13, w2, nw, 1e-6, weight, True,
+                                                         router_logits=logits, top_k=2, renormalize=renorm)
+        for a, b in zip(got, moe_add_rms_norm_linear_ref(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight)):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    w, ids = topk_route_ref(logits, 2, True)
+    bad = {"got both": dict(topk_weights=w, topk_ids=ids, router_logits=logits, top_k=2),
+           "needs topk_weights and topk_ids, or router_logits": dict(topk_weights=None, topk_ids=None),
+           r"top_k=9 must be 1 to the 8 experts": dict(topk_weights=None, topk_ids=None, router_logits=logits, top_k=9)}
+    for message, operands in bad.items():
+        with pytest.raises(ValueError, match=r"compiled::fused_moe: .*" + message) as e:
+            torch.ops.compiled.fused_moe(x_moe, w13=w13, w2=w2, **operands)
+        assert "\n" not in str(e.value)
+        with pytest.raises(ValueError, match=r"compiled::moe_add_rms_norm_linear: .*" + message):
+            torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe, w13=w13, w2=w2, norm_weight=nw, eps=1e-6,
+                                                       weight=weight, keep_normed=False, **operands)
+
+
 def test_moe_norm_op_bad_shapes_are_one_line_errors():
     import compiled.fusions.moe_norm_linear  # noqa: F401  (registers the op)
     x_moe, w, ids, w13, w2 = _problem(4, 8, 2, 32, 48)

@@ -202,7 +202,7 @@ def case_one_token_reads_the_fp8_files_gemv_tiles() -> dict:
     seen = []
     gemv_launch, grouped_launch = fm._launch_gemv, fm._launch_grouped
     fm._launch_gemv = lambda call, tiles: (seen.append(("gemv", tiles)), gemv_launch(call, tiles))[1]
-    fm._launch_grouped = lambda call, cfg: (seen.append(("grouped", cfg)), grouped_launch(call, cfg))[1]
+    fm._launch_grouped = lambda call, cfg, *route: (seen.append(("grouped", cfg)), grouped_launch(call, cfg, *route))[1]
     errs = {}
     try:
         for T in (1, 2):
