@@ -63,6 +63,19 @@ def _check_fused(T, E, k, H, I, cfg, dtype=torch.float32, used_experts=None, see
         assert err <= slack * ref_err + 1e-3, (err, ref_err)
 
 
+def check_routed_ops(x, x_moe, logits, w13, w2, nw, weight, renorm: bool, tol: float) -> None:
+    """fused_moe and moe_add_rms_norm_linear given the router's logits (top-2) against their
+    references on the routing op's reference of them."""
+    from compiled.fusions.moe_norm_linear import moe_add_rms_norm_linear_ref
+    w, ids = topk_route_ref(logits, 2, renorm)
+    out = torch.ops.compiled.fused_moe(x_moe, None, None, w13, w2, router_logits=logits, top_k=2, renormalize=renorm)
+    torch.testing.assert_close(out, fm.fused_moe_ref(x_moe, w, ids, w13, w2), atol=max(tol, 2e-5), rtol=max(tol, 1e-5))
+    got = torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe, None, None, w13, w2, nw, 1e-6, weight, True,
+                                                     router_logits=logits, top_k=2, renormalize=renorm)
+    for a, b in zip(got, moe_add_rms_norm_linear_ref(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight)):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
 # ----------------------------------------------------------------------------- interpreter cases
 
 def case_two_tokens_e128_k8_default_config():
@@ -431,7 +444,6 @@ def case_routing_inside_the_experts_first_launch():
         torch.testing.assert_close(w, want_w, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(out, fm.fused_moe_ref(x, want_w, want_ids, w13[ex], w2[ex]), atol=2e-5, rtol=1e-5)
     # through the ops, and with the norm's kernel summing: the same as routed by the routing op
-    from compiled.fusions.moe_norm_linear import moe_add_rms_norm_linear_ref
     before = fm.BACKEND.name
     fm.BACKEND.set("triton")
     try:
@@ -439,14 +451,7 @@ def case_routing_inside_the_experts_first_launch():
             x_moe, _, _, w13, w2 = _problem(T, 8, 2, 32, 48, seed=41)
             logits, x = torch.randn(T, 8, generator=g), torch.randn(T, 32, generator=g)
             nw, weight = 1 + 0.1 * torch.randn(32, generator=g), torch.randn(24, 32, generator=g)
-            w, ids = topk_route_ref(logits, 2, True)
-            out = torch.ops.compiled.fused_moe(x_moe, None, None, w13, w2, router_logits=logits, top_k=2,
-                                               renormalize=True)
-            torch.testing.assert_close(out, fm.fused_moe_ref(x_moe, w, ids, w13, w2), atol=2e-5, rtol=1e-5)
-            got = torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe, None, None, w13, w2, nw, 1e-6, weight, True,
-                                                             router_logits=logits, top_k=2, renormalize=True)
-            for a, b in zip(got, moe_add_rms_norm_linear_ref(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight)):
-                torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+            check_routed_ops(x, x_moe, logits, w13, w2, nw, weight, True, 1e-4)
     finally:
         fm.BACKEND.set(before)
 
@@ -552,21 +557,12 @@ def test_ops_route_from_router_logits_on_cpu_and_refuse_bad_routing_operands():
     """With `router_logits` (the fuse_routing pass's operands) the ops route by the routing op's
     reference on the CPU: the same result as routed beforehand; both routings given, neither, or a
     top_k the logits cannot hold are one-line errors naming the op and the operand."""
-    import compiled.fusions.moe_norm_linear  # noqa: F401  (registers the op)
-    from compiled.fusions.moe_norm_linear import moe_add_rms_norm_linear_ref
     g = torch.Generator().manual_seed(23)
     x_moe, _, _, w13, w2 = _problem(5, 8, 2, 32, 48, seed=23)
     logits, x = torch.randn(5, 8, generator=g), torch.randn(5, 32, generator=g)
     nw, weight = 1 + 0.1 * torch.randn(32, generator=g), torch.randn(24, 32, generator=g)
     for renorm in (True, False):
-        w, ids = topk_route_ref(logits, 2, renorm)
-        out = torch.ops.compiled.fused_moe(x_moe, None, None, w13, w2, router_logits=logits, top_k=2,
-                                           renormalize=renorm)
-        torch.testing.assert_close(out, fm.fused_moe_ref(x_moe, w, ids, w13, w2), atol=1e-6, rtol=1e-6)
-        got = torch.ops.compiled.moe_add_rms_norm_linear(x, x_moe, None, None, w13, w2, nw, 1e-6, weight, True,
-                                                         router_logits=logits, top_k=2, renormalize=renorm)
-        for a, b in zip(got, moe_add_rms_norm_linear_ref(x, x_moe, w, ids, w13, w2, nw, 1e-6, weight)):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        check_routed_ops(x, x_moe, logits, w13, w2, nw, weight, renorm, 1e-6)
     w, ids = topk_route_ref(logits, 2, True)
     bad = {"got both": dict(topk_weights=w, topk_ids=ids, router_logits=logits, top_k=2),
            "needs topk_weights and topk_ids, or router_logits": dict(topk_weights=None, topk_ids=None),
