@@ -4,8 +4,9 @@ local_experts)`: the MoE experts over stacked weights, one op with or without ex
 without FP8 experts, routed or routing.
 
 `router_logits` (with `top_k`, `renormalize`, `local_experts`: `compiled::topk_route`'s operands)
-in place of topk_weights / topk_ids: the op routes the tokens itself, inside its first launch on
-the Triton path without LoRA (the `fuse_routing` pass, `routing.routing_operands`).
+in place of topk_weights / topk_ids: the op routes the tokens itself (the `fuse_routing` pass,
+`routing.routing_operands`), on the Triton path without LoRA inside the alignment's count kernel
+where that runs (`fused_moe.routes_in_align`), else by the routing op first.
 
 `w13_scale` `[E, ceil(2I/bo), ceil(H/bi)]` and `w2_scale` make the stacked weights FP8 (float8_e4m3fn
 times a scale per `weight_block` [bo, bi] block, `quant/dequant.py`): the Triton kernels read the

@@ -48,7 +48,7 @@ def topk_route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 class Router(NamedTuple):
     """The routing of `topk_route` as operands (router logits `[T, E]`, k, renormalise, the local
-    experts' count or None) for an expert op that routes inside its own first launch."""
+    experts' count or None) for an expert op that routes the tokens itself."""
     logits: torch.Tensor
     top_k: int
     renormalize: bool
@@ -114,9 +114,10 @@ def routing_operands(op: str, topk_weights: torch.Tensor | None, topk_ids: torch
                      router_logits: torch.Tensor | None, top_k: int, renormalize: bool, local_experts: int | None,
                      in_kernel: bool) -> tuple[torch.Tensor, torch.Tensor, Routed | None]:
     """An expert op's routing: its (topk_weights, topk_ids), or with `router_logits` (the
-    `fuse_routing` pass's operands) their buffers and the `Routed` its first launch fills where
-    `in_kernel` (its Triton path can), else routed here by the routing op (ids and weights are the
-    same either way). A one-line ValueError naming `op` for a call with both or neither."""
+    `fuse_routing` pass's operands) their buffers and the `Routed` that its Triton path fills
+    before reading them where `in_kernel`, else routed here by the routing op (ids and weights are
+    the same either way). A one-line ValueError naming `op` for a call with both or neither, or
+    a top_k the logits cannot hold."""
     if router_logits is None:
         if topk_weights is None or topk_ids is None:
             raise ValueError(f"{op}: needs topk_weights and topk_ids, or router_logits")
@@ -125,10 +126,10 @@ def routing_operands(op: str, topk_weights: torch.Tensor | None, topk_ids: torch
         raise ValueError(f"{op}: router_logits replaces topk_weights and topk_ids (got both)")
     if not 1 <= top_k <= router_logits.shape[-1]:
         raise ValueError(f"{op}: top_k={top_k} must be 1 to the {router_logits.shape[-1]} experts of router_logits")
-    router = unit_rows(Router(router_logits, top_k, renormalize, local_experts))
     if not in_kernel:
         weights, ids = torch.ops.compiled.topk_route(router_logits, top_k, renormalize, local_experts)
         return weights, ids, None
+    router = unit_rows(Router(router_logits, top_k, renormalize, local_experts))
     weights, ids = routed_buffers(router)
     return weights, ids, Routed(router, weights, ids)
 

@@ -3,12 +3,12 @@
     weights, ids = topk_route(logits, k, renormalize, local_experts);  ... = fused_moe(x, weights, ids, ...)
         ->  ... = fused_moe(x, None, None, ..., router_logits=logits, top_k=k, renormalize=..., local_experts=...)
 
-and so for `moe_add_rms_norm_linear`. On the Triton path the experts' first launch computes the
-routing (the one-token up GEMV's programs, else the alignment's), as the routing kernel would:
-one launch a layer fewer. Where the op cannot (the torch path, expert LoRA, whose shrinks read the
-ids beside the alignment), it routes by the routing op first, so the rewrite never changes a result.
-Calls with expert LoRA are left alone all the same: their graph keeps its routing launch where it
-overlaps. Runs after fuse_moe_norm (whose op it matches too) and the LoRA pass."""
+and so for `moe_add_rms_norm_linear`. Above 128 (token, expert) pairs on the Triton path the
+alignment's count kernel routes its own tokens, as the routing kernel would: one launch a layer
+fewer. Elsewhere (fewer pairs, the torch path) the op runs the routing op first, so the rewrite
+never changes a result. Calls with expert LoRA are left alone: their shrinks read the ids beside
+the alignment, on a stream of their own. Runs after fuse_moe_norm (whose op it matches too) and
+the LoRA pass."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import compiled.moe.library  # noqa: F401  (registers compiled::fused_moe)
 import compiled.moe.routing  # noqa: F401  (registers compiled::topk_route)
 from compiled.graphs.weights import WeightMap
 from compiled.passes.base import GraphPass, PassRecord, is_getitem, is_op
-from compiled.passes.calls import call_args, update_call
+from compiled.passes.calls import call_args, getitem_source, update_call
 
 EXPERT_OPS = {"fused_moe": "lora_a13", "moe_add_rms_norm_linear": "moe_lora_a13"}   # op -> its expert-LoRA operand
 
@@ -54,7 +54,9 @@ def _only_reader(route: fx.Node) -> fx.Node | None:
     if name is None:
         return None
     args = call_args(experts)
-    routed = is_getitem(args["topk_weights"], 0) and is_getitem(args["topk_ids"], 1)
+    weights, ids = args["topk_weights"], args["topk_ids"]
+    routed = (is_getitem(weights, 0) and is_getitem(ids, 1) and getitem_source(weights) is route
+              and getitem_source(ids) is route)
     return experts if routed and args[EXPERT_OPS[name]] is None else None
 
 

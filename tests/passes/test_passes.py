@@ -282,7 +282,8 @@ def test_with_lora_the_moe_norm_fusion_takes_the_expert_lora_moe_and_the_qkv_lor
     """With lora_delta, each MoE layer but the last (whose output goes to the final norm) runs as
     moe_add_rms_norm_linear with its layer's expert-LoRA buffers and the next layer's qkv
     LoRA buffers (the norm's kernel runs the qkv's shrink); none is left as a fused_moe with
-    expert LoRA beside a norm op of its own, and no shrink or expand is left."""
+    expert LoRA beside a norm op of its own, and no shrink or expand is left; each keeps its
+    routing op."""
     from compiled.passes.lora_delta import lora_delta_pass
     from compiled.passes.manager import with_lora
     cfg = ModelConfig.from_dict(dict(MOE, num_hidden_layers=3))
@@ -304,6 +305,9 @@ def test_with_lora_the_moe_norm_fusion_takes_the_expert_lora_moe_and_the_qkv_lor
             [f"model.layers.{layer}.mlp.{b}" for b in ("lora_a13", "lora_b13", "lora_a2", "lora_b2", "lora_scale")]
     assert not [n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.lora_shrink)
                 or is_op(n, torch.ops.compiled.lora_expand) or n in moe_norms and not _lora_set(n)]
+    # the experts with LoRA keep their routing op (fuse_routing leaves them alone)
+    assert all(call_args(n)["topk_ids"] is not None and call_args(n)["router_logits"] is None for n in fused + alone)
+    assert len([n for n in gm.graph.nodes if is_op(n, torch.ops.compiled.topk_route)]) == 3
 
 
 def _lora_passed(config: dict):
