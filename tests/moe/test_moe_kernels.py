@@ -776,6 +776,38 @@ def test_gpu_no_host_sync_and_cuda_graph(real_layer, T):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 8, 64, 2048])
+def test_gpu_routing_from_logits_eager_and_graph(real_layer, T):
+    # the op given the router's logits (the alignment's count kernel routing from 17 tokens of
+    # top-8, the routing kernel first below) against the routing op then the op, eager and from a
+    # CUDA graph replayed on new logits: the same ids, and outputs within bf16 rounding
+    from compiled.moe.routing import Router, Routed, routed_buffers
+    w13, w2 = real_layer
+    x, _, _ = _real_inputs(T, seed=400 + T)
+    logits = torch.randn(T, E_REAL, device="cuda")
+    ws = fm.MoEWorkspace().reserve(T, E_REAL, H_REAL, I_REAL, K_REAL, torch.bfloat16, x.device)
+    router = Router(logits, K_REAL, True)
+    w, ids = routed_buffers(router)
+
+    def run():
+        return fm.fused_moe_triton(x, w, ids, w13, w2, workspace=ws, route=Routed(router, w, ids))
+
+    for replay in (False, True):
+        if replay:
+            graph, out = capture_without_host_sync(run)
+            logits.copy_(torch.randn(T, E_REAL, device="cuda"))
+            graph.replay()
+        else:
+            out = run()
+        torch.cuda.synchronize()
+        want_w, want_ids = torch.ops.compiled.topk_route(logits, K_REAL, True)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(w, want_w, atol=1e-6, rtol=1e-5)
+        want = fm.fused_moe_triton(x, want_w, want_ids, w13, w2)
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 64, 2048])
 def test_gpu_moe_add_rms_norm_linear_eager_and_graph(real_layer, T):
     # the op's bits are those of the fused MoE followed by add_rms_norm_linear (the same sum's
     # rounding, the same norm arithmetic), eagerly and replayed from a CUDA graph; the next
