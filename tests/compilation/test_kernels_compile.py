@@ -1,21 +1,21 @@
 """Every Triton kernel compiles for Hopper (sm_90), on a CPU-only machine.
 
-The CPU tests run the kernels under Triton's interpreter, which accepts code the compiler refuses
-(a global that is not a constexpr, say), so such a kernel would first fail on a GPU. Here a
-subprocess points Triton at a stand-in driver that reports an sm_90 target and turns every launch
-into a warm-up (compile, no launch), with PDL and TMA on as on Hopper; then a small Qwen3-MoE
-model with a dense layer runs a prefill and a decode step through the Triton backends (every
-pass on: fused linears, q/k norm + RoPE in attention), and the fused MoE is called at decode and
-prefill sizes with the H100's tuned configs (TMA, part-height tiles) and as the one-token GEMVs;
-the launches those leave out (the routing kernel, over all experts and over a rank's, the
-prologues' own launches, the plain K/V store, extend attention with TMA, the greedy argmax, the
-skinny GEMM's one-row GEMV mode, the multi-LoRA kernels, the norm kernels doing LoRA work and the
-fused MoE with expert LoRA) are called directly, and so are the FP8 paths (each scale mode of the
-fused MoE's GEMVs and grouped GEMMs with and without expert LoRA, of the skinny GEMM with its
-prologues and LoRA epilogue, the W8A16 GEMM with its tiles and split K as the heuristic picks them
-at 64 rows and forced (narrow columns, K tiles over several scale blocks, 8 warps), and the
-dequantization kernel).
-Outputs are never computed, so nothing is compared: the test is that every kernel compiles."""
+The CPU tests run the kernels under Triton's interpreter, which accepts code the compiler refuses (a
+global that is not a constexpr, say), so such a kernel would first fail on a GPU. Here a subprocess
+points Triton at a stand-in driver that reports an sm_90 target and turns every launch into a warm-
+up (compile, no launch), with PDL and TMA on as on Hopper; then a small Qwen3-MoE model with a dense
+layer runs a prefill and a decode step through the Triton backends (every pass on: fused linears,
+q/k norm + RoPE in attention), and the fused MoE is called at decode and prefill sizes with the
+H100's tuned configs (TMA, part-height tiles) and as the one-token GEMVs; the launches those leave
+out (the routing kernel, over all experts and over a rank's, and inside the alignment's count
+kernel, the prologues' own launches, the plain K/V store, extend attention with TMA, the greedy
+argmax, the skinny GEMM's one-row GEMV mode, the multi-LoRA kernels, the norm kernels doing LoRA
+work and the fused MoE with expert LoRA) are called directly, and so are the FP8 paths (each scale
+mode of the fused MoE's GEMVs and grouped GEMMs with and without expert LoRA, of the skinny GEMM
+with its prologues and LoRA epilogue, the W8A16 GEMM with its tiles and split K as the heuristic
+picks them at 64 rows and forced (narrow columns, K tiles over several scale blocks, 8 warps), and
+the dequantization kernel). Outputs are never computed, so nothing is compared: the test is that
+every kernel compiles."""
 
 from __future__ import annotations
 
@@ -123,6 +123,19 @@ def _moe_calls() -> None:
     fm.fused_moe_triton(x[:1], weights[:1], ids[:1], w13, w2)
 
 
+def _routed_moe() -> None:
+    """The fused MoE routing from the router's logits in its count kernel (256 pairs), over all
+    experts and over a rank's."""
+    import compiled.moe.fused_moe as fm
+    from compiled.moe.routing import Routed, Router, routed_buffers
+    E, H, I, k, T = 128, 256, 128, 8, 32
+    w13, w2, x = torch.randn(E, 2 * I, H).bfloat16(), torch.randn(E, H, I).bfloat16(), torch.randn(T, H).bfloat16()
+    for local in (None, E):
+        router = Router(torch.randn(T, E).bfloat16(), k, True, local)
+        w, ids = routed_buffers(router)
+        fm.fused_moe_triton(x, w, ids, w13, w2, route=Routed(router, w, ids))
+
+
 def _other_calls() -> None:
     """Launches the model steps above do not make: on CUDA only (routing, the prologues outside the
     GEMM), without the fuse_qk_norm_rope pass (the plain K/V store), or at one row (the skinny
@@ -135,6 +148,7 @@ def _other_calls() -> None:
                     torch.randn(5, 2, 128).bfloat16())
     topk_route_triton(torch.randn(24, 128).bfloat16(), 8, True)
     topk_route_triton(torch.randn(24, 128).bfloat16(), 8, True, local_experts=32)
+    _routed_moe()
     from compiled.runtime.argmax import ArgmaxWorkspace, argmax_triton
     argmax_triton(torch.randn(2, 10000), ArgmaxWorkspace(2, torch.device("cpu")))
     x = torch.randn(24, 2048).bfloat16()
