@@ -2,8 +2,8 @@
 
 The CPU tests run the kernels under Triton's interpreter, which accepts code the compiler refuses (a
 global that is not a constexpr, say), so such a kernel would first fail on a GPU. Here a subprocess
-points Triton at a stand-in driver that reports an sm_90 target and turns every launch into a warm-
-up (compile, no launch), with PDL and TMA on as on Hopper; then a small Qwen3-MoE model with a dense
+points Triton at a stand-in driver that reports an sm_90 target and turns every launch into a
+warm-up (compile, no launch), with PDL and TMA on as on Hopper; then a small Qwen3-MoE model with a dense
 layer runs a prefill and a decode step through the Triton backends (every pass on: fused linears,
 q/k norm + RoPE in attention), and the fused MoE is called at decode and prefill sizes with the
 H100's tuned configs (TMA, part-height tiles) and as the one-token GEMVs; the launches those leave
