@@ -13,9 +13,12 @@ CUDA, the reference elsewhere; from `COMPILED_ROUTING_BACKEND`, read at import, 
 config) set to 'torch' forces the torch reference, 'triton' the kernel (also on CPU under
 TRITON_INTERPRET=1).
 
-The router GEMM and this routing folded into the o_proj's kernel (its column blocks sharing out the
-router, the last one to finish routing) measured no faster in the decode step: its serial tail
-cost what the two launches did (bench/RESULTS.md)."""
+The expert ops can take the router's logits in place of this op's outputs (`Router`; the
+`fuse_routing` pass, `routing_operands`): above 128 (token, expert) pairs the alignment's count
+kernel then routes its tokens with this kernel's code (`Routed`), one launch fewer. The router
+GEMM and this routing folded into the o_proj's kernel (its column blocks sharing out the router,
+the last one to finish routing) measured no faster in the decode step: its serial tail cost what
+the two launches did; so did routing in every program of the one-token GEMV (bench/RESULTS.md)."""
 
 from __future__ import annotations
 
