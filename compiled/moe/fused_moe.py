@@ -197,7 +197,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
     return Blocks(sorted_ids, expert_ids, num_post, block_m)
 
 
-# The routing inside the alignment's count kernel: R_ROWS tokens a step (the routing kernel's rows).
+# The routing inside the alignment's count kernel: R_ROWS tokens a step (the routing kernel's rows
+# up to 128 experts; each step's k rounds of max and argmin are a serial chain, kept short).
 ROUTE_ROWS = 4
 
 
