@@ -32,7 +32,7 @@ import triton
 from compiled.backend import BackendChoice
 from compiled.functional import add_rms_norm_ref
 from compiled.moe.experts import expert_loop
-from compiled.moe.routing import Routed, route_args, route_into
+from compiled.moe.routing import Routed, expert_pad, route_args, route_into
 from compiled.moe.tuned_configs import SWAP_KEY, get_config, get_gemv_tiles, split_config, tuned_mode
 from compiled.quant.act_quant import QuantizedRows, quant_grid, quantize_per_token_group, row_quantizable
 from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, FP8_W8A8_TILE, fit_block_k, kernel_scale, resolve_block
@@ -89,11 +89,6 @@ def _align_chunk(numel: int) -> int:
     return max(32, triton.next_power_of_2(triton.cdiv(numel, 256)))
 
 
-def _expert_pad(E: int) -> int:
-    """The alignment kernels' expert axis: E rounded up to a power of two, at least 16."""
-    return max(16, triton.next_power_of_2(E))
-
-
 @dataclass
 class MoEWorkspace:
     """Optional preallocated scratch for `fused_moe_triton` (reused across calls on one stream).
@@ -113,7 +108,7 @@ class MoEWorkspace:
         numel = max_tokens * top_k
         self.get("sorted", max_padded_size(numel, E, block_m) + block_m, torch.int32, device)
         self.get("experts", triton.cdiv(max_padded_size(numel, E, 16), 16), torch.int32, device)
-        e_pad = _expert_pad(E)
+        e_pad = expert_pad(E)
         self.get("totals", e_pad, torch.int32, device)
         self.get("bases", triton.cdiv(numel, _align_chunk(numel)) * e_pad, torch.int32, device)
         self.get("post", 1, torch.int32, device)
@@ -134,7 +129,7 @@ class AlignLaunch:
 
 def align_launch(numel: int, E: int, block_m: int) -> AlignLaunch:
     chunk = _align_chunk(numel)
-    return AlignLaunch(chunk=chunk, sub=min(chunk, 32), bb=min(64, 4096 // max(block_m, _expert_pad(E))))
+    return AlignLaunch(chunk=chunk, sub=min(chunk, 32), bb=min(64, 4096 // max(block_m, expert_pad(E))))
 
 
 class Blocks(NamedTuple):
@@ -169,7 +164,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
     sorted_ids = ws.get("sorted", max_blocks * block_m, torch.int32, dev)
     expert_ids = ws.get("experts", max_blocks, torch.int32, dev)
     num_post = ws.get("post", 1, torch.int32, dev)
-    e_pad = _expert_pad(E)
+    e_pad = expert_pad(E)
     lc = launch or align_launch(numel, E, block_m)
     n_chunks = triton.cdiv(numel, lc.chunk)
     count_all = triton.cdiv(numel, lc.sub) * lc.sub if numel <= COUNT_ALL_MAX_PAIRS or n_chunks == 1 else 0
@@ -218,7 +213,7 @@ def _route_launch(route: Routed | None, like: torch.Tensor) -> tuple[tuple, dict
         return ((like, like, 0, 0, 0, 0, 0),
                 dict(ROUTE=False, TOP_K=1, K_PAD=2, RENORM=False, LOCAL=False, R_ROWS=ROUTE_ROWS))
     args, consts = route_args(route.router)
-    consts.pop("E_PAD")   # the alignment's own, the same rule
+    consts.pop("E_PAD")   # passed as the alignment's own, the same `expert_pad`
     return (route.router.logits, route.weights, *args), dict(ROUTE=True, R_ROWS=ROUTE_ROWS, **consts)
 
 

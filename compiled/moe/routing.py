@@ -58,6 +58,12 @@ class Router(NamedTuple):
     local_experts: int | None = None
 
 
+def expert_pad(E: int) -> int:
+    """The routing and alignment kernels' expert axis: E rounded up to a power of two, at least 16
+    (the alignment's count kernel routes and counts on one axis)."""
+    return max(16, triton.next_power_of_2(E))
+
+
 def route_args(router: Router) -> tuple[tuple, dict]:
     """`routing_kernels.route_rows`'s arguments after its three pointers (logits, weights, ids):
     (T, E, the logits' row stride, the first local expert, their count) and its constexprs."""
@@ -65,7 +71,7 @@ def route_args(router: Router) -> tuple[tuple, dict]:
     T, E = logits.shape
     first = 0 if local is None else tp_rank() * local
     return ((T, E, logits.stride(0), first, E if local is None else local),
-            dict(TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), E_PAD=max(16, triton.next_power_of_2(E)),
+            dict(TOP_K=top_k, K_PAD=max(2, triton.next_power_of_2(top_k)), E_PAD=expert_pad(E),
                  RENORM=bool(router.renormalize), LOCAL=local is not None))
 
 
