@@ -8,11 +8,12 @@ around the best three). The heuristic's pick is timed first, then the grid neare
 within a time budget per (shape, M): compiling dominates, and with M outermost the second shape
 reuses the first one's compiled kernels. Beside them, cuBLAS on the dequantized bf16 weight (what
 a step without the FP8 kernels would run) and, on Hopper, cuBLAS's W8A8 (`fp8_cublas`, what the op
-runs past W8A16_MAX_M rows) at the same rows. From 2 to SHORT_TILE_M rows also the W8A8 configs with
-the dots swapped (`W8A16Config.swap`), timed with x quantized before the calls, as the op runs them
-where the kernel in front quantizes x (the qkv after the MoE's norm). Timing as linear_bench.py: one CUDA graph of one call
-per weight copy, copies cycled past L2; each config's output is first checked against F.linear
-over the dequantized weight. GB/s counts the FP8 bytes (weight, scales, x, y).
+runs past W8A16_MAX_M rows) at the same rows. From 2 to MAX_BLOCK_M rows also the W8A8 configs with
+the dots swapped (`W8A16Config.swap`); up to SHORT_TILE_M rows timed with x quantized before the
+calls, as the op runs them where the kernel in front quantizes x (the qkv after the MoE's norm),
+past it quantizing x in each call. Timing as linear_bench.py: one CUDA graph of one call per weight
+copy, copies cycled past L2; each config's output is first checked against F.linear over the
+dequantized weight. GB/s counts the FP8 bytes (weight, scales, x, y).
 
 `--device cpu` (under TRITON_INTERPRET=1, small shapes, a few configs, wall-clock timing) is a
 smoke run of the script itself: its times mean nothing."""
@@ -100,7 +101,8 @@ def heuristic(case: Case, sms: int):
 
 
 def call(case: Case, cfg):
-    if isinstance(cfg, fk.W8A16Config) and cfg.swap:   # x quantized once, before the calls
+    # past SHORT_TILE_M rows the op quantizes x itself (the 30B's o_proj): so do the timed calls
+    if isinstance(cfg, fk.W8A16Config) and cfg.swap and case.m <= fk.SHORT_TILE_M:
         pre = QuantizedRows(*quantize_per_token_group(case.x, BLOCK[1]), BLOCK[1])
         return lambda x, w: fk.w8a16_linear(x, w[0], w[1], BLOCK, cfg, quantized=pre)
     if isinstance(cfg, fk.W8A16Config):
@@ -144,7 +146,7 @@ def first_grid(case: Case, h) -> list:
         block_m = max(fk.MIN_BLOCK, min(fk.MAX_BLOCK_M, triton.next_power_of_2(case.m)))
         a8 = [fk.W8A16Config(block_m, bn, bk, s, 4, 4, a8=True)
               for bn, bk, s in itertools.product(*A8_GRID) if fp8_dot_fits(bk, BLOCK[1])]
-        if 1 < case.m <= fk.SHORT_TILE_M:
+        if 1 < case.m <= fk.MAX_BLOCK_M:
             a8 += [fk.W8A16Config(block_m, bn, BLOCK[1], s, 4, 4, a8=True, swap=True)
                    for bn, s in itertools.product(*SWAP_GRID)]
 
