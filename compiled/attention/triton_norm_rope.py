@@ -38,12 +38,14 @@ def norm_rope_tile(X, row_offs, mask_rows, offs_d, W, Cos_sin_row, eps, D: tl.co
     x = tl.load(X + row_offs[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     xr = tl.load(X + row_offs[:, None] + rot_d[None, :], mask=mask, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
-    w = tl.load(W + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-    wr = tl.load(W + rot_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    # the weights and the table row loaded as [1, D] tiles in x's 2-D layout, not as vectors
+    # broadcast after the load (a layout conversion each)
+    w = tl.load(W + offs_d[None, :], mask=mask_d[None, :], other=0.0).to(tl.float32)
+    wr = tl.load(W + rot_d[None, :], mask=mask_d[None, :], other=0.0).to(tl.float32)
     n = _round(w * _round(x * inv, DTYPE), DTYPE)
     nr = _round(wr * _round(xr * inv, DTYPE), DTYPE)
-    cos = _round(tl.load(Cos_sin_row + freq, mask=mask_d, other=0.0), DTYPE)[None, :]
-    sin = _round(tl.load(Cos_sin_row + HALF + freq, mask=mask_d, other=0.0), DTYPE)[None, :]
+    cos = _round(tl.load(Cos_sin_row + freq[None, :], mask=mask_d[None, :], other=0.0), DTYPE)
+    sin = _round(tl.load(Cos_sin_row + HALF + freq[None, :], mask=mask_d[None, :], other=0.0), DTYPE)
     rotated = _round(nr * sin, DTYPE)
     return _round(_round(n * cos, DTYPE) + tl.where(first[None, :], -rotated, rotated), DTYPE)
 
