@@ -38,8 +38,9 @@ def norm_rope_tile(X, row_offs, mask_rows, offs_d, W, Cos_sin_row, eps, D: tl.co
     x = tl.load(X + row_offs[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     xr = tl.load(X + row_offs[:, None] + rot_d[None, :], mask=mask, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
-    # the weights and the table row loaded as [1, D] tiles in x's 2-D layout, not as vectors
-    # broadcast after the load (a layout conversion each)
+    # the weights and the table row loaded as [1, D] tiles, not as vectors broadcast after the
+    # load: the decode kernel then makes fewer layout conversions, each a round trip through
+    # shared memory (bench/RESULTS.md)
     w = tl.load(W + offs_d[None, :], mask=mask_d[None, :], other=0.0).to(tl.float32)
     wr = tl.load(W + rot_d[None, :], mask=mask_d[None, :], other=0.0).to(tl.float32)
     n = _round(w * _round(x * inv, DTYPE), DTYPE)
