@@ -38,15 +38,16 @@ def norm_rope_tile(X, row_offs, mask_rows, offs_d, W, Cos_sin_row, eps, D: tl.co
     x = tl.load(X + row_offs[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     xr = tl.load(X + row_offs[:, None] + rot_d[None, :], mask=mask, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
-    # the weights and the table row loaded as [1, D] tiles, not as vectors broadcast after the
-    # load: the decode kernel then makes fewer layout conversions, each a round trip through
-    # shared memory (bench/RESULTS.md)
-    w = tl.load(W + offs_d[None, :], mask=mask_d[None, :], other=0.0).to(tl.float32)
-    wr = tl.load(W + rot_d[None, :], mask=mask_d[None, :], other=0.0).to(tl.float32)
+    # the weights and the table row loaded as tiles of x's shape (row stride 0), which Triton lays
+    # out as x: no layout conversion (vectors broadcast after the load took one each, [1, D] tiles
+    # one for each product with them; decode kernel, triton 3.6)
+    zero = tl.zeros_like(row_offs)[:, None]
+    w = tl.load(W + zero + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    wr = tl.load(W + zero + rot_d[None, :], mask=mask, other=0.0).to(tl.float32)
     n = _round(w * _round(x * inv, DTYPE), DTYPE)
     nr = _round(wr * _round(xr * inv, DTYPE), DTYPE)
-    cos = _round(tl.load(Cos_sin_row + freq[None, :], mask=mask_d[None, :], other=0.0), DTYPE)
-    sin = _round(tl.load(Cos_sin_row + HALF + freq[None, :], mask=mask_d[None, :], other=0.0), DTYPE)
+    cos = _round(tl.load(Cos_sin_row + zero + freq[None, :], mask=mask, other=0.0), DTYPE)
+    sin = _round(tl.load(Cos_sin_row + HALF + zero + freq[None, :], mask=mask, other=0.0), DTYPE)
     rotated = _round(nr * sin, DTYPE)
     return _round(_round(n * cos, DTYPE) + tl.where(first[None, :], -rotated, rotated), DTYPE)
 
