@@ -51,7 +51,7 @@ def hf_model(path: str, dtype=torch.float32):
 def _free_dropped_engines():
     """After each test module, the engines it dropped are freed: `LLM` freezes the start-up heap
     (the collector skips it), so a dropped engine's reference cycles, its KV cache included, would
-    otherwise stay until the run ends (the whole suite runs in one process)."""
+    otherwise stay until the run ends (a worker runs many modules in one process)."""
     yield
     from compiled.runtime.llm import release_frozen_heap
     release_frozen_heap()
