@@ -5,7 +5,7 @@ stages) at batch 64 / 8 / 1, with the split count the heuristic gives (and 2 at 
 
     python bench/decode_tile_sweep.py [--ctx 528] [--batches 64,8,1]
 
-528 tokens is the context of `e2e_suite.py`'s decode steps (512-token prompts)."""
+528 tokens is the middle of `e2e_suite.py`'s decode contexts (512-token prompts, 32 steps)."""
 
 from __future__ import annotations
 

@@ -38,9 +38,9 @@ def norm_rope_tile(X, row_offs, mask_rows, offs_d, W, Cos_sin_row, eps, D: tl.co
     x = tl.load(X + row_offs[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     xr = tl.load(X + row_offs[:, None] + rot_d[None, :], mask=mask, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
-    # the weights and the table row loaded as tiles of x's shape (row stride 0), which Triton lays
-    # out as x: no layout conversion (vectors broadcast after the load took one each, [1, D] tiles
-    # one for each product with them; decode kernel, triton 3.6)
+    # the weights and the table row loaded as tiles of x's shape (row stride 0): Triton lays them
+    # out as x, so their products with x need no layout conversion (each a round trip through
+    # shared memory; vectors broadcast after the load needed one each)
     zero = tl.zeros_like(row_offs)[:, None]
     w = tl.load(W + zero + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     wr = tl.load(W + zero + rot_d[None, :], mask=mask, other=0.0).to(tl.float32)
