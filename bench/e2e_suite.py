@@ -148,7 +148,7 @@ def profiled_startup(args, input_len: int, out: Path):
     return result
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--out", type=Path, required=True)
@@ -170,8 +170,78 @@ def main() -> None:
                     help="profile the start-up's Python (cProfile); the top functions go to this file")
     ap.add_argument("--cprofile-prefill", type=Path, default=None,
                     help="profile one prefill's Python (cProfile); the top functions go to this file")
-    a = ap.parse_args()
+    return ap.parse_args()
 
+
+def measure_decode(llm, a: argparse.Namespace, alone: bool) -> dict:
+    """Decode step p50 per batch (overlapped and synchronous), its roofline and the graph's GPU
+    time alone."""
+    bw = core.bandwidth(llm.config.device)
+    decode = {}
+    for b in [int(x) for x in a.batches.split(",")]:
+        res, _ = core.latency(llm, b, a.input_len, a.output_len, iters=1, warmup=1, seed=0)
+        res["synchronous_decode_step_ms"] = synchronous_decode(llm, b, a.input_len, a.output_len)
+        res["roofline"] = core.roofline(llm, b, a.input_len, a.output_len, res["decode_step_ms"]["p50"], bw)
+        res["graph_gpu_ms"] = graph_gpu_ms(llm, llm.engine.runner.variants[BASE].decode.bucket_for(b)) \
+            if alone and llm.engine.runner.variants[BASE].decode else None
+        decode[b] = res
+        print(f"batch {b}: decode p50 {res['decode_step_ms']['p50']:.3f} ms "
+              f"(synchronous {res['synchronous_decode_step_ms']['p50']:.3f}), graph GPU {res['graph_gpu_ms']} ms, "
+              f"floor {res['roofline']['floor_ms']:.3f} ms", flush=True)
+    return decode
+
+
+def measure_prefill(llm, a: argparse.Namespace, prompt: list[int]) -> dict:
+    """Time to first token of `prompt`, prefill_reps times, and the host's share of one prefill."""
+    ttft = [core.first_token(llm, prompt) for _ in range(a.prefill_reps)]
+    prefill = {"tokens": a.prefill_len, "ttft_ms": [1e3 * t for t in ttft]}
+    print(f"prefill {a.prefill_len}: ttft ms {[round(1e3 * t, 2) for t in ttft]}", flush=True)
+    prefill["host_split_ms"] = prefill_host_split(llm, prompt)
+    print("host ms per prefill:", json.dumps(prefill["host_split_ms"]), flush=True)
+    return prefill
+
+
+def profile_all(llm, a: argparse.Namespace, prompt: list[int], big: int) -> dict:
+    """Profiles of three decode steps at batch 1 and at `big`, and of the prompt's prefill."""
+    vocab = llm.model_config.vocab_size
+    items = [core.Item(core.random_ids(1, a.input_len, vocab, 2)[0], 8)]
+    dec = core.profile_steps(llm, items, 3, a.profile_dir, "decode_b1", skip_prefill=True, top=25)
+    pre = core.profile_steps(llm, [core.Item(prompt, 1)], 1, a.profile_dir, "prefill", skip_prefill=False, top=25)
+    # as long as the timed runs: the batch's prompts fill in chunks while the first ones decode
+    items = [core.Item(p, a.output_len) for p in core.random_ids(big, a.input_len, vocab, 3)]
+    dec_big = core.profile_steps(llm, items, 3, a.profile_dir, f"decode_b{big}", skip_prefill=True, top=25)
+    if dec_big["whole_batch_steps"] < dec_big["steps"]:
+        print(f"warning: {dec_big['whole_batch_steps']} of the b{big} profile's steps ran the whole batch "
+              f"(--output-len {a.output_len}: raise it)", flush=True)
+    print("decode b1 profile (3 steps):", *short_profile(dec, 25), sep="\n  ")
+    print(f"decode b{big} profile (3 steps):", *short_profile(dec_big, 25), sep="\n  ")
+    print("prefill profile:", *short_profile(pre, 25), sep="\n  ")
+    return {"decode_b1": dec, "prefill": pre, f"decode_b{big}": dec_big}
+
+
+def measure(llm, a: argparse.Namespace, record: dict) -> None:
+    """Everything after a cold start, into `record`."""
+    # Rank 0 alone cannot replay a graph holding collectives: the graph-only timings need one process.
+    alone = a.tp == 1
+    record["decode"] = measure_decode(llm, a, alone)
+    if alone and llm.engine.runner.variants[BASE].decode is not None:
+        record["host_split_ms"] = {b: host_split(llm, b, a.input_len, a.output_len)
+                                   for b in (1, max(record["decode"]))}
+        print("host ms per decode step:", json.dumps(record["host_split_ms"]), flush=True)
+    prompt = core.random_ids(1, a.prefill_len, llm.model_config.vocab_size, 1)[0]
+    record["prefill"] = measure_prefill(llm, a, prompt)
+    if a.cprofile_prefill is not None:
+        profiled_prefill(llm, prompt, a.cprofile_prefill)
+    if a.profile_dir is not None:
+        record["profile"] = profile_all(llm, a, prompt, max(record["decode"]))
+    if a.export is not None:
+        t0 = time.perf_counter()
+        llm.export_artifact(str(a.export))
+        record["export_s"] = time.perf_counter() - t0
+
+
+def main() -> None:
+    a = parse_args()
     args = EngineConfig(model=a.model, load_format="dummy", max_model_len=a.max_model_len,
                         max_num_seqs=a.max_num_seqs, quantization=a.quantization, tensor_parallel_size=a.tp,
                         enable_expert_parallel=a.enable_expert_parallel, artifact=None if a.artifact is None else str(a.artifact),
@@ -185,53 +255,8 @@ def main() -> None:
     start["excluding_load_s"] = start["llm_init_s"] - start["stages_s"].get("load", 0.0) + start["ttft_cold_s"]
     record: dict = {"model": a.model, "environment": core.environment(llm.config.device), "startup": start}
     print("startup:", json.dumps(start, indent=1), flush=True)
-    # Rank 0 alone cannot replay a graph holding collectives: the graph-only timings need one process.
-    alone = a.tp == 1
     if a.artifact is None:
-        vocab = llm.model_config.vocab_size
-        bw = core.bandwidth(llm.config.device)
-        record["decode"] = {}
-        for b in [int(x) for x in a.batches.split(",")]:
-            res, _ = core.latency(llm, b, a.input_len, a.output_len, iters=1, warmup=1, seed=0)
-            res["synchronous_decode_step_ms"] = synchronous_decode(llm, b, a.input_len, a.output_len)
-            res["roofline"] = core.roofline(llm, b, a.input_len, a.output_len, res["decode_step_ms"]["p50"], bw)
-            res["graph_gpu_ms"] = graph_gpu_ms(llm, llm.engine.runner.variants[BASE].decode.bucket_for(b)) \
-                if alone and llm.engine.runner.variants[BASE].decode else None
-            record["decode"][b] = res
-            print(f"batch {b}: decode p50 {res['decode_step_ms']['p50']:.3f} ms "
-                  f"(synchronous {res['synchronous_decode_step_ms']['p50']:.3f}), graph GPU {res['graph_gpu_ms']} ms, "
-                  f"floor {res['roofline']['floor_ms']:.3f} ms", flush=True)
-        if alone and llm.engine.runner.variants[BASE].decode is not None:
-            record["host_split_ms"] = {b: host_split(llm, b, a.input_len, a.output_len)
-                                       for b in (1, max(record["decode"]))}
-            print("host ms per decode step:", json.dumps(record["host_split_ms"]), flush=True)
-        prompt = core.random_ids(1, a.prefill_len, vocab, 1)[0]
-        ttft = [core.first_token(llm, prompt) for _ in range(a.prefill_reps)]
-        record["prefill"] = {"tokens": a.prefill_len, "ttft_ms": [1e3 * t for t in ttft]}
-        print(f"prefill {a.prefill_len}: ttft ms {[round(1e3 * t, 2) for t in ttft]}", flush=True)
-        record["prefill"]["host_split_ms"] = prefill_host_split(llm, prompt)
-        print("host ms per prefill:", json.dumps(record["prefill"]["host_split_ms"]), flush=True)
-        if a.cprofile_prefill is not None:
-            profiled_prefill(llm, prompt, a.cprofile_prefill)
-        if a.profile_dir is not None:
-            items = [core.Item(core.random_ids(1, a.input_len, vocab, 2)[0], 8)]
-            dec = core.profile_steps(llm, items, 3, a.profile_dir, "decode_b1", skip_prefill=True, top=25)
-            pre = core.profile_steps(llm, [core.Item(prompt, 1)], 1, a.profile_dir, "prefill", skip_prefill=False, top=25)
-            big = max(record["decode"])
-            # as long as the timed runs: the batch's prompts fill in chunks while the first ones decode
-            items = [core.Item(p, a.output_len) for p in core.random_ids(big, a.input_len, vocab, 3)]
-            dec_big = core.profile_steps(llm, items, 3, a.profile_dir, f"decode_b{big}", skip_prefill=True, top=25)
-            if dec_big["whole_batch_steps"] < dec_big["steps"]:
-                print(f"warning: {dec_big['whole_batch_steps']} of the b{big} profile's steps ran the whole batch "
-                      f"(--output-len {a.output_len}: raise it)", flush=True)
-            record["profile"] = {"decode_b1": dec, "prefill": pre, f"decode_b{big}": dec_big}
-            print("decode b1 profile (3 steps):", *short_profile(dec, 25), sep="\n  ")
-            print(f"decode b{big} profile (3 steps):", *short_profile(dec_big, 25), sep="\n  ")
-            print("prefill profile:", *short_profile(pre, 25), sep="\n  ")
-        if a.export is not None:
-            t0 = time.perf_counter()
-            llm.export_artifact(str(a.export))
-            record["export_s"] = time.perf_counter() - t0
+        measure(llm, a, record)
     record["compiles_after_warmup"] = COMPILES["count"] - compiles_before - start["compiles"]
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(core._clean(record), indent=1))
