@@ -266,7 +266,7 @@ def _dump(result: dict, path: str) -> None:
         json.dump(result, f, indent=1)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="attention_bench.json")
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile/warp/stage configs")
@@ -279,24 +279,11 @@ def main() -> None:
     ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
     ap.add_argument("--latency-batches", type=ints, default=(1, 8), help="batches of --latency, e.g. 1,8,10,16")
     ap.add_argument("--latency-contexts", type=ints, default=(512, 2048, 4096), help="contexts of --latency")
-    args = ap.parse_args()
-    torch.manual_seed(0)
-    t0 = time.time()
-    props = torch.cuda.get_device_properties(0)
-    result = dict(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
-                  triton=triton.__version__, date=time.strftime("%Y-%m-%d"))
-    ceiling = copy_ceiling()
-    result["copy_ceiling_gbps"] = ceiling / 1e9
+    return ap.parse_args()
 
-    if args.latency:
-        result["decode_latency"] = decode_latency(args.latency_batches, args.latency_contexts)
-        _dump(result, args.out)
-        return
-    if args.extend:
-        run_extend(result, args)
-        return
 
-    # ---- decode
+def run_decode(result: dict, args: argparse.Namespace, props, ceiling: float) -> None:
+    """The decode grid, the batches between its rows and (--sweep) other configs, into `result`."""
     max_b, max_ctx = max(BATCHES), args.max_ctx
     free = torch.cuda.mem_get_info()[0]
     while 2 * max_b * max_ctx * HKV * D * ELT > 0.8 * free:
@@ -346,13 +333,8 @@ def main() -> None:
     del bench
     torch.cuda.empty_cache()
 
-    run_extend(result, args)
-    torch.cuda.empty_cache()
-    # ---- store
-    result["store"] = [bench_store(t) for t in (32, 256, 8192)]
-    result["seconds"] = time.time() - t0
 
-    # ---- table
+def print_tables(result: dict, args: argparse.Namespace) -> None:
     print(f"\n{result['device']}  torch {result['torch']}  triton {result['triton']}  "
           f"copy ceiling {result['copy_ceiling_gbps']:.0f} GB/s (read+write)")
     print(f"decode (32q/4kv, d=128, bf16, CUDA graph)  config {result['decode_config']}")
@@ -384,6 +366,32 @@ def main() -> None:
     print("store (K+V, 4 kv heads, d=128, bf16): tokens, triton us, torch index_put us")
     for r in result["store"]:
         print(f"{r['tokens']:>8} {r['triton_us']:>8.1f} {r['torch_index_put_us']:>8.1f}")
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(0)
+    t0 = time.time()
+    props = torch.cuda.get_device_properties(0)
+    result = dict(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
+                  triton=triton.__version__, date=time.strftime("%Y-%m-%d"))
+    ceiling = copy_ceiling()
+    result["copy_ceiling_gbps"] = ceiling / 1e9
+
+    if args.latency:
+        result["decode_latency"] = decode_latency(args.latency_batches, args.latency_contexts)
+        _dump(result, args.out)
+        return
+    if args.extend:
+        run_extend(result, args)
+        return
+    run_decode(result, args, props, ceiling)
+    run_extend(result, args)
+    torch.cuda.empty_cache()
+    # ---- store
+    result["store"] = [bench_store(t) for t in (32, 256, 8192)]
+    result["seconds"] = time.time() - t0
+    print_tables(result, args)
     _dump(result, args.out)
     print(f"wrote {args.out} ({result['seconds']:.0f} s)")
 
