@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compiled.backend import BackendChoice
-from compiled.linear import SKINNY_MAX_M
+from compiled.linear import NARROW_MAX_M, NARROW_MAX_N, SKINNY_MAX_M
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # 'auto' on CUDA; fp32 stays with cuBLAS (TF32 rules)
 FORCED_DTYPES = KERNEL_DTYPES + (torch.float32,)
@@ -53,13 +53,18 @@ def use_kernel(x: torch.Tensor, weight: torch.Tensor, fp8: bool = False) -> bool
         return False
     M, K = x.shape
     N = weight.shape[0]
-    fits = (0 < M <= SKINNY_MAX_M and K > 0 and N > 0 and x.dtype in FORCED_DTYPES
+    fits = (0 < M <= max_rows(N) and K > 0 and N > 0 and x.dtype in FORCED_DTYPES
             and x.stride(1) == 1 and weight.stride(1) == 1 and x.device == weight.device)
     if not fits or BACKEND.name == "triton" or fp8:
         return fits
     from compiled.linear import skinny_kernels as lk
     sms = lk.num_sms(x.device)
     return lk.beats_cublas(lk.skinny_config(M, N, K, sms), N, sms)
+
+
+def max_rows(N: int) -> int:
+    """Rows the skinny kernel serves for a weight of N rows (`NARROW_MAX_N`)."""
+    return NARROW_MAX_M if N <= NARROW_MAX_N else SKINNY_MAX_M
 
 
 def dispatch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from compiled.linear import SKINNY_MAX_M, workspace
+from compiled.linear import NARROW_MAX_M, SKINNY_MAX_M, workspace
+from compiled.linear.ops import max_rows
 from compiled.linear.lora_kernels import LoRAArgs, add_slice_deltas, fma_delta_apply, fma_delta_operands, token_slots
 from compiled.quant.dequant import WeightScale, kernel_scale
 from compiled.triton_utils import (DEFAULT_NUM_SMS, chunk_scaled_dots, fp8_convert_asm, fp8_f32, gemv_chunk,
@@ -37,6 +38,7 @@ from compiled.triton_utils import (DEFAULT_NUM_SMS, chunk_scaled_dots, fp8_conve
                                    weight_tile, weighted_rows)
 
 BLOCK_M = max(16, triton.next_power_of_2(SKINNY_MAX_M))  # one tile for every row (tl.dot needs >= 16)
+MAX_BLOCK_M = max(BLOCK_M, triton.next_power_of_2(NARROW_MAX_M))  # a narrow weight's rows (`ops.max_rows`)
 MIN_BLOCK = 16             # smallest BLOCK_N / BLOCK_K (tl.dot's minimum)
 MAX_BLOCK_N = 64
 MAX_BLOCK_K = 128
@@ -103,7 +105,7 @@ def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, prolog
     if M <= GEMV_MAX_M:
         return gemv_config(N, K, num_sms, weight_bytes)
     block_n = MAX_BLOCK_N if N >= 2048 else (2 * MIN_BLOCK if N > 128 else MIN_BLOCK)
-    max_split = min(MAX_SPLIT_K, K // MIN_K_PER_SPLIT, WORKSPACE_COLS // max(N, 1))
+    max_split = min(MAX_SPLIT_K, K // MIN_K_PER_SPLIT, PARTIALS // (max(M, SKINNY_MAX_M) * max(N, 1)))
     split = 1
     while 2 * split <= max_split and N * 2 * split <= SPLIT_COLUMNS_PER_SM * per_byte * num_sms:
         split *= 2
@@ -148,11 +150,13 @@ def check_config(config: SkinnyConfig, M: int, N: int) -> None:
         if value < smallest or value & (value - 1):
             raise ValueError(f"skinny linear: {name}={value} must be a power of two >= {smallest}")
     if config.split_k < 1 or config.split_k > 1 and (config.split_k * N > WORKSPACE_COLS
+                                                     or config.split_k * M * N > PARTIALS
                                                      or triton.cdiv(N, config.block_n) > SEMAPHORES):
-        raise ValueError(f"skinny linear: split_k={config.split_k} with N={N} needs 1 <= split_k, "
-                         f"split_k * N <= {WORKSPACE_COLS} and at most {SEMAPHORES} column blocks")
-    if M > SKINNY_MAX_M:
-        raise ValueError(f"skinny linear: M={M} rows, at most {SKINNY_MAX_M}")
+        raise ValueError(f"skinny linear: split_k={config.split_k} with M={M}, N={N} needs 1 <= split_k, "
+                         f"split_k * N <= {WORKSPACE_COLS}, split_k * M * N <= {PARTIALS} and at most "
+                         f"{SEMAPHORES} column blocks")
+    if M > max_rows(N):
+        raise ValueError(f"skinny linear: M={M} rows, at most {max_rows(N)} for a weight of {N} rows")
 
 
 class SplitWorkspace(NamedTuple):
@@ -166,11 +170,11 @@ SKINNY_KERNEL = "skinny linear / W8A16 GEMM"
 
 
 def _allocate_workspace(device: torch.device) -> SplitWorkspace:
-    # column blocks x splits <= SEMAPHORES + MAX_SPLIT_K (split_k * N <= WORKSPACE_COLS), BLOCK_M sums each
+    # column blocks x splits <= SEMAPHORES + MAX_SPLIT_K (split_k * N <= WORKSPACE_COLS), a tile's rows' sums each
     return SplitWorkspace(
         torch.empty(PARTIALS, dtype=torch.float32, device=device),
         torch.zeros(SEMAPHORES, dtype=torch.int32, device=device),
-        torch.empty((SEMAPHORES + MAX_SPLIT_K) * BLOCK_M, dtype=torch.float32, device=device))
+        torch.empty((SEMAPHORES + MAX_SPLIT_K) * MAX_BLOCK_M, dtype=torch.float32, device=device))
 
 
 def split_workspace(device: torch.device) -> SplitWorkspace:
@@ -423,7 +427,7 @@ def _skinny_kernel(
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None,
                          out: torch.Tensor | None = None, fp8: WeightScale | None = None) -> torch.Tensor:
-    """x `[M, K]` (M <= SKINNY_MAX_M, last dim contiguous), weight `[N, K]` (last dim contiguous)
+    """x `[M, K]` (M <= `ops.max_rows(N)`, last dim contiguous), weight `[N, K]` (last dim contiguous)
     -> `[M, N]` in x's dtype, or into `out` (`[M, N]`, rows contiguous, any float dtype: the
     result is rounded to x's dtype, then stored in out's). `config` overrides the heuristic
     (tests, the benchmark's sweep). `fp8`: weight is float8_e4m3fn with this block scale."""
@@ -496,8 +500,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
     M = x.shape[0]
     N, K = weight.shape
     if config is None:
-        if M > SKINNY_MAX_M:
-            raise ValueError(f"skinny linear: M={M} rows, at most {SKINNY_MAX_M}")
+        if M > max_rows(N):
+            raise ValueError(f"skinny linear: M={M} rows, at most {max_rows(N)} for a weight of {N} rows")
         config = skinny_config(M, N, K, num_sms(x.device), PROLOGUE_MAX_STEPS if prologue else 0,
                                weight.element_size())
     else:
@@ -520,7 +524,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
     _skinny_kernel[grid](
         x, weight, y, partials, semaphores, M, N, K, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         Sums=sums, NORMED_CHUNK=triton.cdiv(K, grid[0]), **args,
-        BLOCK_M=triton.next_power_of_2(M) if gemv else BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        BLOCK_M=triton.next_power_of_2(M) if gemv else max(BLOCK_M, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         EVEN_K=K % block_k == 0, UPCAST=upcast, DOT_PRECISION=precision, GEMV=gemv, num_warps=num_warps,
         num_stages=num_stages,
         **launch_kwargs(x.device))
