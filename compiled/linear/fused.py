@@ -5,7 +5,7 @@ At decode sizes the residual add + RMSNorm in front of a linear, or the SiLU-and
 the down projection, is a launch of its own that moves a few kilobytes. The skinny GEMM does it in
 its prologue instead (`skinny_kernels`: ADD_NORM, SILU_MUL), so the fuse_norm_linear and fuse_silu_linear
 passes route the graph's matching pairs here. The kernel serves what it serves for
-`compiled::linear` (`use_kernel`: M <= SKINNY_MAX_M on CUDA in bf16/fp16, where it beats cuBLAS,
+`compiled::linear` (`use_kernel`: up to `max_rows` on CUDA in bf16/fp16, where it beats cuBLAS,
 under the same backend switch; one row always, in its GEMV mode): there the prologue costs less
 than the launch it saves (H100, bench/RESULTS.md), while at 2-16 rows in front of a linear that
 cuBLAS does better (the 30B shape's qkv) it cost more. Elsewhere the prologue runs as one launch

@@ -2,10 +2,11 @@
 skinny GEMM for a few rows (`library.py` registers the op with its optional operands).
 
 The skinny_linear pass routes the model's bias-free linears (and the LM head) through the op.
-Decode steps run them at M = 1..16 rows, where the skinny kernel (`skinny_kernels`) streams the
-weight in one launch; anything else (more rows, other dtypes, CPU) goes to `F.linear` (cuBLAS).
+Decode steps run them at M = 1..16 rows (up to NARROW_MAX_M for a weight of a few rows, the
+router: `max_rows`), where the skinny kernel (`skinny_kernels`) streams the weight in one launch;
+anything else (more rows, other dtypes, CPU) goes to `F.linear` (cuBLAS).
 
-Backends: 'auto' (the kernel on CUDA for bf16/fp16 at M <= SKINNY_MAX_M, torch otherwise),
+Backends: 'auto' (the kernel on CUDA for bf16/fp16 up to `max_rows`, torch otherwise),
 'torch' (always F.linear), 'triton' (the kernel wherever M and the layout allow it, any device
 and fp32 too; forcing it on CPU needs `TRITON_INTERPRET=1`). `BACKEND` holds the choice: the
 engine config's (`configure`), where `COMPILED_LINEAR_BACKEND` (read at import) wins, or

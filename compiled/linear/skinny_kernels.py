@@ -6,15 +6,16 @@ too few programs to keep every SM's loads in flight, and split-K as a second (re
 
 For one row the kernel runs in its GEMV mode (no tensor-core tile: see `_skinny_kernel`; the
 mode serves several rows too, for a forced config and the benchmark's sweep).
-Otherwise each program owns BLOCK_N output columns for all M rows (one BLOCK_M = 16-row tile, masked,
-so `tl.dot` runs on the tensor cores with fp32 accumulation) and walks its K range in BLOCK_K
-steps, the weight tiles `[BLOCK_N, BLOCK_K]` contiguous along K (coalesced) and software-pipelined
-(num_stages). When N / BLOCK_N programs cannot fill the GPU (router N=128, o_proj N=2048), SPLIT_K
-programs share a column block, each over one K range: they write fp32 partials to a workspace and
-bump that block's semaphore; the last to arrive sums the partials in split order (deterministic),
-writes the output and puts the semaphore back to 0. So there is no second launch and no memset,
-and the launch is safe to capture in a CUDA graph: the workspace and semaphores are allocated once
-per device, before capture, and the kernel leaves them as it found them.
+Otherwise each program owns BLOCK_N output columns for all M rows (one tile of 16 rows, masked, so
+`tl.dot` runs on the tensor cores with fp32 accumulation; a narrow weight's up to 64, `ops.max_rows`)
+and walks its K range in BLOCK_K steps, the weight tiles `[BLOCK_N, BLOCK_K]` contiguous along K
+(coalesced) and software-pipelined (num_stages). When N / BLOCK_N programs cannot fill the GPU
+(router N=128, o_proj N=2048), SPLIT_K programs share a column block, each over one K range: they
+write fp32 partials to a workspace and bump that block's semaphore; the last to arrive sums the
+partials in split order (deterministic), writes the output and puts the semaphore back to 0. So
+there is no second launch and no memset, and the launch is safe to capture in a CUDA graph: the
+workspace and semaphores are allocated once per device, before capture, and the kernel leaves
+them as it found them.
 
 `skinny_config` (the heuristic) and the constants below are the only tuning knobs. The torch
 reference is `compiled.linear.ops.linear_ref` (F.linear), beside the op that dispatches here."""

@@ -21,7 +21,7 @@ if ROOT not in sys.path:
 
 import compiled.linear.library  # noqa: E402,F401  (registers the ops)
 import compiled.linear.ops as lin  # noqa: E402
-from compiled.linear.ops import SKINNY_MAX_M, SkinnyLinear, linear_ref  # noqa: E402
+from compiled.linear.ops import NARROW_MAX_M, SKINNY_MAX_M, SkinnyLinear, linear_ref  # noqa: E402
 from tests.conftest import assert_same_math, child_env  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
@@ -48,6 +48,9 @@ CASES = [
     ("m16_n7_k200_bf16", 16, 7, 200, "bfloat16", None),
     ("m3_n48_k5_bf16_split2", 3, 48, 5, "bfloat16", (16, 16, 2)),
     ("m16_n130_k200_bf16_split4", 16, 130, 200, "bfloat16", (32, 64, 4)),
+    # a narrow weight (the router) takes up to NARROW_MAX_M rows in one tile
+    ("m40_n100_k200_split4", 40, 100, 200, "float32", (32, 64, 4)),
+    ("m33_n128_k256_bf16", 33, 128, 256, "bfloat16", None),
     # the GEMV mode (one row; the default for M = 1 below the LM head's width): ragged N and K,
     # split K, and a K range shorter than one step
     ("gemv_m1_n13_k200", 1, 13, 200, "float32", (8, 64, 1, 4, 1, True)),
@@ -156,7 +159,7 @@ def kernel_spy(monkeypatch):
 
 def test_cpu_default_and_large_m_use_the_reference(backend, kernel_spy):
     backend("auto")
-    w = torch.randn(8, 6)
+    w, narrow = torch.randn(130, 6), torch.randn(8, 6)
     for m in (1, SKINNY_MAX_M, SKINNY_MAX_M + 1):
         x = torch.randn(m, 6)
         assert not lin.use_kernel(x, w)
@@ -164,6 +167,8 @@ def test_cpu_default_and_large_m_use_the_reference(backend, kernel_spy):
     backend("triton")
     assert lin.use_kernel(torch.randn(SKINNY_MAX_M, 6), w)
     assert not lin.use_kernel(torch.randn(SKINNY_MAX_M + 1, 6), w)
+    assert lin.use_kernel(torch.randn(NARROW_MAX_M, 6), narrow)             # a narrow weight: more rows
+    assert not lin.use_kernel(torch.randn(NARROW_MAX_M + 1, 6), narrow)
     assert not lin.use_kernel(torch.randn(6, 3).t(), w)                     # x's last dim strided
     assert not lin.use_kernel(torch.randn(3, 6, dtype=torch.float64), w.double())
     torch.ops.compiled.linear(torch.randn(2, 3, 6), w)                      # 6 rows: the kernel
@@ -209,8 +214,10 @@ def test_forced_config_is_validated():
         lk.skinny_linear_triton(x, torch.randn(lk.WORKSPACE_COLS, 32), lk.SkinnyConfig(16, 16, 2))
     with pytest.raises(ValueError, match="column blocks"):   # more column blocks than semaphores
         lk.skinny_linear_triton(x[:1], torch.randn(4 * lk.SEMAPHORES, 32), lk.SkinnyConfig(2, 16, 2, gemv=True))
-    with pytest.raises(ValueError, match="M=17"):
-        lk.skinny_linear_triton(torch.randn(17, 32), w)
+    with pytest.raises(ValueError, match="M=17 rows, at most 16 for a weight of 130 rows"):
+        lk.skinny_linear_triton(torch.randn(17, 32), torch.randn(130, 32))
+    with pytest.raises(ValueError, match=f"M={NARROW_MAX_M + 1} rows, at most {NARROW_MAX_M} for a weight of 8"):
+        lk.skinny_linear_triton(torch.randn(NARROW_MAX_M + 1, 32), w)
 
 
 # (N, K): qkv and o_proj of Qwen3-30B-A3B, its router, the LM head, Qwen3-0.6B's w13 and down.
