@@ -7,7 +7,7 @@ too few programs to keep every SM's loads in flight, and split-K as a second (re
 For one row the kernel runs in its GEMV mode (no tensor-core tile: see `_skinny_kernel`; the
 mode serves several rows too, for a forced config and the benchmark's sweep).
 Otherwise each program owns BLOCK_N output columns for all M rows (one tile of 16 rows, masked, so
-`tl.dot` runs on the tensor cores with fp32 accumulation; a narrow weight's up to 64, `ops.max_rows`)
+`tl.dot` runs on the tensor cores with fp32 accumulation; a narrow weight's up to 32, `ops.max_rows`)
 and walks its K range in BLOCK_K steps, the weight tiles `[BLOCK_N, BLOCK_K]` contiguous along K
 (coalesced) and software-pipelined (num_stages). When N / BLOCK_N programs cannot fill the GPU
 (router N=128, o_proj N=2048), SPLIT_K programs share a column block, each over one K range: they
