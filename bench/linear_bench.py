@@ -38,7 +38,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-from compiled.linear import ops as lin  # noqa: E402
 from compiled.linear import skinny_kernels as lk  # noqa: E402
 from moe_bench import copy_bandwidth  # noqa: E402
 from tune_moe import time_graph  # noqa: E402
@@ -262,8 +261,8 @@ def main(argv=None) -> None:
     args.shapes = args.shapes or list(SHAPES)
     if not torch.cuda.is_available():
         sys.exit("linear_bench.py needs a CUDA device")
-    if max(args.m + args.sweep_m) > lin.SKINNY_MAX_M:
-        sys.exit(f"--m / --sweep-m: the kernel serves at most {lin.SKINNY_MAX_M} rows")
+    if max(args.m + args.sweep_m) > lk.SKINNY_MAX_M:
+        sys.exit(f"--m / --sweep-m: the kernel serves at most {lk.SKINNY_MAX_M} rows")
     import triton
     torch.manual_seed(0)
     bw = copy_bandwidth()

@@ -17,3 +17,8 @@ LORA_MAX_SLICES = 4  # slices of one fused output the LoRA expand kernel takes (
 # program reads its adapter's B or A (L2 traffic grows with the rows); past decode sizes the tiled
 # expand and shrink, which read them once a block, cost less (2,048-token prefill: 40.7 vs 34.3 ms).
 NORM_LORA_MAX_T = 64
+
+
+def max_rows(N: int) -> int:
+    """Rows the skinny kernel serves for a weight of N rows."""
+    return NARROW_MAX_M if N <= NARROW_MAX_N else SKINNY_MAX_M

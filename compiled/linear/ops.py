@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compiled.backend import BackendChoice
-from compiled.linear import NARROW_MAX_M, NARROW_MAX_N, SKINNY_MAX_M
+from compiled.linear import max_rows
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # 'auto' on CUDA; fp32 stays with cuBLAS (TF32 rules)
 FORCED_DTYPES = KERNEL_DTYPES + (torch.float32,)
@@ -61,11 +61,6 @@ def use_kernel(x: torch.Tensor, weight: torch.Tensor, fp8: bool = False) -> bool
     from compiled.linear import skinny_kernels as lk
     sms = lk.num_sms(x.device)
     return lk.beats_cublas(lk.skinny_config(M, N, K, sms), N, sms)
-
-
-def max_rows(N: int) -> int:
-    """Rows the skinny kernel serves for a weight of N rows (`NARROW_MAX_N`)."""
-    return NARROW_MAX_M if N <= NARROW_MAX_N else SKINNY_MAX_M
 
 
 def dispatch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

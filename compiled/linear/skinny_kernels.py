@@ -7,7 +7,7 @@ too few programs to keep every SM's loads in flight, and split-K as a second (re
 For one row the kernel runs in its GEMV mode (no tensor-core tile: see `_skinny_kernel`; the
 mode serves several rows too, for a forced config and the benchmark's sweep).
 Otherwise each program owns BLOCK_N output columns for all M rows (one tile of 16 rows, masked, so
-`tl.dot` runs on the tensor cores with fp32 accumulation; a narrow weight's up to 32, `ops.max_rows`)
+`tl.dot` runs on the tensor cores with fp32 accumulation; a narrow weight's up to 32, `max_rows`)
 and walks its K range in BLOCK_K steps, the weight tiles `[BLOCK_N, BLOCK_K]` contiguous along K
 (coalesced) and software-pipelined (num_stages). When N / BLOCK_N programs cannot fill the GPU
 (router N=128, o_proj N=2048), SPLIT_K programs share a column block, each over one K range: they
@@ -29,8 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compiled.linear import NARROW_MAX_M, SKINNY_MAX_M, workspace
-from compiled.linear.ops import max_rows
+from compiled.linear import NARROW_MAX_M, SKINNY_MAX_M, max_rows, workspace
 from compiled.linear.lora_kernels import LoRAArgs, add_slice_deltas, fma_delta_apply, fma_delta_operands, token_slots
 from compiled.quant.dequant import WeightScale, kernel_scale
 from compiled.triton_utils import (DEFAULT_NUM_SMS, chunk_scaled_dots, fp8_convert_asm, fp8_f32, gemv_chunk,
@@ -428,7 +427,7 @@ def _skinny_kernel(
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None,
                          out: torch.Tensor | None = None, fp8: WeightScale | None = None) -> torch.Tensor:
-    """x `[M, K]` (M <= `ops.max_rows(N)`, last dim contiguous), weight `[N, K]` (last dim contiguous)
+    """x `[M, K]` (M <= `max_rows(N)`, last dim contiguous), weight `[N, K]` (last dim contiguous)
     -> `[M, N]` in x's dtype, or into `out` (`[M, N]`, rows contiguous, any float dtype: the
     result is rounded to x's dtype, then stored in out's). `config` overrides the heuristic
     (tests, the benchmark's sweep). `fp8`: weight is float8_e4m3fn with this block scale."""

@@ -21,7 +21,8 @@ if ROOT not in sys.path:
 
 import compiled.linear.library  # noqa: E402,F401  (registers the ops)
 import compiled.linear.ops as lin  # noqa: E402
-from compiled.linear.ops import NARROW_MAX_M, SKINNY_MAX_M, SkinnyLinear, linear_ref  # noqa: E402
+from compiled.linear import NARROW_MAX_M, SKINNY_MAX_M  # noqa: E402
+from compiled.linear.ops import SkinnyLinear, linear_ref  # noqa: E402
 from tests.conftest import assert_same_math, child_env  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
