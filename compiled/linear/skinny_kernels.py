@@ -38,7 +38,7 @@ from compiled.triton_utils import (DEFAULT_NUM_SMS, chunk_scaled_dots, fp8_conve
                                    weight_tile, weighted_rows)
 
 BLOCK_M = max(16, triton.next_power_of_2(SKINNY_MAX_M))  # one tile for every row (tl.dot needs >= 16)
-MAX_BLOCK_M = max(BLOCK_M, triton.next_power_of_2(NARROW_MAX_M))  # a narrow weight's rows (`ops.max_rows`)
+MAX_BLOCK_M = max(BLOCK_M, triton.next_power_of_2(NARROW_MAX_M))  # a narrow weight's rows (`max_rows`)
 MIN_BLOCK = 16             # smallest BLOCK_N / BLOCK_K (tl.dot's minimum)
 MAX_BLOCK_N = 64
 MAX_BLOCK_K = 128
@@ -513,6 +513,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
     upcast = interpreter_upcast(x.dtype)
     precision = "ieee" if upcast or x.dtype == torch.float32 else "tf32"
     grid = (triton.cdiv(N, block_n), split_k)
+    block_m = triton.next_power_of_2(M) if gemv else max(BLOCK_M, triton.next_power_of_2(M))
     args = dict(D=y, NW=y, H=y, NORMED=y, eps=0.0, stride_dm=0, stride_hm=0, stride_nm=0,
                 ADD_NORM=False, SILU_MUL=False, KEEP_NORMED=False)
     args.update(prologue)
@@ -524,7 +525,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
     _skinny_kernel[grid](
         x, weight, y, partials, semaphores, M, N, K, k_per_split, x.stride(0), weight.stride(0), y.stride(0),
         Sums=sums, NORMED_CHUNK=triton.cdiv(K, grid[0]), **args,
-        BLOCK_M=triton.next_power_of_2(M) if gemv else max(BLOCK_M, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         EVEN_K=K % block_k == 0, UPCAST=upcast, DOT_PRECISION=precision, GEMV=gemv, num_warps=num_warps,
         num_stages=num_stages,
         **launch_kwargs(x.device))
