@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from compiled.linear import LORA_MAX_SLICES, NORM_LORA_MAX_T, fused, lora, ops
+from compiled.linear import LORA_MAX_SLICES, NORM_LORA_MAX_T, SKINNY_MAX_M, fused, lora, ops
 from compiled.linear import fp8 as fp8_linear
 from compiled.linear.fp8 import stand_in
 from compiled.linear.lora import check_expand, check_shrink, expand, shrink
@@ -195,9 +195,13 @@ def linear_lora_add_rms_norm_linear(x: torch.Tensor, inp: torch.Tensor, w_in: to
 def _expand_in_norm(x: torch.Tensor, inp: torch.Tensor, w_in: torch.Tensor, weight: torch.Tensor,
                     w_in_fp8: bool = False, fp8: bool = False) -> bool:
     """Whether the norm's launch adds the deltas: decode sizes, the LoRA and norm kernels allowed,
-    neither linear the skinny GEMM's (it has the expand, or the norm, in its own launch)."""
+    neither linear the skinny GEMM's (it has the expand, or the norm, in its own launch). Past
+    SKINNY_MAX_M rows the deltas stay in the norm's launch even where the skinny GEMM takes the
+    weight after it (the router, `max_rows`): that GEMM then runs without its norm prologue, and the
+    expand needs no launch of its own (8 adapters at 17-64 rows, bench/RESULTS.md)."""
+    past_skinny = x.shape[0] > SKINNY_MAX_M
     return (inp.shape[0] <= NORM_LORA_MAX_T and lora.use_kernel(inp) and fused.own_launch(x)
-            and not ops.use_kernel(inp, w_in, w_in_fp8) and not ops.use_kernel(x, weight, fp8))
+            and not ops.use_kernel(inp, w_in, w_in_fp8) and (past_skinny or not ops.use_kernel(x, weight, fp8)))
 
 
 def check_delta_lora(x, inp, w_in, a, b, scale, slot, norm_weight, weight) -> None:

@@ -241,6 +241,24 @@ def test_linear_lora_add_rms_norm_linear_on_cpu_is_the_references_in_turn():
     assert linear_lora_add_rms_norm_linear(*args, False)[2].numel() == 0
 
 
+def test_expand_in_the_norm_where_the_router_takes_no_prologue(monkeypatch):
+    """The norm's launch adds o_proj's deltas past SKINNY_MAX_M rows (up to NORM_LORA_MAX_T), where the
+    router's skinny GEMM (a narrow weight, `max_rows`) then runs without the norm; at fewer rows the
+    skinny GEMMs take both (the decision alone, with the launches' conditions made true on CPU)."""
+    from compiled.linear import NORM_LORA_MAX_T, SKINNY_MAX_M, fused, lora_linear, ops
+    monkeypatch.setattr(fused, "own_launch", lambda *tensors: True)
+    monkeypatch.setattr(lora, "use_kernel", lambda x: True)
+    before = ops.BACKEND.name
+    ops.set_backend("triton")
+    try:
+        w_in, router = torch.randn(2048, 4096), torch.randn(128, 2048)
+        for T, expected in ((8, False), (SKINNY_MAX_M + 1, True), (32, True), (NORM_LORA_MAX_T + 1, False)):
+            x, inp = torch.randn(T, 2048), torch.randn(T, 4096)
+            assert lora_linear._expand_in_norm(x, inp, w_in, router) is expected, T
+    finally:
+        ops.set_backend(before)
+
+
 def test_bad_lora_arguments_are_one_line_errors_naming_the_op_and_tensor():
     (x, w), _, a, b, scale, slot = inputs("plain", 7, 45, [17, 9, 9], 8, 3, torch.float32, 6, SLOTS_7)
     op = linear_lora
