@@ -3,11 +3,11 @@ LoRA as optional operands; silu_and_mul; multi-LoRA shrink / expand), their Trit
 
 SKINNY_MAX_M = 16  # rows the skinny kernel serves (one 16-row tile); above, cuBLAS is at home
 # A weight of at most NARROW_MAX_N rows (the MoE router) takes the skinny kernel up to NARROW_MAX_M
-# rows, one tile of them: cuBLAS gives its few output columns a handful of tiles that walk all of K
-# in turn, and ends the dependent launches' overlap (PDL). Past NARROW_MAX_M (a 64-row tile) the
-# kernel is no faster (H200, the 30B's router with its norm; bench/RESULTS.md).
+# rows, in tiles of up to 32: cuBLAS gives its few output columns a handful of tiles that walk all of
+# K in turn, and ends the dependent launches' overlap (PDL). (H200, the 30B's router with its norm;
+# bench/RESULTS.md.)
 NARROW_MAX_N = 128
-NARROW_MAX_M = 32
+NARROW_MAX_M = 64
 # FP8 linears of up to this many rows (decode batches, memory-bound) run the W8A16 kernel, which
 # reads the FP8 bytes; above (prefill, compute-bound) cuBLAS's W8A8 GEMM (`fp8_cublas`), or the
 # dequantized weight where it does not apply.

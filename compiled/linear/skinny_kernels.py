@@ -7,7 +7,8 @@ too few programs to keep every SM's loads in flight, and split-K as a second (re
 For one row the kernel runs in its GEMV mode (no tensor-core tile: see `_skinny_kernel`; the
 mode serves several rows too, for a forced config and the benchmark's sweep).
 Otherwise each program owns BLOCK_N output columns for all M rows (one tile of 16 rows, masked, so
-`tl.dot` runs on the tensor cores with fp32 accumulation; a narrow weight's up to 32, `max_rows`)
+`tl.dot` runs on the tensor cores with fp32 accumulation; a narrow weight's up to 64 in row tiles
+of up to TILE_MAX_M, `max_rows`)
 and walks its K range in BLOCK_K steps, the weight tiles `[BLOCK_N, BLOCK_K]` contiguous along K
 (coalesced) and software-pipelined (num_stages). When N / BLOCK_N programs cannot fill the GPU
 (router N=128, o_proj N=2048), SPLIT_K programs share a column block, each over one K range: they
@@ -29,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from compiled.linear import NARROW_MAX_M, SKINNY_MAX_M, max_rows, workspace
+from compiled.linear import SKINNY_MAX_M, max_rows, workspace
 from compiled.linear.lora_kernels import LoRAArgs, add_slice_deltas, fma_delta_apply, fma_delta_operands, token_slots
 from compiled.quant.dequant import WeightScale, kernel_scale
 from compiled.triton_utils import (DEFAULT_NUM_SMS, chunk_scaled_dots, fp8_convert_asm, fp8_f32, gemv_chunk,
@@ -38,7 +39,7 @@ from compiled.triton_utils import (DEFAULT_NUM_SMS, chunk_scaled_dots, fp8_conve
                                    weight_tile, weighted_rows)
 
 BLOCK_M = max(16, triton.next_power_of_2(SKINNY_MAX_M))  # one tile for every row (tl.dot needs >= 16)
-MAX_BLOCK_M = max(BLOCK_M, triton.next_power_of_2(NARROW_MAX_M))  # a narrow weight's rows (`max_rows`)
+TILE_MAX_M = 32            # rows a tile: a narrow weight's 33-64 (`max_rows`) take two row tiles
 MIN_BLOCK = 16             # smallest BLOCK_N / BLOCK_K (tl.dot's minimum)
 MAX_BLOCK_N = 64
 MAX_BLOCK_K = 128
@@ -47,7 +48,8 @@ MIN_K_PER_SPLIT = 128      # one BLOCK_K tile: a shorter split cannot amortise i
 WIDE_PROGRAMS_PER_SM = 2   # this many 64-column blocks per SM fill the GPU without splitting K
 SPLIT_COLUMNS_PER_SM = 64  # split-K: columns x splits in flight per SM (H200 sweep, bench/RESULTS.md)
 WORKSPACE_COLS = 128 * 1024  # split-K needs SPLIT_K * N <= this (fp32 partials: 16 x this x 4 B = 8 MiB)
-SEMAPHORES = WORKSPACE_COLS // MIN_BLOCK  # split-K: one per column block
+SEMAPHORES = WORKSPACE_COLS // MIN_BLOCK  # split-K: one per output tile (column block x row tile)
+SUMS = (SEMAPHORES + MAX_SPLIT_K) * TILE_MAX_M  # split-K with a norm prologue: a tile's rows' sums of squares a split
 PARTIALS = SKINNY_MAX_M * WORKSPACE_COLS  # fp32 partials the workspace holds (the W8A16 GEMM splits K in it too)
 NUM_WARPS = 4
 NUM_STAGES = 5
@@ -149,20 +151,27 @@ def check_config(config: SkinnyConfig, M: int, N: int) -> None:
         value = getattr(config, name)
         if value < smallest or value & (value - 1):
             raise ValueError(f"skinny linear: {name}={value} must be a power of two >= {smallest}")
+    tiles = triton.cdiv(N, config.block_n) * triton.cdiv(M, row_tile(M, config.gemv))
     if config.split_k < 1 or config.split_k > 1 and (config.split_k * N > WORKSPACE_COLS
-                                                     or config.split_k * M * N > PARTIALS
-                                                     or triton.cdiv(N, config.block_n) > SEMAPHORES):
+                                                     or config.split_k * M * N > PARTIALS or tiles > SEMAPHORES
+                                                     or tiles * config.split_k * TILE_MAX_M > SUMS):
         raise ValueError(f"skinny linear: split_k={config.split_k} with M={M}, N={N} needs 1 <= split_k, "
                          f"split_k * N <= {WORKSPACE_COLS}, split_k * M * N <= {PARTIALS} and at most "
-                         f"{SEMAPHORES} column blocks")
+                         f"{SEMAPHORES} output tiles")
     if M > max_rows(N):
         raise ValueError(f"skinny linear: M={M} rows, at most {max_rows(N)} for a weight of {N} rows")
 
 
+def row_tile(M: int, gemv: bool) -> int:
+    """BLOCK_M: the GEMV mode's M rounded up to a power of two; the tensor-core tiles' 16 rows, or
+    up to TILE_MAX_M, more rows taking more row tiles."""
+    return triton.next_power_of_2(M) if gemv else max(BLOCK_M, min(TILE_MAX_M, triton.next_power_of_2(M)))
+
+
 class SplitWorkspace(NamedTuple):
     partials: torch.Tensor   # fp32 [PARTIALS]
-    semaphores: torch.Tensor  # int32, one per column block, all zero between launches
-    sums: torch.Tensor       # fp32, the norm prologue's sums of squares, BLOCK_M per (column block, split)
+    semaphores: torch.Tensor  # int32, one per output tile, all zero between launches
+    sums: torch.Tensor       # fp32, the norm prologue's sums of squares, BLOCK_M per (output tile, split)
 
 
 # its name in the workspace registry (`workspace.py`), which the W8A16 GEMM's splits share
@@ -170,11 +179,10 @@ SKINNY_KERNEL = "skinny linear / W8A16 GEMM"
 
 
 def _allocate_workspace(device: torch.device) -> SplitWorkspace:
-    # column blocks x splits <= SEMAPHORES + MAX_SPLIT_K (split_k * N <= WORKSPACE_COLS), a tile's rows' sums each
     return SplitWorkspace(
         torch.empty(PARTIALS, dtype=torch.float32, device=device),
         torch.zeros(SEMAPHORES, dtype=torch.int32, device=device),
-        torch.empty((SEMAPHORES + MAX_SPLIT_K) * MAX_BLOCK_M, dtype=torch.float32, device=device))
+        torch.empty(SUMS, dtype=torch.float32, device=device))
 
 
 def split_workspace(device: torch.device) -> SplitWorkspace:
@@ -280,7 +288,9 @@ def _skinny_kernel(
     products before scaling them (`chunk_scaled_dots`); the tensor-core tiles round it for the dot."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
+    pid_m = tl.program_id(2)
+    tile = pid_m * tl.num_programs(0) + pid_n   # the output tile's semaphore and sums
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
@@ -392,15 +402,15 @@ def _skinny_kernel(
                                  LORA_FP32, GEMV)
         tl.store(y_ptrs, acc.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=out_mask)
     else:
-        # Partials laid out [SPLIT_K, M, N]; sums of squares [column block, SPLIT_K, BLOCK_M].
+        # Partials laid out [SPLIT_K, M, N]; sums of squares [output tile, SPLIT_K, BLOCK_M].
         part_ptrs = Partials + offs_m[:, None] * N + offs_n[None, :]
         tl.store(part_ptrs + pid_k * M * N, acc, mask=out_mask)
-        sum_ptrs = Sums + pid_n * SPLIT_K * BLOCK_M + offs_m
+        sum_ptrs = Sums + tile * SPLIT_K * BLOCK_M + tl.arange(0, BLOCK_M)
         if ADD_NORM:
             tl.store(sum_ptrs + pid_k * BLOCK_M, sq)
         # Every thread's partial store must precede the release below.
         tl.debug_barrier()
-        arrived = tl.atomic_add(Semaphores + pid_n, 1, sem="acq_rel", scope="gpu")
+        arrived = tl.atomic_add(Semaphores + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             # Unrolled (no loop for the pipeliner to turn into async copies); .cg reads from L2,
@@ -422,7 +432,7 @@ def _skinny_kernel(
                                        stride_lbs, stride_lbn, stride_lsc, LORA_N, BLOCK_N, LBLOCK_R, LSLOTS_PAD, LKC,
                                        LORA_FP32, GEMV)
             tl.store(y_ptrs, total.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(Semaphores + pid_n, 0)
+            tl.atomic_xchg(Semaphores + tile, 0)
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None,
@@ -512,8 +522,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     upcast = interpreter_upcast(x.dtype)
     precision = "ieee" if upcast or x.dtype == torch.float32 else "tf32"
-    grid = (triton.cdiv(N, block_n), split_k)
-    block_m = triton.next_power_of_2(M) if gemv else max(BLOCK_M, triton.next_power_of_2(M))
+    block_m = row_tile(M, gemv)
+    grid = (triton.cdiv(N, block_n), split_k, triton.cdiv(M, block_m))
     args = dict(D=y, NW=y, H=y, NORMED=y, eps=0.0, stride_dm=0, stride_hm=0, stride_nm=0,
                 ADD_NORM=False, SILU_MUL=False, KEEP_NORMED=False)
     args.update(prologue)

@@ -49,8 +49,10 @@ CASES = [
     ("m16_n7_k200_bf16", 16, 7, 200, "bfloat16", None),
     ("m3_n48_k5_bf16_split2", 3, 48, 5, "bfloat16", (16, 16, 2)),
     ("m16_n130_k200_bf16_split4", 16, 130, 200, "bfloat16", (32, 64, 4)),
-    # a narrow weight (the router) takes up to NARROW_MAX_M rows in one tile
+    # a narrow weight (the router) takes up to NARROW_MAX_M rows, in one row tile or two
     ("m29_n100_k200_split4", 29, 100, 200, "float32", (32, 64, 4)),
+    ("m50_n7_k200_split2", 50, 7, 200, "float32", (16, 64, 2)),
+    ("m64_n100_k64_bf16", 64, 100, 64, "bfloat16", None),
     ("m24_n128_k256_bf16", 24, 128, 256, "bfloat16", None),
     # the GEMV mode (one row; the default for M = 1 below the LM head's width): ragged N and K,
     # split K, and a K range shorter than one step
@@ -213,7 +215,7 @@ def test_forced_config_is_validated():
         lk.skinny_linear_triton(x, w, lk.SkinnyConfig(24, 16, 1))
     with pytest.raises(ValueError, match="split_k"):
         lk.skinny_linear_triton(x, torch.randn(lk.WORKSPACE_COLS, 32), lk.SkinnyConfig(16, 16, 2))
-    with pytest.raises(ValueError, match="column blocks"):   # more column blocks than semaphores
+    with pytest.raises(ValueError, match="output tiles"):   # more output tiles than semaphores
         lk.skinny_linear_triton(x[:1], torch.randn(4 * lk.SEMAPHORES, 32), lk.SkinnyConfig(2, 16, 2, gemv=True))
     with pytest.raises(ValueError, match="M=17 rows, at most 16 for a weight of 130 rows"):
         lk.skinny_linear_triton(torch.randn(17, 32), torch.randn(130, 32))
