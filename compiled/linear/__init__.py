@@ -4,8 +4,8 @@ LoRA as optional operands; silu_and_mul; multi-LoRA shrink / expand), their Trit
 SKINNY_MAX_M = 16  # rows the skinny kernel serves (one 16-row tile); above, cuBLAS is at home
 # A weight of at most NARROW_MAX_N rows (the MoE router) takes the skinny kernel up to NARROW_MAX_M
 # rows, in tiles of up to 32: cuBLAS gives its few output columns a handful of tiles that walk all of
-# K in turn, and ends the dependent launches' overlap (PDL). (H200, the 30B's router with its norm;
-# bench/RESULTS.md.)
+# K in turn, and ends the dependent launches' overlap (PDL). (H200, the 30B's router with its norm:
+# faster at 32 and 48-64 rows in the decode step, bench/RESULTS.md.)
 NARROW_MAX_N = 128
 NARROW_MAX_M = 64
 # FP8 linears of up to this many rows (decode batches, memory-bound) run the W8A16 kernel, which
