@@ -35,9 +35,9 @@ import triton.language as tl
 from compiled.linear import skinny_kernels as lk
 from compiled.quant.dequant import fit_block_k, kernel_scale, resolve_block
 from compiled.quant.act_quant import QuantizedRows, quantize_per_token_group
-from compiled.triton_utils import (DEFAULT_NUM_SMS, FP8_DOT_MIN_K, col_scales, fp8_dot_fits, hopper_or_newer,
-                                   interpreter_upcast, num_sms, row_scaled, scaled_tile, split_k_store, w8a8_step,
-                                   w8a8_step_t)
+from compiled.triton_utils import (DEFAULT_NUM_SMS, FP8_DOT_MIN_K, fp8_dot_fits, hopper_or_newer,
+                                   interpreter_upcast, num_sms, row_scaled, scaled_tile, split_k_store, w8a8_rows,
+                                   w8a8_scales, w8a8_step, w8a8_step_t)
 
 MIN_BLOCK = 16       # smallest BLOCK_M / BLOCK_N / BLOCK_K (tl.dot's minimum)
 BLOCK_N = 32         # columns a program where the grid fills the GPU without help
@@ -167,13 +167,16 @@ def check_config(config: W8A16Config, M: int, N: int) -> None:
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
                   stride_sn, stride_ym, BO, BI, xs_ptr, stride_xs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                  FP8: tl.constexpr, KB: tl.constexpr, A8: tl.constexpr, SWAP: tl.constexpr):
+                  FP8: tl.constexpr, KB: tl.constexpr, A8: tl.constexpr, SWAP: tl.constexpr,
+                  ONE_SCALE: tl.constexpr, EVEN_K: tl.constexpr):
     """Partials laid out `[SPLIT_K, M, N]`; output tile (pid_m, pid_n)'s semaphore at
     pid_m * (column blocks) + pid_n. UPCAST: see `interpreter_upcast`. A8 (W8A8): x is
     float8_e4m3fn with fp32 scales `xs_ptr` a row and weight block (BI columns); each K step lies
     inside one block and is an fp8 x fp8 dot scaled by the rows' and columns' scales
-    (`triton_utils.w8a8_step`); SWAP: into the transposed accumulator, the weight tile the MMA's
-    wide side (`w8a8_step_t`)."""
+    (`triton_utils.w8a8_step`), the scales loaded a step ahead (the loop's pipelining leaves them
+    out); ONE_SCALE: the tile's rows inside one block, one weight scale a step; SWAP: into the
+    transposed accumulator, the weight tile the MMA's wide side (`w8a8_step_t`). EVEN_K: every K
+    tile whole (no K masks)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -183,19 +186,27 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if A8:
+        xs_rows = xs_ptr + tl.minimum(offs_m, M - 1) * stride_xs
+        w_rows = w8a8_rows(tl.minimum(offs_n, N - 1), pid_n, BLOCK_N, ONE_SCALE)
+        sa_n, sw_n = w8a8_scales(xs_rows, s_ptr, w_rows, k_start, stride_sn, BO, BI)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x_mask = (offs_m[:, None] < M) & (offs_k[None, :] < k_end)
+        if EVEN_K:
+            x_mask = offs_m[:, None] < M
+            w_mask = offs_n[:, None] < N
+        else:
+            x_mask = (offs_m[:, None] < M) & (offs_k[None, :] < k_end)
+            w_mask = (offs_n[:, None] < N) & (offs_k[None, :] < k_end)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
-        w_mask = (offs_n[:, None] < N) & (offs_k[None, :] < k_end)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=w_mask, other=0.0)
         if A8:
-            sa = tl.load(xs_ptr + offs_m * stride_xs + k0 // BI, mask=offs_m < M, other=0.0)
-            sw = col_scales(s_ptr, tl.minimum(offs_n, N - 1), k0, stride_sn, BO, BI)
+            sa, sw = sa_n, sw_n
+            sa_n, sw_n = w8a8_scales(xs_rows, s_ptr, w_rows, tl.minimum(k0 + BLOCK_K, K - 1), stride_sn, BO, BI)
             if SWAP:
-                acc_t = w8a8_step_t(acc_t, x, tl.trans(w), sa, sw, "tf32", False)
+                acc_t = w8a8_step_t(acc_t, x, tl.trans(w), sa, sw, "tf32", ONE_SCALE)
             else:
-                acc = w8a8_step(acc, x, tl.trans(w), sa, sw, "tf32", False)
+                acc = w8a8_step(acc, x, tl.trans(w), sa, sw, "tf32", ONE_SCALE)
         else:
             if FP8 == 2:
                 b = row_scaled(w, s_ptr, offs_n, offs_n < N, k0, K, stride_sn, BO, BI, x.dtype, KB)
@@ -269,5 +280,6 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
                         weight.stride(0), ks.scale.stride(0), y.stride(0), ks.bo, ks.bi, xs, xs.stride(0),
                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                         IEEE=upcast or x.dtype == torch.float32, UPCAST=upcast, FP8=ks.mode, KB=ks.kb, A8=a8,
-                        SWAP=swap, num_warps=num_warps, num_stages=num_stages)
+                        SWAP=swap, ONE_SCALE=a8 and ks.bo % block_n == 0, EVEN_K=K % block_k == 0,
+                        num_warps=num_warps, num_stages=num_stages)
     return y

@@ -33,7 +33,11 @@ CASES = [("split3_narrow_block128", 37, 53, 300, (128, 128), torch.float32, W8A1
          ("a8_per_channel_split2", 33, 40, 256, (1, 0), torch.float32, W8A16Config(64, 16, 64, 2, a8=True)),
          ("a8_swap_split2_block128", 10, 70, 300, (128, 128), torch.float32,
           W8A16Config(16, 64, 128, 2, a8=True, swap=True)),
-         ("a8_swap_bf16_blocks32x64", 3, 40, 200, (32, 64), torch.bfloat16, W8A16Config(16, 32, 64, 1, a8=True, swap=True))]
+         ("a8_swap_bf16_blocks32x64", 3, 40, 200, (32, 64), torch.bfloat16, W8A16Config(16, 32, 64, 1, a8=True, swap=True)),
+         # whole K tiles (no K masks), one weight scale a tile; ragged rows and columns
+         ("a8_even_k_one_scale_split2", 45, 200, 512, (128, 128), torch.float32, W8A16Config(64, 64, 128, 2, a8=True)),
+         ("a8_swap_even_k_one_scale", 7, 90, 256, (32, 64), torch.float32,
+          W8A16Config(16, 32, 64, 2, a8=True, swap=True))]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}   # relative to the output's largest value
 
 
