@@ -7,16 +7,15 @@ too few programs to keep every SM's loads in flight, and split-K as a second (re
 For one row the kernel runs in its GEMV mode (no tensor-core tile: see `_skinny_kernel`; the
 mode serves several rows too, for a forced config and the benchmark's sweep).
 Otherwise each program owns BLOCK_N output columns for all M rows (one tile of 16 rows, masked, so
-`tl.dot` runs on the tensor cores with fp32 accumulation; a narrow weight's up to 64 in row tiles
-of up to TILE_MAX_M, `max_rows`)
-and walks its K range in BLOCK_K steps, the weight tiles `[BLOCK_N, BLOCK_K]` contiguous along K
-(coalesced) and software-pipelined (num_stages). When N / BLOCK_N programs cannot fill the GPU
-(router N=128, o_proj N=2048), SPLIT_K programs share a column block, each over one K range: they
-write fp32 partials to a workspace and bump that block's semaphore; the last to arrive sums the
-partials in split order (deterministic), writes the output and puts the semaphore back to 0. So
-there is no second launch and no memset, and the launch is safe to capture in a CUDA graph: the
-workspace and semaphores are allocated once per device, before capture, and the kernel leaves
-them as it found them.
+`tl.dot` runs on the tensor cores with fp32 accumulation; a narrow weight's up to 64 in row tiles of
+up to TILE_MAX_M, `max_rows`) and walks its K range in BLOCK_K steps, the weight tiles `[BLOCK_N,
+BLOCK_K]` contiguous along K (coalesced) and software-pipelined (num_stages). When N / BLOCK_N
+programs cannot fill the GPU (router N=128, o_proj N=2048), SPLIT_K programs share a column block,
+each over one K range: they write fp32 partials to a workspace and bump that output tile's
+semaphore; the last to arrive sums the partials in split order (deterministic), writes the output
+and puts the semaphore back to 0. So there is no second launch and no memset, and the launch is safe
+to capture in a CUDA graph: the workspace and semaphores are allocated once per device, before
+capture, and the kernel leaves them as it found them.
 
 `skinny_config` (the heuristic) and the constants below are the only tuning knobs. The torch
 reference is `compiled.linear.ops.linear_ref` (F.linear), beside the op that dispatches here."""
@@ -151,10 +150,12 @@ def check_config(config: SkinnyConfig, M: int, N: int) -> None:
         value = getattr(config, name)
         if value < smallest or value & (value - 1):
             raise ValueError(f"skinny linear: {name}={value} must be a power of two >= {smallest}")
-    tiles = triton.cdiv(N, config.block_n) * triton.cdiv(M, row_tile(M, config.gemv))
+    block_m = row_tile(M, config.gemv)
+    tiles = triton.cdiv(N, config.block_n) * triton.cdiv(M, block_m)
+    sums = tiles * config.split_k * max(block_m, TILE_MAX_M)   # the GEMV mode's row tile may pass TILE_MAX_M
     if config.split_k < 1 or config.split_k > 1 and (config.split_k * N > WORKSPACE_COLS
                                                      or config.split_k * M * N > PARTIALS or tiles > SEMAPHORES
-                                                     or tiles * config.split_k * TILE_MAX_M > SUMS):
+                                                     or sums > SUMS):
         raise ValueError(f"skinny linear: split_k={config.split_k} with M={M}, N={N} needs 1 <= split_k, "
                          f"split_k * N <= {WORKSPACE_COLS}, split_k * M * N <= {PARTIALS} and at most "
                          f"{SEMAPHORES} output tiles")
