@@ -14,7 +14,8 @@ attention's lengths and slots) may be read before the wait. A kernel that does n
 (cuBLAS, Inductor's) serialises as usual, before and after, and so ends any early start.
 (Prefetching the next weights into L2 before the wait measured slower, per cache line and as bulk
 TMA prefetches, and so did prefetching them from the decode attention's grid while DRAM idles;
-the register loads before the wait measured faster: bench/RESULTS.md.)
+the register loads before the wait measured faster; so did asking L2 for the decode attention's
+first KV tile where that tile is a split's whole share: bench/RESULTS.md.)
 
 `COMPILED_PDL=0` (read at import) turns it off; it is also off off-GPU, before Hopper and under
 the Triton interpreter, where the flag is a compile-time False and the kernels are unchanged."""
@@ -153,6 +154,16 @@ def pdl_wait_only(PDL: tl.constexpr):
 def pdl_let_next_in(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs, nbytes: tl.constexpr, ok):
+    """Ask L2 for `nbytes` (a multiple of 16) at each of `ptrs` (16-byte aligned) where `ok`:
+    Hopper's bulk prefetch, a hint that costs the issuing thread no wait."""
+    tl.inline_asm_elementwise(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, $2, 0;\n@p cp.async.bulk.prefetch.L2.global [$1], $3;\nmov.b32 $0, 0;\n}",
+        "=r,l,r,r", [ptrs, ok.to(tl.int32), nbytes + tl.zeros_like(ok.to(tl.int32))],
+        dtype=tl.int32, is_pure=False, pack=1)
 
 
 # ----------------------------------------------------------------------------- @triton.jit pieces

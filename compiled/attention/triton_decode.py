@@ -24,7 +24,7 @@ import triton.language as tl
 
 from compiled.attention.reference import NormRope
 from compiled.attention.triton_norm_rope import norm_rope_tile
-from compiled.triton_utils import interpreter_upcast, launch_kwargs, num_sms, pdl_wait
+from compiled.triton_utils import interpreter_upcast, launch_kwargs, num_sms, pdl_wait, prefetch_l2
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64   # upper bound on splits per request (workspace sizing)
@@ -56,7 +56,8 @@ def _decode_kernel(
     stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
-    STORE: tl.constexpr, NORM_ROPE: tl.constexpr, MERGE_UNROLL: tl.constexpr, PDL: tl.constexpr,
+    STORE: tl.constexpr, NORM_ROPE: tl.constexpr, MERGE_UNROLL: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """DIRECT (one split): write the normalised output straight to Out, no merge. NORM_ROPE: q
     and the new k arrive raw; RMSNorm (weights Qw, Kw) and RoPE at Pos[b] are applied here."""
@@ -77,6 +78,13 @@ def _decode_kernel(
         rope_row = Cos_sin + tl.load(Pos + b).to(tl.int64) * stride_cs
     else:
         rope_row = Cos_sin
+    if PREFETCH:
+        # The first tile's K/V rows, which earlier steps wrote, asked of L2 so that their DRAM
+        # round trip overlaps the kernel before this one instead of following it. (The newest
+        # token's row may be among them: the store below writes through to L2.)
+        row_bytes: tl.constexpr = D * K_cache.dtype.element_ty.primitive_bitwidth // 8
+        prefetch_l2(K_cache + kvh * stride_kch + slots * stride_kcs, row_bytes, offs_n < end)
+        prefetch_l2(V_cache + kvh * stride_vch + slots * stride_vcs, row_bytes, offs_n < end)
     pdl_wait(PDL)
     offs_g = tl.arange(0, BLOCK_H)
     heads = kvh * GROUP + offs_g
@@ -265,6 +273,12 @@ class DecodeWorkspace:
         return self.o[:n * h * d].view(batch, h, splits, d), self.lse[:n * h].view(batch, h, splits)
 
 
+def _bulk_aligned(*pools: torch.Tensor) -> bool:
+    """Whether every K/V row of the pools starts and ends on 16 bytes (the bulk prefetch's unit)."""
+    return all(p.data_ptr() % 16 == 0 and all(s * p.element_size() % 16 == 0 for s in (p.stride(0), p.stride(1)))
+               and p.shape[-1] * p.element_size() % 16 == 0 for p in pools)
+
+
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float, workspace: DecodeWorkspace,
@@ -296,6 +310,11 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError("decode attention: norm_rope needs new_kv (the raw k to normalise and store)")
     qw, kw, pos, cos_sin, eps = norm_rope if norm_rope is not None else (q, q, seq_lens, q, 0.0)  # unread
     cfg = dict(default_config(d), **config)
+    pdl = launch_kwargs(q.device)
+    # Only where a split's first tile is its whole share of the context the split count is planned
+    # for (the smallest batches): where splits hold more, asking L2 for the first tile measured
+    # slower, and at batch 8 even in a decode step (bench/RESULTS.md).
+    prefetch = pdl["PDL"] and splits * cfg["block_n"] >= REFERENCE_CONTEXT and _bulk_aligned(k_cache, v_cache)
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1
     _decode_kernel[(batch, hkv, splits)](
@@ -308,6 +327,6 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=cfg["block_n"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreter_upcast(q.dtype),
         DIRECT=direct, STORE=new_kv is not None, NORM_ROPE=norm_rope is not None, MERGE_UNROLL=cfg["merge_unroll"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(q.device),
+        PREFETCH=prefetch, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )
     return out

@@ -362,6 +362,9 @@ CPU_GROUPS = {
                                                                   norm_rope=True)),
         ("decode_norm_rope_gqa8_d128_bf16", lambda: decode_case([200, 3], 8, 1, 128, BF16, 2, store=True,
                                                                 norm_rope=True)),
+        # one split: the newest token lies past the first tile, read back from the pool
+        ("decode_norm_rope_gqa8_d128_bf16_splits1", lambda: decode_case([200, 3], 8, 1, 128, BF16, 1, store=True,
+                                                                        norm_rope=True)),
         ("decode_padding_row_is_zero_splits3", lambda: decode_padding_case(3)),
         ("decode_padding_row_is_zero_splits1", lambda: decode_padding_case(1)),
     ],
