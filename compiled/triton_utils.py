@@ -169,10 +169,16 @@ def prefetch_l2(ptrs, nbytes: tl.constexpr, ok):
 # ----------------------------------------------------------------------------- @triton.jit pieces
 
 @triton.jit
+def tile_mask(mask_rows, mask_k, EVEN_K: tl.constexpr):
+    """The mask of a `[rows, BLOCK_K]` tile; EVEN_K: rows only, none along K (the loads stay
+    vectorised)."""
+    return mask_rows[:, None] if EVEN_K else mask_rows[:, None] & mask_k[None, :]
+
+
+@triton.jit
 def weight_tile(w_ptrs, mask_n, mask_k, EVEN_K: tl.constexpr):
-    """One `[BLOCK_N, BLOCK_K]` weight tile; EVEN_K: no mask along K (the loads stay vectorised)."""
-    mask = mask_n[:, None] if EVEN_K else mask_n[:, None] & mask_k[None, :]
-    return tl.load(w_ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    """One `[BLOCK_N, BLOCK_K]` weight tile (`tile_mask`)."""
+    return tl.load(w_ptrs, mask=tile_mask(mask_n, mask_k, EVEN_K), other=0.0, eviction_policy="evict_first")
 
 
 @triton.jit

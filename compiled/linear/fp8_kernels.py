@@ -36,8 +36,8 @@ from compiled.linear import skinny_kernels as lk
 from compiled.quant.dequant import fit_block_k, kernel_scale, resolve_block
 from compiled.quant.act_quant import QuantizedRows, quantize_per_token_group
 from compiled.triton_utils import (DEFAULT_NUM_SMS, FP8_DOT_MIN_K, fp8_dot_fits, hopper_or_newer,
-                                   interpreter_upcast, num_sms, row_scaled, scaled_tile, split_k_store, w8a8_rows,
-                                   w8a8_scales, w8a8_step, w8a8_step_t)
+                                   interpreter_upcast, num_sms, row_scaled, scaled_tile, split_k_store, tile_mask,
+                                   w8a8_rows, w8a8_scales, w8a8_step, w8a8_step_t)
 
 MIN_BLOCK = 16       # smallest BLOCK_M / BLOCK_N / BLOCK_K (tl.dot's minimum)
 BLOCK_N = 32         # columns a program where the grid fills the GPU without help
@@ -192,13 +192,10 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_
         sa_n, sw_n = w8a8_scales(xs_rows, s_ptr, w_rows, k_start, stride_sn, BO, BI)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            x_mask = offs_m[:, None] < M
-            w_mask = offs_n[:, None] < N
-        else:
-            x_mask = (offs_m[:, None] < M) & (offs_k[None, :] < k_end)
-            w_mask = (offs_n[:, None] < N) & (offs_k[None, :] < k_end)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
+        mask_k = offs_k < k_end
+        w_mask = tile_mask(offs_n < N, mask_k, EVEN_K)
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=tile_mask(offs_m < M, mask_k, EVEN_K),
+                    other=0.0)
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=w_mask, other=0.0)
         if A8:
             sa, sw = sa_n, sw_n

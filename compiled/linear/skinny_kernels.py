@@ -35,7 +35,7 @@ from compiled.quant.dequant import WeightScale, kernel_scale
 from compiled.triton_utils import (DEFAULT_NUM_SMS, chunk_scaled_dots, fp8_convert_asm, fp8_f32, gemv_chunk,
                                    interpreter_upcast, launch_kwargs, num_sms, pdl_let_next_in, pdl_wait,
                                    pdl_wait_only, residual_add, rms_normed, row_scaled, scaled_tile, silu_mul,
-                                   weight_tile, weighted_rows)
+                                   tile_mask, weight_tile, weighted_rows)
 
 BLOCK_M = max(16, triton.next_power_of_2(SKINNY_MAX_M))  # one tile for every row (tl.dot needs >= 16)
 TILE_MAX_M = 32            # rows a tile: a narrow weight's 33-64 (`max_rows`) take two row tiles
@@ -337,7 +337,7 @@ def _skinny_kernel(
             nw = tl.load(NW + ks, mask=ks < k_end, other=0.0)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + offs_k
-        x_mask = mask_m[:, None] if EVEN_K else mask_m[:, None] & (ks < k_end)[None, :]
+        x_mask = tile_mask(mask_m, ks < k_end, EVEN_K)
         if not GEMV:
             w = weight_tile(w_ptrs, mask_n, ks < k_end, EVEN_K)
         if ADD_NORM or SILU_MUL:
