@@ -141,13 +141,13 @@ def _other_calls() -> None:
     GEMM), without the fuse_qk_norm_rope pass (the plain K/V store), at 16 splits (the decode
     attention's L2 prefetch) or at one row (the skinny GEMM's GEMV mode: plain, split, and with
     each prologue; the decode step above has three)."""
+    from compiled.attention.triton_decode import DecodeWorkspace, decode_attention_triton
     from compiled.attention.triton_store import store_kv_triton
     from compiled.linear.prologue_kernels import add_rms_norm_triton, silu_and_mul_triton
     from compiled.moe.routing import topk_route_triton
     k_cache = torch.zeros(64, 2, 128).bfloat16()
     store_kv_triton(k_cache, k_cache.clone(), torch.arange(5), torch.randn(5, 2, 128).bfloat16(),
                     torch.randn(5, 2, 128).bfloat16())
-    from compiled.attention.triton_decode import DecodeWorkspace, decode_attention_triton
     # 16 splits: each split's first KV tile asked of L2 before the PDL wait (the smallest batches)
     decode_attention_triton(torch.randn(1, 4, 128).bfloat16(), k_cache, k_cache, torch.arange(64)[None].int(),
                             torch.zeros(1, dtype=torch.long), torch.tensor([40]), 0.1,
