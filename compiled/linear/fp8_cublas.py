@@ -13,12 +13,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+import compiled.envs as envs
 from compiled.linear import W8A16_MAX_M
 from compiled.quant.act_quant import FP8, QuantizedRows, quantize_per_token_group
 from compiled.quant.dequant import WeightScale, resolve_block
 from compiled.triton_utils import hopper
 
 GROUP = 128   # the recipe's activation group and weight block side
+# torch's cuBLASLt workspace (KiB; read at the process's first cuBLASLt call) where FP8 linears run
+# here. With a workspace, the blockwise GEMMs of the 30B's qkv at prefill sizes take dynamically
+# scheduled kernels that zero a tile counter before each call: a memset node and an idle gap before
+# every one in a captured prefill. Without, statically scheduled ones, and those are faster too
+# (H200, bench/RESULTS.md).
+WORKSPACE_KIB = 0
 # cuBLAS refuses the recipe for row counts that are not a multiple of this (257 is refused; the
 # activations are padded to it)
 ROW_ALIGN = 16
@@ -42,6 +49,14 @@ def fits(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale) -> bool:
     return (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
             and weight.is_contiguous() and hopper(x.device)
             and shape_fits(x.shape[0], N, K, resolve_block(list(fp8.block), N, K), fp8.scale.shape))
+
+
+def prefer_static_schedules() -> None:
+    """Ask torch for no cuBLASLt workspace (WORKSPACE_KIB) unless CUBLASLT_WORKSPACE_SIZE is set:
+    for a process about to run these GEMMs, before its first cuBLASLt call (after it, torch keeps
+    the size it read). Its child processes inherit the setting."""
+    if not envs.is_set("CUBLASLT_WORKSPACE_SIZE"):
+        envs.set_for_children("CUBLASLT_WORKSPACE_SIZE", str(WORKSPACE_KIB))
 
 
 def act_buffers(x: torch.Tensor) -> QuantizedRows:

@@ -15,6 +15,7 @@ from torch import fx, nn
 from compiled.errors import ConfigError
 from compiled.graphs.config import ModelConfig
 from compiled.graphs.trace import materialize, meta_model, trace
+from compiled.linear import fp8_cublas
 from compiled.passes.base import PassRecord
 from compiled.passes.manager import DEFAULT_PASSES, passes_for, run_passes
 from compiled.passes.variant import BASE, LORA, GraphVariant
@@ -128,6 +129,8 @@ def build_models(cfg: ModelConfig, path: str, config: EngineConfig, tp_rank: int
     module: nn.Module = meta_model(cfg, dtype)
     weights = module.checkpoint_map()
     quantized = cfg.quantization is not None
+    if quantized:
+        fp8_cublas.prefer_static_schedules()
     if use_graph:
         module = trace(module)
         lap("trace")

@@ -579,7 +579,7 @@ def test_cublas_w8a8_takes_only_its_recipe():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("M", [257, 2048])
+@pytest.mark.parametrize("M", [257, 1000, 2048, 8192])
 @pytest.mark.parametrize("N,K", [(5120, 2048), (2048, 4096)])
 def test_gpu_fp8_cublas_w8a8_matches_dequantized(M, N, K):
     """The 30B's qkv and o_proj at prefill sizes through the op (cuBLAS W8A8 on Hopper): against

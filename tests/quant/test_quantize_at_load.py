@@ -3,6 +3,8 @@ holding the quantized-then-dequantized weights; with dummy weights, FP8 in the r
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -26,7 +28,9 @@ def test_quantize_at_load_matches_the_quantized_dequantized_model(tmp_path, one_
     assert_generate_matches_hf(llm, hf, random_prompts(MOE["vocab_size"], [11, 8]), 5)
 
 
-def test_quantize_at_load_with_dummy_weights(tmp_path):
+def test_quantize_at_load_with_dummy_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "1")   # so that the test's end puts it back as it was
+    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE")
     make_checkpoint(tmp_path, moe=True, num_attention_heads=8, num_key_value_heads=8, head_dim=16,
                     hidden_size=128, moe_intermediate_size=128)
     llm = LLM(str(tmp_path), device="cpu", load_format="dummy", quantization="fp8")
@@ -35,6 +39,19 @@ def test_quantize_at_load_with_dummy_weights(tmp_path):
     scale = dict(llm.model.named_parameters())["model.layers.0.mlp.w13_scale"]
     assert scale.shape == (MOE["num_experts"], 2, 1)
     assert len(llm.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True))[0].token_ids) == 4
+    # FP8 weights: cuBLASLt's workspace asked away (its statically scheduled FP8 GEMMs), for this
+    # process and its children
+    assert os.environ["CUBLASLT_WORKSPACE_SIZE"] == "0"
+
+
+def test_a_set_cublaslt_workspace_is_left_alone(monkeypatch):
+    from compiled.linear import fp8_cublas
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "4096")
+    fp8_cublas.prefer_static_schedules()
+    assert os.environ["CUBLASLT_WORKSPACE_SIZE"] == "4096"
+    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE")
+    fp8_cublas.prefer_static_schedules()
+    assert os.environ["CUBLASLT_WORKSPACE_SIZE"] == str(fp8_cublas.WORKSPACE_KIB)
 
 
 def test_unknown_quantization_is_one_line(tmp_path):
