@@ -81,8 +81,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "unless set"),
     EnvVar("NVSHMEM_DISABLE_NVLS", _flag, "0 or 1", "set to 1 for a context-parallel group on GPUs unless set"),
     EnvVar("CUBLASLT_WORKSPACE_SIZE", _count, "an int >= 0 (KiB)",
-           "torch's cuBLASLt workspace; set to 0 unless set by an engine with FP8 weights, whose prefill-sized "
-           "linears then take cuBLASLt's statically scheduled FP8 GEMMs (`linear/fp8_cublas.py` says why)"),
+           "torch's cuBLASLt workspace; an engine with FP8 weights sets it to 0 when unset, so that its "
+           "prefill-sized linears take cuBLASLt's statically scheduled FP8 GEMMs (`linear/fp8_cublas.py` says why)"),
     EnvVar("TRITON_CACHE_DIR", _text, "a folder", "Triton's kernel cache (`compiled bench startup --fresh-caches` "
            "and `compiled export` point it at an empty folder; a start from an artifact copies the artifact's "
            "kernels into it, setting it to Triton's own folder when unset)"),
