@@ -387,13 +387,9 @@ def masked_dot_t(acc, x_ptrs, a_ptrs, rows, cols, k_start, k_end, BLOCK_K: tl.co
     (the LoRA shrinks of the linear and the MoE share it). EVEN_K: the range is whole blocks."""
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=rows[:, None], other=0.0)
-            a = tl.load(a_ptrs, mask=cols[:, None], other=0.0)
-        else:
-            k_ok = (k0 + offs_k) < k_end
-            x = tl.load(x_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
-            a = tl.load(a_ptrs, mask=cols[:, None] & k_ok[None, :], other=0.0)
+        k_ok = (k0 + offs_k) < k_end
+        x = tl.load(x_ptrs, mask=tile_mask(rows, k_ok, EVEN_K), other=0.0)
+        a = tl.load(a_ptrs, mask=tile_mask(cols, k_ok, EVEN_K), other=0.0)
         if UPCAST:
             x = x.to(tl.float32)
             a = a.to(tl.float32)
