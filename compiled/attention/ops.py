@@ -165,22 +165,47 @@ def _attention_triton(ctx: AttentionContext, q, k, v, layer: int, scale: float, 
         return decode_attention_triton(q, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
                                        meta.seq_lens, scale, decode_workspace(ctx, q),
                                        new_kv=(k, v, meta.out_cache_loc), norm_rope=rope, out=out)
-    # In a mixed step the leading one-token requests (`decode_rows`) attend through the decode
-    # kernel, which also normalises, rotates and stores their K/V as in a decode step (the same
-    # compiled kernel: whole arrays of which it reads the first n, not slices); the other
-    # requests through the extend kernel, which finds their rows by offset.
+    # In a mixed step the leading requests (`decode_rows`) attend through the decode kernel, the
+    # others through the extend kernel, which finds their rows by offset.
     n = meta.decode_rows
     out = torch.empty_like(q) if out is None else out
-    if rope is None:
-        store_kv_triton(k_cache, v_cache, meta.out_cache_loc, k, v)
-    if n:
-        new_kv = None if rope is None else (k, v, meta.out_cache_loc)
-        decode_attention_triton(q[:n], k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices, meta.seq_lens,
-                                scale, decode_workspace(ctx, q[:n]), new_kv=new_kv, norm_rope=rope, out=out[:n])
-    if meta.max_extend_len:
-        if rope is not None:   # one launch normalises, rotates and stores
+    if meta.token_rows is not None:
+        q, k = _token_rows_triton(ctx, q, k, v, out, layer, scale, rope)
+    else:
+        # Each of them one token: the decode kernel also normalises, rotates and stores their K/V
+        # as in a decode step (the same compiled kernel: whole arrays of which it reads the first
+        # n, not slices).
+        if rope is None:
+            store_kv_triton(k_cache, v_cache, meta.out_cache_loc, k, v)
+        if n:
+            new_kv = None if rope is None else (k, v, meta.out_cache_loc)
+            decode_attention_triton(q[:n], k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices, meta.seq_lens,
+                                    scale, decode_workspace(ctx, q[:n]), new_kv=new_kv, norm_rope=rope, out=out[:n])
+        if meta.max_extend_len and rope is not None:   # one launch normalises, rotates and stores
             q, k = norm_rope_store_triton(q, k, v, k_cache, v_cache, meta.out_cache_loc, rope, first=n)
+    if meta.max_extend_len:
         extend_attention_triton(q, k, v, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
                                 meta.seq_lens, meta.extend_lens, extend_start_loc(meta), meta.max_extend_len,
                                 scale, out=out, max_prefix_len=meta.max_prefix_len, first_request=n)
     return out
+
+
+def _token_rows_triton(ctx: AttentionContext, q, k, v, out: torch.Tensor, layer: int, scale: float,
+                       rope: NormRope | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The leading requests of a mixed step with chunks of several tokens among them: every
+    token's K/V is stored first (a chunk's later tokens attend to its earlier ones, which other
+    programs of one decode launch would be storing), then each of their tokens attends as a
+    decode row of its own (`meta.token_rows`, `meta.token_lens`) into `out`. Returns q and k as
+    the extend kernel reads them (normalised and rotated where `rope`)."""
+    from compiled.attention.triton_decode import decode_attention_triton
+    from compiled.attention.triton_norm_rope import norm_rope_store_triton
+    from compiled.attention.triton_store import store_kv_triton
+    meta, k_cache, v_cache = ctx.meta, ctx.kv.k[layer], ctx.kv.v[layer]
+    if rope is None:
+        store_kv_triton(k_cache, v_cache, meta.out_cache_loc, k, v)
+    else:
+        q, k = norm_rope_store_triton(q, k, v, k_cache, v_cache, meta.out_cache_loc, rope)
+    rows = meta.token_rows.shape[0]
+    decode_attention_triton(q[:rows], k_cache, v_cache, ctx.req_to_token, meta.token_rows, meta.token_lens, scale,
+                            decode_workspace(ctx, q[:rows]), out=out[:rows])
+    return q, k

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from compiled.attention.context import AttentionContext, AttentionMetadata
+from compiled.attention.context import AttentionContext, AttentionMetadata, decode_kernel_share
 from compiled.attention.kv_cache import KVPool, ReqToTokenPool
 from compiled.compilation.buckets import smallest_bucket
 from compiled.compilation.piecewise_graphs import PiecewiseGraphs
@@ -288,12 +288,17 @@ class ModelRunner:
                 ext_lens + [0] * (seqs - b)
             b = seqs
         inp.upload()
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             out_cache_loc=inp.out_cache_loc[:tokens], req_pool_indices=inp.req_pool_indices[:b],
             seq_lens=inp.seq_lens[:b], extend_lens=inp.extend_lens[:b],
             req_pool_indices_cpu=rows, seq_lens_cpu=seq_lens, extend_lens_cpu=ext_lens,
-            is_decode=is_decode, extend_start_loc=inp.extend_start_loc[:b],
-            decode_rows=0 if is_decode else next((i for i, c in enumerate(chunks) if c.length != 1), len(chunks)))
+            is_decode=is_decode, extend_start_loc=inp.extend_start_loc[:b])
+        if not is_decode:
+            meta.decode_rows, leading = decode_kernel_share([(c.length, c.start) for c in chunks],
+                                                            self.req_pool.table.shape[0])
+            if leading > meta.decode_rows:   # a chunk of several tokens among them: a row a token
+                meta.token_rows, meta.token_lens = inp.token_rows[:leading], inp.positions[:leading] + 1
+        return meta
 
     def _run_model(self, meta: AttentionMetadata, tokens: int, variant: GraphVariant = BASE) -> torch.Tensor:
         write_request_table(self.req_pool.table, self.inputs, tokens)

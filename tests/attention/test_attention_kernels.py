@@ -241,9 +241,13 @@ def extend_case(prefix_lens, ext_lens, hq, hkv, d, dtype, device="cpu", seed=0, 
 
 # (prefix lengths, new tokens) of the op's layouts; "mixed": one-token requests (a decode, a
 # one-token prompt, a long decode) first, as the scheduler orders a mixed step, then prompts;
-# "decode_rows": every request one token in a step that is not a decode step (padded).
+# "decode_rows": every request one token in a step that is not a decode step (padded);
+# "short_chunks": chunks of a few tokens (with and without a prefix) among the leading requests,
+# whose every token is a decode row (`token_rows`), then prompts; "short_only": no prompts after.
 OP_LAYOUTS = {"decode": ([9, 0, 130], [1, 1, 1]), "extend": ([0, 40, 77], [23, 1, 60]),
-              "mixed": ([9, 0, 130, 0, 40], [1, 1, 1, 23, 60]), "decode_rows": ([9, 0, 130], [1, 1, 1])}
+              "mixed": ([9, 0, 130, 0, 40], [1, 1, 1, 23, 60]), "decode_rows": ([9, 0, 130], [1, 1, 1]),
+              "short_chunks": ([9, 0, 130, 57, 40], [1, 5, 1, 7, 60]), "short_only": ([9, 140, 0], [1, 7, 3])}
+DECODE_ROWS = {"mixed": 3, "decode_rows": 3, "short_chunks": 4, "short_only": 3}
 
 
 def op_case(decode: bool, device="cpu", norm_rope=False, cp=False, layout: str | None = None):
@@ -260,7 +264,7 @@ def op_case(decode: bool, device="cpu", norm_rope=False, cp=False, layout: str |
     hq, hkv, d, layer = 4, 2, 32, 1
     layout = layout or ("decode" if decode else "extend")
     prefix, ext = OP_LAYOUTS[layout]
-    decode_rows = {"mixed": 3, "decode_rows": 3}.get(layout, 0)
+    decode_rows = DECODE_ROWS.get(layout, 0)
     seq = [p + e for p, e in zip(prefix, ext)]
     outs, pools = [], []
     for backend in ("torch", "triton"):
@@ -279,6 +283,10 @@ def op_case(decode: bool, device="cpu", norm_rope=False, cp=False, layout: str |
             seq_lens=torch.tensor(seq, device=device), extend_lens=torch.tensor(ext, device=device),
             req_pool_indices_cpu=rows, seq_lens_cpu=seq, extend_lens_cpu=ext, is_decode=decode,
             decode_rows=decode_rows)
+        if layout.startswith("short"):   # each leading token a row: its request's row, its context
+            lead = list(zip(rows, prefix, ext))[:decode_rows]
+            meta.token_rows = torch.tensor([r for r, _, e in lead for _ in range(e)], device=device)
+            meta.token_lens = torch.tensor([p + i + 1 for _, p, e in lead for i in range(e)], device=device)
         t = sum(ext)
         q, k, v = randn((t, hq, d), torch.float32, device, 1), randn((t, hkv, d), torch.float32, device, 2), \
             randn((t, hkv, d), torch.float32, device, 3)
@@ -406,6 +414,9 @@ CPU_GROUPS = {
         ("op_mixed_decode_rows_triton_vs_torch", lambda: op_case(False, layout="mixed")),
         ("op_mixed_decode_rows_norm_rope_triton_vs_torch", lambda: op_case(False, norm_rope=True, layout="mixed")),
         ("op_only_decode_rows_triton_vs_torch", lambda: op_case(False, norm_rope=True, layout="decode_rows")),
+        ("op_short_chunks_norm_rope_triton_vs_torch", lambda: op_case(False, norm_rope=True, layout="short_chunks")),
+        ("op_short_chunks_triton_vs_torch", lambda: op_case(False, layout="short_chunks")),
+        ("op_short_only_norm_rope_triton_vs_torch", lambda: op_case(False, norm_rope=True, layout="short_only")),
     ],
 }
 
@@ -564,7 +575,7 @@ def test_gpu_op_triton_matches_torch(decode, norm_rope):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["mixed", "decode_rows"])
+@pytest.mark.parametrize("layout", ["mixed", "decode_rows", "short_chunks", "short_only"])
 def test_gpu_op_decode_rows_of_a_mixed_step(layout):
     err, tol = op_case(False, device="cuda", norm_rope=True, layout=layout)
     assert err <= tol, err
