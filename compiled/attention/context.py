@@ -15,24 +15,27 @@ from compiled.attention.kv_cache import KVPool
 
 # A chunk of a mixed step attends as rows of the decode kernel (`AttentionMetadata.token_rows`)
 # where that beats the extend kernel, whose one program a query head reads the chunk's prefix
-# alone: one token, or at most DECODE_ROWS_MAX_CHUNK tokens over a prefix of at least
-# DECODE_ROWS_MIN_PREFIX times as many (a chunk's tail after a full step, a speculative draft).
-# H200, 30B heads, beside 9 decode rows (bench/RESULTS.md): 9 tokens over 2,039 cached, 25.5
-# against 79.4 µs a layer; 16 over none, 29.5 against 27.3.
+# alone: up to DECODE_ROWS_MAX_CHUNK tokens, each past the first DECODE_ROWS_ANY_PREFIX asking
+# DECODE_ROWS_PREFIX_A_TOKEN tokens of prefix (a prompt's tail after a capped step, a short
+# prompt, a speculative draft). H200, 30B heads, beside 9 decode rows, µs a layer (extend / as
+# rows, bench/RESULTS.md): 9 tokens over none 27.0 / 24.4, 16 over none 27.3 / 29.5, 32 over
+# 500 41.7 / 35.9, 9 over 2,039 79.4 / 25.5.
 DECODE_ROWS_MAX_CHUNK = 32
-DECODE_ROWS_MIN_PREFIX = 16
+DECODE_ROWS_ANY_PREFIX = 8
+DECODE_ROWS_PREFIX_A_TOKEN = 16
 
 
 def attends_as_decode_rows(length: int, prefix: int) -> bool:
-    """Whether a chunk of `length` new tokens after `prefix` cached ones attends through the
-    decode kernel in a mixed step (the scheduler puts those chunks first)."""
-    return length == 1 or length <= DECODE_ROWS_MAX_CHUNK and prefix >= DECODE_ROWS_MIN_PREFIX * length
+    """Whether a chunk of `length` new tokens after `prefix` cached ones is one the decode kernel
+    attends for in a mixed step (`decode_kernel_share`)."""
+    return length <= DECODE_ROWS_MAX_CHUNK and prefix >= DECODE_ROWS_PREFIX_A_TOKEN * (length - DECODE_ROWS_ANY_PREFIX)
 
 
 def decode_kernel_share(chunks: list[tuple[int, int]], max_rows: int) -> tuple[int, int]:
-    """Of a mixed step's chunks ((new tokens, prefix) each, in batch order): how many leading ones,
-    and how many tokens of theirs, attend through the decode kernel: those for which
-    `attends_as_decode_rows`, while their tokens fit `max_rows` (its workspace's rows)."""
+    """Of a mixed step's chunks ((new tokens, prefix) each, in batch order: the one-token ones
+    first, as the scheduler puts them): how many leading ones, and how many tokens of theirs,
+    attend through the decode kernel: up to the first for which not `attends_as_decode_rows`,
+    while their tokens fit `max_rows` (its workspace's rows)."""
     requests = tokens = 0
     for length, prefix in chunks:
         if not attends_as_decode_rows(length, prefix) or tokens + length > max_rows:
@@ -55,8 +58,8 @@ class AttentionMetadata:
     # [B] offset of each request's first new token in the packed batch (exclusive cumsum of
     # extend_lens); the Triton extend kernel reads it. None: computed on the device when needed.
     extend_start_loc: torch.Tensor | None = None
-    # In a step that is not all decode: the first `decode_rows` requests (the scheduler puts them
-    # first) attend through the decode kernel: the extend kernel's 64-128-row query tiles would
+    # In a step that is not all decode: the first `decode_rows` requests (`decode_kernel_share`)
+    # attend through the decode kernel: the extend kernel's 64-128-row query tiles would
     # hold one live row each over their whole context, and for a few new tokens over a long
     # prefix its one program a query head reads the prefix alone. Each has one new token, unless
     # `token_rows` is set: then each of their tokens is a row of the decode kernel, its request's

@@ -16,7 +16,6 @@ import numpy as np
 
 import torch
 
-from compiled.attention.context import attends_as_decode_rows
 from compiled.attention.kv_cache import KVPool, ReqToTokenPool
 from compiled.runtime.prefix_cache import PrefixCache
 from compiled.runtime.request import Request
@@ -142,9 +141,9 @@ class Scheduler:
                 return Batch([self._chunk(request, n, self._alloc(n))])
             self.retract(self._victim(self.running))
             return type(self).schedule(self)
-        # One-token chunks and short ones over a long prefix first: the attention of a mixed step
-        # runs them through the decode kernel as one block (`AttentionMetadata.decode_rows`).
-        chunks.sort(key=lambda c: not attends_as_decode_rows(c.length, c.start))
+        # One-token chunks first: the attention of a mixed step runs them through the decode
+        # kernel as one block (`AttentionMetadata.decode_rows`).
+        chunks.sort(key=lambda c: c.length != 1)
         return Batch(chunks) if chunks else None
 
     def _held(self, request: Request, prefix, n: int, chunks: list[Chunk]) -> str | None:

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from compiled import LLM, SamplingParams
-from compiled.attention.context import DECODE_ROWS_MAX_CHUNK, DECODE_ROWS_MIN_PREFIX
+from compiled.attention.context import (DECODE_ROWS_ANY_PREFIX, DECODE_ROWS_MAX_CHUNK, DECODE_ROWS_PREFIX_A_TOKEN,
+                                       decode_kernel_share)
 from compiled.attention.kv_cache import KVPool, ReqToTokenPool
 from compiled.demo import MOE_MODEL
 from compiled.runtime.request import Request
@@ -75,49 +76,57 @@ def test_gpu_outputs_do_not_depend_on_the_cap(monkeypatch):
     assert 4 in calls   # the step of two decodes and the 3-token tail
 
 
-def test_decode_row_chunks_lead_the_step():
-    """The attention of a mixed step runs its leading one-token chunks, and short chunks over a
-    long prefix, through the decode kernel (`attends_as_decode_rows`), so a batch puts them first:
-    here a request admitted with a long cached prefix and 3 new tokens goes before the long prompt
-    still being chunked that was admitted before it; a 3-token prompt without one does not."""
-    long, cap = DECODE_ROWS_MAX_CHUNK + 9, DECODE_ROWS_MAX_CHUNK + 17
-    kv = KVPool(1, 512, 1, 4, torch.float32, torch.device("cpu"))
-    s = Scheduler(kv, ReqToTokenPool(8, 256, torch.device("cpu")), 8, 128, prefix_cache=True,
-                  max_mixed_step_tokens=cap)
-    cached = list(range(100, 100 + 3 * DECODE_ROWS_MIN_PREFIX))
+def test_one_token_chunks_lead_the_step():
+    """The attention of a mixed step runs its leading one-token chunks through the decode kernel,
+    so a batch puts them first: here a request admitted with all but its last prompt token cached
+    goes before the prompt still being chunked that was admitted before it."""
+    kv = KVPool(1, 256, 1, 4, torch.float32, torch.device("cpu"))
+    s = Scheduler(kv, ReqToTokenPool(8, 128, torch.device("cpu")), 8, 12, prefix_cache=True,
+                  max_mixed_step_tokens=8)
+    cached = list(range(100, 110))
     s.add(Request(id=0, prompt=None, prompt_token_ids=cached, params=_greedy(1)))
-    assert _step(s) == [(0, 0, len(cached))]                 # finishes; its prompt stays cached
+    assert _step(s) == [(0, 0, 10)]                           # finishes; its prompt stays cached
     s.add(Request(id=1, prompt=None, prompt_token_ids=[5], params=_greedy(20)))
     assert _step(s) == [(1, 0, 1)]
-    s.add(Request(id=2, prompt=None, prompt_token_ids=list(range(200, 200 + cap - 1 + long)), params=_greedy(2)))
-    assert _step(s) == [(1, 1, 1), (2, 0, cap - 1)]
-    s.add(Request(id=3, prompt=None, prompt_token_ids=cached + [7] * 3, params=_greedy(2)))
-    s.add(Request(id=4, prompt=None, prompt_token_ids=[7] * 3, params=_greedy(2)))
+    s.add(Request(id=2, prompt=None, prompt_token_ids=list(range(200, 216)), params=_greedy(2)))
+    assert _step(s) == [(1, 1, 1), (2, 0, 7)]
+    assert _step(s) == [(1, 2, 1), (2, 7, 7)]
+    s.add(Request(id=3, prompt=None, prompt_token_ids=cached, params=_greedy(2)))
     assert [r.id for r in s.running] == [1, 2]
-    # running order would be 1, 2, 3, 4
-    assert _step(s) == [(1, 2, 1), (3, len(cached), 3), (2, cap - 1, long), (4, 0, 3)]
+    assert _step(s) == [(1, 3, 1), (3, 9, 1), (2, 14, 2)]     # running order would be 1, 2, 3
+
+
+def test_decode_kernel_share_stops_at_the_first_chunk_it_leaves_out():
+    few, over = DECODE_ROWS_ANY_PREFIX, DECODE_ROWS_ANY_PREFIX + 4
+    long_prefix = DECODE_ROWS_PREFIX_A_TOKEN * (over - DECODE_ROWS_ANY_PREFIX)
+    chunks = [(1, 100), (1, 7), (few, 0), (over, long_prefix), (over, long_prefix - 1), (2, 3000)]
+    assert decode_kernel_share(chunks, 64) == (4, 2 + few + over)
+    assert decode_kernel_share(chunks, 2 + few) == (3, 2 + few)            # the rows it has
+    assert decode_kernel_share([(over, 0), (1, 5)], 64) == (0, 0)
+    assert decode_kernel_share([(DECODE_ROWS_MAX_CHUNK + 1, 10 ** 6)], 64) == (0, 0)
 
 
 def test_a_short_chunk_attends_as_decode_rows():
-    """The runner lays out a step of a decode and a prompt's 3-token tail (the mixed-step cap cut
-    the prompt after 48 tokens) for the decode kernel: both requests lead (`decode_rows`), each
-    token a row of its own, on its request's table row, its context (position + 1) its length."""
-    head = 3 * DECODE_ROWS_MIN_PREFIX
-    llm = LLM(MOE_MODEL, device="cpu", dtype="float32", max_model_len=96, max_num_batched_tokens=64,
+    """The runner lays out a step of a decode and a prompt's 12-token tail over the 64 tokens the
+    mixed-step cap let through before for the decode kernel: both requests lead (`decode_rows`),
+    each token a row of its own, on its request's table row, its context (position + 1) its length."""
+    tail = DECODE_ROWS_ANY_PREFIX + 4
+    head = DECODE_ROWS_PREFIX_A_TOKEN * (tail - DECODE_ROWS_ANY_PREFIX)
+    llm = LLM(MOE_MODEL, device="cpu", dtype="float32", max_model_len=96, max_num_batched_tokens=96,
               max_mixed_step_tokens=head + 1)
     eng = llm.engine
     first = eng.make_request(0, [5, 9, 2], _greedy(8))
     eng.add(first)
     while not first.output_token_ids:
         eng.step()
-    second = eng.make_request(1, list(range(3, 3 + head + 3)), _greedy(2))
+    second = eng.make_request(1, list(range(3, 3 + head + tail)), _greedy(2))
     eng.add(second)
     while second.num_computed < head:                         # the decode and the prompt's head
         eng.step()
     batch = eng.scheduler.schedule()
-    assert [(c.request.id, c.length) for c in batch.chunks] == [(0, 1), (1, 3)]
+    assert [(c.request.id, c.length) for c in batch.chunks] == [(0, 1), (1, tail)]
     meta = eng.runner._stage(batch.chunks, batch.num_tokens)
     rows = [c.request.row for c in batch.chunks]
     assert meta.decode_rows == 2 and meta.max_extend_len == 0
-    assert meta.token_rows.tolist() == [rows[0]] + [rows[1]] * 3
-    assert meta.token_lens.tolist() == [batch.chunks[0].start + 1] + [head + 1, head + 2, head + 3]
+    assert meta.token_rows.tolist() == [rows[0]] + [rows[1]] * tail
+    assert meta.token_lens.tolist() == [batch.chunks[0].start + 1] + list(range(head + 1, head + tail + 1))
