@@ -17,9 +17,8 @@ from compiled.attention.kv_cache import KVPool
 # where that beats the extend kernel, whose one program a query head reads the chunk's prefix
 # alone: up to DECODE_ROWS_MAX_CHUNK tokens, each past the first DECODE_ROWS_ANY_PREFIX asking
 # DECODE_ROWS_PREFIX_A_TOKEN tokens of prefix (a prompt's tail after a capped step, a short
-# prompt, a speculative draft). H200, 30B heads, beside 9 decode rows, µs a layer (extend / as
-# rows, bench/RESULTS.md): 9 tokens over none 27.0 / 24.4, 16 over none 27.3 / 29.5, 32 over
-# 500 41.7 / 35.9, 9 over 2,039 79.4 / 25.5.
+# prompt, a speculative draft): where the rows measured faster on an H200 with the 30B's heads
+# (`bench/mixed_attention_bench.py`, bench/RESULTS.md, extend attention).
 DECODE_ROWS_MAX_CHUNK = 32
 DECODE_ROWS_ANY_PREFIX = 8
 DECODE_ROWS_PREFIX_A_TOKEN = 16
