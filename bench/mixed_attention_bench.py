@@ -42,7 +42,7 @@ def metadata(rows: int, context: int, chunk: int, prefix: int, as_rows: bool) ->
                              decode_rows=rows + 1 if as_rows else rows)
     if as_rows:
         meta.token_rows = t([r for r, n in zip(reqs, news) for _ in range(n)])
-        meta.token_lens = t([p + i + 1 for p, n in zip(prefixes, news) for i in range(n)])
+        meta.token_positions = t([p + i for p, n in zip(prefixes, news) for i in range(n)])
     return meta
 
 

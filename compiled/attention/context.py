@@ -62,9 +62,11 @@ class AttentionMetadata:
     # hold one live row each over their whole context, and for a few new tokens over a long
     # prefix its one program a query head reads the prefix alone. Each has one new token, unless
     # `token_rows` is set: then each of their tokens is a row of the decode kernel, its request's
-    # table row `token_rows[t]` and its context `token_lens[t]` (position + 1) tokens long.
+    # table row `token_rows[t]` and its context `token_positions[t] + 1` tokens long (`token_lens`:
+    # None until the attention op computes it on the device, once a step, as `extend_start_loc`).
     decode_rows: int = 0
     token_rows: torch.Tensor | None = None
+    token_positions: torch.Tensor | None = None
     token_lens: torch.Tensor | None = None
 
     @property

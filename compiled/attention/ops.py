@@ -150,6 +150,14 @@ def extend_start_loc(meta: AttentionMetadata) -> torch.Tensor:
     return meta.extend_start_loc
 
 
+def token_lens(meta: AttentionMetadata) -> torch.Tensor:
+    """The context length of each decode row of `meta.token_rows` (its position + 1), computed on
+    the device once per step (metadata no kernel reads, a prompt graph's, launches nothing)."""
+    if meta.token_lens is None:
+        meta.token_lens = meta.token_positions + 1
+    return meta.token_lens
+
+
 def _attention_triton(ctx: AttentionContext, q, k, v, layer: int, scale: float, rope: NormRope | None) -> torch.Tensor:
     from compiled.attention.triton_decode import decode_attention_triton
     from compiled.attention.triton_extend import extend_attention_triton
@@ -195,7 +203,7 @@ def _token_rows_triton(ctx: AttentionContext, q, k, v, out: torch.Tensor, layer:
     """The leading requests of a mixed step with chunks of several tokens among them: every
     token's K/V is stored first (a chunk's later tokens attend to its earlier ones, which other
     programs of one decode launch would be storing), then each of their tokens attends as a
-    decode row of its own (`meta.token_rows`, `meta.token_lens`) into `out`. Returns q and k as
+    decode row of its own (`meta.token_rows`, `token_lens`) into `out`. Returns q and k as
     the extend kernel reads them (normalised and rotated where `rope`)."""
     from compiled.attention.triton_decode import decode_attention_triton
     from compiled.attention.triton_norm_rope import norm_rope_store_triton
@@ -206,6 +214,6 @@ def _token_rows_triton(ctx: AttentionContext, q, k, v, out: torch.Tensor, layer:
     else:
         q, k = norm_rope_store_triton(q, k, v, k_cache, v_cache, meta.out_cache_loc, rope)
     rows = meta.token_rows.shape[0]
-    decode_attention_triton(q[:rows], k_cache, v_cache, ctx.req_to_token, meta.token_rows, meta.token_lens, scale,
+    decode_attention_triton(q[:rows], k_cache, v_cache, ctx.req_to_token, meta.token_rows, token_lens(meta), scale,
                             decode_workspace(ctx, q[:rows]), out=out[:rows])
     return q, k

@@ -297,7 +297,7 @@ class ModelRunner:
             meta.decode_rows, leading = decode_kernel_share([(c.length, c.start) for c in chunks],
                                                             self.req_pool.table.shape[0])
             if leading > meta.decode_rows:   # a chunk of several tokens among them: a row a token
-                meta.token_rows, meta.token_lens = inp.token_rows[:leading], inp.positions[:leading] + 1
+                meta.token_rows, meta.token_positions = inp.token_rows[:leading], inp.positions[:leading]
         return meta
 
     def _run_model(self, meta: AttentionMetadata, tokens: int, variant: GraphVariant = BASE) -> torch.Tensor:

@@ -286,7 +286,7 @@ def op_case(decode: bool, device="cpu", norm_rope=False, cp=False, layout: str |
         if layout.startswith("short"):   # each leading token a row: its request's row, its context
             lead = list(zip(rows, prefix, ext))[:decode_rows]
             meta.token_rows = torch.tensor([r for r, _, e in lead for _ in range(e)], device=device)
-            meta.token_lens = torch.tensor([p + i + 1 for _, p, e in lead for i in range(e)], device=device)
+            meta.token_positions = torch.tensor([p + i for _, p, e in lead for i in range(e)], device=device)
         t = sum(ext)
         q, k, v = randn((t, hq, d), torch.float32, device, 1), randn((t, hkv, d), torch.float32, device, 2), \
             randn((t, hkv, d), torch.float32, device, 3)

@@ -11,6 +11,7 @@ from compiled import LLM, SamplingParams
 from compiled.attention.context import (DECODE_ROWS_ANY_PREFIX, DECODE_ROWS_MAX_CHUNK, DECODE_ROWS_PREFIX_A_TOKEN,
                                        decode_kernel_share)
 from compiled.attention.kv_cache import KVPool, ReqToTokenPool
+from compiled.attention.ops import token_lens
 from compiled.demo import MOE_MODEL
 from compiled.runtime.request import Request
 from compiled.runtime.scheduler import Scheduler
@@ -129,4 +130,4 @@ def test_a_short_chunk_attends_as_decode_rows():
     rows = [c.request.row for c in batch.chunks]
     assert meta.decode_rows == 2 and meta.max_extend_len == 0
     assert meta.token_rows.tolist() == [rows[0]] + [rows[1]] * tail
-    assert meta.token_lens.tolist() == [batch.chunks[0].start + 1] + list(range(head + 1, head + tail + 1))
+    assert token_lens(meta).tolist() == [batch.chunks[0].start + 1] + list(range(head + 1, head + tail + 1))
