@@ -175,7 +175,7 @@ def _attention_triton(ctx: AttentionContext, q, k, v, layer: int, scale: float, 
                                        new_kv=(k, v, meta.out_cache_loc), norm_rope=rope, out=out)
     # In a mixed step the leading requests (`decode_rows`) attend through the decode kernel, the
     # others through the extend kernel, which finds their rows by offset.
-    n = meta.decode_rows
+    n, extend_len = meta.decode_rows, meta.max_extend_len
     out = torch.empty_like(q) if out is None else out
     if meta.token_rows is not None:
         q, k = _token_rows_triton(ctx, q, k, v, out, layer, scale, rope)
@@ -189,11 +189,11 @@ def _attention_triton(ctx: AttentionContext, q, k, v, layer: int, scale: float, 
             new_kv = None if rope is None else (k, v, meta.out_cache_loc)
             decode_attention_triton(q[:n], k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices, meta.seq_lens,
                                     scale, decode_workspace(ctx, q[:n]), new_kv=new_kv, norm_rope=rope, out=out[:n])
-        if meta.max_extend_len and rope is not None:   # one launch normalises, rotates and stores
+        if extend_len and rope is not None:   # one launch normalises, rotates and stores
             q, k = norm_rope_store_triton(q, k, v, k_cache, v_cache, meta.out_cache_loc, rope, first=n)
-    if meta.max_extend_len:
+    if extend_len:
         extend_attention_triton(q, k, v, k_cache, v_cache, ctx.req_to_token, meta.req_pool_indices,
-                                meta.seq_lens, meta.extend_lens, extend_start_loc(meta), meta.max_extend_len,
+                                meta.seq_lens, meta.extend_lens, extend_start_loc(meta), extend_len,
                                 scale, out=out, max_prefix_len=meta.max_prefix_len, first_request=n)
     return out
 
