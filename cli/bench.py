@@ -7,6 +7,7 @@ file holds the command surface and the tables."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
@@ -502,10 +503,14 @@ def serving(
     run = _build("serving", o)
     items, workload = _workload(run)
     _with_structured(items, bench_structured.prepare(run.llm, o.structured, o.seed))
-    with _progress("serving") as bar:
+    from compiled.compilation.triton_cache import counting_compiles
+    on_gpu = run.llm.config.device.type == "cuda"
+    with _progress("serving") as bar, counting_compiles() if on_gpu else contextlib.nullcontext() as kernels:
         task = bar.add_task("requests", total=len(items))
         res = run.results = core.serving(run.llm, items, o.request_rate, o.max_concurrency, o.seed,
                                          on_finish=lambda n: bar.advance(task, n))
+    if kernels is not None:   # a kernel compiled while serving held up every running request
+        res["triton_kernels"] = dict(kernels)
     if o.structured is not None:   # what the constraint cost: grammar compiles, each step's masks
         res["structured"] = bench_structured.results(run.llm.engine)
     run.run_profile(items[:o.max_num_seqs], skip_prefill=False)
@@ -525,6 +530,9 @@ def _serving_table(res: dict, rate: str, kv: str | None, structured: str | None 
             ("duration (s)", f"{res['duration_s']:.2f}"),
             ("requests/s", _rate(res["requests_per_s"])), ("output tokens/s", _rate(res["output_tokens_per_s"])),
             ("total tokens/s", _rate(res["total_tokens_per_s"]))] + ([("peak KV", kv)] if kv else [])
+    if "triton_kernels" in res:
+        kernels = res["triton_kernels"]
+        rows.append(("Triton kernels compiled / loaded while serving", f"{kernels['compiled']} / {kernels['cached']}"))
     if "structured" in res:
         rows += [row[:2] for row in _structured_rows(structured, res["structured"])]
     percentiles = Table(title="latency percentiles (ms)", title_justify="left")

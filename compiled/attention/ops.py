@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from compiled.attention.context import AttentionContext, AttentionMetadata
+from compiled.attention.kv_cache import KVPool
 from compiled.attention.reference import (NormRope, decode_attention_ref, extend_attention_ref, norm_rope_ref,
                                          store_kv)
 from compiled.backend import BackendChoice
@@ -130,15 +131,41 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 def decode_workspace(ctx: AttentionContext, q: torch.Tensor):
     """The stage-1 scratch of flash-decoding, kept on the KV pool: allocated once (on the first
     decode step, i.e. the warm-up before capture) for every batch up to the request table's rows."""
+    return _workspace(ctx.kv, ctx.req_to_token, q)
+
+
+def _workspace(kv: KVPool, req_to_token: torch.Tensor, q: torch.Tensor):
     from compiled.attention.triton_decode import DecodeWorkspace
     batch, hq, d = q.shape
-    hkv = ctx.kv.k[0].shape[1]
-    scratch = ctx.kv.scratch
+    hkv = kv.k[0].shape[1]
     key = ("decode", hq, hkv, d, str(q.device))
-    ws = scratch.get(key)
+    ws = kv.scratch.get(key)
     if ws is None or ws.max_batch < batch:
-        ws = scratch[key] = DecodeWorkspace(max(ctx.req_to_token.shape[0], batch), hq, hkv, d, q.device)
+        ws = kv.scratch[key] = DecodeWorkspace(max(req_to_token.shape[0], batch), hq, hkv, d, q.device)
     return ws
+
+
+def warm_token_rows(kv: KVPool, req_to_token: torch.Tensor, padding_row: int, q_heads: int, dtype: torch.dtype,
+                    index_dtype: torch.dtype) -> int:
+    """Launch the decode kernel as a mixed step's token rows launch it (`_token_rows_triton`: the
+    K/V stored before it, q normalised and rotated) once for each split count their number can
+    take (up to the request table's rows), over rows of the padding request; returns the launches.
+    Its variants (split or not, the first tiles asked of L2 or not) then compile at start, not in
+    the step where a server meets its first prompt tail, which every running request waited for.
+    `index_dtype`: the runner's table rows and positions (the kernel is compiled per dtype)."""
+    from compiled.attention.triton_decode import decode_attention_triton
+    k_cache, v_cache = kv.k[0], kv.v[0]
+    device, d = k_cache.device, k_cache.shape[-1]
+    ws = _workspace(kv, req_to_token, torch.empty(1, q_heads, d, dtype=dtype, device=device))
+    first_rows: dict[int, int] = {}
+    for rows in range(1, req_to_token.shape[0] + 1):
+        first_rows.setdefault(ws.splits_for(rows), rows)
+    for rows in first_rows.values():
+        q = torch.zeros(rows, q_heads, d, dtype=dtype, device=device)
+        table_rows = torch.full((rows,), padding_row, dtype=index_dtype, device=device)
+        lens = torch.ones(rows, dtype=index_dtype, device=device)
+        decode_attention_triton(q, k_cache, v_cache, req_to_token, table_rows, lens, 1.0, ws)
+    return len(first_rows)
 
 
 def extend_start_loc(meta: AttentionMetadata) -> torch.Tensor:

@@ -218,6 +218,8 @@ class Engine:
         seconds = {}
         if buckets := self.graph_buckets():
             seconds["capture"] = self.runner.capture_graphs(buckets, eager_buckets(buckets))
+        if warmed := self.runner.warm_token_rows(self.model_config.num_attention_heads // self.cfg.tensor_parallel_size):
+            seconds["warm_token_rows"] = warmed
         if self.runner.is_compiled and (tokens := self.piecewise_buckets()):
             seconds["capture_piecewise"] = self.runner.capture_piecewise(tokens, eager_token_buckets(tokens))
             seconds["capture_prompt"] = self.runner.capture_prompts(tokens, eager_token_buckets(tokens))

@@ -179,6 +179,18 @@ class ModelRunner:
             seconds += entry.decode.capture_seconds
         return seconds
 
+    def warm_token_rows(self, q_heads: int) -> float:
+        """On CUDA with the Triton attention, the decode-kernel launches of a mixed step's token
+        rows compiled now (`attention.ops.warm_token_rows`); returns the seconds it took."""
+        from compiled.attention import ops as attention_ops
+        if self.cfg.device.type != "cuda" or attention_ops.BACKEND.name == "torch":
+            return 0.0
+        start = time.perf_counter()
+        attention_ops.warm_token_rows(self.kv, self.req_pool.table, self.req_pool.padding_row, q_heads,
+                                      self.cfg.dtype, self.inputs.token_rows.dtype)
+        torch.cuda.synchronize(self.cfg.device)
+        return time.perf_counter() - start
+
     def capture_piecewise(self, buckets: list[int], now: list[int]) -> float:
         """Set up every compiled piece's graphs per token bucket of `buckets` (of every variant)
         and capture those of `now` (the others as `capture_graphs` leaves them); returns the

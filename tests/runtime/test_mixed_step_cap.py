@@ -77,6 +77,52 @@ def test_gpu_outputs_do_not_depend_on_the_cap(monkeypatch):
     assert 4 in calls   # the step of two decodes and the 3-token tail
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_token_rows_compile_nothing_after_start(monkeypatch):
+    """The decode kernel as token rows launch it compiles at start (`warm_token_rows`), not in the
+    first step with a prompt tail beside decodes, which every running request would wait for."""
+    from triton import knobs
+    import compiled.attention.ops as ops
+    llm = LLM(MOE_MODEL, device="cuda", dtype="bfloat16", max_model_len=96, max_num_batched_tokens=64,
+              max_mixed_step_tokens=33)
+    original, rows, compiled = ops._token_rows_triton, [], []
+
+    def counted(*args):
+        rows.append(args[0].meta.token_rows.shape[0])
+        return original(*args)
+
+    def listen(*, metadata: dict, cache_hit: bool, **_) -> None:
+        compiled.append(metadata.get("name", "?"))
+    monkeypatch.setattr(ops, "_token_rows_triton", counted)
+    monkeypatch.setattr(knobs.compilation, "listener", listen)
+    llm.generate([[5, 9, 2], list(range(3, 67)), [11] * 50], [_greedy(n) for n in (12, 4, 9)])
+    assert 4 in rows                                              # two decodes and a 3-token tail
+    assert not [name for name in compiled if "decode" in name], compiled
+
+
+def test_warm_token_rows_launches_each_split_count_once(monkeypatch):
+    """One launch for each split count that 1 .. (table rows) token rows take, as `_token_rows_triton`
+    launches it (no K/V to store, no norm or RoPE), over the padding request's row."""
+    import compiled.attention.triton_decode as td
+    from compiled.attention.ops import warm_token_rows
+    kv = KVPool(2, 64, 2, 16, torch.float32, torch.device("cpu"))
+    table = ReqToTokenPool(40, 32, torch.device("cpu"))
+    launches = []
+
+    def launch(q, k_cache, v_cache, req_to_token, rows, lens, scale, ws, **kw):
+        launches.append((q.shape, rows.tolist(), lens.tolist(), rows.dtype, kw, ws.splits_for(q.shape[0])))
+    monkeypatch.setattr(td, "decode_attention_triton", launch)
+    assert warm_token_rows(kv, table.table, table.padding_row, 8, torch.float32, torch.int64) == len(launches)
+    ws_splits = [entry[-1] for entry in launches]
+    assert ws_splits == sorted(set(ws_splits), reverse=True) and len(launches) > 1
+    every = {td.num_kv_splits(b, 2, td.CPU_SMS) for b in range(1, table.table.shape[0] + 1)}
+    assert set(ws_splits) == every
+    for shape, rows, lens, dtype, kw, _ in launches:
+        assert shape[1:] == (8, 16) and rows == [table.padding_row] * shape[0] and lens == [1] * shape[0]
+        assert dtype == torch.int64 and kw == {}
+
+
 def test_one_token_chunks_lead_the_step():
     """The attention of a mixed step runs its leading one-token chunks through the decode kernel,
     so a batch puts them first: here a request admitted with all but its last prompt token cached
