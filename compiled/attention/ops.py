@@ -151,8 +151,8 @@ def warm_token_rows(kv: KVPool, req_to_token: torch.Tensor, padding_row: int, q_
     K/V stored before it, q normalised and rotated) once for each split count their number can
     take (up to the request table's rows), over rows of the padding request; returns the launches.
     Its variants (split or not, the first tiles asked of L2 or not) then compile at start, not in
-    the step where a server meets its first prompt tail, which every running request waited for.
-    `index_dtype`: the runner's table rows and positions (the kernel is compiled per dtype)."""
+    the step where a server meets its first prompt tail: a compile there holds up every running
+    request. `index_dtype`: the runner's table rows and positions (the kernel compiles per dtype)."""
     from compiled.attention.triton_decode import decode_attention_triton
     k_cache, v_cache = kv.k[0], kv.v[0]
     device, d = k_cache.device, k_cache.shape[-1]

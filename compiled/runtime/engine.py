@@ -212,13 +212,15 @@ class Engine:
         return decode_buckets(min(limit, self.cfg.max_cuda_graph_batch))
 
     def capture_graphs(self, from_artifact: bool = False) -> dict[str, float]:
-        """Capture the decode graphs and, for a compiled model, the pieces' graphs; returns the
-        seconds each capture took. `from_artifact`: every piece came from an artifact, whose
-        export ran the long step sizes (`unbucketed_sizes`), so their kernels are cached."""
+        """Capture the decode graphs and, for a compiled model, the pieces' graphs, and compile the
+        decode kernel as mixed steps' token rows launch it; returns the seconds each took.
+        `from_artifact`: every piece came from an artifact, whose export ran the long step sizes
+        (`unbucketed_sizes`), so their kernels are cached."""
         seconds = {}
         if buckets := self.graph_buckets():
             seconds["capture"] = self.runner.capture_graphs(buckets, eager_buckets(buckets))
-        if warmed := self.runner.warm_token_rows(self.model_config.num_attention_heads // self.cfg.tensor_parallel_size):
+        q_heads = self.model_config.num_attention_heads // self.cfg.tensor_parallel_size
+        if warmed := self.runner.warm_token_rows(q_heads):
             seconds["warm_token_rows"] = warmed
         if self.runner.is_compiled and (tokens := self.piecewise_buckets()):
             seconds["capture_piecewise"] = self.runner.capture_piecewise(tokens, eager_token_buckets(tokens))
