@@ -566,7 +566,7 @@ def _serving_http(o: SimpleNamespace) -> None:
         task = bar.add_task("requests", total=len(items))
         res = serving_http(o.url, items, o.request_rate, o.max_concurrency, o.seed,
                            on_finish=lambda n: bar.advance(task, n), processes=o.client_processes,
-                           api_key=o.api_key)
+                           api_key=o.api_key, warmup=o.warmup)
     rate = "inf" if math.isinf(o.request_rate) else f"{o.request_rate:g}/s"
     console = Console()
     console.print(f"compiled bench serving: {res['model']} at {res['url']}; {len(items)} requests at {rate}",

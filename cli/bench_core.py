@@ -418,7 +418,10 @@ def throughput(llm, items: Sequence[Item], on_finish: Callable[[int], None] | No
     }
 
 
-def warm_up(llm, items: Sequence[Item], n: int = 4, output_len: int = 4) -> None:
+WARM_UP_REQUESTS, WARM_UP_TOKENS = 4, 4   # the warm-up's requests, and the tokens each generates at most
+
+
+def warm_up(llm, items: Sequence[Item], n: int = WARM_UP_REQUESTS, output_len: int = WARM_UP_TOKENS) -> None:
     """A few short requests first, so lazy initialisation is not timed."""
     engine = llm.engine
     requests = [engine.make_request(i, it.prompt, greedy(min(it.output_len, output_len)))

@@ -6,6 +6,7 @@ token's time is when its chunk arrived (every chunk with a choice counts, text o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import multiprocessing
 import ssl
@@ -15,7 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from cli.bench_core import Item, Trace, arrival_times, summary_ms
+from cli.bench_core import WARM_UP_REQUESTS, WARM_UP_TOKENS, Item, Trace, arrival_times, summary_ms
+
+GRAPHS_PENDING = "compiled_cuda_graphs_pending"   # the server's /metrics gauge
+WARM_UP_TIMEOUT_S = 300.0   # the longest a warm-up waits for the server's graph captures
+WARM_UP_POLL_S = 0.2        # between its reads of the server's /metrics
 
 
 def _headers(api_key: str | None) -> dict:
@@ -164,11 +169,39 @@ def _send_from_processes(url: str, model: str, items: Sequence[Item], arrivals: 
                 w.terminate()
 
 
+def graphs_pending(url: str, api_key: str | None = None) -> int:
+    """The CUDA-graph buckets the server has left to capture while it idles, from its /metrics
+    (`compiled_cuda_graphs_pending`); 0 from a server that does not say."""
+    response = httpx.get(url + "/metrics", timeout=30, headers=_headers(api_key))
+    for line in response.text.splitlines() if response.status_code == 200 else []:
+        if line.startswith(GRAPHS_PENDING + " "):
+            return int(float(line.split()[1]))
+    return 0
+
+
+def warm_up_http(url: str, model: str, items: Sequence[Item], api_key: str | None = None,
+                 timeout_s: float = WARM_UP_TIMEOUT_S) -> None:
+    """As the in-process run warms up (`bench_core.warm_up`): the first few requests of the
+    workload, a few tokens each, then a wait while the server captures the CUDA graphs it left
+    for later at start (it does one per pass while idle; a request needing one waits for it)."""
+    short = [dataclasses.replace(item, output_len=min(item.output_len, WARM_UP_TOKENS))
+             for item in items[:WARM_UP_REQUESTS]]
+    traces, outputs = [Trace(0.0, len(item.prompt)) for item in short], [0] * len(short)
+    asyncio.run(_send_all(url, model, short, [0.0] * len(short), asyncio.Semaphore(len(short)), time.perf_counter(),
+                          traces, outputs, None, api_key))
+    deadline = time.monotonic() + timeout_s
+    while graphs_pending(url, api_key) and time.monotonic() < deadline:
+        time.sleep(WARM_UP_POLL_S)
+
+
 def serving_http(url: str, items: Sequence[Item], rate: float, max_concurrency: int | None, seed: int,
                  on_finish: Callable[[int], None] | None = None, processes: int = 1,
-                 api_key: str | None = None) -> dict:
+                 api_key: str | None = None, warmup: bool = False) -> dict:
+    """`warmup`: `warm_up_http` first (untimed)."""
     url = url.rstrip("/")
     model = served_model(url, api_key)
+    if warmup:
+        warm_up_http(url, model, items, api_key)
     arrivals = arrival_times(len(items), rate, seed)
     traces = [Trace(0.0, len(item.prompt)) for item in items]
     outputs = [0] * len(items)

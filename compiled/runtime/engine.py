@@ -241,6 +241,12 @@ class Engine:
             done += 1
         return done
 
+    @property
+    def graphs_left_for_idle(self) -> int:
+        """CUDA-graph buckets `capture_pending_graphs` has left to capture (none under tensor
+        parallelism, whose ranks capture together in the step that first needs a bucket)."""
+        return 0 if self.runner.tp is not None else self.runner.num_pending_graphs()
+
     def unbucketed_sizes(self) -> list[int]:
         """Step sizes to run once at start, beyond the largest piecewise bucket, where steps run
         unpadded without graphs: each kind of kernel specialisation they meet (a token count that

@@ -236,15 +236,23 @@ class ModelRunner:
                     graphs.release()
                 setattr(entry, kind, None)
 
+    def _graph_kinds(self) -> list:
+        """Every variant's graphs of each kind that exist, in the order pending buckets are captured."""
+        kinds = [getattr(e, kind) for kind in VariantGraphs.KINDS for e in self.variants.values()]
+        return [graphs for graphs in kinds if graphs is not None]
+
     def capture_pending(self) -> bool:
         """Capture one bucket not captured yet, decode graphs first, smallest first (call it
         between steps with none in flight); False when there is none."""
-        kinds = [getattr(e, kind) for kind in VariantGraphs.KINDS for e in self.variants.values()]
-        for graphs in kinds:
-            if graphs is not None and graphs.pending:
+        for graphs in self._graph_kinds():
+            if graphs.pending:
                 graphs.capture(graphs.pending[:1])
                 return True
         return False
+
+    def num_pending_graphs(self) -> int:
+        """Buckets of every variant and kind not captured yet."""
+        return sum(len(graphs.pending) for graphs in self._graph_kinds())
 
     def warm_up(self, sizes: list[int]) -> float:
         """A padding-only batch of each of `sizes` tokens through each variant (the compiles and

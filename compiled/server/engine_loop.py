@@ -249,4 +249,5 @@ class EngineLoop:
             generation_tokens=st.generation_tokens,
             generation_tokens_per_second=st.generation_tokens / max(time.monotonic() - st.started, 1e-9),
             steps=st.steps, step_seconds=st.step_seconds, first_tokens=st.first_tokens,
-            phase_seconds=dict(st.phase_seconds), structured=self.engine.structured_stats())
+            phase_seconds=dict(st.phase_seconds), structured=self.engine.structured_stats(),
+            graphs_pending=self.engine.graphs_left_for_idle)

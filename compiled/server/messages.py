@@ -99,6 +99,7 @@ class MetricsSnapshot:
     first_tokens: int                   # requests whose first token was sent (phase_seconds sums over them)
     phase_seconds: dict[str, float]     # by FIRST_TOKEN_PHASES
     structured: StructuredStats = field(default_factory=StructuredStats)   # grammar compiles, masks
+    graphs_pending: int = 0             # CUDA-graph buckets left to capture while the engine idles
 
 
 # ---- down: the front end to the engine ---------------------------------------------------------

@@ -312,10 +312,30 @@ def test_bench_serving_drives_the_server_over_http(server):
     from cli.bench_http import serving_http
     items = random_workload(6, 12, None, 5, None, 200, seed=1)
     for processes in (1, 2):   # 2: the requests dealt to two client processes, their traces merged
-        res = serving_http(server, items, float("inf"), 3, seed=1, processes=processes)
-        assert res["model"] == "qwen3-moe" and res["output_tokens"] == 6 * 5
+        res = serving_http(server, items, float("inf"), 3, seed=1, processes=processes, warmup=processes == 2)
+        assert res["model"] == "qwen3-moe" and res["output_tokens"] == 6 * 5   # the warm-up's are not counted
         assert res["ttft_ms"]["n"] == 6 and res["ttft_ms"]["p50"] > 0 and res["tpot_ms"]["n"] == 6
         assert all(0 < e <= res["duration_s"] * 1e3 for e in (res["e2e_ms"]["min"], res["e2e_ms"]["max"]))
+
+
+def test_bench_warm_up_waits_for_the_servers_graph_captures(server, monkeypatch):
+    """`--warmup` over HTTP, as in-process: the workload's first few requests, a few tokens each,
+    then polling the server's graphs left to capture (none on a CPU server) until there are none."""
+    import cli.bench_http as bh
+    from cli.bench_core import WARM_UP_REQUESTS, WARM_UP_TOKENS, random_workload
+    assert bh.graphs_pending(server) == 0 and _metrics(server)[bh.GRAPHS_PENDING] == 0
+    items = random_workload(6, 12, None, 9, None, 200, seed=4)
+    sent, left = [], [2, 1, 0]
+    send_all = bh._send_all
+
+    async def recorded(url, model, short, *args):
+        sent.extend((len(i.prompt), i.output_len) for i in short)
+        return await send_all(url, model, short, *args)
+    monkeypatch.setattr(bh, "_send_all", recorded)
+    monkeypatch.setattr(bh, "graphs_pending", lambda url, api_key=None: left.pop(0))
+    monkeypatch.setattr(bh, "WARM_UP_POLL_S", 0.0)
+    bh.warm_up_http(server, "qwen3-moe", items)
+    assert sent == [(12, WARM_UP_TOKENS)] * WARM_UP_REQUESTS and left == []
 
 
 def test_client_processes_share_one_concurrency_limit(server):

@@ -52,6 +52,8 @@ def prometheus_text(m: MetricsSnapshot) -> str:
         "# TYPE compiled_engine_step_seconds summary",
         f"compiled_engine_step_seconds_sum {m.step_seconds:.6f}",
         f"compiled_engine_step_seconds_count {m.steps}",
+        "# HELP compiled_cuda_graphs_pending CUDA-graph buckets left to capture while the engine idles",
+        "# TYPE compiled_cuda_graphs_pending gauge", f"compiled_cuda_graphs_pending {m.graphs_pending}",
     ]
     for phase, seconds in m.phase_seconds.items():
         name = f"compiled_first_token_{phase}_seconds"
