@@ -169,14 +169,28 @@ def _send_from_processes(url: str, model: str, items: Sequence[Item], arrivals: 
                 w.terminate()
 
 
-def graphs_pending(url: str, api_key: str | None = None) -> int:
-    """The CUDA-graph buckets the server has left to capture while it idles, from its /metrics
-    (`compiled_cuda_graphs_pending`); 0 from a server that does not say."""
+def server_metrics(url: str, api_key: str | None = None) -> dict[str, float]:
+    """The server's /metrics samples without labels, by name; empty where it has none."""
     response = httpx.get(url + "/metrics", timeout=30, headers=_headers(api_key))
-    for line in response.text.splitlines() if response.status_code == 200 else []:
-        if line.startswith(GRAPHS_PENDING + " "):
-            return int(float(line.split()[1]))
-    return 0
+    if response.status_code != 200:
+        return {}
+    samples = (line.split() for line in response.text.splitlines() if line and not line.startswith("#"))
+    return {fields[0]: float(fields[1]) for fields in samples if len(fields) == 2 and "{" not in fields[0]}
+
+
+def graphs_pending(url: str, api_key: str | None = None) -> int:
+    """The CUDA-graph buckets the server has left to capture while it idles
+    (`compiled_cuda_graphs_pending`); 0 from a server that does not say."""
+    return int(server_metrics(url, api_key).get(GRAPHS_PENDING, 0))
+
+
+def kernels_between(before: dict[str, float], after: dict[str, float]) -> dict[str, int] | None:
+    """The Triton kernels the server compiled and loaded between two reads of its /metrics, where it
+    counts them (`compiled_triton_kernels_{compiled,cached}_total`)."""
+    names = {kind: f"compiled_triton_kernels_{kind}_total" for kind in ("compiled", "cached")}
+    if not all(n in before and n in after for n in names.values()):
+        return None
+    return {kind: int(after[n] - before[n]) for kind, n in names.items()}
 
 
 def warm_up_http(url: str, model: str, items: Sequence[Item], api_key: str | None = None,
@@ -202,6 +216,7 @@ def serving_http(url: str, items: Sequence[Item], rate: float, max_concurrency: 
     model = served_model(url, api_key)
     if warmup:
         warm_up_http(url, model, items, api_key)
+    before = server_metrics(url, api_key)
     arrivals = arrival_times(len(items), rate, seed)
     traces = [Trace(0.0, len(item.prompt)) for item in items]
     outputs = [0] * len(items)
@@ -214,7 +229,8 @@ def serving_http(url: str, items: Sequence[Item], rate: float, max_concurrency: 
     duration = max(t.done for t in traces)
     inp, out = sum(len(i.prompt) for i in items), sum(outputs)
     itl = [x for tr in traces for x in tr.itl]
-    return {
+    kernels = kernels_between(before, server_metrics(url, api_key))
+    res = {
         "url": url, "model": model, "num_requests": len(items), "request_rate": rate,
         "max_concurrency": max_concurrency, "duration_s": duration, "input_tokens": inp, "output_tokens": out,
         "total_tokens": inp + out, "requests_per_s": len(items) / duration, "output_tokens_per_s": out / duration,
@@ -223,3 +239,6 @@ def serving_http(url: str, items: Sequence[Item], rate: float, max_concurrency: 
         "tpot_ms": summary_ms([tr.tpot for tr in traces if tr.token_times and tr.tpot is not None]),
         "itl_ms": summary_ms(itl), "e2e_ms": summary_ms([tr.e2e for tr in traces]),
     }
+    if kernels is not None:   # the server's, where it counts them
+        res["triton_kernels"] = kernels
+    return res

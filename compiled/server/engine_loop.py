@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from compiled.compilation.triton_cache import counting_compiles
 from compiled.errors import CompiledError
 from compiled.server.messages import (
     FIRST_TOKEN_PHASES, Abort, Add, Call, Counts, Failures, GetMetrics, Gone, LoadLora, LoraRead, MetricsSnapshot,
@@ -71,6 +72,7 @@ class EngineLoop:
         self._added = 0
         self._stopping = False
         self.stats = Stats()
+        self._kernels: dict | None = None       # Triton kernels compiled / loaded since `run` began
         # Every message the loop takes, by type. A call's handler returns its reply's value.
         self._handlers: dict[type, Callable] = {
             Add: self._add, Abort: self._abort, Stop: self._stop, Gone: self._gone,
@@ -85,6 +87,12 @@ class EngineLoop:
         self._work.set()
 
     def run(self) -> None:
+        # A kernel compiled while serving holds up every running request: /metrics counts them.
+        with counting_compiles() as kernels:
+            self._kernels = kernels
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             self._work.clear()   # before emptying the inbox: a post after this sets it again
             if not self._empty_inbox():
@@ -250,4 +258,4 @@ class EngineLoop:
             generation_tokens_per_second=st.generation_tokens / max(time.monotonic() - st.started, 1e-9),
             steps=st.steps, step_seconds=st.step_seconds, first_tokens=st.first_tokens,
             phase_seconds=dict(st.phase_seconds), structured=self.engine.structured_stats(),
-            graphs_pending=self.engine.graphs_left_for_idle)
+            graphs_pending=self.engine.graphs_left_for_idle, kernels=dict(self._kernels or {}))

@@ -100,6 +100,7 @@ class MetricsSnapshot:
     phase_seconds: dict[str, float]     # by FIRST_TOKEN_PHASES
     structured: StructuredStats = field(default_factory=StructuredStats)   # grammar compiles, masks
     graphs_pending: int = 0             # CUDA-graph buckets left to capture while the engine idles
+    kernels: dict[str, int] = field(default_factory=dict)   # Triton kernels "compiled" / "cached" while serving
 
 
 # ---- down: the front end to the engine ---------------------------------------------------------

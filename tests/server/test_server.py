@@ -314,6 +314,7 @@ def test_bench_serving_drives_the_server_over_http(server):
     for processes in (1, 2):   # 2: the requests dealt to two client processes, their traces merged
         res = serving_http(server, items, float("inf"), 3, seed=1, processes=processes, warmup=processes == 2)
         assert res["model"] == "qwen3-moe" and res["output_tokens"] == 6 * 5   # the warm-up's are not counted
+        assert res["triton_kernels"] == {"compiled": 0, "cached": 0}       # the server's, while it served
         assert res["ttft_ms"]["n"] == 6 and res["ttft_ms"]["p50"] > 0 and res["tpot_ms"]["n"] == 6
         assert all(0 < e <= res["duration_s"] * 1e3 for e in (res["e2e_ms"]["min"], res["e2e_ms"]["max"]))
 
@@ -324,6 +325,7 @@ def test_bench_warm_up_waits_for_the_servers_graph_captures(server, monkeypatch)
     import cli.bench_http as bh
     from cli.bench_core import WARM_UP_REQUESTS, WARM_UP_TOKENS, random_workload
     assert bh.graphs_pending(server) == 0 and _metrics(server)[bh.GRAPHS_PENDING] == 0
+    assert bh.kernels_between({}, bh.server_metrics(server)) is None   # a server that does not count them
     items = random_workload(6, 12, None, 9, None, 200, seed=4)
     sent, left = [], [2, 1, 0]
     send_all = bh._send_all

@@ -55,6 +55,11 @@ def prometheus_text(m: MetricsSnapshot) -> str:
         "# HELP compiled_cuda_graphs_pending CUDA-graph buckets left to capture while the engine idles",
         "# TYPE compiled_cuda_graphs_pending gauge", f"compiled_cuda_graphs_pending {m.graphs_pending}",
     ]
+    for kind, what in (("compiled", "compiled"), ("cached", "loaded from the cache")):
+        if kind in m.kernels:
+            name = f"compiled_triton_kernels_{kind}_total"
+            lines += [f"# HELP {name} Triton kernels {what} while serving (each holds up the running requests)",
+                      f"# TYPE {name} counter", f"{name} {m.kernels[kind]}"]
     for phase, seconds in m.phase_seconds.items():
         name = f"compiled_first_token_{phase}_seconds"
         lines += [f"# HELP {name} {FIRST_TOKEN_PHASES[phase]}", f"# TYPE {name} summary",
