@@ -41,7 +41,7 @@ bench() {   # bench NAME [flags...]; then the engine's mean step time during it
   local summaries="^compiled_(engine_step|first_token_[a-z]+)_seconds"
   [ $http = 1 ] && curl -s "$url/metrics" | grep -E "$summaries" > "$out/${name}_steps_before.txt"
   python -m cli.main bench serving $model "${load[@]}" --json "$out/$name.json" "${clients[@]}" "$@" > "$out/$name.txt" 2>&1
-  echo "== $name"; grep -E "output tokens/s|time to first|time per output|inter-token|Error|error" "$out/$name.txt"
+  echo "== $name"; grep -E "output tokens/s|Triton kernels|time to first|time per output|inter-token|Error|error" "$out/$name.txt"
   if [ $http = 1 ]; then   # /metrics sums since the server started: the difference over this run
     curl -s "$url/metrics" | grep -E "$summaries" > "$out/${name}_steps_after.txt"
     awk '{name = $1; sub(/_(sum|count)$/, "", name); key = name ($1 ~ /_sum$/ ? " sum" : " count")}
