@@ -7,7 +7,6 @@ file holds the command surface and the tables."""
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 import os
@@ -505,7 +504,7 @@ def serving(
     _with_structured(items, bench_structured.prepare(run.llm, o.structured, o.seed))
     from compiled.compilation.triton_cache import counting_compiles
     on_gpu = run.llm.config.device.type == "cuda"
-    with _progress("serving") as bar, counting_compiles() if on_gpu else contextlib.nullcontext() as kernels:
+    with _progress("serving") as bar, counting_compiles(on_gpu) as kernels:
         task = bar.add_task("requests", total=len(items))
         res = run.results = core.serving(run.llm, items, o.request_rate, o.max_concurrency, o.seed,
                                          on_finish=lambda n: bar.advance(task, n))

@@ -600,7 +600,7 @@ def startup(args: EngineConfig, input_len: int) -> tuple[object, dict]:
     on_gpu = resolve_device(args.device).type == "cuda"
     t0 = time.perf_counter()
     with timed_calls(llm_module, {"load_tokenizer": "tokenizer", "Engine": "engine"}) as outer, \
-            counting_compiles() if on_gpu else contextlib.nullcontext() as triton_kernels:
+            counting_compiles(on_gpu) as triton_kernels:
         llm = build_llm(args)
     sync(llm.config.device)
     total = time.perf_counter() - t0

@@ -234,8 +234,8 @@ class Engine:
         `eager_token_buckets`), at most `at_most` of them; returns how many: none while a step is
         in flight. Call it idle (a server between requests): a step needing a bucket not captured
         otherwise waits for its capture."""
-        if self.runner.tp is not None:
-            return 0   # every rank must capture together: a step's forward captures what it needs
+        if not self.graphs_left_for_idle:
+            return 0
         done = 0
         while not self._unread and (at_most is None or done < at_most) and self.runner.capture_pending():
             done += 1
@@ -244,7 +244,7 @@ class Engine:
     @property
     def graphs_left_for_idle(self) -> int:
         """CUDA-graph buckets `capture_pending_graphs` has left to capture (none under tensor
-        parallelism, whose ranks capture together in the step that first needs a bucket)."""
+        parallelism: every rank must capture together, so a step's forward captures what it needs)."""
         return 0 if self.runner.tp is not None else self.runner.num_pending_graphs()
 
     def unbucketed_sizes(self) -> list[int]:
