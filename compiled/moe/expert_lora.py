@@ -28,8 +28,9 @@ the pairs by expert with the base MoE's `moe_align_block_size`, runs the gate/up
 runs, since it needs only the routing), the base up GEMM with the gate/up deltas added before
 silu * up, the down LoRA shrink over the intermediate (at decode sizes a program a row), the
 base down GEMM with its delta (at decode sizes, where its tiles load through pointers, as its K
-loop's last steps: `down_delta_in_k`), and the top-k sum: two launches more than the base's
-grouped path, no host sync, scratch from the `MoEWorkspace` (`reserve_workspace` before a CUDA
+loop's last steps: `down_delta_in_k`; over FP8 experts at those sizes, a launch after it:
+`down_expands`), and the top-k sum: two launches more than the base's grouped path (three with
+that one), no host sync, scratch from the `MoEWorkspace` (`reserve_workspace` before a CUDA
 graph capture). The GEMMs are the base kernels compiled with
 LORA=True, so they take the tuned config whole (tiles, TMA, part-height tiles). Their deltas
 (`fused_moe_kernels._pair_delta`, `triton_utils.slot_stacked_delta`) are one dot of K = R where
@@ -92,6 +93,7 @@ PAIR_SHRINK_BLOCK_K = 128
 ROW_SHRINK_BLOCK_K = 256
 PAIR_SHRINK_WARPS = 4
 PAIR_SHRINK_STAGES = 3
+DOWN_EXPAND_BLOCK_H = 512   # the down expand's columns a program (`moe_lora_down_expand_kernel`)
 DELTA_IN_K_MIN_PAIRS = 384   # `down_delta_in_k`: 64 tokens of top-8 gained, 32 lost
 
 
@@ -250,6 +252,14 @@ def down_delta_in_k(pairs: int, block_m: int, down: dict, slots_pad: int, block_
         and slots_pad <= 32 and down["BLOCK_SIZE_K"] % block_r == 0
 
 
+def down_expands(pairs: int, fp8: bool) -> bool:
+    """Whether the down delta runs after the down GEMM, in a launch of its own (`down_expand`):
+    over FP8 experts, whose down GEMM adds it after its K loop, at the sizes where a 16-bit one
+    adds it in its K loop (`down_delta_in_k`). After the loop each program's tile of several slots
+    waited for their B rows; the launch reads them at copy speed (bench/RESULTS.md)."""
+    return fp8 and DELTA_IN_K_MIN_PAIRS <= pairs <= PAIR_SHRINK_MAX_PAIRS
+
+
 def delta_k_step(block_m: int) -> int:
     """The GEMMs' delta dots stack slots x rank along K, this many a dot: 128 for decode tiles
     (16 rows), 64 for taller ones, whose two fp32 accumulators leave fewer registers."""
@@ -387,6 +397,18 @@ class _Launches:
             self.block_shrink(inter, a2, s2, inter.shape[1], False)
         return GemmDelta(s2, b2, scale, self.slot, consts, in_k=in_k)
 
+    def down_expand(self, y: torch.Tensor, delta: GemmDelta, weights: torch.Tensor) -> None:
+        """y's weighted rows plus the down delta (`moe_lora_down_expand_kernel`), a program a row of
+        the alignment's order, from `delta`'s fp32 shrink outputs (not scaled, not in the K loop)."""
+        from compiled.moe import expert_lora_kernels as LK
+        b, rows = delta.b, delta.s.shape[0]
+        LK.moe_lora_down_expand_kernel[(rows, triton.cdiv(b.shape[2], DOWN_EXPAND_BLOCK_H))](
+            y, delta.s, b, delta.scale, weights, self.slot, self.blocks.sorted_ids, self.blocks.expert_ids,
+            self.blocks.num_post, weights.numel(), self.slots, b.shape[3], b.shape[2], y.stride(0), delta.s.stride(0),
+            b.stride(0), b.stride(1), b.stride(2), TOP_K=self.ids.shape[1], BLOCK_M=self.block_m,
+            BLOCK_R=max(16, triton.next_power_of_2(b.shape[3])), BLOCK_H=DOWN_EXPAND_BLOCK_H,
+            num_warps=4, **self.pdl)
+
 
 def _blocks_tall(up: dict, down: dict) -> dict:
     """The down config with tiles of the alignment's block height: the deltas' shrink outputs and
@@ -476,11 +498,15 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         launch_gemm1(x, w13, inter, blocks, top_k, up, delta13, scales)
     else:
         iq, is_ = quantized_gemm1(ws, xquant, w13, inter, groups, blocks, top_k, up, scales, delta13)
+    expand = has_delta and down_expands(numel, scales is not None)
     delta2 = call.down_delta(inter, a2, b2, scale, consts, down, scales is None) if has_delta else None
+    in_gemm = None if expand else delta2
     if groups is None:
-        launch_gemm2(inter, w2, y, weights, blocks, down, top_k, delta2, scales)
+        launch_gemm2(inter, w2, y, weights, blocks, down, top_k, in_gemm, scales)
     else:
-        launch_gemm2(iq, w2, y, weights, blocks, down, top_k, delta2, scales, a_scale=is_)
+        launch_gemm2(iq, w2, y, weights, blocks, down, top_k, in_gemm, scales, a_scale=is_)
+    if expand:
+        call.down_expand(y, delta2, weights)
     if not sum_slots:
         return y
     if top_k > 1:

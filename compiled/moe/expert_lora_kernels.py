@@ -1,5 +1,6 @@
-"""The LoRA shrink of the fused MoE with expert LoRA (`expert_lora.py`); the expands run inside
-the base grouped GEMMs (`fused_moe_kernels`, LORA=True: `_pair_delta` in their epilogues).
+"""The LoRA shrinks of the fused MoE with expert LoRA (`expert_lora.py`); the expands run inside
+the base grouped GEMMs (`fused_moe_kernels`, LORA=True: `_pair_delta` in their epilogues), but for
+the down GEMM over FP8 experts at decode sizes (`moe_lora_down_expand_kernel`, after it).
 
 The pairs are sorted by expert into BLOCK_M blocks as for the base MoE (`moe_align_block_size`),
 and every per-pair buffer is kept in block order (row = the pair's position), as the
@@ -125,3 +126,36 @@ def moe_lora_pair_shrink_kernel(X, A, OUT, IDS, SLOT, num_pairs, S, NR, K, strid
         rows = tl.num_programs(0)
         split_k_store(out, OUT + p.to(tl.int64) * stride_om + offs_n,
                       Partials + p.to(tl.int64) * NR + offs_n, rows * NR, n_ok, Semaphores + p, pid_k, SPLIT_K)
+
+
+@triton.jit
+def moe_lora_down_expand_kernel(Y, S2, B, SCALE, WEIGHTS, SLOT, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs,
+                                S, R, H, stride_y, stride_s2, stride_bs, stride_be, stride_bh,
+                                TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                                BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    """Y[pair, h] += w * scale[s, 2] * B[s, e, h] @ S2[p] over the BLOCK_H columns h of
+    program_id(1), for the pair at sorted position p = program_id(0) (`moe_align_block_size`'s order, as the down shrink wrote S2 `[rows, R]`, fp32),
+    e its block's expert, s its token's slot, w its routing weight rounded to Y's dtype as the
+    down GEMM rounds it; Y `[T*k, H]` holds the down GEMM's weighted rows. Padding rows and pairs
+    without an adapter return at once. The sum runs in fp32 and is rounded to Y's dtype once."""
+    pdl_wait(PDL)
+    p = tl.program_id(0)
+    pair = tl.load(sorted_ptr + p, mask=p < tl.load(num_post_ptr), other=num_pairs)
+    live = pair < num_pairs
+    token = tl.where(live, pair // TOP_K, 0).to(tl.int64)
+    s = tl.load(SLOT + token, mask=live, other=-1)
+    if live & (s >= 0) & (s < S):
+        expert = tl.load(expert_ids_ptr + p // BLOCK_M).to(tl.int64)
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < R
+        shrunk = tl.load(S2 + p.to(tl.int64) * stride_s2 + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+        w = tl.load(WEIGHTS + pair).to(Y.dtype.element_ty).to(tl.float32)
+        shrunk = shrunk * (tl.load(SCALE + s * 3 + 2) * w)
+        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = offs_h < H
+        b = tl.load(B + s.to(tl.int64) * stride_bs + expert * stride_be + offs_h[:, None] * stride_bh + offs_r[None, :],
+                    mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+        y_ptrs = Y + pair.to(tl.int64) * stride_y + offs_h
+        y = tl.load(y_ptrs, mask=h_ok, other=0.0)
+        delta = tl.sum(b.to(tl.float32) * shrunk[None, :], axis=1)
+        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(Y.dtype.element_ty), mask=h_ok)

@@ -424,14 +424,20 @@ W8A8_LORA_CASES = [("w8a8_lora_block32", 9, 96, 64, QuantConfig("fp8", "block", 
                          HALF_M=0, TMA=0, W8A8=1, SWAP_AB=1)),
                    ("w8a8_lora_block32_pass", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)),
                     dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=16, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
-                         HALF_M=0, TMA=0, W8A8=1))]
+                         HALF_M=0, TMA=0, W8A8=1)),
+                   # the down delta in its own launch after the down GEMM (`expert_lora.down_expands`), here from
+                   # 0 pairs; H = 96 in 512-column programs: one partial program a row
+                   ("w8a8_lora_block32_expand", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)),
+                    dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
+                         HALF_M=0, TMA=0, W8A8=1, SWAP_AB=1), True)]
 
 
-def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict) -> dict:
+def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, expand: bool = False) -> dict:
     """`fused_moe_lora_triton` on FP8 experts, W8A8 (fp32 activations), against a pair-by-pair
     oracle: each GEMM over the quantized-dequantized activations and the dequantized experts, its
     LoRA delta over the activations as they are (the shrinks read them unquantized). Also how far
-    the same oracle without the deltas lies, so that a delta left out would fail."""
+    the same oracle without the deltas lies, so that a delta left out would fail. `expand`: the
+    down delta in its own launch (`expert_lora.down_expands` from 0 pairs), and whether it ran."""
     import torch.nn.functional as F
     from compiled.moe import expert_lora as el
     from compiled.moe import fused_moe as fm
@@ -442,8 +448,15 @@ def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict) -> 
     topk_weights, topk_ids = _routing(g, T, E, k)
     q13, s13, q2, s2, block = _fp8_experts(g, E, H, I, quant)
     a13, b13, a2, b2, scale, slot = _expert_lora(g, T, E, H, I, torch.float32)
-    got = el.fused_moe_lora_triton(x, topk_weights, topk_ids, q13, q2, a13, b13, a2, b2, scale, slot, config=config,
-                                   scales=fm.ExpertScales(s13, s2, block))
+    expanded, real = [], (el.DELTA_IN_K_MIN_PAIRS, el._Launches.down_expand)
+    if expand:
+        el.DELTA_IN_K_MIN_PAIRS = 0
+        el._Launches.down_expand = lambda self, *a: expanded.append(real[1](self, *a))
+    try:
+        got = el.fused_moe_lora_triton(x, topk_weights, topk_ids, q13, q2, a13, b13, a2, b2, scale, slot,
+                                       config=config, scales=fm.ExpertScales(s13, s2, block))
+    finally:
+        el.DELTA_IN_K_MIN_PAIRS, el._Launches.down_expand = real
     w13, w2 = dequantize_blocks(q13, s13, block, torch.float32), dequantize_blocks(q2, s2, block, torch.float32)
     bi = quant.op_block[1]
 
@@ -468,7 +481,7 @@ def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict) -> 
     want, base = oracle(True), oracle(False)
     top = want.abs().max().item()
     return dict(err=(got - want).abs().max().item() / top, tol=1e-3, delta=(base - want).abs().max().item() / top,
-                scale=top)
+                scale=top, expand_as_asked=len(expanded) == int(expand))
 
 
 @pytest.fixture(scope="module")
@@ -489,7 +502,7 @@ def test_interpreted_kernel_matches_its_reference(interpreted, name):
     r = interpreted[name]
     assert r["err"] <= r["tol"] and r.get("scale", 1.0) > 0.1 and r.get("zero_group", True), r
     assert "delta" not in r or r["delta"] > 10 * r["tol"], r   # the LoRA deltas weigh in (W8A8 with LoRA)
-    assert r.get("live_rows", True), r
+    assert r.get("live_rows", True) and r.get("expand_as_asked", True), r
     assert r.get("shape") == r.get("want_shape") and r.get("loose_err", 0.0) <= r.get("loose_tol", 0.0), r
 
 
