@@ -134,10 +134,11 @@ def moe_lora_down_expand_kernel(Y, S2, B, SCALE, WEIGHTS, SLOT, sorted_ptr, expe
                                 TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                                 BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     """Y[pair, h] += w * scale[s, 2] * B[s, e, h] @ S2[p] over the BLOCK_H columns h of
-    program_id(1), for the pair at sorted position p = program_id(0) (`moe_align_block_size`'s order, as the down shrink wrote S2 `[rows, R]`, fp32),
-    e its block's expert, s its token's slot, w its routing weight rounded to Y's dtype as the
-    down GEMM rounds it; Y `[T*k, H]` holds the down GEMM's weighted rows. Padding rows and pairs
-    without an adapter return at once. The sum runs in fp32 and is rounded to Y's dtype once."""
+    program_id(1), for the pair at sorted position p = program_id(0) (`moe_align_block_size`'s
+    order, in which the down shrink wrote S2 `[rows, R]`, fp32), e its block's expert, s its
+    token's slot, w its routing weight rounded to Y's dtype as the down GEMM rounds it; Y `[T*k, H]`
+    holds the down GEMM's weighted rows. Padding rows and pairs without an adapter return at once.
+    The sum runs in fp32 and is rounded to Y's dtype once."""
     pdl_wait(PDL)
     p = tl.program_id(0)
     pair = tl.load(sorted_ptr + p, mask=p < tl.load(num_post_ptr), other=num_pairs)
