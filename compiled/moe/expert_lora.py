@@ -29,12 +29,11 @@ runs, since it needs only the routing), the base up GEMM with the gate/up deltas
 silu * up, the down LoRA shrink over the intermediate (at decode sizes a program a row), the
 base down GEMM with its delta (at decode sizes, where its tiles load through pointers, as its K
 loop's last steps: `down_delta_in_k`; over FP8 experts at those sizes, a launch after it:
-`down_expands`; there the gate/up deltas too, with silu * up, after an up GEMM that stores gate
-and up: `up_expands`), and the top-k sum: two launches more than the base's grouped path (four
-with those), no host sync, scratch from the `MoEWorkspace` (`reserve_workspace` before a CUDA
+`down_expands`), and the top-k sum: two launches more than the base's grouped path (three with
+that one), no host sync, scratch from the `MoEWorkspace` (`reserve_workspace` before a CUDA
 graph capture). The GEMMs are the base kernels compiled with
 LORA=True, so they take the tuned config whole (tiles, TMA, part-height tiles). Their deltas
-(`fused_moe_kernels.pair_delta`, `triton_utils.slot_stacked_delta`) are one dot of K = R where
+(`fused_moe_kernels._pair_delta`, `triton_utils.slot_stacked_delta`) are one dot of K = R where
 a tile's rows share one slot, else they stack the slots along K: the rows' shrink outputs as a
 tile that is zero outside each row's own slot block, times every present slot's B rows, one dot
 per `delta_k_step` of K; the shrink outputs times the scale rounded to the weights' 16-bit dtype
@@ -54,10 +53,8 @@ import torch.nn.functional as F
 import triton
 
 from compiled.moe.fused_moe import (Blocks, ExpertScales, GemmDelta, MoEWorkspace, align_quantized, launch_gemm1,
-                                    launch_gemm2, launch_sum, quantized_buffers, quantized_gemm1, w8a8_entry,
-                                    w8a8_groups, zeroed)
+                                    launch_gemm2, launch_sum, quantized_gemm1, w8a8_entry, w8a8_groups, zeroed)
 from compiled.moe.tuned_configs import get_config, split_config, tuned_mode
-from compiled.quant.act_quant import QuantizedRows
 from compiled.quant.dequant import FP8
 from compiled.side_stream import Fork
 from compiled.triton_utils import interpreting, launch_kwargs
@@ -96,7 +93,7 @@ PAIR_SHRINK_BLOCK_K = 128
 ROW_SHRINK_BLOCK_K = 256
 PAIR_SHRINK_WARPS = 4
 PAIR_SHRINK_STAGES = 3
-DOWN_EXPAND_BLOCK_H = 128   # the down expand's columns a program (`moe_lora_down_expand_kernel`)
+DOWN_EXPAND_BLOCK_H = 512   # the down expand's columns a program (`moe_lora_down_expand_kernel`)
 DELTA_IN_K_MIN_PAIRS = 384   # `down_delta_in_k`: 64 tokens of top-8 gained, 32 lost
 
 
@@ -237,8 +234,6 @@ def reserve_workspace(ws: MoEWorkspace, max_tokens: int, E: int, H: int, I: int,
     ws.get("lora_s13", rows * 2 * R, torch.float32, device)
     ws.get("lora_s2", rows * R, torch.float32, device)
     ws.get("lora_s2_scaled", rows * R, dtype, device)
-    pair_rows = max(intermediate_rows(min(max_tokens * top_k, PAIR_SHRINK_MAX_PAIRS), E, bm) for bm in (16, block_m))
-    ws.get("lora_pre", pair_rows * 2 * I, dtype, device)
     split_rows = max(intermediate_rows(min(max_tokens * top_k, SHRINK_SPLIT_MAX_PAIRS), E, bm) for bm in (16, block_m))
     ws.get("lora_split", SHRINK_MAX_SPLIT * split_rows * 2 * R, torch.float32, device)
     ws.get("lora_pair_split", PAIR_SHRINK_PROGRAMS * 2 * R, torch.float32, device)
@@ -255,15 +250,6 @@ def down_delta_in_k(pairs: int, block_m: int, down: dict, slots_pad: int, block_
     bench/RESULTS.md)."""
     return DELTA_IN_K_MIN_PAIRS <= pairs <= PAIR_SHRINK_MAX_PAIRS and block_m <= 16 and not down.get("TMA") \
         and slots_pad <= 32 and down["BLOCK_SIZE_K"] % block_r == 0
-
-
-def up_expands(pairs: int, groups: tuple[int, int] | None) -> bool:
-    """Whether the gate/up deltas run after the up GEMM, in a launch of its own that also applies
-    silu * up and quantizes the intermediate (`up_expand`): over FP8 experts run W8A8 (`groups`,
-    the intermediate's a power of two), at the sizes of `down_expands`. The pair shrink then runs
-    beside the base up GEMM as well as the alignment, and the GEMM's tiles wait for no B rows
-    (bench/RESULTS.md)."""
-    return groups is not None and down_expands(pairs, True) and groups[1] >= 16 and groups[1] & (groups[1] - 1) == 0
 
 
 def down_expands(pairs: int, fp8: bool) -> bool:
@@ -411,45 +397,17 @@ class _Launches:
             self.block_shrink(inter, a2, s2, inter.shape[1], False)
         return GemmDelta(s2, b2, scale, self.slot, consts, in_k=in_k)
 
-    def up_expand(self, xquant: QuantizedRows, w13: torch.Tensor, inter: torch.Tensor, group: int, cfg: dict,
-                  scales: ExpertScales, delta: GemmDelta, fork: Fork) -> tuple[torch.Tensor, torch.Tensor]:
-        """The W8A8 up GEMM without deltas into gate and up rows, then (after `fork`'s pair shrink)
-        `moe_lora_up_expand_kernel`: the deltas, silu * up into inter and quantized in `group`-wide
-        groups; returns (iq, is_), what the W8A8 down GEMM reads."""
-        from compiled.moe import expert_lora_kernels as LK
-        rows, I = inter.shape
-        pre = self.ws.get("lora_pre", rows * 2 * I, inter.dtype, inter.device).view(rows, 2 * I)
-        launch_gemm1(xquant.q, w13, pre, self.blocks, self.ids.shape[1], cfg, None, scales, a_scale=xquant.s,
-                     pre_act=True)
-        fork.join()
-        iq, is_ = quantized_buffers(self.ws, "inter", inter, group)
-        s, b = delta.s, delta.b
-        LK.moe_lora_up_expand_kernel[(self.blocks.expert_ids.numel(), triton.cdiv(I, group))](
-            pre, s, b, delta.scale, self.slot, inter, iq, is_, self.blocks.sorted_ids, self.blocks.expert_ids,
-            self.blocks.num_post, self.ids.numel(), self.slots, b.shape[3], I, pre.stride(0), s.stride(0),
-            b.stride(0), b.stride(1), b.stride(2), inter.stride(0), iq.stride(0), is_.stride(0),
-            TOP_K=self.ids.shape[1], BLOCK_M=self.block_m, **_expand_consts(delta), GROUP=group, num_warps=4,
-            **self.pdl)
-        return iq, is_
-
     def down_expand(self, y: torch.Tensor, delta: GemmDelta, weights: torch.Tensor) -> None:
-        """y's weighted rows plus the down delta (`moe_lora_down_expand_kernel`), a program a block of
-        the alignment's order and DOWN_EXPAND_BLOCK_H columns, from `delta`'s fp32 shrink outputs
-        (not scaled, not in the K loop)."""
+        """y's weighted rows plus the down delta (`moe_lora_down_expand_kernel`), a program a row of
+        the alignment's order, from `delta`'s fp32 shrink outputs (not scaled, not in the K loop)."""
         from compiled.moe import expert_lora_kernels as LK
-        b = delta.b
-        grid = (self.blocks.expert_ids.numel(), triton.cdiv(b.shape[2], DOWN_EXPAND_BLOCK_H))
-        LK.moe_lora_down_expand_kernel[grid](
+        b, rows = delta.b, delta.s.shape[0]
+        LK.moe_lora_down_expand_kernel[(rows, triton.cdiv(b.shape[2], DOWN_EXPAND_BLOCK_H))](
             y, delta.s, b, delta.scale, weights, self.slot, self.blocks.sorted_ids, self.blocks.expert_ids,
             self.blocks.num_post, weights.numel(), self.slots, b.shape[3], b.shape[2], y.stride(0), delta.s.stride(0),
             b.stride(0), b.stride(1), b.stride(2), TOP_K=self.ids.shape[1], BLOCK_M=self.block_m,
-            **_expand_consts(delta), BLOCK_H=DOWN_EXPAND_BLOCK_H, num_warps=4, **self.pdl)
-
-
-def _expand_consts(delta: GemmDelta) -> dict:
-    """The GEMM epilogue's delta constants that the expand launches take (the deltas come after the
-    base product there, never first)."""
-    return {k: v for k, v in delta.consts.items() if k != "DELTA_FIRST"}
+            BLOCK_R=max(16, triton.next_power_of_2(b.shape[3])), BLOCK_H=DOWN_EXPAND_BLOCK_H,
+            num_warps=4, **self.pdl)
 
 
 def _blocks_tall(up: dict, down: dict) -> dict:
@@ -458,15 +416,13 @@ def _blocks_tall(up: dict, down: dict) -> dict:
     return dict(down, BLOCK_SIZE_M=up["BLOCK_SIZE_M"])
 
 
-def _lora_configs(T: int, pairs: int, E: int, I: int, x: torch.Tensor, config: dict | None,
-                  scales: ExpertScales | None, w13: torch.Tensor,
-                  w2: torch.Tensor) -> tuple[dict, dict, tuple[int, int] | None]:
+def _lora_configs(T: int, E: int, I: int, x: torch.Tensor, config: dict | None, scales: ExpertScales | None,
+                  w13: torch.Tensor, w2: torch.Tensor) -> tuple[dict, dict, tuple[int, int] | None]:
     """(up, down) GEMM configs and, where they run W8A8, the activations' group widths
     (`fused_moe.w8a8_groups`): `config`'s, else the base MoE's tuned entry (FP8 experts: their
-    file first), its up GEMM fitted to the deltas unless they run in a launch of their own
-    (`up_expands`). An FP8 entry that says W8A8 runs so in 16-row tiles (the deltas after the K
-    loop); taller tiles take the activations' file's entry and run W8A16, whose dots are 16-bit
-    like it."""
+    file first), its up GEMM fitted to the deltas. An FP8 entry that says W8A8 runs so in 16-row
+    tiles (the deltas after the K loop); taller tiles take the activations' file's entry and run
+    W8A16, whose dots are 16-bit like it."""
     def runs_w8a8(entry: dict) -> bool:
         return scales is not None and w8a8_entry(T, tuned_mode(entry)) and entry["BLOCK_SIZE_M"] <= 16
 
@@ -480,9 +436,6 @@ def _lora_configs(T: int, pairs: int, E: int, I: int, x: torch.Tensor, config: d
         entry = get_config(T, E, I, x.dtype, x.device)
     up, down = split_config(entry)
     down = _blocks_tall(up, down)
-    groups = w8a8_groups(scales, w13, w2, T, up, down, w8a8)
-    if up_expands(pairs, groups):
-        return up, down, groups
     up = lora_up_config(up, 1 if w8a8 else x.element_size())
     if x.element_size() > 2:   # 4-byte tiles: the stages plus the delta operands overflow shared memory
         up, down = (dict(c, num_stages=min(c["num_stages"], FP32_MAX_STAGES)) for c in (up, down))
@@ -512,11 +465,10 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         return out if sum_slots else x.new_empty((0, H))
     x, w13, w2, a13, b13, a2, b2 = (t.contiguous() for t in (x, w13, w2, a13, b13, a2, b2))
     weights, ids, scale = topk_weights.contiguous().reshape(-1), topk_ids.contiguous(), scale.contiguous()
-    numel = ids.numel()
-    up, down, groups = _lora_configs(T, numel, E, I, x, config, scales, w13, w2)
+    up, down, groups = _lora_configs(T, E, I, x, config, scales, w13, w2)
     bm = up["BLOCK_SIZE_M"]
     call = _Launches(slot, ids, workspace or MoEWorkspace(), launch_kwargs(x.device), bm, S)
-    ws, pdl = call.ws, call.pdl
+    ws, numel, pdl = call.ws, ids.numel(), call.pdl
     has_delta = bool(S and R)
     fork = None
     if has_delta and numel <= PAIR_SHRINK_MAX_PAIRS:
@@ -535,21 +487,17 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     consts = delta_consts(x.dtype, S, R, bm)
     delta13 = None
     if fork is not None:
+        fork.join()
         delta13 = GemmDelta(s13, b13, scale, slot, consts, by_pair=True)
     elif has_delta:
         s13 = ws.get("lora_s13", rows * 2 * R, torch.float32, x.device).view(rows, 2 * R)
         call.block_shrink(x, a13, s13, H, True)
         delta13 = GemmDelta(s13, b13, scale, slot, consts)
     # W8A8: the shrinks read x and the intermediate in 16 bits, the base GEMMs quantized
-    if has_delta and up_expands(numel, groups):   # the pair shrink joins after the base up GEMM
-        iq, is_ = call.up_expand(xquant, w13, inter, groups[1], up, scales, delta13, fork)
+    if groups is None:
+        launch_gemm1(x, w13, inter, blocks, top_k, up, delta13, scales)
     else:
-        if fork is not None:
-            fork.join()
-        if groups is None:
-            launch_gemm1(x, w13, inter, blocks, top_k, up, delta13, scales)
-        else:
-            iq, is_ = quantized_gemm1(ws, xquant, w13, inter, groups, blocks, top_k, up, scales, delta13)
+        iq, is_ = quantized_gemm1(ws, xquant, w13, inter, groups, blocks, top_k, up, scales, delta13)
     expand = has_delta and down_expands(numel, scales is not None)
     delta2 = call.down_delta(inter, a2, b2, scale, consts, down, scales is None) if has_delta else None
     in_gemm = None if expand else delta2

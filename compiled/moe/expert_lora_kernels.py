@@ -1,8 +1,6 @@
 """The LoRA shrinks of the fused MoE with expert LoRA (`expert_lora.py`); the expands run inside
-the base grouped GEMMs (`fused_moe_kernels`, LORA=True: `pair_delta` in their epilogues), but
-over FP8 experts at decode sizes, where each has a launch of its own after its GEMM: the gate/up
-deltas with silu * up and the intermediate's quantization (`moe_lora_up_expand_kernel`), and the
-down delta (`moe_lora_down_expand_kernel`).
+the base grouped GEMMs (`fused_moe_kernels`, LORA=True: `_pair_delta` in their epilogues), but for
+the down GEMM over FP8 experts at decode sizes (`moe_lora_down_expand_kernel`, after it).
 
 The pairs are sorted by expert into BLOCK_M blocks as for the base MoE (`moe_align_block_size`),
 and every per-pair buffer is kept in block order (row = the pair's position), as the
@@ -15,10 +13,6 @@ rows masked) into `s_out` at the rows' positions: x's token rows (GATHER: gate/u
 slot is absent from their block exit after the slot loads; rows without an adapter (slot -1, or outside [0, S)) are not
 written and never read. A decode batch has few (block, slot) programs, each a long walk over K
 for its few rows: there the K range is split (`expert_lora.shrink_split`).
-
-`moe_lora_up_expand_kernel` and `moe_lora_down_expand_kernel`, grid (blocks, column tiles): the
-GEMMs' epilogue deltas (`fused_moe_kernels.gate_up_deltas`, `pair_delta`) a block of rows at a
-time, one slot's operands or the slots stacked along K as a tile's rows ask, after the GEMM.
 
 `moe_lora_pair_shrink_kernel`, grid (pairs, SPLIT_K): the gate/up shrink of a decode batch, one
 pair (t, e) a program, `a13[slot[t], e] @ x[t]` in fp32 FMAs (one row: no tensor-core tile) into
@@ -33,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.moe.fused_moe_kernels import gate_up_deltas, pair_delta, pair_slots, silu_mul_rounded, store_quantized
+from compiled.moe.fused_moe_kernels import pair_slots
 from compiled.triton_utils import masked_dot_t, pdl_wait, split_k_store
 
 
@@ -134,66 +128,35 @@ def moe_lora_pair_shrink_kernel(X, A, OUT, IDS, SLOT, num_pairs, S, NR, K, strid
                       Partials + p.to(tl.int64) * NR + offs_n, rows * NR, n_ok, Semaphores + p, pid_k, SPLIT_K)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
-def moe_lora_up_expand_kernel(PRE, S13, B, SCALE, SLOT, INTER, IQ, IS, sorted_ptr, expert_ids_ptr, num_post_ptr,
-                              num_pairs, S, R, N, stride_pre, stride_s13, stride_bs, stride_be, stride_bn, stride_inter,
-                              stride_iq, stride_is, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                              SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
-                              DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, GROUP: tl.constexpr,
-                              PDL: tl.constexpr):
-    """For block program_id(0)'s rows and the GROUP columns c of program_id(1): gate = PRE[p, c] +
-    the gate delta, up = PRE[p, N + c] + the up delta (`fused_moe_kernels.gate_up_deltas`, the
-    up GEMM's own epilogue deltas, from the pair shrink's outputs S13 `[T*k, 2R]` in pair order),
-    then silu * up rounded as that epilogue rounds, into INTER and, quantized as one group, into IQ
-    with its scale in IS (what a W8A8 down GEMM reads). PRE `[rows, 2N]` holds the base up GEMM's
-    gate and up in block order; padding rows are left unwritten, as the GEMM leaves them."""
-    pdl_wait(PDL)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M < tl.load(num_post_ptr):
-        pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ptr + pos)
-        row_ok = pair < num_pairs
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        offs_n = pid_n * GROUP + tl.arange(0, GROUP)
-        mask = row_ok[:, None] & (offs_n < N)[None, :]
-        pre = PRE + pos.to(tl.int64)[:, None] * stride_pre + offs_n[None, :]
-        gate = tl.load(pre, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(pre + N, mask=mask, other=0.0).to(tl.float32)
-        gate, up = gate_up_deltas(gate, up, pair, tl.where(row_ok, pair, 0), expert, offs_n, N, num_pairs, S13, B, SCALE,
-                                  SLOT, S, R, stride_s13, stride_bs, stride_be, stride_bn, TOP_K, SLOTS_PAD, BLOCK_R,
-                                  KC, DELTA_PRECISION, DELTA_16BIT)
-        out = silu_mul_rounded(gate, up, INTER.dtype.element_ty)
-        tl.store(INTER + pos.to(tl.int64)[:, None] * stride_inter + offs_n[None, :], out, mask=mask)
-        store_quantized(out, IQ, IS, pos, row_ok, offs_n, pid_n, N, stride_iq, stride_is, BLOCK_M, GROUP, GROUP)
-
-
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit
 def moe_lora_down_expand_kernel(Y, S2, B, SCALE, WEIGHTS, SLOT, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs,
                                 S, R, H, stride_y, stride_s2, stride_bs, stride_be, stride_bh,
-                                TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, SLOTS_PAD: tl.constexpr,
-                                BLOCK_R: tl.constexpr, KC: tl.constexpr, DELTA_PRECISION: tl.constexpr,
-                                DELTA_16BIT: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    """Y[pair, h] += w * the down delta (`fused_moe_kernels.pair_delta`: scale[s, 2] * B[s, e, h] @
-    S2[p], the down GEMM's own epilogue delta) over the BLOCK_H columns h of program_id(1), for
-    block program_id(0)'s rows p (`moe_align_block_size`'s order, in which the down shrink wrote
-    S2 `[rows, R]`, fp32), e its expert, s each row's token's slot, w its routing weight rounded to
-    Y's dtype as the down GEMM rounds it; Y `[T*k, H]` holds the down GEMM's weighted rows. Rows
-    without an adapter and padding rows are not written. The sum runs in fp32, rounded once."""
+                                TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                                BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    """Y[pair, h] += w * scale[s, 2] * B[s, e, h] @ S2[p] over the BLOCK_H columns h of
+    program_id(1), for the pair at sorted position p = program_id(0) (`moe_align_block_size`'s
+    order, in which the down shrink wrote S2 `[rows, R]`, fp32), e its block's expert, s its
+    token's slot, w its routing weight rounded to Y's dtype as the down GEMM rounds it; Y `[T*k, H]`
+    holds the down GEMM's weighted rows. Padding rows and pairs without an adapter return at once.
+    The sum runs in fp32 and is rounded to Y's dtype once."""
     pdl_wait(PDL)
-    pid_m = tl.program_id(0)
-    if pid_m * BLOCK_M < tl.load(num_post_ptr):
-        pos = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ptr + pos)
-        row_ok, _, slots = pair_slots(SLOT, pair, num_pairs, S, TOP_K)
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    p = tl.program_id(0)
+    pair = tl.load(sorted_ptr + p, mask=p < tl.load(num_post_ptr), other=num_pairs)
+    live = pair < num_pairs
+    token = tl.where(live, pair // TOP_K, 0).to(tl.int64)
+    s = tl.load(SLOT + token, mask=live, other=-1)
+    if live & (s >= 0) & (s < S):
+        expert = tl.load(expert_ids_ptr + p // BLOCK_M).to(tl.int64)
+        offs_r = tl.arange(0, BLOCK_R)
+        r_ok = offs_r < R
+        shrunk = tl.load(S2 + p.to(tl.int64) * stride_s2 + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+        w = tl.load(WEIGHTS + pair).to(Y.dtype.element_ty).to(tl.float32)
+        shrunk = shrunk * (tl.load(SCALE + s * 3 + 2) * w)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         h_ok = offs_h < H
-        delta = pair_delta(tl.zeros([BLOCK_M, BLOCK_H], tl.float32), pair, pos, expert, offs_h, h_ok, 0, 2, num_pairs,
-                           S2, B, SCALE, SLOT, S, R, stride_s2, stride_bs, stride_be, stride_bh, TOP_K, SLOTS_PAD,
-                           BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
-        mask = (slots >= 0)[:, None] & h_ok[None, :]
-        w = tl.load(WEIGHTS + pair, mask=slots >= 0, other=0.0).to(Y.dtype.element_ty).to(tl.float32)
-        y_ptrs = Y + tl.where(row_ok, pair, 0).to(tl.int64)[:, None] * stride_y + offs_h[None, :]
-        y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, (y + w[:, None] * delta).to(Y.dtype.element_ty), mask=mask)
+        b = tl.load(B + s.to(tl.int64) * stride_bs + expert * stride_be + offs_h[:, None] * stride_bh + offs_r[None, :],
+                    mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+        y_ptrs = Y + pair.to(tl.int64) * stride_y + offs_h
+        y = tl.load(y_ptrs, mask=h_ok, other=0.0)
+        delta = tl.sum(b.to(tl.float32) * shrunk[None, :], axis=1)
+        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(Y.dtype.element_ty), mask=h_ok)

@@ -345,19 +345,16 @@ def _check_w8a8(op: str, a_scale: torch.Tensor | None, scales: ExpertScales | No
 def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks: Blocks, top_k: int,
                   cfg: dict, delta: GemmDelta | None = None, scales: ExpertScales | None = None,
                   a_scale: torch.Tensor | None = None,
-                  quantized_out: tuple[torch.Tensor, torch.Tensor, int] | None = None, pre_act: bool = False) -> None:
+                  quantized_out: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
     """inter (block order) <- silu(gate) * up for every pair of `blocks`; x `[T, H]`; with
     `delta`, each pair's gate and up LoRA deltas added before silu; with `scales`, w13 is FP8;
     with `a_scale` too (W8A8), x is float8_e4m3fn and `a_scale` its group scales
     (`quant.act_quant`, groups of w13's block width). `quantized_out` (iq, is_, group): the rows
     written quantized per token in `group`-wide groups instead (float8_e4m3fn `iq` shaped like
     inter, fp32 scales `is_` `[rows, I / group]`), for a W8A8 gemm2, and with `delta` into inter
-    as well (its down shrink's input); BLOCK_SIZE_N a multiple of group. `pre_act`: inter
-    `[rows, 2I]` gets gate and up themselves, no delta, for a launch after this one."""
+    as well (its down shrink's input); BLOCK_SIZE_N a multiple of group."""
     from compiled.moe import fused_moe_kernels as K
     _check_w8a8("launch_gemm1", a_scale, scales, delta)
-    if pre_act and (delta is not None or quantized_out is not None):
-        raise ValueError("launch_gemm1: pre_act stores gate and up as they are: no delta, no quantized_out")
     if quantized_out is not None and cfg["BLOCK_SIZE_N"] % quantized_out[2]:
         raise ValueError(f"launch_gemm1: quantized_out needs BLOCK_SIZE_N ({cfg['BLOCK_SIZE_N']}) a multiple of its "
                          f"group ({quantized_out[2]})")
@@ -377,7 +374,7 @@ def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks
         SHRINK_BY_PAIR=delta is not None and delta.by_pair,
         **fp8_kwargs(scales, "w13", w13, bk, w8a8=a_scale is not None, block_n=bn), **_act_kwargs(a_scale, x),
         IQ=iq, IS=is_, stride_iq=iq.stride(0), stride_is=is_.stride(0), OUT_GROUP=group,
-        SWAP=bool(cfg.get(SWAP_KEY, 0)) and a_scale is not None, PRE_ACT=pre_act,
+        SWAP=bool(cfg.get(SWAP_KEY, 0)) and a_scale is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(x.device),
         **dict(zip(_LORA_ARGS, lora_args)))
 

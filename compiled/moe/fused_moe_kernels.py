@@ -192,7 +192,7 @@ def pair_slots(SLOT, pair, num_valid, S, TOP_K: tl.constexpr):
 
 
 @triton.jit
-def pair_delta(acc, pair, pos, expert, cols, cols_ok, col0, scale_col, num_valid,
+def _pair_delta(acc, pair, pos, expert, cols, cols_ok, col0, scale_col, num_valid,
                 L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                 TOP_K: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
                 DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr):
@@ -209,7 +209,7 @@ def pair_delta(acc, pair, pos, expert, cols, cols_ok, col0, scale_col, num_valid
 def _slots_delta(acc, slots, pos, expert, cols, cols_ok, col0, scale_col, L_S, L_B, L_SCALE, L_R, stride_ls, stride_lbs,
                  stride_lbe, stride_lbn, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
                  DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr):
-    """`pair_delta` for rows whose slots are known."""
+    """`_pair_delta` for rows whose slots are known."""
     if tl.sum((slots >= 0).to(tl.int32), axis=0) > 0:
         acc = slot_stacked_delta(acc, L_S, L_B, L_SCALE, slots, pos, cols, cols_ok, expert, col0, L_R, stride_ls,
                                  stride_lbs, stride_lbe, stride_lbn, 3, scale_col, SLOTS_PAD, BLOCK_R, KC,
@@ -220,7 +220,7 @@ def _slots_delta(acc, slots, pos, expert, cols, cols_ok, col0, scale_col, L_S, L
 @triton.jit
 def _pair_operands(slots, pos, expert, cols, cols_ok, col0, scale_col, L_S, L_B, L_SCALE, L_R, stride_ls, stride_lbs,
                    stride_lbe, stride_lbn, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
-    """`pair_delta`'s one-slot loads, made before the K loop (`triton_utils.one_slot_operands`)."""
+    """`_pair_delta`'s one-slot loads, made before the K loop (`triton_utils.one_slot_operands`)."""
     return one_slot_operands(L_S, L_B, L_SCALE, slots, pos, cols, cols_ok, expert, col0, L_R, stride_ls, stride_lbs,
                              stride_lbe, stride_lbn, 3, scale_col, SLOTS_PAD, BLOCK_R)
 
@@ -230,7 +230,7 @@ def _pair_delta_loaded(acc, slots, one, sr, sc, b, pos, expert, cols, cols_ok, c
                        L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD: tl.constexpr,
                        BLOCK_R: tl.constexpr, KC: tl.constexpr, DELTA_PRECISION: tl.constexpr,
                        DELTA_16BIT: tl.constexpr):
-    """`pair_delta` after the K loop, from the one-slot operands loaded before it; a tile of
+    """`_pair_delta` after the K loop, from the one-slot operands loaded before it; a tile of
     several slots loads the stacked operands now."""
     if one:
         acc = one_slot_dot(acc, sr, sc, b, DELTA_PRECISION, DELTA_16BIT)
@@ -241,33 +241,24 @@ def _pair_delta_loaded(acc, slots, one, sr, sc, b, pos, expert, cols, cols_ok, c
 
 
 @triton.jit
-def gate_up_deltas(acc_g, acc_u, pair, pos, expert, offs_n, N, num_valid, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R,
+def _gate_up_deltas(acc_g, acc_u, pair, pos, expert, offs_n, N, num_valid, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R,
                     stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K: tl.constexpr, SLOTS_PAD: tl.constexpr,
                     BLOCK_R: tl.constexpr, KC: tl.constexpr, DELTA_PRECISION: tl.constexpr,
                     DELTA_16BIT: tl.constexpr):
-    """The gate and up tiles' deltas (`pair_delta`): gate's shrink outputs are columns 0..R of
+    """The gate and up tiles' deltas (`_pair_delta`): gate's shrink outputs are columns 0..R of
     L_S and its B rows 0..N, up's R..2R and N..2N."""
     n_ok = offs_n < N
-    acc_g = pair_delta(acc_g, pair, pos, expert, offs_n, n_ok, 0, 0, num_valid,
+    acc_g = _pair_delta(acc_g, pair, pos, expert, offs_n, n_ok, 0, 0, num_valid,
                         L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                         TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
-    acc_u = pair_delta(acc_u, pair, pos, expert, offs_n + N, n_ok, L_R, 1, num_valid,
+    acc_u = _pair_delta(acc_u, pair, pos, expert, offs_n + N, n_ok, L_R, 1, num_valid,
                         L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                         TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
     return acc_g, acc_u
 
 
 @triton.jit
-def silu_mul_rounded(acc_g, acc_u, dt):
-    """silu(gate) * up in dt, rounded as the unfused model rounds: gate and up, silu, product."""
-    gate = acc_g.to(dt).to(tl.float32)
-    up = acc_u.to(dt).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-    return (act * up).to(dt)
-
-
-@triton.jit
-def store_quantized(out, IQ, IS, rows, row_ok, offs_n, pid_n, N, stride_iq, stride_is, TILE_M: tl.constexpr,
+def _store_quantized(out, IQ, IS, rows, row_ok, offs_n, pid_n, N, stride_iq, stride_is, TILE_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
     """The intermediate tile `out` (16-bit, rows `rows`) as a W8A8 down GEMM reads it: each row's
     GROUP-wide groups (BLOCK_N a multiple of GROUP, so the tile holds whole groups) quantized into
@@ -291,20 +282,18 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
              LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
              DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
              SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
-             IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr, SWAP: tl.constexpr, PRE_ACT: tl.constexpr):
+             IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr, SWAP: tl.constexpr):
     """silu(gate) * up for the TILE_M rows `pair` (a power of two >= 16) and one N tile. TMA: the
     weight tiles come through `w_desc` (w as `[E * 2N, K]`, block `[BLOCK_N, BLOCK_K]`); rows past
     the tile's N read the neighbouring rows (or zeros past the end), whose columns are not stored.
-    LORA: the gate and up deltas (`pair_delta`, shrink outputs `[rows, 2R]`) added before silu,
+    LORA: the gate and up deltas (`_pair_delta`, shrink outputs `[rows, 2R]`) added before silu,
     a tile of one slot's operands loaded before the K loop (in flight during it); DELTA_FIRST:
     the deltas as the accumulators' start, before the K loop. SHRINK_BY_PAIR: the shrink outputs'
     rows are the pairs (`moe_lora_pair_shrink_kernel`), else the positions (block order). OUT_GROUP:
-    the tile stored quantized (`store_quantized`), and with LORA into out as well. SWAP (W8A8
+    the tile stored quantized (`_store_quantized`), and with LORA into out as well. SWAP (W8A8
     only: the launch sets it with the activations' scales): each step's dot as weight tile x rows
     (`triton_utils.w8a8_step_t`), summed transposed; a few tokens an expert then still fill
-    Hopper's 64-row warpgroup MMA instead of 16-row MMAs reading the weight tile through registers.
-    PRE_ACT: gate and up themselves stored (rounded), gate into out's columns 0..N and up into
-    N..2N, for a launch after this one (the expert-LoRA up expand)."""
+    Hopper's 64-row warpgroup MMA instead of 16-row MMAs reading the weight tile through registers."""
     row_ok = pair < num_valid
     if SHRINK_BY_PAIR:
         s_rows = tl.where(row_ok, pair, 0)
@@ -321,7 +310,7 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
     acc_g = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
     if LORA and DELTA_FIRST:
-        acc_g, acc_u = gate_up_deltas(acc_g, acc_u, pair, s_rows, expert, offs_n, N, num_valid, L_S, L_B, L_SCALE,
+        acc_g, acc_u = _gate_up_deltas(acc_g, acc_u, pair, s_rows, expert, offs_n, N, num_valid, L_S, L_B, L_SCALE,
                                        L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K,
                                        SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
     if LORA and not DELTA_FIRST:   # the one-slot delta operands in flight during the K loop
@@ -393,19 +382,17 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
         acc_u = _pair_delta_loaded(acc_u, slots, one, sr_u, sc_u, b_u, s_rows, expert, offs_n + N, n_ok, L_R, 1, L_S,
                                    L_B, L_SCALE, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD,
                                    BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+    # round like the unfused model: gate/up in the activation dtype, silu, product
     dt = out_ptr.dtype.element_ty
-    o_ptrs = out_ptr + pos.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    o_mask = row_ok[:, None] & (offs_n[None, :] < N)
-    if PRE_ACT:
-        tl.store(o_ptrs, acc_g.to(dt), mask=o_mask)
-        tl.store(o_ptrs + N, acc_u.to(dt), mask=o_mask)
-    else:
-        out = silu_mul_rounded(acc_g, acc_u, dt)
-        if OUT_GROUP:
-            store_quantized(out, IQ, IS, pos, row_ok, offs_n, pid_n, N, stride_iq, stride_is, TILE_M, BLOCK_N,
-                             OUT_GROUP)
-        if LORA or not OUT_GROUP:   # with LoRA the down GEMM's shrink reads the 16-bit rows
-            tl.store(o_ptrs, out, mask=o_mask)
+    gate = acc_g.to(dt).to(tl.float32)
+    up = acc_u.to(dt).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    out = (act * up).to(dt)
+    if OUT_GROUP:
+        _store_quantized(out, IQ, IS, pos, row_ok, offs_n, pid_n, N, stride_iq, stride_is, TILE_M, BLOCK_N, OUT_GROUP)
+    if LORA or not OUT_GROUP:   # with LoRA the down GEMM's shrink reads the 16-bit rows
+        o_ptrs = out_ptr + pos.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_n[None, :] < N))
 
 
 @triton.jit
@@ -455,7 +442,7 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
     """weight * (a . w2[e]) for the TILE_M rows `pair` and one N tile. TMA as in _up_tile
     (w as `[E * N, K]`). a holds the rows in block order: this tile's are the TILE_M from
     `first_pos` (padding rows hold anything; their outputs are not stored), through `a_desc`
-    (block `[TILE_M, BLOCK_K]`) with A_TMA. LORA: the down delta (`pair_delta`, shrink outputs
+    (block `[TILE_M, BLOCK_K]`) with A_TMA. LORA: the down delta (`_pair_delta`, shrink outputs
     `[rows, R]` in block order) added before the routing weight, its one-slot operands loaded
     before the K loop (DELTA_FIRST: the delta itself before the K loop); DELTA_IN_K (pointer loads
     only): the delta as the loop's last steps (`_k_step_with_delta`), its shrink outputs scaled
@@ -472,9 +459,9 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
     acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
     pos = first_pos + tl.arange(0, TILE_M)
     if LORA and DELTA_FIRST:
-        acc = pair_delta(acc, pair, pos, expert, offs_n, offs_n < N, 0, 2, num_valid,
-                         L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                         TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
+        acc = _pair_delta(acc, pair, pos, expert, offs_n, offs_n < N, 0, 2, num_valid,
+                          L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
+                          TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
     if LORA and not DELTA_FIRST and not DELTA_IN_K:   # the one-slot delta operands in flight in the K loop
         _, _, slots = pair_slots(L_SLOT, pair, num_valid, L_NS, TOP_K)
         one, sr, sc, b_d = _pair_operands(slots, pos, expert, offs_n, offs_n < N, 0, 2, L_S, L_B, L_SCALE, L_R,
@@ -574,7 +561,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
                      SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
                      IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr, PDL: tl.constexpr,
-                     SWAP: tl.constexpr, PRE_ACT: tl.constexpr):
+                     SWAP: tl.constexpr):
     """out[row, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs,
     row = the pair's position in the sorted order (block b's rows are b * BLOCK_M onwards, padding
     rows left unwritten), so that gemm2 reads each block's rows as one tile.
@@ -589,7 +576,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
     OUT_GROUP (> 0, BLOCK_N a multiple): the rows quantized for a W8A8 gemm2 in groups that wide, into
     IQ (float8_e4m3fn, like out) and IS (`[rows, N / OUT_GROUP]` fp32), instead of stored into out
     (besides, with LORA: the down delta's shrink reads them). SWAP: W8A8 dots as weight tile x rows
-    (`_up_tile`). PRE_ACT: gate and up stored as they are (out `[rows, 2N]`)."""
+    (`_up_tile`)."""
     pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
@@ -605,7 +592,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
                      S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP,
-                     SWAP, PRE_ACT)
+                     SWAP)
         elif height == BLOCK_M // 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2),
                      first + tl.arange(0, BLOCK_M // 2), expert,
@@ -614,7 +601,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
                      S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP,
-                     SWAP, PRE_ACT)
+                     SWAP)
         elif HALF_M >= 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4),
                      first + tl.arange(0, BLOCK_M // 4), expert,
@@ -623,7 +610,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
                      S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP,
-                     SWAP, PRE_ACT)
+                     SWAP)
 
 
 @triton.jit

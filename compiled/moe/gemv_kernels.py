@@ -27,7 +27,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.moe.fused_moe_kernels import silu_mul_rounded
 from compiled.triton_utils import chunk_scaled_dots, fp8_f32, pdl_wait, row_scaled, scaled_tile, weight_tile
 
 
@@ -106,7 +105,12 @@ def moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_w
     w_e = w_ptr + expert * stride_we
     gate, up = _rows_dot(x_ptr, w_e, rows, read, K, stride_wn, N, S + expert * stride_se, stride_sn, BO, BI,
                          BLOCK_N, BLOCK_K, EVEN_K, True, FP8, KB, STAGES, CHUNK, FP8_ASM)
-    tl.store(out_ptr + pair * stride_om + offs_n, silu_mul_rounded(gate, up, out_ptr.dtype.element_ty), mask=n_ok)
+    # round like the unfused model: gate/up in the activation dtype, silu, product
+    dt = out_ptr.dtype.element_ty
+    gate = gate.to(dt).to(tl.float32)
+    up = up.to(dt).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    tl.store(out_ptr + pair * stride_om + offs_n, (act * up).to(dt), mask=n_ok)
 
 
 @triton.jit

@@ -11,8 +11,7 @@ out (the routing kernel, over all experts and over a rank's, and inside the alig
 kernel, the prologues' own launches, the plain K/V store, extend attention with TMA, the greedy
 argmax, the skinny GEMM's one-row GEMV mode, the multi-LoRA kernels, the norm kernels doing LoRA
 work and the fused MoE with expert LoRA) are called directly, and so are the FP8 paths (each scale
-mode of the fused MoE's GEMVs and grouped GEMMs with and without expert LoRA (its deltas in the
-GEMMs and in launches of their own), of the skinny GEMM
+mode of the fused MoE's GEMVs and grouped GEMMs with and without expert LoRA, of the skinny GEMM
 with its prologues and LoRA epilogue, the W8A16 GEMM with its tiles and split K as the heuristic
 picks them at 64 rows and forced (narrow columns, K tiles over several scale blocks, 8 warps), and
 the dequantization kernel). Outputs are never computed, so nothing is compared: the test is that
@@ -255,9 +254,6 @@ def _fp8_calls() -> None:
             # 8 tokens W8A8 in 64-row tiles, as a tuned entry may name it (fp8 wgmma at a few tokens)
             few = dict(config, BLOCK_SIZE_M=64, HALF_M=0, W8A8=1)
             fm.fused_moe_triton(x[:8], weights[:8], ids[:8], q13, q2, config=few, scales=scales)
-            # expert LoRA at 64 tokens W8A8: the deltas in launches of their own (`expert_lora.up_expands`)
-            fused_moe_lora_triton(x[:64], weights[:64], ids[:64], q13, q2, *lora, torch.ones(S, 3),
-                                  torch.zeros(64, dtype=torch.int32), config=dict(table[64], W8A8=1), scales=scales)
         q, s = _fp8(512, 2048, block)
         fp8 = WeightScale(s, block)
         x = torch.randn(64, 2048).bfloat16()

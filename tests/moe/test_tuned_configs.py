@@ -174,27 +174,10 @@ def test_lora_calls_over_fp8_experts_run_w8a8_in_16_row_tiles_only(config_dir):
     w13, w2 = torch.zeros(E, 2 * I, H, dtype=torch.float8_e4m3fn), torch.zeros(E, H, I, dtype=torch.float8_e4m3fn)
     scales = ExpertScales(torch.ones(E, 6, 2), torch.ones(E, 2, 2), [16, 32])
     x = torch.zeros(1, H, dtype=torch.bfloat16)
-    got = [_lora_configs(T, 8 * T, E, I, x, None, scales, w13, w2) for T in (8, 16, 64, big)]
+    got = [_lora_configs(T, E, I, x, None, scales, w13, w2) for T in (8, 16, 64, big)]
     assert [(up["BLOCK_SIZE_N"], groups) for up, _, groups in got] == [(128, None), (64, (32, 32)), (32, None),
                                                                       (128, None)]
-    assert _lora_configs(8, 64, E, I, x, None, None, w13, w2)[1]["BLOCK_SIZE_N"] == 128
-
-
-def test_lora_up_gemm_keeps_its_entry_where_the_deltas_run_apart(config_dir):
-    """Over FP8 experts run W8A8, at the pair counts where the gate/up deltas have a launch of
-    their own (`up_expands`), the up GEMM keeps the entry's K step, which below them
-    `lora_up_config` halves to make room for the deltas' operands."""
-    from compiled.moe import expert_lora as el
-    from compiled.moe.fused_moe import ExpertScales
-    _write(config_dir, "fp8_w8a8", {"32": dict(_cfg(16, 256, 512), W8A8=1), "64": dict(_cfg(16, 256, 512), W8A8=1)})
-    H = 64
-    w13, w2 = torch.zeros(E, 2 * I, H, dtype=torch.float8_e4m3fn), torch.zeros(E, H, I, dtype=torch.float8_e4m3fn)
-    scales = ExpertScales(torch.ones(E, 6, 2), torch.ones(E, 2, 2), [16, 32])
-    x = torch.zeros(1, H, dtype=torch.bfloat16)
-    got = [el._lora_configs(T, 8 * T, E, I, x, None, scales, w13, w2) for T in (32, 64)]
-    assert [(up["BLOCK_SIZE_K"], groups) for up, _, groups in got] == [(el.LORA_MIN_BLOCK_K, (32, 32)), (512, (32, 32))]
-    assert el.up_expands(512, (32, 32)) and not el.up_expands(256, (32, 32))
-    assert not el.up_expands(512, None) and not el.up_expands(512, (128, 24))
+    assert _lora_configs(8, E, I, x, None, None, w13, w2)[1]["BLOCK_SIZE_N"] == 128
 
 
 # ----------------------------------------------------------------------------- the op (interpreter)

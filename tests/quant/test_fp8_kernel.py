@@ -425,9 +425,8 @@ W8A8_LORA_CASES = [("w8a8_lora_block32", 9, 96, 64, QuantConfig("fp8", "block", 
                    ("w8a8_lora_block32_pass", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)),
                     dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=16, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
                          HALF_M=0, TMA=0, W8A8=1)),
-                   # the deltas in launches of their own after the GEMMs (`expert_lora.up_expands`,
-                   # `down_expands`), here from 0 pairs: the up expand in 32-column groups (I = 64: two a row),
-                   # the down expand with H = 96 in 128-column programs (one partial program a block)
+                   # the down delta in its own launch after the down GEMM (`expert_lora.down_expands`), here from
+                   # 0 pairs; H = 96 in 512-column programs: one partial program a row
                    ("w8a8_lora_block32_expand", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)),
                     dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
                          HALF_M=0, TMA=0, W8A8=1, SWAP_AB=1), True)]
@@ -438,8 +437,7 @@ def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, exp
     oracle: each GEMM over the quantized-dequantized activations and the dequantized experts, its
     LoRA delta over the activations as they are (the shrinks read them unquantized). Also how far
     the same oracle without the deltas lies, so that a delta left out would fail. `expand`: the
-    deltas in launches of their own (`expert_lora.up_expands` and `down_expands` from 0 pairs), and
-    whether both ran."""
+    down delta in its own launch (`expert_lora.down_expands` from 0 pairs), and whether it ran."""
     import torch.nn.functional as F
     from compiled.moe import expert_lora as el
     from compiled.moe import fused_moe as fm
@@ -450,21 +448,15 @@ def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, exp
     topk_weights, topk_ids = _routing(g, T, E, k)
     q13, s13, q2, s2, block = _fp8_experts(g, E, H, I, quant)
     a13, b13, a2, b2, scale, slot = _expert_lora(g, T, E, H, I, torch.float32)
-    expanded, real = [], (el.DELTA_IN_K_MIN_PAIRS, el._Launches.up_expand, el._Launches.down_expand)
-
-    def counted(launch):
-        def run(self, *a):
-            expanded.append(launch.__name__)
-            return launch(self, *a)
-        return run
+    expanded, real = [], (el.DELTA_IN_K_MIN_PAIRS, el._Launches.down_expand)
     if expand:
         el.DELTA_IN_K_MIN_PAIRS = 0
-        el._Launches.up_expand, el._Launches.down_expand = counted(real[1]), counted(real[2])
+        el._Launches.down_expand = lambda self, *a: expanded.append(real[1](self, *a))
     try:
         got = el.fused_moe_lora_triton(x, topk_weights, topk_ids, q13, q2, a13, b13, a2, b2, scale, slot,
                                        config=config, scales=fm.ExpertScales(s13, s2, block))
     finally:
-        el.DELTA_IN_K_MIN_PAIRS, el._Launches.up_expand, el._Launches.down_expand = real
+        el.DELTA_IN_K_MIN_PAIRS, el._Launches.down_expand = real
     w13, w2 = dequantize_blocks(q13, s13, block, torch.float32), dequantize_blocks(q2, s2, block, torch.float32)
     bi = quant.op_block[1]
 
@@ -489,7 +481,7 @@ def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, exp
     want, base = oracle(True), oracle(False)
     top = want.abs().max().item()
     return dict(err=(got - want).abs().max().item() / top, tol=1e-3, delta=(base - want).abs().max().item() / top,
-                scale=top, expand_as_asked=expanded == (["up_expand", "down_expand"] if expand else []))
+                scale=top, expand_as_asked=len(expanded) == int(expand))
 
 
 @pytest.fixture(scope="module")
@@ -674,7 +666,7 @@ def test_gpu_fp8_expert_lora_matches_dequantized_in_bf16(T):
     want = el.fused_moe_lora_triton(x, topk_weights, topk_ids, w13, w2, *lora, scale, slot).float()
     scales = fm.ExpertScales(s13, s2, block)
     got = el.fused_moe_lora_triton(x, topk_weights, topk_ids, q13, q2, *lora, scale, slot, scales=scales).float()
-    w8a8 = el._lora_configs(T, T * k, E, I, x, None, scales, q13, q2)[2] is not None
+    w8a8 = el._lora_configs(T, E, I, x, None, scales, q13, q2)[2] is not None
     assert (got - want).abs().max() <= (0.06 if w8a8 else 0.02) * want.abs().max()
 
 
