@@ -564,53 +564,8 @@ def _launch_grouped(call: MoECall, config: dict, route: Routed | None = None) ->
         launch_gemm1(call.x, call.w13, inter, blocks, call.top_k, up, scales=call.scales)
         launch_gemm2(inter, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales)
         return
-    if one_launch(up, down, groups) and launch_up_down(call, xquant, inter, groups, blocks, up, down):
-        return
     iq, is_ = quantized_gemm1(call.ws, xquant, call.w13, inter, groups, blocks, call.top_k, up, call.scales)
     launch_gemm2(iq, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales, a_scale=is_)
-
-
-def one_launch(up: dict, down: dict, groups: tuple[int, int]) -> bool:
-    """Whether W8A8's two grouped GEMMs (no LoRA) run as one launch (`up_down_kernel.py`): tiles of
-    the blocks' full height in both (no HALF_M, no shorter down tiles) and the intermediate
-    quantized by the up GEMM's epilogue (its N tiles hold whole groups)."""
-    return (not up.get("HALF_M") and not down.get("HALF_M") and down["BLOCK_SIZE_M"] == up["BLOCK_SIZE_M"]
-            and up["BLOCK_SIZE_N"] % groups[1] == 0)
-
-
-def launch_up_down(call: MoECall, xquant: QuantizedRows, inter: torch.Tensor, groups: tuple[int, int],
-                   blocks: Blocks, up: dict, down: dict) -> bool:
-    """y <- the down GEMM of the up GEMM of x (`xquant`) for every pair of `blocks`, as
-    `quantized_gemm1` then `launch_gemm2` compute it, in one launch (`one_launch`'s configs; the
-    kernel's warps and stages the up GEMM's). False, having launched nothing, where its counters
-    would have to grow inside a CUDA graph capture."""
-    from compiled.moe import up_down_kernel as K
-    x, w13, w2, scales = xquant.q, call.w13, call.w2, call.scales
-    H, I = w2.shape[1], w2.shape[2]
-    max_blocks = blocks.expert_ids.numel()
-    sync = zeroed(x.device, "up_down_sync", max_blocks + 2, torch.int32)
-    if sync is None:
-        return False
-    iq, is_ = quantized_buffers(call.ws, "inter", inter, groups[1])
-    un, uk = up["BLOCK_SIZE_N"], fp8_block_k(scales, w13, up["BLOCK_SIZE_K"])
-    dn, dk = down["BLOCK_SIZE_N"], fp8_block_k(scales, w2, down["BLOCK_SIZE_K"])
-    s1 = fp8_kwargs(scales, "w13", w13, uk, w8a8=True, block_n=un)
-    s2 = fp8_kwargs(scales, "w2", w2, dk, w8a8=True, block_n=dn)
-    w13_desc = weight_desc(w13, un, uk) if up.get("TMA") else None
-    w2_desc = weight_desc(w2, dn, dk) if down.get("TMA") else None
-    grid = (max_blocks * (triton.cdiv(I, un) + triton.cdiv(H, dn)),)
-    K.moe_up_down_kernel[grid](
-        x, w13, w13_desc, inter, iq, is_, w2, w2_desc, call.y, call.weights, blocks.sorted_ids, blocks.expert_ids,
-        blocks.num_post, sync, call.weights.numel(), max_blocks, I, H, x.stride(0), w13.stride(0), w13.stride(1),
-        inter.stride(0), iq.stride(0), is_.stride(0), w2.stride(0), w2.stride(1), call.y.stride(0),
-        xquant.s, xquant.s.stride(0), s1["S"], s1["stride_se"], s1["stride_sn"], s1["BO"], s1["BI"],
-        s2["S"], s2["stride_se"], s2["stride_sn"], s2["BO"], s2["BI"],
-        TOP_K=call.top_k, BLOCK_M=blocks.block_m, UP_N=un, UP_K=uk, DOWN_N=dn, DOWN_K=dk,
-        UP_EVEN_K=H % uk == 0, DOWN_EVEN_K=I % dk == 0, UP_TMA=w13_desc is not None, DOWN_TMA=w2_desc is not None,
-        UP_SWAP=bool(up.get(SWAP_KEY, 0)), DOWN_SWAP=bool(down.get(SWAP_KEY, 0)), FP8_UP=s1["FP8"],
-        FP8_DOWN=s2["FP8"], OUT_GROUP=groups[1], num_warps=up["num_warps"], num_stages=up["num_stages"],
-        **launch_kwargs(x.device))
-    return True
 
 
 def launch_sum(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, pdl: dict | None = None) -> None:
