@@ -214,6 +214,9 @@ PROGRAMS_PER_SM = 3
 # tokens of context (7.96 / 11.77 / 14.70 µs against 8.43 / 13.75 / 18.01).
 REFERENCE_CONTEXT = 2048
 MIN_SPLIT_TOKENS = 128
+# Pipeline stages where a split's first tile is its whole share of REFERENCE_CONTEXT (the smallest
+# batches): H200, `decode_tile_sweep.py` at batch 1 x 528 tokens, 5.57 against 6.98 µs with 2.
+ONE_TILE_STAGES = 3
 
 
 def default_config(head_dim: int) -> dict:
@@ -314,7 +317,10 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     # Only where a split's first tile is its whole share of the context the split count is planned
     # for (the smallest batches): where splits hold more, asking L2 for the first tile measured
     # slower, and at batch 8 even in a decode step (bench/RESULTS.md).
-    prefetch = pdl["PDL"] and splits * cfg["block_n"] >= REFERENCE_CONTEXT and _bulk_aligned(k_cache, v_cache)
+    one_tile = splits * cfg["block_n"] >= REFERENCE_CONTEXT
+    prefetch = pdl["PDL"] and one_tile and _bulk_aligned(k_cache, v_cache)
+    if one_tile and "num_stages" not in config:
+        cfg["num_stages"] = ONE_TILE_STAGES
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1
     _decode_kernel[(batch, hkv, splits)](
