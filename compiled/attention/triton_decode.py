@@ -215,7 +215,7 @@ PROGRAMS_PER_SM = 3
 REFERENCE_CONTEXT = 2048
 MIN_SPLIT_TOKENS = 128
 # Pipeline stages where a split's first tile is its whole share of REFERENCE_CONTEXT (the smallest
-# batches): H200, `decode_tile_sweep.py` at batch 1 x 528 tokens, 5.57 against 6.98 µs with 2.
+# batches): faster there than the default's, in the kernel and the decode step (bench/RESULTS.md).
 ONE_TILE_STAGES = 3
 
 
