@@ -252,20 +252,15 @@ def _space(bm: int, down: bool, mode: Mode = Mode()) -> list[dict]:
     out = []
     for bn, bk, w, st, g in _combos(bm, down):
         bk = _fit_k(bk, down, mode)
-        if bk is None or n_acc * bm * bn / (w * 32) > 128:
+        if bk is None or _smem(bm, bn, bk, st, down, mode) > SMEM_BYTES or n_acc * bm * bn / (w * 32) > 128:
             continue
-        # W8A8's 16-row up tiles: also two K tiles a loop step (`K_TILES`), each row read twice as far
-        for kt in ((1, 2) if mode.w8a8 and bm == 16 and not down else (1,)):
-            if _smem(bm, bn, bk * kt, st, down, mode) > SMEM_BYTES:
-                continue
-            for half in ((0, 1, 2) if bm >= 64 else (0,)):  # half/quarter-height tiles for partial blocks
-                for tma in (TMA_CHOICES if mode.tma_counts(down) else (0,)):  # TMA descriptors or pointer loads
-                    for swap in ((0, 1) if mode.w8a8 and bm == 16 else (0,)):  # W8A8: weight x rows MMAs
-                        cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g,
-                                   num_warps=w, num_stages=st, HALF_M=half, TMA=tma, SWAP_AB=swap,
-                                   **({tc.K_TILES_KEY: kt} if kt > 1 else {}))
-                        if cfg not in out:
-                            out.append(cfg)
+        for half in ((0, 1, 2) if bm >= 64 else (0,)):  # half/quarter-height tiles for partial blocks
+            for tma in (TMA_CHOICES if mode.tma_counts(down) else (0,)):  # TMA descriptors or pointer loads
+                for swap in ((0, 1) if mode.w8a8 and bm == 16 else (0,)):  # W8A8: weight x rows MMAs
+                    cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=g,
+                               num_warps=w, num_stages=st, HALF_M=half, TMA=tma, SWAP_AB=swap)
+                    if cfg not in out:
+                        out.append(cfg)
     return out[:MAX_CONFIGS] if MAX_CONFIGS > 0 else out
 
 

@@ -33,7 +33,7 @@ from compiled.backend import BackendChoice
 from compiled.functional import add_rms_norm_ref
 from compiled.moe.experts import expert_loop
 from compiled.moe.routing import Routed, expert_pad, route_args, route_into
-from compiled.moe.tuned_configs import K_TILES_KEY, SWAP_KEY, get_config, get_gemv_tiles, split_config, tuned_mode
+from compiled.moe.tuned_configs import SWAP_KEY, get_config, get_gemv_tiles, split_config, tuned_mode
 from compiled.quant.act_quant import QuantizedRows, quant_grid, quantize_per_token_group, row_quantizable
 from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, FP8_W8A8_TILE, fit_block_k, kernel_scale, resolve_block
 from compiled.triton_utils import (FP8_DOT_MIN_K, fp8_convert_asm, fp8_dot_fits, gemv_chunk, interpreting,
@@ -374,16 +374,9 @@ def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks
         SHRINK_BY_PAIR=delta is not None and delta.by_pair,
         **fp8_kwargs(scales, "w13", w13, bk, w8a8=a_scale is not None, block_n=bn), **_act_kwargs(a_scale, x),
         IQ=iq, IS=is_, stride_iq=iq.stride(0), stride_is=is_.stride(0), OUT_GROUP=group,
-        SWAP=bool(cfg.get(SWAP_KEY, 0)) and a_scale is not None, K_TILES=k_tiles(cfg, H, bk),
+        SWAP=bool(cfg.get(SWAP_KEY, 0)) and a_scale is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(x.device),
         **dict(zip(_LORA_ARGS, lora_args)))
-
-
-def k_tiles(cfg: dict, K: int, block_k: int) -> int:
-    """The up GEMM's K tiles a loop step: the entry's K_TILES where it divides K's tiles, else 1
-    (an entry tuned for another K)."""
-    n = cfg.get(K_TILES_KEY, 1)
-    return n if triton.cdiv(K, block_k) % n == 0 else 1
 
 
 def launch_w8a8_gemm1(xq: torch.Tensor, xs: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor,

@@ -282,7 +282,7 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
              LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
              DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
              SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
-             IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr, SWAP: tl.constexpr, K_TILES: tl.constexpr):
+             IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr, SWAP: tl.constexpr):
     """silu(gate) * up for the TILE_M rows `pair` (a power of two >= 16) and one N tile. TMA: the
     weight tiles come through `w_desc` (w as `[E * 2N, K]`, block `[BLOCK_N, BLOCK_K]`); rows past
     the tile's N read the neighbouring rows (or zeros past the end), whose columns are not stored.
@@ -328,53 +328,50 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
         su_n = col_scales(s_e, w_rows + N, 0, stride_sn, BO, BI)
     acc_gt = tl.zeros([BLOCK_N, TILE_M], dtype=tl.float32)
     acc_ut = tl.zeros([BLOCK_N, TILE_M], dtype=tl.float32)
-    for k_step in range(0, n_k, K_TILES):   # K_TILES tiles a step: longer runs of each weight row
-        for j in tl.static_range(K_TILES):
-            k = k_step + j
-            if FP8 >= 3:
-                sa, sg, su = sa_n, sg_n, su_n
-                k_next = tl.minimum(k + 1, n_k - 1) * BLOCK_K
-                sa_n, sg_n = w8a8_scales(as_rows, s_e, w_rows, k_next, stride_sn, BO, BI)
-                su_n = col_scales(s_e, w_rows + N, k_next, stride_sn, BO, BI)
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=(offs_k < K - k * BLOCK_K)[None, :], other=0.0)
-            if TMA:
-                g = w_desc.load([row_g, k * BLOCK_K]).T
-                u = w_desc.load([row_g + N, k * BLOCK_K]).T
-            elif EVEN_K:
-                g = tl.load(g_ptrs)
-                u = tl.load(u_ptrs)
-            else:
-                k_ok = offs_k < K - k * BLOCK_K
-                g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-                u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-            if FP8 == 2:
-                g = col_scaled(g, S + expert * stride_se, offs_nw, k * BLOCK_K, stride_sn, BO, BI, a.dtype)
-                u = col_scaled(u, S + expert * stride_se, offs_nw + N, k * BLOCK_K, stride_sn, BO, BI, a.dtype)
-            elif FP8 == 1:
-                kk = (k * BLOCK_K + offs_k)[:, None]
-                g = scaled_tile(g, S + expert * stride_se, offs_nw[None, :], kk, kk < K, stride_sn, BO, BI, a.dtype,
-                                FP8)
-                u = scaled_tile(u, S + expert * stride_se, (offs_nw + N)[None, :], kk, kk < K, stride_sn, BO, BI,
-                                a.dtype, FP8)
-            if DOT_FP32:
-                a = a.to(tl.float32)
-                g = g.to(tl.float32)
-                u = u.to(tl.float32)
-            if SWAP:
-                acc_gt = w8a8_step_t(acc_gt, a, g, sa, sg, PRECISION, FP8 == 4)
-                acc_ut = w8a8_step_t(acc_ut, a, u, sa, su, PRECISION, FP8 == 4)
-            elif FP8 >= 3:
-                acc_g = w8a8_step(acc_g, a, g, sa, sg, PRECISION, FP8 == 4)
-                acc_u = w8a8_step(acc_u, a, u, sa, su, PRECISION, FP8 == 4)
-            else:
-                acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
-                acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
-            a_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
+    for k in range(0, n_k):
+        if FP8 >= 3:
+            sa, sg, su = sa_n, sg_n, su_n
+            k_next = tl.minimum(k + 1, n_k - 1) * BLOCK_K
+            sa_n, sg_n = w8a8_scales(as_rows, s_e, w_rows, k_next, stride_sn, BO, BI)
+            su_n = col_scales(s_e, w_rows + N, k_next, stride_sn, BO, BI)
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(offs_k < K - k * BLOCK_K)[None, :], other=0.0)
+        if TMA:
+            g = w_desc.load([row_g, k * BLOCK_K]).T
+            u = w_desc.load([row_g + N, k * BLOCK_K]).T
+        elif EVEN_K:
+            g = tl.load(g_ptrs)
+            u = tl.load(u_ptrs)
+        else:
+            k_ok = offs_k < K - k * BLOCK_K
+            g = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+            u = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+        if FP8 == 2:
+            g = col_scaled(g, S + expert * stride_se, offs_nw, k * BLOCK_K, stride_sn, BO, BI, a.dtype)
+            u = col_scaled(u, S + expert * stride_se, offs_nw + N, k * BLOCK_K, stride_sn, BO, BI, a.dtype)
+        elif FP8 == 1:
+            kk = (k * BLOCK_K + offs_k)[:, None]
+            g = scaled_tile(g, S + expert * stride_se, offs_nw[None, :], kk, kk < K, stride_sn, BO, BI, a.dtype, FP8)
+            u = scaled_tile(u, S + expert * stride_se, (offs_nw + N)[None, :], kk, kk < K, stride_sn, BO, BI, a.dtype,
+                            FP8)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            g = g.to(tl.float32)
+            u = u.to(tl.float32)
+        if SWAP:
+            acc_gt = w8a8_step_t(acc_gt, a, g, sa, sg, PRECISION, FP8 == 4)
+            acc_ut = w8a8_step_t(acc_ut, a, u, sa, su, PRECISION, FP8 == 4)
+        elif FP8 >= 3:
+            acc_g = w8a8_step(acc_g, a, g, sa, sg, PRECISION, FP8 == 4)
+            acc_u = w8a8_step(acc_u, a, u, sa, su, PRECISION, FP8 == 4)
+        else:
+            acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
     if SWAP:
         acc_g += tl.trans(acc_gt)
         acc_u += tl.trans(acc_ut)
@@ -564,7 +561,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
                      SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
                      IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr, PDL: tl.constexpr,
-                     SWAP: tl.constexpr, K_TILES: tl.constexpr = 1):
+                     SWAP: tl.constexpr):
     """out[row, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs,
     row = the pair's position in the sorted order (block b's rows are b * BLOCK_M onwards, padding
     rows left unwritten), so that gemm2 reads each block's rows as one tile.
@@ -579,8 +576,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
     OUT_GROUP (> 0, BLOCK_N a multiple): the rows quantized for a W8A8 gemm2 in groups that wide, into
     IQ (float8_e4m3fn, like out) and IS (`[rows, N / OUT_GROUP]` fp32), instead of stored into out
     (besides, with LORA: the down delta's shrink reads them). SWAP: W8A8 dots as weight tile x rows
-    (`_up_tile`). K_TILES (dividing K's tiles): that many K tiles a loop step, in flight together,
-    so that each weight row is read in runs K_TILES tiles long."""
+    (`_up_tile`)."""
     pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
@@ -596,7 +592,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
                      S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP,
-                     SWAP, K_TILES)
+                     SWAP)
         elif height == BLOCK_M // 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2),
                      first + tl.arange(0, BLOCK_M // 2), expert,
@@ -605,7 +601,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
                      S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP,
-                     SWAP, K_TILES)
+                     SWAP)
         elif HALF_M >= 2:
             _up_tile(x_ptr, w_ptr, w_desc, out_ptr, _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4),
                      first + tl.arange(0, BLOCK_M // 4), expert,
@@ -614,7 +610,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
                      S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP,
-                     SWAP, K_TILES)
+                     SWAP)
 
 
 @triton.jit

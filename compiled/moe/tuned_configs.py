@@ -8,12 +8,11 @@ takes an alignment block of the up GEMM's height as that many shorter down tiles
 (2) runs an expert's partial last block as a tile of half (a quarter of) the height when its rows
 fit; TMA loads the weight tiles through tensor descriptors (Hopper's TMA) instead of pointer loads;
 SWAP_AB = 1 runs W8A8 tiles of 16 rows or more as weight tile x rows on the MMA, so that a few
-tokens an expert still take Hopper's 64-row warpgroup MMA. An optional K_TILES (the up GEMM's; 1
-when absent) loads that many K tiles a loop step, so that each weight row is read in longer runs.
-The entry whose token count is nearest wins. An optional top-level "gemv" entry,
-`{"up": {BLOCK_N, BLOCK_K, num_warps}, "down": {...}}` (either stage may be left out), gives the
-one-token GEMVs' tiles in place of GEMV_TILES (`bench/moe_bench.py --only-gemv --write-gemv`
-writes it); a malformed one is a one-line error naming the file and the key.
+tokens an expert still take Hopper's 64-row warpgroup MMA. The entry whose token count is nearest
+wins. An optional top-level "gemv" entry, `{"up": {BLOCK_N, BLOCK_K, num_warps}, "down": {...}}`
+(either stage may be left out), gives the one-token GEMVs' tiles in place of GEMV_TILES
+(`bench/moe_bench.py --only-gemv --write-gemv` writes it); a malformed one is a one-line error
+naming the file and the key.
 
 The file's dtype is the activations' (`bfloat16`), or for FP8 experts (float8_e4m3fn weights with
 block scales) `fp8_w8a8` (vLLM's name for its FP8 expert files). Its entries may say which mode
@@ -40,7 +39,6 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 CONFIG_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 SWAP_KEY = "SWAP_AB"   # W8A8 tiles: the weight tile as the MMA's wide side
 OPTIONAL_KEYS = ("HALF_M", "TMA", SWAP_KEY)  # 0 when absent
-K_TILES_KEY = "K_TILES"   # the up GEMM's K tiles a loop step, 1 when absent
 MAX_HALVINGS = 2  # HALF_M: partial blocks run tiles of down to a quarter of BLOCK_SIZE_M
 MODE_KEY = "W8A8"   # an FP8 experts' entry: 1 W8A8, 0 W8A16, absent: by fused_moe.W8A8_MIN_TOKENS
 DOWN_KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages",
@@ -118,8 +116,6 @@ def _config_file(E: int, N: int, device: str, dtype: str) -> dict:
             raise ValueError(f"{path}: {key}.{MODE_KEY} must be 0 (W8A16) or 1 (W8A8), got {entry[MODE_KEY]!r}")
         if key.isdigit():
             check_down_height(entry, f"{path}: {key}")
-            if type(entry.get(K_TILES_KEY, 1)) is not int or entry.get(K_TILES_KEY, 1) < 1:
-                raise ValueError(f"{path}: {key}.{K_TILES_KEY} must be a positive int, got {entry[K_TILES_KEY]!r}")
     return raw
 
 
@@ -219,13 +215,12 @@ def tuned_mode(cfg: dict) -> bool | None:
 
 
 def split_config(cfg: dict) -> tuple[dict, dict]:
-    """(up GEMM config, down GEMM config); HALF_M and TMA default to 0, the up GEMM's K_TILES to 1,
-    and HALF_M is capped so that no tile is shorter than 16 rows."""
+    """(up GEMM config, down GEMM config); HALF_M and TMA default to 0, and HALF_M is capped so
+    that no tile is shorter than 16 rows."""
     up = {k: int(cfg[k]) for k in CONFIG_KEYS}
     up.update({k: int(cfg.get(k, 0)) for k in OPTIONAL_KEYS})
     down = dict(up)
     down.update({k: int(v) for k, v in (cfg.get("down") or {}).items() if k in DOWN_KEYS})
     for c in (up, down):
         c["HALF_M"] = min(c["HALF_M"], MAX_HALVINGS, (c["BLOCK_SIZE_M"] // 16).bit_length() - 1)
-    up[K_TILES_KEY] = int(cfg.get(K_TILES_KEY, 1))
     return up, down

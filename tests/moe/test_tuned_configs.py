@@ -116,22 +116,6 @@ def test_bad_gemv_entry_is_a_one_line_error_naming_file_and_key(config_dir, gemv
         assert msg.startswith(f"{path}: ") and key in msg and "\n" not in msg, msg
 
 
-@pytest.mark.parametrize("k_tiles", [0, -2, "2", 1.5])
-def test_bad_k_tiles_is_a_one_line_error_naming_file_and_key(config_dir, k_tiles):
-    path = _write(config_dir, "fp8_w8a8", {"1": _cfg(16, 32, 64), "8": dict(_cfg(16, 128, 128), K_TILES=k_tiles)})
-    with pytest.raises(ValueError) as err:
-        tc.get_config(8, E, I, torch.bfloat16, CPU, fp8=True)
-    msg = str(err.value)
-    assert msg.startswith(f"{path}: 8.K_TILES must be a positive int, got {k_tiles!r}") and "\n" not in msg, msg
-
-
-def test_k_tiles_is_the_up_gemms_one_when_absent(config_dir):
-    _write(config_dir, "fp8_w8a8", {"1": _cfg(16, 32, 64), "8": dict(_cfg(16, 128, 128), K_TILES=2)})
-    for T, want in ((1, 1), (8, 2)):
-        up, down = tc.split_config(tc.get_config(T, E, I, torch.bfloat16, CPU, fp8=True))
-        assert up[tc.K_TILES_KEY] == want and tc.K_TILES_KEY not in down, T
-
-
 @pytest.mark.parametrize("down_m", [32, 24, 8, "16"])
 def test_bad_down_height_is_a_one_line_error_naming_file_and_key(config_dir, down_m):
     entry = dict(_cfg(16, 32, 64), down=dict(BLOCK_SIZE_M=down_m))

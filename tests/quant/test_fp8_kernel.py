@@ -342,13 +342,6 @@ W8A8_CASES = [("w8a8_block16x32", 37, 72, 40, QuantConfig("fp8", "block", (16, 3
               ("w8a8_swap_ab", 9, 256, 128, QuantConfig("fp8", "block", (128, 128)), torch.float32,
                dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
                     HALF_M=0, TMA=0, W8A8=1, SWAP_AB=1)),
-              # two K tiles a loop step in the up GEMM (K_TILES), pointer loads and TMA
-              ("w8a8_k_tiles", 9, 256, 128, QuantConfig("fp8", "block", (128, 128)), torch.float32,
-               dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=128, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
-                    HALF_M=0, TMA=0, W8A8=1, SWAP_AB=1, K_TILES=2)),
-              ("w8a8_k_tiles_tma", 9, 128, 64, QuantConfig("fp8", "block", (32, 32)), torch.float32,
-               dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
-                    HALF_M=0, TMA=1, W8A8=1, K_TILES=4)),
               ("w8a8_swap_ab_columns", 21, 96, 64, QuantConfig("compressed-tensors", "channel"), torch.float32,
                dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
                     HALF_M=0, TMA=0, W8A8=1, SWAP_AB=1)),
