@@ -119,6 +119,8 @@ def _decode_kernel(
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
+            if DIRECT:   # the next tile's slots, loaded every step (masked, no branch): see below
+                next_slots = tl.load(r2t + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end, other=0).to(tl.int64)
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(k_base + slots[:, None] * stride_kcs + offs_d[None, :], mask=kv_mask, other=0.0)
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * sm_scale_log2
@@ -130,7 +132,13 @@ def _decode_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
             m_i = m_new
-            if n0 + BLOCK_N < end:   # the next tile's slots, a step ahead
+            # Unsplit (whole requests, many tiles a program), a slot load outside any branch lets
+            # Triton pipeline the loop: each tile's K and V are gathered together, a tile ahead.
+            # Split, a program's few tiles ran faster with the load under a branch, K then V each
+            # waited for (bench/RESULTS.md, decode attention).
+            if DIRECT:
+                slots = next_slots
+            elif n0 + BLOCK_N < end:
                 slots = tl.load(r2t + offs_n + BLOCK_N, mask=offs_n + BLOCK_N < end, other=0).to(tl.int64)
         if DIRECT:
             tl.store(out_ptrs, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
@@ -219,11 +227,15 @@ MIN_SPLIT_TOKENS = 128
 ONE_TILE_STAGES = 3
 
 
-def default_config(head_dim: int) -> dict:
+def default_config(head_dim: int, direct: bool = False) -> dict:
     """Decode tile (KV tokens per iteration), warps, pipeline stages and the unrolling of the
     split merge. At head_dim 128, 128-token tiles: `attention_bench.py --latency` on the H100
     (bench/RESULTS.md) had them ahead of 64 at batch 1 (7.33 / 10.34 / 13.13 µs
-    against 7.77 / 11.87 / 14.64 at 512 / 2,048 / 4,096 tokens) and at batch 8 up to 2,048."""
+    against 7.77 / 11.87 / 14.64 at 512 / 2,048 / 4,096 tokens) and at batch 8 up to 2,048.
+    `direct` (one split: the batch fills the GPU alone, the loop is pipelined), 64-token tiles in
+    3 stages there, faster on the H200 at batch 64 (bench/RESULTS.md, decode attention)."""
+    if direct and head_dim == 128:
+        return dict(block_n=64, num_warps=4, num_stages=3, merge_unroll=4)
     block_n = 32 if head_dim > 128 else 128 if head_dim == 128 else 64
     return dict(block_n=block_n, num_warps=4, num_stages=2, merge_unroll=4)
 
@@ -312,7 +324,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if norm_rope is not None and new_kv is None:
         raise ValueError("decode attention: norm_rope needs new_kv (the raw k to normalise and store)")
     qw, kw, pos, cos_sin, eps = norm_rope if norm_rope is not None else (q, q, seq_lens, q, 0.0)  # unread
-    cfg = dict(default_config(d), **config)
+    cfg = dict(default_config(d, direct), **config)
     pdl = launch_kwargs(q.device)
     # Only where a split's first tile is its whole share of the context the split count is planned
     # for (the smallest batches): where splits hold more, asking L2 for the first tile measured

@@ -352,6 +352,7 @@ CPU_GROUPS = {
         ("decode_gqa1_d64_splits1", lambda: decode_case(MIXED, 2, 2, 64, F32, 1)),
         ("decode_gqa1_d64_splits5", lambda: decode_case(MIXED, 2, 2, 64, F32, 5)),
         ("decode_gqa4_d128_splits3", lambda: decode_case([300, 1, 64, 200, 129], 4, 1, 128, F32, 3)),
+        ("decode_gqa8_d128_splits1", lambda: decode_case([300, 1, 64, 129], 8, 1, 128, F32, 1)),
         ("decode_gqa8_d64_splits7", lambda: decode_case([1, 299, 97, 64], 8, 1, 64, F32, 7)),
         ("decode_gqa4_d24_auto_splits", lambda: decode_case([13, 250, 2], 8, 2, 24, F32, None)),
         ("decode_gqa4_d64_bf16", lambda: decode_case([120, 3, 257], 4, 1, 64, BF16, 2)),
