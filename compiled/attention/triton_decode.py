@@ -132,10 +132,10 @@ def _decode_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
             m_i = m_new
-            # Unsplit (whole requests, many tiles a program), a slot load outside any branch lets
-            # Triton pipeline the loop: each tile's K and V are gathered together, a tile ahead.
-            # Split, a program's few tiles ran faster with the load under a branch, K then V each
-            # waited for (bench/RESULTS.md, decode attention).
+            # Unsplit (whole requests, many tiles a program): with the slot load outside any
+            # branch, Triton pipelines the loop, gathering each tile's K and V together a tile
+            # ahead. Split programs hold a few tiles each; they ran faster with the load under a
+            # branch, which leaves the loop unpipelined (bench/RESULTS.md, decode attention).
             if DIRECT:
                 slots = next_slots
             elif n0 + BLOCK_N < end:
