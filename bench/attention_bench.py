@@ -308,7 +308,9 @@ def run_decode(result: dict, args: argparse.Namespace, props, ceiling: float) ->
             r["pct_of_copy"] = 100 * r["gbps"] * 1e9 / ceiling
             result["decode_extra"].append(r)
             print(f"  decode b={batch} ctx={ctx}: {r['us']:.1f} us, {r['pct_of_copy']:.1f}% of copy", flush=True)
-    result["decode_config"] = dict(triton_decode.default_config(D), programs_per_sm=triton_decode.PROGRAMS_PER_SM)
+    result["decode_config"] = dict(split=triton_decode.default_config(D),
+                                   unsplit=triton_decode.default_config(D, direct=True),
+                                   programs_per_sm=triton_decode.PROGRAMS_PER_SM)
     if args.sweep:
         result["decode_sweep"] = []
         shapes = [(32, 8192), (64, 2048), (8, 32768), (256, 2048), (128, 8192)]
