@@ -234,10 +234,10 @@ def default_config(head_dim: int, direct: bool = False) -> dict:
     against 7.77 / 11.87 / 14.64 at 512 / 2,048 / 4,096 tokens) and at batch 8 up to 2,048.
     `direct` (one split: the batch fills the GPU alone, the loop is pipelined), 64-token tiles in
     3 stages there, faster on the H200 at batch 64 (bench/RESULTS.md, decode attention)."""
+    block_n, stages = (32 if head_dim > 128 else 128 if head_dim == 128 else 64), 2
     if direct and head_dim == 128:
-        return dict(block_n=64, num_warps=4, num_stages=3, merge_unroll=4)
-    block_n = 32 if head_dim > 128 else 128 if head_dim == 128 else 64
-    return dict(block_n=block_n, num_warps=4, num_stages=2, merge_unroll=4)
+        block_n, stages = 64, 3
+    return dict(block_n=block_n, num_warps=4, num_stages=stages, merge_unroll=4)
 
 
 def num_kv_splits(batch: int, kv_heads: int, num_sms: int, max_splits: int = MAX_SPLITS,
