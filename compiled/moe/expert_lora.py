@@ -38,7 +38,10 @@ a tile's rows share one slot, else they stack the slots along K: the rows' shrin
 tile that is zero outside each row's own slot block, times every present slot's B rows, one dot
 per `delta_k_step` of K; the shrink outputs times the scale rounded to the weights' 16-bit dtype
 (DELTA_16BIT). Tiles taller than 16 rows add the deltas before their K loop (`delta_first`).
-One token runs the grouped tiles, not the base's GEMVs. The per-expert
+Over W8A8 experts at decode sizes the side stream goes on from the shrink to the gate and up
+expands (`gate_up_expand`, fp32 `[T*k, 2I]`), and the up GEMM adds those deltas as they stand,
+loaded before its K loop: a 16-row tile of several slots otherwise fetched their B rows after it
+(`deltas_beside`). One token runs the grouped tiles, not the base's GEMVs. The per-expert
 A and B of 8 rank-16 adapters are 276 MB a Qwen3-30B-A3B layer, about a quarter of the experts'
 own bytes, so a batch that touches most (slot, expert) pairs reads that much more. Backend: the
 MoE's (`fused_moe.BACKEND`, `COMPILED_MOE_BACKEND`)."""
@@ -93,7 +96,7 @@ PAIR_SHRINK_BLOCK_K = 128
 ROW_SHRINK_BLOCK_K = 256
 PAIR_SHRINK_WARPS = 4
 PAIR_SHRINK_STAGES = 3
-DOWN_EXPAND_BLOCK_H = 512   # the down expand's columns a program (`moe_lora_down_expand_kernel`)
+EXPAND_BLOCK_N = 512   # the expands' columns a program (`moe_lora_expand_kernel`)
 DELTA_IN_K_MIN_PAIRS = 384   # `down_delta_in_k`: 64 tokens of top-8 gained, 32 lost
 
 
@@ -232,6 +235,7 @@ def reserve_workspace(ws: MoEWorkspace, max_tokens: int, E: int, H: int, I: int,
     ws.reserve(max_tokens, E, H, I, top_k, dtype, device, block_m)
     rows = max(intermediate_rows(max_tokens * top_k, E, bm) for bm in (16, block_m))
     ws.get("lora_s13", rows * 2 * R, torch.float32, device)
+    ws.get("lora_d13", min(max_tokens * top_k, PAIR_SHRINK_MAX_PAIRS) * 2 * I, torch.float32, device)
     ws.get("lora_s2", rows * R, torch.float32, device)
     ws.get("lora_s2_scaled", rows * R, dtype, device)
     split_rows = max(intermediate_rows(min(max_tokens * top_k, SHRINK_SPLIT_MAX_PAIRS), E, bm) for bm in (16, block_m))
@@ -258,6 +262,14 @@ def down_expands(pairs: int, fp8: bool) -> bool:
     adds it in its K loop (`down_delta_in_k`). After the loop each program's tile of several slots
     waited for their B rows; the launch reads them at copy speed (bench/RESULTS.md)."""
     return fp8 and DELTA_IN_K_MIN_PAIRS <= pairs <= PAIR_SHRINK_MAX_PAIRS
+
+
+def deltas_beside(w8a8: bool) -> bool:
+    """Whether a decode batch's gate and up deltas are made whole beside the alignment
+    (`gate_up_expand`) for the up GEMM to add: where it runs W8A8, whose 16-row tiles of several
+    slots otherwise wait after their K loop for those slots' B rows; over 16-bit experts it lost
+    at 8 tokens and was even at 64 (bench/RESULTS.md)."""
+    return w8a8
 
 
 def delta_k_step(block_m: int) -> int:
@@ -398,16 +410,37 @@ class _Launches:
         return GemmDelta(s2, b2, scale, self.slot, consts, in_k=in_k)
 
     def down_expand(self, y: torch.Tensor, delta: GemmDelta, weights: torch.Tensor) -> None:
-        """y's weighted rows plus the down delta (`moe_lora_down_expand_kernel`), a program a row of
-        the alignment's order, from `delta`'s fp32 shrink outputs (not scaled, not in the K loop)."""
-        from compiled.moe import expert_lora_kernels as LK
-        b, rows = delta.b, delta.s.shape[0]
-        LK.moe_lora_down_expand_kernel[(rows, triton.cdiv(b.shape[2], DOWN_EXPAND_BLOCK_H))](
-            y, delta.s, b, delta.scale, weights, self.slot, self.blocks.sorted_ids, self.blocks.expert_ids,
-            self.blocks.num_post, weights.numel(), self.slots, b.shape[3], b.shape[2], y.stride(0), delta.s.stride(0),
-            b.stride(0), b.stride(1), b.stride(2), TOP_K=self.ids.shape[1], BLOCK_M=self.block_m,
-            BLOCK_R=max(16, triton.next_power_of_2(b.shape[3])), BLOCK_H=DOWN_EXPAND_BLOCK_H,
-            num_warps=4, **self.pdl)
+        """y's weighted rows plus the down delta (`moe_lora_expand_kernel`), a program a row of the
+        alignment's order, from `delta`'s fp32 shrink outputs (not scaled, not in the K loop)."""
+        blocks, b = self.blocks, delta.b
+        _expand(y, delta.s, b, delta.scale, weights, self.slot, blocks.sorted_ids, blocks, weights.numel(),
+                b.shape[2], self.ids.shape[1], self.pdl)
+
+
+def gate_up_expand(d13: torch.Tensor, s13: torch.Tensor, b13: torch.Tensor, scale: torch.Tensor, slot: torch.Tensor,
+                   ids: torch.Tensor, pdl: dict) -> None:
+    """d13 `[T*k, 2I]` fp32 <- each pair's gate and up deltas from its shrink outputs s13 (pair
+    order), zeros where it has none (`moe_lora_expand_kernel`), for the up GEMM to add."""
+    _expand(d13, s13, b13, scale, d13, slot, ids.reshape(-1), None, ids.numel(), b13.shape[2] // 2, ids.shape[1], pdl)
+
+
+def _expand(out: torch.Tensor, sh: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, weights: torch.Tensor,
+            slot: torch.Tensor, ids: torch.Tensor, blocks: Blocks | None, pairs: int, half: int, top_k: int,
+            pdl: dict) -> None:
+    """`moe_lora_expand_kernel` over b `[S, E, N, R]`: by position where `blocks` are given (the
+    down delta, added to out's weighted rows), else by pair (the gate and up deltas, split at
+    `half`, stored); EXPAND_BLOCK_N columns a program, each program's inside one half."""
+    from compiled.moe import expert_lora_kernels as LK
+    N = b.shape[2]
+    rows = pairs if blocks is None else blocks.sorted_ids.numel()
+    col_blocks = triton.cdiv(half, EXPAND_BLOCK_N) + triton.cdiv(N - half, EXPAND_BLOCK_N)
+    expert_ids, num_post = (ids, ids) if blocks is None else (blocks.expert_ids, blocks.num_post)
+    LK.moe_lora_expand_kernel[(rows, col_blocks)](
+        out, sh, b, scale, weights, slot, ids, expert_ids, num_post, pairs, b.shape[0], b.shape[3], N, half,
+        out.stride(0), sh.stride(0), b.stride(0), b.stride(1), b.stride(2), TOP_K=top_k,
+        BLOCK_M=1 if blocks is None else blocks.block_m, BLOCK_R=max(16, triton.next_power_of_2(b.shape[3])),
+        BLOCK_N=EXPAND_BLOCK_N, BY_POSITION=blocks is not None, SCALE_COL=2 if blocks is not None else 0,
+        num_warps=4, **pdl)
 
 
 def _blocks_tall(up: dict, down: dict) -> dict:
@@ -470,12 +503,15 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     call = _Launches(slot, ids, workspace or MoEWorkspace(), launch_kwargs(x.device), bm, S)
     ws, numel, pdl = call.ws, ids.numel(), call.pdl
     has_delta = bool(S and R)
-    fork = None
+    fork = d13 = None
     if has_delta and numel <= PAIR_SHRINK_MAX_PAIRS:
         s13 = ws.get("lora_s13", numel * 2 * R, torch.float32, x.device).view(numel, 2 * R)
         fork = Fork(x.device)
         with fork.side():
             pair_shrink(x, a13, s13, ids, slot, ws, pdl)
+            if deltas_beside(groups is not None):
+                d13 = ws.get("lora_d13", numel * 2 * I, torch.float32, x.device).view(numel, 2 * I)
+                gate_up_expand(d13, s13, b13, scale, slot, ids, pdl)
     blocks, xquant = align_quantized(ws, x, ids, E, bm, groups)
     call.blocks = blocks
     rows = blocks.expert_ids.numel() * bm
@@ -488,7 +524,8 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     delta13 = None
     if fork is not None:
         fork.join()
-        delta13 = GemmDelta(s13, b13, scale, slot, consts, by_pair=True)
+        delta13 = GemmDelta(s13 if d13 is None else d13, b13, scale, slot, consts, by_pair=True,
+                            expanded=d13 is not None)
     elif has_delta:
         s13 = ws.get("lora_s13", rows * 2 * R, torch.float32, x.device).view(rows, 2 * R)
         call.block_shrink(x, a13, s13, H, True)

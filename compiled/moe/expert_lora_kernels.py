@@ -1,6 +1,7 @@
 """The LoRA shrinks of the fused MoE with expert LoRA (`expert_lora.py`); the expands run inside
-the base grouped GEMMs (`fused_moe_kernels`, LORA=True: `_pair_delta` in their epilogues), but for
-the down GEMM over FP8 experts at decode sizes (`moe_lora_down_expand_kernel`, after it).
+the base grouped GEMMs (`fused_moe_kernels`, LORA=True: `_pair_delta` in their epilogues), but
+over W8A8 experts at decode sizes (`moe_lora_expand_kernel`: the gate and up deltas before the up
+GEMM, the down delta after the down GEMM).
 
 The pairs are sorted by expert into BLOCK_M blocks as for the base MoE (`moe_align_block_size`),
 and every per-pair buffer is kept in block order (row = the pair's position), as the
@@ -128,35 +129,67 @@ def moe_lora_pair_shrink_kernel(X, A, OUT, IDS, SLOT, num_pairs, S, NR, K, strid
                       Partials + p.to(tl.int64) * NR + offs_n, rows * NR, n_ok, Semaphores + p, pid_k, SPLIT_K)
 
 
-@triton.jit
-def moe_lora_down_expand_kernel(Y, S2, B, SCALE, WEIGHTS, SLOT, sorted_ptr, expert_ids_ptr, num_post_ptr, num_pairs,
-                                S, R, H, stride_y, stride_s2, stride_bs, stride_be, stride_bh,
-                                TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-                                BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    """Y[pair, h] += w * scale[s, 2] * B[s, e, h] @ S2[p] over the BLOCK_H columns h of
-    program_id(1), for the pair at sorted position p = program_id(0) (`moe_align_block_size`'s
-    order, in which the down shrink wrote S2 `[rows, R]`, fp32), e its block's expert, s its
-    token's slot, w its routing weight rounded to Y's dtype as the down GEMM rounds it; Y `[T*k, H]`
-    holds the down GEMM's weighted rows. Padding rows and pairs without an adapter return at once.
-    The sum runs in fp32 and is rounded to Y's dtype once."""
+@triton.jit(do_not_specialize=["num_pairs"])
+def moe_lora_expand_kernel(OUT, SH, B, SCALE, WEIGHTS, SLOT, IDS, expert_ids_ptr, num_post_ptr, num_pairs, S, R, N,
+                           HALF, stride_o, stride_sh, stride_bs, stride_be, stride_bn, TOP_K: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BY_POSITION: tl.constexpr, SCALE_COL: tl.constexpr, PDL: tl.constexpr):
+    """A row's expert-LoRA expand over the BLOCK_N columns of program_id(1): scale[s, c] *
+    B[s, e, n] @ SH[p, h*R:(h+1)*R] in fp32, where the columns n < HALF are the first half (h = 0,
+    c = SCALE_COL) and the rest the second (h = 1, c = SCALE_COL + 1); a program's columns lie in
+    one half. p = program_id(0), s its token's slot, e its expert.
+
+    BY_POSITION (the down delta): p is a position of `moe_align_block_size`'s order (IDS the sorted
+    pair ids, e its block's expert, SH the down shrink's fp32 rows in that order), and the delta,
+    times the pair's routing weight rounded as the down GEMM rounds it, is added to its row of
+    OUT `[T*k, N]` (the down GEMM's weighted rows) and rounded once; padding rows and pairs
+    without an adapter return at once. Else (the gate and up deltas, HALF = I): p is a pair of
+    the routing (IDS `[T*k]`, SH the pair shrink's rows) and OUT[p] `[2I]` fp32 is the delta,
+    zeros for a pair without an adapter, for the up GEMM to add as it stands."""
     pdl_wait(PDL)
     p = tl.program_id(0)
-    pair = tl.load(sorted_ptr + p, mask=p < tl.load(num_post_ptr), other=num_pairs)
+    first_blocks = tl.cdiv(HALF, BLOCK_N)
+    half = (tl.program_id(1) >= first_blocks).to(tl.int32)
+    offs_n = tl.where(half == 0, tl.program_id(1) * BLOCK_N, HALF + (tl.program_id(1) - first_blocks) * BLOCK_N) \
+        + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < tl.where(half == 0, HALF, N)
+    if BY_POSITION:
+        pair = tl.load(IDS + p, mask=p < tl.load(num_post_ptr), other=num_pairs)
+    else:
+        pair = p
     live = pair < num_pairs
     token = tl.where(live, pair // TOP_K, 0).to(tl.int64)
     s = tl.load(SLOT + token, mask=live, other=-1)
-    if live & (s >= 0) & (s < S):
+    if BY_POSITION:
         expert = tl.load(expert_ids_ptr + p // BLOCK_M).to(tl.int64)
-        offs_r = tl.arange(0, BLOCK_R)
-        r_ok = offs_r < R
-        shrunk = tl.load(S2 + p.to(tl.int64) * stride_s2 + offs_r, mask=r_ok, other=0.0).to(tl.float32)
-        w = tl.load(WEIGHTS + pair).to(Y.dtype.element_ty).to(tl.float32)
-        shrunk = shrunk * (tl.load(SCALE + s * 3 + 2) * w)
-        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        h_ok = offs_h < H
-        b = tl.load(B + s.to(tl.int64) * stride_bs + expert * stride_be + offs_h[:, None] * stride_bh + offs_r[None, :],
-                    mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-        y_ptrs = Y + pair.to(tl.int64) * stride_y + offs_h
-        y = tl.load(y_ptrs, mask=h_ok, other=0.0)
-        delta = tl.sum(b.to(tl.float32) * shrunk[None, :], axis=1)
-        tl.store(y_ptrs, (y.to(tl.float32) + delta).to(Y.dtype.element_ty), mask=h_ok)
+    else:   # a pair of id < 0 (another rank's expert) has no delta
+        expert = tl.load(IDS + p, mask=live, other=-1).to(tl.int64)
+        s = tl.where(expert >= 0, s, -1)
+    o_ptrs = OUT + pair.to(tl.int64) * stride_o + offs_n
+    has = live & (s >= 0) & (s < S)
+    if BY_POSITION:
+        if has:
+            w = tl.load(WEIGHTS + pair).to(OUT.dtype.element_ty).to(tl.float32)
+            delta = _expand_row(SH + p.to(tl.int64) * stride_sh, B, SCALE, s, S, expert, half, w, offs_n, n_ok, has, R,
+                                stride_bs, stride_be, stride_bn, BLOCK_R, SCALE_COL)
+            y = tl.load(o_ptrs, mask=n_ok, other=0.0)
+            tl.store(o_ptrs, (y.to(tl.float32) + delta).to(OUT.dtype.element_ty), mask=n_ok)
+    elif live:   # a pair without an adapter: its loads masked off, zeros stored
+        delta = _expand_row(SH + p.to(tl.int64) * stride_sh, B, SCALE, s, S, expert, half, 1.0, offs_n, n_ok, has, R,
+                            stride_bs, stride_be, stride_bn, BLOCK_R, SCALE_COL)
+        tl.store(o_ptrs, delta, mask=n_ok)
+
+
+@triton.jit
+def _expand_row(sh_row, B, SCALE, s, S, expert, half, weight, offs_n, n_ok, has, R, stride_bs, stride_be, stride_bn,
+                BLOCK_R: tl.constexpr, SCALE_COL: tl.constexpr):
+    """`moe_lora_expand_kernel`'s delta `[BLOCK_N]` fp32 for slot s (`has`: s in [0, S) and the row
+    live; loads masked off otherwise, zeros returned)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    slot = offs_r * 0 + s   # a vector test: the interpreter takes no scalar bool in a mask
+    r_ok = (offs_r < R) & (slot >= 0) & (slot < S)
+    factor = tl.load(SCALE + tl.where(has, s * 3 + SCALE_COL + half, 0)) * weight   # finite where masked
+    shrunk = tl.load(sh_row + half * R + offs_r, mask=r_ok, other=0.0).to(tl.float32)
+    b = tl.load(B + s.to(tl.int64) * stride_bs + expert * stride_be + offs_n[:, None] * stride_bn + offs_r[None, :],
+                mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+    return tl.sum(b.to(tl.float32) * (shrunk * factor)[None, :], axis=1)

@@ -281,21 +281,23 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
              TMA: tl.constexpr, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
              LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
              DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
-             SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
+             PAIR_ROWS: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
              IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr, SWAP: tl.constexpr):
     """silu(gate) * up for the TILE_M rows `pair` (a power of two >= 16) and one N tile. TMA: the
     weight tiles come through `w_desc` (w as `[E * 2N, K]`, block `[BLOCK_N, BLOCK_K]`); rows past
     the tile's N read the neighbouring rows (or zeros past the end), whose columns are not stored.
     LORA: the gate and up deltas (`_pair_delta`, shrink outputs `[rows, 2R]`) added before silu,
     a tile of one slot's operands loaded before the K loop (in flight during it); DELTA_FIRST:
-    the deltas as the accumulators' start, before the K loop. SHRINK_BY_PAIR: the shrink outputs'
-    rows are the pairs (`moe_lora_pair_shrink_kernel`), else the positions (block order). OUT_GROUP:
+    the deltas as the accumulators' start, before the K loop. PAIR_ROWS: the shrink outputs' rows
+    are the positions (0, block order) or the pairs (1, `moe_lora_pair_shrink_kernel`), or (2) L_S
+    holds each pair's gate and up deltas themselves (`[T*k, 2N]` fp32, `moe_lora_expand_kernel`),
+    loaded before the K loop and added after it. OUT_GROUP:
     the tile stored quantized (`_store_quantized`), and with LORA into out as well. SWAP (W8A8
     only: the launch sets it with the activations' scales): each step's dot as weight tile x rows
     (`triton_utils.w8a8_step_t`), summed transposed; a few tokens an expert then still fill
     Hopper's 64-row warpgroup MMA instead of 16-row MMAs reading the weight tile through registers."""
     row_ok = pair < num_valid
-    if SHRINK_BY_PAIR:
+    if PAIR_ROWS >= 1:
         s_rows = tl.where(row_ok, pair, 0)
     else:
         s_rows = pos
@@ -309,11 +311,16 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
     row_g = (expert * 2 * N + pid_n * BLOCK_N).to(tl.int32)
     acc_g = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
-    if LORA and DELTA_FIRST:
+    if LORA and PAIR_ROWS == 2:   # in flight during the K loop
+        d_ptrs = L_S + s_rows.to(tl.int64)[:, None] * stride_ls + offs_n[None, :]
+        d_ok = row_ok[:, None] & (offs_n < N)[None, :]
+        d_g = tl.load(d_ptrs, mask=d_ok, other=0.0)
+        d_u = tl.load(d_ptrs + N, mask=d_ok, other=0.0)
+    elif LORA and DELTA_FIRST:
         acc_g, acc_u = _gate_up_deltas(acc_g, acc_u, pair, s_rows, expert, offs_n, N, num_valid, L_S, L_B, L_SCALE,
                                        L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K,
                                        SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
-    if LORA and not DELTA_FIRST:   # the one-slot delta operands in flight during the K loop
+    if LORA and not DELTA_FIRST and PAIR_ROWS < 2:   # the one-slot delta operands in flight during the K loop
         n_ok = offs_n < N
         _, _, slots = pair_slots(L_SLOT, pair, num_valid, L_NS, TOP_K)
         one, sr_g, sc_g, b_g = _pair_operands(slots, s_rows, expert, offs_n, n_ok, 0, 0, L_S, L_B, L_SCALE, L_R,
@@ -375,7 +382,10 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
     if SWAP:
         acc_g += tl.trans(acc_gt)
         acc_u += tl.trans(acc_ut)
-    if LORA and not DELTA_FIRST:
+    if LORA and PAIR_ROWS == 2:
+        acc_g += d_g
+        acc_u += d_u
+    elif LORA and not DELTA_FIRST:
         acc_g = _pair_delta_loaded(acc_g, slots, one, sr_g, sc_g, b_g, s_rows, expert, offs_n, n_ok, 0, 0, L_S, L_B,
                                    L_SCALE, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R, KC,
                                    DELTA_PRECISION, DELTA_16BIT)
@@ -559,7 +569,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
                      DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
-                     SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
+                     PAIR_ROWS: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
                      IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr, PDL: tl.constexpr,
                      SWAP: tl.constexpr):
     """out[row, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs,
@@ -568,7 +578,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
 
     w is `[E, 2N, K]` (`[gate; up]`), out `[blocks * BLOCK_M, N]`; N = I, K = H. HALF_M (0, 1 or
     2): a block whose real rows fit in half (a quarter) of BLOCK_M runs a tile of that height
-    (_tile_rows). LORA: each pair's gate and up LoRA deltas added (`_up_tile`; SHRINK_BY_PAIR: where
+    (_tile_rows). LORA: each pair's gate and up LoRA deltas added (`_up_tile`; PAIR_ROWS: where
     its shrink outputs are). FP8 (0, 1, 2): w float8_e4m3fn, scaled by S, a gather per element (1) or
     one scale per weight row a K tile (2; `fused_moe.fp8_kwargs`); 3 and 4 (W8A8,
     `quant.dequant.FP8_W8A8`, 4 with one weight scale a tile): x float8_e4m3fn too, its tokens' group
@@ -590,7 +600,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      N, K, stride_xm, stride_we, stride_wn, stride_om,
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
+                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, PAIR_ROWS,
                      S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP,
                      SWAP)
         elif height == BLOCK_M // 2:
@@ -599,7 +609,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      pid_n, num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
+                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, PAIR_ROWS,
                      S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP,
                      SWAP)
         elif HALF_M >= 2:
@@ -608,7 +618,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      pid_n, num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
+                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, PAIR_ROWS,
                      S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP,
                      SWAP)
 

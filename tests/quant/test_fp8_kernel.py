@@ -437,7 +437,8 @@ def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, exp
     oracle: each GEMM over the quantized-dequantized activations and the dequantized experts, its
     LoRA delta over the activations as they are (the shrinks read them unquantized). Also how far
     the same oracle without the deltas lies, so that a delta left out would fail. `expand`: the
-    down delta in its own launch (`expert_lora.down_expands` from 0 pairs), and whether it ran."""
+    down delta in its own launch (`expert_lora.down_expands` from 0 pairs), and whether it ran;
+    and whether the gate and up deltas were made whole beside the alignment (`gate_up_expand`)."""
     import torch.nn.functional as F
     from compiled.moe import expert_lora as el
     from compiled.moe import fused_moe as fm
@@ -448,15 +449,16 @@ def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, exp
     topk_weights, topk_ids = _routing(g, T, E, k)
     q13, s13, q2, s2, block = _fp8_experts(g, E, H, I, quant)
     a13, b13, a2, b2, scale, slot = _expert_lora(g, T, E, H, I, torch.float32)
-    expanded, real = [], (el.DELTA_IN_K_MIN_PAIRS, el._Launches.down_expand)
+    expanded, gate_up, real = [], [], (el.DELTA_IN_K_MIN_PAIRS, el._Launches.down_expand, el.gate_up_expand)
     if expand:
         el.DELTA_IN_K_MIN_PAIRS = 0
         el._Launches.down_expand = lambda self, *a: expanded.append(real[1](self, *a))
+    el.gate_up_expand = lambda *a: gate_up.append(real[2](*a))
     try:
         got = el.fused_moe_lora_triton(x, topk_weights, topk_ids, q13, q2, a13, b13, a2, b2, scale, slot,
                                        config=config, scales=fm.ExpertScales(s13, s2, block))
     finally:
-        el.DELTA_IN_K_MIN_PAIRS, el._Launches.down_expand = real
+        el.DELTA_IN_K_MIN_PAIRS, el._Launches.down_expand, el.gate_up_expand = real
     w13, w2 = dequantize_blocks(q13, s13, block, torch.float32), dequantize_blocks(q2, s2, block, torch.float32)
     bi = quant.op_block[1]
 
@@ -481,7 +483,7 @@ def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, exp
     want, base = oracle(True), oracle(False)
     top = want.abs().max().item()
     return dict(err=(got - want).abs().max().item() / top, tol=1e-3, delta=(base - want).abs().max().item() / top,
-                scale=top, expand_as_asked=len(expanded) == int(expand))
+                scale=top, expand_as_asked=len(expanded) == int(expand) and len(gate_up) == 1)
 
 
 @pytest.fixture(scope="module")
