@@ -137,8 +137,8 @@ def moe_lora_pair_shrink_kernel(X, A, OUT, IDS, SLOT, num_pairs, S, NR, K, strid
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def moe_lora_expand_kernel(OUT, SH, B, SCALE, WEIGHTS, LIKE, SLOT, IDS, expert_ids_ptr, num_post_ptr, num_pairs, S,
-                           R, N, HALF, stride_o, stride_sh, stride_bs, stride_be, stride_bn, TOP_K: tl.constexpr,
+def moe_lora_expand_kernel(OUT, SH, B, SCALE, WEIGHTS, LIKE, SLOT, IDS, expert_ids_ptr, num_post_ptr, num_pairs, S, R, N,
+                           HALF, stride_o, stride_sh, stride_bs, stride_be, stride_bn, TOP_K: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                            BY_POSITION: tl.constexpr, SCALE_COL: tl.constexpr, PDL: tl.constexpr):
     """A row's expert-LoRA expand over the BLOCK_N columns of program_id(1): scale[s, c] *
@@ -150,8 +150,8 @@ def moe_lora_expand_kernel(OUT, SH, B, SCALE, WEIGHTS, LIKE, SLOT, IDS, expert_i
     GEMM to add as it stands. BY_POSITION (the down delta): p is a position of
     `moe_align_block_size`'s order (IDS the sorted pair ids, e its block's expert, SH the down
     shrink's fp32 rows in that order), the delta times the pair's routing weight rounded to LIKE's
-    dtype, as the down GEMM rounds it; padding rows return at once. Else (the gate and up
-    deltas, HALF = I): p is a pair of the routing (IDS `[T*k]`, SH the pair shrink's rows)."""
+    dtype, as the down GEMM rounds it; padding rows return at once. Else (the gate and up deltas, HALF = I): p
+    is a pair of the routing (IDS `[T*k]`, SH the pair shrink's rows)."""
     pdl_wait(PDL)
     p = tl.program_id(0)
     first_blocks = tl.cdiv(HALF, BLOCK_N)

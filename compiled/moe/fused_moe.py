@@ -329,7 +329,7 @@ def fp8_block_k(scales: ExpertScales | None, w: torch.Tensor, block_k: int) -> i
 
 def _delta_args(delta: GemmDelta | None, like: torch.Tensor) -> tuple[tuple, dict]:
     """The grouped kernels' LoRA arguments and constants; without a delta, placeholders the
-    kernel compiled with LORA=0 never reads."""
+    kernel compiled with LORA=False never reads."""
     if delta is None:
         return ((like,) * 4 + (0,) * 6,
                 dict(LORA=0, SLOTS_PAD=1, BLOCK_R=16, KC=16, DELTA_PRECISION="ieee", DELTA_16BIT=False,
