@@ -28,8 +28,9 @@ the pairs by expert with the base MoE's `moe_align_block_size`, runs the gate/up
 runs, since it needs only the routing), the base up GEMM with the gate/up deltas added before
 silu * up, the down LoRA shrink over the intermediate (at decode sizes a program a row), the
 base down GEMM with its delta (at decode sizes, where its tiles load through pointers, as its K
-loop's last steps: `down_delta_in_k`; over FP8 experts, see below), and the top-k sum: two
-launches more than the base's grouped path, no host sync, scratch from the `MoEWorkspace` (`reserve_workspace` before a CUDA
+loop's last steps: `down_delta_in_k`; over FP8 experts at those sizes, a launch after it:
+`down_expands`), and the top-k sum: two launches more than the base's grouped path (three with
+that one), no host sync, scratch from the `MoEWorkspace` (`reserve_workspace` before a CUDA
 graph capture). The GEMMs are the base kernels compiled with
 LORA=True, so they take the tuned config whole (tiles, TMA, part-height tiles). Their deltas
 (`fused_moe_kernels._pair_delta`, `triton_utils.slot_stacked_delta`) are one dot of K = R where
@@ -40,9 +41,7 @@ per `delta_k_step` of K; the shrink outputs times the scale rounded to the weigh
 Over W8A8 experts at decode sizes the side stream goes on from the shrink to the gate and up
 expands (`gate_up_expand`, fp32 `[T*k, 2I]`), and the up GEMM adds those deltas as they stand,
 loaded before its K loop: a 16-row tile of several slots otherwise fetched their B rows after it
-(`gate_up_beside`). Over FP8 experts at decode sizes (`down_beside`) the down shrink is followed by
-the down expand (`[T*k, H]` fp32, weighted), which the down GEMM, launched while they run (PDL),
-waits for only after its K loop, to add in its epilogue: one launch more. One token runs the grouped tiles, not the base's GEMVs. The per-expert
+(`deltas_beside`). One token runs the grouped tiles, not the base's GEMVs. The per-expert
 A and B of 8 rank-16 adapters are 276 MB a Qwen3-30B-A3B layer, about a quarter of the experts'
 own bytes, so a batch that touches most (slot, expert) pairs reads that much more. Backend: the
 MoE's (`fused_moe.BACKEND`, `COMPILED_MOE_BACKEND`)."""
@@ -236,9 +235,7 @@ def reserve_workspace(ws: MoEWorkspace, max_tokens: int, E: int, H: int, I: int,
     ws.reserve(max_tokens, E, H, I, top_k, dtype, device, block_m)
     rows = max(intermediate_rows(max_tokens * top_k, E, bm) for bm in (16, block_m))
     ws.get("lora_s13", rows * 2 * R, torch.float32, device)
-    pairs = min(max_tokens * top_k, PAIR_SHRINK_MAX_PAIRS)
-    ws.get("lora_d13", pairs * 2 * I, torch.float32, device)
-    ws.get("lora_d2", pairs * H, torch.float32, device)
+    ws.get("lora_d13", min(max_tokens * top_k, PAIR_SHRINK_MAX_PAIRS) * 2 * I, torch.float32, device)
     ws.get("lora_s2", rows * R, torch.float32, device)
     ws.get("lora_s2_scaled", rows * R, dtype, device)
     split_rows = max(intermediate_rows(min(max_tokens * top_k, SHRINK_SPLIT_MAX_PAIRS), E, bm) for bm in (16, block_m))
@@ -259,21 +256,20 @@ def down_delta_in_k(pairs: int, block_m: int, down: dict, slots_pad: int, block_
         and slots_pad <= 32 and down["BLOCK_SIZE_K"] % block_r == 0
 
 
-def gate_up_beside(w8a8: bool) -> bool:
+def down_expands(pairs: int, fp8: bool) -> bool:
+    """Whether the down delta runs after the down GEMM, in a launch of its own (`down_expand`):
+    over FP8 experts, whose down GEMM adds it after its K loop, at the sizes where a 16-bit one
+    adds it in its K loop (`down_delta_in_k`). After the loop each program's tile of several slots
+    waited for their B rows; the launch reads them at copy speed (bench/RESULTS.md)."""
+    return fp8 and DELTA_IN_K_MIN_PAIRS <= pairs <= PAIR_SHRINK_MAX_PAIRS
+
+
+def deltas_beside(w8a8: bool) -> bool:
     """Whether a decode batch's gate and up deltas are made whole beside the alignment
     (`gate_up_expand`) for the up GEMM to add: where it runs W8A8, whose 16-row tiles of several
     slots otherwise wait after their K loop for those slots' B rows; over 16-bit experts it lost
     at 8 tokens and was even at 64 (bench/RESULTS.md)."""
     return w8a8
-
-
-def down_beside(pairs: int, fp8: bool, w8a8: bool) -> bool:
-    """Whether a decode batch's down deltas are made whole (`down_expand`) while the down GEMM runs
-    its K loop (PDL), for its epilogue to add: over FP8 experts, whose down GEMM otherwise adds
-    them after its K loop (W8A8 at every decode size; W8A16 where a 16-bit one would take them in
-    its K loop, `down_delta_in_k`). Each tile of several slots then waited for their B rows
-    (bench/RESULTS.md)."""
-    return fp8 and pairs <= PAIR_SHRINK_MAX_PAIRS and (w8a8 or pairs >= DELTA_IN_K_MIN_PAIRS)
 
 
 def delta_k_step(block_m: int) -> int:
@@ -340,12 +336,12 @@ class ShrinkTiles(NamedTuple):
 
 def pair_shrink(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, slot: torch.Tensor,
                 ws: MoEWorkspace, pdl: dict, blocks: Blocks | None = None, block_m: int = 16,
-                scale: torch.Tensor | None = None, tiles: ShrinkTiles | None = None, late_let_in: bool = False) -> None:
+                scale: torch.Tensor | None = None, tiles: ShrinkTiles | None = None) -> None:
     """out <- a shrink a program a row (`moe_lora_pair_shrink_kernel`): without `blocks`, the gate/up
     shrink of x `[T, H]`, out `[T*k, 2R]` in pair order; with them, the down shrink of the
     intermediate x `[rows, I]`, out `[rows, R]` in block order (blocks of block_m rows), with
     `scale` times the slots' down scales (in out's dtype). `tiles` overrides the launch's
-    (bench/shrink_sweep.py); `late_let_in`: the kernel's LATE_LET_IN."""
+    (bench/shrink_sweep.py)."""
     from compiled.moe import expert_lora_kernels as LK
     pairs, (S, _, NR, K) = ids.numel(), a.shape
     programs = pairs if blocks is None else x.shape[0]
@@ -363,8 +359,7 @@ def pair_shrink(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, ids: torch.
         out.stride(0), partials, sems, triton.cdiv(triton.cdiv(K, split), bk) * bk, experts, num_post,
         out if scale is None else scale, TOP_K=ids.shape[1], BLOCK_N=max(16, triton.next_power_of_2(NR)),
         BLOCK_K=bk, SPLIT_K=split, BY_POSITION=blocks is not None, BLOCK_M=block_m,
-        SCALE_COL=-1 if scale is None else 2, LATE_LET_IN=late_let_in, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, **pdl)
+        SCALE_COL=-1 if scale is None else 2, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl)
 
 
 @dataclass
@@ -398,59 +393,50 @@ class _Launches:
             num_warps=4, num_stages=stages, **self.pdl)
 
     def down_delta(self, inter: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor, scale: torch.Tensor,
-                   consts: dict, down: dict, may_run_in_k: bool = True, beside: bool = False,
-                   weights: torch.Tensor | None = None) -> GemmDelta:
+                   consts: dict, down: dict, may_run_in_k: bool = True) -> GemmDelta:
         """The down GEMM's delta: the shrink of the intermediate `[rows, I]` by a2, then b2 in the GEMM
-        (in its K loop where `down_delta_in_k` says so and `may_run_in_k`: not over FP8 tiles), or
-        with `beside` the deltas themselves, weighted by `weights` (`down_expand`)."""
+        (in its K loop where `down_delta_in_k` says so and `may_run_in_k`: not over FP8 tiles)."""
         numel, R, rows = self.ids.numel(), a2.shape[2], inter.shape[0]
-        in_k = may_run_in_k and not beside and down_delta_in_k(numel, self.block_m, down, consts["SLOTS_PAD"],
-                                                               consts["BLOCK_R"])
+        in_k = may_run_in_k and down_delta_in_k(numel, self.block_m, down, consts["SLOTS_PAD"], consts["BLOCK_R"])
         if in_k:   # scaled, in x's dtype: the down GEMM's last K steps read them as its own operands
             s2 = self.ws.get("lora_s2_scaled", rows * R, inter.dtype, inter.device).view(rows, R)
         else:
             s2 = self.ws.get("lora_s2", rows * R, torch.float32, inter.device).view(rows, R)
         if numel <= PAIR_SHRINK_MAX_PAIRS:
             pair_shrink(inter, a2, s2, self.ids, self.slot, self.ws, self.pdl, self.blocks, self.block_m,
-                        scale if in_k else None, late_let_in=beside)
+                        scale if in_k else None)
         else:
             self.block_shrink(inter, a2, s2, inter.shape[1], False)
-        if beside:
-            return self.down_expand(GemmDelta(s2, b2, scale, self.slot, consts), weights, inter)
         return GemmDelta(s2, b2, scale, self.slot, consts, in_k=in_k)
 
-    def down_expand(self, delta: GemmDelta, weights: torch.Tensor, like: torch.Tensor) -> GemmDelta:
-        """The down deltas, weighted, `[T*k, H]` fp32 in pair order (`moe_lora_expand_kernel`, a
-        program a row of the alignment's order), from `delta`'s fp32 shrink outputs: the launch
-        right before the down GEMM, which adds them (LORA == 2)."""
+    def down_expand(self, y: torch.Tensor, delta: GemmDelta, weights: torch.Tensor) -> None:
+        """y's weighted rows plus the down delta (`moe_lora_expand_kernel`), a program a row of the
+        alignment's order, from `delta`'s fp32 shrink outputs (not scaled, not in the K loop)."""
         blocks, b = self.blocks, delta.b
-        d2 = self.ws.get("lora_d2", weights.numel() * b.shape[2], torch.float32, like.device).view(-1, b.shape[2])
-        _expand(d2, delta.s, b, delta.scale, weights, like, self.slot, blocks.sorted_ids, blocks, weights.numel(),
+        _expand(y, delta.s, b, delta.scale, weights, self.slot, blocks.sorted_ids, blocks, weights.numel(),
                 b.shape[2], self.ids.shape[1], self.pdl)
-        return GemmDelta(d2, b, delta.scale, self.slot, delta.consts, expanded=True)
 
 
 def gate_up_expand(d13: torch.Tensor, s13: torch.Tensor, b13: torch.Tensor, scale: torch.Tensor, slot: torch.Tensor,
                    ids: torch.Tensor, pdl: dict) -> None:
     """d13 `[T*k, 2I]` fp32 <- each pair's gate and up deltas from its shrink outputs s13 (pair
     order), zeros where it has none (`moe_lora_expand_kernel`), for the up GEMM to add."""
-    _expand(d13, s13, b13, scale, d13, d13, slot, ids.reshape(-1), None, ids.numel(), b13.shape[2] // 2,
-            ids.shape[1], pdl)
+    _expand(d13, s13, b13, scale, d13, slot, ids.reshape(-1), None, ids.numel(), b13.shape[2] // 2, ids.shape[1], pdl)
 
 
 def _expand(out: torch.Tensor, sh: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, weights: torch.Tensor,
-            like: torch.Tensor, slot: torch.Tensor, ids: torch.Tensor, blocks: Blocks | None, pairs: int, half: int,
-            top_k: int, pdl: dict) -> None:
-    """`moe_lora_expand_kernel` over b `[S, E, N, R]` into out `[pairs, N]` fp32: by position where
-    `blocks` are given (the down delta, times `weights` rounded to like's dtype), else by pair (the
-    gate and up deltas, split at `half`); EXPAND_BLOCK_N columns a program, each inside one half."""
+            slot: torch.Tensor, ids: torch.Tensor, blocks: Blocks | None, pairs: int, half: int, top_k: int,
+            pdl: dict) -> None:
+    """`moe_lora_expand_kernel` over b `[S, E, N, R]`: by position where `blocks` are given (the
+    down delta, added to out's weighted rows), else by pair (the gate and up deltas, split at
+    `half`, stored); EXPAND_BLOCK_N columns a program, each program's inside one half."""
     from compiled.moe import expert_lora_kernels as LK
     N = b.shape[2]
     rows = pairs if blocks is None else blocks.sorted_ids.numel()
     col_blocks = triton.cdiv(half, EXPAND_BLOCK_N) + triton.cdiv(N - half, EXPAND_BLOCK_N)
     expert_ids, num_post = (ids, ids) if blocks is None else (blocks.expert_ids, blocks.num_post)
     LK.moe_lora_expand_kernel[(rows, col_blocks)](
-        out, sh, b, scale, weights, like, slot, ids, expert_ids, num_post, pairs, b.shape[0], b.shape[3], N, half,
+        out, sh, b, scale, weights, slot, ids, expert_ids, num_post, pairs, b.shape[0], b.shape[3], N, half,
         out.stride(0), sh.stride(0), b.stride(0), b.stride(1), b.stride(2), TOP_K=top_k,
         BLOCK_M=1 if blocks is None else blocks.block_m, BLOCK_R=max(16, triton.next_power_of_2(b.shape[3])),
         BLOCK_N=EXPAND_BLOCK_N, BY_POSITION=blocks is not None, SCALE_COL=2 if blocks is not None else 0,
@@ -523,7 +509,7 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         fork = Fork(x.device)
         with fork.side():
             pair_shrink(x, a13, s13, ids, slot, ws, pdl)
-            if gate_up_beside(groups is not None):
+            if deltas_beside(groups is not None):
                 d13 = ws.get("lora_d13", numel * 2 * I, torch.float32, x.device).view(numel, 2 * I)
                 gate_up_expand(d13, s13, b13, scale, slot, ids, pdl)
     blocks, xquant = align_quantized(ws, x, ids, E, bm, groups)
@@ -549,13 +535,15 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         launch_gemm1(x, w13, inter, blocks, top_k, up, delta13, scales)
     else:
         iq, is_ = quantized_gemm1(ws, xquant, w13, inter, groups, blocks, top_k, up, scales, delta13)
-    beside = has_delta and down_beside(numel, scales is not None, groups is not None)
-    delta2 = call.down_delta(inter, a2, b2, scale, consts, down, scales is None, beside, weights) \
-        if has_delta else None
+    expand = has_delta and down_expands(numel, scales is not None)
+    delta2 = call.down_delta(inter, a2, b2, scale, consts, down, scales is None) if has_delta else None
+    in_gemm = None if expand else delta2
     if groups is None:
-        launch_gemm2(inter, w2, y, weights, blocks, down, top_k, delta2, scales)
+        launch_gemm2(inter, w2, y, weights, blocks, down, top_k, in_gemm, scales)
     else:
-        launch_gemm2(iq, w2, y, weights, blocks, down, top_k, delta2, scales, a_scale=is_)
+        launch_gemm2(iq, w2, y, weights, blocks, down, top_k, in_gemm, scales, a_scale=is_)
+    if expand:
+        call.down_expand(y, delta2, weights)
     if not sum_slots:
         return y
     if top_k > 1:

@@ -1,8 +1,7 @@
 """The LoRA shrinks of the fused MoE with expert LoRA (`expert_lora.py`); the expands run inside
-the base grouped GEMMs (`fused_moe_kernels`, LORA=1: `_pair_delta` in their epilogues), but over
-FP8 experts at decode sizes (`moe_lora_expand_kernel`, whose rows the GEMMs add as they stand,
-LORA=2: W8A8's gate and up deltas, made beside the alignment; the down deltas, made while the
-down GEMM runs its K loop).
+the base grouped GEMMs (`fused_moe_kernels`, LORA=True: `_pair_delta` in their epilogues), but
+over W8A8 experts at decode sizes (`moe_lora_expand_kernel`: the gate and up deltas before the up
+GEMM, the down delta after the down GEMM).
 
 The pairs are sorted by expert into BLOCK_M blocks as for the base MoE (`moe_align_block_size`),
 and every per-pair buffer is kept in block order (row = the pair's position), as the
@@ -30,7 +29,7 @@ import triton
 import triton.language as tl
 
 from compiled.moe.fused_moe_kernels import pair_slots
-from compiled.triton_utils import masked_dot_t, pdl_let_next_in, pdl_wait, pdl_wait_only, split_k_store
+from compiled.triton_utils import masked_dot_t, pdl_wait, split_k_store
 
 
 @triton.jit(do_not_specialize=["num_valid"])
@@ -81,7 +80,7 @@ def moe_lora_pair_shrink_kernel(X, A, OUT, IDS, SLOT, num_pairs, S, NR, K, strid
                                 stride_an, stride_om, Partials, Semaphores, K_PER_SPLIT, expert_ids_ptr, num_post_ptr,
                                 SCALE, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 SPLIT_K: tl.constexpr, BY_POSITION: tl.constexpr, BLOCK_M: tl.constexpr,
-                                SCALE_COL: tl.constexpr, PDL: tl.constexpr, LATE_LET_IN: tl.constexpr = False):
+                                SCALE_COL: tl.constexpr, PDL: tl.constexpr):
     """OUT[p, n] = sum_k X[p // TOP_K, k] * A[s, IDS[p], n, k] (fp32, n < NR) for pair p =
     program_id(0), s its token's slot. BY_POSITION (the down shrink): program p is a row of the
     sorted order instead, IDS the sorted pair indices (`moe_align_block_size`; rows past its
@@ -89,14 +88,8 @@ def moe_lora_pair_shrink_kernel(X, A, OUT, IDS, SLOT, num_pairs, S, NR, K, strid
     X[p] (the intermediate, block order). SPLIT_K > 1: program_id(1) takes one K range of
     K_PER_SPLIT, writes fp32 partials `[SPLIT_K, programs, NR]` and bumps the program's semaphore;
     the last to arrive sums them in split order and stores the row (`triton_utils.split_k_store`).
-    SCALE_COL >= 0: the row times its slot's SCALE[s, SCALE_COL] (`[S, 3]`), stored in OUT's dtype.
-    LATE_LET_IN: the next launch let in only once this one's wait is over (`moe_gemm2_kernel`'s
-    LORA == 2 reads what the launch before this one wrote without waiting)."""
-    if LATE_LET_IN:
-        pdl_wait_only(PDL)
-        pdl_let_next_in(PDL)
-    else:
-        pdl_wait(PDL)
+    SCALE_COL >= 0: the row times its slot's SCALE[s, SCALE_COL] (`[S, 3]`), stored in OUT's dtype."""
+    pdl_wait(PDL)
     p = tl.program_id(0)
     pid_k = tl.program_id(1)
     if BY_POSITION:
@@ -137,7 +130,7 @@ def moe_lora_pair_shrink_kernel(X, A, OUT, IDS, SLOT, num_pairs, S, NR, K, strid
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def moe_lora_expand_kernel(OUT, SH, B, SCALE, WEIGHTS, LIKE, SLOT, IDS, expert_ids_ptr, num_post_ptr, num_pairs, S, R, N,
+def moe_lora_expand_kernel(OUT, SH, B, SCALE, WEIGHTS, SLOT, IDS, expert_ids_ptr, num_post_ptr, num_pairs, S, R, N,
                            HALF, stride_o, stride_sh, stride_bs, stride_be, stride_bn, TOP_K: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                            BY_POSITION: tl.constexpr, SCALE_COL: tl.constexpr, PDL: tl.constexpr):
@@ -146,12 +139,13 @@ def moe_lora_expand_kernel(OUT, SH, B, SCALE, WEIGHTS, LIKE, SLOT, IDS, expert_i
     c = SCALE_COL) and the rest the second (h = 1, c = SCALE_COL + 1); a program's columns lie in
     one half. p = program_id(0), s its token's slot, e its expert.
 
-    OUT[pair] `[N]` fp32 is the delta, zeros for a live pair without an adapter, for a grouped
-    GEMM to add as it stands. BY_POSITION (the down delta): p is a position of
-    `moe_align_block_size`'s order (IDS the sorted pair ids, e its block's expert, SH the down
-    shrink's fp32 rows in that order), the delta times the pair's routing weight rounded to LIKE's
-    dtype, as the down GEMM rounds it; padding rows return at once. Else (the gate and up deltas, HALF = I): p
-    is a pair of the routing (IDS `[T*k]`, SH the pair shrink's rows)."""
+    BY_POSITION (the down delta): p is a position of `moe_align_block_size`'s order (IDS the sorted
+    pair ids, e its block's expert, SH the down shrink's fp32 rows in that order), and the delta,
+    times the pair's routing weight rounded as the down GEMM rounds it, is added to its row of
+    OUT `[T*k, N]` (the down GEMM's weighted rows) and rounded once; padding rows and pairs
+    without an adapter return at once. Else (the gate and up deltas, HALF = I): p is a pair of
+    the routing (IDS `[T*k]`, SH the pair shrink's rows) and OUT[p] `[2I]` fp32 is the delta,
+    zeros for a pair without an adapter, for the up GEMM to add as it stands."""
     pdl_wait(PDL)
     p = tl.program_id(0)
     first_blocks = tl.cdiv(HALF, BLOCK_N)
@@ -171,14 +165,19 @@ def moe_lora_expand_kernel(OUT, SH, B, SCALE, WEIGHTS, LIKE, SLOT, IDS, expert_i
     else:   # a pair of id < 0 (another rank's expert) has no delta
         expert = tl.load(IDS + p, mask=live, other=-1).to(tl.int64)
         s = tl.where(expert >= 0, s, -1)
+    o_ptrs = OUT + pair.to(tl.int64) * stride_o + offs_n
     has = live & (s >= 0) & (s < S)
-    if live:   # a pair without an adapter: its loads masked off, zeros stored
-        w = 1.0
-        if BY_POSITION:
-            w = tl.load(WEIGHTS + pair).to(LIKE.dtype.element_ty).to(tl.float32)
-        delta = _expand_row(SH + p.to(tl.int64) * stride_sh, B, SCALE, s, S, expert, half, w, offs_n, n_ok, has, R,
+    if BY_POSITION:
+        if has:
+            w = tl.load(WEIGHTS + pair).to(OUT.dtype.element_ty).to(tl.float32)
+            delta = _expand_row(SH + p.to(tl.int64) * stride_sh, B, SCALE, s, S, expert, half, w, offs_n, n_ok, has, R,
+                                stride_bs, stride_be, stride_bn, BLOCK_R, SCALE_COL)
+            y = tl.load(o_ptrs, mask=n_ok, other=0.0)
+            tl.store(o_ptrs, (y.to(tl.float32) + delta).to(OUT.dtype.element_ty), mask=n_ok)
+    elif live:   # a pair without an adapter: its loads masked off, zeros stored
+        delta = _expand_row(SH + p.to(tl.int64) * stride_sh, B, SCALE, s, S, expert, half, 1.0, offs_n, n_ok, has, R,
                             stride_bs, stride_be, stride_bn, BLOCK_R, SCALE_COL)
-        tl.store(OUT + pair.to(tl.int64) * stride_o + offs_n, delta, mask=n_ok)
+        tl.store(o_ptrs, delta, mask=n_ok)
 
 
 @triton.jit

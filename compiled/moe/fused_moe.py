@@ -245,9 +245,8 @@ class GemmDelta:
     block order, or with `by_pair` (the up GEMM only) in pair order), the slots' B `[S, E, out, R]`
     and scales `[S, 3]`, each token's slot `[T]`, and the kernels' delta constants (SLOTS_PAD,
     BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT). `in_k` (the down GEMM only): the delta as the K
-    loop's last steps, `s` already scaled and in the GEMM operands' dtype. `expanded`: `s` holds
-    the deltas themselves in pair order, `[T*k, out]` fp32 (the down GEMM's weighted), which the
-    GEMM adds as they are (its kernels' LORA == 2)."""
+    loop's last steps, `s` already scaled and in the GEMM operands' dtype. `expanded` (with
+    `by_pair`): `s` holds the deltas themselves, `[T*k, out]` fp32, which the GEMM adds as they are."""
     s: torch.Tensor
     b: torch.Tensor
     scale: torch.Tensor
@@ -256,6 +255,10 @@ class GemmDelta:
     by_pair: bool = False
     in_k: bool = False
     expanded: bool = False
+
+    def pair_rows(self) -> int:
+        """The up GEMM's PAIR_ROWS: 0 shrink outputs by position, 1 by pair, 2 deltas by pair."""
+        return 2 if self.expanded else int(self.by_pair)
 
 
 @dataclass(frozen=True)
@@ -332,11 +335,11 @@ def _delta_args(delta: GemmDelta | None, like: torch.Tensor) -> tuple[tuple, dic
     kernel compiled with LORA=False never reads."""
     if delta is None:
         return ((like,) * 4 + (0,) * 6,
-                dict(LORA=0, SLOTS_PAD=1, BLOCK_R=16, KC=16, DELTA_PRECISION="ieee", DELTA_16BIT=False,
+                dict(LORA=False, SLOTS_PAD=1, BLOCK_R=16, KC=16, DELTA_PRECISION="ieee", DELTA_16BIT=False,
                      DELTA_FIRST=False))
     s, b = delta.s, delta.b
     return ((s, b, delta.scale, delta.slot, b.shape[0], b.shape[3], s.stride(0), b.stride(0), b.stride(1),
-             b.stride(2)), dict(LORA=2 if delta.expanded else 1, **delta.consts))
+             b.stride(2)), dict(LORA=True, **delta.consts))
 
 
 def _check_w8a8(op: str, a_scale: torch.Tensor | None, scales: ExpertScales | None,
@@ -374,7 +377,7 @@ def launch_gemm1(x: torch.Tensor, w13: torch.Tensor, inter: torch.Tensor, blocks
         TOP_K=top_k, **_dot_flags(x.dtype),
         BLOCK_M=cfg["BLOCK_SIZE_M"], BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_SIZE_M"],
         EVEN_K=H % bk == 0, HALF_M=cfg["HALF_M"], TMA=desc is not None, **lora_consts,
-        SHRINK_BY_PAIR=delta is not None and delta.by_pair,
+        PAIR_ROWS=0 if delta is None else delta.pair_rows(),
         **fp8_kwargs(scales, "w13", w13, bk, w8a8=a_scale is not None, block_n=bn), **_act_kwargs(a_scale, x),
         IQ=iq, IS=is_, stride_iq=iq.stride(0), stride_is=is_.stride(0), OUT_GROUP=group,
         SWAP=bool(cfg.get(SWAP_KEY, 0)) and a_scale is not None,

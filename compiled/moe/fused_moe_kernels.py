@@ -34,8 +34,8 @@ import triton.language as tl
 from compiled.moe.routing_kernels import route_rows
 from compiled.quant.act_quant import quantize_row, quantize_tile, quantized_groups
 from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, col_scaled, one_slot_dot, one_slot_operands,
-                                   pdl_let_next_in, pdl_wait, pdl_wait_only, row_shrink, scaled_tile, slot_bits,
-                                   slot_stacked_delta, col_scales, w8a8_rows, w8a8_scales, w8a8_step, w8a8_step_t)
+                                   pdl_wait, row_shrink, scaled_tile, slot_bits, slot_stacked_delta, col_scales,
+                                   w8a8_rows, w8a8_scales, w8a8_step, w8a8_step_t)
 
 
 @triton.jit
@@ -281,23 +281,23 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
              TMA: tl.constexpr, L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
              LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
              DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
-             SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
+             PAIR_ROWS: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
              IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr, SWAP: tl.constexpr):
     """silu(gate) * up for the TILE_M rows `pair` (a power of two >= 16) and one N tile. TMA: the
     weight tiles come through `w_desc` (w as `[E * 2N, K]`, block `[BLOCK_N, BLOCK_K]`); rows past
     the tile's N read the neighbouring rows (or zeros past the end), whose columns are not stored.
     LORA: the gate and up deltas (`_pair_delta`, shrink outputs `[rows, 2R]`) added before silu,
     a tile of one slot's operands loaded before the K loop (in flight during it); DELTA_FIRST:
-    the deltas as the accumulators' start, before the K loop. SHRINK_BY_PAIR: the shrink outputs'
-    rows are the pairs (`moe_lora_pair_shrink_kernel`), else the positions (block order). LORA == 2:
-    L_S holds each pair's gate and up deltas themselves (`[T*k, 2N]` fp32, `moe_lora_expand_kernel`),
+    the deltas as the accumulators' start, before the K loop. PAIR_ROWS: the shrink outputs' rows
+    are the positions (0, block order) or the pairs (1, `moe_lora_pair_shrink_kernel`), or (2) L_S
+    holds each pair's gate and up deltas themselves (`[T*k, 2N]` fp32, `moe_lora_expand_kernel`),
     loaded before the K loop and added after it. OUT_GROUP:
     the tile stored quantized (`_store_quantized`), and with LORA into out as well. SWAP (W8A8
     only: the launch sets it with the activations' scales): each step's dot as weight tile x rows
     (`triton_utils.w8a8_step_t`), summed transposed; a few tokens an expert then still fill
     Hopper's 64-row warpgroup MMA instead of 16-row MMAs reading the weight tile through registers."""
     row_ok = pair < num_valid
-    if SHRINK_BY_PAIR:
+    if PAIR_ROWS >= 1:
         s_rows = tl.where(row_ok, pair, 0)
     else:
         s_rows = pos
@@ -311,16 +311,16 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
     row_g = (expert * 2 * N + pid_n * BLOCK_N).to(tl.int32)
     acc_g = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
-    if LORA == 2:   # in flight during the K loop
+    if LORA and PAIR_ROWS == 2:   # in flight during the K loop
         d_ptrs = L_S + s_rows.to(tl.int64)[:, None] * stride_ls + offs_n[None, :]
         d_ok = row_ok[:, None] & (offs_n < N)[None, :]
         d_g = tl.load(d_ptrs, mask=d_ok, other=0.0)
         d_u = tl.load(d_ptrs + N, mask=d_ok, other=0.0)
-    elif LORA == 1 and DELTA_FIRST:
+    elif LORA and DELTA_FIRST:
         acc_g, acc_u = _gate_up_deltas(acc_g, acc_u, pair, s_rows, expert, offs_n, N, num_valid, L_S, L_B, L_SCALE,
                                        L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, TOP_K,
                                        SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
-    if LORA == 1 and not DELTA_FIRST:   # the one-slot delta operands in flight during the K loop
+    if LORA and not DELTA_FIRST and PAIR_ROWS < 2:   # the one-slot delta operands in flight during the K loop
         n_ok = offs_n < N
         _, _, slots = pair_slots(L_SLOT, pair, num_valid, L_NS, TOP_K)
         one, sr_g, sc_g, b_g = _pair_operands(slots, s_rows, expert, offs_n, n_ok, 0, 0, L_S, L_B, L_SCALE, L_R,
@@ -382,10 +382,10 @@ def _up_tile(x_ptr, w_ptr, w_desc, out_ptr, pair, pos, expert, pid_n, num_valid,
     if SWAP:
         acc_g += tl.trans(acc_gt)
         acc_u += tl.trans(acc_ut)
-    if LORA == 2:
+    if LORA and PAIR_ROWS == 2:
         acc_g += d_g
         acc_u += d_u
-    elif LORA == 1 and not DELTA_FIRST:
+    elif LORA and not DELTA_FIRST:
         acc_g = _pair_delta_loaded(acc_g, slots, one, sr_g, sc_g, b_g, s_rows, expert, offs_n, n_ok, 0, 0, L_S, L_B,
                                    L_SCALE, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R, KC,
                                    DELTA_PRECISION, DELTA_16BIT)
@@ -448,7 +448,7 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
                LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
                DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
                DELTA_IN_K: tl.constexpr, R_FULL: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS,
-               stride_as, FP8: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr):
+               stride_as, FP8: tl.constexpr, SWAP: tl.constexpr):
     """weight * (a . w2[e]) for the TILE_M rows `pair` and one N tile. TMA as in _up_tile
     (w as `[E * N, K]`). a holds the rows in block order: this tile's are the TILE_M from
     `first_pos` (padding rows hold anything; their outputs are not stored), through `a_desc`
@@ -468,17 +468,17 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
     row_b = (expert * N + pid_n * BLOCK_N).to(tl.int32)
     acc = tl.zeros([TILE_M, BLOCK_N], dtype=tl.float32)
     pos = first_pos + tl.arange(0, TILE_M)
-    if LORA == 1 and DELTA_FIRST:
+    if LORA and DELTA_FIRST:
         acc = _pair_delta(acc, pair, pos, expert, offs_n, offs_n < N, 0, 2, num_valid,
                           L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                           TOP_K, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT)
-    if LORA == 1 and not DELTA_FIRST and not DELTA_IN_K:   # the one-slot delta operands in flight in the K loop
+    if LORA and not DELTA_FIRST and not DELTA_IN_K:   # the one-slot delta operands in flight in the K loop
         _, _, slots = pair_slots(L_SLOT, pair, num_valid, L_NS, TOP_K)
         one, sr, sc, b_d = _pair_operands(slots, pos, expert, offs_n, offs_n < N, 0, 2, L_S, L_B, L_SCALE, L_R,
                                           stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R)
     n_k = tl.cdiv(K, BLOCK_K)
     steps = n_k
-    if LORA == 1 and DELTA_IN_K:
+    if LORA and DELTA_IN_K:
         _, _, slots = pair_slots(L_SLOT, pair, num_valid, L_NS, TOP_K)
         present = slot_bits(slots)
         if present != 0:
@@ -495,7 +495,7 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
             sa, sw = sa_n, sw_n
             sa_n, sw_n = w8a8_scales(as_rows, S + expert * stride_se, w_rows, tl.minimum(k + 1, n_k - 1) * BLOCK_K,
                                      stride_sn, BO, BI)
-        if LORA == 1 and DELTA_IN_K:
+        if LORA and DELTA_IN_K:
             a, b = _k_step_with_delta(a_rows, w_cols, k, n_k, K, slots, present, pos, expert, offs_k, offs_nw,
                                       offs_n < N, L_S, L_B, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, EVEN_K,
                                       BLOCK_R, BLOCK_K, R_FULL)
@@ -530,18 +530,13 @@ def _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, pair, first_p
         b_ptrs += BLOCK_K
     if SWAP:
         acc += tl.trans(acc_t)
-    if LORA == 1 and not DELTA_FIRST and not DELTA_IN_K:
+    if LORA and not DELTA_FIRST and not DELTA_IN_K:
         acc = _pair_delta_loaded(acc, slots, one, sr, sc, b_d, pos, expert, offs_n, offs_n < N, 0, 2, L_S, L_B,
                                  L_SCALE, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn, SLOTS_PAD, BLOCK_R, KC,
                                  DELTA_PRECISION, DELTA_16BIT)
     dt = out_ptr.dtype.element_ty
     w = tl.load(weights_ptr + row, mask=row_ok, other=0.0).to(dt).to(tl.float32)
-    out = acc.to(dt).to(tl.float32) * w[:, None]
-    if LORA == 2:   # made by the launch before, which this one waits for only now
-        pdl_wait_only(PDL)
-        out += tl.load(L_S + row[:, None] * stride_ls + offs_n[None, :], mask=row_ok[:, None] & (offs_n < N)[None, :],
-                       other=0.0)
-    out = out.to(dt)
+    out = (acc.to(dt).to(tl.float32) * w[:, None]).to(dt)
     o_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
     tl.store(o_ptrs, out, mask=row_ok[:, None] & (offs_n[None, :] < N))
 
@@ -574,7 +569,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                      LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
                      DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
-                     SHRINK_BY_PAIR: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
+                     PAIR_ROWS: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8: tl.constexpr,
                      IQ, IS, stride_iq, stride_is, OUT_GROUP: tl.constexpr, PDL: tl.constexpr,
                      SWAP: tl.constexpr):
     """out[row, n] = silu(x[token] . w[e, n]) * (x[token] . w[e, N + n]) for the block's pairs,
@@ -583,7 +578,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
 
     w is `[E, 2N, K]` (`[gate; up]`), out `[blocks * BLOCK_M, N]`; N = I, K = H. HALF_M (0, 1 or
     2): a block whose real rows fit in half (a quarter) of BLOCK_M runs a tile of that height
-    (_tile_rows). LORA: each pair's gate and up LoRA deltas added (`_up_tile`; SHRINK_BY_PAIR: where
+    (_tile_rows). LORA: each pair's gate and up LoRA deltas added (`_up_tile`; PAIR_ROWS: where
     its shrink outputs are). FP8 (0, 1, 2): w float8_e4m3fn, scaled by S, a gather per element (1) or
     one scale per weight row a K tile (2; `fused_moe.fp8_kwargs`); 3 and 4 (W8A8,
     `quant.dequant.FP8_W8A8`, 4 with one weight scale a tile): x float8_e4m3fn too, its tokens' group
@@ -605,7 +600,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      N, K, stride_xm, stride_we, stride_wn, stride_om,
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
+                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, PAIR_ROWS,
                      S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP,
                      SWAP)
         elif height == BLOCK_M // 2:
@@ -614,7 +609,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      pid_n, num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
+                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, PAIR_ROWS,
                      S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP,
                      SWAP)
         elif HALF_M >= 2:
@@ -623,7 +618,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
                      pid_n, num_valid, N, K, stride_xm, stride_we, stride_wn, stride_om,
                      TOP_K, PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA,
                      L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
-                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, SHRINK_BY_PAIR,
+                     LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST, PAIR_ROWS,
                      S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, IQ, IS, stride_iq, stride_is, OUT_GROUP,
                      SWAP)
 
@@ -637,7 +632,7 @@ def _down_rows(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_ptr, p
                TOP_K: tl.constexpr, LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
                KC: tl.constexpr, DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr,
                DELTA_FIRST: tl.constexpr, DELTA_IN_K: tl.constexpr, R_FULL: tl.constexpr, S, stride_se, stride_sn,
-               BO, BI, AS, stride_as, FP8: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr):
+               BO, BI, AS, stride_as, FP8: tl.constexpr, SWAP: tl.constexpr):
     """The down GEMM over the BLOCK_M rows `pair` of tile pid_m (positions pid_m * BLOCK_M on), one
     N tile: at full height, or (HALF_M) half or a quarter where that many rows hold its pairs."""
     height = BLOCK_M
@@ -650,7 +645,7 @@ def _down_rows(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_ptr, p
                    PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, TMA, A_TMA,
                    L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                    TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
-                   DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, SWAP, PDL)
+                   DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, SWAP)
     elif height == BLOCK_M // 2:
         _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr,
                    _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 2), first, expert, pid_n,
@@ -658,7 +653,7 @@ def _down_rows(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_ptr, p
                    PRECISION, DOT_FP32, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, TMA, False,
                    L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                    TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
-                   DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, SWAP, PDL)
+                   DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, SWAP)
     elif HALF_M >= 2:
         _down_tile(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr,
                    _first_rows(sorted_ptr, pid_m, BLOCK_M, BLOCK_M // 4), first, expert, pid_n,
@@ -666,7 +661,7 @@ def _down_rows(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_ptr, p
                    PRECISION, DOT_FP32, BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, TMA, False,
                    L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                    TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
-                   DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, SWAP, PDL)
+                   DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, SWAP)
 
 
 @triton.jit(do_not_specialize=["num_valid"])
@@ -688,15 +683,8 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
     DELTA_IN_K: as the K loop's last steps); FP8 as in moe_gemm1_kernel (3: a float8_e4m3fn, its
     rows' group scales at AS, `[rows, K / BI]`). EXPERT_BLOCK_M: the alignment's block height (the
     up GEMM's), a multiple of BLOCK_M: a program runs its block's tiles of BLOCK_M rows in turn,
-    skipping those past the expert's pairs. SWAP as in moe_gemm1_kernel. LORA == 2: L_S holds each
-    pair's down delta, weighted (`[T*k, N]` fp32, `moe_lora_expand_kernel`), which the launch just
-    before makes: this one runs its K loop first and waits for that launch (PDL) only before its
-    epilogue adds them, so the launches before that one must let it in only once their own wait is
-    over (the K loop's operands are then complete)."""
-    if LORA == 2:
-        pdl_let_next_in(PDL)
-    else:
-        pdl_wait(PDL)
+    skipping those past the expert's pairs. SWAP as in moe_gemm1_kernel."""
+    pdl_wait(PDL)
     if EXPERT_BLOCK_M == BLOCK_M:
         pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
         if live:
@@ -706,7 +694,7 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
                        PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HALF_M, TMA, A_TMA,
                        L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                        TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
-                       DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, SWAP, PDL)
+                       DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, SWAP)
     else:
         # a block's tiles in turn: those past its expert's pairs (real rows come first) cost no program
         pid_b, pid_n = _tile_ids(N, BLOCK_N, GROUP_M)
@@ -721,7 +709,7 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
                                PRECISION, DOT_FP32, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, HALF_M, TMA, A_TMA,
                                L_S, L_B, L_SCALE, L_SLOT, L_NS, L_R, stride_ls, stride_lbs, stride_lbe, stride_lbn,
                                TOP_K, LORA, SLOTS_PAD, BLOCK_R, KC, DELTA_PRECISION, DELTA_16BIT, DELTA_FIRST,
-                               DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, SWAP, PDL)
+                               DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, SWAP)
 
 
 @triton.jit

@@ -416,29 +416,29 @@ def w8a8_case(T: int, H: int, I: int, quant: QuantConfig, dtype: torch.dtype, co
     return dict(err=loose, tol=0.08, loose_err=loose, loose_tol=0.08, scale=scale)
 
 
-# expert LoRA over FP8 experts in W8A8 16-row tiles (the entry says so), the gate and up deltas made
-# whole beside the alignment, the down deltas while the down GEMM runs (the intermediate quantized by
-# the up GEMM's epilogue, whose 32-wide N tiles hold whole blocks, the dots weight tile x rows; then
-# by a pass, 16-wide tiles holding half a block); W8A16 with the down deltas made whole, here from 0
-# pairs (`expert_lora.down_beside`); H = 96 in 512-column expand programs: one partial program a row
+# expert LoRA over FP8 experts in W8A8 16-row tiles (the entry says so), the deltas in the epilogues
+# (the intermediate quantized by the up GEMM's epilogue, whose 32-wide N tiles hold whole blocks, the
+# dots weight tile x rows; then by a pass, 16-wide tiles holding half a block)
 W8A8_LORA_CASES = [("w8a8_lora_block32", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)),
                     dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
                          HALF_M=0, TMA=0, W8A8=1, SWAP_AB=1)),
                    ("w8a8_lora_block32_pass", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)),
                     dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=16, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
                          HALF_M=0, TMA=0, W8A8=1)),
-                   ("w8a16_lora_block32_down_beside", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)),
+                   # the down delta in its own launch after the down GEMM (`expert_lora.down_expands`), here from
+                   # 0 pairs; H = 96 in 512-column programs: one partial program a row
+                   ("w8a8_lora_block32_expand", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)),
                     dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
-                         HALF_M=0, TMA=0), False)]
+                         HALF_M=0, TMA=0, W8A8=1, SWAP_AB=1), True)]
 
 
-def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, w8a8: bool = True) -> dict:
-    """`fused_moe_lora_triton` on FP8 experts, W8A8 (fp32 activations; `w8a8` False: W8A16, the
-    down deltas made whole from 0 pairs on), against a pair-by-pair oracle: each GEMM over the
-    (W8A8: quantized-dequantized) activations and the dequantized experts, its LoRA delta over the
-    activations as they are (the shrinks read them unquantized). Also how far the same oracle
-    without the deltas lies, so that a delta left out would fail, and whether the deltas were made
-    whole: the gate and up ones under W8A8 (`gate_up_expand`), the down ones always."""
+def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, expand: bool = False) -> dict:
+    """`fused_moe_lora_triton` on FP8 experts, W8A8 (fp32 activations), against a pair-by-pair
+    oracle: each GEMM over the quantized-dequantized activations and the dequantized experts, its
+    LoRA delta over the activations as they are (the shrinks read them unquantized). Also how far
+    the same oracle without the deltas lies, so that a delta left out would fail. `expand`: the
+    down delta in its own launch (`expert_lora.down_expands` from 0 pairs), and whether it ran;
+    and whether the gate and up deltas were made whole beside the alignment (`gate_up_expand`)."""
     import torch.nn.functional as F
     from compiled.moe import expert_lora as el
     from compiled.moe import fused_moe as fm
@@ -449,9 +449,10 @@ def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, w8a
     topk_weights, topk_ids = _routing(g, T, E, k)
     q13, s13, q2, s2, block = _fp8_experts(g, E, H, I, quant)
     a13, b13, a2, b2, scale, slot = _expert_lora(g, T, E, H, I, torch.float32)
-    down, gate_up, real = [], [], (el.DELTA_IN_K_MIN_PAIRS, el._Launches.down_expand, el.gate_up_expand)
-    el.DELTA_IN_K_MIN_PAIRS = 0
-    el._Launches.down_expand = lambda self, *a: down.append(real[1](self, *a)) or down[-1]
+    expanded, gate_up, real = [], [], (el.DELTA_IN_K_MIN_PAIRS, el._Launches.down_expand, el.gate_up_expand)
+    if expand:
+        el.DELTA_IN_K_MIN_PAIRS = 0
+        el._Launches.down_expand = lambda self, *a: expanded.append(real[1](self, *a))
     el.gate_up_expand = lambda *a: gate_up.append(real[2](*a))
     try:
         got = el.fused_moe_lora_triton(x, topk_weights, topk_ids, q13, q2, a13, b13, a2, b2, scale, slot,
@@ -462,8 +463,6 @@ def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, w8a
     bi = quant.op_block[1]
 
     def qdq(a: torch.Tensor) -> torch.Tensor:
-        if not w8a8:
-            return a
         return dequantize_per_token_group(*quantize_per_token_group_ref(a[None], bi), bi, torch.float32)[0]
 
     def oracle(with_delta: bool) -> torch.Tensor:
@@ -484,7 +483,7 @@ def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, w8a
     want, base = oracle(True), oracle(False)
     top = want.abs().max().item()
     return dict(err=(got - want).abs().max().item() / top, tol=1e-3, delta=(base - want).abs().max().item() / top,
-                scale=top, expand_as_asked=len(down) == 1 and len(gate_up) == int(w8a8))
+                scale=top, expand_as_asked=len(expanded) == int(expand) and len(gate_up) == 1)
 
 
 @pytest.fixture(scope="module")
