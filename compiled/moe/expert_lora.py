@@ -443,6 +443,34 @@ def _expand(out: torch.Tensor, sh: torch.Tensor, b: torch.Tensor, scale: torch.T
         num_warps=4, **pdl)
 
 
+def expand_ref(out: torch.Tensor, sh: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, weights: torch.Tensor,
+               slot: torch.Tensor, row_pairs: torch.Tensor, row_experts: torch.Tensor, top_k: int, half: int,
+               by_position: bool) -> torch.Tensor:
+    """`moe_lora_expand_kernel` (as `_expand` launches it) in torch, a loop over sh's rows: row q is
+    pair row_pairs[q] (none where that is past out's rows) of expert row_experts[q], whose slot is
+    its token's. Its delta, column n taking the half h = (n >= half): scale[s, c + h] *
+    b[s, e, n] @ sh[q, h*R:(h+1)*R] in fp32, c = 2 by position, else 0. by_position: out's row of a
+    pair with an adapter plus its delta times its routing weight rounded to out's dtype, rounded
+    once; else out's row of every pair the delta (zeros without an adapter or of expert < 0)."""
+    out = out.clone()
+    S, R, N = b.shape[0], b.shape[3], b.shape[2]
+    for q, (p, e) in enumerate(zip(row_pairs.tolist(), row_experts.tolist())):
+        if p >= out.shape[0]:
+            continue
+        s = int(slot[p // top_k])
+        delta = torch.zeros(N)
+        if 0 <= s < S and e >= 0:
+            w = float(weights[p].to(out.dtype)) if by_position else 1.0
+            for h in range(1 + (half < N)):
+                cols, col = slice(h * half, N if h else half), (2 if by_position else 0) + h
+                delta[cols] = w * float(scale[s, col]) * (b[s, e, cols].float() @ sh[q, h * R:(h + 1) * R].float())
+            if by_position:
+                out[p] = (out[p].float() + delta).to(out.dtype)
+        if not by_position:
+            out[p] = delta
+    return out
+
+
 def _blocks_tall(up: dict, down: dict) -> dict:
     """The down config with tiles of the alignment's block height: the deltas' shrink outputs and
     constants are laid out for those blocks."""

@@ -339,6 +339,39 @@ def case_down_delta_as_last_k_steps():
             assert ("lora_s2_scaled" in ws.buffers) == in_k and ("lora_s2" in ws.buffers) != in_k
 
 
+def case_expand_kernel_matches_its_reference():
+    # moe_lora_expand_kernel against expand_ref on random rows: by pair (the gate and up deltas,
+    # 2I = 46 split at 23, rank 5, ids of -1 among them) and by position (the down delta added to
+    # bf16 rows of H = 45), slots -1 and 9 (none) among 3, 16-column programs: partial ones in
+    # each half; every pair's row is written by pair (the output starts as NaN)
+    g = torch.Generator().manual_seed(31)
+    T, k, E, S, R, I, H = 7, 3, 6, 3, 5, 23, 45
+    slot = torch.tensor([0, -1, 2, 1, 9, 0, 2], dtype=torch.int32)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    ids[1, 0] = ids[4, 2] = -1
+    scale = torch.rand(S, 3, generator=g) + 0.5
+    weights = torch.rand(T * k, generator=g)
+    with _limit("EXPAND_BLOCK_N", 16):
+        sh, b = torch.randn(T * k, 2 * R, generator=g), torch.randn(S, E, 2 * I, R, generator=g)
+        out = torch.full((T * k, 2 * I), float("nan"))
+        pdl = el.launch_kwargs(torch.device("cpu"))
+        el._expand(out, sh, b, scale, out, slot, ids.reshape(-1), None, T * k, I, k, pdl)
+        want = el.expand_ref(out, sh, b, scale, out, slot, torch.arange(T * k), ids.reshape(-1), k, I, False)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        assert want.abs().max() > 1 and not want.isnan().any()
+        blocks = fm.moe_align_block_size(ids.clamp(min=0), E, 16)
+        rows = blocks.sorted_ids.numel()
+        sh2, b2 = torch.randn(rows, R, generator=g), torch.randn(S, E, H, R, generator=g)
+        y = torch.randn(T * k, H, generator=g).bfloat16()
+        got = y.clone()
+        el._expand(got, sh2, b2, scale, weights, slot, blocks.sorted_ids, blocks, T * k, H, k, pdl)
+        placed = torch.arange(rows) < int(blocks.num_post)
+        want = el.expand_ref(y, sh2, b2, scale, weights, slot, torch.where(placed, blocks.sorted_ids.long(), T * k),
+                             blocks.expert_ids.long().repeat_interleave(16), k, H, True)
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2e-2)   # one bf16 rounding
+        assert (want.float() - y.float()).abs().max() > 0.5   # the deltas weigh in
+
+
 @contextlib.contextmanager
 def _limit(name, value):
     """expert_lora's constant `name` set to value inside the block."""
@@ -354,7 +387,8 @@ def _pair_shrink_up_to(max_pairs):
     return _limit("PAIR_SHRINK_MAX_PAIRS", max_pairs)
 
 
-CASES = [case_split_k_shrinks, case_gate_up_shrink_per_block, case_down_delta_as_last_k_steps,
+CASES = [case_expand_kernel_matches_its_reference, case_split_k_shrinks, case_gate_up_shrink_per_block,
+         case_down_delta_as_last_k_steps,
          case_t7_h45_i19_fp32_mixed_slots, case_sum_in_the_norm_kernel, case_qkv_shrink_in_the_norm_kernel,
          case_t7_h45_i19_bf16_and_fp16,
          case_t40_e8_k2_blocks_groups_and_out_of_range_slots, case_t40_one_adapter_tall_tiles,
