@@ -40,8 +40,8 @@ per `delta_k_step` of K; the shrink outputs times the scale rounded to the weigh
 (DELTA_16BIT). Tiles taller than 16 rows add the deltas before their K loop (`delta_first`).
 Over W8A8 experts at decode sizes the side stream goes on from the shrink to the gate and up
 expands (`gate_up_expand`, fp32 `[T*k, 2I]`), and the up GEMM adds those deltas as they stand,
-loaded before its K loop: a 16-row tile of several slots otherwise fetched their B rows after it
-(`deltas_beside`). One token runs the grouped tiles, not the base's GEMVs. The per-expert
+loaded before its K loop: a 16-row tile of several slots otherwise fetched their B rows after it.
+One token runs the grouped tiles, not the base's GEMVs. The per-expert
 A and B of 8 rank-16 adapters are 276 MB a Qwen3-30B-A3B layer, about a quarter of the experts'
 own bytes, so a batch that touches most (slot, expert) pairs reads that much more. Backend: the
 MoE's (`fused_moe.BACKEND`, `COMPILED_MOE_BACKEND`)."""
@@ -262,14 +262,6 @@ def down_expands(pairs: int, fp8: bool) -> bool:
     adds it in its K loop (`down_delta_in_k`). After the loop each program's tile of several slots
     waited for their B rows; the launch reads them at copy speed (bench/RESULTS.md)."""
     return fp8 and DELTA_IN_K_MIN_PAIRS <= pairs <= PAIR_SHRINK_MAX_PAIRS
-
-
-def deltas_beside(w8a8: bool) -> bool:
-    """Whether a decode batch's gate and up deltas are made whole beside the alignment
-    (`gate_up_expand`) for the up GEMM to add: where it runs W8A8, whose 16-row tiles of several
-    slots otherwise wait after their K loop for those slots' B rows; over 16-bit experts it lost
-    at 8 tokens and was even at 64 (bench/RESULTS.md)."""
-    return w8a8
 
 
 def delta_k_step(block_m: int) -> int:
@@ -537,7 +529,9 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         fork = Fork(x.device)
         with fork.side():
             pair_shrink(x, a13, s13, ids, slot, ws, pdl)
-            if deltas_beside(groups is not None):
+            # W8A8 only: its 16-row tiles of several slots waited after the K loop for the slots'
+            # B rows; over 16-bit experts this lost at 8 tokens, even at 64 (bench/RESULTS.md)
+            if groups is not None:
                 d13 = ws.get("lora_d13", numel * 2 * I, torch.float32, x.device).view(numel, 2 * I)
                 gate_up_expand(d13, s13, b13, scale, slot, ids, pdl)
     blocks, xquant = align_quantized(ws, x, ids, E, bm, groups)
