@@ -100,19 +100,20 @@ def _moe_norm_linear(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight, eps
         delta = torch.ops.compiled.fused_moe(moe_x, topk_weights, topk_ids, w13, w2, **lora, **experts_fp8)
         own_fp8 = {} if fp8 is None else dict(weight_scale=fp8.scale, weight_block=fp8.block)
         return torch.ops.compiled.add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed, **own_fp8)
-    pairs = _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert, scales, route)
+    pairs, delta = _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert, scales, route)
     # a W8A8 linear's input quantized by the norm's kernel, which holds the rows
     into = fp8_linear.input_buffers(x, weight, fp8)
-    h, normed = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps, ids=topk_ids, quantize=into)
+    h, normed = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps, ids=topk_ids, quantize=into, delta=delta)
     return fp8_linear.linear(normed, weight, fp8, into), h, normed if keep_normed else x.new_empty(0)
 
 
 def _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert: tuple | None,
-           scales: fm.ExpertScales | None, route: Routed | None = None) -> torch.Tensor:
-    """The Triton MoE's weighted expert outputs `[T*k, H]`, not summed (the norm's kernel sums them)."""
+           scales: fm.ExpertScales | None, route: Routed | None = None) -> el.ExpertOutputs:
+    """The Triton MoE's weighted expert outputs `[T*k, H]`, not summed, and the experts' LoRA
+    deltas to add (or None): the norm's kernel sums them."""
     if expert is None:
-        return fm.fused_moe_triton(moe_x, topk_weights, topk_ids, w13, w2, sum_slots=False, scales=scales,
-                                   route=route)
+        return el.ExpertOutputs(fm.fused_moe_triton(moe_x, topk_weights, topk_ids, w13, w2, sum_slots=False,
+                                                    scales=scales, route=route), None)
     el.check_shapes(moe_x, topk_weights, topk_ids, w13, w2, *expert)
     return el.fused_moe_lora_triton(moe_x, topk_weights, topk_ids, w13, w2, *expert, sum_slots=False, scales=scales)
 
@@ -131,10 +132,10 @@ def _moe_norm_linear_lora(x, moe_x, topk_weights, topk_ids, w13, w2, norm_weight
                                         expert, scales, fp8, route)
         y = linear_lora.expand(y, linear_lora.shrink(normed, a, slot), b, scale, slot, slices)
     else:
-        pairs = _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert, scales, route)
+        pairs, delta = _pairs(moe_x, topk_weights, topk_ids, w13, w2, expert, scales, route)
         into = fp8_linear.input_buffers(x, weight, fp8)
         h, normed, s = fm.moe_sum_add_rms_norm_triton(pairs, x, norm_weight, eps, shrink=(a.contiguous(), slot),
-                                                      ids=topk_ids, quantize=into)
+                                                      ids=topk_ids, quantize=into, delta=delta)
         y = linear_then_expand(normed, weight, s, b, scale, slot, slices, fp8, into)
     return y, h, normed if keep_normed else x.new_empty(0)
 

@@ -28,9 +28,9 @@ the pairs by expert with the base MoE's `moe_align_block_size`, runs the gate/up
 runs, since it needs only the routing), the base up GEMM with the gate/up deltas added before
 silu * up, the down LoRA shrink over the intermediate (at decode sizes a program a row), the
 base down GEMM with its delta (at decode sizes, where its tiles load through pointers, as its K
-loop's last steps: `down_delta_in_k`; over FP8 experts at those sizes, a launch after it:
-`down_expands`), and the top-k sum: two launches more than the base's grouped path (three with
-that one), no host sync, scratch from the `MoEWorkspace` (`reserve_workspace` before a CUDA
+loop's last steps: `down_delta_in_k`; over FP8 experts at those sizes, a launch beside it on the
+side stream, each token's deltas summed for the top-k sum to add: `down_expands`), and the top-k
+sum: two launches more than the base's grouped path (three with that one), no host sync, scratch from the `MoEWorkspace` (`reserve_workspace` before a CUDA
 graph capture). The GEMMs are the base kernels compiled with
 LORA=True, so they take the tuned config whole (tiles, TMA, part-height tiles). Their deltas
 (`fused_moe_kernels._pair_delta`, `triton_utils.slot_stacked_delta`) are one dot of K = R where
@@ -236,6 +236,7 @@ def reserve_workspace(ws: MoEWorkspace, max_tokens: int, E: int, H: int, I: int,
     rows = max(intermediate_rows(max_tokens * top_k, E, bm) for bm in (16, block_m))
     ws.get("lora_s13", rows * 2 * R, torch.float32, device)
     ws.get("lora_d13", min(max_tokens * top_k, PAIR_SHRINK_MAX_PAIRS) * 2 * I, torch.float32, device)
+    ws.get("lora_d2", min(max_tokens, PAIR_SHRINK_MAX_PAIRS) * H, torch.float32, device)
     ws.get("lora_s2", rows * R, torch.float32, device)
     ws.get("lora_s2_scaled", rows * R, dtype, device)
     split_rows = max(intermediate_rows(min(max_tokens * top_k, SHRINK_SPLIT_MAX_PAIRS), E, bm) for bm in (16, block_m))
@@ -257,10 +258,10 @@ def down_delta_in_k(pairs: int, block_m: int, down: dict, slots_pad: int, block_
 
 
 def down_expands(pairs: int, fp8: bool) -> bool:
-    """Whether the down delta runs after the down GEMM, in a launch of its own (`down_expand`):
-    over FP8 experts, whose down GEMM adds it after its K loop, at the sizes where a 16-bit one
-    adds it in its K loop (`down_delta_in_k`). After the loop each program's tile of several slots
-    waited for their B rows; the launch reads them at copy speed (bench/RESULTS.md)."""
+    """Whether the down delta runs in a launch of its own on the side stream, beside the down GEMM
+    (`down_expand`), for the top-k sum to add: over FP8 experts, whose down GEMM adds it after
+    its K loop, at the sizes where a 16-bit one adds it in its K loop (`down_delta_in_k`). After
+    the loop each program's tile of several slots waited for their B rows (bench/RESULTS.md)."""
     return fp8 and DELTA_IN_K_MIN_PAIRS <= pairs <= PAIR_SHRINK_MAX_PAIRS
 
 
@@ -328,12 +329,12 @@ class ShrinkTiles(NamedTuple):
 
 def pair_shrink(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, slot: torch.Tensor,
                 ws: MoEWorkspace, pdl: dict, blocks: Blocks | None = None, block_m: int = 16,
-                scale: torch.Tensor | None = None, tiles: ShrinkTiles | None = None) -> None:
+                scale: torch.Tensor | None = None, tiles: ShrinkTiles | None = None, by_pair: bool = False) -> None:
     """out <- a shrink a program a row (`moe_lora_pair_shrink_kernel`): without `blocks`, the gate/up
     shrink of x `[T, H]`, out `[T*k, 2R]` in pair order; with them, the down shrink of the
-    intermediate x `[rows, I]`, out `[rows, R]` in block order (blocks of block_m rows), with
-    `scale` times the slots' down scales (in out's dtype). `tiles` overrides the launch's
-    (bench/shrink_sweep.py)."""
+    intermediate x `[rows, I]`, out `[rows, R]` in block order (blocks of block_m rows; `by_pair`:
+    `[T*k, R]` in pair order), with `scale` times the slots' down scales (in out's dtype). `tiles`
+    overrides the launch's (bench/shrink_sweep.py)."""
     from compiled.moe import expert_lora_kernels as LK
     pairs, (S, _, NR, K) = ids.numel(), a.shape
     programs = pairs if blocks is None else x.shape[0]
@@ -351,7 +352,7 @@ def pair_shrink(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, ids: torch.
         out.stride(0), partials, sems, triton.cdiv(triton.cdiv(K, split), bk) * bk, experts, num_post,
         out if scale is None else scale, TOP_K=ids.shape[1], BLOCK_N=max(16, triton.next_power_of_2(NR)),
         BLOCK_K=bk, SPLIT_K=split, BY_POSITION=blocks is not None, BLOCK_M=block_m,
-        SCALE_COL=-1 if scale is None else 2, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl)
+        SCALE_COL=-1 if scale is None else 2, STORE_BY_PAIR=by_pair, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl)
 
 
 @dataclass
@@ -385,9 +386,10 @@ class _Launches:
             num_warps=4, num_stages=stages, **self.pdl)
 
     def down_delta(self, inter: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor, scale: torch.Tensor,
-                   consts: dict, down: dict, may_run_in_k: bool = True) -> GemmDelta:
+                   consts: dict, down: dict, may_run_in_k: bool = True, expands: bool = False) -> GemmDelta:
         """The down GEMM's delta: the shrink of the intermediate `[rows, I]` by a2, then b2 in the GEMM
-        (in its K loop where `down_delta_in_k` says so and `may_run_in_k`: not over FP8 tiles)."""
+        (in its K loop where `down_delta_in_k` says so and `may_run_in_k`: not over FP8 tiles).
+        `expands` (`down_expands`): the shrink outputs in pair order, for `down_expand`."""
         numel, R, rows = self.ids.numel(), a2.shape[2], inter.shape[0]
         in_k = may_run_in_k and down_delta_in_k(numel, self.block_m, down, consts["SLOTS_PAD"], consts["BLOCK_R"])
         if in_k:   # scaled, in x's dtype: the down GEMM's last K steps read them as its own operands
@@ -396,71 +398,59 @@ class _Launches:
             s2 = self.ws.get("lora_s2", rows * R, torch.float32, inter.device).view(rows, R)
         if numel <= PAIR_SHRINK_MAX_PAIRS:
             pair_shrink(inter, a2, s2, self.ids, self.slot, self.ws, self.pdl, self.blocks, self.block_m,
-                        scale if in_k else None)
+                        scale if in_k else None, by_pair=expands)
         else:
             self.block_shrink(inter, a2, s2, inter.shape[1], False)
         return GemmDelta(s2, b2, scale, self.slot, consts, in_k=in_k)
 
-    def down_expand(self, y: torch.Tensor, delta: GemmDelta, weights: torch.Tensor) -> None:
-        """y's weighted rows plus the down delta (`moe_lora_expand_kernel`), a program a row of the
-        alignment's order, from `delta`'s fp32 shrink outputs (not scaled, not in the K loop)."""
-        blocks, b = self.blocks, delta.b
-        _expand(y, delta.s, b, delta.scale, weights, self.slot, blocks.sorted_ids, blocks, weights.numel(),
-                b.shape[2], self.ids.shape[1], self.pdl)
+    def down_expand(self, d2: torch.Tensor, delta: GemmDelta, weights: torch.Tensor) -> None:
+        """d2 `[T, H]` fp32 <- each token's down deltas times their routing weights, summed
+        (`moe_lora_expand_kernel`, BY_TOKEN), from `delta`'s fp32 shrink outputs in pair order."""
+        b = delta.b
+        _expand(d2, delta.s, b, delta.scale, weights, self.slot, self.ids.reshape(-1), b.shape[2],
+                self.ids.shape[1], self.pdl, by_token=True)
 
 
 def gate_up_expand(d13: torch.Tensor, s13: torch.Tensor, b13: torch.Tensor, scale: torch.Tensor, slot: torch.Tensor,
                    ids: torch.Tensor, pdl: dict) -> None:
     """d13 `[T*k, 2I]` fp32 <- each pair's gate and up deltas from its shrink outputs s13 (pair
     order), zeros where it has none (`moe_lora_expand_kernel`), for the up GEMM to add."""
-    _expand(d13, s13, b13, scale, d13, slot, ids.reshape(-1), None, ids.numel(), b13.shape[2] // 2, ids.shape[1], pdl)
+    _expand(d13, s13, b13, scale, d13, slot, ids.reshape(-1), b13.shape[2] // 2, ids.shape[1], pdl)
 
 
 def _expand(out: torch.Tensor, sh: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, weights: torch.Tensor,
-            slot: torch.Tensor, ids: torch.Tensor, blocks: Blocks | None, pairs: int, half: int, top_k: int,
-            pdl: dict) -> None:
-    """`moe_lora_expand_kernel` over b `[S, E, N, R]`: by position where `blocks` are given (the
-    down delta, added to out's weighted rows), else by pair (the gate and up deltas, split at
-    `half`, stored); EXPAND_BLOCK_N columns a program, each program's inside one half."""
+            slot: torch.Tensor, ids: torch.Tensor, half: int, top_k: int, pdl: dict, by_token: bool = False) -> None:
+    """`moe_lora_expand_kernel` over b `[S, E, N, R]`, sh and ids `[T*k]` in pair order: by pair
+    (the gate and up deltas, split at `half`, a row of out each), else `by_token` (the down delta,
+    each token's pairs summed times their weights, a row of out each); EXPAND_BLOCK_N columns a
+    program, each program's inside one half."""
     from compiled.moe import expert_lora_kernels as LK
     N = b.shape[2]
-    rows = pairs if blocks is None else blocks.sorted_ids.numel()
     col_blocks = triton.cdiv(half, EXPAND_BLOCK_N) + triton.cdiv(N - half, EXPAND_BLOCK_N)
-    expert_ids, num_post = (ids, ids) if blocks is None else (blocks.expert_ids, blocks.num_post)
-    LK.moe_lora_expand_kernel[(rows, col_blocks)](
-        out, sh, b, scale, weights, slot, ids, expert_ids, num_post, pairs, b.shape[0], b.shape[3], N, half,
-        out.stride(0), sh.stride(0), b.stride(0), b.stride(1), b.stride(2), TOP_K=top_k,
-        BLOCK_M=1 if blocks is None else blocks.block_m, BLOCK_R=max(16, triton.next_power_of_2(b.shape[3])),
-        BLOCK_N=EXPAND_BLOCK_N, BY_POSITION=blocks is not None, SCALE_COL=2 if blocks is not None else 0,
-        num_warps=4, **pdl)
+    LK.moe_lora_expand_kernel[(ids.numel() // top_k if by_token else ids.numel(), col_blocks)](
+        out, sh, b, scale, weights, slot, ids, ids.numel(), b.shape[0], b.shape[3], N, half, out.stride(0),
+        sh.stride(0), b.stride(0), b.stride(1), b.stride(2), TOP_K=top_k,
+        BLOCK_R=max(16, triton.next_power_of_2(b.shape[3])), BLOCK_N=EXPAND_BLOCK_N, BY_TOKEN=by_token,
+        SCALE_COL=2 if by_token else 0, num_warps=4, **pdl)
 
 
-def expand_ref(out: torch.Tensor, sh: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, weights: torch.Tensor,
-               slot: torch.Tensor, row_pairs: torch.Tensor, row_experts: torch.Tensor, top_k: int, half: int,
-               by_position: bool) -> torch.Tensor:
-    """`moe_lora_expand_kernel` (as `_expand` launches it) in torch, a loop over sh's rows: row q is
-    pair row_pairs[q] (none where that is past out's rows) of expert row_experts[q], whose slot is
-    its token's. Its delta, column n taking the half h = (n >= half): scale[s, c + h] *
-    b[s, e, n] @ sh[q, h*R:(h+1)*R] in fp32, c = 2 by position, else 0. by_position: out's row of a
-    pair with an adapter plus its delta times its routing weight rounded to out's dtype, rounded
-    once; else out's row of every pair the delta (zeros without an adapter or of expert < 0)."""
-    out = out.clone()
+def expand_ref(sh: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, weights: torch.Tensor, slot: torch.Tensor,
+               ids: torch.Tensor, top_k: int, half: int, by_token: bool) -> torch.Tensor:
+    """`moe_lora_expand_kernel` (as `_expand` launches it) in torch, a loop over the pairs: pair p
+    is of expert ids[p] (no delta where < 0) and its token's slot (none outside [0, S)); its
+    delta, column n taking the half h = (n >= half): scale[s, c + h] * b[s, e, n] @
+    sh[p, h*R:(h+1)*R] in fp32, c = 2 by token, else 0. Returns the deltas by pair `[T*k, N]`
+    (zeros where none), or by_token each token's deltas times their weights, summed `[T, N]`."""
     S, R, N = b.shape[0], b.shape[3], b.shape[2]
-    for q, (p, e) in enumerate(zip(row_pairs.tolist(), row_experts.tolist())):
-        if p >= out.shape[0]:
-            continue
+    deltas = torch.zeros(ids.numel(), N)
+    for p, e in enumerate(ids.tolist()):
         s = int(slot[p // top_k])
-        delta = torch.zeros(N)
         if 0 <= s < S and e >= 0:
-            w = float(weights[p].to(out.dtype)) if by_position else 1.0
+            w = float(weights[p]) if by_token else 1.0
             for h in range(1 + (half < N)):
-                cols, col = slice(h * half, N if h else half), (2 if by_position else 0) + h
-                delta[cols] = w * float(scale[s, col]) * (b[s, e, cols].float() @ sh[q, h * R:(h + 1) * R].float())
-            if by_position:
-                out[p] = (out[p].float() + delta).to(out.dtype)
-        if not by_position:
-            out[p] = delta
-    return out
+                cols, col = slice(h * half, N if h else half), (2 if by_token else 0) + h
+                deltas[p, cols] = w * float(scale[s, col]) * (b[s, e, cols].float() @ sh[p, h * R:(h + 1) * R].float())
+    return deltas.view(-1, top_k, N).sum(1) if by_token else deltas
 
 
 def _blocks_tall(up: dict, down: dict) -> dict:
@@ -495,18 +485,27 @@ def _lora_configs(T: int, E: int, I: int, x: torch.Tensor, config: dict | None, 
     return up, down, w8a8_groups(scales, w13, w2, T, up, down, w8a8)
 
 
+class ExpertOutputs(NamedTuple):
+    """`fused_moe_lora_triton`'s unsummed result: the weighted expert outputs `[T*k, H]` and, where
+    the down deltas ran beside the down GEMM (`down_expands`), each token's sum of them, fp32
+    `[T, H]`, for the top-k sum to add (else None)."""
+    y: torch.Tensor
+    delta: torch.Tensor | None
+
+
 def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor,
                           w2: torch.Tensor, a13: torch.Tensor, b13: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor,
                           scale: torch.Tensor, slot: torch.Tensor, config: dict | None = None,
                           workspace: MoEWorkspace | None = None, sum_slots: bool = True,
-                          scales: ExpertScales | None = None) -> torch.Tensor:
+                          scales: ExpertScales | None = None) -> torch.Tensor | ExpertOutputs:
     """The op's Triton path (shapes as `check_shapes`); `config` as `fused_moe_triton`'s (its
     tiles, TMA and part-height options and "down" overrides; None: the tuned entry, its up GEMM
     through `lora_up_config`): the base grouped GEMMs with the deltas in their epilogues, after
     the shrinks. `sum_slots=False` (top-k > 1): the weighted expert outputs `[T*k, H]` unsummed,
-    as `fused_moe_triton`'s, for the norm's kernel to sum. `scales`: the experts are FP8; where
-    `_lora_configs` says W8A8, the base GEMMs read x and the intermediate quantized (the shrinks
-    their 16-bit rows) and the deltas go in after the K loops."""
+    as `fused_moe_triton`'s, with the deltas the sum adds (`ExpertOutputs`), for the norm's
+    kernel. `scales`: the experts are FP8; where `_lora_configs` says W8A8, the base GEMMs read x
+    and the intermediate quantized (the shrinks their 16-bit rows) and the deltas go in after the
+    K loops."""
     T, H = x.shape
     E, I = w13.shape[0], w2.shape[2]
     S, R = a2.shape[0], a2.shape[2]
@@ -515,7 +514,7 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
         raise ValueError("fused_moe_lora_triton: sum_slots=False needs top-k > 1")
     out = torch.empty_like(x) if sum_slots else None
     if T == 0:
-        return out if sum_slots else x.new_empty((0, H))
+        return out if sum_slots else ExpertOutputs(x.new_empty((0, H)), None)
     x, w13, w2, a13, b13, a2, b2 = (t.contiguous() for t in (x, w13, w2, a13, b13, a2, b2))
     weights, ids, scale = topk_weights.contiguous().reshape(-1), topk_ids.contiguous(), scale.contiguous()
     up, down, groups = _lora_configs(T, E, I, x, config, scales, w13, w2)
@@ -558,16 +557,22 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     else:
         iq, is_ = quantized_gemm1(ws, xquant, w13, inter, groups, blocks, top_k, up, scales, delta13)
     expand = has_delta and down_expands(numel, scales is not None)
-    delta2 = call.down_delta(inter, a2, b2, scale, consts, down, scales is None) if has_delta else None
+    delta2 = call.down_delta(inter, a2, b2, scale, consts, down, scales is None, expand) if has_delta else None
+    d2 = None
+    if expand:   # beside the down GEMM; the top-k sum adds it
+        d2 = ws.get("lora_d2", T * H, torch.float32, x.device).view(T, H)
+        fork = Fork(x.device)
+        with fork.side():
+            call.down_expand(d2, delta2, weights)
     in_gemm = None if expand else delta2
     if groups is None:
         launch_gemm2(inter, w2, y, weights, blocks, down, top_k, in_gemm, scales)
     else:
         launch_gemm2(iq, w2, y, weights, blocks, down, top_k, in_gemm, scales, a_scale=is_)
     if expand:
-        call.down_expand(y, delta2, weights)
+        fork.join()
     if not sum_slots:
-        return y
-    if top_k > 1:
-        launch_sum(y, ids, out, pdl)
+        return ExpertOutputs(y, d2)
+    if top_k > 1 or d2 is not None:   # top-k 1: y is out, summed in place
+        launch_sum(y, ids, out, pdl, d2)
     return out

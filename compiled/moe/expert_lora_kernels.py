@@ -1,7 +1,7 @@
 """The LoRA shrinks of the fused MoE with expert LoRA (`expert_lora.py`); the expands run inside
 the base grouped GEMMs (`fused_moe_kernels`, LORA=True: `_pair_delta` in their epilogues), but
 over W8A8 experts at decode sizes (`moe_lora_expand_kernel`: the gate and up deltas before the up
-GEMM, the down delta after the down GEMM).
+GEMM, the down deltas beside the down GEMM, summed a token for the top-k sum to add).
 
 The pairs are sorted by expert into BLOCK_M blocks as for the base MoE (`moe_align_block_size`),
 and every per-pair buffer is kept in block order (row = the pair's position), as the
@@ -21,7 +21,8 @@ row t * top_k + k of its output. It reads only the routing, so it runs beside th
 (`expert_lora.PAIR_SHRINK_MAX_PAIRS`); pairs that share an expert and a slot read its A each.
 Pairs without an adapter are not written and never read. With BY_POSITION it is the down shrink
 of a decode batch, a program a row of the intermediate (most of them padding rows, which return
-at once), where a (block, slot) program's 16-row tile held about one live row."""
+at once), where a (block, slot) program's 16-row tile held about one live row; STORE_BY_PAIR
+stores its rows in pair order, for the expand beside the down GEMM."""
 
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def moe_lora_pair_shrink_kernel(X, A, OUT, IDS, SLOT, num_pairs, S, NR, K, strid
                                 stride_an, stride_om, Partials, Semaphores, K_PER_SPLIT, expert_ids_ptr, num_post_ptr,
                                 SCALE, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 SPLIT_K: tl.constexpr, BY_POSITION: tl.constexpr, BLOCK_M: tl.constexpr,
-                                SCALE_COL: tl.constexpr, PDL: tl.constexpr):
+                                SCALE_COL: tl.constexpr, STORE_BY_PAIR: tl.constexpr, PDL: tl.constexpr):
     """OUT[p, n] = sum_k X[p // TOP_K, k] * A[s, IDS[p], n, k] (fp32, n < NR) for pair p =
     program_id(0), s its token's slot. BY_POSITION (the down shrink): program p is a row of the
     sorted order instead, IDS the sorted pair indices (`moe_align_block_size`; rows past its
@@ -88,7 +89,8 @@ def moe_lora_pair_shrink_kernel(X, A, OUT, IDS, SLOT, num_pairs, S, NR, K, strid
     X[p] (the intermediate, block order). SPLIT_K > 1: program_id(1) takes one K range of
     K_PER_SPLIT, writes fp32 partials `[SPLIT_K, programs, NR]` and bumps the program's semaphore;
     the last to arrive sums them in split order and stores the row (`triton_utils.split_k_store`).
-    SCALE_COL >= 0: the row times its slot's SCALE[s, SCALE_COL] (`[S, 3]`), stored in OUT's dtype."""
+    SCALE_COL >= 0: the row times its slot's SCALE[s, SCALE_COL] (`[S, 3]`), stored in OUT's dtype.
+    STORE_BY_PAIR (with BY_POSITION): the row stored at its pair's index, not its position."""
     pdl_wait(PDL)
     p = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -125,27 +127,26 @@ def moe_lora_pair_shrink_kernel(X, A, OUT, IDS, SLOT, num_pairs, S, NR, K, strid
         if SCALE_COL >= 0:
             out = out * tl.load(SCALE + s * 3 + SCALE_COL)
         rows = tl.num_programs(0)
-        split_k_store(out, OUT + p.to(tl.int64) * stride_om + offs_n,
+        o_row = pair.to(tl.int64) if STORE_BY_PAIR else p.to(tl.int64)
+        split_k_store(out, OUT + o_row * stride_om + offs_n,
                       Partials + p.to(tl.int64) * NR + offs_n, rows * NR, n_ok, Semaphores + p, pid_k, SPLIT_K)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def moe_lora_expand_kernel(OUT, SH, B, SCALE, WEIGHTS, SLOT, IDS, expert_ids_ptr, num_post_ptr, num_pairs, S, R, N,
-                           HALF, stride_o, stride_sh, stride_bs, stride_be, stride_bn, TOP_K: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BY_POSITION: tl.constexpr, SCALE_COL: tl.constexpr, PDL: tl.constexpr):
-    """A row's expert-LoRA expand over the BLOCK_N columns of program_id(1): scale[s, c] *
-    B[s, e, n] @ SH[p, h*R:(h+1)*R] in fp32, where the columns n < HALF are the first half (h = 0,
-    c = SCALE_COL) and the rest the second (h = 1, c = SCALE_COL + 1); a program's columns lie in
-    one half. p = program_id(0), s its token's slot, e its expert.
+def moe_lora_expand_kernel(OUT, SH, B, SCALE, WEIGHTS, SLOT, IDS, num_pairs, S, R, N, HALF, stride_o, stride_sh,
+                           stride_bs, stride_be, stride_bn, TOP_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BY_TOKEN: tl.constexpr, SCALE_COL: tl.constexpr, PDL: tl.constexpr):
+    """Expert-LoRA expands over the BLOCK_N columns of program_id(1), in fp32: a pair p's delta is
+    scale[s, c] * B[s, e, n] @ SH[p, h*R:(h+1)*R], s its token's slot, e = IDS[p] its expert (no
+    delta where e < 0 or s is not in [0, S)), the columns n < HALF the first half (h = 0,
+    c = SCALE_COL), the rest the second (h = 1, c = SCALE_COL + 1); a program's columns lie in
+    one half. SH holds the shrink outputs by pair (`[T*k, .]`).
 
-    BY_POSITION (the down delta): p is a position of `moe_align_block_size`'s order (IDS the sorted
-    pair ids, e its block's expert, SH the down shrink's fp32 rows in that order), and the delta,
-    times the pair's routing weight rounded as the down GEMM rounds it, is added to its row of
-    OUT `[T*k, N]` (the down GEMM's weighted rows) and rounded once; padding rows and pairs
-    without an adapter return at once. Else (the gate and up deltas, HALF = I): p is a pair of
-    the routing (IDS `[T*k]`, SH the pair shrink's rows) and OUT[p] `[2I]` fp32 is the delta,
-    zeros for a pair without an adapter, for the up GEMM to add as it stands."""
+    By pair (the gate and up deltas, HALF = I): program_id(0) is a pair p and OUT[p] `[2I]` its
+    delta, zeros without one, for the up GEMM to add as it stands. BY_TOKEN (the down delta,
+    HALF = N = H): program_id(0) is a token t and OUT[t] `[H]` the sum over its TOP_K pairs of
+    their deltas times their routing weights (WEIGHTS `[T*k]`), zeros without any, for the top-k
+    sum's kernel to add."""
     pdl_wait(PDL)
     p = tl.program_id(0)
     first_blocks = tl.cdiv(HALF, BLOCK_N)
@@ -153,41 +154,35 @@ def moe_lora_expand_kernel(OUT, SH, B, SCALE, WEIGHTS, SLOT, IDS, expert_ids_ptr
     offs_n = tl.where(half == 0, tl.program_id(1) * BLOCK_N, HALF + (tl.program_id(1) - first_blocks) * BLOCK_N) \
         + tl.arange(0, BLOCK_N)
     n_ok = offs_n < tl.where(half == 0, HALF, N)
-    if BY_POSITION:
-        pair = tl.load(IDS + p, mask=p < tl.load(num_post_ptr), other=num_pairs)
-    else:
-        pair = p
-    live = pair < num_pairs
-    token = tl.where(live, pair // TOP_K, 0).to(tl.int64)
-    s = tl.load(SLOT + token, mask=live, other=-1)
-    if BY_POSITION:
-        expert = tl.load(expert_ids_ptr + p // BLOCK_M).to(tl.int64)
-    else:   # a pair of id < 0 (another rank's expert) has no delta
-        expert = tl.load(IDS + p, mask=live, other=-1).to(tl.int64)
-        s = tl.where(expert >= 0, s, -1)
-    o_ptrs = OUT + pair.to(tl.int64) * stride_o + offs_n
-    has = live & (s >= 0) & (s < S)
-    if BY_POSITION:
-        if has:
-            w = tl.load(WEIGHTS + pair).to(OUT.dtype.element_ty).to(tl.float32)
-            delta = _expand_row(SH + p.to(tl.int64) * stride_sh, B, SCALE, s, S, expert, half, w, offs_n, n_ok, has, R,
-                                stride_bs, stride_be, stride_bn, BLOCK_R, SCALE_COL)
-            y = tl.load(o_ptrs, mask=n_ok, other=0.0)
-            tl.store(o_ptrs, (y.to(tl.float32) + delta).to(OUT.dtype.element_ty), mask=n_ok)
-    elif live:   # a pair without an adapter: its loads masked off, zeros stored
-        delta = _expand_row(SH + p.to(tl.int64) * stride_sh, B, SCALE, s, S, expert, half, 1.0, offs_n, n_ok, has, R,
-                            stride_bs, stride_be, stride_bn, BLOCK_R, SCALE_COL)
-        tl.store(o_ptrs, delta, mask=n_ok)
+    if BY_TOKEN:
+        token = p.to(tl.int64)
+        s = tl.load(SLOT + token)
+        delta = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            pair = token * TOP_K + j
+            expert = tl.load(IDS + pair).to(tl.int64)
+            has = (expert >= 0) & (s >= 0) & (s < S)
+            delta += _expand_row(SH + pair * stride_sh, B, SCALE, s, tl.maximum(expert, 0), half,
+                                 tl.load(WEIGHTS + pair), offs_n, n_ok, has, R, stride_bs, stride_be, stride_bn,
+                                 BLOCK_R, SCALE_COL)
+        tl.store(OUT + token * stride_o + offs_n, delta, mask=n_ok)
+    elif p < num_pairs:
+        token = (p // TOP_K).to(tl.int64)
+        expert = tl.load(IDS + p).to(tl.int64)
+        s = tl.load(SLOT + token)
+        has = (expert >= 0) & (s >= 0) & (s < S)   # without: the loads masked off, zeros stored
+        delta = _expand_row(SH + p.to(tl.int64) * stride_sh, B, SCALE, s, tl.maximum(expert, 0), half, 1.0,
+                            offs_n, n_ok, has, R, stride_bs, stride_be, stride_bn, BLOCK_R, SCALE_COL)
+        tl.store(OUT + p.to(tl.int64) * stride_o + offs_n, delta, mask=n_ok)
 
 
 @triton.jit
-def _expand_row(sh_row, B, SCALE, s, S, expert, half, weight, offs_n, n_ok, has, R, stride_bs, stride_be, stride_bn,
+def _expand_row(sh_row, B, SCALE, s, expert, half, weight, offs_n, n_ok, has, R, stride_bs, stride_be, stride_bn,
                 BLOCK_R: tl.constexpr, SCALE_COL: tl.constexpr):
-    """`moe_lora_expand_kernel`'s delta `[BLOCK_N]` fp32 for slot s (`has`: s in [0, S) and the row
-    live; loads masked off otherwise, zeros returned)."""
+    """`moe_lora_expand_kernel`'s delta `[BLOCK_N]` fp32 for slot s of `expert` (`has`: s in
+    [0, S) and the pair has a delta; loads masked off otherwise, zeros returned)."""
     offs_r = tl.arange(0, BLOCK_R)
-    slot = offs_r * 0 + s   # a vector test: the interpreter takes no scalar bool in a mask
-    r_ok = (offs_r < R) & (slot >= 0) & (slot < S)
+    r_ok = (offs_r < R) & (offs_r * 0 + has.to(tl.int32) > 0)   # a vector: the interpreter takes no scalar bool
     factor = tl.load(SCALE + tl.where(has, s * 3 + SCALE_COL + half, 0)) * weight   # finite where masked
     shrunk = tl.load(sh_row + half * R + offs_r, mask=r_ok, other=0.0).to(tl.float32)
     b = tl.load(B + s.to(tl.int64) * stride_bs + expert * stride_be + offs_n[:, None] * stride_bn + offs_r[None, :],

@@ -574,26 +574,30 @@ def _launch_grouped(call: MoECall, config: dict, route: Routed | None = None) ->
     launch_gemm2(iq, call.w2, call.y, call.weights, blocks, down, call.top_k, scales=call.scales, a_scale=is_)
 
 
-def launch_sum(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, pdl: dict | None = None) -> None:
+def launch_sum(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, pdl: dict | None = None,
+               delta: torch.Tensor | None = None) -> None:
     """out `[T, H]` <- each token's top-k sum of y `[T*k, H]` (`moe_sum_kernel`), the pairs of id
-    < 0 (ids `[T, k]`, contiguous) left out."""
+    < 0 (ids `[T, k]`, contiguous) left out; plus `delta` `[T, H]` fp32 where given."""
     from compiled.moe import fused_moe_kernels as K
     T, H = out.shape
     bh = min(1024, triton.next_power_of_2(H))
-    K.moe_sum_kernel[(T, triton.cdiv(H, bh))](y, ids, out, H, TOP_K=ids.shape[1], BLOCK_H=bh, num_warps=4,
+    K.moe_sum_kernel[(T, triton.cdiv(H, bh))](y, ids, y if delta is None else delta, out, H, TOP_K=ids.shape[1],
+                                              BLOCK_H=bh, DELTA=delta is not None, num_warps=4,
                                               **(pdl if pdl is not None else launch_kwargs(y.device)))
 
 
 def moe_sum_add_rms_norm_ref(pairs: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                             ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                             ids: torch.Tensor | None = None, delta: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, normed) from gemm2's weighted expert outputs `pairs [T*k, H]`: their top-k sum in fp32
-    (with `ids [T, k]`, of the pairs of id >= 0 only), rounded to x's dtype (as the sum kernel
-    stores it), then `add_rms_norm_ref(x, sum)`."""
+    (with `ids [T, k]`, of the pairs of id >= 0 only; plus `delta` `[T, H]` fp32 where given),
+    rounded to x's dtype (as the sum kernel stores it), then `add_rms_norm_ref(x, sum)`."""
     T, H = x.shape
     pairs = pairs.view(T, -1, H).float()
     if ids is not None:
         pairs = torch.where((ids >= 0)[:, :, None], pairs, 0.0)
-    return add_rms_norm_ref(x, pairs.sum(1).to(x.dtype), norm_weight, eps)
+    total = pairs.sum(1) if delta is None else delta + pairs.sum(1)
+    return add_rms_norm_ref(x, total.to(x.dtype), norm_weight, eps)
 
 
 # The norm kernel's LoRA shrink of the next linear (`moe_sum_add_rms_norm_triton`): a program
@@ -613,9 +617,10 @@ def shrink_outputs_a_program(T: int) -> int:
 def moe_sum_add_rms_norm_triton(pairs: torch.Tensor, x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                                 shrink: tuple[torch.Tensor, torch.Tensor] | None = None,
                                 ids: torch.Tensor | None = None,
-                                quantize: QuantizedRows | None = None) -> tuple[torch.Tensor, ...]:
+                                quantize: QuantizedRows | None = None,
+                                delta: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The reference's contract in one launch (`moe_sum_add_rms_norm_kernel`); x's last dim
-    contiguous. `shrink` (a `[S, NR, H]` with its last dim contiguous, slot `[T]`): also the next
+    contiguous; `delta` as the reference's, contiguous. `shrink` (a `[S, NR, H]` with its last dim contiguous, slot `[T]`): also the next
     linear's LoRA shrink of normed, `lora_shrink(normed, a, slot)` `[T, NR]` fp32, as a third output.
     `ids` (the routing's `[T, k]`): the pairs of id < 0 are left out of the sum; None: none is.
     `quantize`: normed also quantized into its buffers (`quantize_row`), a power-of-two group
@@ -639,9 +644,9 @@ def moe_sum_add_rms_norm_triton(pairs: torch.Tensor, x: torch.Tensor, norm_weigh
     if T:
         block = triton.next_power_of_2(H)
         K.moe_sum_add_rms_norm_kernel[(T, splits)](
-            pairs, ids, x, norm_weight, h, normed, H, eps, x.stride(0), a, s, slot, *args, xq, xs, xq.stride(0),
-            xs.stride(0), xs.stride(1), TOP_K=top_k, BLOCK_H=block, SHRINK=shrink is not None, N_PER=n_per, GROUP=group,
-            num_warps=row_warps(block), **launch_kwargs(x.device))
+            pairs, ids, pairs if delta is None else delta, x, norm_weight, h, normed, H, eps, x.stride(0), a, s, slot,
+            *args, xq, xs, xq.stride(0), xs.stride(0), xs.stride(1), TOP_K=top_k, BLOCK_H=block, SHRINK=shrink is not None, N_PER=n_per, GROUP=group,
+            DELTA=delta is not None, num_warps=row_warps(block), **launch_kwargs(x.device))
     return (h, normed) if shrink is None else (h, normed, s)
 
 

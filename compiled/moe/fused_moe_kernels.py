@@ -713,10 +713,14 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
 
 
 @triton.jit
-def _slot_sum(y_ptr, ids_ptr, t, offs, m, H, TOP_K: tl.constexpr):
+def _slot_sum(y_ptr, ids_ptr, d_ptr, t, offs, m, H, TOP_K: tl.constexpr, DELTA: tl.constexpr):
     """sum_j y[t*k + j] over a token's k weighted expert outputs, in fp32, in slot order; a pair
-    of id < 0 (another rank's expert: no kernel wrote its row) adds nothing."""
-    acc = tl.zeros(offs.shape, dtype=tl.float32)
+    of id < 0 (another rank's expert: no kernel wrote its row) adds nothing. DELTA: the sum
+    starts from d[t] (fp32 `[T, H]`: the experts' LoRA down deltas, `moe_lora_expand_kernel`)."""
+    if DELTA:
+        acc = tl.load(d_ptr + t * H + offs, mask=m, other=0.0)
+    else:
+        acc = tl.zeros(offs.shape, dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         live = offs * 0 + tl.load(ids_ptr + t * TOP_K + j) >= 0   # a vector: the interpreter takes no scalar bool
         acc += tl.load(y_ptr + (t * TOP_K + j) * H + offs, mask=m & live, other=0.0).to(tl.float32)
@@ -724,25 +728,26 @@ def _slot_sum(y_ptr, ids_ptr, t, offs, m, H, TOP_K: tl.constexpr):
 
 
 @triton.jit
-def moe_sum_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    """out[t] = sum_j y[t*k + j] in fp32 over the pairs of id >= 0 (ids `[T, k]`); y `[T*k, H]`,
-    out `[T, H]` (all contiguous)."""
+def moe_sum_kernel(y_ptr, ids_ptr, d_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                   DELTA: tl.constexpr, PDL: tl.constexpr):
+    """out[t] = sum_j y[t*k + j] in fp32 over the pairs of id >= 0 (ids `[T, k]`), plus d[t] where
+    DELTA; y `[T*k, H]`, d and out `[T, H]` (all contiguous). out may be y where k is 1."""
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     m = offs < H
-    acc = _slot_sum(y_ptr, ids_ptr, t, offs, m, H, TOP_K)
+    acc = _slot_sum(y_ptr, ids_ptr, d_ptr, t, offs, m, H, TOP_K, DELTA)
     tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def moe_sum_add_rms_norm_kernel(y_ptr, ids_ptr, x_ptr, nw_ptr, h_ptr, normed_ptr, H, eps, stride_xm, A, S_OUT, SLOT,
-                                S, NR, stride_as, stride_an, XQ, XS, stride_xq, stride_xs, stride_xsg,
+def moe_sum_add_rms_norm_kernel(y_ptr, ids_ptr, d_ptr, x_ptr, nw_ptr, h_ptr, normed_ptr, H, eps, stride_xm, A,
+                                S_OUT, SLOT, S, NR, stride_as, stride_an, XQ, XS, stride_xq, stride_xs, stride_xsg,
                                 TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SHRINK: tl.constexpr, N_PER: tl.constexpr,
-                                GROUP: tl.constexpr, PDL: tl.constexpr):
-    """The top-k sum of `moe_sum_kernel` (rounded to x's dtype, as that kernel stores it), then
-    the residual add + RMSNorm of the layer after it on the whole row: h = x + sum, normed =
-    RMSNorm(h) * nw. One program a token; h and normed `[T, H]` contiguous. SHRINK: also the
+                                GROUP: tl.constexpr, DELTA: tl.constexpr, PDL: tl.constexpr):
+    """The top-k sum of `moe_sum_kernel` (d[t] added where DELTA; rounded to x's dtype, as that
+    kernel stores it), then the residual add + RMSNorm of the layer after it on the whole row:
+    h = x + sum, normed = RMSNorm(h) * nw. One program a token; h and normed `[T, H]` contiguous. SHRINK: also the
     LoRA shrink of the next linear, S_OUT `[T, NR]` = lora_shrink(normed, A, SLOT); program
     (t, j) takes N_PER of its NR outputs (`row_shrink`) and program (t, 0) stores h and normed.
     GROUP (> 0): normed also quantized for the next linear's W8A8 kernel, into XQ and its group
@@ -751,7 +756,7 @@ def moe_sum_add_rms_norm_kernel(y_ptr, ids_ptr, x_ptr, nw_ptr, h_ptr, normed_ptr
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     m = offs < H
-    moe_out = _slot_sum(y_ptr, ids_ptr, t, offs, m, H, TOP_K).to(x_ptr.dtype.element_ty)
+    moe_out = _slot_sum(y_ptr, ids_ptr, d_ptr, t, offs, m, H, TOP_K, DELTA).to(x_ptr.dtype.element_ty)
     x = tl.load(x_ptr + t * stride_xm + offs, mask=m, other=0.0)
     if SHRINK or GROUP:
         h, normed = add_rms_norm_values(x, moe_out, nw_ptr, offs, m, H, eps)

@@ -341,35 +341,30 @@ def case_down_delta_as_last_k_steps():
 
 def case_expand_kernel_matches_its_reference():
     # moe_lora_expand_kernel against expand_ref on random rows: by pair (the gate and up deltas,
-    # 2I = 46 split at 23, rank 5, ids of -1 among them) and by position (the down delta added to
-    # bf16 rows of H = 45), slots -1 and 9 (none) among 3, 16-column programs: partial ones in
-    # each half; every pair's row is written by pair (the output starts as NaN)
+    # 2I = 46 split at 23, rank 5) and by token (the down deltas, H = 45, each token's pairs summed
+    # times their weights), ids of -1 among the pairs, slots -1 and 9 (none) among 3, 16-column
+    # programs: partial ones in each half; every row is written (the outputs start as NaN)
     g = torch.Generator().manual_seed(31)
     T, k, E, S, R, I, H = 7, 3, 6, 3, 5, 23, 45
     slot = torch.tensor([0, -1, 2, 1, 9, 0, 2], dtype=torch.int32)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-    ids[1, 0] = ids[4, 2] = -1
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).reshape(-1)
+    ids[3] = ids[14] = -1
     scale = torch.rand(S, 3, generator=g) + 0.5
     weights = torch.rand(T * k, generator=g)
+    pdl = el.launch_kwargs(torch.device("cpu"))
     with _limit("EXPAND_BLOCK_N", 16):
         sh, b = torch.randn(T * k, 2 * R, generator=g), torch.randn(S, E, 2 * I, R, generator=g)
         out = torch.full((T * k, 2 * I), float("nan"))
-        pdl = el.launch_kwargs(torch.device("cpu"))
-        el._expand(out, sh, b, scale, out, slot, ids.reshape(-1), None, T * k, I, k, pdl)
-        want = el.expand_ref(out, sh, b, scale, out, slot, torch.arange(T * k), ids.reshape(-1), k, I, False)
+        el._expand(out, sh, b, scale, out, slot, ids, I, k, pdl)
+        want = el.expand_ref(sh, b, scale, out, slot, ids, k, I, False)
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
-        assert want.abs().max() > 1 and not want.isnan().any()
-        blocks = fm.moe_align_block_size(ids.clamp(min=0), E, 16)
-        rows = blocks.sorted_ids.numel()
-        sh2, b2 = torch.randn(rows, R, generator=g), torch.randn(S, E, H, R, generator=g)
-        y = torch.randn(T * k, H, generator=g).bfloat16()
-        got = y.clone()
-        el._expand(got, sh2, b2, scale, weights, slot, blocks.sorted_ids, blocks, T * k, H, k, pdl)
-        placed = torch.arange(rows) < int(blocks.num_post)
-        want = el.expand_ref(y, sh2, b2, scale, weights, slot, torch.where(placed, blocks.sorted_ids.long(), T * k),
-                             blocks.expert_ids.long().repeat_interleave(16), k, H, True)
-        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=2e-2)   # one bf16 rounding
-        assert (want.float() - y.float()).abs().max() > 0.5   # the deltas weigh in
+        assert want.abs().max() > 1 and (want[3] == 0).all() and (want[3 * k:4 * k] != 0).all()
+        sh2, b2 = torch.randn(T * k, R, generator=g), torch.randn(S, E, H, R, generator=g)
+        d2 = torch.full((T, H), float("nan"))
+        el._expand(d2, sh2, b2, scale, weights, slot, ids, H, k, pdl, by_token=True)
+        want = el.expand_ref(sh2, b2, scale, weights, slot, ids, k, H, True)
+        torch.testing.assert_close(d2, want, atol=1e-5, rtol=1e-5)
+        assert want.abs().max() > 0.5 and (want[1] == 0).all()
 
 
 @contextlib.contextmanager

@@ -213,22 +213,32 @@ def _check_quantized(into, rows):
 
 def case_sum_add_rms_norm_kernel_and_op():
     # the top-k sum + residual add + RMSNorm kernel against its reference (H not a power of two),
-    # with normed also quantized for a W8A8 linear (a partial last group at H 33), then the whole
-    # op through the Triton MoE against the two ops' references
+    # with normed also quantized for a W8A8 linear (a partial last group at H 33), and with fp32
+    # rows added to the sum (the experts' LoRA down deltas), as the sum kernel alone adds them;
+    # then the whole op through the Triton MoE against the two ops' references
     from compiled.fusions.moe_norm_linear import moe_add_rms_norm_linear_ref
     g = torch.Generator().manual_seed(18)
-    for T, k, H, dtype, group in ((1, 2, 40, torch.float32, 0), (23, 4, 33, torch.bfloat16, 16),
-                                  (7, 8, 64, torch.float32, 32)):
+    for T, k, H, dtype, group, with_delta in ((1, 2, 40, torch.float32, 0, False),
+                                              (23, 4, 33, torch.bfloat16, 16, True),
+                                              (7, 8, 64, torch.float32, 32, True)):
         pairs, x = torch.randn(T * k, H, generator=g).to(dtype), torch.randn(T, H, generator=g).to(dtype)
         nw = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+        delta = 3 * torch.randn(T, H, generator=g) if with_delta else None
         into = _quant_buffers(T, H, group) if group else None
-        h, normed = fm.moe_sum_add_rms_norm_triton(pairs, x, nw, 1e-6, quantize=into)
-        ref_h, ref_normed = fm.moe_sum_add_rms_norm_ref(pairs, x, nw, 1e-6)
+        h, normed = fm.moe_sum_add_rms_norm_triton(pairs, x, nw, 1e-6, quantize=into, delta=delta)
+        ref_h, ref_normed = fm.moe_sum_add_rms_norm_ref(pairs, x, nw, 1e-6, delta=delta)
         tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
         torch.testing.assert_close(h, ref_h, **tol)
         torch.testing.assert_close(normed, ref_normed, **tol)
         if into is not None:
             _check_quantized(into, normed)
+        if delta is not None:
+            ids = torch.zeros(T, k, dtype=torch.int64)
+            summed = x.new_empty(T, H)
+            fm.launch_sum(pairs, ids, summed, delta=delta)
+            want = (pairs.view(T, k, H).float().sum(1) + delta).to(dtype)
+            torch.testing.assert_close(summed, want, **tol)
+            assert (want.float() - pairs.view(T, k, H).float().sum(1)).abs().max() > 1   # the rows weigh in
     for T in (19, 1):   # the grouped GEMMs, and one token's GEMVs
         x_moe, w, ids, w13, w2 = _problem(T, 8, 2, 32, 48, seed=19)
         x = torch.randn(T, 32, generator=g)

@@ -425,8 +425,8 @@ W8A8_LORA_CASES = [("w8a8_lora_block32", 9, 96, 64, QuantConfig("fp8", "block", 
                    ("w8a8_lora_block32_pass", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)),
                     dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=16, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
                          HALF_M=0, TMA=0, W8A8=1)),
-                   # the down delta in its own launch after the down GEMM (`expert_lora.down_expands`), here from
-                   # 0 pairs; H = 96 in 512-column programs: one partial program a row
+                   # the down delta in its own launch beside the down GEMM (`expert_lora.down_expands`), here from
+                   # 0 pairs; H = 96 in 512-column programs: one partial program a token
                    ("w8a8_lora_block32_expand", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)),
                     dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
                          HALF_M=0, TMA=0, W8A8=1, SWAP_AB=1), True)]
@@ -438,7 +438,8 @@ def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, exp
     LoRA delta over the activations as they are (the shrinks read them unquantized). Also how far
     the same oracle without the deltas lies, so that a delta left out would fail. `expand`: the
     down delta in its own launch (`expert_lora.down_expands` from 0 pairs), and whether it ran;
-    and whether the gate and up deltas were made whole beside the alignment (`gate_up_expand`)."""
+    and whether the gate and up deltas were made whole beside the alignment (`gate_up_expand`).
+    Summed by the op and unsummed (`sum_slots=False`, the down deltas then apart), both."""
     import torch.nn.functional as F
     from compiled.moe import expert_lora as el
     from compiled.moe import fused_moe as fm
@@ -454,9 +455,12 @@ def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, exp
         el.DELTA_IN_K_MIN_PAIRS = 0
         el._Launches.down_expand = lambda self, *a: expanded.append(real[1](self, *a))
     el.gate_up_expand = lambda *a: gate_up.append(real[2](*a))
+    lora_args = (x, topk_weights, topk_ids, q13, q2, a13, b13, a2, b2, scale, slot)
     try:
-        got = el.fused_moe_lora_triton(x, topk_weights, topk_ids, q13, q2, a13, b13, a2, b2, scale, slot,
-                                       config=config, scales=fm.ExpertScales(s13, s2, block))
+        got = el.fused_moe_lora_triton(*lora_args, config=config, scales=fm.ExpertScales(s13, s2, block))
+        # unsummed, as for the norm's kernel: the down deltas apart where they ran beside the GEMM
+        y, d2 = el.fused_moe_lora_triton(*lora_args, config=config, scales=fm.ExpertScales(s13, s2, block),
+                                         sum_slots=False)
     finally:
         el.DELTA_IN_K_MIN_PAIRS, el._Launches.down_expand, el.gate_up_expand = real
     w13, w2 = dequantize_blocks(q13, s13, block, torch.float32), dequantize_blocks(q2, s2, block, torch.float32)
@@ -482,8 +486,10 @@ def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, exp
         return out
     want, base = oracle(True), oracle(False)
     top = want.abs().max().item()
-    return dict(err=(got - want).abs().max().item() / top, tol=1e-3, delta=(base - want).abs().max().item() / top,
-                scale=top, expand_as_asked=len(expanded) == int(expand) and len(gate_up) == 1)
+    unsummed = y.view(T, k, H).sum(1) + (0 if d2 is None else d2)
+    err = max((got - want).abs().max().item(), (unsummed - want).abs().max().item()) / top
+    return dict(err=err, tol=1e-3, delta=(base - want).abs().max().item() / top, scale=top,
+                expand_as_asked=len(expanded) == 2 * int(expand) and len(gate_up) == 2 and (d2 is not None) == expand)
 
 
 @pytest.fixture(scope="module")
