@@ -12,6 +12,7 @@ import torch
 
 from compiled.linear import W8A16_MAX_M, fp8_cublas, fused, ops
 from compiled.quant.act_quant import FP8, QuantizedRows, row_quantizable
+from compiled.linear.lora_kernels import LoRAArgs
 from compiled.quant.dequant import WeightScale, dequantize_blocks
 
 
@@ -37,6 +38,15 @@ def kernel_for(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None, q
     if backend == "auto" and fp8_cublas.fits(x, weight, fp8):
         return "w8a8"
     return None
+
+
+def lora_in_epilogue(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None, quantized: bool = False) -> bool:
+    """Whether the kernel for x @ weight.T adds LoRA deltas in its epilogue (`linear`'s `lora`):
+    the W8A16 kernel where its config runs one K split (the skinny GEMM has its own LoRA bodies)."""
+    if kernel_for(x, weight, fp8, quantized) != "w8a16":
+        return False
+    from compiled.linear.fp8_kernels import lora_in_epilogue as one_split
+    return one_split(x, weight, fp8.block, quantized)
 
 
 def dequantized(weight: torch.Tensor, fp8: WeightScale | None, dtype: torch.dtype) -> torch.Tensor:
@@ -74,19 +84,22 @@ def input_buffers(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None = None,
-           quantized: QuantizedRows | None = None) -> torch.Tensor:
+           quantized: QuantizedRows | None = None, lora: LoRAArgs | None = None) -> torch.Tensor:
     """x @ weight.T: `ops.dispatch`'s for a weight in x's dtype; an FP8 one (`fp8`) through the
     kernel `kernel_for` names, else dequantized. `quantized`: x already quantized into
-    `input_buffers(x, weight, fp8)`."""
+    `input_buffers(x, weight, fp8)`. `lora`: the rows' LoRA deltas added in the FP8 kernel's
+    epilogue, where `lora_in_epilogue` says it takes them (else a one-line error)."""
     if fp8 is not None:
         ops.check_shapes(x, stand_in(weight, fp8, x.dtype))
     kernel = kernel_for(x, weight, fp8, quantized is not None)
+    if lora is not None and not lora_in_epilogue(x, weight, fp8, quantized is not None):
+        raise ValueError(f"fp8 linear: no LoRA epilogue for x {tuple(x.shape)} @ weight {tuple(weight.shape)}")
     if kernel == "skinny":
         from compiled.linear.skinny_kernels import skinny_linear_triton
         return skinny_linear_triton(x, weight, fp8=fp8)
     if kernel == "w8a16":
         from compiled.linear.fp8_kernels import w8a16_linear
-        return w8a16_linear(x, weight, fp8.scale, fp8.block, quantized=quantized)
+        return w8a16_linear(x, weight, fp8.scale, fp8.block, quantized=quantized, lora=lora)
     if kernel == "w8a8":
         return fp8_cublas.w8a8_linear(x, weight, fp8.scale, quantized)
     return ops.dispatch(x, dequantized(weight, fp8, x.dtype))

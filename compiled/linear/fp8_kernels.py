@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from compiled.linear import skinny_kernels as lk
+from compiled.linear.lora_kernels import LoRAArgs
 from compiled.quant.dequant import fit_block_k, kernel_scale, resolve_block
 from compiled.quant.act_quant import QuantizedRows, quantize_per_token_group
 from compiled.triton_utils import (DEFAULT_NUM_SMS, FP8_DOT_MIN_K, fp8_dot_fits, hopper_or_newer,
@@ -165,10 +166,12 @@ def check_config(config: W8A16Config, M: int, N: int) -> None:
 
 @triton.jit
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_SPLIT, stride_xm, stride_wn,
-                  stride_sn, stride_ym, BO, BI, xs_ptr, stride_xs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  stride_sn, stride_ym, BO, BI, xs_ptr, stride_xs, LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3,
+                  stride_ls, stride_lbs, stride_lbn, stride_lsc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                   FP8: tl.constexpr, KB: tl.constexpr, A8: tl.constexpr, SWAP: tl.constexpr,
-                  ONE_SCALE: tl.constexpr, EVEN_K: tl.constexpr):
+                  ONE_SCALE: tl.constexpr, EVEN_K: tl.constexpr, LORA: tl.constexpr, LORA_N: tl.constexpr,
+                  LBLOCK_R: tl.constexpr, LSLOTS_PAD: tl.constexpr, LKC: tl.constexpr, LORA_FP32: tl.constexpr):
     """Partials laid out `[SPLIT_K, M, N]`; output tile (pid_m, pid_n)'s semaphore at
     pid_m * (column blocks) + pid_n. UPCAST: see `interpreter_upcast`. A8 (W8A8): x is
     float8_e4m3fn with fp32 scales `xs_ptr` a row and weight block (BI columns); each K step lies
@@ -176,7 +179,8 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_
     (`triton_utils.w8a8_step`), the scales loaded a step ahead (the loop's pipelining leaves them
     out); ONE_SCALE: the tile's rows inside one block, one weight scale a step; SWAP: into the
     transposed accumulator, the weight tile the MMA's wide side (`w8a8_step_t`). EVEN_K: every K
-    tile whole (no K masks)."""
+    tile whole (no K masks). LORA (unsplit only): the tile, rounded to y's dtype, plus its rows'
+    LoRA deltas (`skinny_kernels.lora_epilogue`, the expand's arithmetic)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -218,6 +222,11 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_
                 acc += tl.dot(x, tl.trans(b))
     if SWAP:
         acc += tl.trans(acc_t)
+    if LORA:
+        acc = lk.lora_epilogue(acc.to(y_ptr.dtype.element_ty).to(tl.float32), offs_m, offs_m < M, offs_n,
+                               offs_n < N, pid_n * BLOCK_N, N, LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3,
+                               stride_ls, stride_lbs, stride_lbn, stride_lsc, LORA_N, BLOCK_N, LBLOCK_R, LSLOTS_PAD,
+                               LKC, LORA_FP32, False)
     y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     split_k_store(acc, y_ptrs, part_ptr + offs_m[:, None] * N + offs_n[None, :], M * N, y_mask,
@@ -231,6 +240,11 @@ def default_config(x: torch.Tensor, weight: torch.Tensor, block: list[int], quan
                         quantized)
 
 
+def lora_in_epilogue(x: torch.Tensor, weight: torch.Tensor, block: list[int], quantized: bool = False) -> bool:
+    """Whether x @ weight.T can add LoRA deltas in its epilogue: its config runs one K split."""
+    return default_config(x, weight, block, quantized).split_k == 1
+
+
 def a8_group(x: torch.Tensor, weight: torch.Tensor, block: list[int], quantized: bool = False) -> int:
     """The group width x is quantized in first where the kernel runs x @ weight.T W8A8 (the scale
     block's width), else 0."""
@@ -239,10 +253,13 @@ def a8_group(x: torch.Tensor, weight: torch.Tensor, block: list[int], quantized:
 
 
 def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: list[int],
-                 config: W8A16Config | None = None, quantized: QuantizedRows | None = None) -> torch.Tensor:
+                 config: W8A16Config | None = None, quantized: QuantizedRows | None = None,
+                 lora: LoRAArgs | None = None) -> torch.Tensor:
     """x `[M, K]` (rows contiguous) @ (weight `[N, K]` fp8 x its block `scale`).T -> `[M, N]` in
     x's dtype. `config` overrides `w8a16_config` (tests, the benchmark's sweep). `quantized`: x
-    already quantized there (`a8_group` wide) by the kernel before, for a W8A8 config."""
+    already quantized there (`a8_group` wide) by the kernel before, for a W8A8 config. `lora`:
+    plus the rows' LoRA deltas in the epilogue, rounded as `lora.expand` rounds them (configs of
+    one K split only: `lora_in_epilogue`)."""
     M, K = x.shape
     N = weight.shape[0]
     if config is None:
@@ -250,6 +267,8 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
     else:
         check_config(config, M, N)
     block_m, block_n, block_k, split_k, num_warps, num_stages, a8, swap = config
+    if lora is not None and split_k != 1:
+        raise ValueError(f"w8a16 linear: LoRA deltas in the epilogue need one K split, the config has {split_k}")
     ks = kernel_scale(scale, block, N, K, block_k)
     if a8 and not fp8_dot_fits(block_k, ks.bi):
         raise ValueError(f"w8a16 linear: a8 needs block_k={block_k} >= {FP8_DOT_MIN_K} dividing the weight's "
@@ -275,7 +294,7 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m), split_k)
     _w8a16_kernel[grid](x, weight, ks.scale, y, partials, semaphores, M, N, K, k_per_split, x.stride(0),
                         weight.stride(0), ks.scale.stride(0), y.stride(0), ks.bo, ks.bi, xs, xs.stride(0),
-                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+                        **lk.lora_args(y, lora), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
                         IEEE=upcast or x.dtype == torch.float32, UPCAST=upcast, FP8=ks.mode, KB=ks.kb, A8=a8,
                         SWAP=swap, ONE_SCALE=a8 and ks.bo % block_n == 0, EVEN_K=K % block_k == 0,
                         num_warps=num_warps, num_stages=num_stages)

@@ -103,11 +103,15 @@ def linear_then_expand(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, b
                        scale: torch.Tensor, slot: torch.Tensor, slices: list[int],
                        fp8: WeightScale | None = None, quantized: QuantizedRows | None = None) -> torch.Tensor:
     """The linear of x plus the deltas of shrink outputs s made elsewhere: the skinny GEMM's
-    epilogue adds them where it serves the linear, the expand's launch otherwise; `fp8` as
+    epilogue adds them where it serves the linear, so does an FP8 linear's W8A16 / W8A8 kernel of
+    one K split (`fp8.lora_in_epilogue`), the expand's launch otherwise; `fp8` as
     `linear_lora`'s; `quantized`: x already quantized into `linear.fp8.input_buffers(x, weight, fp8)`."""
     if _in_kernel(x, weight, slices, fp8):
         from compiled.linear.skinny_kernels import skinny_linear_lora_triton
         return skinny_linear_lora_triton(x, weight, _args(s, b, scale, slot, slices), fp8=fp8)
+    if lora.use_kernel(x) and len(slices) <= LORA_MAX_SLICES and \
+            fp8_linear.lora_in_epilogue(x, weight, fp8, quantized is not None):
+        return fp8_linear.linear(x, weight, fp8, quantized, lora=_args(s, b, scale, slot, slices))
     return expand(fp8_linear.linear(x, weight, fp8, quantized), s, b, scale, slot, slices)
 
 

@@ -224,7 +224,7 @@ def _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K
 
 
 @triton.jit
-def _lora_epilogue(acc, offs_m, mask_m, offs_n, mask_n, block_lo, N, LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3,
+def lora_epilogue(acc, offs_m, mask_m, offs_n, mask_n, block_lo, N, LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3,
                    stride_ls, stride_lbs, stride_lbn, stride_lsc, LORA_N: tl.constexpr, BLOCK_N: tl.constexpr,
                    LBLOCK_R: tl.constexpr, LSLOTS_PAD: tl.constexpr, LKC: tl.constexpr, LORA_FP32: tl.constexpr,
                    GEMV: tl.constexpr):
@@ -397,7 +397,7 @@ def _skinny_kernel(
         if LORA and GEMV:
             acc = fma_delta_apply(acc.to(X.dtype.element_ty).to(tl.float32), d_sr, d_b)
         elif LORA:
-            acc = _lora_epilogue(acc.to(X.dtype.element_ty).to(tl.float32), offs_m, mask_m, offs_n, mask_n,
+            acc = lora_epilogue(acc.to(X.dtype.element_ty).to(tl.float32), offs_m, mask_m, offs_n, mask_n,
                                  pid_n * BLOCK_N, N, LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3, stride_ls,
                                  stride_lbs, stride_lbn, stride_lsc, LORA_N, BLOCK_N, LBLOCK_R, LSLOTS_PAD, LKC,
                                  LORA_FP32, GEMV)
@@ -428,7 +428,7 @@ def _skinny_kernel(
                     _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K, stride_xm,
                                   stride_dm, stride_nm, BLOCK_K)
             if LORA:
-                total = _lora_epilogue(total.to(X.dtype.element_ty).to(tl.float32), offs_m, mask_m, offs_n, mask_n,
+                total = lora_epilogue(total.to(X.dtype.element_ty).to(tl.float32), offs_m, mask_m, offs_n, mask_n,
                                        pid_n * BLOCK_N, N, LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3, stride_ls,
                                        stride_lbs, stride_lbn, stride_lsc, LORA_N, BLOCK_N, LBLOCK_R, LSLOTS_PAD, LKC,
                                        LORA_FP32, GEMV)
@@ -454,7 +454,8 @@ def _fp8_args(y: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None, bl
     return dict(WS=ks.scale, stride_wsn=ks.scale.stride(0), BO=ks.bo, BI=ks.bi, FP8=ks.mode, KB=ks.kb)
 
 
-def _lora_args(y: torch.Tensor, lora: LoRAArgs | None) -> dict:
+def lora_args(y: torch.Tensor, lora: LoRAArgs | None) -> dict:
+    """`lora_epilogue`'s kernel arguments (also the FP8 dense kernel's); placeholders without `lora`."""
     if lora is None:   # placeholders, never read
         return dict(LS=y, LB=y, LSCALE=y, LSLOT=y, LR=0, LSLOTS=0, LO1=0, LO2=0, LO3=0, stride_ls=0, stride_lbs=0,
                     stride_lbn=0, stride_lsc=0, LORA=False, LORA_N=1, LBLOCK_R=16, LSLOTS_PAD=1, LKC=16,
@@ -528,7 +529,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, config: Skin
     args = dict(D=y, NW=y, H=y, NORMED=y, eps=0.0, stride_dm=0, stride_hm=0, stride_nm=0,
                 ADD_NORM=False, SILU_MUL=False, KEEP_NORMED=False)
     args.update(prologue)
-    args.update(_lora_args(y, lora))
+    args.update(lora_args(y, lora))
     args.update(_fp8_args(y, weight, fp8, block_k))
     one_row = gemv and M == 1
     args.update(FP8_ASM=gemv and fp8 is not None and fp8_convert_asm(x.device),

@@ -125,6 +125,60 @@ def lora_case(M: int) -> dict:
     return dict(err=max(errs), tol=1e-5, scale=1.0)
 
 
+# the W8A16 / W8A8 dense kernel with the rows' LoRA deltas in its epilogue (qkv's three slices):
+# partial row and column tiles, slots -1 and 5 (none) among 3; W8A16, W8A8, W8A8 swapped
+LORA_EPILOGUE_CASES = [("lora_epilogue_w8a16", (32, 32, 32, 1, 4, 2, False, False)),
+                       ("lora_epilogue_w8a8", (32, 32, 32, 1, 4, 2, True, False)),
+                       ("lora_epilogue_w8a8_swap", (16, 32, 32, 1, 4, 2, True, True))]
+
+
+def lora_epilogue_case(config: tuple) -> dict:
+    """`w8a16_linear` with `lora` against `lora_expand_ref` over its output without it (the same
+    kernel and tiles, so the epilogue alone is judged), and `linear_then_expand`, which takes the
+    epilogue for this shape, against the same; a split config refuses LoRA."""
+    from compiled.linear import lora as lora_ops
+    from compiled.linear import ops as lin
+    from compiled.linear.fp8_kernels import W8A16Config, w8a16_linear
+    from compiled.linear.lora import lora_expand_ref
+    from compiled.linear.lora_kernels import LoRAArgs
+    from compiled.linear.lora_linear import linear_then_expand
+    from compiled.linear.fp8 import lora_in_epilogue
+    from compiled.quant.dequant import WeightScale
+    M, N, K, S, R, slices = 37, 144, 96, 3, 8, [80, 40, 24]   # N past the narrow weights (`max_rows`)
+    g = torch.Generator().manual_seed(sum(config[:3]))
+    x = torch.randn(M, K, generator=g)
+    q, sc, block = _stacked_fp8(torch.randn(1, N, K, generator=g) / K ** 0.5, QuantConfig("fp8", "block", (32, 32)))
+    q, sc = q[0], sc[0]
+    s = torch.randn(M, len(slices) * R, generator=g)
+    b, scale = torch.randn(S, N, R, generator=g) / R ** 0.5, torch.rand(S, len(slices), generator=g) + 0.5
+    slot = torch.tensor([i % (S + 2) - 1 for i in range(M)], dtype=torch.int32)
+    cfg = W8A16Config(*config)
+    base = w8a16_linear(x, q, sc, block, cfg)
+    want = lora_expand_ref(base, s, b, scale, slot, slices)
+    got = w8a16_linear(x, q, sc, block, cfg, lora=LoRAArgs.of(s, b, scale, slot, slices))
+    before = lin.BACKEND.name, lora_ops.BACKEND.name
+    lin.set_backend("triton")
+    lora_ops.set_backend("triton")
+    fp8 = WeightScale(sc, block)
+    try:
+        via_op = linear_then_expand(x, q, s, b, scale, slot, slices, fp8) if lora_in_epilogue(x, q, fp8) else None
+    finally:
+        lin.set_backend(before[0])
+        lora_ops.set_backend(before[1])
+    try:
+        w8a16_linear(x, q, sc, block, cfg._replace(split_k=2), lora=LoRAArgs.of(s, b, scale, slot, slices))
+        refused = False
+    except ValueError:
+        refused = True
+    top = want.abs().max().item()
+    err = (got - want).abs().max().item() / top
+    if via_op is not None:
+        err = max(err, (via_op - lora_expand_ref(w8a16_linear(x, q, sc, block), s, b, scale, slot, slices)
+                        ).abs().max().item() / top)
+    return dict(err=err, tol=1e-5, delta=(base - want).abs().max().item() / top, scale=top,
+                expand_as_asked=via_op is not None and refused)
+
+
 MOE_CASES = [("moe_gemv_block16x24", 1, QuantConfig("fp8", "block", (16, 24)), torch.float32, False),
              ("moe_gemv_block16x16", 1, QuantConfig("fp8", "block", (16, 16)), torch.float32, False),   # KB > 1
              ("moe_gemv_block16x8", 1, QuantConfig("fp8", "block", (16, 8)), torch.float32, False),     # runs of 8
@@ -499,7 +553,7 @@ def interpreted():
 
 
 ALL_CASES = (CASES + SKINNY_CASES + LORA_CASES + MOE_CASES + RANGE_CASES + LINEAR_RANGE_CASES + DEQUANT_CASES
-             + ACT_QUANT_CASES + W8A8_CASES + W8A8_LORA_CASES)
+             + ACT_QUANT_CASES + W8A8_CASES + W8A8_LORA_CASES + LORA_EPILOGUE_CASES)
 
 
 @pytest.mark.parametrize("name", [c[0] for c in ALL_CASES])
@@ -733,4 +787,5 @@ if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
     results.update({name: act_quant_case(*case) for name, *case in ACT_QUANT_CASES})
     results.update({name: w8a8_case(*case) for name, *case in W8A8_CASES})
     results.update({name: w8a8_lora_case(*case) for name, *case in W8A8_LORA_CASES})
+    results.update({name: lora_epilogue_case(*case) for name, *case in LORA_EPILOGUE_CASES})
     print(json.dumps(results))
