@@ -385,6 +385,22 @@ class _Launches:
             BLOCK_M=bm, BLOCK_N=max(16, triton.next_power_of_2(NR)), BLOCK_K=bk, EVEN_K=K % bk == 0, SPLIT_K=split,
             num_warps=4, num_stages=stages, **self.pdl)
 
+    def gate_up_beside(self, x: torch.Tensor, a13: torch.Tensor, b13: torch.Tensor, scale: torch.Tensor,
+                       expands: bool) -> tuple[Fork, torch.Tensor, torch.Tensor | None]:
+        """The gate/up shrink a program a pair on the side stream, beside the alignment (it needs
+        only the routing), and where `expands` the gate and up deltas made whole there too
+        (`gate_up_expand`): (the fork to join, the shrink outputs, the deltas or None)."""
+        numel, R, I = self.ids.numel(), a13.shape[2] // 2, b13.shape[2] // 2
+        s13 = self.ws.get("lora_s13", numel * 2 * R, torch.float32, x.device).view(numel, 2 * R)
+        d13 = None
+        fork = Fork(x.device)
+        with fork.side():
+            pair_shrink(x, a13, s13, self.ids, self.slot, self.ws, self.pdl)
+            if expands:
+                d13 = self.ws.get("lora_d13", numel * 2 * I, torch.float32, x.device).view(numel, 2 * I)
+                gate_up_expand(d13, s13, b13, scale, self.slot, self.ids, self.pdl)
+        return fork, s13, d13
+
     def down_delta(self, inter: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor, scale: torch.Tensor,
                    consts: dict, down: dict, may_run_in_k: bool = True, expands: bool = False) -> GemmDelta:
         """The down GEMM's delta: the shrink of the intermediate `[rows, I]` by a2, then b2 in the GEMM
@@ -522,17 +538,11 @@ def fused_moe_lora_triton(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids:
     call = _Launches(slot, ids, workspace or MoEWorkspace(), launch_kwargs(x.device), bm, S)
     ws, numel, pdl = call.ws, ids.numel(), call.pdl
     has_delta = bool(S and R)
-    fork = d13 = None
+    fork = None
     if has_delta and numel <= PAIR_SHRINK_MAX_PAIRS:
-        s13 = ws.get("lora_s13", numel * 2 * R, torch.float32, x.device).view(numel, 2 * R)
-        fork = Fork(x.device)
-        with fork.side():
-            pair_shrink(x, a13, s13, ids, slot, ws, pdl)
-            # W8A8 only: its 16-row tiles of several slots waited after the K loop for the slots'
-            # B rows; over 16-bit experts this lost at 8 tokens, even at 64 (bench/RESULTS.md)
-            if groups is not None:
-                d13 = ws.get("lora_d13", numel * 2 * I, torch.float32, x.device).view(numel, 2 * I)
-                gate_up_expand(d13, s13, b13, scale, slot, ids, pdl)
+        # the deltas made whole over W8A8 only: its 16-row tiles of several slots waited after the K
+        # loop for the slots' B rows; over 16-bit experts this lost at 8 tokens (bench/RESULTS.md)
+        fork, s13, d13 = call.gate_up_beside(x, a13, b13, scale, groups is not None)
     blocks, xquant = align_quantized(ws, x, ids, E, bm, groups)
     call.blocks = blocks
     rows = blocks.expert_ids.numel() * bm
