@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from compiled.linear import W8A16_MAX_M, fp8_cublas, fused, ops
-from compiled.quant.act_quant import FP8, QuantizedRows, row_quantizable
 from compiled.linear.lora_kernels import LoRAArgs
+from compiled.quant.act_quant import FP8, QuantizedRows, row_quantizable
 from compiled.quant.dequant import WeightScale, dequantize_blocks
 
 

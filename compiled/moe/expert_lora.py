@@ -22,29 +22,29 @@ The reference (`fused_moe_lora_ref`) is `fused_moe_ref`'s expert loop with the p
 expert sorted by slot: each delta in fp32, added to the base projection's output in fp32 and
 rounded to x's dtype. One host sync (the counts), like the base reference.
 
-The Triton path (`fused_moe_lora_triton`, CUDA, or anywhere under the 'triton' backend) sorts
-the pairs by expert with the base MoE's `moe_align_block_size`, runs the gate/up LoRA shrink
-(`expert_lora_kernels`; at decode sizes a program a pair, on a side stream while the alignment
-runs, since it needs only the routing), the base up GEMM with the gate/up deltas added before
-silu * up, the down LoRA shrink over the intermediate (at decode sizes a program a row), the
-base down GEMM with its delta (at decode sizes, where its tiles load through pointers, as its K
-loop's last steps: `down_delta_in_k`; over FP8 experts at those sizes, a launch beside it on the
-side stream, each token's deltas summed for the top-k sum to add: `down_expands`), and the top-k
-sum: two launches more than the base's grouped path (three with that one), no host sync, scratch from the `MoEWorkspace` (`reserve_workspace` before a CUDA
-graph capture). The GEMMs are the base kernels compiled with
-LORA=True, so they take the tuned config whole (tiles, TMA, part-height tiles). Their deltas
-(`fused_moe_kernels._pair_delta`, `triton_utils.slot_stacked_delta`) are one dot of K = R where
-a tile's rows share one slot, else they stack the slots along K: the rows' shrink outputs as a
-tile that is zero outside each row's own slot block, times every present slot's B rows, one dot
-per `delta_k_step` of K; the shrink outputs times the scale rounded to the weights' 16-bit dtype
-(DELTA_16BIT). Tiles taller than 16 rows add the deltas before their K loop (`delta_first`).
-Over W8A8 experts at decode sizes the side stream goes on from the shrink to the gate and up
-expands (`gate_up_expand`, fp32 `[T*k, 2I]`), and the up GEMM adds those deltas as they stand,
-loaded before its K loop: a 16-row tile of several slots otherwise fetched their B rows after it.
-One token runs the grouped tiles, not the base's GEMVs. The per-expert
-A and B of 8 rank-16 adapters are 276 MB a Qwen3-30B-A3B layer, about a quarter of the experts'
-own bytes, so a batch that touches most (slot, expert) pairs reads that much more. Backend: the
-MoE's (`fused_moe.BACKEND`, `COMPILED_MOE_BACKEND`)."""
+The Triton path (`fused_moe_lora_triton`, CUDA, or anywhere under the 'triton' backend) sorts the
+pairs by expert with the base MoE's `moe_align_block_size`, runs the gate/up LoRA shrink
+(`expert_lora_kernels`; at decode sizes a program a pair, on a side stream while the alignment runs,
+since it needs only the routing), the base up GEMM with the gate/up deltas added before silu * up,
+the down LoRA shrink over the intermediate (at decode sizes a program a row), the base down GEMM
+with its delta (at decode sizes, where its tiles load through pointers, as its K loop's last steps:
+`down_delta_in_k`; over FP8 experts at those sizes, a launch beside it on the side stream, each
+token's deltas summed for the top-k sum to add: `down_expands`), and the top-k sum: two launches
+more than the base's grouped path (three with that one), no host sync, scratch from the
+`MoEWorkspace` (`reserve_workspace` before a CUDA graph capture). The GEMMs are the base kernels
+compiled with LORA=True, so they take the tuned config whole (tiles, TMA, part-height tiles). Their
+deltas (`fused_moe_kernels._pair_delta`, `triton_utils.slot_stacked_delta`) are one dot of K = R
+where a tile's rows share one slot, else they stack the slots along K: the rows' shrink outputs as a
+tile that is zero outside each row's own slot block, times every present slot's B rows, one dot per
+`delta_k_step` of K; the shrink outputs times the scale rounded to the weights' 16-bit dtype
+(DELTA_16BIT). Tiles taller than 16 rows add the deltas before their K loop (`delta_first`). Over
+W8A8 experts at decode sizes the side stream goes on from the shrink to the gate and up expands
+(`gate_up_expand`, fp32 `[T*k, 2I]`), and the up GEMM adds those deltas as they stand, loaded before
+its K loop: a 16-row tile of several slots otherwise fetched their B rows after it. One token runs
+the grouped tiles, not the base's GEMVs. The per-expert A and B of 8 rank-16 adapters are 276 MB a
+Qwen3-30B-A3B layer, about a quarter of the experts' own bytes, so a batch that touches most (slot,
+expert) pairs reads that much more. Backend: the MoE's (`fused_moe.BACKEND`,
+`COMPILED_MOE_BACKEND`)."""
 
 from __future__ import annotations
 
@@ -352,7 +352,8 @@ def pair_shrink(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, ids: torch.
         out.stride(0), partials, sems, triton.cdiv(triton.cdiv(K, split), bk) * bk, experts, num_post,
         out if scale is None else scale, TOP_K=ids.shape[1], BLOCK_N=max(16, triton.next_power_of_2(NR)),
         BLOCK_K=bk, SPLIT_K=split, BY_POSITION=blocks is not None, BLOCK_M=block_m,
-        SCALE_COL=-1 if scale is None else 2, STORE_BY_PAIR=by_pair, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl)
+        SCALE_COL=-1 if scale is None else 2, STORE_BY_PAIR=by_pair, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **pdl)
 
 
 @dataclass

@@ -620,11 +620,11 @@ def moe_sum_add_rms_norm_triton(pairs: torch.Tensor, x: torch.Tensor, norm_weigh
                                 quantize: QuantizedRows | None = None,
                                 delta: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """The reference's contract in one launch (`moe_sum_add_rms_norm_kernel`); x's last dim
-    contiguous; `delta` as the reference's, contiguous. `shrink` (a `[S, NR, H]` with its last dim contiguous, slot `[T]`): also the next
-    linear's LoRA shrink of normed, `lora_shrink(normed, a, slot)` `[T, NR]` fp32, as a third output.
-    `ids` (the routing's `[T, k]`): the pairs of id < 0 are left out of the sum; None: none is.
-    `quantize`: normed also quantized into its buffers (`quantize_row`), a power-of-two group
-    dividing H's power of two."""
+    contiguous; `delta` as the reference's, contiguous. `shrink` (a `[S, NR, H]` with its last dim
+    contiguous, slot `[T]`): also the next linear's LoRA shrink of normed, `lora_shrink(normed, a,
+    slot)` `[T, NR]` fp32, as a third output. `ids` (the routing's `[T, k]`): the pairs of id < 0
+    are left out of the sum; None: none is. `quantize`: normed also quantized into its buffers
+    (`quantize_row`), a power-of-two group dividing H's power of two."""
     from compiled.moe import fused_moe_kernels as K
     T, H = x.shape
     if quantize is not None and not row_quantizable(H, quantize.group):
@@ -645,8 +645,9 @@ def moe_sum_add_rms_norm_triton(pairs: torch.Tensor, x: torch.Tensor, norm_weigh
         block = triton.next_power_of_2(H)
         K.moe_sum_add_rms_norm_kernel[(T, splits)](
             pairs, ids, pairs if delta is None else delta, x, norm_weight, h, normed, H, eps, x.stride(0), a, s, slot,
-            *args, xq, xs, xq.stride(0), xs.stride(0), xs.stride(1), TOP_K=top_k, BLOCK_H=block, SHRINK=shrink is not None, N_PER=n_per, GROUP=group,
-            DELTA=delta is not None, num_warps=row_warps(block), **launch_kwargs(x.device))
+            *args, xq, xs, xq.stride(0), xs.stride(0), xs.stride(1), TOP_K=top_k, BLOCK_H=block,
+            SHRINK=shrink is not None, N_PER=n_per, GROUP=group, DELTA=delta is not None, num_warps=row_warps(block),
+            **launch_kwargs(x.device))
     return (h, normed) if shrink is None else (h, normed, s)
 
 
