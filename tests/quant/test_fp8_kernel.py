@@ -483,22 +483,28 @@ W8A8_LORA_CASES = [("w8a8_lora_block32", 9, 96, 64, QuantConfig("fp8", "block", 
                    # 0 pairs; H = 96 in 512-column programs: one partial program a token
                    ("w8a8_lora_block32_expand", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)),
                     dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
-                         HALF_M=0, TMA=0, W8A8=1, SWAP_AB=1), True)]
+                         HALF_M=0, TMA=0, W8A8=1, SWAP_AB=1), True),
+                   ("w8a8_lora_block32_expand_top1", 9, 96, 64, QuantConfig("fp8", "block", (32, 32)),
+                    dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=32, BLOCK_SIZE_K=32, GROUP_SIZE_M=1, num_warps=4, num_stages=2,
+                         HALF_M=0, TMA=0, W8A8=1, SWAP_AB=1), True, 1)]
 
 
-def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, expand: bool = False) -> dict:
+def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, expand: bool = False,
+                   top_k: int = 2) -> dict:
     """`fused_moe_lora_triton` on FP8 experts, W8A8 (fp32 activations), against a pair-by-pair
     oracle: each GEMM over the quantized-dequantized activations and the dequantized experts, its
     LoRA delta over the activations as they are (the shrinks read them unquantized). Also how far
     the same oracle without the deltas lies, so that a delta left out would fail. `expand`: the
     down delta in its own launch (`expert_lora.down_expands` from 0 pairs), and whether it ran;
     and whether the gate and up deltas were made whole beside the alignment (`gate_up_expand`).
-    Summed by the op and unsummed (`sum_slots=False`, the down deltas then apart), both."""
+    Summed by the op and, with top-k > 1, unsummed (`sum_slots=False`, the down deltas apart).
+    Top-k 1: the down GEMM writes the output's rows, which the sum kernel adds the deltas to in
+    place."""
     import torch.nn.functional as F
     from compiled.moe import expert_lora as el
     from compiled.moe import fused_moe as fm
     from compiled.quant.act_quant import dequantize_per_token_group, quantize_per_token_group_ref
-    E, k = 5, 2
+    E, k = 5, top_k
     g = torch.Generator().manual_seed(T * H + I + 1)
     x = torch.randn(T, H, generator=g)
     topk_weights, topk_ids = _routing(g, T, E, k)
@@ -514,7 +520,7 @@ def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, exp
         got = el.fused_moe_lora_triton(*lora_args, config=config, scales=fm.ExpertScales(s13, s2, block))
         # unsummed, as for the norm's kernel: the down deltas apart where they ran beside the GEMM
         y, d2 = el.fused_moe_lora_triton(*lora_args, config=config, scales=fm.ExpertScales(s13, s2, block),
-                                         sum_slots=False)
+                                         sum_slots=False) if k > 1 else (None, None)
     finally:
         el.DELTA_IN_K_MIN_PAIRS, el._Launches.down_expand, el.gate_up_expand = real
     w13, w2 = dequantize_blocks(q13, s13, block, torch.float32), dequantize_blocks(q2, s2, block, torch.float32)
@@ -540,10 +546,12 @@ def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, exp
         return out
     want, base = oracle(True), oracle(False)
     top = want.abs().max().item()
-    unsummed = y.view(T, k, H).sum(1) + (0 if d2 is None else d2)
+    unsummed = got if y is None else y.view(T, k, H).sum(1) + (0 if d2 is None else d2)
     err = max((got - want).abs().max().item(), (unsummed - want).abs().max().item()) / top
+    calls = 2 if k > 1 else 1
     return dict(err=err, tol=1e-3, delta=(base - want).abs().max().item() / top, scale=top,
-                expand_as_asked=len(expanded) == 2 * int(expand) and len(gate_up) == 2 and (d2 is not None) == expand)
+                expand_as_asked=len(expanded) == calls * int(expand) and len(gate_up) == calls
+                and (d2 is not None) == (expand and k > 1))
 
 
 @pytest.fixture(scope="module")
