@@ -132,17 +132,27 @@ LORA_EPILOGUE_CASES = [("lora_epilogue_w8a16", (32, 32, 32, 1, 4, 2, False, Fals
                        ("lora_epilogue_w8a8_swap", (16, 32, 32, 1, 4, 2, True, True))]
 
 
+def _refuses(call) -> bool:
+    """Whether call() raises a ValueError."""
+    try:
+        call()
+    except ValueError:
+        return True
+    return False
+
+
 def lora_epilogue_case(config: tuple) -> dict:
     """`w8a16_linear` with `lora` against `lora_expand_ref` over its output without it (the same
     kernel and tiles, so the epilogue alone is judged), and `linear_then_expand`, which takes the
-    epilogue for this shape, against the same; a split config refuses LoRA."""
+    epilogue for this shape, against the same; a split config and the skinny GEMM's rows refuse
+    the operand."""
+    from compiled.linear import fp8 as fp8_linear
     from compiled.linear import lora as lora_ops
     from compiled.linear import ops as lin
     from compiled.linear.fp8_kernels import W8A16Config, w8a16_linear
     from compiled.linear.lora import lora_expand_ref
     from compiled.linear.lora_kernels import LoRAArgs
     from compiled.linear.lora_linear import linear_then_expand
-    from compiled.linear.fp8 import lora_in_epilogue
     from compiled.quant.dequant import WeightScale
     M, N, K, S, R, slices = 37, 144, 96, 3, 8, [80, 40, 24]   # N past the narrow weights (`max_rows`)
     g = torch.Generator().manual_seed(sum(config[:3]))
@@ -161,15 +171,15 @@ def lora_epilogue_case(config: tuple) -> dict:
     lora_ops.set_backend("triton")
     fp8 = WeightScale(sc, block)
     try:
-        via_op = linear_then_expand(x, q, s, b, scale, slot, slices, fp8) if lora_in_epilogue(x, q, fp8) else None
+        via_op = linear_then_expand(x, q, s, b, scale, slot, slices, fp8) if fp8_linear.lora_in_epilogue(x, q, fp8) else None
+        # 8 rows: the skinny GEMM's, which takes LoRA through its own bodies, not this operand
+        refused = _refuses(lambda: fp8_linear.linear(x[:8], q, fp8, lora=LoRAArgs.of(s[:8], b, scale, slot[:8],
+                                                                                    slices)))
     finally:
         lin.set_backend(before[0])
         lora_ops.set_backend(before[1])
-    try:
-        w8a16_linear(x, q, sc, block, cfg._replace(split_k=2), lora=LoRAArgs.of(s, b, scale, slot, slices))
-        refused = False
-    except ValueError:
-        refused = True
+    refused = refused and _refuses(lambda: w8a16_linear(x, q, sc, block, cfg._replace(split_k=2),
+                                                        lora=LoRAArgs.of(s, b, scale, slot, slices)))
     top = want.abs().max().item()
     err = (got - want).abs().max().item() / top
     if via_op is not None:
