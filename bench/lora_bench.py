@@ -34,7 +34,7 @@ def prefill_ms(llm, length: int, reps: int, lora: str | None) -> list[float]:
 
 
 def profile(llm, batch: int, input_len: int, loras: list[str | None], decode: bool,
-            output_len: int = 1) -> dict | None:
+            output_len: int = 1, top: int = 12) -> dict | None:
     """Kernels per step, the top kernels by GPU time and those on the critical path (own time not
     overlapped, `exposed`) of three decode steps at `batch` (requests of `output_len` tokens, enough
     to outlast the batch's prefill), or of the prefill of `batch` prompts of `input_len` tokens."""
@@ -43,7 +43,7 @@ def profile(llm, batch: int, input_len: int, loras: list[str | None], decode: bo
     prompts = core.random_ids(batch, input_len, llm.model_config.vocab_size, 2)
     items = [core.Item(p, output_len if decode else 1, a) for p, a in zip(prompts, loras)]
     with tempfile.TemporaryDirectory() as d:
-        prof = core.profile_steps(llm, items, 3 if decode else 1, Path(d), "step", skip_prefill=decode, top=12)
+        prof = core.profile_steps(llm, items, 3 if decode else 1, Path(d), "step", skip_prefill=decode, top=top)
     return {"kernels_per_step": prof["kernels_per_step"], "top": prof["top"], "exposed": prof["exposed"]}
 
 
@@ -73,9 +73,10 @@ def measure(llm, name: str, batches: list[int], a, adapters: list[str]) -> dict:
           flush=True)
     out["profile"] = {}
     for b in a.profile_batches:
-        out["profile"][b] = profile(llm, b, a.input_len, [pick(i) for i in range(b)], True, a.output_len)
+        out["profile"][b] = profile(llm, b, a.input_len, [pick(i) for i in range(b)], True, a.output_len,
+                                    a.profile_top)
         print_top(f"{name} decode batch {b}", out["profile"][b])
-    out["profile"]["prefill"] = profile(llm, 1, a.prefill_len, [pick(0)], False)
+    out["profile"]["prefill"] = profile(llm, 1, a.prefill_len, [pick(0)], False, top=a.profile_top)
     print_top(f"{name} prefill {a.prefill_len}", out["profile"]["prefill"])
     out["kernels_per_step"] = (out["profile"].get(8) or {}).get("kernels_per_step")
     return out
@@ -95,6 +96,7 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=2048)
     ap.add_argument("--prefill-reps", type=int, default=5)
     ap.add_argument("--profile-batches", default="8", help="decode batches profiled (kernels per step, top kernels)")
+    ap.add_argument("--profile-top", type=int, default=12, help="kernels listed per profile (by GPU time and exposed)")
     ap.add_argument("--skip-idle", action="store_true", help="with adapters: skip the idle measurement")
     ap.add_argument("--merge-lora", action="store_true", help="fold a batch's one adapter into the weights "
                     "(merge_lora)")
