@@ -225,9 +225,9 @@ def _store_normed(X, D, NW, NORMED, offs_m, mask_m, rstd, pid_n, NORMED_CHUNK, K
 
 @triton.jit
 def lora_epilogue(acc, offs_m, mask_m, offs_n, mask_n, block_lo, N, LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3,
-                   stride_ls, stride_lbs, stride_lbn, stride_lsc, LORA_N: tl.constexpr, BLOCK_N: tl.constexpr,
-                   LBLOCK_R: tl.constexpr, LSLOTS_PAD: tl.constexpr, LKC: tl.constexpr, LORA_FP32: tl.constexpr,
-                   GEMV: tl.constexpr):
+                  stride_ls, stride_lbs, stride_lbn, stride_lsc, LORA_N: tl.constexpr, BLOCK_N: tl.constexpr,
+                  LBLOCK_R: tl.constexpr, LSLOTS_PAD: tl.constexpr, LKC: tl.constexpr, LORA_FP32: tl.constexpr,
+                  GEMV: tl.constexpr):
     slots = token_slots(LSLOT, offs_m, mask_m, LSLOTS)
     return add_slice_deltas(acc, LS, LB, LSCALE, slots, offs_m.to(tl.int64), offs_n, mask_n, block_lo, LR, LO1, LO2,
                             LO3, N, stride_ls, stride_lbs, stride_lbn, stride_lsc, LORA_N, BLOCK_N, LBLOCK_R,
@@ -398,9 +398,9 @@ def _skinny_kernel(
             acc = fma_delta_apply(acc.to(X.dtype.element_ty).to(tl.float32), d_sr, d_b)
         elif LORA:
             acc = lora_epilogue(acc.to(X.dtype.element_ty).to(tl.float32), offs_m, mask_m, offs_n, mask_n,
-                                 pid_n * BLOCK_N, N, LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3, stride_ls,
-                                 stride_lbs, stride_lbn, stride_lsc, LORA_N, BLOCK_N, LBLOCK_R, LSLOTS_PAD, LKC,
-                                 LORA_FP32, GEMV)
+                                pid_n * BLOCK_N, N, LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3, stride_ls,
+                                stride_lbs, stride_lbn, stride_lsc, LORA_N, BLOCK_N, LBLOCK_R, LSLOTS_PAD, LKC,
+                                LORA_FP32, GEMV)
         tl.store(y_ptrs, acc.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=out_mask)
     else:
         # Partials laid out [SPLIT_K, M, N]; sums of squares [output tile, SPLIT_K, BLOCK_M].
@@ -429,9 +429,9 @@ def _skinny_kernel(
                                   stride_dm, stride_nm, BLOCK_K)
             if LORA:
                 total = lora_epilogue(total.to(X.dtype.element_ty).to(tl.float32), offs_m, mask_m, offs_n, mask_n,
-                                       pid_n * BLOCK_N, N, LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3, stride_ls,
-                                       stride_lbs, stride_lbn, stride_lsc, LORA_N, BLOCK_N, LBLOCK_R, LSLOTS_PAD, LKC,
-                                       LORA_FP32, GEMV)
+                                      pid_n * BLOCK_N, N, LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3, stride_ls,
+                                      stride_lbs, stride_lbn, stride_lsc, LORA_N, BLOCK_N, LBLOCK_R, LSLOTS_PAD, LKC,
+                                      LORA_FP32, GEMV)
             tl.store(y_ptrs, total.to(X.dtype.element_ty).to(Y.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(Semaphores + tile, 0)
 
