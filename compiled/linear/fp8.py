@@ -88,11 +88,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None = None
     """x @ weight.T: `ops.dispatch`'s for a weight in x's dtype; an FP8 one (`fp8`) through the
     kernel `kernel_for` names, else dequantized. `quantized`: x already quantized into
     `input_buffers(x, weight, fp8)`. `lora`: the rows' LoRA deltas added in the FP8 kernel's
-    epilogue, where `lora_in_epilogue` says it takes them (else a one-line error)."""
+    epilogue, where `lora_in_epilogue` says it takes them (else a one-line error: here for another
+    kernel, in `w8a16_linear` for a split config)."""
     if fp8 is not None:
         ops.check_shapes(x, stand_in(weight, fp8, x.dtype))
     kernel = kernel_for(x, weight, fp8, quantized is not None)
-    if lora is not None and not lora_in_epilogue(x, weight, fp8, quantized is not None):
+    if lora is not None and kernel != "w8a16":
         raise ValueError(f"fp8 linear: no LoRA epilogue for x {tuple(x.shape)} @ weight {tuple(weight.shape)}")
     if kernel == "skinny":
         from compiled.linear.skinny_kernels import skinny_linear_triton

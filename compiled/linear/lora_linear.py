@@ -38,9 +38,15 @@ from compiled.quant.dequant import WeightScale
 from compiled.side_stream import Fork
 
 
+def _kernels_take(x: torch.Tensor, slices: list[int]) -> bool:
+    """Whether a kernel's epilogue may add the deltas: the LoRA backend allows kernels, and the
+    slices are few enough for them."""
+    return lora.use_kernel(x) and len(slices) <= LORA_MAX_SLICES
+
+
 def _in_kernel(x: torch.Tensor, weight: torch.Tensor, slices: list[int], fp8: WeightScale | None = None) -> bool:
     """Whether the skinny GEMM adds the deltas (both backends allow kernels, it serves the linear)."""
-    return lora.use_kernel(x) and len(slices) <= LORA_MAX_SLICES and ops.use_kernel(x, weight, fp8 is not None)
+    return _kernels_take(x, slices) and ops.use_kernel(x, weight, fp8 is not None)
 
 
 def _prologue_in_shrink(x: torch.Tensor, weight: torch.Tensor, slices: list[int],
@@ -109,8 +115,7 @@ def linear_then_expand(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, b
     if _in_kernel(x, weight, slices, fp8):
         from compiled.linear.skinny_kernels import skinny_linear_lora_triton
         return skinny_linear_lora_triton(x, weight, _args(s, b, scale, slot, slices), fp8=fp8)
-    if lora.use_kernel(x) and len(slices) <= LORA_MAX_SLICES and \
-            fp8_linear.lora_in_epilogue(x, weight, fp8, quantized is not None):
+    if _kernels_take(x, slices) and fp8_linear.lora_in_epilogue(x, weight, fp8, quantized is not None):
         return fp8_linear.linear(x, weight, fp8, quantized, lora=_args(s, b, scale, slot, slices))
     return expand(fp8_linear.linear(x, weight, fp8, quantized), s, b, scale, slot, slices)
 

@@ -445,10 +445,9 @@ def _expand(out: torch.Tensor, sh: torch.Tensor, b: torch.Tensor, scale: torch.T
     N = b.shape[2]
     col_blocks = triton.cdiv(half, EXPAND_BLOCK_N) + triton.cdiv(N - half, EXPAND_BLOCK_N)
     LK.moe_lora_expand_kernel[(ids.numel() // top_k if by_token else ids.numel(), col_blocks)](
-        out, sh, b, scale, weights, slot, ids, ids.numel(), b.shape[0], b.shape[3], N, half, out.stride(0),
-        sh.stride(0), b.stride(0), b.stride(1), b.stride(2), TOP_K=top_k,
-        BLOCK_R=max(16, triton.next_power_of_2(b.shape[3])), BLOCK_N=EXPAND_BLOCK_N, BY_TOKEN=by_token,
-        SCALE_COL=2 if by_token else 0, num_warps=4, **pdl)
+        out, sh, b, scale, weights, slot, ids, b.shape[0], b.shape[3], N, half, out.stride(0), sh.stride(0),
+        b.stride(0), b.stride(1), b.stride(2), TOP_K=top_k, BLOCK_R=max(16, triton.next_power_of_2(b.shape[3])),
+        BLOCK_N=EXPAND_BLOCK_N, BY_TOKEN=by_token, SCALE_COL=2 if by_token else 0, num_warps=4, **pdl)
 
 
 def expand_ref(sh: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, weights: torch.Tensor, slot: torch.Tensor,

@@ -4,8 +4,9 @@ over W8A8 experts at decode sizes (`moe_lora_expand_kernel`: the gate and up del
 GEMM, the down deltas beside the down GEMM, summed a token for the top-k sum to add).
 
 The pairs are sorted by expert into BLOCK_M blocks as for the base MoE (`moe_align_block_size`),
-and every per-pair buffer is kept in block order (row = the pair's position), as the
-intermediate is. A block's rows share an expert but not a slot (each token has its own adapter).
+and the block-wise kernels keep every per-pair buffer in block order (row = the pair's position),
+as the intermediate is. A block's rows share an expert but not a slot (each token has its own
+adapter).
 
 `moe_lora_shrink_kernel`, grid (blocks, S x SPLIT_K): program (b, s) computes, for the rows of
 block b whose token's slot is s, `a[s, e] @ row` (fp32, one tensor-core dot a K step, the other
@@ -132,8 +133,8 @@ def moe_lora_pair_shrink_kernel(X, A, OUT, IDS, SLOT, num_pairs, S, NR, K, strid
                       Partials + p.to(tl.int64) * NR + offs_n, rows * NR, n_ok, Semaphores + p, pid_k, SPLIT_K)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
-def moe_lora_expand_kernel(OUT, SH, B, SCALE, WEIGHTS, SLOT, IDS, num_pairs, S, R, N, HALF, stride_o, stride_sh,
+@triton.jit
+def moe_lora_expand_kernel(OUT, SH, B, SCALE, WEIGHTS, SLOT, IDS, S, R, N, HALF, stride_o, stride_sh,
                            stride_bs, stride_be, stride_bn, TOP_K: tl.constexpr, BLOCK_R: tl.constexpr,
                            BLOCK_N: tl.constexpr, BY_TOKEN: tl.constexpr, SCALE_COL: tl.constexpr, PDL: tl.constexpr):
     """Expert-LoRA expands over the BLOCK_N columns of program_id(1), in fp32: a pair p's delta is
@@ -166,7 +167,7 @@ def moe_lora_expand_kernel(OUT, SH, B, SCALE, WEIGHTS, SLOT, IDS, num_pairs, S, 
                                  tl.load(WEIGHTS + pair), offs_n, n_ok, has, R, stride_bs, stride_be, stride_bn,
                                  BLOCK_R, SCALE_COL)
         tl.store(OUT + token * stride_o + offs_n, delta, mask=n_ok)
-    elif p < num_pairs:
+    else:
         token = (p // TOP_K).to(tl.int64)
         expert = tl.load(IDS + p).to(tl.int64)
         s = tl.load(SLOT + token)

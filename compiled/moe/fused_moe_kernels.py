@@ -747,9 +747,10 @@ def moe_sum_add_rms_norm_kernel(y_ptr, ids_ptr, d_ptr, x_ptr, nw_ptr, h_ptr, nor
                                 GROUP: tl.constexpr, DELTA: tl.constexpr, PDL: tl.constexpr):
     """The top-k sum of `moe_sum_kernel` (d[t] added where DELTA; rounded to x's dtype, as that
     kernel stores it), then the residual add + RMSNorm of the layer after it on the whole row:
-    h = x + sum, normed = RMSNorm(h) * nw. One program a token; h and normed `[T, H]` contiguous. SHRINK: also the
-    LoRA shrink of the next linear, S_OUT `[T, NR]` = lora_shrink(normed, A, SLOT); program
-    (t, j) takes N_PER of its NR outputs (`row_shrink`) and program (t, 0) stores h and normed.
+    h = x + sum, normed = RMSNorm(h) * nw. One program a token; h and normed `[T, H]` contiguous.
+    SHRINK: also the LoRA shrink of the next linear, S_OUT `[T, NR]` = lora_shrink(normed, A,
+    SLOT); program (t, j) takes N_PER of its NR outputs (`row_shrink`) and program (t, 0) stores h
+    and normed.
     GROUP (> 0): normed also quantized for the next linear's W8A8 kernel, into XQ and its group
     scales into XS (`quant.act_quant.quantize_row`; with SHRINK by program (t, 0))."""
     pdl_wait(PDL)

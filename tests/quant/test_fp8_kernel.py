@@ -171,7 +171,8 @@ def lora_epilogue_case(config: tuple) -> dict:
     lora_ops.set_backend("triton")
     fp8 = WeightScale(sc, block)
     try:
-        via_op = linear_then_expand(x, q, s, b, scale, slot, slices, fp8) if fp8_linear.lora_in_epilogue(x, q, fp8) else None
+        takes = fp8_linear.lora_in_epilogue(x, q, fp8)
+        via_op = linear_then_expand(x, q, s, b, scale, slot, slices, fp8) if takes else None
         # 8 rows: the skinny GEMM's, which takes LoRA through its own bodies, not this operand
         refused = _refuses(lambda: fp8_linear.linear(x[:8], q, fp8, lora=LoRAArgs.of(s[:8], b, scale, slot[:8],
                                                                                     slices)))
