@@ -42,17 +42,11 @@ def kernel_for(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None, q
 
 def lora_in_epilogue(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None, quantized: bool = False) -> bool:
     """Whether the kernel for x @ weight.T adds LoRA deltas in its epilogue (`linear`'s `lora`):
-    the W8A16 kernel (the skinny GEMM has its own LoRA bodies)."""
-    return kernel_for(x, weight, fp8, quantized) == "w8a16"
-
-
-def quantizes_x(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None) -> bool:
-    """Whether the kernel for x @ weight.T, x as it comes, quantizes x first in its own launch: the
-    W8A16 kernel's W8A8 configs (`input_buffers` gives where a kernel in front may do it instead)."""
-    if kernel_for(x, weight, fp8) != "w8a16":
+    the W8A16 kernel where its config runs one K split (the skinny GEMM has its own LoRA bodies)."""
+    if kernel_for(x, weight, fp8, quantized) != "w8a16":
         return False
-    from compiled.linear.fp8_kernels import a8_group
-    return a8_group(x, weight, fp8.block) > 0
+    from compiled.linear.fp8_kernels import lora_in_epilogue as one_split
+    return one_split(x, weight, fp8.block, quantized)
 
 
 def dequantized(weight: torch.Tensor, fp8: WeightScale | None, dtype: torch.dtype) -> torch.Tensor:

@@ -37,8 +37,7 @@ from compiled.linear.lora_kernels import LoRAArgs
 from compiled.quant.dequant import fit_block_k, kernel_scale, resolve_block
 from compiled.quant.act_quant import QuantizedRows, quantize_per_token_group
 from compiled.triton_utils import (DEFAULT_NUM_SMS, FP8_DOT_MIN_K, fp8_dot_fits, hopper_or_newer,
-                                   interpreter_upcast, num_sms, row_scaled, scaled_tile, split_k_release, split_k_sum,
-                                   tile_mask,
+                                   interpreter_upcast, num_sms, row_scaled, scaled_tile, split_k_store, tile_mask,
                                    w8a8_rows, w8a8_scales, w8a8_step, w8a8_step_t)
 
 MIN_BLOCK = 16       # smallest BLOCK_M / BLOCK_N / BLOCK_K (tl.dot's minimum)
@@ -180,9 +179,8 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_
     (`triton_utils.w8a8_step`), the scales loaded a step ahead (the loop's pipelining leaves them
     out); ONE_SCALE: the tile's rows inside one block, one weight scale a step; SWAP: into the
     transposed accumulator, the weight tile the MMA's wide side (`w8a8_step_t`). EVEN_K: every K
-    tile whole (no K masks). LORA: the tile, rounded to y's dtype, plus its rows' LoRA deltas
-    (`skinny_kernels.lora_epilogue`, the expand's arithmetic), added by the program that holds the
-    sum (split: the last to arrive)."""
+    tile whole (no K masks). LORA (unsplit only): the tile, rounded to y's dtype, plus its rows'
+    LoRA deltas (`skinny_kernels.lora_epilogue`, the expand's arithmetic)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -224,18 +222,15 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, part_ptr, sem_ptr, M, N, K, K_PER_
                 acc += tl.dot(x, tl.trans(b))
     if SWAP:
         acc += tl.trans(acc_t)
+    if LORA:
+        acc = lk.lora_epilogue(acc.to(y_ptr.dtype.element_ty).to(tl.float32), offs_m, offs_m < M, offs_n,
+                               offs_n < N, pid_n * BLOCK_N, N, LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3,
+                               stride_ls, stride_lbs, stride_lbn, stride_lsc, LORA_N, BLOCK_N, LBLOCK_R, LSLOTS_PAD,
+                               LKC, LORA_FP32, False)
     y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    sem = sem_ptr + pid_m * tl.num_programs(0) + pid_n
-    acc, last = split_k_sum(acc, part_ptr + offs_m[:, None] * N + offs_n[None, :], M * N, y_mask, sem, pid_k,
-                            SPLIT_K)
-    if last:
-        if LORA:
-            acc = lk.lora_epilogue(acc.to(y_ptr.dtype.element_ty).to(tl.float32), offs_m, offs_m < M, offs_n,
-                                   offs_n < N, pid_n * BLOCK_N, N, LS, LB, LSCALE, LSLOT, LR, LSLOTS, LO1, LO2, LO3,
-                                   stride_ls, stride_lbs, stride_lbn, stride_lsc, LORA_N, BLOCK_N, LBLOCK_R,
-                                   LSLOTS_PAD, LKC, LORA_FP32, False)
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc, mask=y_mask)
-        split_k_release(sem, SPLIT_K)
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    split_k_store(acc, y_ptrs, part_ptr + offs_m[:, None] * N + offs_n[None, :], M * N, y_mask,
+                  sem_ptr + pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K)
 
 
 def default_config(x: torch.Tensor, weight: torch.Tensor, block: list[int], quantized: bool = False) -> W8A16Config:
@@ -243,6 +238,11 @@ def default_config(x: torch.Tensor, weight: torch.Tensor, block: list[int], quan
     (M, K), N = x.shape, weight.shape[0]
     return w8a16_config(M, N, K, num_sms(x.device), resolve_block(block, N, K)[1], hopper_or_newer(x.device),
                         quantized)
+
+
+def lora_in_epilogue(x: torch.Tensor, weight: torch.Tensor, block: list[int], quantized: bool = False) -> bool:
+    """Whether x @ weight.T can add LoRA deltas in its epilogue: its config runs one K split."""
+    return default_config(x, weight, block, quantized).split_k == 1
 
 
 def a8_group(x: torch.Tensor, weight: torch.Tensor, block: list[int], quantized: bool = False) -> int:
@@ -258,7 +258,8 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
     """x `[M, K]` (rows contiguous) @ (weight `[N, K]` fp8 x its block `scale`).T -> `[M, N]` in
     x's dtype. `config` overrides `w8a16_config` (tests, the benchmark's sweep). `quantized`: x
     already quantized there (`a8_group` wide) by the kernel before, for a W8A8 config. `lora`:
-    plus the rows' LoRA deltas in the epilogue, rounded as `lora.expand` rounds them."""
+    plus the rows' LoRA deltas in the epilogue, rounded as `lora.expand` rounds them (configs of
+    one K split only: `lora_in_epilogue`)."""
     M, K = x.shape
     N = weight.shape[0]
     if config is None:
@@ -266,6 +267,8 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, blo
     else:
         check_config(config, M, N)
     block_m, block_n, block_k, split_k, num_warps, num_stages, a8, swap = config
+    if lora is not None and split_k != 1:
+        raise ValueError(f"w8a16 linear: LoRA deltas in the epilogue need one K split, the config has {split_k}")
     ks = kernel_scale(scale, block, N, K, block_k)
     if a8 and not fp8_dot_fits(block_k, ks.bi):
         raise ValueError(f"w8a16 linear: a8 needs block_k={block_k} >= {FP8_DOT_MIN_K} dividing the weight's "

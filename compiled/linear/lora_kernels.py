@@ -54,7 +54,6 @@ import triton.language as tl
 
 from compiled.linear import LORA_MAX_SLICES as MAX_SLICES
 from compiled.linear import workspace
-from compiled.quant.act_quant import QuantizedRows, quantized_groups
 from compiled.triton_utils import (interpreter_upcast, interpreting, launch_kwargs, masked_dot_t, pdl_wait,
                                    residual_add, silu_mul, slot_stacked_delta, split_k_store, weighted_rows)
 
@@ -157,15 +156,11 @@ def token_slots(SLOT, offs_t, in_t, S):
 
 @triton.jit
 def _lora_shrink_kernel(X, A, OUT, SLOT, Partials, Semaphores, T, NR, K, S, K_PER_SPLIT,
-                        stride_xt, stride_as, stride_an, stride_ot, Q, QS, stride_qt, stride_qst, stride_qsg,
+                        stride_xt, stride_as, stride_an, stride_ot,
                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                        EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, QUANT: tl.constexpr,
-                        PDL: tl.constexpr):
+                        EVEN_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """OUT `[T, NR]` fp32; X `[T, K]`, A `[S, NR, K]` (last dims contiguous). Grid axis 2 is
-    (slot + 1) * SPLIT_K + split. EVEN_K: K and K_PER_SPLIT are whole BLOCK_K steps. QUANT: the
-    programs of column block 0 also quantize the rows they read (their slot's, their K range)
-    into Q `[T, K]` float8_e4m3fn and QS `[T, K / BLOCK_K]` fp32, a group a K step, as
-    `quant.act_quant` does: each row and group once, the rows without an adapter by slot -1."""
+    (slot + 1) * SPLIT_K + split. EVEN_K: K and K_PER_SPLIT are whole BLOCK_K steps."""
     pdl_wait(PDL)
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -179,61 +174,22 @@ def _lora_shrink_kernel(X, A, OUT, SLOT, Partials, Semaphores, T, NR, K, S, K_PE
         in_n = offs_n < NR
         o_ptrs = OUT + offs_t.to(tl.int64)[:, None] * stride_ot + offs_n[None, :]
         o_mask = rows[:, None] & in_n[None, :]
-        offs_k = tl.arange(0, BLOCK_K)
-        k_start = pid_k * K_PER_SPLIT
-        k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-        x_ptrs = X + offs_t.to(tl.int64)[:, None] * stride_xt + (k_start + offs_k)[None, :]
-        a_ptrs = A + tl.maximum(s, 0).to(tl.int64) * stride_as + offs_n.to(tl.int64)[:, None] * stride_an \
-            + (k_start + offs_k)[None, :]
-        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
-        if QUANT:
-            if pid_n == 0:
-                q_ptrs = Q + offs_t.to(tl.int64)[:, None] * stride_qt + (k_start + offs_k)[None, :]
-                qs_ptrs = QS + offs_t.to(tl.int64) * stride_qst + (k_start // BLOCK_K) * stride_qsg
-                if s >= 0:
-                    acc = _quantizing_dot_t(acc, x_ptrs, a_ptrs, q_ptrs, qs_ptrs, stride_qsg, rows, in_n, k_start,
-                                            k_end, BLOCK_K, UPCAST, PRECISION, True)
-                else:
-                    _quantizing_dot_t(acc, x_ptrs, a_ptrs, q_ptrs, qs_ptrs, stride_qsg, rows, in_n, k_start, k_end,
-                                      BLOCK_K, UPCAST, PRECISION, False)
-            elif s >= 0:
-                acc = masked_dot_t(acc, x_ptrs, a_ptrs, rows, in_n, k_start, k_end, BLOCK_K, EVEN_K, UPCAST,
-                                   PRECISION)
-        elif s >= 0:
-            acc = masked_dot_t(acc, x_ptrs, a_ptrs, rows, in_n, k_start, k_end, BLOCK_K, EVEN_K, UPCAST, PRECISION)
         if s < 0:
             if pid_k == 0:
-                tl.store(o_ptrs, acc, mask=o_mask)   # zeros: the rows without an adapter
+                tl.store(o_ptrs, tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32), mask=o_mask)
         else:
+            offs_k = tl.arange(0, BLOCK_K)
+            k_start = pid_k * K_PER_SPLIT
+            k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+            x_ptrs = X + offs_t.to(tl.int64)[:, None] * stride_xt + (k_start + offs_k)[None, :]
+            a_ptrs = (A + s.to(tl.int64) * stride_as + offs_n.to(tl.int64)[:, None] * stride_an
+                      + (k_start + offs_k)[None, :])
+            acc = masked_dot_t(tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32), x_ptrs, a_ptrs, rows, in_n,
+                               k_start, k_end, BLOCK_K, EVEN_K, UPCAST, PRECISION)
             # partials [SPLIT_K, T, NR]; rows of other slots are other programs' (disjoint)
             part_ptrs = Partials + offs_t.to(tl.int64)[:, None] * NR + offs_n[None, :]
             sem = Semaphores + (pid_t * tl.num_programs(1) + pid_n) * S + s
             split_k_store(acc, o_ptrs, part_ptrs, T * NR, o_mask, sem, pid_k, SPLIT_K)
-
-
-@triton.jit
-def _quantizing_dot_t(acc, x_ptrs, a_ptrs, q_ptrs, qs_ptrs, stride_qsg, rows, cols, k_start, k_end,
-                      BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr):
-    """`masked_dot_t` (where DOT) that also stores the rows' x quantized, one BLOCK_K-wide group a
-    K step (`quantized_groups`: the values to q_ptrs, the group's scale to qs_ptrs)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        k_ok = (k0 + offs_k) < k_end
-        x = tl.load(x_ptrs, mask=rows[:, None] & k_ok[None, :], other=0.0)
-        y, scale = quantized_groups(x.to(tl.float32), 1)
-        tl.store(q_ptrs, y.to(q_ptrs.dtype.element_ty), mask=rows[:, None] & k_ok[None, :])
-        tl.store(qs_ptrs, scale, mask=rows)
-        if DOT:
-            a = tl.load(a_ptrs, mask=cols[:, None] & k_ok[None, :], other=0.0)
-            if UPCAST:
-                x = x.to(tl.float32)
-                a = a.to(tl.float32)
-            acc = tl.dot(x, tl.trans(a), acc, input_precision=PRECISION)
-        x_ptrs += BLOCK_K
-        a_ptrs += BLOCK_K
-        q_ptrs += BLOCK_K
-        qs_ptrs += stride_qsg
-    return acc
 
 
 @triton.jit
@@ -405,27 +361,19 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot: torch.Tensor, config: LoRAConfig | None = None,
-                       quantize: QuantizedRows | None = None) -> torch.Tensor:
+def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot: torch.Tensor,
+                       config: LoRAConfig | None = None) -> torch.Tensor:
     """x `[T, in]`, a `[S, N*R, in]`, slot `[T]` -> `[T, N*R]` fp32 (shapes checked by the op).
-    `config` overrides `shrink_config` (tests). `quantize`: x's rows also quantized into these
-    buffers as the shrink reads them (`quant.act_quant`'s arithmetic), for a W8A8 linear of x: the
-    quantization's own launch goes. Its groups (a power of two of at least MIN_BLOCK) become the K step."""
+    `config` overrides `shrink_config` (tests)."""
     T, K = x.shape
     S, NR, _ = a.shape
     out = torch.empty((T, NR), dtype=torch.float32, device=x.device)
-    if T == 0 or (NR == 0 and quantize is None):
+    if T == 0 or NR == 0:
         return out
-    if K == 0 or (S == 0 and quantize is None):
+    if K == 0 or S == 0:
         return out.zero_()
-    cfg = config or shrink_config(T, NR, K)
-    if quantize is not None:
-        group = quantize.group
-        if group < MIN_BLOCK or group & (group - 1) or cfg.gemv or NR == 0:
-            raise ValueError(f"lora shrink: rows quantized in groups of {group} need a power of two >= {MIN_BLOCK}, "
-                             f"the tiled shrink (T={T}) and a rank")
-        cfg = cfg._replace(block_k=group)
     x, a = _last_dim_contiguous(x), _last_dim_contiguous(a)
+    cfg = config or shrink_config(T, NR, K)
     _check_config(cfg)
     if cfg.gemv:
         return _shrink_gemv(x, a, slot, out, cfg, {})
@@ -439,12 +387,11 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor, slot: torch.Tensor, con
     partials, semaphores = ws if ws is not None else (out, out)   # never read unsplit
     k_per_split = triton.cdiv(triton.cdiv(K, split), cfg.block_k) * cfg.block_k
     upcast = interpreter_upcast(x.dtype)
-    q, qs = (quantize.q, quantize.s) if quantize is not None else (x, out)   # never read without QUANT
     _lora_shrink_kernel[(*grid_tn, (S + 1) * split)](
         x, a, out, slot, partials, semaphores, T, NR, K, S, k_per_split,
-        x.stride(0), a.stride(0), a.stride(1), out.stride(0), q, qs, q.stride(0), qs.stride(0), qs.stride(1),
+        x.stride(0), a.stride(0), a.stride(1), out.stride(0),
         BLOCK_T=cfg.block_t, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=split, EVEN_K=K % cfg.block_k == 0,
-        UPCAST=upcast, PRECISION="ieee" if upcast or x.dtype == torch.float32 else "tf32", QUANT=quantize is not None,
+        UPCAST=upcast, PRECISION="ieee" if upcast or x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(x.device))
     return out
 

@@ -109,8 +109,8 @@ def linear_then_expand(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, b
                        scale: torch.Tensor, slot: torch.Tensor, slices: list[int],
                        fp8: WeightScale | None = None, quantized: QuantizedRows | None = None) -> torch.Tensor:
     """The linear of x plus the deltas of shrink outputs s made elsewhere: the skinny GEMM's
-    epilogue adds them where it serves the linear, so does an FP8 linear's W8A16 / W8A8 kernel
-    (`fp8.lora_in_epilogue`), the expand's launch otherwise; `fp8` as
+    epilogue adds them where it serves the linear, so does an FP8 linear's W8A16 / W8A8 kernel of
+    one K split (`fp8.lora_in_epilogue`), the expand's launch otherwise; `fp8` as
     `linear_lora`'s; `quantized`: x already quantized into `linear.fp8.input_buffers(x, weight, fp8)`."""
     if _in_kernel(x, weight, slices, fp8):
         from compiled.linear.skinny_kernels import skinny_linear_lora_triton
@@ -190,13 +190,7 @@ def linear_lora_add_rms_norm_linear(x: torch.Tensor, inp: torch.Tensor, w_in: to
     (`fp8.py`)."""
     check_delta_lora(x, inp, stand_in(w_in, w_in_fp8, x.dtype), a, b, scale, slot, norm_weight,
                      stand_in(weight, fp8, x.dtype))
-    quantized = _shrink_quantizes(inp, w_in, w_in_fp8)
-    if quantized is not None:
-        from compiled.linear.lora_kernels import lora_shrink_triton
-        s = lora_shrink_triton(inp, a, slot, quantize=quantized)
-        y_in = fp8_linear.linear(inp, w_in, w_in_fp8, quantized, lora=_args(s, b, scale, slot, [w_in.shape[0]]))
-        y, h, normed = fp8_linear.add_rms_norm_linear(x, y_in, norm_weight, eps, weight, keep_normed, fp8)
-    elif _expand_in_norm(x, inp, w_in, weight, w_in_fp8 is not None, fp8 is not None):
+    if _expand_in_norm(x, inp, w_in, weight, w_in_fp8 is not None, fp8 is not None):
         from compiled.linear.prologue_kernels import add_rms_norm_triton
         y_in, s = _linear_beside_shrink(inp, w_in, a, slot, w_in_fp8)
         h, normed = add_rms_norm_triton(x, y_in, norm_weight, eps, lora=_args(s, b, scale, slot, [w_in.shape[0]]))
@@ -205,17 +199,6 @@ def linear_lora_add_rms_norm_linear(x: torch.Tensor, inp: torch.Tensor, w_in: to
         delta = linear_lora(inp, w_in, a, b, scale, slot, [w_in.shape[0]], w_in_fp8)
         y, h, normed = fp8_linear.add_rms_norm_linear(x, delta, norm_weight, eps, weight, keep_normed, fp8)
     return y, h, normed if keep_normed else x.new_empty(0)
-
-
-def _shrink_quantizes(inp: torch.Tensor, w_in: torch.Tensor, w_in_fp8: WeightScale | None) -> QuantizedRows | None:
-    """Where the FP8 kernel of inp @ w_in.T quantizes inp itself (W8A8 past SKINNY_MAX_M rows, up to
-    NORM_LORA_MAX_T) and the LoRA kernels run: buffers for the shrink to quantize inp into as it
-    reads it. Then the kernel adds the deltas in its epilogue and the norm goes back into the next
-    linear's prologue, as without LoRA: the launches of the base model's step, where the shrink
-    beside the GEMM and the norm's own launch with the deltas were two more."""
-    if w_in_fp8 is None or not SKINNY_MAX_M < inp.shape[0] <= NORM_LORA_MAX_T or not _kernels_take(inp, [1]):
-        return None
-    return fp8_linear.input_buffers(inp, w_in, w_in_fp8) if fp8_linear.quantizes_x(inp, w_in, w_in_fp8) else None
 
 
 def _expand_in_norm(x: torch.Tensor, inp: torch.Tensor, w_in: torch.Tensor, weight: torch.Tensor,
