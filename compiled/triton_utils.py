@@ -405,37 +405,17 @@ def split_k_store(acc, o_ptrs, part_ptrs, split_stride, mask, sem, pid_k, SPLIT_
     pid_k's fp32 partial (at part_ptrs + pid_k * split_stride), bumping the group's semaphore `sem`,
     and the last split to arrive sums the partials in split order (deterministic), stores the
     sum and puts the semaphore back to 0 (the LoRA shrinks' scheme)."""
-    total, last = split_k_sum(acc, part_ptrs, split_stride, mask, sem, pid_k, SPLIT_K)
-    if last:
-        tl.store(o_ptrs, total, mask=mask)
-        split_k_release(sem, SPLIT_K)
-
-
-@triton.jit
-def split_k_sum(acc, part_ptrs, split_stride, mask, sem, pid_k, SPLIT_K: tl.constexpr):
-    """`split_k_store`'s sum without the store: (the reduction's sum, whether this program holds
-    it: the only split, or the last to arrive). The holder stores it, after an epilogue of its own
-    if it has one, then calls `split_k_release`."""
     if SPLIT_K == 1:
-        total = acc
-        last = True
+        tl.store(o_ptrs, acc, mask=mask)
     else:
         tl.store(part_ptrs + pid_k * split_stride, acc, mask=mask)
         tl.debug_barrier()   # every thread's partial store before the release below
-        last = tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
-        total = acc
-        if last:
+        if tl.atomic_add(sem, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
             total = tl.zeros_like(acc)
             for sp in tl.static_range(SPLIT_K):   # .cg: from L2, never a stale L1 line
                 total += tl.load(part_ptrs + sp * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
-    return total, last
-
-
-@triton.jit
-def split_k_release(sem, SPLIT_K: tl.constexpr):
-    """The semaphore of a split reduction back to 0, by the program that stored its sum."""
-    if SPLIT_K > 1:
-        tl.atomic_xchg(sem, 0)
+            tl.store(o_ptrs, total, mask=mask)
+            tl.atomic_xchg(sem, 0)
 
 
 @triton.jit

@@ -327,27 +327,14 @@ class ShrinkTiles(NamedTuple):
     split: int = 0
 
 
-class PairDeltas(NamedTuple):
-    """Where the gate/up pair shrink goes on to make its pairs' gate and up deltas (`pair_shrink`):
-    d `[T*k, 2I]` fp32 from b13 `[S, E, 2I, R]` and the slots' scales `[S, 3]`."""
-    d: torch.Tensor
-    b: torch.Tensor
-    scale: torch.Tensor
-
-
 def pair_shrink(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, ids: torch.Tensor, slot: torch.Tensor,
                 ws: MoEWorkspace, pdl: dict, blocks: Blocks | None = None, block_m: int = 16,
-                scale: torch.Tensor | None = None, tiles: ShrinkTiles | None = None, by_pair: bool = False,
-                deltas: PairDeltas | None = None) -> None:
+                scale: torch.Tensor | None = None, tiles: ShrinkTiles | None = None, by_pair: bool = False) -> None:
     """out <- a shrink a program a row (`moe_lora_pair_shrink_kernel`): without `blocks`, the gate/up
     shrink of x `[T, H]`, out `[T*k, 2R]` in pair order; with them, the down shrink of the
     intermediate x `[rows, I]`, out `[rows, R]` in block order (blocks of block_m rows; `by_pair`:
     `[T*k, R]` in pair order), with `scale` times the slots' down scales (in out's dtype). `tiles`
-    overrides the launch's (bench/shrink_sweep.py). `deltas` (gate/up): the pairs' gate and up
-    deltas too, as `gate_up_expand` makes them: where K is not split, each pair's program goes on to
-    them, with no launch of their own (64 tokens, one layer's LoRA +39.0-39.3 vs +40.4 µs); else
-    the expand's launch, whose programs share the columns (8 tokens: the last splits going on to
-    them lost, +19.2-19.3 vs +18.4; bench/RESULTS.md)."""
+    overrides the launch's (bench/shrink_sweep.py)."""
     from compiled.moe import expert_lora_kernels as LK
     pairs, (S, _, NR, K) = ids.numel(), a.shape
     programs = pairs if blocks is None else x.shape[0]
@@ -360,21 +347,12 @@ def pair_shrink(x: torch.Tensor, a: torch.Tensor, out: torch.Tensor, ids: torch.
     # (the last two arguments are read only BY_POSITION)
     rows, experts, num_post = (ids, ids, ids) if blocks is None else \
         (blocks.sorted_ids, blocks.expert_ids, blocks.num_post)
-    if deltas is not None and (blocks is not None or scale is not None):
-        raise ValueError("pair_shrink: the gate and up deltas come from the gate/up shrink (no blocks, no scale)")
-    if deltas is not None and split > 1:
-        pair_shrink(x, a, out, ids, slot, ws, pdl, tiles=tiles._replace(split=split))
-        gate_up_expand(deltas.d, out, deltas.b, deltas.scale, slot, ids, pdl)
-        return
-    # the unread arguments stand in for those a launch does not take
-    d, b, sc = (deltas.d, deltas.b, deltas.scale) if deltas is not None else (out, a, out if scale is None else scale)
     LK.moe_lora_pair_shrink_kernel[(programs, split)](
         x, a, out, rows, slot, pairs, S, NR, K, x.stride(0), a.stride(0), a.stride(1), a.stride(2),
-        out.stride(0), partials, sems, triton.cdiv(triton.cdiv(K, split), bk) * bk, experts, num_post, sc, d, b,
-        b.shape[3], b.shape[2] // 2, d.stride(0), b.stride(0), b.stride(1), b.stride(2), TOP_K=ids.shape[1],
-        BLOCK_N=max(16, triton.next_power_of_2(NR)), BLOCK_K=bk, SPLIT_K=split, BY_POSITION=blocks is not None,
-        BLOCK_M=block_m, SCALE_COL=-1 if scale is None else 2, STORE_BY_PAIR=by_pair, EXPAND=deltas is not None,
-        BLOCK_E=EXPAND_BLOCK_N, BLOCK_R=max(16, triton.next_power_of_2(b.shape[3])), num_warps=tiles.num_warps,
+        out.stride(0), partials, sems, triton.cdiv(triton.cdiv(K, split), bk) * bk, experts, num_post,
+        out if scale is None else scale, TOP_K=ids.shape[1], BLOCK_N=max(16, triton.next_power_of_2(NR)),
+        BLOCK_K=bk, SPLIT_K=split, BY_POSITION=blocks is not None, BLOCK_M=block_m,
+        SCALE_COL=-1 if scale is None else 2, STORE_BY_PAIR=by_pair, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, **pdl)
 
 
@@ -418,10 +396,10 @@ class _Launches:
         d13 = None
         fork = Fork(x.device)
         with fork.side():
+            pair_shrink(x, a13, s13, self.ids, self.slot, self.ws, self.pdl)
             if expands:
                 d13 = self.ws.get("lora_d13", numel * 2 * I, torch.float32, x.device).view(numel, 2 * I)
-            pair_shrink(x, a13, s13, self.ids, self.slot, self.ws, self.pdl,
-                        deltas=None if d13 is None else PairDeltas(d13, b13, scale))
+                gate_up_expand(d13, s13, b13, scale, self.slot, self.ids, self.pdl)
         return fork, s13, d13
 
     def down_delta(self, inter: torch.Tensor, a2: torch.Tensor, b2: torch.Tensor, scale: torch.Tensor,

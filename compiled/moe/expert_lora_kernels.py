@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from compiled.moe.fused_moe_kernels import pair_slots
-from compiled.triton_utils import masked_dot_t, pdl_wait, split_k_release, split_k_store, split_k_sum
+from compiled.triton_utils import masked_dot_t, pdl_wait, split_k_store
 
 
 @triton.jit(do_not_specialize=["num_valid"])
@@ -80,11 +80,9 @@ def moe_lora_shrink_kernel(X, A, OUT, SLOT, sorted_ptr, expert_ids_ptr, num_post
 @triton.jit(do_not_specialize=["num_pairs"])
 def moe_lora_pair_shrink_kernel(X, A, OUT, IDS, SLOT, num_pairs, S, NR, K, stride_xm, stride_as, stride_ae,
                                 stride_an, stride_om, Partials, Semaphores, K_PER_SPLIT, expert_ids_ptr, num_post_ptr,
-                                SCALE, D, B, R, HALF, stride_d, stride_bs, stride_be, stride_bn,
-                                TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                SCALE, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 SPLIT_K: tl.constexpr, BY_POSITION: tl.constexpr, BLOCK_M: tl.constexpr,
-                                SCALE_COL: tl.constexpr, STORE_BY_PAIR: tl.constexpr, EXPAND: tl.constexpr,
-                                BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+                                SCALE_COL: tl.constexpr, STORE_BY_PAIR: tl.constexpr, PDL: tl.constexpr):
     """OUT[p, n] = sum_k X[p // TOP_K, k] * A[s, IDS[p], n, k] (fp32, n < NR) for pair p =
     program_id(0), s its token's slot. BY_POSITION (the down shrink): program p is a row of the
     sorted order instead, IDS the sorted pair indices (`moe_align_block_size`; rows past its
@@ -93,10 +91,7 @@ def moe_lora_pair_shrink_kernel(X, A, OUT, IDS, SLOT, num_pairs, S, NR, K, strid
     K_PER_SPLIT, writes fp32 partials `[SPLIT_K, programs, NR]` and bumps the program's semaphore;
     the last to arrive sums them in split order and stores the row (`triton_utils.split_k_store`).
     SCALE_COL >= 0: the row times its slot's SCALE[s, SCALE_COL] (`[S, 3]`), stored in OUT's dtype.
-    STORE_BY_PAIR (with BY_POSITION): the row stored at its pair's index, not its position.
-    EXPAND (by pair): the program that stores the row goes on to the pair's gate and up deltas,
-    D[p] `[2 * HALF]` fp32 from B `[S, E, 2 * HALF, R]` (`moe_lora_expand_kernel`'s by-pair rows,
-    BLOCK_E columns at a time); a pair without an adapter gets zeros there."""
+    STORE_BY_PAIR (with BY_POSITION): the row stored at its pair's index, not its position."""
     pdl_wait(PDL)
     p = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -134,34 +129,8 @@ def moe_lora_pair_shrink_kernel(X, A, OUT, IDS, SLOT, num_pairs, S, NR, K, strid
             out = out * tl.load(SCALE + s * 3 + SCALE_COL)
         rows = tl.num_programs(0)
         o_row = pair.to(tl.int64) if STORE_BY_PAIR else p.to(tl.int64)
-        out, last = split_k_sum(out, Partials + p.to(tl.int64) * NR + offs_n, rows * NR, n_ok, Semaphores + p, pid_k,
-                                SPLIT_K)
-        if last:
-            tl.store(OUT + o_row * stride_om + offs_n, out, mask=n_ok)
-            split_k_release(Semaphores + p, SPLIT_K)
-            if EXPAND:
-                tl.debug_barrier()   # the row's stores before the expand's loads of it (one program)
-                _pair_deltas(D + p.to(tl.int64) * stride_d, OUT + o_row * stride_om, B, SCALE, s, expert, s >= 0, R,
-                             HALF, stride_bs, stride_be, stride_bn, BLOCK_E, BLOCK_R)
-    elif EXPAND:
-        if live & (pid_k == 0):
-            _pair_deltas(D + p.to(tl.int64) * stride_d, OUT, B, SCALE, p * 0, (p * 0).to(tl.int64), p < 0, R, HALF,
-                         stride_bs, stride_be, stride_bn, BLOCK_E, BLOCK_R)
-
-
-@triton.jit
-def _pair_deltas(d_row, sh_row, B, SCALE, s, expert, has, R, HALF, stride_bs, stride_be, stride_bn,
-                 BLOCK_E: tl.constexpr, BLOCK_R: tl.constexpr):
-    """A pair's gate and up deltas `[2 * HALF]` to d_row as `moe_lora_expand_kernel` makes them by
-    pair, BLOCK_E columns at a time inside one half (zeros where not `has`)."""
-    first_blocks = tl.cdiv(HALF, BLOCK_E)
-    for cb in range(0, first_blocks + tl.cdiv(HALF, BLOCK_E)):
-        half = (cb >= first_blocks).to(tl.int32)
-        offs_n = tl.where(half == 0, cb * BLOCK_E, HALF + (cb - first_blocks) * BLOCK_E) + tl.arange(0, BLOCK_E)
-        n_ok = offs_n < (half + 1) * HALF
-        delta = _expand_row(sh_row, B, SCALE, s, expert, half, 1.0, offs_n, n_ok, has, R, stride_bs, stride_be,
-                            stride_bn, BLOCK_R, 0)
-        tl.store(d_row + offs_n, delta, mask=n_ok)
+        split_k_store(out, OUT + o_row * stride_om + offs_n,
+                      Partials + p.to(tl.int64) * NR + offs_n, rows * NR, n_ok, Semaphores + p, pid_k, SPLIT_K)
 
 
 @triton.jit

@@ -365,21 +365,6 @@ def case_expand_kernel_matches_its_reference():
         want = el.expand_ref(sh2, b2, scale, weights, slot, ids, k, H, True)
         torch.testing.assert_close(d2, want, atol=1e-5, rtol=1e-5)
         assert want.abs().max() > 0.5 and (want[1] == 0).all()
-        # the gate/up pair shrink going on to the same by-pair deltas itself (`deltas`), K whole and
-        # split 3 ways (the last split to arrive makes them); H = 64 in 16-wide K steps
-        x, a13 = torch.randn(T, 64, generator=g), torch.randn(S, E, 2 * R, 64, generator=g)
-        sh = torch.zeros(T * k, 2 * R)
-        for p, e in enumerate(ids.tolist()):
-            if 0 <= int(slot[p // k]) < S and e >= 0:
-                sh[p] = a13[int(slot[p // k]), e] @ x[p // k]
-        want = el.expand_ref(sh, b, scale, weights, slot, ids, k, I, False)
-        for split in (1, 3):
-            s13, d = torch.full((T * k, 2 * R), float("nan")), torch.full((T * k, 2 * I), float("nan"))
-            el.pair_shrink(x, a13, s13, ids.view(T, k), slot, fm.MoEWorkspace(), pdl,
-                           tiles=el.ShrinkTiles(16, split=split), deltas=el.PairDeltas(d, b, scale))
-            torch.testing.assert_close(d, want, atol=1e-4, rtol=1e-4)
-            has = torch.isfinite(s13[:, 0])
-            torch.testing.assert_close(s13[has], sh[has], atol=1e-4, rtol=1e-4)
 
 
 @contextlib.contextmanager

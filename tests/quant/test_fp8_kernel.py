@@ -507,7 +507,7 @@ def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, exp
     LoRA delta over the activations as they are (the shrinks read them unquantized). Also how far
     the same oracle without the deltas lies, so that a delta left out would fail. `expand`: the
     down delta in its own launch (`expert_lora.down_expands` from 0 pairs), and whether it ran;
-    and whether the gate and up deltas were made whole beside the alignment (by the pair shrink).
+    and whether the gate and up deltas were made whole beside the alignment (`gate_up_expand`).
     Summed by the op and, with top-k > 1, unsummed (`sum_slots=False`, the down deltas apart).
     Top-k 1: the down GEMM writes the output's rows, which the sum kernel adds the deltas to in
     place."""
@@ -521,14 +521,11 @@ def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, exp
     topk_weights, topk_ids = _routing(g, T, E, k)
     q13, s13, q2, s2, block = _fp8_experts(g, E, H, I, quant)
     a13, b13, a2, b2, scale, slot = _expert_lora(g, T, E, H, I, torch.float32)
-    expanded, gate_up, real = [], [], (el.DELTA_IN_K_MIN_PAIRS, el._Launches.down_expand, el.pair_shrink)
+    expanded, gate_up, real = [], [], (el.DELTA_IN_K_MIN_PAIRS, el._Launches.down_expand, el.gate_up_expand)
     if expand:
         el.DELTA_IN_K_MIN_PAIRS = 0
         el._Launches.down_expand = lambda self, *a: expanded.append(real[1](self, *a))
-    def pair_shrink(*a, deltas=None, **kw):
-        gate_up.extend([deltas] if deltas is not None else [])
-        return real[2](*a, deltas=deltas, **kw)
-    el.pair_shrink = pair_shrink
+    el.gate_up_expand = lambda *a: gate_up.append(real[2](*a))
     lora_args = (x, topk_weights, topk_ids, q13, q2, a13, b13, a2, b2, scale, slot)
     try:
         got = el.fused_moe_lora_triton(*lora_args, config=config, scales=fm.ExpertScales(s13, s2, block))
@@ -536,7 +533,7 @@ def w8a8_lora_case(T: int, H: int, I: int, quant: QuantConfig, config: dict, exp
         y, d2 = el.fused_moe_lora_triton(*lora_args, config=config, scales=fm.ExpertScales(s13, s2, block),
                                          sum_slots=False) if k > 1 else (None, None)
     finally:
-        el.DELTA_IN_K_MIN_PAIRS, el._Launches.down_expand, el.pair_shrink = real
+        el.DELTA_IN_K_MIN_PAIRS, el._Launches.down_expand, el.gate_up_expand = real
     w13, w2 = dequantize_blocks(q13, s13, block, torch.float32), dequantize_blocks(q2, s2, block, torch.float32)
     bi = quant.op_block[1]
 
