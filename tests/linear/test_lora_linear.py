@@ -340,6 +340,20 @@ def test_gpu_ops_match_the_references_eager_and_graph(kind, T, IN, slices):
         check(out)
 
 
+def test_o_proj_lora_bench_smoke_run_on_cpu():
+    """bench/o_proj_lora_bench.py --device cpu end to end (interpreted, tiny shapes, FP8 o_proj):
+    a line a token count, base and LoRA timed."""
+    import subprocess
+    from tests.conftest import child_env
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "o_proj_lora_bench.py"), "--device", "cpu",
+                           "--tokens", "3", "40", "--hidden", "160", "--inp", "256", "--experts", "8", "--layers", "2",
+                           "--reps", "1", "--quantization", "fp8"],
+                          env=child_env(TRITON_INTERPRET="1"), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if "tokens: base" in line]
+    assert [int(line.split()[0]) for line in lines] == [3, 40] and all("LoRA (8 slots)" in line for line in lines)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [8, 17, 64])
 def test_gpu_linear_lora_add_rms_norm_linear_matches_the_references_eager_and_graph(T):
