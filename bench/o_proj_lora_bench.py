@@ -20,8 +20,6 @@ from expert_lora_bench import print_kernels
 
 import compiled.linear.library  # noqa: F401  (registers the linear ops)
 
-FP8_BLOCK = [128, 128]
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -47,10 +45,8 @@ def main() -> None:
     def o_proj() -> dict:
         if a.quantization == "none":
             return dict(delta_weight=rand(H, K, fan_in=K))
-        bo, bi = FP8_BLOCK
-        q = torch.randn(H, K, device=dev, generator=g, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
-        s = (0.5 + torch.rand(-(-H // bo), -(-K // bi), device=dev, generator=g)) * K ** -0.5
-        return dict(delta_weight=q, delta_weight_scale=s, weight_block=FP8_BLOCK)
+        q, s = tune_moe.dummy_fp8(g, (), H, K)
+        return dict(delta_weight=q, delta_weight_scale=s, weight_block=list(tune_moe.FP8_BLOCK))
 
     layers = [(o_proj(), dict(delta_lora_a=rand(S, R, K, fan_in=K), delta_lora_b=rand(S, H, R, fan_in=R),
                               delta_lora_scale=torch.rand(S, 1, device=dev) + 0.5)) for _ in range(a.layers)]

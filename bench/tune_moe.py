@@ -110,20 +110,23 @@ def make_weights(layers: int, E: int, H: int, I: int, dtype, seed: int = 0):
     return w13, w2
 
 
-def make_fp8_weights(layers: int, E: int, H: int, I: int, block=FP8_BLOCK, seed: int = 0):
-    """(w13, w2, scales): `layers` copies of dummy FP8 experts, random float8_e4m3fn weights (normal
-    values, inside e4m3's range) and random fp32 block scales at `block` around 1/sqrt(fan-in),
-    so the dequantized experts are of the bf16 ones' magnitude; scales a `fm.ExpertScales` each."""
-    g = torch.Generator(device=DEVICE).manual_seed(seed)
+def dummy_fp8(g: torch.Generator, lead: tuple, rows: int, cols: int, block=FP8_BLOCK) -> tuple:
+    """(q `[*lead, rows, cols]`, s): random float8_e4m3fn weights (normal values, inside e4m3's range)
+    and random fp32 block scales at `block` around 1/sqrt(cols), so the dequantized weight is of a
+    bf16 one's magnitude."""
+    bo, bi = resolve_block(block, rows, cols)
+    q = torch.randn(*lead, rows, cols, device=DEVICE, generator=g, dtype=torch.bfloat16).to(FP8)
+    s = (0.5 + torch.rand(*lead, -(-rows // bo), -(-cols // bi), device=DEVICE, generator=g)) * cols ** -0.5
+    return q, s
 
-    def one(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-        bo, bi = resolve_block(block, rows, cols)
-        q = torch.randn(E, rows, cols, device=DEVICE, generator=g, dtype=torch.bfloat16).to(FP8)
-        s = (0.5 + torch.rand(E, -(-rows // bo), -(-cols // bi), device=DEVICE, generator=g)) * cols ** -0.5
-        return q, s
+
+def make_fp8_weights(layers: int, E: int, H: int, I: int, block=FP8_BLOCK, seed: int = 0):
+    """(w13, w2, scales): `layers` copies of dummy FP8 experts (`dummy_fp8`), scales a
+    `fm.ExpertScales` each."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
     w13, w2, scales = [], [], []
     for _ in range(layers):
-        (q13, s13), (q2, s2) = one(2 * I, H), one(H, I)
+        (q13, s13), (q2, s2) = dummy_fp8(g, (E,), 2 * I, H, block), dummy_fp8(g, (E,), H, I, block)
         w13.append(q13)
         w2.append(q2)
         scales.append(fm.ExpertScales(s13, s2, list(block)))
