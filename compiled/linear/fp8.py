@@ -12,7 +12,7 @@ import torch
 
 from compiled.linear import W8A16_MAX_M, fp8_cublas, fused, ops
 from compiled.linear.lora_kernels import LoRAArgs
-from compiled.quant.act_quant import FP8, QuantizedRows, quantize_per_token_group, row_quantizable
+from compiled.quant.act_quant import FP8, QuantizedRows, row_quantizable
 from compiled.quant.dequant import WeightScale, dequantize_blocks
 
 
@@ -81,18 +81,6 @@ def input_buffers(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None
         return None
     return QuantizedRows(torch.empty(M, K, dtype=FP8, device=x.device),
                          torch.empty(M, -(-K // group), dtype=torch.float32, device=x.device), group)
-
-
-def quantized_first(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None) -> QuantizedRows | None:
-    """x quantized in a launch of its own into `input_buffers(x, weight, fp8)`, for `linear`'s
-    `quantized`, where the kernel for x @ weight.T reads it so; else None (nothing launched). Work
-    forked beside that kernel then overlaps the GEMM alone, not the quantization it waits for."""
-    buffers = input_buffers(x, weight, fp8)
-    if buffers is not None:
-        M = x.shape[0]
-        quantize_per_token_group(x if x.stride(1) == 1 else x.contiguous(), buffers.group, out=buffers.q[:M],
-                                 scale_out=buffers.s[:M])
-    return buffers
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, fp8: WeightScale | None = None,

@@ -122,14 +122,11 @@ def linear_then_expand(x: torch.Tensor, weight: torch.Tensor, s: torch.Tensor, b
 
 def _linear_beside_shrink(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, slot: torch.Tensor,
                           fp8: WeightScale | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the base linear, the shrink): the shrink, a few SMs' work, on the side stream beside the GEMM.
-    Where an FP8 weight's kernel reads x quantized, x is quantized before the fork: beside the
-    shrink that short launch ran slower than alone, and the GEMM waits for it."""
-    quantized = fp8_linear.quantized_first(x, weight, fp8)
+    """(the base linear, the shrink): the shrink, a few SMs' work, on the side stream beside the GEMM."""
     fork = Fork(x.device)
     with fork.side():
         s = shrink(x, a, slot)
-    y = fp8_linear.linear(x, weight, fp8, quantized)
+    y = fp8_linear.linear(x, weight, fp8)
     fork.join()
     return y, s
 
