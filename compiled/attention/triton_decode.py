@@ -330,7 +330,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     # for (the smallest batches): where splits hold more, asking L2 for the first tile measured
     # slower, and at batch 8 even in a decode step (bench/RESULTS.md).
     one_tile = splits * cfg["block_n"] >= REFERENCE_CONTEXT
-    prefetch = pdl["PDL"] and (one_tile or direct) and _bulk_aligned(k_cache, v_cache)
+    prefetch = pdl["PDL"] and one_tile and _bulk_aligned(k_cache, v_cache)
     if one_tile and "num_stages" not in config:
         cfg["num_stages"] = ONE_TILE_STAGES
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
