@@ -354,13 +354,26 @@ def test_o_proj_lora_bench_smoke_run_on_cpu():
     assert [int(line.split()[0]) for line in lines] == [3, 40] and all("LoRA (8 slots)" in line for line in lines)
 
 
+def fp8_o_proj(g: torch.Generator, N: int, K: int) -> dict:
+    """A random FP8 weight `[N, K]` with 128 x 128 block scales around 1/sqrt(K), as operands."""
+    q = torch.randn(N, K, generator=g).to(torch.float8_e4m3fn)
+    s = (0.5 + torch.rand(-(-N // 128), -(-K // 128), generator=g)) * K ** -0.5
+    return dict(delta_weight=q, delta_weight_scale=s, weight_block=[128, 128])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [8, 17, 64])
-def test_gpu_linear_lora_add_rms_norm_linear_matches_the_references_eager_and_graph(T):
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+@pytest.mark.parametrize("T", [8, 17, 40, 64])
+def test_gpu_linear_lora_add_rms_norm_linear_matches_the_references_eager_and_graph(T, quantization):
     """The 30B's o_proj (4,096 -> 2,048) before the post-attention norm and the router (128): the
-    two ops in turn at 8 rows (the skinny GEMMs), the expand in the norm's launch at 17 and 64,
-    against the references, with no host sync and from a CUDA graph over fresh inputs."""
-    op = linear_lora_add_rms_norm_linear
+    two ops in turn at 8 rows (the skinny GEMMs), the expand in the norm's launch at 17-64, against
+    the references, with no host sync and from a CUDA graph over fresh inputs. FP8 o_proj: the
+    reference's weight dequantized, and its rows quantized as the W8A8 kernel's are where that
+    kernel runs (past 32 rows on Hopper)."""
+    from compiled.linear import fp8 as fp8_linear
+    from compiled.linear.fp8_kernels import a8_group
+    from compiled.quant.act_quant import dequantize_per_token_group, quantize_per_token_group_ref
+    from compiled.quant.dequant import WeightScale, dequantize_blocks
 
     def fresh(seed):
         slots = [seed % 8] + [(seed + 3 * i) % 9 - 1 for i in range(1, T)]
@@ -368,21 +381,42 @@ def test_gpu_linear_lora_add_rms_norm_linear_matches_the_references_eager_and_gr
         g = torch.Generator().manual_seed(seed + 3)
         x, nw = torch.randn(T, 2048, generator=g), torch.rand(2048, generator=g) + 0.5
         w = torch.randn(128, 2048, generator=g) / 2048 ** 0.5
-        return [t.to(torch.bfloat16).cuda() if t.is_floating_point() and t is not scale else t.cuda()
-                for t in (x, inp, w_in, a, b, scale, slot, nw)] + [EPS, w.to(torch.bfloat16).cuda()]
+        fp8 = fp8_o_proj(g, 2048, 4096)
+        w_in = fp8.pop("delta_weight") if quantization == "fp8" else w_in
+        cast = (x, inp, a, b, nw, w) if quantization == "fp8" else (x, inp, w_in, a, b, nw, w)
+        live = [t.to(torch.bfloat16).cuda() if any(t is c for c in cast) else t.cuda()
+                for t in (x, inp, w_in, a, b, scale, slot, nw, w)]
+        return live[:8] + [EPS, live[8]], {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in fp8.items()}
 
-    live = fresh(T)
+    live, fp8 = fresh(T)
+    extra = fp8 if quantization == "fp8" else {}
+    ws = WeightScale(extra["delta_weight_scale"], extra["weight_block"]) if extra else None
+    kernel = fp8_linear.kernel_for(live[1], live[2], ws)
+    w8a8 = kernel == "w8a8" or (kernel == "w8a16" and a8_group(live[1], live[2], ws.block) > 0)
+
+    def op():
+        x, inp, w_in, a, b, scale, slot, nw, eps, w = live
+        return torch.ops.compiled.add_rms_norm_linear(x, inp, nw, eps, w, True, lora_slot=slot, delta_weight=w_in,
+                                                      delta_lora_a=a, delta_lora_b=b, delta_lora_scale=scale, **extra)
 
     def check(out):
-        want = lora_norm_reference(*[t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                                     for t in live])
-        for got, w in zip(out, want):
-            assert got.dtype == torch.bfloat16 and max_err(got, w) <= 3e-2
+        x, inp, w_in, a, b, scale, slot, nw, _, w = [t.float() if isinstance(t, torch.Tensor) and t.is_floating_point()
+                                                     else t for t in live]
+        if ws is not None:
+            w_in = dequantize_blocks(live[2], ws.scale, ws.block, torch.float32)
+        # the W8A8 kernel's base product reads the rows quantized per token in groups of 128
+        base_in = inp
+        if w8a8:
+            base_in = dequantize_per_token_group(*quantize_per_token_group_ref(inp, 128), 128, torch.float32)
+        o = lora_expand_ref(base_in @ w_in.T, lora_shrink_ref(inp, a, slot), b, scale, slot, [2048])
+        h, normed = add_rms_norm_ref(x, o, nw, EPS)
+        for got, want in zip(out, (normed @ w.T, h, normed)):
+            assert got.dtype == torch.bfloat16 and max_err(got, want) <= 3e-2
 
-    check(op(*live, True))
-    graph, out = capture_without_host_sync(lambda: op(*live, True))
+    check(op())
+    graph, out = capture_without_host_sync(op)
     for seed in range(2):
-        for dst, src in zip(live, fresh(100 + T + seed)):
+        for dst, src in zip(live, fresh(100 + T + seed)[0]):
             if isinstance(dst, torch.Tensor):
                 dst.copy_(src)
         graph.replay()
