@@ -383,10 +383,12 @@ def test_gpu_linear_lora_add_rms_norm_linear_matches_the_references_eager_and_gr
         w = torch.randn(128, 2048, generator=g) / 2048 ** 0.5
         fp8 = fp8_o_proj(g, 2048, 4096)
         w_in = fp8.pop("delta_weight") if quantization == "fp8" else w_in
-        cast = (x, inp, a, b, nw, w) if quantization == "fp8" else (x, inp, w_in, a, b, nw, w)
-        live = [t.to(torch.bfloat16).cuda() if any(t is c for c in cast) else t.cuda()
-                for t in (x, inp, w_in, a, b, scale, slot, nw, w)]
-        return live[:8] + [EPS, live[8]], {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in fp8.items()}
+
+        def on_gpu(t):   # bf16 but the scales, the slots and an FP8 weight
+            keep = t is scale or not t.is_floating_point() or t.dtype == torch.float8_e4m3fn
+            return t.cuda() if keep else t.to(torch.bfloat16).cuda()
+        return ([on_gpu(t) for t in (x, inp, w_in, a, b, scale, slot, nw)] + [EPS, on_gpu(w)],
+                {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in fp8.items()})
 
     live, fp8 = fresh(T)
     extra = fp8 if quantization == "fp8" else {}
