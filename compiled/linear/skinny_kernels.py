@@ -7,8 +7,8 @@ too few programs to keep every SM's loads in flight, and split-K as a second (re
 For one row the kernel runs in its GEMV mode (no tensor-core tile: see `_skinny_kernel`; the
 mode serves several rows too, for a forced config and the benchmark's sweep).
 Otherwise each program owns BLOCK_N output columns for all M rows (one tile of 16 rows, masked, so
-`tl.dot` runs on the tensor cores with fp32 accumulation; a narrow weight's up to 64 in row tiles of
-up to TILE_MAX_M, `max_rows`) and walks its K range in BLOCK_K steps, the weight tiles `[BLOCK_N,
+`tl.dot` runs on the tensor cores with fp32 accumulation; a narrow weight's up to 64 in more row
+tiles of 16, `max_rows`) and walks its K range in BLOCK_K steps, the weight tiles `[BLOCK_N,
 BLOCK_K]` contiguous along K (coalesced) and software-pipelined (num_stages). When N / BLOCK_N
 programs cannot fill the GPU (router N=128, o_proj N=2048), SPLIT_K programs share a column block,
 each over one K range: they write fp32 partials to a workspace and bump that output tile's
@@ -38,7 +38,6 @@ from compiled.triton_utils import (DEFAULT_NUM_SMS, chunk_scaled_dots, fp8_conve
                                    tile_mask, weight_tile, weighted_rows)
 
 BLOCK_M = max(16, triton.next_power_of_2(SKINNY_MAX_M))  # one tile for every row (tl.dot needs >= 16)
-TILE_MAX_M = 32            # rows a tile: a narrow weight's 33-64 (`max_rows`) take two row tiles
 MIN_BLOCK = 16             # smallest BLOCK_N / BLOCK_K (tl.dot's minimum)
 MAX_BLOCK_N = 64
 MAX_BLOCK_K = 128
@@ -48,7 +47,7 @@ WIDE_PROGRAMS_PER_SM = 2   # this many 64-column blocks per SM fill the GPU with
 SPLIT_COLUMNS_PER_SM = 64  # split-K: columns x splits in flight per SM (H200 sweep, bench/RESULTS.md)
 WORKSPACE_COLS = 128 * 1024  # split-K needs SPLIT_K * N <= this (fp32 partials: 16 x this x 4 B = 8 MiB)
 SEMAPHORES = WORKSPACE_COLS // MIN_BLOCK  # split-K: one per output tile (column block x row tile)
-SUMS = (SEMAPHORES + MAX_SPLIT_K) * TILE_MAX_M  # split-K with a norm prologue: a tile's rows' sums of squares a split
+SUMS = (SEMAPHORES + MAX_SPLIT_K) * BLOCK_M  # split-K with a norm prologue: a tile's rows' sums of squares a split
 PARTIALS = SKINNY_MAX_M * WORKSPACE_COLS  # fp32 partials the workspace holds (the W8A16 GEMM splits K in it too)
 NUM_WARPS = 4
 NUM_STAGES = 5
@@ -75,6 +74,11 @@ FP8_GEMV_WIDE_N = 8
 FP8_GEMV_WIDE_BLOCK_K = 512
 FP8_GEMV_WIDE_WARPS = 2
 FP8_GEMV_WIDE_PROGRAMS_PER_SM = 4
+# A narrow weight's rows past one tile (the router at 17-64 rows): 16-row tiles, K steps this long,
+# 16 columns a program after its add + RMSNorm, 32 without, K split until the grid holds about one
+# program an SM: fewer, longer splits than the one-tile rule's (H200 sweep of the 30B's router at
+# 32-64 rows, with and without its norm; bench/RESULTS.md).
+NARROW_BLOCK_K = 256
 
 
 class SkinnyConfig(NamedTuple):
@@ -93,8 +97,9 @@ def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, prolog
     head) takes 64-column blocks and no split. Otherwise 64 columns from N = 2048 down to 32 (16
     for N <= 128), and SPLIT_K the largest power of two that keeps N x SPLIT_K within
     SPLIT_COLUMNS_PER_SM x num_sms, each split at least MIN_K_PER_SPLIT long and the partials
-    within the workspace. Up to GEMV_MAX_M rows take the GEMV mode instead (`gemv_config`);
-    otherwise M does not enter: at M <= 16 the time is the weight's bytes. `prologue_steps` (a
+    within the workspace. Up to GEMV_MAX_M rows take the GEMV mode instead (`gemv_config`), past
+    SKINNY_MAX_M (a narrow weight's rows) `narrow_config`; otherwise M does not enter: at M <= 16
+    the time is the weight's bytes. `prologue_steps` (a
     kernel with a prologue: PROLOGUE_MAX_STEPS): split further, within the same bounds, until a
     program has at most that many K steps. `weight_bytes`: the weight's element size (1: FP8),
     which picks the GEMV tiles; an FP8 weight's tiles are twice as long in K and its splits take
@@ -105,12 +110,27 @@ def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, prolog
         return SkinnyConfig(MAX_BLOCK_N, block_k, 1)
     if M <= GEMV_MAX_M:
         return gemv_config(N, K, num_sms, weight_bytes)
+    if M > SKINNY_MAX_M:
+        return narrow_config(M, N, K, num_sms, prologue_steps > 0)
     block_n = MAX_BLOCK_N if N >= 2048 else (2 * MIN_BLOCK if N > 128 else MIN_BLOCK)
     max_split = min(MAX_SPLIT_K, K // MIN_K_PER_SPLIT, PARTIALS // (max(M, SKINNY_MAX_M) * max(N, 1)))
     split = 1
     while 2 * split <= max_split and N * 2 * split <= SPLIT_COLUMNS_PER_SM * per_byte * num_sms:
         split *= 2
     while prologue_steps and 2 * split <= max_split and triton.cdiv(K, split * block_k) > prologue_steps:
+        split *= 2
+    return SkinnyConfig(block_n, block_k, split)
+
+
+def narrow_config(M: int, N: int, K: int, num_sms: int, prologue: bool) -> SkinnyConfig:
+    """A narrow weight (`max_rows`) at more rows than one tile: MIN_BLOCK columns a program with a
+    `prologue`, twice that without, NARROW_BLOCK_K-long K steps, K split (powers of two, each split
+    at least one step) while the grid stays within one program an SM."""
+    block_n = MIN_BLOCK if prologue else 2 * MIN_BLOCK
+    block_k = min(NARROW_BLOCK_K, max(MIN_BLOCK, triton.next_power_of_2(K)))
+    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, BLOCK_M)
+    split = 1
+    while 2 * split <= MAX_SPLIT_K and tiles * 2 * split <= num_sms and K // (2 * split) >= block_k:
         split *= 2
     return SkinnyConfig(block_n, block_k, split)
 
@@ -152,7 +172,7 @@ def check_config(config: SkinnyConfig, M: int, N: int) -> None:
             raise ValueError(f"skinny linear: {name}={value} must be a power of two >= {smallest}")
     block_m = row_tile(M, config.gemv)
     tiles = triton.cdiv(N, config.block_n) * triton.cdiv(M, block_m)
-    sums = tiles * config.split_k * max(block_m, TILE_MAX_M)   # the GEMV mode's row tile may pass TILE_MAX_M
+    sums = tiles * config.split_k * BLOCK_M   # a GEMV mode's row tile holds at most SKINNY_MAX_M rows
     if config.split_k < 1 or config.split_k > 1 and (config.split_k * N > WORKSPACE_COLS
                                                      or config.split_k * M * N > PARTIALS or tiles > SEMAPHORES
                                                      or sums > SUMS):
@@ -164,9 +184,9 @@ def check_config(config: SkinnyConfig, M: int, N: int) -> None:
 
 
 def row_tile(M: int, gemv: bool) -> int:
-    """BLOCK_M: the GEMV mode's M rounded up to a power of two; the tensor-core tiles' 16 rows, or
-    up to TILE_MAX_M, more rows taking more row tiles."""
-    return triton.next_power_of_2(M) if gemv else max(BLOCK_M, min(TILE_MAX_M, triton.next_power_of_2(M)))
+    """BLOCK_M: the GEMV mode's M rounded up to a power of two; the tensor-core tiles' 16 rows,
+    more rows taking more row tiles."""
+    return triton.next_power_of_2(M) if gemv else BLOCK_M
 
 
 class SplitWorkspace(NamedTuple):

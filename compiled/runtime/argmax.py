@@ -9,7 +9,10 @@ skinny GEMM's split-K). Ties and NaN follow torch: the first maximal index wins,
 the maximum. The decode graphs run it on every step's logits (`cuda_graphs.DecodeGraphs`), so
 its host launch cost (~0.1 ms, more than the kernel) is paid once, at capture; the sampler takes
 the result for greedy rows whose logits it leaves as they are (a batch that samples spends the
-kernel's ~4 µs for nothing, beside its own softmax work). The reference is `argmax_ref`."""
+kernel's ~4 µs for nothing, beside its own softmax work). Where the LM head's logits arrive in
+the model's dtype (cuBLAS's, past the skinny kernel's rows), the kernel also stores them widened
+to fp32 for the sampler as it reads them (`widened`): one pass, not a copy launch before it. The
+reference is `argmax_ref`."""
 
 from __future__ import annotations
 
@@ -32,12 +35,14 @@ def _nan_high(x):
 
 
 @triton.jit
-def _argmax_kernel(Logits, Out, Vals, Idx, Counters, V, stride_b, CHUNKS, CHUNK: tl.constexpr,
-                   MAX_CHUNKS: tl.constexpr):
+def _argmax_kernel(Logits, Out, Vals, Idx, Counters, V, stride_b, Widened, stride_wb, CHUNKS, CHUNK: tl.constexpr,
+                   MAX_CHUNKS: tl.constexpr, WIDEN: tl.constexpr):
     b = tl.program_id(0)
     c = tl.program_id(1)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(Logits + b.to(tl.int64) * stride_b + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+    if WIDEN:
+        tl.store(Widened + b.to(tl.int64) * stride_wb + offs, x, mask=offs < V)
     x = _nan_high(x)
     best = tl.max(x, axis=0)
     first = tl.min(tl.where(x == best, offs, V), axis=0)   # the first index holding the max
@@ -69,9 +74,11 @@ class ArgmaxWorkspace:
         self.counters = torch.zeros(max_rows, dtype=torch.int32, device=device)
 
 
-def argmax_triton(logits: torch.Tensor, workspace: ArgmaxWorkspace, out: torch.Tensor | None = None) -> torch.Tensor:
-    """logits `[B, V]` (last dim contiguous) -> `[B]` int64 (into `out` if given). Launches
-    sharing a workspace must be stream-ordered."""
+def argmax_triton(logits: torch.Tensor, workspace: ArgmaxWorkspace, out: torch.Tensor | None = None,
+                  widened: torch.Tensor | None = None) -> torch.Tensor:
+    """logits `[B, V]` (last dim contiguous) -> `[B]` int64 (into `out` if given); `widened`: an
+    fp32 `[B, V]` (last dim contiguous) the logits are also stored into. Launches sharing a
+    workspace must be stream-ordered."""
     B, V = logits.shape
     if out is None:
         out = torch.empty(B, dtype=torch.int64, device=logits.device)
@@ -79,8 +86,14 @@ def argmax_triton(logits: torch.Tensor, workspace: ArgmaxWorkspace, out: torch.T
     if chunks > MAX_CHUNKS or B > workspace.max_rows or logits.stride(-1) != 1:
         raise ValueError(f"argmax: logits {tuple(logits.shape)} (stride {logits.stride()}) need rows <= "
                          f"{workspace.max_rows}, vocabulary <= {CHUNK * MAX_CHUNKS} and a contiguous last dim")
+    if widened is not None and (widened.shape != logits.shape or widened.dtype != torch.float32
+                                or widened.stride(-1) != 1):
+        raise ValueError(f"argmax: widened must be an fp32 {tuple(logits.shape)} tensor with a contiguous last "
+                         f"dim, got {widened.dtype} {tuple(widened.shape)} (stride {widened.stride()})")
     if B == 0:
         return out
     _argmax_kernel[(B, chunks)](logits, out, workspace.vals, workspace.idx, workspace.counters, V,
-                                logits.stride(0), chunks, CHUNK=CHUNK, MAX_CHUNKS=MAX_CHUNKS, num_warps=8)
+                                logits.stride(0), logits if widened is None else widened,
+                                0 if widened is None else widened.stride(0), chunks, CHUNK=CHUNK,
+                                MAX_CHUNKS=MAX_CHUNKS, WIDEN=widened is not None, num_warps=8)
     return out

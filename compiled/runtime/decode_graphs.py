@@ -14,7 +14,7 @@ from torch import nn
 from compiled.attention.context import AttentionContext, AttentionMetadata
 from compiled.compilation.bucket_graphs import BucketGraphs
 from compiled.forward_context import forward_context
-from compiled.linear.ops import SkinnyLinear
+from compiled.linear.ops import SkinnyLinear, use_kernel
 from compiled.runtime.argmax import ArgmaxWorkspace, argmax_triton
 from compiled.runtime.static_inputs import StaticInputs, write_request_table
 
@@ -67,8 +67,12 @@ class DecodeGraphs(BucketGraphs):
         inp = self.inputs
         write_request_table(self.req_pool.table, inp, size)
         hidden = self.model(inp.input_ids[:size], inp.positions[:size])
-        compute_logits(self.model.lm_head, hidden, self.logits[:size])
-        argmax_triton(self.logits[:size], self.argmax_workspace, out=self.argmax[:size])
+        head, logits, argmax = self.model.lm_head, self.logits[:size], self.argmax[:size]
+        if isinstance(head, SkinnyLinear) and use_kernel(hidden, head.weight):   # it stores fp32 itself
+            compute_logits(head, hidden, logits)
+            argmax_triton(logits, self.argmax_workspace, out=argmax)
+        else:   # logits in the model's dtype (cuBLAS's): the argmax widens them into the buffer as it reads
+            argmax_triton(head(hidden), self.argmax_workspace, out=argmax, widened=logits)
         return hidden
 
     def replay(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -30,7 +30,7 @@ NORM_CASES = [
     ("norm_m16_n48_k200_split3_ragged", 16, 48, 200, "float32", (32, 16, 3), False),
     ("norm_m5_n40_k96_bf16_split2", 5, 40, 96, "bfloat16", (16, 32, 2), True),
     ("norm_m2_n33_k64_fp16", 2, 33, 64, "float16", None, True),
-    # a narrow weight (the router) up to NARROW_MAX_M rows: one 32-row tile, two, split K
+    # a narrow weight (the router) up to NARROW_MAX_M rows: 16-row tiles, split K
     ("norm_m29_n100_k200_split4", 29, 100, 200, "float32", (32, 64, 4), True),
     ("norm_m45_n100_k200_split4", 45, 100, 200, "float32", (32, 64, 4), True),
     ("norm_m64_n128_k256_bf16", 64, 128, 256, "bfloat16", None, True),

@@ -49,7 +49,7 @@ CASES = [
     ("m16_n7_k200_bf16", 16, 7, 200, "bfloat16", None),
     ("m3_n48_k5_bf16_split2", 3, 48, 5, "bfloat16", (16, 16, 2)),
     ("m16_n130_k200_bf16_split4", 16, 130, 200, "bfloat16", (32, 64, 4)),
-    # a narrow weight (the router) takes up to NARROW_MAX_M rows, in one row tile or two
+    # a narrow weight (the router) takes up to NARROW_MAX_M rows, in 16-row tiles
     ("m29_n100_k200_split4", 29, 100, 200, "float32", (32, 64, 4)),
     ("m50_n7_k200_split2", 50, 7, 200, "float32", (16, 64, 2)),
     ("m64_n100_k64_bf16", 64, 100, 64, "bfloat16", None),
@@ -269,6 +269,22 @@ def test_one_row_takes_the_gemv_mode(n, k):
     assert blocks * cfg.split_k <= 132 or cfg.split_k == 1
     assert cfg.block_k <= lk.GEMV_MAX_BLOCK_K and k // cfg.split_k >= lk.MIN_K_PER_SPLIT
     assert lk.skinny_config(1, n, k, 132, lk.PROLOGUE_MAX_STEPS) == cfg
+
+
+@pytest.mark.parametrize("m,split,split_bare", [(17, 8, 8), (32, 8, 8), (33, 4, 8), (48, 4, 8), (64, 4, 8)])
+def test_a_narrow_weight_past_one_tile_splits_k_to_about_a_program_an_sm(m, split, split_bare):
+    """The 30B's router (N 128, K 2048) at 17-64 rows: 16-row tiles, NARROW_BLOCK_K steps, 16
+    columns a program after its norm and 32 without, the largest power-of-two split whose grid
+    stays within the 132 SMs."""
+    from compiled.linear import skinny_kernels as lk
+    for steps, block_n, want in ((lk.PROLOGUE_MAX_STEPS, 16, split), (0, 32, split_bare)):
+        cfg = lk.skinny_config(m, 128, 2048, 132, steps)
+        lk.check_config(cfg, m, 128)
+        assert cfg == lk.SkinnyConfig(block_n, lk.NARROW_BLOCK_K, want)
+        programs = (128 // cfg.block_n) * -(-m // lk.row_tile(m, False)) * cfg.split_k
+        assert programs <= 132 < 2 * programs or cfg.split_k * lk.NARROW_BLOCK_K == 2048
+    # a short K: each split at least one step
+    assert lk.skinny_config(64, 128, 512, 132, lk.PROLOGUE_MAX_STEPS).split_k == 2
 
 
 # ----------------------------------------------------------------------------------------------

@@ -45,6 +45,12 @@ def interpreted() -> dict:
     out = torch.full((3,), -1)
     am.argmax_triton(_logits(3, 5000, 1), ws, out=out)
     results["into_out"] = dict(got=out.tolist(), want=am.argmax_ref(_logits(3, 5000, 1)).tolist())
+    # logits in bf16 (cuBLAS's head), stored widened to fp32 as they are read; NaN included
+    x = _logits(3, 5000, 2).to(torch.bfloat16)
+    widened = torch.full((3, 5000), 7.0)
+    got = am.argmax_triton(x, ws, widened=widened)
+    results["widened"] = dict(got=got.tolist(), want=am.argmax_ref(x.float()).tolist())
+    results["widened_values"] = torch.allclose(widened, x.float(), rtol=0, atol=0, equal_nan=True)
     results["counters_clean"] = not ws.counters.any().item()
     return results
 
@@ -54,7 +60,7 @@ def interpreted_results() -> dict:
     return run_interpreted(__file__)
 
 
-@pytest.mark.parametrize("case", [f"{B}x{V}_{c}" for B, V in CASES for c in range(2)] + ["into_out"])
+@pytest.mark.parametrize("case", [f"{B}x{V}_{c}" for B, V in CASES for c in range(2)] + ["into_out", "widened"])
 def test_interpreted_kernel_matches_torch(interpreted_results, case):
     r = interpreted_results[case]
     assert r["got"] == r["want"], r
@@ -64,11 +70,19 @@ def test_interpreted_kernel_leaves_the_counters_at_zero(interpreted_results):
     assert interpreted_results["counters_clean"]
 
 
+def test_interpreted_kernel_stores_the_logits_widened_to_fp32(interpreted_results):
+    assert interpreted_results["widened_values"]
+
+
 def test_limits_are_one_line_errors():
     ws = am.ArgmaxWorkspace(2, torch.device("cpu"))
     for bad in (torch.empty(1, am.CHUNK * am.MAX_CHUNKS + 1), torch.empty(3, 10), torch.empty(10, 2).t()):
         with pytest.raises(ValueError, match=r"argmax: logits \("):
             am.argmax_triton(bad, ws)
+    x = torch.empty(2, 10, dtype=torch.bfloat16)
+    for bad in (torch.empty(2, 10, dtype=torch.bfloat16), torch.empty(2, 11), torch.empty(10, 2).t()):
+        with pytest.raises(ValueError, match=r"argmax: widened must be an fp32 \(2, 10\) tensor"):
+            am.argmax_triton(x, ws, widened=bad)
 
 
 @pytest.mark.gpu
@@ -80,6 +94,9 @@ def test_gpu_matches_torch_on_the_vocabulary(batch):
         x = torch.randn(batch, 151936, device="cuda", generator=g)
         x[0, 100] = x[0, 150000] = x.max() + 1
         assert torch.equal(am.argmax_triton(x, ws), x.argmax(-1))
+        half, widened = x.bfloat16(), torch.empty_like(x)
+        assert torch.equal(am.argmax_triton(half, ws, widened=widened), half.float().argmax(-1))
+        assert torch.equal(widened, half.float())   # bf16 -> fp32 is exact
     assert not ws.counters.any()
 
 
