@@ -99,9 +99,9 @@ def skinny_config(M: int, N: int, K: int, num_sms: int = DEFAULT_NUM_SMS, prolog
     SPLIT_COLUMNS_PER_SM x num_sms, each split at least MIN_K_PER_SPLIT long and the partials
     within the workspace. Up to GEMV_MAX_M rows take the GEMV mode instead (`gemv_config`), past
     SKINNY_MAX_M (a narrow weight's rows) `narrow_config`; otherwise M does not enter: at M <= 16
-    the time is the weight's bytes. `prologue_steps` (a
-    kernel with a prologue: PROLOGUE_MAX_STEPS): split further, within the same bounds, until a
-    program has at most that many K steps. `weight_bytes`: the weight's element size (1: FP8),
+    the time is the weight's bytes. `prologue_steps` (a kernel with a prologue:
+    PROLOGUE_MAX_STEPS): split further, within the same bounds, until a program has at most that
+    many K steps. `weight_bytes`: the weight's element size (1: FP8),
     which picks the GEMV tiles; an FP8 weight's tiles are twice as long in K and its splits take
     twice the columns per SM: the same bytes in flight (H200 sweep, bench/linear_bench.py --fp8)."""
     per_byte = 2 if weight_bytes == 1 else 1
