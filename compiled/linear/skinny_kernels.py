@@ -172,7 +172,7 @@ def check_config(config: SkinnyConfig, M: int, N: int) -> None:
             raise ValueError(f"skinny linear: {name}={value} must be a power of two >= {smallest}")
     block_m = row_tile(M, config.gemv)
     tiles = triton.cdiv(N, config.block_n) * triton.cdiv(M, block_m)
-    sums = tiles * config.split_k * BLOCK_M   # a GEMV mode's row tile holds at most SKINNY_MAX_M rows
+    sums = tiles * config.split_k * max(block_m, BLOCK_M)   # a forced GEMV mode's row tile may pass BLOCK_M
     if config.split_k < 1 or config.split_k > 1 and (config.split_k * N > WORKSPACE_COLS
                                                      or config.split_k * M * N > PARTIALS or tiles > SEMAPHORES
                                                      or sums > SUMS):
