@@ -37,7 +37,7 @@ from compiled.moe.tuned_configs import SWAP_KEY, get_config, get_gemv_tiles, spl
 from compiled.quant.act_quant import QuantizedRows, quant_grid, quantize_per_token_group, row_quantizable
 from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, FP8_W8A8_TILE, fit_block_k, kernel_scale, resolve_block
 from compiled.triton_utils import (FP8_DOT_MIN_K, fp8_convert_asm, fp8_dot_fits, gemv_chunk, interpreting,
-                                   launch_kwargs, row_warps, tma_descriptor, use_pdl)
+                                   launch_kwargs, row_warps, tma_descriptor)
 
 # Where a tuned entry does not name its mode: FP8 experts at this many tokens or more run the
 # grouped GEMMs W8A8 (activations quantized to FP8 per token and scale block, fp8 x fp8 dots on
@@ -455,25 +455,9 @@ def launch_gemm2(inter: torch.Tensor, w2: torch.Tensor, y: torch.Tensor, weights
         TOP_K=top_k, **lora_consts, DELTA_IN_K=delta is not None and delta.in_k,
         R_FULL=delta is not None and delta.b.shape[3] == lora_consts["BLOCK_R"],
         **fp8_kwargs(scales, "w2", w2, bk, w8a8=a_scale is not None, block_n=bn), **_act_kwargs(a_scale, inter),
-        SWAP=bool(cfg.get(SWAP_KEY, 0)) and a_scale is not None, EARLY_K=early_bytes(w2, bk),
+        SWAP=bool(cfg.get(SWAP_KEY, 0)) and a_scale is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **launch_kwargs(inter.device),
         **dict(zip(_LORA_ARGS, lora_args)))
-
-
-# K tiles of each down-GEMM weight row asked of L2 before the kernel waits for the up GEMM
-# (`moe_gemm2_kernel`'s EARLY_K).
-EARLY_K_TILES = 2
-
-
-def early_bytes(w: torch.Tensor, block_k: int) -> int:
-    """EARLY_K for weights `w` `[E, N, K]`: EARLY_K_TILES K tiles of a row (K at most) in bytes,
-    rounded down to the bulk prefetch's 16, where the launch uses PDL and every row starts on 16
-    bytes; else 0."""
-    size = w.element_size()
-    aligned = w.data_ptr() % 16 == 0 and w.stride(0) * size % 16 == 0 and w.stride(1) * size % 16 == 0
-    if not (use_pdl(w.device) and aligned and w.stride(2) == 1):
-        return 0
-    return min(w.shape[2], EARLY_K_TILES * block_k) * size // 16 * 16
 
 
 # The grouped kernels' LoRA operands, by name (`_delta_args` gives them in this order).

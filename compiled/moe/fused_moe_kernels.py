@@ -34,9 +34,8 @@ import triton.language as tl
 from compiled.moe.routing_kernels import route_rows
 from compiled.quant.act_quant import quantize_row, quantize_tile, quantized_groups
 from compiled.triton_utils import (add_rms_norm_row, add_rms_norm_values, col_scaled, one_slot_dot, one_slot_operands,
-                                   pdl_let_next_in, pdl_wait, pdl_wait_only, prefetch_l2, row_shrink, scaled_tile,
-                                   slot_bits, slot_stacked_delta, col_scales, w8a8_rows, w8a8_scales, w8a8_step,
-                                   w8a8_step_t)
+                                   pdl_wait, row_shrink, scaled_tile, slot_bits, slot_stacked_delta, col_scales,
+                                   w8a8_rows, w8a8_scales, w8a8_step, w8a8_step_t)
 
 
 @triton.jit
@@ -588,10 +587,7 @@ def moe_gemm1_kernel(x_ptr, w_ptr, w_desc, out_ptr, sorted_ptr, expert_ids_ptr, 
     IQ (float8_e4m3fn, like out) and IS (`[rows, N / OUT_GROUP]` fp32), instead of stored into out
     (besides, with LORA: the down delta's shrink reads them). SWAP: W8A8 dots as weight tile x rows
     (`_up_tile`)."""
-    # The next kernel is let in only once the alignment before this one is done: the down GEMM
-    # reads its blocks' experts before its own wait (EARLY_K).
-    pdl_wait_only(PDL)
-    pdl_let_next_in(PDL)
+    pdl_wait(PDL)
     pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if live:
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
@@ -668,22 +664,6 @@ def _down_rows(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_ptr, p
                    DELTA_IN_K, R_FULL, S, stride_se, stride_sn, BO, BI, AS, stride_as, FP8, SWAP)
 
 
-@triton.jit
-def _early_weights(w_ptr, expert_ids_ptr, num_post_ptr, N, stride_we, stride_wn, EXPERT_BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, NBYTES: tl.constexpr):
-    """Ask L2 for the first NBYTES of each weight row of this program's tile, before the down GEMM
-    waits for the up GEMM: programs that start during the up GEMM's last wave put DRAM to work
-    that its tail leaves idle. The block's expert is the alignment's output, done by now (the up
-    GEMM lets this kernel in only after its own wait), read past L1 (.cg): the buffer is reused
-    every layer."""
-    pid_b, pid_n = _tile_ids(N, BLOCK_N, GROUP_M)
-    if pid_b * EXPERT_BLOCK_M < tl.load(num_post_ptr, cache_modifier=".cg"):
-        expert = tl.load(expert_ids_ptr + pid_b, cache_modifier=".cg").to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = w_ptr + expert * stride_we + tl.where(offs_n < N, offs_n, 0).to(tl.int64) * stride_wn
-        prefetch_l2(rows, NBYTES, offs_n < N)
-
-
 @triton.jit(do_not_specialize=["num_valid"])
 def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_ptr,
                      expert_ids_ptr, num_post_ptr, num_valid, N, K, stride_am, stride_we, stride_wn, stride_om,
@@ -696,19 +676,14 @@ def moe_gemm2_kernel(a_ptr, a_desc, w_ptr, w_desc, out_ptr, weights_ptr, sorted_
                      LORA: tl.constexpr, SLOTS_PAD: tl.constexpr, BLOCK_R: tl.constexpr, KC: tl.constexpr,
                      DELTA_PRECISION: tl.constexpr, DELTA_16BIT: tl.constexpr, DELTA_FIRST: tl.constexpr,
                      DELTA_IN_K: tl.constexpr, R_FULL: tl.constexpr, S, stride_se, stride_sn, BO, BI, AS,
-                     stride_as, FP8: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr, EARLY_K: tl.constexpr):
+                     stride_as, FP8: tl.constexpr, PDL: tl.constexpr, SWAP: tl.constexpr):
     """out[pair, n] = weight[pair] * (a[row] . w[e, n]), the block's rows of a in block order (as
     moe_gemm1_kernel writes them); w is `[E, N, K]` (N = H, K = I). A_TMA: full-height tiles of a
     come through `a_desc`. HALF_M as in moe_gemm1_kernel; LORA: each pair's down delta (`_down_tile`;
     DELTA_IN_K: as the K loop's last steps); FP8 as in moe_gemm1_kernel (3: a float8_e4m3fn, its
     rows' group scales at AS, `[rows, K / BI]`). EXPERT_BLOCK_M: the alignment's block height (the
     up GEMM's), a multiple of BLOCK_M: a program runs its block's tiles of BLOCK_M rows in turn,
-    skipping those past the expert's pairs. SWAP as in moe_gemm1_kernel. EARLY_K (> 0, with PDL):
-    the first EARLY_K bytes of each of the tile's weight rows asked of L2 before waiting for the
-    up GEMM (`_early_weights`)."""
-    if EARLY_K > 0:
-        _early_weights(w_ptr, expert_ids_ptr, num_post_ptr, N, stride_we, stride_wn, EXPERT_BLOCK_M, BLOCK_N,
-                       GROUP_M, EARLY_K)
+    skipping those past the expert's pairs. SWAP as in moe_gemm1_kernel."""
     pdl_wait(PDL)
     if EXPERT_BLOCK_M == BLOCK_M:
         pid_m, pid_n, pair, live = _block(N, num_valid, sorted_ptr, num_post_ptr, BLOCK_M, BLOCK_N, GROUP_M)
