@@ -37,7 +37,7 @@ from compiled.moe.tuned_configs import SWAP_KEY, get_config, get_gemv_tiles, spl
 from compiled.quant.act_quant import QuantizedRows, quant_grid, quantize_per_token_group, row_quantizable
 from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, FP8_W8A8_TILE, fit_block_k, kernel_scale, resolve_block
 from compiled.triton_utils import (FP8_DOT_MIN_K, fp8_convert_asm, fp8_dot_fits, gemv_chunk, interpreting,
-                                   launch_kwargs, num_sms, row_warps, tma_descriptor)
+                                   launch_kwargs, row_warps, tma_descriptor)
 
 # Where a tuned entry does not name its mode: FP8 experts at this many tokens or more run the
 # grouped GEMMs W8A8 (activations quantized to FP8 per token and scale block, fp8 x fp8 dots on
@@ -182,16 +182,13 @@ def moe_align_block_size(topk_ids: torch.Tensor, E: int, block_m: int, workspace
         if not reset:
             totals = ws.get("totals", e_pad, torch.int32, dev)
             totals.zero_()
-    one_launch = reset and ONE_LAUNCH and n_chunks <= num_sms(dev, off_gpu=0)
-    if not count_all and not one_launch:
         K.align_count_kernel[(n_chunks,)](ids, totals, bases, numel, *r_args, CHUNK=lc.chunk, SUB=lc.sub, E_PAD=e_pad,
                                           **r_consts, num_warps=lc.warps, **launch_kwargs(dev))
     q, q_programs = _quant_launch(quantize, ids)
     K.align_place_kernel[(n_chunks + q_programs,)](
         ids, totals, bases, done if reset else num_post, sorted_ids, expert_ids, num_post, numel, max_blocks, n_chunks,
         *q["args"], BLOCK_M=block_m, CHUNK=lc.chunk, SUB=lc.sub, E_PAD=e_pad, BB=lc.bb, COUNT_ALL=count_all,
-        RESET=reset, **q["consts"], num_warps=lc.warps, **launch_kwargs(dev),
-        **_place_route(r_args, r_consts, one_launch))
+        RESET=reset, **q["consts"], num_warps=lc.warps, **launch_kwargs(dev))
     return Blocks(sorted_ids, expert_ids, num_post, block_m)
 
 
@@ -218,16 +215,6 @@ def _route_launch(route: Routed | None, like: torch.Tensor) -> tuple[tuple, dict
     args, consts = route_args(route.router)
     consts.pop("E_PAD")   # passed as the alignment's own, the same `expert_pad`
     return (route.router.logits, route.weights, *args), dict(ROUTE=True, R_ROWS=ROUTE_ROWS, **consts)
-
-
-ONE_LAUNCH = __import__("os").environ.get("COMPILED_EXP_ALIGN1", "1") == "1"
-
-
-def _place_route(r_args: tuple, r_consts: dict, count: bool) -> dict:
-    """The place kernel's count-phase arguments: the routing's (`_route_launch`) where it counts
-    (COUNT), else placeholders."""
-    rl, rw, t, e, stride, first, n = r_args
-    return dict(RL=rl, RW=rw, RT=t, E=e, stride_rl=stride, first=first, count=n, COUNT=count, **r_consts)
 
 
 def _quant_launch(quantize: tuple[torch.Tensor, QuantizedRows] | None, like: torch.Tensor) -> tuple[dict, int]:

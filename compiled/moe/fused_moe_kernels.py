@@ -63,20 +63,13 @@ def align_count_kernel(ids_ptr, totals_ptr, bases_ptr, numel, RL, RW, T, E, stri
         route_span(RL, RW, ids_ptr, lo, tl.minimum(lo + CHUNK // TOP_K, T), E, stride_rl, first, count, TOP_K, K_PAD,
                    E_PAD, RENORM, LOCAL, R_ROWS)
     experts = tl.arange(0, E_PAD)
-    base = tl.atomic_add(totals_ptr + experts, _chunk_counts(ids_ptr, pid, numel, CHUNK, SUB, E_PAD))
-    tl.store(bases_ptr + pid * E_PAD + experts, base)
-
-
-@triton.jit
-def _chunk_counts(ids_ptr, pid, numel, CHUNK: tl.constexpr, SUB: tl.constexpr, E_PAD: tl.constexpr):
-    """`[E_PAD]`: the pairs of chunk `pid` per expert."""
-    experts = tl.arange(0, E_PAD)
     cnt = tl.zeros([E_PAD], dtype=tl.int32)
     for s in range(0, CHUNK, SUB):
         offs = pid * CHUNK + s + tl.arange(0, SUB)
         ids = tl.load(ids_ptr + offs, mask=offs < numel, other=E_PAD).to(tl.int32)
         cnt += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    return cnt
+    base = tl.atomic_add(totals_ptr + experts, cnt)
+    tl.store(bases_ptr + pid * E_PAD + experts, base)
 
 
 @triton.jit
@@ -86,9 +79,7 @@ def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, exp
                        BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
                        E_PAD: tl.constexpr, BB: tl.constexpr, COUNT_ALL: tl.constexpr, RESET: tl.constexpr,
                        QUANT: tl.constexpr, Q_ROWS: tl.constexpr, Q_GROUPS: tl.constexpr, Q_BLOCK_G: tl.constexpr,
-                       PDL: tl.constexpr, RL, RW, RT, E, stride_rl, first, count, COUNT: tl.constexpr,
-                       ROUTE: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORM: tl.constexpr,
-                       LOCAL: tl.constexpr, R_ROWS: tl.constexpr):
+                       PDL: tl.constexpr):
     """Scatter this chunk's pair indices to their padded slots; write block experts and padding.
     Programs 0..n_chunks-1 align; with QUANT, the programs after them quantize x `[T, K]` for
     the W8A8 up GEMM (`quant.act_quant.quantize_tile`: Q_ROWS rows by Q_GROUPS groups of GROUP
@@ -97,11 +88,7 @@ def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, exp
     COUNT_ALL (> 0: a bound on the pairs, a multiple of SUB): every program counts all the pairs
     itself, and those of the chunks before its own, so no count kernel runs before it. RESET: the
     program that finishes last (a counter at done_ptr) puts the totals and the counter back to
-    zero for the next call, so no memset launch precedes the count kernel.
-
-    COUNT (with RESET, every chunk's program resident at once): the count kernel's work first
-    (ROUTE as there), each program's chunk counted into the totals, then a barrier (arrivals at
-    done_ptr) before the placing, which saves the count kernel's launch."""
+    zero for the next call, so no memset launch precedes the count kernel."""
     pdl_wait(PDL)
     pid = tl.program_id(0)
     if QUANT:
@@ -111,18 +98,7 @@ def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, exp
                           stride_xs, stride_xsg, GROUP, Q_ROWS, Q_GROUPS, Q_BLOCK_G)
             return
     experts = tl.arange(0, E_PAD)
-    if COUNT:
-        if ROUTE:
-            lo = pid * (CHUNK // TOP_K)
-            route_span(RL, RW, ids_ptr, lo, tl.minimum(lo + CHUNK // TOP_K, RT), E, stride_rl, first, count, TOP_K,
-                       K_PAD, E_PAD, RENORM, LOCAL, R_ROWS)
-        base = tl.atomic_add(totals_ptr + experts, _chunk_counts(ids_ptr, pid, numel, CHUNK, SUB, E_PAD))
-        tl.debug_barrier()   # every thread's share of the totals added before the arrival says so
-        arrived = tl.atomic_add(done_ptr, 1, sem="acq_rel") + 1
-        while arrived < n_chunks:
-            arrived = tl.atomic_add(done_ptr, 0, sem="acquire")
-        total_cnt = tl.load(totals_ptr + experts, cache_modifier=".cg")
-    elif COUNT_ALL:
+    if COUNT_ALL:
         total_cnt = tl.zeros([E_PAD], dtype=tl.int32)
         base = tl.zeros([E_PAD], dtype=tl.int32)
         for s in range(0, COUNT_ALL, SUB):
@@ -174,7 +150,7 @@ def align_place_kernel(ids_ptr, totals_ptr, bases_ptr, done_ptr, sorted_ptr, exp
         # every program read the totals at its start, before it arrives here
         tl.debug_barrier()
         arrived = tl.atomic_add(done_ptr, 1, sem="acq_rel")
-        if arrived == (2 * n_prog - 1 if COUNT else n_prog - 1):
+        if arrived == n_prog - 1:
             tl.store(totals_ptr + experts, tl.zeros([E_PAD], dtype=tl.int32))
             tl.store(done_ptr, 0)
 
