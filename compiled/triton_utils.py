@@ -261,10 +261,15 @@ def chunk_scaled_dots(w, x, s_ptr, rows, row_ok, k0, K, stride_sn, BO, BI, KB: t
     block's scale, so a step takes one scale multiply a run instead of one an element and the
     accumulator is CHUNK times smaller. CHUNK divides the scale block and is what a thread holds of
     a row, so the sums stay in its registers."""
+    return chunk_sums_scaled(w, x, row_block_scales(s_ptr, rows, row_ok, k0, K, stride_sn, BO, BI, KB), KB, CHUNK)
+
+
+@triton.jit
+def chunk_sums_scaled(w, x, s, KB: tl.constexpr, CHUNK: tl.constexpr):
+    """`chunk_scaled_dots` with the tile's scales `s` already loaded (`row_block_scales`)."""
     R: tl.constexpr = w.shape[0]
     RUNS: tl.constexpr = w.shape[1] // CHUNK
     sums = tl.sum(tl.reshape(w.to(tl.float32) * x[None, :], (R, RUNS, CHUNK)), axis=2)
-    s = row_block_scales(s_ptr, rows, row_ok, k0, K, stride_sn, BO, BI, KB)
     if KB == 1:
         out = sums * s[:, None]
     else:

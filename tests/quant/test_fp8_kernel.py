@@ -57,7 +57,9 @@ SKINNY_CASES = [("skinny_gemv_block16x24", 1, None, QuantConfig("fp8", "block", 
                  ("skinny_gemv_split_channel", 1, (2, 64, 3), QuantConfig("compressed-tensors", "channel")),
                  ("skinny_tile_block128", 9, (32, 64, 1), QuantConfig("fp8", "block", (128, 128))),
                  ("skinny_gemv_block16x16", 1, None, QuantConfig("fp8", "block", (16, 16))),     # runs of 16, KB > 1
-                 ("skinny_gemv_split_block8x8", 1, (2, 64, 2), QuantConfig("fp8", "block", (8, 8)))]   # runs of 8
+                 ("skinny_gemv_split_block8x8", 1, (2, 64, 2), QuantConfig("fp8", "block", (8, 8))),   # runs of 8
+                 # four K steps, the last partial, all loaded before the wait (PRELOAD)
+                 ("skinny_gemv_preload_block16x16", 1, (2, 64, 1), QuantConfig("fp8", "block", (16, 16)))]
 
 
 def skinny_case(M: int, config: tuple | None, quant: QuantConfig) -> dict:
