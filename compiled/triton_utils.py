@@ -34,6 +34,11 @@ import compiled.envs as envs
 DEFAULT_NUM_SMS = 132  # an H100 / H200: what the heuristics assume without a CUDA device (the interpreter)
 FP8_GEMV_CHUNK = 16    # FP8 products a GEMV sums before a scale multiply (`gemv_chunk`)
 FP8_DOT_MIN_K = 32     # tl.dot on fp8 operands takes K tiles of 32 or more (Hopper's fp8 MMA)
+# One-row FP8 GEMVs whose K range is at most MAX_PRELOAD steps and PRELOAD_THREAD_BYTES of weight a
+# thread load it all, with its scales, before the PDL wait (`preload_tiles`): a program of an early
+# launch streams its weights while the kernel before it runs (H200, bench/RESULTS.md).
+MAX_PRELOAD = 4
+PRELOAD_THREAD_BYTES = 384
 
 
 # ----------------------------------------------------------------------------- the device
@@ -62,6 +67,14 @@ def gemv_chunk(fp8_mode: int, block_width: int, block_k: int) -> int:
     width and the K step, where a tile takes a scale per row and block (`fp8_mode` 2,
     `quant.dequant.FP8_BLOCKS`); 1 (a scale an element) otherwise."""
     return math.gcd(FP8_GEMV_CHUNK, block_width, block_k) if fp8_mode == 2 else 1
+
+
+def preload_fits(block_n: int, block_k: int, K: int, num_warps: int) -> int:
+    """The K steps of an FP8 GEMV program (`block_n` rows, `block_k` a step) where they fit the
+    preload (`MAX_PRELOAD`, `PRELOAD_THREAD_BYTES`), else 0."""
+    steps = triton.cdiv(K, block_k)
+    fits = steps <= MAX_PRELOAD and block_n * block_k * steps <= PRELOAD_THREAD_BYTES * 32 * num_warps
+    return steps if fits else 0
 
 
 def hopper(device: torch.device) -> bool:
@@ -275,6 +288,62 @@ def chunk_sums_scaled(w, x, s, KB: tl.constexpr, CHUNK: tl.constexpr):
     else:
         out = tl.reshape(tl.reshape(sums, (R, KB, RUNS // KB)) * s[:, :, None], (R, RUNS))
     return out
+
+
+@triton.jit
+def _raw_tile(w_ptrs, s_ptr, rows, row_ok, k0, k_end, K, stride_sn, BO, BI, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr, KB: tl.constexpr):
+    """One FP8 GEMV tile as loaded (float8_e4m3fn) and its row-block scales (`row_block_scales`)."""
+    w = weight_tile(w_ptrs, row_ok, k0 + tl.arange(0, BLOCK_K) < k_end, EVEN_K)
+    return w, row_block_scales(s_ptr, rows, row_ok, k0, K, stride_sn, BO, BI, KB)
+
+
+@triton.jit
+def preload_tiles(w_ptrs, s_ptr, rows, row_ok, k_start, k_end, K, stride_sn, BO, BI, BLOCK_K: tl.constexpr,
+                  EVEN_K: tl.constexpr, KB: tl.constexpr, STEPS: tl.constexpr):
+    """A one-row FP8 GEMV's K range, loaded ahead (`preload_fits`): the STEPS (1 to MAX_PRELOAD)
+    tiles of the weight rows `rows` from k_start (w_ptrs: the first tile's) and their scales
+    (`_raw_tile`), as four (tile, scales) pairs, held as FP8 bytes; those past STEPS repeat the
+    first and are never read. Triton has no list of tensors to loop over."""
+    w0, s0 = _raw_tile(w_ptrs, s_ptr, rows, row_ok, k_start, k_end, K, stride_sn, BO, BI, BLOCK_K, EVEN_K, KB)
+    w1, s1, w2, s2, w3, s3 = w0, s0, w0, s0, w0, s0
+    if STEPS > 1:
+        w1, s1 = _raw_tile(w_ptrs + BLOCK_K, s_ptr, rows, row_ok, k_start + BLOCK_K, k_end, K, stride_sn, BO, BI,
+                           BLOCK_K, EVEN_K, KB)
+    if STEPS > 2:
+        w2, s2 = _raw_tile(w_ptrs + 2 * BLOCK_K, s_ptr, rows, row_ok, k_start + 2 * BLOCK_K, k_end, K, stride_sn, BO,
+                           BI, BLOCK_K, EVEN_K, KB)
+    if STEPS > 3:
+        w3, s3 = _raw_tile(w_ptrs + 3 * BLOCK_K, s_ptr, rows, row_ok, k_start + 3 * BLOCK_K, k_end, K, stride_sn, BO,
+                           BI, BLOCK_K, EVEN_K, KB)
+    return w0, s0, w1, s1, w2, s2, w3, s3
+
+
+@triton.jit
+def preloaded_dots(x_ptr, w0, s0, w1, s1, w2, s2, w3, s3, k_start, k_end, BLOCK_K: tl.constexpr, KB: tl.constexpr,
+                   CHUNK: tl.constexpr, FP8_ASM: tl.constexpr, EVEN_K: tl.constexpr, STEPS: tl.constexpr):
+    """The row at x_ptr times the STEPS tiles `preload_tiles` gave: `[BLOCK_N, BLOCK_K / CHUNK]`,
+    as `chunk_scaled_dots` sums them step by step."""
+    acc = _preloaded_step(x_ptr, w0, s0, k_start, k_end, KB, CHUNK, FP8_ASM, EVEN_K)
+    if STEPS > 1:
+        acc += _preloaded_step(x_ptr, w1, s1, k_start + BLOCK_K, k_end, KB, CHUNK, FP8_ASM, EVEN_K)
+    if STEPS > 2:
+        acc += _preloaded_step(x_ptr, w2, s2, k_start + 2 * BLOCK_K, k_end, KB, CHUNK, FP8_ASM, EVEN_K)
+    if STEPS > 3:
+        acc += _preloaded_step(x_ptr, w3, s3, k_start + 3 * BLOCK_K, k_end, KB, CHUNK, FP8_ASM, EVEN_K)
+    return acc
+
+
+@triton.jit
+def _preloaded_step(x_ptr, w, s, k0, k_end, KB: tl.constexpr, CHUNK: tl.constexpr, FP8_ASM: tl.constexpr,
+                    EVEN_K: tl.constexpr):
+    """One step of `preloaded_dots`: the row's slice from k0 times the tile w."""
+    ks = k0 + tl.arange(0, w.shape[1])
+    if EVEN_K:   # no mask along K: the load stays vectorised
+        x = tl.load(x_ptr + ks)
+    else:
+        x = tl.load(x_ptr + ks, mask=ks < k_end, other=0.0)
+    return chunk_sums_scaled(fp8_f32(w, FP8_ASM), x.to(tl.float32), s, KB, CHUNK)
 
 
 @triton.jit

@@ -32,10 +32,10 @@ import triton.language as tl
 from compiled.linear import SKINNY_MAX_M, max_rows, workspace
 from compiled.linear.lora_kernels import LoRAArgs, add_slice_deltas, fma_delta_apply, fma_delta_operands, token_slots
 from compiled.quant.dequant import WeightScale, kernel_scale
-from compiled.triton_utils import (DEFAULT_NUM_SMS, chunk_scaled_dots, chunk_sums_scaled, fp8_convert_asm, fp8_f32,
-                                   gemv_chunk, interpreter_upcast, launch_kwargs, num_sms, pdl_let_next_in, pdl_wait,
-                                   pdl_wait_only, residual_add, rms_normed, row_block_scales, row_scaled, scaled_tile,
-                                   silu_mul, tile_mask, weight_tile, weighted_rows)
+from compiled.triton_utils import (DEFAULT_NUM_SMS, chunk_scaled_dots, fp8_convert_asm, fp8_f32, gemv_chunk,
+                                   interpreter_upcast, launch_kwargs, num_sms, pdl_let_next_in, pdl_wait, pdl_wait_only,
+                                   preload_fits, preload_tiles, preloaded_dots, residual_add, rms_normed, row_scaled,
+                                   scaled_tile, silu_mul, tile_mask, weight_tile, weighted_rows)
 
 BLOCK_M = max(16, triton.next_power_of_2(SKINNY_MAX_M))  # one tile for every row (tl.dot needs >= 16)
 MIN_BLOCK = 16             # smallest BLOCK_N / BLOCK_K (tl.dot's minimum)
@@ -79,12 +79,6 @@ FP8_GEMV_WIDE_PROGRAMS_PER_SM = 4
 # program an SM: fewer, longer splits than the one-tile rule's (H200 sweep of the 30B's router at
 # 32-64 rows, with and without its norm; bench/RESULTS.md).
 NARROW_BLOCK_K = 256
-# One-row FP8 GEMVs without a prologue or a K split: a program whose K range is at most MAX_PRELOAD
-# steps and PRELOAD_BYTES of weight loads them all, with their scales, before the PDL wait
-# (PRELOAD), so that an early launch streams its weights while the kernel before it runs (the
-# 30B's qkv and o_proj, 16 KB a program; H200, bench/RESULTS.md). Held as FP8 bytes until used.
-MAX_PRELOAD = 4
-PRELOAD_BYTES = 16 * 1024
 
 
 class SkinnyConfig(NamedTuple):
@@ -162,12 +156,11 @@ def gemv_config(N: int, K: int, num_sms: int, weight_bytes: int = 2) -> SkinnyCo
 
 
 def preload_steps(config: SkinnyConfig, M: int, K: int, chunk: int, prologue: bool) -> int:
-    """The kernel's PRELOAD: the K steps of a one-row FP8 GEMV (`chunk` > 1, a byte an element)
-    without a prologue or a K split, where they are at most MAX_PRELOAD and PRELOAD_BYTES in all;
-    else 0 (the K loop)."""
-    steps = triton.cdiv(K, config.block_k)
-    fits = steps <= MAX_PRELOAD and config.block_n * config.block_k * steps <= PRELOAD_BYTES
-    return steps if config.gemv and M == 1 and config.split_k == 1 and chunk > 1 and not prologue and fits else 0
+    """The kernel's PRELOAD: a one-row FP8 GEMV's K steps (`chunk` > 1, a byte an element) without
+    a prologue or a K split, loaded before the PDL wait where they fit (`preload_fits`: the 30B's
+    qkv and o_proj at one row); else 0 (the K loop)."""
+    one_row = config.gemv and M == 1 and config.split_k == 1 and chunk > 1 and not prologue
+    return preload_fits(config.block_n, config.block_k, K, config.num_warps) if one_row else 0
 
 
 def beats_cublas(config: SkinnyConfig, N: int, num_sms: int = DEFAULT_NUM_SMS) -> bool:
@@ -279,61 +272,6 @@ def _gemv_tile(w_ptrs, mask_n, mask_k, EVEN_K: tl.constexpr, FP8_ASM: tl.constex
 
 
 @triton.jit
-def _raw_tile(w_ptrs, WS, offs_n, mask_n, k0, k_end, K, stride_wsn, BO, BI, BLOCK_K: tl.constexpr,
-              EVEN_K: tl.constexpr, KB: tl.constexpr):
-    """One FP8 GEMV tile as loaded (float8_e4m3fn) and its row-block scales (`row_block_scales`)."""
-    w = weight_tile(w_ptrs, mask_n, k0 + tl.arange(0, BLOCK_K) < k_end, EVEN_K)
-    return w, row_block_scales(WS, offs_n, mask_n, k0, K, stride_wsn, BO, BI, KB)
-
-
-@triton.jit
-def _preload(w_ptrs, WS, offs_n, mask_n, k_start, k_end, K, stride_wsn, BO, BI, BLOCK_K: tl.constexpr,
-             EVEN_K: tl.constexpr, KB: tl.constexpr, STEPS: tl.constexpr):
-    """The first STEPS (1 to MAX_PRELOAD) K tiles from k_start and their scales (`_raw_tile`), as
-    four (tile, scales) pairs; those past STEPS repeat the first and are never read."""
-    w0, s0 = _raw_tile(w_ptrs, WS, offs_n, mask_n, k_start, k_end, K, stride_wsn, BO, BI, BLOCK_K, EVEN_K, KB)
-    w1, s1, w2, s2, w3, s3 = w0, s0, w0, s0, w0, s0
-    if STEPS > 1:
-        w1, s1 = _raw_tile(w_ptrs + BLOCK_K, WS, offs_n, mask_n, k_start + BLOCK_K, k_end, K, stride_wsn, BO, BI,
-                           BLOCK_K, EVEN_K, KB)
-    if STEPS > 2:
-        w2, s2 = _raw_tile(w_ptrs + 2 * BLOCK_K, WS, offs_n, mask_n, k_start + 2 * BLOCK_K, k_end, K, stride_wsn, BO,
-                           BI, BLOCK_K, EVEN_K, KB)
-    if STEPS > 3:
-        w3, s3 = _raw_tile(w_ptrs + 3 * BLOCK_K, WS, offs_n, mask_n, k_start + 3 * BLOCK_K, k_end, K, stride_wsn, BO,
-                           BI, BLOCK_K, EVEN_K, KB)
-    return w0, s0, w1, s1, w2, s2, w3, s3
-
-
-@triton.jit
-def _preloaded_dots(X, w0, s0, w1, s1, w2, s2, w3, s3, offs_m, mask_m, k_start, k_end, stride_xm,
-                    BLOCK_K: tl.constexpr, KB: tl.constexpr, CHUNK: tl.constexpr, FP8_ASM: tl.constexpr,
-                    EVEN_K: tl.constexpr, STEPS: tl.constexpr):
-    """One row's GEMV over the STEPS tiles `_preload` gave: `[BLOCK_N, BLOCK_K / CHUNK]`."""
-    acc = _preloaded_step(X, w0, s0, offs_m, mask_m, k_start, k_end, stride_xm, KB, CHUNK, FP8_ASM, EVEN_K)
-    if STEPS > 1:
-        acc += _preloaded_step(X, w1, s1, offs_m, mask_m, k_start + BLOCK_K, k_end, stride_xm, KB, CHUNK, FP8_ASM,
-                               EVEN_K)
-    if STEPS > 2:
-        acc += _preloaded_step(X, w2, s2, offs_m, mask_m, k_start + 2 * BLOCK_K, k_end, stride_xm, KB, CHUNK,
-                               FP8_ASM, EVEN_K)
-    if STEPS > 3:
-        acc += _preloaded_step(X, w3, s3, offs_m, mask_m, k_start + 3 * BLOCK_K, k_end, stride_xm, KB, CHUNK,
-                               FP8_ASM, EVEN_K)
-    return acc
-
-
-@triton.jit
-def _preloaded_step(X, w, s, offs_m, mask_m, k0, k_end, stride_xm, KB: tl.constexpr, CHUNK: tl.constexpr,
-                    FP8_ASM: tl.constexpr, EVEN_K: tl.constexpr):
-    """One step of `_preloaded_dots`: x's slice from k0 times the tile w, its runs of CHUNK
-    products scaled by s (`chunk_sums_scaled`)."""
-    ks = k0 + tl.arange(0, w.shape[1])
-    x = tl.load(X + offs_m[:, None] * stride_xm + ks[None, :], mask=tile_mask(mask_m, ks < k_end, EVEN_K), other=0.0)
-    return chunk_sums_scaled(fp8_f32(w, FP8_ASM), tl.reshape(x.to(tl.float32), (w.shape[1],)), s, KB, CHUNK)
-
-
-@triton.jit
 def _skinny_kernel(
     X, W, Y, Partials, Semaphores, M, N, K, K_PER_SPLIT, stride_xm, stride_wn, stride_ym,
     D, NW, H, NORMED, Sums, eps, NORMED_CHUNK, stride_dm, stride_hm, stride_nm,
@@ -378,7 +316,8 @@ def _skinny_kernel(
     for one row over a scale a row and block (CHUNK > 1, `gemv_chunk`) sums runs of CHUNK
     products before scaling them (`chunk_scaled_dots`); the tensor-core tiles round it for the dot.
     PRELOAD (> 0, that one-row case without prologue or split, PRELOAD K steps in all): every tile
-    and its scales loaded before the wait, held as FP8 bytes, no K loop (`_preload`, `_preloaded_dots`)."""
+    and its scales loaded before the wait, held as FP8 bytes, no K loop (`preload_tiles`,
+    `preloaded_dots`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -397,8 +336,8 @@ def _skinny_kernel(
     if PRELOAD > 0:
         # The program's whole K range, loaded before waiting for the kernel before: a program of an
         # early launch streams its weights while that kernel runs.
-        w0, s0, w1, s1, w2, s2, w3, s3 = _preload(w_ptrs, WS, offs_n, mask_n, k_start, k_end, K, stride_wsn, BO, BI,
-                                                  BLOCK_K, EVEN_K, KB, PRELOAD)
+        w0, s0, w1, s1, w2, s2, w3, s3 = preload_tiles(w_ptrs, WS, offs_n, mask_n, k_start, k_end, K, stride_wsn, BO,
+                                                       BI, BLOCK_K, EVEN_K, KB, PRELOAD)
     elif GEMV:
         # The weights do not depend on the kernel before: the first tile is loaded before waiting
         # for it, and each later one a step ahead. FP8_ASM: carried into the next step as fp32
@@ -433,8 +372,8 @@ def _skinny_kernel(
         if ADD_NORM:
             nw = tl.load(NW + ks, mask=ks < k_end, other=0.0)
     if PRELOAD > 0:
-        acc_k += _preloaded_dots(X, w0, s0, w1, s1, w2, s2, w3, s3, offs_m, mask_m, k_start, k_end, stride_xm,
-                                 BLOCK_K, KB, CHUNK, FP8_ASM, EVEN_K, PRELOAD)
+        acc_k += preloaded_dots(X, w0, s0, w1, s1, w2, s2, w3, s3, k_start, k_end, BLOCK_K, KB, CHUNK, FP8_ASM,
+                                EVEN_K, PRELOAD)   # one row: X is its start
     else:
         for k0 in range(k_start, k_end, BLOCK_K):
             ks = k0 + offs_k

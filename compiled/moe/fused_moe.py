@@ -37,7 +37,7 @@ from compiled.moe.tuned_configs import SWAP_KEY, get_config, get_gemv_tiles, spl
 from compiled.quant.act_quant import QuantizedRows, quant_grid, quantize_per_token_group, row_quantizable
 from compiled.quant.dequant import FP8_BLOCKS, FP8_W8A8, FP8_W8A8_TILE, fit_block_k, kernel_scale, resolve_block
 from compiled.triton_utils import (FP8_DOT_MIN_K, fp8_convert_asm, fp8_dot_fits, gemv_chunk, interpreting,
-                                   launch_kwargs, row_warps, tma_descriptor)
+                                   launch_kwargs, preload_fits, row_warps, tma_descriptor)
 
 # Where a tuned entry does not name its mode: FP8 experts at this many tokens or more run the
 # grouped GEMMs W8A8 (activations quantized to FP8 per token and scale block, fp8 x fp8 dots on
@@ -531,20 +531,24 @@ def _plan(x, topk_weights, topk_ids, w13, w2, ws: MoEWorkspace, out: torch.Tenso
 
 
 def _launch_gemv(call: MoECall, tiles: dict) -> None:
-    """One token: y `[k, H]` <- its k weighted expert outputs, through the intermediate `[k, I]`."""
+    """One token: y `[k, H]` <- its k weighted expert outputs, through the intermediate `[k, I]`.
+    Where the down GEMV's FP8 K range fits the preload (`preload_fits`), it reads it before its
+    wait, the up GEMV letting it in once the ids are written."""
     from compiled.moe import gemv_kernels as G
     x, w13, w2 = call.x, call.w13, call.w2
     H, I = w2.shape[1], w2.shape[2]
     k = call.ids.numel()
     ids = call.ids.reshape(-1)
     inter = call.inter(k)
-    up, down = tiles["up"], tiles["down"]
+    up, down = _gemv_kwargs(call.scales, "w13", w13, tiles["up"]), _gemv_kwargs(call.scales, "w2", w2, tiles["down"])
+    pdl = launch_kwargs(x.device)
+    preload = preload_fits(down["BLOCK_N"], down["BLOCK_K"], I, down["num_warps"]) if down["CHUNK"] > 1 else 0
     G.moe_gemv_up_kernel[(k * triton.cdiv(I, up["BLOCK_N"]),)](
         x, w13, ids, inter, I, H, w13.stride(0), w13.stride(1), inter.stride(0), EVEN_K=H % up["BLOCK_K"] == 0,
-        **_gemv_kwargs(call.scales, "w13", w13, up), **launch_kwargs(x.device))
+        LET_IN_AFTER_WAIT=preload > 0, **up, **pdl)
     G.moe_gemv_down_kernel[(k * triton.cdiv(H, down["BLOCK_N"]),)](
         inter, w2, ids, call.weights, call.y, H, I, inter.stride(0), w2.stride(0), w2.stride(1), call.y.stride(0),
-        EVEN_K=I % down["BLOCK_K"] == 0, **_gemv_kwargs(call.scales, "w2", w2, down), **launch_kwargs(x.device))
+        EVEN_K=I % down["BLOCK_K"] == 0, PRELOAD=preload, **down, **pdl)
 
 
 def _gemv_kwargs(scales: ExpertScales | None, name: str, w: torch.Tensor, tile: dict) -> dict:

@@ -9,7 +9,10 @@ reduced along K once after the loop:
 * `moe_gemv_up_kernel`: silu(gate) * up for BLOCK_N intermediate columns of pair p (its gate and
   up rows of `w13[e]`), into row p of the intermediate `[k, I]`;
 * `moe_gemv_down_kernel`: weight[p] * (inter[p] . w2[e]) for BLOCK_N output columns, into row p
-  of `y [k, H]`, for the top-k sum after it (`moe_sum_kernel` or the next norm's kernel).
+  of `y [k, H]`, for the top-k sum after it (`moe_sum_kernel` or the next norm's kernel). Where
+  its FP8 K range fits (`triton_utils.preload_fits`) it reads its pair's id and that range before
+  the PDL wait, so its weights stream while the up GEMV runs; the up GEMV then lets it in only
+  after its own wait, when the routing that wrote the ids has finished.
 
 Each rounds its outputs where the tile kernels (`fused_moe_kernels._up_tile`, `_down_tile`) do,
 so over 16-bit experts the results differ from theirs only in the order of the fp32 sums. The
@@ -27,7 +30,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from compiled.triton_utils import chunk_scaled_dots, fp8_f32, pdl_wait, row_scaled, scaled_tile, weight_tile
+from compiled.triton_utils import (chunk_scaled_dots, fp8_f32, pdl_let_next_in, pdl_wait, pdl_wait_only, preload_tiles,
+                                   preloaded_dots, row_scaled, scaled_tile, weight_tile)
 
 
 @triton.jit
@@ -98,9 +102,15 @@ def moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_w
                        S, stride_se, stride_sn, BO, BI,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
                        KB: tl.constexpr, PDL: tl.constexpr, STAGES: tl.constexpr, CHUNK: tl.constexpr,
-                       FP8_ASM: tl.constexpr):
-    """out[p, n] = silu(x . w[e, n]) * (x . w[e, N + n]), e = ids[p], for the token x `[K]`."""
-    pdl_wait(PDL)
+                       FP8_ASM: tl.constexpr, LET_IN_AFTER_WAIT: tl.constexpr = False):
+    """out[p, n] = silu(x . w[e, n]) * (x . w[e, N + n]), e = ids[p], for the token x `[K]`.
+    LET_IN_AFTER_WAIT: the down GEMV after it is let in once the ids are written (the routing
+    before has finished), for it to read them, and its weights, before its own wait."""
+    if LET_IN_AFTER_WAIT:
+        pdl_wait_only(PDL)
+        pdl_let_next_in(PDL)
+    else:
+        pdl_wait(PDL)
     pair, offs_n, n_ok, read, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
     w_e = w_ptr + expert * stride_we
     gate, up = _rows_dot(x_ptr, w_e, rows, read, K, stride_wn, N, S + expert * stride_se, stride_sn, BO, BI,
@@ -117,13 +127,25 @@ def moe_gemv_up_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, stride_we, stride_w
 def moe_gemv_down_kernel(a_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, N, K, stride_am, stride_we, stride_wn,
                          stride_om, S, stride_se, stride_sn, BO, BI, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          EVEN_K: tl.constexpr, FP8: tl.constexpr, KB: tl.constexpr, PDL: tl.constexpr,
-                         STAGES: tl.constexpr, CHUNK: tl.constexpr, FP8_ASM: tl.constexpr):
-    """out[p, n] = weight[p] * (a[p] . w[e, n]), e = ids[p]."""
-    pdl_wait(PDL)
-    pair, offs_n, n_ok, read, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
-    acc, _ = _rows_dot(a_ptr + pair * stride_am, w_ptr + expert * stride_we, rows, read, K, stride_wn, 0,
-                       S + expert * stride_se, stride_sn, BO, BI, BLOCK_N, BLOCK_K, EVEN_K, False, FP8, KB, STAGES,
-                       CHUNK, FP8_ASM)
+                         STAGES: tl.constexpr, CHUNK: tl.constexpr, FP8_ASM: tl.constexpr, PRELOAD: tl.constexpr = 0):
+    """out[p, n] = weight[p] * (a[p] . w[e, n]), e = ids[p]. PRELOAD (> 0: FP8 runs of products
+    over PRELOAD K steps, `preload_fits`, the up GEMV before letting it in after its wait): the
+    ids, every weight tile and its scales read before the wait, so that the program streams its
+    expert's weights while the up GEMV runs."""
+    if PRELOAD > 0:
+        pair, offs_n, n_ok, read, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
+        w_ptrs = w_ptr + expert * stride_we + rows[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
+        w0, s0, w1, s1, w2, s2, w3, s3 = preload_tiles(w_ptrs, S + expert * stride_se, rows, read, 0, K, K, stride_sn,
+                                                       BO, BI, BLOCK_K, EVEN_K, KB, PRELOAD)
+        pdl_wait(PDL)
+        acc = tl.sum(preloaded_dots(a_ptr + pair * stride_am, w0, s0, w1, s1, w2, s2, w3, s3, 0, K, BLOCK_K, KB, CHUNK,
+                                    FP8_ASM, EVEN_K, PRELOAD), axis=1)
+    else:
+        pdl_wait(PDL)
+        pair, offs_n, n_ok, read, rows, expert = _pair_block(ids_ptr, N, BLOCK_N)
+        acc, _ = _rows_dot(a_ptr + pair * stride_am, w_ptr + expert * stride_we, rows, read, K, stride_wn, 0,
+                           S + expert * stride_se, stride_sn, BO, BI, BLOCK_N, BLOCK_K, EVEN_K, False, FP8, KB, STAGES,
+                           CHUNK, FP8_ASM)
     dt = out_ptr.dtype.element_ty
     w = tl.load(weights_ptr + pair).to(dt).to(tl.float32)
     tl.store(out_ptr + pair * stride_om + offs_n, (acc.to(dt).to(tl.float32) * w).to(dt), mask=n_ok)

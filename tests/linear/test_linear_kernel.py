@@ -289,8 +289,8 @@ def test_a_narrow_weight_past_one_tile_splits_k_to_about_a_program_an_sm(m, spli
 
 def test_one_row_fp8_gemvs_without_a_prologue_or_split_load_their_whole_k_range_first():
     """The 30B's FP8 qkv and o_proj at one row: every K step before the PDL wait (4 each, 16 KB a
-    program); not with a prologue, a K split, more rows, bf16 weights (no runs of products) or
-    tiles past PRELOAD_BYTES."""
+    program); not with a prologue, a K split, more rows, bf16 weights (no runs of
+    products) or more than PRELOAD_THREAD_BYTES a thread (16 KB over one warp)."""
     from compiled.linear import skinny_kernels as lk
     for n, k in ((5120, 2048), (2048, 4096)):
         cfg = lk.skinny_config(1, n, k, 132, weight_bytes=1)
@@ -298,7 +298,8 @@ def test_one_row_fp8_gemvs_without_a_prologue_or_split_load_their_whole_k_range_
         assert lk.preload_steps(cfg, 1, k, 16, True) == 0
         assert lk.preload_steps(cfg, 1, k, 1, False) == 0
         assert lk.preload_steps(cfg._replace(split_k=2), 1, k, 16, False) == 0
-        assert lk.preload_steps(cfg._replace(block_n=2 * cfg.block_n), 1, k, 16, False) == 0
+        assert cfg.block_n * k == 16 * 1024
+        assert lk.preload_steps(cfg._replace(num_warps=1), 1, k, 16, False) == 0
     cfg = lk.SkinnyConfig(2, 64, 1, gemv=True)
     assert lk.preload_steps(cfg, 1, 200, 16, False) == 4 and lk.preload_steps(cfg, 1, 300, 16, False) == 0
     assert lk.preload_steps(cfg, 2, 200, 16, False) == 0

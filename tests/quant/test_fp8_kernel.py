@@ -203,6 +203,33 @@ MOE_CASES = [("moe_gemv_block16x24", 1, QuantConfig("fp8", "block", (16, 24)), t
              ("moe_lora_gemv_block16x24", 1, QuantConfig("fp8", "block", (16, 24)), torch.float32, True)]
 
 
+# the one-token down GEMV's 3 K steps (the last partial), 2 scale blocks each, all read before its
+# wait (PRELOAD), the up GEMV letting it in after its own
+GEMV_PRELOAD_CASES = [("moe_gemv_preload_block16x8", QuantConfig("fp8", "block", (16, 8)))]
+
+
+def gemv_preload_case(quant: QuantConfig) -> dict:
+    """The one-token GEMVs with the down GEMV's K range preloaded against the torch reference over
+    the dequantized experts."""
+    from compiled.moe import fused_moe as fm
+    from compiled.triton_utils import preload_fits
+    E, H, I, k = 4, 48, 40, 3
+    tiles = dict(up=dict(BLOCK_N=8, BLOCK_K=32, num_warps=1), down=dict(BLOCK_N=16, BLOCK_K=16, num_warps=1))
+    g = torch.Generator().manual_seed(H * I)
+    x = torch.randn(1, H, generator=g)
+    topk_weights, topk_ids = _routing(g, 1, E, k)
+    q13, s13, q2, s2, block = _fp8_experts(g, E, H, I, quant)
+    got = fm.fused_moe_triton(x, topk_weights, topk_ids, q13, q2, gemv_tiles=tiles,
+                              scales=fm.ExpertScales(s13, s2, block))
+    fm.BACKEND.set("torch")
+    want = torch.ops.compiled.fused_moe(x, topk_weights, topk_ids, dequantize_blocks(q13, s13, block, torch.float32),
+                                        dequantize_blocks(q2, s2, block, torch.float32))
+    fm.BACKEND.set("triton")
+    top = want.abs().max().item()
+    return dict(err=(got - want).abs().max().item() / top, tol=1e-5, scale=top,
+                preloaded=preload_fits(16, 16, I, 1) == 3)
+
+
 def _stacked_fp8(w: torch.Tensor, quant: QuantConfig) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     rows, cols = w.shape[1:]
     bo, bi = resolve_block(list(quant.op_block), rows, cols)
@@ -573,7 +600,7 @@ def interpreted():
     return run_interpreted(__file__)
 
 
-ALL_CASES = (CASES + SKINNY_CASES + LORA_CASES + MOE_CASES + RANGE_CASES + LINEAR_RANGE_CASES + DEQUANT_CASES
+ALL_CASES = (CASES + SKINNY_CASES + LORA_CASES + MOE_CASES + GEMV_PRELOAD_CASES + RANGE_CASES + LINEAR_RANGE_CASES + DEQUANT_CASES
              + ACT_QUANT_CASES + W8A8_CASES + W8A8_LORA_CASES + LORA_EPILOGUE_CASES)
 
 
@@ -585,7 +612,7 @@ def test_interpreted_kernel_matches_its_reference(interpreted, name):
     r = interpreted[name]
     assert r["err"] <= r["tol"] and r.get("scale", 1.0) > 0.1 and r.get("zero_group", True), r
     assert "delta" not in r or r["delta"] > 10 * r["tol"], r   # the LoRA deltas weigh in (W8A8 with LoRA)
-    assert r.get("live_rows", True) and r.get("expand_as_asked", True), r
+    assert r.get("live_rows", True) and r.get("expand_as_asked", True) and r.get("preloaded", True), r
     assert r.get("shape") == r.get("want_shape") and r.get("loose_err", 0.0) <= r.get("loose_tol", 0.0), r
 
 
@@ -800,6 +827,7 @@ if __name__ == "__main__":   # run by the fixture above under TRITON_INTERPRET=1
     os.environ.setdefault("COMPILED_LINEAR_BACKEND", "auto")
     results = {name: kernel_case(M, N, K, quant) for name, M, N, K, quant in CASES}
     results.update({name: moe_case(T, quant, dtype, lora) for name, T, quant, dtype, lora in MOE_CASES})
+    results.update({name: gemv_preload_case(quant) for name, quant in GEMV_PRELOAD_CASES})
     results.update({name: moe_range_case(scales) for name, scales in RANGE_CASES})
     results.update({name: linear_range_case(scales) for name, scales in LINEAR_RANGE_CASES})
     results.update({name: skinny_case(M, config, quant) for name, M, config, quant in SKINNY_CASES})
