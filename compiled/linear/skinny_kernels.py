@@ -62,6 +62,9 @@ PROLOGUE_MAX_STEPS = 4
 # the tiles.
 GEMV_BLOCK_N = 2
 GEMV_MAX_BLOCK_K = 1024
+# A GEMV of one column a program and no split (the router) takes K steps up to this: the 30B's
+# router row is one step, which the kernel loads before its PDL wait (H200, bench/RESULTS.md).
+NARROW_GEMV_MAX_BLOCK_K = 2048
 GEMV_NUM_WARPS = 4
 GEMV_MAX_M = 1             # rows the heuristic gives the mode (it serves up to SKINNY_MAX_M: a forced config)
 # The GEMV tiles of an FP8 weight (one byte an element: a tile of the same shape is half the
@@ -138,8 +141,9 @@ def narrow_config(M: int, N: int, K: int, num_sms: int, prologue: bool) -> Skinn
 def gemv_config(N: int, K: int, num_sms: int, weight_bytes: int = 2) -> SkinnyConfig:
     """GEMV_BLOCK_N columns a program, or one where that grid is short of half the SMs; a grid
     still short splits K (a power of two, up to one program per SM, each split at least
-    MIN_K_PER_SPLIT long); K steps up to GEMV_MAX_BLOCK_K. An FP8 weight (`weight_bytes` 1)
-    takes the FP8_GEMV_ constants instead, the wide tiles where N fills the SMs with them."""
+    MIN_K_PER_SPLIT long); K steps up to GEMV_MAX_BLOCK_K (NARROW_GEMV_MAX_BLOCK_K for one column
+    a program unsplit). An FP8 weight (`weight_bytes` 1) takes the FP8_GEMV_ constants instead,
+    the wide tiles where N fills the SMs with them."""
     if weight_bytes == 1 and triton.cdiv(N, FP8_GEMV_WIDE_N) >= FP8_GEMV_WIDE_PROGRAMS_PER_SM * num_sms:
         block_k = min(FP8_GEMV_WIDE_BLOCK_K, max(MIN_BLOCK, triton.next_power_of_2(K)))
         return SkinnyConfig(FP8_GEMV_WIDE_N, block_k, 1, FP8_GEMV_WIDE_WARPS, num_stages=1, gemv=True)
@@ -151,6 +155,8 @@ def gemv_config(N: int, K: int, num_sms: int, weight_bytes: int = 2) -> SkinnyCo
     if blocks < num_sms // 2:
         while 2 * split <= MAX_SPLIT_K and K // (2 * split) >= MIN_K_PER_SPLIT and blocks * 2 * split <= num_sms:
             split *= 2
+    if block_n == 1 and split == 1:   # the router: its row in one step, loaded before the PDL wait
+        max_block_k = max(max_block_k, NARROW_GEMV_MAX_BLOCK_K)
     block_k = min(max_block_k, max(MIN_BLOCK, triton.next_power_of_2(triton.cdiv(K, split))))
     return SkinnyConfig(block_n, block_k, split, GEMV_NUM_WARPS, num_stages=1, gemv=True)
 

@@ -267,8 +267,11 @@ def test_one_row_takes_the_gemv_mode(n, k):
     blocks = -(-n // cfg.block_n)
     assert (cfg.split_k > 1) == (blocks < 66) and blocks * cfg.split_k >= 66
     assert blocks * cfg.split_k <= 132 or cfg.split_k == 1
-    assert cfg.block_k <= lk.GEMV_MAX_BLOCK_K and k // cfg.split_k >= lk.MIN_K_PER_SPLIT
+    longest = lk.NARROW_GEMV_MAX_BLOCK_K if cfg.block_n == 1 and cfg.split_k == 1 else lk.GEMV_MAX_BLOCK_K
+    assert cfg.block_k <= longest and k // cfg.split_k >= lk.MIN_K_PER_SPLIT
     assert lk.skinny_config(1, n, k, 132, lk.PROLOGUE_MAX_STEPS) == cfg
+    if n == 128 and k == 2048:   # the 30B's router: its row in one step
+        assert cfg == lk.SkinnyConfig(1, 2048, 1, lk.GEMV_NUM_WARPS, 1, gemv=True)
 
 
 @pytest.mark.parametrize("m,split,split_bare", [(17, 8, 8), (32, 8, 8), (33, 4, 8), (48, 4, 8), (64, 4, 8)])
