@@ -9,8 +9,10 @@ previous kernel of the stream is still running, once all of that kernel's progra
 and called `gdc_launch_dependents`. Each such kernel here begins with `pdl_wait`: it lets the next
 kernel launch, then waits (`gdc_wait`) until the previous one has finished and its writes are
 visible, and only then writes anything or reads what a kernel of the step may have written: the
-weights (the skinny GEMV's first tile) and what the host uploads before the step (decode
-attention's lengths and slots) may be read before the wait. A kernel that does not take part
+weights (`preload_tiles`, the skinny GEMV's first tile) and what the host uploads before the step
+(decode attention's lengths and slots) may be read before the wait, and what a kernel two back
+wrote where the one between lets the next in only after its own wait (the one-token MoE down
+GEMV reading the routing's expert ids). A kernel that does not take part
 (cuBLAS, Inductor's) serialises as usual, before and after, and so ends any early start.
 (Prefetching the next weights into L2 before the wait measured slower, per cache line and as bulk
 TMA prefetches, and so did prefetching them from the decode attention's grid while DRAM idles;
