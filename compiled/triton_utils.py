@@ -340,12 +340,19 @@ def preloaded_dots(x_ptr, w0, s0, w1, s1, w2, s2, w3, s3, k_start, k_end, BLOCK_
 def _preloaded_step(x_ptr, w, s, k0, k_end, KB: tl.constexpr, CHUNK: tl.constexpr, FP8_ASM: tl.constexpr,
                     EVEN_K: tl.constexpr):
     """One step of `preloaded_dots`: the row's slice from k0 times the tile w."""
-    ks = k0 + tl.arange(0, w.shape[1])
-    if EVEN_K:   # no mask along K: the load stays vectorised
+    x = row_slice(x_ptr, k0 + tl.arange(0, w.shape[1]), k_end, EVEN_K)
+    return chunk_sums_scaled(fp8_f32(w, FP8_ASM), x, s, KB, CHUNK)
+
+
+@triton.jit
+def row_slice(x_ptr, ks, k_end, EVEN_K: tl.constexpr):
+    """A row's elements ks (those from k_end on read as 0), fp32; EVEN_K: no mask along K, which
+    keeps the load vectorised."""
+    if EVEN_K:
         x = tl.load(x_ptr + ks)
     else:
         x = tl.load(x_ptr + ks, mask=ks < k_end, other=0.0)
-    return chunk_sums_scaled(fp8_f32(w, FP8_ASM), x.to(tl.float32), s, KB, CHUNK)
+    return x.to(tl.float32)
 
 
 @triton.jit

@@ -540,7 +540,8 @@ def _launch_gemv(call: MoECall, tiles: dict) -> None:
     k = call.ids.numel()
     ids = call.ids.reshape(-1)
     inter = call.inter(k)
-    up, down = _gemv_kwargs(call.scales, "w13", w13, tiles["up"]), _gemv_kwargs(call.scales, "w2", w2, tiles["down"])
+    up = _gemv_kwargs(call.scales, "w13", w13, tiles["up"])
+    down = _gemv_kwargs(call.scales, "w2", w2, tiles["down"])
     pdl = launch_kwargs(x.device)
     preload = preload_fits(down["BLOCK_N"], down["BLOCK_K"], I, down["num_warps"]) if down["CHUNK"] > 1 else 0
     G.moe_gemv_up_kernel[(k * triton.cdiv(I, up["BLOCK_N"]),)](

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from compiled.triton_utils import (chunk_scaled_dots, fp8_f32, pdl_let_next_in, pdl_wait, pdl_wait_only, preload_tiles,
-                                   preloaded_dots, row_scaled, scaled_tile, weight_tile)
+                                   preloaded_dots, row_scaled, row_slice, scaled_tile, weight_tile)
 
 
 @triton.jit
@@ -50,11 +50,7 @@ def _rows_dot(a_ptr, w_ptr, rows, row_ok, K, stride_wn, second, s_ptr, stride_sn
     acc2 = tl.zeros([BLOCK_N, BLOCK_K // CHUNK], dtype=tl.float32)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         k_ok = k0 + offs_k < K
-        if EVEN_K:   # no mask along K: the loads stay vectorised
-            a = tl.load(a_ptr + k0 + offs_k)
-        else:
-            a = tl.load(a_ptr + k0 + offs_k, mask=k_ok, other=0.0)
-        a = a.to(tl.float32)
+        a = row_slice(a_ptr, k0 + offs_k, K, EVEN_K)
         acc += _rows_step(w_ptrs, a, rows, row_ok, k_ok, k0, K, s_ptr, stride_sn, BO, BI, EVEN_K, FP8, KB, CHUNK,
                           FP8_ASM)
         if PAIRED:

@@ -226,8 +226,9 @@ def gemv_preload_case(quant: QuantConfig) -> dict:
                                         dequantize_blocks(q2, s2, block, torch.float32))
     fm.BACKEND.set("triton")
     top = want.abs().max().item()
+    down = tiles["down"]
     return dict(err=(got - want).abs().max().item() / top, tol=1e-5, scale=top,
-                preloaded=preload_fits(16, 16, I, 1) == 3)
+                preloaded=preload_fits(down["BLOCK_N"], down["BLOCK_K"], I, down["num_warps"]) == 3)
 
 
 def _stacked_fp8(w: torch.Tensor, quant: QuantConfig) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -600,8 +601,8 @@ def interpreted():
     return run_interpreted(__file__)
 
 
-ALL_CASES = (CASES + SKINNY_CASES + LORA_CASES + MOE_CASES + GEMV_PRELOAD_CASES + RANGE_CASES + LINEAR_RANGE_CASES + DEQUANT_CASES
-             + ACT_QUANT_CASES + W8A8_CASES + W8A8_LORA_CASES + LORA_EPILOGUE_CASES)
+ALL_CASES = (CASES + SKINNY_CASES + LORA_CASES + MOE_CASES + GEMV_PRELOAD_CASES + RANGE_CASES + LINEAR_RANGE_CASES
+             + DEQUANT_CASES + ACT_QUANT_CASES + W8A8_CASES + W8A8_LORA_CASES + LORA_EPILOGUE_CASES)
 
 
 @pytest.mark.parametrize("name", [c[0] for c in ALL_CASES])
